@@ -1,0 +1,199 @@
+//! The `#[module(...)]` attribute grammar.
+
+use proc_macro2::Span;
+use syn::meta::ParseNestedMeta;
+use syn::spanned::Spanned;
+
+use crate::ctxt::Ctxt;
+
+const MODULE: &str = "module";
+const CRATE: &str = "crate";
+const BOUND: &str = "bound";
+const SKIP: &str = "skip";
+const RENAME: &str = "rename";
+const FLATTEN: &str = "flatten";
+
+/// A value set at most once, remembering where.
+struct Attr<T> {
+    name: &'static str,
+    value: Option<(Span, T)>,
+}
+
+impl<T> Attr<T> {
+    fn none(name: &'static str) -> Self {
+        Self { name, value: None }
+    }
+
+    fn set(&mut self, cx: &Ctxt, span: Span, value: T) {
+        if self.value.is_some() {
+            cx.syn_error(syn::Error::new(
+                span,
+                format!("duplicate `{}` in `#[module(...)]`", self.name),
+            ));
+        } else {
+            self.value = Some((span, value));
+        }
+    }
+
+    fn get(self) -> Option<(Span, T)> {
+        self.value
+    }
+}
+
+/// Attributes on the struct or enum.
+pub struct Container {
+    /// `crate = path`: where the runtime is (default `::module_runtime`).
+    pub krate: Option<syn::Path>,
+    /// `bound = "T: Module, ..."`: replaces the inferred bounds.
+    pub bound: Option<Vec<syn::WherePredicate>>,
+}
+
+impl Container {
+    pub fn from_ast(cx: &Ctxt, attrs: &[syn::Attribute]) -> Self {
+        let mut krate = Attr::none(CRATE);
+        let mut bound = Attr::none(BOUND);
+        for attr in module_attrs(attrs) {
+            let result = attr.parse_nested_meta(|meta| {
+                let span = meta.path.span();
+                if meta.path.is_ident(CRATE) {
+                    let path: syn::Path = meta.value()?.parse()?;
+                    krate.set(cx, span, path);
+                } else if meta.path.is_ident(BOUND) {
+                    let lit: syn::LitStr = meta.value()?.parse()?;
+                    match parse_bound(&lit) {
+                        Ok(predicates) => bound.set(cx, span, predicates),
+                        Err(e) => cx.syn_error(e),
+                    }
+                } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(format!(
+                        "`{}` belongs on a field, not on the type",
+                        path_name(&meta)
+                    )));
+                } else {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(format!(
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate` or `bound`",
+                        path_name(&meta)
+                    )));
+                }
+                Ok(())
+            });
+            if let Err(e) = result {
+                cx.syn_error(e);
+            }
+        }
+        Self {
+            krate: krate.get().map(|(_, p)| p),
+            bound: bound.get().map(|(_, b)| b),
+        }
+    }
+}
+
+fn parse_bound(lit: &syn::LitStr) -> syn::Result<Vec<syn::WherePredicate>> {
+    let parser =
+        syn::punctuated::Punctuated::<syn::WherePredicate, syn::Token![,]>::parse_terminated;
+    syn::parse::Parser::parse_str(parser, &lit.value())
+        .map(|p| p.into_iter().collect())
+        .map_err(|e| {
+            syn::Error::new(
+                lit.span(),
+                format!("malformed `bound`: {e}; expected where-clause predicates such as \"T: Module\""),
+            )
+        })
+}
+
+/// Attributes on a field.
+pub struct Field {
+    /// `skip`: not part of the module (configuration, caches).
+    pub skip: Option<Span>,
+    /// `rename = "LayerNorm"`: the field's name in paths and checkpoints.
+    pub rename: Option<(Span, String)>,
+    /// `flatten`: the field's children appear at this level.
+    pub flatten: Option<Span>,
+}
+
+impl Field {
+    pub fn from_ast(cx: &Ctxt, attrs: &[syn::Attribute]) -> Self {
+        let mut skip = Attr::none(SKIP);
+        let mut rename = Attr::none(RENAME);
+        let mut flatten = Attr::none(FLATTEN);
+        for attr in module_attrs(attrs) {
+            let result = attr.parse_nested_meta(|meta| {
+                let span = meta.path.span();
+                if meta.path.is_ident(SKIP) {
+                    skip.set(cx, span, ());
+                } else if meta.path.is_ident(FLATTEN) {
+                    flatten.set(cx, span, ());
+                } else if meta.path.is_ident(RENAME) {
+                    let lit: syn::LitStr = meta.value()?.parse()?;
+                    let name = lit.value();
+                    if name.is_empty() || name.contains('.') {
+                        cx.error_spanned_by(
+                            &lit,
+                            "a `rename` must be one non-empty path segment (no `.`)",
+                        );
+                    }
+                    rename.set(cx, span, (lit.span(), name));
+                } else if is_any(&meta, &[CRATE, BOUND]) {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(format!(
+                        "`{}` belongs on the type, not on a field",
+                        path_name(&meta)
+                    )));
+                } else {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(format!(
+                        "unknown `#[module(...)]` key `{}` on a field: expected `skip`, `rename = \"...\"` or `flatten`",
+                        path_name(&meta)
+                    )));
+                }
+                Ok(())
+            });
+            if let Err(e) = result {
+                cx.syn_error(e);
+            }
+        }
+        Self {
+            skip: skip.get().map(|(s, ())| s),
+            rename: rename.get().map(|(_, r)| r),
+            flatten: flatten.get().map(|(s, ())| s),
+        }
+    }
+}
+
+/// Enum variants take no attributes: reports any.
+pub fn reject_variant_attrs(cx: &Ctxt, attrs: &[syn::Attribute]) {
+    for attr in module_attrs(attrs) {
+        cx.error_spanned_by(
+            attr,
+            "`#[module(...)]` is not supported on enum variants; put attributes on their fields",
+        );
+    }
+}
+
+fn module_attrs(attrs: &[syn::Attribute]) -> impl Iterator<Item = &syn::Attribute> {
+    attrs.iter().filter(|a| a.path().is_ident(MODULE))
+}
+
+fn is_any(meta: &ParseNestedMeta, names: &[&str]) -> bool {
+    names.iter().any(|n| meta.path.is_ident(n))
+}
+
+fn path_name(meta: &ParseNestedMeta) -> String {
+    let path = &meta.path;
+    quote::quote!(#path).to_string().replace(' ', "")
+}
+
+/// Consumes `= value` or `(...)` after an unknown key, so the rest of the list still parses.
+fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
+    if meta.input.peek(syn::Token![=]) {
+        let _: proc_macro2::TokenStream = meta
+            .value()?
+            .parse::<syn::Expr>()
+            .map(|e| quote::quote!(#e))?;
+    } else if meta.input.peek(syn::token::Paren) {
+        meta.parse_nested_meta(|inner| skip_value(&inner))?;
+    }
+    Ok(())
+}

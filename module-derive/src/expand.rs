@@ -1,0 +1,237 @@
+//! Code generation: `visit_children`, `visit_children_mut`, and for enums `as_child`.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use crate::ast::{Data, Field, Input, Style, Variant};
+use crate::ctxt::Ctxt;
+use crate::{bound, check};
+
+pub fn derive(input: &syn::DeriveInput) -> TokenStream {
+    let cx = Ctxt::new();
+    let parsed = crate::ast::Input::from_ast(&cx, input);
+    if let Some(parsed) = &parsed {
+        check::check(&cx, parsed);
+    }
+    match (cx.check(), parsed) {
+        (Ok(()), Some(parsed)) => expand(&parsed),
+        (Err(errors), parsed) => {
+            let krate = parsed
+                .as_ref()
+                .and_then(|p| p.attrs.krate.clone())
+                .unwrap_or_else(default_crate);
+            let stub = fallback(input, &krate);
+            let errors = errors.to_compile_error();
+            quote!(#errors #stub)
+        }
+        (Ok(()), None) => unreachable!("an input that could not be read always records an error"),
+    }
+}
+
+fn default_crate() -> syn::Path {
+    syn::parse_quote!(::module_runtime)
+}
+
+fn expand(input: &Input) -> TokenStream {
+    let krate = input.attrs.krate.clone().unwrap_or_else(default_crate);
+    let ident = input.ident;
+    let generics = bound::with_bounds(input, &krate);
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+
+    let (visit, visit_mut, as_child) = match &input.data {
+        Data::Struct(fields) => {
+            let visit = fields.iter().map(|f| {
+                let member = &f.member;
+                visit_field(f, &krate, quote!(&self.#member), false)
+            });
+            let visit_mut = fields.iter().map(|f| {
+                let member = &f.member;
+                visit_field(f, &krate, quote!(&mut self.#member), true)
+            });
+            (
+                quote!(#(#visit)*),
+                quote!(#(#visit_mut)*),
+                TokenStream::new(),
+            )
+        }
+        Data::Enum(variants) => expand_enum(variants, &krate),
+    };
+
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::Module for #ident #ty_generics #where_clause {
+            fn visit_children<'__module>(
+                &'__module self,
+                __f: &mut dyn ::core::ops::FnMut(#krate::Name<'_>, #krate::Child<'__module>),
+            ) {
+                #visit
+            }
+
+            fn visit_children_mut<'__module>(
+                &'__module mut self,
+                __f: &mut dyn ::core::ops::FnMut(#krate::Name<'_>, #krate::ChildMut<'__module>),
+            ) {
+                #visit_mut
+            }
+
+            #as_child
+        }
+    }
+}
+
+/// One field's part of the walk. The trait is named through the field's type, spanned at it, so a
+/// type that is not a module gets one error, pointing at that type.
+fn visit_field(field: &Field, krate: &syn::Path, place: TokenStream, mutable: bool) -> TokenStream {
+    if field.attrs.skip.is_some() {
+        return TokenStream::new();
+    }
+    let ty = field.ty;
+    let span = ty.span();
+    if field.attrs.flatten.is_some() {
+        let method = if mutable {
+            quote!(visit_children_mut)
+        } else {
+            quote!(visit_children)
+        };
+        return quote_spanned!(span=> <#ty as #krate::Module>::#method(#place, __f););
+    }
+    let name = match (&field.attrs.rename, &field.member) {
+        (None, syn::Member::Unnamed(index)) => {
+            let index = index.index as usize;
+            quote!(#krate::Name::Index(#index))
+        }
+        _ => {
+            let name = field.path_name();
+            quote!(#krate::Name::Field(#name))
+        }
+    };
+    let method = if mutable {
+        quote!(as_child_mut)
+    } else {
+        quote!(as_child)
+    };
+    let child = quote_spanned!(span=> <#ty as #krate::Module>::#method(#place));
+    quote!(__f(#name, #child);)
+}
+
+/// Enums: a variant's fields are the children (the variant name is not a path segment, so a
+/// checkpoint's names do not depend on which variant is built). A variant with exactly one
+/// unnamed field is transparent: the enum *is* that field at its path, like `Option`.
+fn expand_enum(variants: &[Variant], krate: &syn::Path) -> (TokenStream, TokenStream, TokenStream) {
+    let mut visit = Vec::new();
+    let mut visit_mut = Vec::new();
+    let mut as_child = Vec::new();
+    let mut as_child_mut = Vec::new();
+    for variant in variants {
+        let ident = variant.ident;
+        let bindings: Vec<syn::Ident> = (0..variant.fields.len())
+            .map(|i| format_ident!("__field{}", i, span = Span::mixed_site()))
+            .collect();
+        let pattern = match variant.style {
+            Style::Unit => quote!(Self::#ident),
+            Style::Tuple => quote!(Self::#ident(#(#bindings),*)),
+            Style::Named => {
+                let members = variant.fields.iter().map(|f| &f.member);
+                quote!(Self::#ident { #(#members: #bindings),* })
+            }
+        };
+        if let Some(field) = transparent_field(variant) {
+            let ty = field.ty;
+            let b = &bindings[0];
+            let span = ty.span();
+            visit.push(quote_spanned!(span=> #pattern => <#ty as #krate::Module>::visit_children(#b, __f),));
+            visit_mut.push(
+                quote_spanned!(span=> #pattern => <#ty as #krate::Module>::visit_children_mut(#b, __f),),
+            );
+            as_child
+                .push(quote_spanned!(span=> #pattern => <#ty as #krate::Module>::as_child(#b),));
+            as_child_mut.push(
+                quote_spanned!(span=> #pattern => <#ty as #krate::Module>::as_child_mut(#b),),
+            );
+            continue;
+        }
+        let fields = variant.fields.iter().zip(&bindings);
+        let body: Vec<_> = fields
+            .clone()
+            .map(|(f, b)| visit_field(f, krate, quote!(#b), false))
+            .collect();
+        let body_mut: Vec<_> = fields
+            .map(|(f, b)| visit_field(f, krate, quote!(#b), true))
+            .collect();
+        let unused = quote!(#(let _ = #bindings;)*);
+        visit.push(quote!(#pattern => { #unused #(#body)* }));
+        visit_mut.push(quote!(#pattern => { #unused #(#body_mut)* }));
+    }
+    let visit = quote!(match self { #(#visit)* });
+    let visit_mut = quote!(match self { #(#visit_mut)* });
+    let as_child = if as_child.is_empty() {
+        TokenStream::new()
+    } else {
+        quote! {
+            fn as_child(&self) -> #krate::Child<'_> {
+                #[allow(unreachable_patterns)]
+                match self {
+                    #(#as_child)*
+                    _ => #krate::Child::Module { module: self, shared: ::core::option::Option::None },
+                }
+            }
+
+            fn as_child_mut(&mut self) -> #krate::ChildMut<'_> {
+                #[allow(unreachable_patterns)]
+                match self {
+                    #(#as_child_mut)*
+                    _ => #krate::ChildMut::Module(self),
+                }
+            }
+        }
+    };
+    (visit, visit_mut, as_child)
+}
+
+fn transparent_field<'v, 'a>(variant: &'v Variant<'a>) -> Option<&'v Field<'a>> {
+    match (variant.style, variant.fields.as_slice()) {
+        (Style::Tuple, [field])
+            if field.attrs.skip.is_none()
+                && field.attrs.rename.is_none()
+                && field.attrs.flatten.is_none() =>
+        {
+            Some(field)
+        }
+        _ => None,
+    }
+}
+
+/// After an error: an impl with no children, so that uses of the type do not add follow-on errors.
+fn fallback(input: &syn::DeriveInput, krate: &syn::Path) -> TokenStream {
+    let ident = &input.ident;
+    let mut generics = input.generics.clone();
+    let lifetimes: Vec<_> = generics.lifetimes().map(|l| l.lifetime.clone()).collect();
+    let params: Vec<_> = generics.type_params().map(|p| p.ident.clone()).collect();
+    let where_clause = generics.make_where_clause();
+    for l in lifetimes {
+        where_clause.predicates.push(syn::parse_quote!(#l: 'static));
+    }
+    for p in params {
+        where_clause.predicates.push(syn::parse_quote!(
+            #p: ::core::marker::Send + ::core::marker::Sync + 'static
+        ));
+    }
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::Module for #ident #ty_generics #where_clause {
+            fn visit_children<'__module>(
+                &'__module self,
+                _: &mut dyn ::core::ops::FnMut(#krate::Name<'_>, #krate::Child<'__module>),
+            ) {
+            }
+
+            fn visit_children_mut<'__module>(
+                &'__module mut self,
+                _: &mut dyn ::core::ops::FnMut(#krate::Name<'_>, #krate::ChildMut<'__module>),
+            ) {
+            }
+        }
+    }
+}

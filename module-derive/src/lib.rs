@@ -1,0 +1,25 @@
+//! `#[derive(Module)]` for [`module-runtime`](https://docs.rs/module-runtime).
+//!
+//! Use it through `module_runtime` (which re-exports it), not directly. The derive only emits a
+//! structural walk over the fields (`visit_children`); every semantic — naming, dedup, state dicts,
+//! hooks — is runtime code built on that walk. Input goes through three stages, never emitting code
+//! from half-validated input: [`ast`] reads the input into our own types, [`attr`] parses the
+//! `#[module(...)]` attributes, [`check`] applies the cross-field rules, and [`expand`] generates
+//! the impl. Every mistake in one input is reported in one compile.
+
+mod ast;
+mod attr;
+mod bound;
+mod check;
+mod ctxt;
+mod expand;
+
+use proc_macro::TokenStream;
+
+/// Implements `module_runtime::Module` by walking the fields; see `module_runtime` for the
+/// attributes.
+#[proc_macro_derive(Module, attributes(module))]
+pub fn derive_module(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    expand::derive(&input).into()
+}

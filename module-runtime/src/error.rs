@@ -1,0 +1,139 @@
+//! The crate's one error type.
+
+use candle_core::{DType, Shape};
+
+/// Everything that can go wrong in `module-runtime`.
+///
+/// Each variant carries the module or parameter path involved (PyTorch-style dotted path, `""` for
+/// the root) and, where shapes or dtypes are involved, both sides, so the message is actionable on
+/// its own.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error from a candle operation.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// `get_submodule` and friends: a segment of the path names no child.
+    #[error(
+        "no submodule at `{path}`: `{parent}` ({parent_type}) has no child `{missing}`{}",
+        list_children(.children)
+    )]
+    NoSubmodule {
+        /// The full path that was asked for.
+        path: String,
+        /// The path of the last module that was found.
+        parent: String,
+        /// That module's type.
+        parent_type: String,
+        /// The first segment that names nothing.
+        missing: String,
+        /// The children `parent` does have.
+        children: Vec<String>,
+    },
+
+    /// `get_submodule::<T>`: the module at the path has another type.
+    #[error("submodule `{path}` is a `{found}`, not a `{expected}`")]
+    WrongModuleType {
+        /// The path that was asked for.
+        path: String,
+        /// The type asked for.
+        expected: String,
+        /// The type that is there.
+        found: String,
+    },
+
+    /// The path leads to a parameter or buffer where a module was expected, or vice versa.
+    #[error("`{path}` is a {found}, not a {expected}")]
+    WrongKind {
+        /// The path that was asked for.
+        path: String,
+        /// What was asked for ("module", "parameter", "buffer").
+        expected: &'static str,
+        /// What is there.
+        found: &'static str,
+    },
+
+    /// `get_submodule_mut`: the module is shared through an `Arc`, so it cannot be borrowed mutably.
+    #[error(
+        "submodule `{path}` is shared through an `Arc` and cannot be borrowed mutably; \
+         its parameters and buffers can still be changed through `&self`"
+    )]
+    SharedModule {
+        /// The path of the shared module.
+        path: String,
+    },
+
+    /// A parameter must hold floating-point values (they receive gradients).
+    #[error("a parameter must be a floating-point tensor, got {dtype:?} with shape {shape:?}")]
+    NonFloatParam {
+        /// The dtype that was given.
+        dtype: DType,
+        /// The shape that was given.
+        shape: Shape,
+    },
+
+    /// A new value for a parameter or buffer does not have its shape or dtype.
+    #[error("cannot set `{path}`: expected {expected_dtype:?} {expected_shape:?}, got {dtype:?} {shape:?}")]
+    ValueMismatch {
+        /// The path of the parameter or buffer (`""` when it was set directly).
+        path: String,
+        /// Its shape.
+        expected_shape: Shape,
+        /// Its dtype.
+        expected_dtype: DType,
+        /// The shape of the new value.
+        shape: Shape,
+        /// The dtype of the new value.
+        dtype: DType,
+    },
+
+    /// A path pattern (`encoder.*`, `**.bias`) that cannot match anything.
+    #[error("invalid path pattern `{pattern}`: {reason}")]
+    InvalidPattern {
+        /// The pattern as given.
+        pattern: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// `freeze`/`unfreeze`: the pattern matched no parameter, which is almost always a typo.
+    #[error("pattern `{pattern}` matches no parameter{}", list_children(.available))]
+    NoMatch {
+        /// The pattern as given.
+        pattern: String,
+        /// Up to a few of the parameter paths that do exist.
+        available: Vec<String>,
+    },
+
+    /// An error raised while running the module at `path`.
+    #[error("in `{path}`: {source}")]
+    InModule {
+        /// The module's path.
+        path: String,
+        /// What went wrong there.
+        #[source]
+        source: Box<Error>,
+    },
+}
+
+fn list_children(names: &[String]) -> String {
+    if names.is_empty() {
+        String::from(" (it has none)")
+    } else {
+        format!("; there is: {}", names.join(", "))
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<Error> for candle_core::Error {
+    /// Lets runtime layers implement `candle_nn::Module` by converting back to candle's error type.
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(e) => e,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}

@@ -1,0 +1,536 @@
+//! The `Module` trait: the structural walk the derive implements, and its impls for containers,
+//! leaves and configuration types.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::buffer::Buffer;
+use crate::param::Param;
+
+/// A node of a model's tree: PyTorch's `nn.Module`, reduced to the one thing the rest is built on,
+/// a walk over the node's direct children.
+///
+/// Derive it (`#[derive(Module)]`) rather than implementing it: the derive lists every field in
+/// declaration order, and every traversal, state dict, hook and conversion in
+/// [`ModuleExt`](crate::ModuleExt) is built on that walk.
+///
+/// Every field of a derived module must itself implement `Module`: other derived modules, the
+/// runtime's layers, the leaves [`Param`] and [`Buffer`], the containers `Option`, `Vec`, arrays,
+/// `Box`, `Arc`, `BTreeMap<String, _>` and tuples, and configuration values (numbers, `bool`,
+/// `String`, `DType`, `Device`, `PhantomData`, …), which are no-op leaves. A bare
+/// `candle_core::Tensor` is deliberately *not* a module: say whether it is trained (`Param`) or
+/// state (`Buffer`), or mark the field `#[module(skip)]`.
+///
+/// The trait is object safe: traversal hands out `&dyn Module`, and
+/// [`downcast_ref`](trait.Module.html#method.downcast_ref) gets the concrete type back.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a module, so `#[derive(Module)]` cannot walk this field",
+    label = "not a `Module`",
+    note = "derive `Module` for `{Self}`; or, for a tensor, say what it is: `Param` (trained and saved) \
+            or `Buffer` (saved, not trained); or mark the field `#[module(skip)]` if it is neither"
+)]
+pub trait Module: Any + Send + Sync {
+    /// Calls `f` on each direct child, in declaration order, with the name it has in paths.
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>));
+
+    /// Like [`visit_children`](Self::visit_children), with mutable access.
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>));
+
+    /// The type's name, for summaries and error messages. Defaults to the Rust type name.
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<Self>()
+    }
+
+    /// How this value appears when it is a field of another module. Modules are nodes; `Param`,
+    /// `Buffer` and [`Mode`] are leaves; `Option`, `Box` and `Arc` are transparent; configuration
+    /// values are absent.
+    fn as_child(&self) -> Child<'_>
+    where
+        Self: Sized,
+    {
+        Child::Module {
+            module: self,
+            shared: None,
+        }
+    }
+
+    /// Like [`as_child`](Self::as_child), with mutable access.
+    fn as_child_mut(&mut self) -> ChildMut<'_>
+    where
+        Self: Sized,
+    {
+        ChildMut::Module(self)
+    }
+
+    /// Whether the type is plain configuration (numbers, strings, …) with nothing to walk. Containers
+    /// of configuration (`Vec<usize>`, `Option<f64>`) are configuration too, and are not listed as
+    /// modules.
+    fn is_config() -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
+}
+
+impl dyn Module {
+    /// The concrete module, if it is a `T`.
+    pub fn downcast_ref<T: Module>(&self) -> Option<&T> {
+        (self as &dyn Any).downcast_ref::<T>()
+    }
+
+    /// The concrete module, mutably, if it is a `T`.
+    pub fn downcast_mut<T: Module>(&mut self) -> Option<&mut T> {
+        (self as &mut dyn Any).downcast_mut::<T>()
+    }
+
+    /// Whether the module is a `T`.
+    pub fn is<T: Module>(&self) -> bool {
+        (self as &dyn Any).is::<T>()
+    }
+}
+
+impl std::fmt::Debug for dyn Module {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&crate::visit::short_type_name(self.type_name()))
+    }
+}
+
+/// The name of a child within its parent: a field name, a `rename`d checkpoint name, a map key,
+/// or a position (`Vec` and tuple elements, tuple-struct fields).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Name<'a> {
+    /// A named field or map key.
+    Field(&'a str),
+    /// A position.
+    Index(usize),
+}
+
+impl std::fmt::Display for Name<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Name::Field(s) => f.write_str(s),
+            Name::Index(i) => write!(f, "{i}"),
+        }
+    }
+}
+
+impl Name<'_> {
+    pub(crate) fn push_to(&self, path: &mut String) {
+        use std::fmt::Write;
+        if !path.is_empty() {
+            path.push('.');
+        }
+        match self {
+            Name::Field(s) => path.push_str(s),
+            Name::Index(i) => {
+                let _ = write!(path, "{i}");
+            }
+        }
+    }
+
+    pub(crate) fn matches(&self, segment: &str) -> bool {
+        match self {
+            Name::Field(s) => *s == segment,
+            Name::Index(i) => segment.parse::<usize>().ok() == Some(*i),
+        }
+    }
+}
+
+/// What a child is, as seen by a walk.
+#[derive(Clone, Copy)]
+pub enum Child<'a> {
+    /// A submodule. `shared` is its identity when it is reached through an `Arc` (two `Arc`s to one
+    /// module are one module, listed once); plain fields cannot be aliased and have none.
+    Module {
+        /// The submodule.
+        module: &'a dyn Module,
+        /// Identity of a module shared through `Arc`.
+        shared: Option<usize>,
+    },
+    /// A trainable parameter.
+    Param(&'a Param),
+    /// A buffer.
+    Buffer(&'a Buffer),
+    /// A train/eval flag.
+    Mode(&'a Mode),
+    /// Nothing to walk: `None`, or configuration.
+    Absent,
+}
+
+/// What a child is, as seen by a mutable walk.
+pub enum ChildMut<'a> {
+    /// A submodule.
+    Module(&'a mut dyn Module),
+    /// A submodule shared through an `Arc` with other owners, so only reachable immutably.
+    Shared(&'a dyn Module),
+    /// A trainable parameter.
+    Param(&'a mut Param),
+    /// A buffer.
+    Buffer(&'a mut Buffer),
+    /// A train/eval flag.
+    Mode(&'a mut Mode),
+    /// Nothing to walk: `None`, or configuration.
+    Absent,
+}
+
+/// The train/eval flag of a module whose behaviour depends on it (PyTorch's `Module.training`).
+///
+/// Layers that behave differently in training (Dropout, BatchNorm) hold a `Mode` field;
+/// [`train`](crate::ModuleExt::train) and [`eval`](crate::ModuleExt::eval) set every `Mode` in a
+/// subtree. A user module can hold one too and read it in `forward`. It takes no part in paths or
+/// state dicts. New flags are in training mode, as in PyTorch; a clone copies the current value.
+#[derive(Debug)]
+pub struct Mode(AtomicBool);
+
+impl Mode {
+    /// A flag in training mode.
+    pub fn new() -> Self {
+        Self(AtomicBool::new(true))
+    }
+
+    /// Whether the module is in training mode.
+    pub fn is_training(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Sets training (`true`) or evaluation (`false`) mode.
+    pub fn set_training(&self, training: bool) {
+        self.0.store(training, Ordering::Relaxed);
+    }
+}
+
+impl Default for Mode {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clone for Mode {
+    fn clone(&self) -> Self {
+        Self(AtomicBool::new(self.is_training()))
+    }
+}
+
+macro_rules! leaf {
+    ($ty:ty, $variant:ident) => {
+        impl Module for $ty {
+            fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
+            fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}
+            fn as_child(&self) -> Child<'_> {
+                Child::$variant(self)
+            }
+            fn as_child_mut(&mut self) -> ChildMut<'_> {
+                ChildMut::$variant(self)
+            }
+        }
+    };
+}
+leaf!(Param, Param);
+leaf!(Buffer, Buffer);
+leaf!(Mode, Mode);
+
+macro_rules! config {
+    ($($ty:ty),* $(,)?) => {$(
+        #[diagnostic::do_not_recommend]
+        impl Module for $ty {
+            fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
+            fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}
+            fn as_child(&self) -> Child<'_> {
+                Child::Absent
+            }
+            fn as_child_mut(&mut self) -> ChildMut<'_> {
+                ChildMut::Absent
+            }
+            fn is_config() -> bool {
+                true
+            }
+        }
+    )*};
+}
+config!(
+    (),
+    bool,
+    char,
+    u8,
+    u16,
+    u32,
+    u64,
+    u128,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    i128,
+    isize,
+    f32,
+    f64,
+    String,
+    &'static str,
+    candle_core::DType,
+    candle_core::Device,
+    candle_core::Shape,
+);
+
+#[diagnostic::do_not_recommend]
+impl<T: ?Sized + Send + Sync + 'static> Module for PhantomData<T> {
+    fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
+    fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}
+    fn as_child(&self) -> Child<'_> {
+        Child::Absent
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        ChildMut::Absent
+    }
+    fn is_config() -> bool {
+        true
+    }
+}
+
+/// `None` is absent; `Some(m)` is `m` at the same path (PyTorch's `self.head = None`).
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for Option<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        if let Some(m) = self {
+            m.visit_children(f);
+        }
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        if let Some(m) = self {
+            m.visit_children_mut(f);
+        }
+    }
+    fn type_name(&self) -> &'static str {
+        match self {
+            Some(m) => m.type_name(),
+            None => std::any::type_name::<Self>(),
+        }
+    }
+    fn as_child(&self) -> Child<'_> {
+        self.as_ref().map_or(Child::Absent, M::as_child)
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        self.as_mut().map_or(ChildMut::Absent, M::as_child_mut)
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+/// Transparent: a boxed module is the module.
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for Box<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        (**self).visit_children(f);
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        (**self).visit_children_mut(f);
+    }
+    fn type_name(&self) -> &'static str {
+        (**self).type_name()
+    }
+    fn as_child(&self) -> Child<'_> {
+        (**self).as_child()
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        (**self).as_child_mut()
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+/// Shared ownership is identity: every `Arc` clone of one module is that one module, listed once,
+/// under the first path it is reached by (PyTorch's dedup by object identity).
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for Arc<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        (**self).visit_children(f);
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        if let Some(m) = Arc::get_mut(self) {
+            m.visit_children_mut(f);
+        }
+    }
+    fn type_name(&self) -> &'static str {
+        (**self).type_name()
+    }
+    fn as_child(&self) -> Child<'_> {
+        match (**self).as_child() {
+            Child::Module { module, .. } => Child::Module {
+                module,
+                shared: Some(Arc::as_ptr(self) as *const () as usize),
+            },
+            other => other,
+        }
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        if Arc::get_mut(self).is_some() {
+            Arc::get_mut(self).map_or(ChildMut::Absent, M::as_child_mut)
+        } else {
+            match (**self).as_child() {
+                Child::Module { module, .. } => ChildMut::Shared(module),
+                _ => ChildMut::Absent,
+            }
+        }
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+/// A list of modules, like PyTorch's `ModuleList`: listed as a module, elements named `0`, `1`, ….
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for Vec<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        self.as_slice().visit_children(f);
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        self.as_mut_slice().visit_children_mut(f);
+    }
+    fn as_child(&self) -> Child<'_> {
+        list_child::<M, _>(self)
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        list_child_mut::<M, _>(self)
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+/// Like `Vec`: a fixed-size list of modules.
+#[diagnostic::do_not_recommend]
+impl<M: Module, const N: usize> Module for [M; N] {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        self.as_slice().visit_children(f);
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        self.as_mut_slice().visit_children_mut(f);
+    }
+    fn as_child(&self) -> Child<'_> {
+        list_child::<M, _>(self)
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        list_child_mut::<M, _>(self)
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+trait Elements {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>));
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>));
+}
+
+impl<M: Module> Elements for [M] {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        for (i, m) in self.iter().enumerate() {
+            f(Name::Index(i), m.as_child());
+        }
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        for (i, m) in self.iter_mut().enumerate() {
+            f(Name::Index(i), m.as_child_mut());
+        }
+    }
+}
+
+fn list_child<M: Module + Sized, L: Module>(list: &L) -> Child<'_> {
+    if M::is_config() {
+        Child::Absent
+    } else {
+        Child::Module {
+            module: list,
+            shared: None,
+        }
+    }
+}
+
+fn list_child_mut<M: Module + Sized, L: Module>(list: &mut L) -> ChildMut<'_> {
+    if M::is_config() {
+        ChildMut::Absent
+    } else {
+        ChildMut::Module(list)
+    }
+}
+
+/// A dictionary of modules, like PyTorch's `ModuleDict`, in key order: children are named by key.
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for BTreeMap<String, M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        for (k, m) in self {
+            f(Name::Field(k), m.as_child());
+        }
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        for (k, m) in self.iter_mut() {
+            f(Name::Field(k), m.as_child_mut());
+        }
+    }
+    fn as_child(&self) -> Child<'_> {
+        if M::is_config() {
+            Child::Absent
+        } else {
+            Child::Module {
+                module: self,
+                shared: None,
+            }
+        }
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        if M::is_config() {
+            ChildMut::Absent
+        } else {
+            ChildMut::Module(self)
+        }
+    }
+    fn is_config() -> bool {
+        M::is_config()
+    }
+}
+
+macro_rules! tuple {
+    ($($t:ident $i:tt),+) => {
+        /// A tuple of modules is a list: elements named `0`, `1`, ….
+        #[diagnostic::do_not_recommend]
+        impl<$($t: Module),+> Module for ($($t,)+) {
+            fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+                $(f(Name::Index($i), self.$i.as_child());)+
+            }
+            fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+                $(f(Name::Index($i), self.$i.as_child_mut());)+
+            }
+            fn as_child(&self) -> Child<'_> {
+                if Self::is_config() {
+                    Child::Absent
+                } else {
+                    Child::Module { module: self, shared: None }
+                }
+            }
+            fn as_child_mut(&mut self) -> ChildMut<'_> {
+                if Self::is_config() {
+                    ChildMut::Absent
+                } else {
+                    ChildMut::Module(self)
+                }
+            }
+            fn is_config() -> bool {
+                true $(&& $t::is_config())+
+            }
+        }
+    };
+}
+tuple!(A 0);
+tuple!(A 0, B 1);
+tuple!(A 0, B 1, C 2);
+tuple!(A 0, B 1, C 2, D 3);
+tuple!(A 0, B 1, C 2, D 3, E 4);
+tuple!(A 0, B 1, C 2, D 3, E 4, F 5);
+tuple!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
+tuple!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);

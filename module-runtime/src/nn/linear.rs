@@ -1,0 +1,120 @@
+//! Fully connected layers.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::Result;
+use crate::{Forward, Module, Param};
+
+/// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
+///
+/// Parameters `weight` `[out_features, in_features]` and `bias` `[out_features]` (absent without a
+/// bias), initialized as PyTorch does: uniform on `±1/sqrt(in_features)`.
+/// The input is `[…, in_features]`, the output `[…, out_features]`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// let fc = Linear::new(3, 2, &Device::Cpu)?;
+/// let y = fc.call(&Tensor::zeros((4, 5, 3), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [4, 5, 2]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct Linear {
+    /// `[out_features, in_features]`.
+    pub weight: Param,
+    /// `[out_features]`, if the layer has a bias.
+    pub bias: Option<Param>,
+}
+
+impl Linear {
+    /// A float32 layer with a bias, initialized like PyTorch.
+    pub fn new(in_features: usize, out_features: usize, device: &Device) -> Result<Self> {
+        Self::with_options(in_features, out_features, true, DType::F32, device)
+    }
+
+    /// A float32 layer without a bias.
+    pub fn no_bias(in_features: usize, out_features: usize, device: &Device) -> Result<Self> {
+        Self::with_options(in_features, out_features, false, DType::F32, device)
+    }
+
+    /// A layer with or without a bias, of any floating-point dtype, initialized like PyTorch.
+    pub fn with_options(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let bound = 1.0 / (in_features.max(1) as f64).sqrt();
+        let uniform = |shape: &[usize]| -> Result<Param> {
+            let t = Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?;
+            Param::new(t)
+        };
+        Ok(Self {
+            weight: uniform(&[out_features, in_features])?,
+            bias: if bias {
+                Some(uniform(&[out_features])?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// A layer with the given weight `[out, in]` and optional bias `[out]`.
+    pub fn from_tensors(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: Param::new(weight)?,
+            bias: bias.map(Param::new).transpose()?,
+        })
+    }
+
+    /// Size of each input sample.
+    pub fn in_features(&self) -> usize {
+        self.weight.shape().dims()[1]
+    }
+
+    /// Size of each output sample.
+    pub fn out_features(&self) -> usize {
+        self.weight.shape().dims()[0]
+    }
+}
+
+impl Forward<&Tensor> for Linear {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.tensor();
+        // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
+        // reads in place (no transpose copy).
+        let y = match x.dims() {
+            [_, _] => x.matmul(&w.t()?)?,
+            dims => {
+                let (batch, in_features) = dims.split_at(dims.len().saturating_sub(1));
+                let rows = batch.iter().product::<usize>();
+                let y = x.reshape((rows, in_features.iter().product::<usize>()))?;
+                let y = y.matmul(&w.t()?)?;
+                let mut out_dims = batch.to_vec();
+                out_dims.push(w.dim(0)?);
+                y.reshape(out_dims)?
+            }
+        };
+        match &self.bias {
+            Some(b) => Ok(y.broadcast_add(&b.tensor())?),
+            None => Ok(y),
+        }
+    }
+}
+
+impl Forward<Tensor> for Linear {
+    type Output = Tensor;
+
+    fn forward(&self, x: Tensor) -> Result<Tensor> {
+        self.forward(&x)
+    }
+}
+
+impl candle_core::Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(Forward::forward(self, x)?)
+    }
+}

@@ -1,0 +1,210 @@
+//! Trainable parameters.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+
+use crate::error::{Error, Result};
+
+/// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
+///
+/// A `Param` is a shared handle to a cell holding a candle [`Var`], so:
+///
+/// - **a clone is the same parameter**: this is how weights are tied. Traversal lists it once, under
+///   the first path it is reached by, and [`trainable_vars`](crate::ModuleExt::trainable_vars) holds it
+///   once;
+/// - moving it ([`to_device`](Self::to_device), [`to_dtype`](Self::to_dtype)) replaces the `Var` in
+///   the cell, and every alias sees the new one. Optimizers hold `Var`s, so build them *after* moving
+///   a model;
+/// - loading a value ([`set`](Self::set)) copies into the existing `Var` in place, so an optimizer
+///   built before the load keeps training the loaded values.
+///
+/// `requires_grad` is a property of the parameter (shared by all aliases). A frozen parameter is read
+/// as a detached tensor, so no gradient is computed for it, and it is left out of `trainable_vars`.
+///
+/// ```
+/// use module_runtime::{Param, candle_core::{Device, Tensor}};
+/// let w = Param::new(Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?)?;
+/// let tied = w.clone();
+/// assert!(tied.same_as(&w));
+/// w.set(&Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(tied.tensor().sum_all()?.to_scalar::<f32>()?, 6.0);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Param(Arc<ParamInner>);
+
+struct ParamInner {
+    var: RwLock<Var>,
+    requires_grad: AtomicBool,
+}
+
+impl Param {
+    /// A trainable parameter holding `value` (copied into a fresh `Var`).
+    ///
+    /// Fails with [`Error::NonFloatParam`] for integer tensors: only floating-point values have
+    /// gradients.
+    pub fn new(value: Tensor) -> Result<Self> {
+        check_float(&value)?;
+        Ok(Self::from_var_unchecked(Var::from_tensor(&value)?))
+    }
+
+    /// Wraps an existing `Var` (for instance one a `candle_nn::VarMap` created) without copying.
+    pub fn from_var(var: Var) -> Result<Self> {
+        check_float(var.as_tensor())?;
+        Ok(Self::from_var_unchecked(var))
+    }
+
+    fn from_var_unchecked(var: Var) -> Self {
+        Self(Arc::new(ParamInner {
+            var: RwLock::new(var),
+            requires_grad: AtomicBool::new(true),
+        }))
+    }
+
+    /// The value to compute with in a forward pass.
+    ///
+    /// Gradients flow to the parameter unless it is frozen, in which case the tensor is detached.
+    pub fn tensor(&self) -> Tensor {
+        let var = self.read();
+        if self.requires_grad() {
+            var.as_tensor().clone()
+        } else {
+            var.as_tensor().detach()
+        }
+    }
+
+    /// The candle `Var` behind the parameter (whether frozen or not).
+    pub fn var(&self) -> Var {
+        self.read().clone()
+    }
+
+    /// Whether the parameter is trained (PyTorch's `requires_grad`). New parameters are.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Freezes (`false`) or unfreezes (`true`) this parameter and every alias of it.
+    pub fn set_requires_grad(&self, requires_grad: bool) {
+        self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
+    }
+
+    /// The parameter's shape.
+    pub fn shape(&self) -> Shape {
+        self.read().shape().clone()
+    }
+
+    /// The parameter's dtype.
+    pub fn dtype(&self) -> DType {
+        self.read().dtype()
+    }
+
+    /// The device the parameter lives on.
+    pub fn device(&self) -> Device {
+        self.read().device().clone()
+    }
+
+    /// Number of scalar values.
+    pub fn elem_count(&self) -> usize {
+        self.read().elem_count()
+    }
+
+    /// Copies `value` into the parameter in place (every alias, and optimizers holding its `Var`,
+    /// see the new value). The shape and dtype must match; the value may live on another device.
+    pub fn set(&self, value: &Tensor) -> Result<()> {
+        let var = self.read();
+        if value.shape() != var.shape() || value.dtype() != var.dtype() {
+            return Err(Error::ValueMismatch {
+                path: String::new(),
+                expected_shape: var.shape().clone(),
+                expected_dtype: var.dtype(),
+                shape: value.shape().clone(),
+                dtype: value.dtype(),
+            });
+        }
+        let value = value.to_device(var.device())?;
+        var.set(&value)?;
+        Ok(())
+    }
+
+    /// Moves the parameter to `device` (a no-op when it is already there).
+    pub fn to_device(&self, device: &Device) -> Result<()> {
+        self.replace_with(|t| {
+            if t.device().same_device(device) {
+                Ok(None)
+            } else {
+                Ok(Some(t.to_device(device)?))
+            }
+        })
+    }
+
+    /// Converts the parameter to the floating-point `dtype` (a no-op when it already has it).
+    pub fn to_dtype(&self, dtype: DType) -> Result<()> {
+        if !dtype.is_float() {
+            return Err(Error::NonFloatParam {
+                dtype,
+                shape: self.shape(),
+            });
+        }
+        self.replace_with(|t| {
+            if t.dtype() == dtype {
+                Ok(None)
+            } else {
+                Ok(Some(t.to_dtype(dtype)?))
+            }
+        })
+    }
+
+    fn replace_with(&self, f: impl FnOnce(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
+        let mut var = self.0.var.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(new) = f(var.as_tensor())? {
+            *var = Var::from_tensor(&new)?;
+        }
+        Ok(())
+    }
+
+    /// Swaps in a converted `Var` (a move or dtype change), for every alias at once.
+    pub(crate) fn replace_var(&self, var: Var) {
+        *self.0.var.write().unwrap_or_else(PoisonError::into_inner) = var;
+    }
+
+    /// Whether `self` and `other` are the same parameter (aliases of one tied weight).
+    pub fn same_as(&self, other: &Param) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// An identity usable as a map key: equal for aliases, distinct for different parameters.
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Var> {
+        // A panic while holding the lock cannot leave a half-written `Var` (assignment is the last
+        // step of every write), so a poisoned lock is safe to use.
+        self.0.var.read().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn check_float(t: &Tensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(Error::NonFloatParam {
+            dtype: t.dtype(),
+            shape: t.shape().clone(),
+        })
+    }
+}
+
+impl std::fmt::Debug for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let var = self.read();
+        f.debug_struct("Param")
+            .field("shape", &var.shape().dims())
+            .field("dtype", &var.dtype())
+            .field("device", &var.device().location())
+            .field("requires_grad", &self.requires_grad())
+            .finish()
+    }
+}

@@ -1,0 +1,1 @@
+//! Examples, integration tests and benchmarks for `module-runtime`.
