@@ -3,8 +3,8 @@
 //! Use it through `module_runtime` (which re-exports it), not directly. The derive only emits a
 //! structural walk over the fields (`visit_children`); every semantic — naming, dedup, state dicts,
 //! hooks — is runtime code built on that walk. Input goes through three stages, never emitting code
-//! from half-validated input: [`ast`] reads the input into our own types, [`attr`] parses the
-//! `#[module(...)]` attributes, [`check`] applies the cross-field rules, and [`expand`] generates
+//! from half-validated input: `ast` reads the input into our own types, `attr` parses the
+//! `#[module(...)]` attributes, `check` applies the cross-field rules, and `expand` generates
 //! the impl. Every mistake in one input is reported in one compile.
 
 mod ast;

@@ -16,7 +16,8 @@ pub enum Error {
 
     /// `get_submodule` and friends: a segment of the path names no child.
     #[error(
-        "no submodule at `{path}`: `{parent}` ({parent_type}) has no child `{missing}`{}",
+        "no submodule at `{path}`: `{parent}` ({}) has no child `{missing}`{}",
+        crate::short_type_name(.parent_type),
         list_children(.children)
     )]
     NoSubmodule {
@@ -24,8 +25,8 @@ pub enum Error {
         path: String,
         /// The path of the last module that was found.
         parent: String,
-        /// That module's type.
-        parent_type: String,
+        /// That module's type (its full Rust name; messages show it without module paths).
+        parent_type: &'static str,
         /// The first segment that names nothing.
         missing: String,
         /// The children `parent` does have.
@@ -104,6 +105,37 @@ pub enum Error {
         pattern: String,
         /// Up to a few of the parameter paths that do exist.
         available: Vec<String>,
+    },
+
+    /// A load found missing or unexpected keys (when strict), or values of the wrong shape or
+    /// dtype. Nothing was changed. The report lists every problem at once.
+    #[error("error(s) loading state dict; the model was not changed:\n{0}")]
+    Load(Box<crate::state::LoadReport>),
+
+    /// A checkpoint file is malformed, truncated or unreadable as a checkpoint.
+    #[error("bad checkpoint `{}`: {reason}", path.display())]
+    Checkpoint {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A file could not be read or written.
+    #[error("`{}`: {source}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
+    #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
+    InvalidDevice {
+        /// The name as given.
+        name: String,
     },
 
     /// An error raised while running the module at `path`.

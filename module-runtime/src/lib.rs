@@ -49,20 +49,25 @@
 extern crate self as module_runtime;
 
 mod buffer;
+mod device;
 mod error;
 mod forward;
+mod io;
 mod module;
 pub mod nn;
 mod param;
 mod pattern;
+mod state;
 mod visit;
 
 pub use buffer::Buffer;
+pub use device::{device_from_env, parse_device, DEVICE_ENV};
 pub use error::{Error, Result};
 pub use forward::Forward;
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use param::Param;
 pub use pattern::PathPattern;
+pub use state::{KeyRule, LoadOptions, LoadReport, Mismatch, StateDict};
 pub use visit::{short_type_name, ModuleExt};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
@@ -77,7 +82,9 @@ pub use candle_nn;
 /// Everything a model definition needs: `use module_runtime::prelude::*;`.
 pub mod prelude {
     pub use crate::nn::Linear;
-    pub use crate::{Buffer, Error, Forward, Mode, Module, ModuleExt, Param, Result};
+    pub use crate::{
+        Buffer, Error, Forward, LoadOptions, Mode, Module, ModuleExt, Param, Result, StateDict,
+    };
     pub use candle_core::{DType, Device, Module as _, Tensor, D};
 }
 

@@ -124,8 +124,12 @@ impl Param {
             });
         }
         let value = value.to_device(var.device())?;
-        var.set(&value)?;
-        Ok(())
+        match var.set(&value) {
+            // The value is a view of the parameter itself (e.g. from its own state dict): candle
+            // refuses to copy a storage onto itself, so copy through a fresh buffer.
+            Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
+            other => Ok(other?),
+        }
     }
 
     /// Moves the parameter to `device` (a no-op when it is already there).
@@ -183,6 +187,14 @@ impl Param {
         // A panic while holding the lock cannot leave a half-written `Var` (assignment is the last
         // step of every write), so a poisoned lock is safe to use.
         self.0.var.read().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn is_cannot_set(e: &candle_core::Error) -> bool {
+    match e {
+        candle_core::Error::CannotSetVar { .. } => true,
+        candle_core::Error::WithBacktrace { inner, .. } => is_cannot_set(inner),
+        _ => false,
     }
 }
 

@@ -11,6 +11,7 @@ use crate::forward::Forward;
 use crate::module::{Child, ChildMut, Mode, Module, Name};
 use crate::param::Param;
 use crate::pattern::PathPattern;
+use crate::state::{LoadOptions, LoadReport, StateDict};
 
 /// What a walk reaches.
 pub(crate) enum Visit<'a> {
@@ -282,7 +283,7 @@ pub trait ModuleExt: Module {
                     return Err(Error::NoSubmodule {
                         path: path.to_owned(),
                         parent: walked,
-                        parent_type: short_type_name(parent_type),
+                        parent_type,
                         missing: segment.to_owned(),
                         children,
                     });
@@ -416,6 +417,77 @@ pub trait ModuleExt: Module {
             found.is_none()
         });
         found.unwrap_or(true)
+    }
+
+    /// Every parameter and persistent buffer by path, in declaration order (PyTorch's
+    /// `state_dict()`): a tied weight appears under each of its paths, non-persistent buffers not
+    /// at all. The tensors share storage with the model.
+    fn state_dict(&self) -> Result<StateDict> {
+        Ok(crate::state::state_dict(self.as_dyn()))
+    }
+
+    /// Loads `state` strictly: every path of the model must be present, with its shape and dtype,
+    /// and nothing else. See [`load_state_dict_with`](Self::load_state_dict_with).
+    fn load_state_dict(&self, state: &StateDict) -> Result<LoadReport> {
+        self.load_state_dict_with(state, &LoadOptions::default())
+    }
+
+    /// Loads `state` with `options` (non-strict, key rules, dtype casting).
+    ///
+    /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
+    /// was and [`Error::Load`] lists every missing key, unexpected key and shape or dtype mismatch at
+    /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
+    /// weights stay tied and optimizers built before the load keep working.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// let a = Linear::new(3, 2, &Device::Cpu)?;
+    /// let b = Linear::new(3, 2, &Device::Cpu)?;
+    /// b.load_state_dict(&a.state_dict()?)?;
+    /// let diff = (a.weight.tensor() - b.weight.tensor())?.abs()?.sum_all()?;
+    /// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
+    ///
+    /// let err = Linear::no_bias(3, 2, &Device::Cpu)?.load_state_dict(&a.state_dict()?).unwrap_err();
+    /// assert!(err.to_string().contains("unexpected key(s): \"bias\""));
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn load_state_dict_with(&self, state: &StateDict, options: &LoadOptions) -> Result<LoadReport> {
+        crate::state::load(self.as_dyn(), state, options)
+    }
+
+    /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
+    /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
+    fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        crate::io::save_safetensors(self.state_dict()?, path.as_ref())
+    }
+
+    /// Loads a safetensors checkpoint strictly (memory-mapped; all or nothing).
+    fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+        self.load_safetensors_with(path, &LoadOptions::default())
+    }
+
+    /// Loads a safetensors checkpoint with `options`; see
+    /// [`load_state_dict_with`](Self::load_state_dict_with).
+    fn load_safetensors_with(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let file = crate::io::SafetensorsFile::open(path.as_ref())?;
+        crate::state::load(self.as_dyn(), &file, options)
+    }
+
+    /// Loads a PyTorch pickle checkpoint (`torch.save(model.state_dict(), "x.pth")`, or a Hugging
+    /// Face `pytorch_model.bin`) with `options`. `key` selects a nested dict such as
+    /// `"state_dict"`.
+    fn load_pth_with(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        key: Option<&str>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let state = crate::io::read_pth(path.as_ref(), key)?;
+        crate::state::load(self.as_dyn(), &state, options)
     }
 
     /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.
@@ -580,7 +652,7 @@ fn no_submodule(
     Error::NoSubmodule {
         path: path.to_owned(),
         parent,
-        parent_type: short_type_name(parent_module.type_name()),
+        parent_type: parent_module.type_name(),
         missing: missing.to_owned(),
         children,
     }

@@ -1,0 +1,461 @@
+//! State dicts: `path -> Tensor` maps of a model's parameters and persistent buffers, and strict,
+//! all-or-nothing loading with a report of everything that does not fit.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::buffer::Buffer;
+use crate::error::{Error, Result};
+use crate::module::Module;
+use crate::param::Param;
+use crate::visit::{walk, Visit};
+
+/// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](crate::ModuleExt::state_dict)
+/// returns and [`load_state_dict`](crate::ModuleExt::load_state_dict) takes.
+///
+/// Order is the model's declaration order (or insertion order when built by hand), so a saved
+/// checkpoint lists its tensors the way `print(model.state_dict().keys())` would.
+#[derive(Clone, Debug, Default)]
+pub struct StateDict {
+    entries: Vec<(String, Tensor)>,
+    index: HashMap<String, usize>,
+}
+
+impl StateDict {
+    /// An empty state dict.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Inserts or replaces `key`.
+    pub fn insert(&mut self, key: impl Into<String>, value: Tensor) {
+        let key = key.into();
+        match self.index.get(&key) {
+            Some(&i) => self.entries[i].1 = value,
+            None => {
+                self.index.insert(key.clone(), self.entries.len());
+                self.entries.push((key, value));
+            }
+        }
+    }
+
+    /// The tensor at `key`.
+    pub fn get(&self, key: &str) -> Option<&Tensor> {
+        self.index.get(key).map(|&i| &self.entries[i].1)
+    }
+
+    /// Whether `key` is present.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.index.contains_key(key)
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The keys, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.entries.iter().map(|(k, _)| k.as_str())
+    }
+
+    /// The entries, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.entries.iter().map(|(k, t)| (k.as_str(), t))
+    }
+
+    /// The entries as a `HashMap` (what candle's safetensors writer takes).
+    pub fn into_hash_map(self) -> HashMap<String, Tensor> {
+        self.entries.into_iter().collect()
+    }
+}
+
+impl<K: Into<String>> FromIterator<(K, Tensor)> for StateDict {
+    fn from_iter<I: IntoIterator<Item = (K, Tensor)>>(iter: I) -> Self {
+        let mut sd = StateDict::new();
+        for (k, t) in iter {
+            sd.insert(k, t);
+        }
+        sd
+    }
+}
+
+impl From<HashMap<String, Tensor>> for StateDict {
+    /// Keys are sorted, since a `HashMap` has no order.
+    fn from(map: HashMap<String, Tensor>) -> Self {
+        let mut entries: Vec<_> = map.into_iter().collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        entries.into_iter().collect()
+    }
+}
+
+/// How a checkpoint's keys are rewritten before they are matched against the model's paths.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyRule {
+    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`).
+    StripPrefix(String),
+    /// Puts `prefix.` in front of every key.
+    AddPrefix(String),
+    /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
+    /// `ln.weight`, and leaves `ln.gammas` alone.
+    Rename(String, String),
+}
+
+impl KeyRule {
+    fn apply(&self, key: &str) -> String {
+        match self {
+            KeyRule::StripPrefix(prefix) => key
+                .strip_prefix(prefix.as_str())
+                .and_then(|rest| rest.strip_prefix('.'))
+                .unwrap_or(key)
+                .to_owned(),
+            KeyRule::AddPrefix(prefix) => format!("{prefix}.{key}"),
+            KeyRule::Rename(from, to) => {
+                let padded = format!(".{key}.");
+                match padded.find(&format!(".{from}.")) {
+                    Some(at) => {
+                        let mut out = padded.clone();
+                        out.replace_range(at + 1..at + 1 + from.len(), to);
+                        out[1..out.len() - 1].to_owned()
+                    }
+                    None => key.to_owned(),
+                }
+            }
+        }
+    }
+}
+
+/// Options for [`load_state_dict`](crate::ModuleExt::load_state_dict) and the file loaders.
+///
+/// The default is PyTorch's: strict (every key of the model present in the checkpoint and nothing
+/// else), no key rewriting, dtypes must match.
+///
+/// ```
+/// use module_runtime::LoadOptions;
+/// let opts = LoadOptions::default().strip_prefix("module").rename("gamma", "weight").cast_dtype();
+/// assert!(opts.is_strict());
+/// ```
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    strict: bool,
+    rules: Vec<KeyRule>,
+    cast_dtype: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            strict: true,
+            rules: Vec::new(),
+            cast_dtype: false,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Strict loading (the default).
+    pub fn strict() -> Self {
+        Self::default()
+    }
+
+    /// Tolerates missing and unexpected keys (they are still reported). Shape and dtype mismatches
+    /// stay errors, as in PyTorch.
+    pub fn non_strict(mut self) -> Self {
+        self.strict = false;
+        self
+    }
+
+    /// Whether missing or unexpected keys fail the load.
+    pub fn is_strict(&self) -> bool {
+        self.strict
+    }
+
+    /// Adds a key rule; rules apply in order to every checkpoint key.
+    pub fn rule(mut self, rule: KeyRule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// Strips `prefix.` from checkpoint keys that have it.
+    pub fn strip_prefix(self, prefix: impl Into<String>) -> Self {
+        self.rule(KeyRule::StripPrefix(prefix.into()))
+    }
+
+    /// Prepends `prefix.` to every checkpoint key.
+    pub fn add_prefix(self, prefix: impl Into<String>) -> Self {
+        self.rule(KeyRule::AddPrefix(prefix.into()))
+    }
+
+    /// Renames whole path segments in checkpoint keys.
+    pub fn rename(self, from: impl Into<String>, to: impl Into<String>) -> Self {
+        self.rule(KeyRule::Rename(from.into(), to.into()))
+    }
+
+    /// Converts floating-point checkpoint values to the model's floating-point dtype (and integer
+    /// values to the model's integer dtype) instead of reporting a mismatch.
+    pub fn cast_dtype(mut self) -> Self {
+        self.cast_dtype = true;
+        self
+    }
+
+    /// The model path a checkpoint key maps to.
+    pub fn map_key(&self, key: &str) -> String {
+        self.rules
+            .iter()
+            .fold(key.to_owned(), |key, rule| rule.apply(&key))
+    }
+}
+
+/// One entry whose value does not fit the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mismatch {
+    /// The model path.
+    pub key: String,
+    /// The model's shape.
+    pub expected_shape: Shape,
+    /// The model's dtype.
+    pub expected_dtype: DType,
+    /// The checkpoint's shape.
+    pub shape: Shape,
+    /// The checkpoint's dtype.
+    pub dtype: DType,
+}
+
+/// Everything a load found: what it loaded, and every key that did not fit, all at once.
+///
+/// A failed load returns this inside [`Error::Load`]; a successful non-strict load returns it so the
+/// caller can inspect what was skipped.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    /// Model paths the checkpoint has no value for.
+    pub missing: Vec<String>,
+    /// Checkpoint keys (after key rules) that name nothing in the model.
+    pub unexpected: Vec<String>,
+    /// Entries with the wrong shape or dtype.
+    pub mismatched: Vec<Mismatch>,
+    /// `(missing, unexpected)` pairs that look like the same entry under two spellings.
+    pub suggestions: Vec<(String, String)>,
+    /// How many model entries received a value.
+    pub loaded: usize,
+}
+
+impl LoadReport {
+    /// Whether every model entry was loaded and nothing was left over.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty() && self.unexpected.is_empty() && self.mismatched.is_empty()
+    }
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let quoted = |keys: &[String]| {
+            keys.iter()
+                .map(|k| format!("\"{k}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if !self.missing.is_empty() {
+            writeln!(f, "  missing key(s): {}.", quoted(&self.missing))?;
+        }
+        if !self.unexpected.is_empty() {
+            writeln!(f, "  unexpected key(s): {}.", quoted(&self.unexpected))?;
+        }
+        for m in &self.mismatched {
+            writeln!(
+                f,
+                "  \"{}\": the checkpoint has {:?} {:?}, the model has {:?} {:?}.",
+                m.key, m.dtype, m.shape, m.expected_dtype, m.expected_shape
+            )?;
+        }
+        for (missing, unexpected) in &self.suggestions {
+            writeln!(
+                f,
+                "  did you mean: \"{unexpected}\" in the checkpoint for \"{missing}\" in the model?"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A parameter or persistent buffer a checkpoint can fill.
+#[derive(Clone)]
+pub(crate) enum Slot {
+    Param(Param),
+    Buffer(Buffer),
+}
+
+impl Slot {
+    fn shape(&self) -> Shape {
+        match self {
+            Slot::Param(p) => p.shape(),
+            Slot::Buffer(b) => b.shape(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Slot::Param(p) => p.dtype(),
+            Slot::Buffer(b) => b.dtype(),
+        }
+    }
+
+    fn device(&self) -> Device {
+        match self {
+            Slot::Param(p) => p.device(),
+            Slot::Buffer(b) => b.device(),
+        }
+    }
+
+    fn tensor(&self) -> Tensor {
+        match self {
+            Slot::Param(p) => p.var().as_tensor().detach(),
+            Slot::Buffer(b) => b.tensor(),
+        }
+    }
+}
+
+/// Every parameter and persistent buffer under every path (tied weights appear once per alias, as
+/// in PyTorch's `state_dict`).
+pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
+    let mut out = Vec::new();
+    walk(root, false, &mut |path, v| {
+        match v {
+            Visit::Param(p) => out.push((path.to_owned(), Slot::Param(p.clone()))),
+            Visit::Buffer(b) if b.is_persistent() => {
+                out.push((path.to_owned(), Slot::Buffer(b.clone())))
+            }
+            _ => {}
+        }
+        true
+    });
+    out
+}
+
+pub(crate) fn state_dict(root: &dyn Module) -> StateDict {
+    slots(root)
+        .into_iter()
+        .map(|(k, s)| (k, s.tensor()))
+        .collect()
+}
+
+/// Where checkpoint values come from: an in-memory state dict or a file read lazily.
+pub(crate) trait Source {
+    /// Every key with its shape and dtype, without reading values.
+    fn entries(&self) -> Result<Vec<(String, Shape, DType)>>;
+    /// The value of `key` on `device`.
+    fn load(&self, key: &str, device: &Device) -> Result<Tensor>;
+}
+
+impl Source for StateDict {
+    fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
+        Ok(self
+            .iter()
+            .map(|(k, t)| (k.to_owned(), t.shape().clone(), t.dtype()))
+            .collect())
+    }
+
+    fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
+        let t = self.get(key).expect("key listed by entries");
+        Ok(t.to_device(device)?)
+    }
+}
+
+/// Validates everything, then stages every new value, then commits: a load that fails changes
+/// nothing.
+pub(crate) fn load(
+    root: &dyn Module,
+    source: &dyn Source,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let targets = slots(root);
+    let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
+    let mut unexpected = Vec::new();
+    let model_keys: HashSet<&str> = targets.iter().map(|(k, _)| k.as_str()).collect();
+    for (key, shape, dtype) in source.entries()? {
+        let mapped = options.map_key(&key);
+        if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
+            by_model_key.insert(mapped, (key, shape, dtype));
+        } else {
+            unexpected.push(mapped);
+        }
+    }
+
+    let mut report = LoadReport::default();
+    let mut plan = Vec::new();
+    for (path, slot) in &targets {
+        let Some((key, shape, dtype)) = by_model_key.get(path) else {
+            report.missing.push(path.clone());
+            continue;
+        };
+        let (expected_shape, expected_dtype) = (slot.shape(), slot.dtype());
+        let dtype_ok = *dtype == expected_dtype
+            || (options.cast_dtype && dtype.is_float() == expected_dtype.is_float());
+        if *shape != expected_shape || !dtype_ok {
+            report.mismatched.push(Mismatch {
+                key: path.clone(),
+                expected_shape,
+                expected_dtype,
+                shape: shape.clone(),
+                dtype: *dtype,
+            });
+            continue;
+        }
+        plan.push((slot, key.as_str(), expected_dtype));
+    }
+    unexpected.sort();
+    report.unexpected = unexpected;
+    report.suggestions = suggest(&report.missing, &report.unexpected);
+
+    let failed = !report.mismatched.is_empty()
+        || (options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()));
+    if failed {
+        return Err(Error::Load(Box::new(report)));
+    }
+
+    // Stage: read and convert every value before touching the model.
+    let mut staged = Vec::with_capacity(plan.len());
+    for (slot, key, dtype) in plan {
+        let value = source.load(key, &slot.device())?;
+        let value = if value.dtype() == dtype {
+            value
+        } else {
+            value.to_dtype(dtype)?
+        };
+        staged.push((slot, value));
+    }
+    // Commit: shapes, dtypes and devices are known to match, so these copies cannot fail on input.
+    for (slot, value) in &staged {
+        match slot {
+            Slot::Param(p) => p.set(value)?,
+            Slot::Buffer(b) => b.set(value)?,
+        }
+    }
+    report.loaded = staged.len();
+    Ok(report)
+}
+
+/// Pairs each missing key with the unexpected key most like it, when they are alike enough.
+fn suggest(missing: &[String], unexpected: &[String]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for m in missing {
+        let best = unexpected
+            .iter()
+            .map(|u| (strsim::levenshtein(&m.to_lowercase(), &u.to_lowercase()), u))
+            .min_by_key(|(d, _)| *d);
+        if let Some((distance, u)) = best {
+            // Close in spelling (a case change, a typo), or the same leaf under a renamed module.
+            let same_leaf = m.rsplit('.').next() == u.rsplit('.').next();
+            if distance <= 3.max(m.len() / 5) || (same_leaf && distance <= m.len() / 2) {
+                out.push((m.clone(), u.clone()));
+            }
+        }
+    }
+    out
+}
