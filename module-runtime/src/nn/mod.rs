@@ -4,3 +4,10 @@
 mod linear;
 
 pub use linear::Linear;
+
+// Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
+mod attention;
+mod rnn;
+
+pub use attention::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig};
+pub use rnn::{Gru, Lstm, RnnConfig};
