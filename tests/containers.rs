@@ -1,5 +1,7 @@
-//! Sequential, ModuleList, ModuleDict, Functional and wrapped candle-nn layers, through the public
-//! API.
+//! Sequential, ModuleList, ModuleDict, Functional, wrapped candle-nn layers and `summary()`,
+//! through the public API.
+
+use std::sync::Arc;
 
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use module_runtime::nn::{Functional, ModuleDict, ModuleList, Native, Sequential, SequentialLayer};
@@ -212,4 +214,70 @@ fn wrapped_candle_nn_layers_are_listed_and_train() {
     // Freezing a wrapped layer stops its updates.
     net.freeze("fc").unwrap();
     assert_eq!(net.trainable_vars().unwrap().len(), 5);
+}
+
+#[derive(Module)]
+struct Shared {
+    a: Arc<Linear>,
+    b: Arc<Linear>,
+    head: Linear,
+}
+
+#[test]
+fn summary_lists_modules_and_totals() {
+    let t = tower();
+    t.freeze("blocks").unwrap();
+    let s = t.summary();
+    let rows: Vec<(&str, &str, usize)> = s
+        .rows
+        .iter()
+        .map(|r| (r.path.as_str(), r.type_name.as_str(), r.params))
+        .collect();
+    assert_eq!(
+        rows[..4],
+        [
+            ("", "Tower", 10 + 12 + 6 + 3 + 9),
+            ("stem", "Sequential", 10),
+            ("stem.0", "Linear", 10),
+            ("blocks", "ModuleList<Linear>", 12),
+        ]
+    );
+    assert_eq!(s.total_params, t.num_parameters());
+    assert_eq!(s.trainable_params, t.num_parameters() - 12);
+    assert_eq!(s.non_trainable_params, 12);
+    assert_eq!(s.param_bytes, 4 * t.num_parameters());
+    let text = s.to_string();
+    assert!(text.contains("Total params: 40"), "{text}");
+    assert!(text.contains("Trainable params: 28"), "{text}");
+    assert!(text.contains("Non-trainable params: 12"), "{text}");
+    assert!(text.contains("Params size (MB): 0.00"), "{text}");
+    let blocks_line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("blocks "))
+        .unwrap();
+    assert!(blocks_line.ends_with("no"), "{blocks_line}");
+    let root_line = text.lines().find(|l| l.starts_with("(root)")).unwrap();
+    assert!(root_line.ends_with("partly"), "{root_line}");
+    let relu_line = text.lines().find(|l| l.contains("ReLU")).unwrap();
+    assert!(relu_line.ends_with('-'), "{relu_line}");
+
+    // A module shared through Arc, and a tied weight, count once.
+    let shared = Arc::new(Linear::new(5, 5, &dev()).unwrap());
+    let head = Linear::new(5, 5, &dev()).unwrap();
+    let tied = Linear {
+        weight: shared.weight.clone(),
+        bias: head.bias.clone(),
+    };
+    let m = Shared {
+        a: shared.clone(),
+        b: shared,
+        head: tied,
+    };
+    let s = m.summary();
+    assert_eq!(s.total_params, 30 + 5);
+    assert_eq!(
+        s.rows.iter().map(|r| r.path.as_str()).collect::<Vec<_>>(),
+        ["", "a", "head"]
+    );
+    assert_eq!(s.rows[2].params, 5);
 }

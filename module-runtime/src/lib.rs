@@ -55,6 +55,7 @@ mod module;
 pub mod nn;
 mod param;
 mod pattern;
+mod summary;
 mod visit;
 
 pub use buffer::Buffer;
@@ -63,6 +64,7 @@ pub use forward::Forward;
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use param::Param;
 pub use pattern::PathPattern;
+pub use summary::{Summary, SummaryRow};
 pub use visit::{short_type_name, ModuleExt};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
