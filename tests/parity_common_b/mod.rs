@@ -45,7 +45,11 @@ impl Fixture {
             if std::env::var("CI").as_deref() == Ok("true") {
                 panic!("{msg}");
             }
-            eprintln!("\n!!!!!!!! SKIPPED: {msg} !!!!!!!!\n");
+            // Straight to stderr: the test harness captures `eprintln!` of passing tests.
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("\n!!!!!!!! SKIPPED: {msg} !!!!!!!!\n").as_bytes(),
+            );
             return None;
         }
         let tensors = module_runtime::candle_core::safetensors::load(&path, &Device::Cpu)
