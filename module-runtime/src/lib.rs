@@ -58,6 +58,7 @@ pub mod nn;
 mod param;
 mod pattern;
 mod state;
+mod summary;
 mod visit;
 
 pub use buffer::Buffer;
@@ -68,6 +69,7 @@ pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use state::{KeyRule, LoadOptions, LoadReport, Mismatch, StateDict};
+pub use summary::{Summary, SummaryRow};
 pub use visit::{short_type_name, ModuleExt};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.

@@ -385,6 +385,12 @@ pub trait ModuleExt: Module {
         post_order(self.as_dyn(), &mut HashSet::new(), f);
     }
 
+    /// A static, torchinfo-style summary: every module with its path, type and parameter count, and
+    /// the totals (see [`Summary`](crate::Summary)).
+    fn summary(&self) -> crate::Summary {
+        crate::summary::Summary::of(self.as_dyn())
+    }
+
     /// Puts every module of the tree in training mode (sets every [`Mode`] flag).
     fn train(&self) {
         self.set_training(true);

@@ -1,0 +1,355 @@
+//! Multi-head attention.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::Result;
+use crate::nn::Linear;
+use crate::{Forward, Mode, Module, ModuleExt, Param};
+
+/// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MultiheadAttentionConfig {
+    /// Whether the input and output projections have biases (default `true`).
+    pub bias: bool,
+    /// Dropout probability on the attention weights, applied in training mode only (default `0.0`).
+    pub dropout: f64,
+    /// Whether inputs and outputs are `[batch, seq, embed]` (`true`) or `[seq, batch, embed]`
+    /// (`false`, PyTorch's default).
+    pub batch_first: bool,
+}
+
+impl Default for MultiheadAttentionConfig {
+    fn default() -> Self {
+        Self {
+            bias: true,
+            dropout: 0.0,
+            batch_first: false,
+        }
+    }
+}
+
+/// Scaled dot-product attention over `num_heads` heads: PyTorch's `nn.MultiheadAttention`.
+///
+/// Parameters, with PyTorch's names, layouts and initialization (`E` = `embed_dim`):
+/// `in_proj_weight` `[3E, E]` (the query, key and value projections stacked in that order; Xavier
+/// uniform), `in_proj_bias` `[3E]` (zeros), and `out_proj`, a [`Linear`] `E → E` (`out_proj.weight`,
+/// `out_proj.bias`, bias zeros). A PyTorch checkpoint loads by name.
+///
+/// Shapes with `batch_first` (else batch and sequence are swapped; a 2-D input is one unbatched
+/// sequence): query `[B, L, E]`, key and value `[B, S, E]`, output `[B, L, E]`, weights `[B, L, S]`
+/// averaged over heads (or `[B, num_heads, L, S]`).
+///
+/// Call it with an [`AttentionInput`] to get `(output, Option<weights>)` and to pass masks, or with a
+/// plain tensor for unmasked self-attention returning only the output (so it fits in a
+/// [`Sequential`](crate::nn::Sequential)).
+///
+/// Not supported: `kdim`/`vdim` different from `embed_dim`, `add_bias_kv`, `add_zero_attn`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig};
+///
+/// let dev = Device::Cpu;
+/// let config = MultiheadAttentionConfig { batch_first: true, ..Default::default() };
+/// let mha = MultiheadAttention::with_config(8, 2, config, DType::F32, &dev)?;
+/// let x = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
+/// // 1 = padded: the last two positions of the second sequence are ignored as keys.
+/// let mask = Tensor::new(&[[0u8, 0, 0, 0, 0], [0, 0, 0, 1, 1]], &dev)?;
+/// let (y, weights) = mha.call(AttentionInput::new(&x, &x, &x).key_padding_mask(&mask))?;
+/// assert_eq!(y.dims(), [2, 5, 8]);
+/// assert_eq!(weights.unwrap().dims(), [2, 5, 5]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct MultiheadAttention {
+    /// `[3 * embed_dim, embed_dim]`: query, key and value projections, stacked.
+    pub in_proj_weight: Param,
+    /// `[3 * embed_dim]`, if the layer has biases.
+    pub in_proj_bias: Option<Param>,
+    /// The output projection, `embed_dim → embed_dim`.
+    pub out_proj: Linear,
+    num_heads: usize,
+    dropout: f64,
+    batch_first: bool,
+    training: Mode,
+}
+
+/// The arguments of a [`MultiheadAttention`] call: PyTorch's `forward(query, key, value, …)`.
+///
+/// Defaults follow PyTorch: no masks, `need_weights = true`, `average_attn_weights = true`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionInput<'a> {
+    /// `[B, L, E]` (batch first), `[L, B, E]`, or `[L, E]` unbatched.
+    pub query: &'a Tensor,
+    /// `[B, S, E]`, laid out like the query.
+    pub key: &'a Tensor,
+    /// `[B, S, E]`, laid out like the query.
+    pub value: &'a Tensor,
+    /// `[B, S]` (`[S]` unbatched). An integer mask marks padded keys with a non-zero value (PyTorch's
+    /// `True`); a floating-point mask is added to the attention scores.
+    pub key_padding_mask: Option<&'a Tensor>,
+    /// `[L, S]` or `[B * num_heads, L, S]`. An integer mask marks forbidden pairs with a non-zero
+    /// value; a floating-point mask is added to the attention scores (e.g. `-inf` above the diagonal).
+    pub attn_mask: Option<&'a Tensor>,
+    /// Whether to return the attention weights.
+    pub need_weights: bool,
+    /// Whether the returned weights are averaged over heads (`[B, L, S]`) or per head
+    /// (`[B, num_heads, L, S]`).
+    pub average_attn_weights: bool,
+}
+
+impl<'a> AttentionInput<'a> {
+    /// Attention of `query` over `key`/`value`, with PyTorch's defaults.
+    pub fn new(query: &'a Tensor, key: &'a Tensor, value: &'a Tensor) -> Self {
+        Self {
+            query,
+            key,
+            value,
+            key_padding_mask: None,
+            attn_mask: None,
+            need_weights: true,
+            average_attn_weights: true,
+        }
+    }
+
+    /// Self-attention: `x` is the query, the key and the value.
+    pub fn self_attention(x: &'a Tensor) -> Self {
+        Self::new(x, x, x)
+    }
+
+    /// Sets the key padding mask (see the field).
+    pub fn key_padding_mask(mut self, mask: &'a Tensor) -> Self {
+        self.key_padding_mask = Some(mask);
+        self
+    }
+
+    /// Sets the attention mask (see the field).
+    pub fn attn_mask(mut self, mask: &'a Tensor) -> Self {
+        self.attn_mask = Some(mask);
+        self
+    }
+
+    /// Whether to return the attention weights.
+    pub fn need_weights(mut self, need: bool) -> Self {
+        self.need_weights = need;
+        self
+    }
+
+    /// Whether to average the returned weights over heads.
+    pub fn average_attn_weights(mut self, average: bool) -> Self {
+        self.average_attn_weights = average;
+        self
+    }
+}
+
+impl MultiheadAttention {
+    /// A float32 layer with PyTorch's defaults (biases, no dropout, `[seq, batch, embed]` inputs).
+    pub fn new(embed_dim: usize, num_heads: usize, device: &Device) -> Result<Self> {
+        Self::with_config(embed_dim, num_heads, Default::default(), DType::F32, device)
+    }
+
+    /// A layer of any floating-point dtype, initialized like PyTorch. `embed_dim` must be divisible
+    /// by `num_heads`.
+    pub fn with_config(
+        embed_dim: usize,
+        num_heads: usize,
+        config: MultiheadAttentionConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if num_heads == 0 || embed_dim % num_heads != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "MultiheadAttention: embed_dim {embed_dim} must be divisible by num_heads {num_heads}"
+            ))
+            .into());
+        }
+        // Xavier uniform over [3E, E]: fan_in = E, fan_out = 3E.
+        let bound = (6.0 / (4 * embed_dim).max(1) as f64).sqrt();
+        let in_proj_weight = Tensor::rand(-bound, bound, (3 * embed_dim, embed_dim), device)?;
+        let zeros = |n: usize| Tensor::zeros(n, dtype, device);
+        let mut out_proj = Linear::with_options(embed_dim, embed_dim, false, dtype, device)?;
+        let in_proj_bias = if config.bias {
+            out_proj.bias = Some(Param::new(zeros(embed_dim)?)?);
+            Some(Param::new(zeros(3 * embed_dim)?)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            in_proj_weight: Param::new(in_proj_weight.to_dtype(dtype)?)?,
+            in_proj_bias,
+            out_proj,
+            num_heads,
+            dropout: config.dropout,
+            batch_first: config.batch_first,
+            training: Mode::new(),
+        })
+    }
+
+    /// The model width `E`.
+    pub fn embed_dim(&self) -> usize {
+        self.in_proj_weight.shape().dims()[1]
+    }
+
+    /// The number of heads.
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+
+    /// Whether inputs are `[batch, seq, embed]`.
+    pub fn batch_first(&self) -> bool {
+        self.batch_first
+    }
+
+    /// Projects `x` `[B, T, E]` with rows `chunk * E .. (chunk + n) * E` of the input projection.
+    fn in_proj(&self, x: &Tensor, chunk: usize, n: usize) -> Result<Tensor> {
+        let e = self.embed_dim();
+        let w = self.in_proj_weight.tensor().narrow(0, chunk * e, n * e)?;
+        let (b, t, _) = x.dims3()?;
+        let y = x.reshape((b * t, e))?.matmul(&w.t()?)?;
+        let y = match &self.in_proj_bias {
+            Some(bias) => y.broadcast_add(&bias.tensor().narrow(0, chunk * e, n * e)?)?,
+            None => y,
+        };
+        Ok(y.reshape((b, t, n * e))?)
+    }
+
+    /// `[B, T, E]` → `[B, heads, T, E / heads]`.
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, e) = x.dims3()?;
+        let x = x.reshape((b, t, self.num_heads, e / self.num_heads))?;
+        Ok(x.transpose(1, 2)?.contiguous()?)
+    }
+
+    fn attend(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
+        let unbatched = input.query.rank() == 2;
+        let layout = |t: &Tensor| -> Result<Tensor> {
+            Ok(match (unbatched, self.batch_first) {
+                (true, _) => t.unsqueeze(0)?,
+                (false, true) => t.clone(),
+                (false, false) => t.transpose(0, 1)?,
+            })
+        };
+        let (q, k, v) = (
+            layout(input.query)?,
+            layout(input.key)?,
+            layout(input.value)?,
+        );
+        let e = self.embed_dim();
+        let (b, l, _) = q.dims3()?;
+        let s = k.dim(1)?;
+
+        // Self-attention projects once with the stacked weight; otherwise one projection each.
+        let same = |a: &Tensor, b: &Tensor| a.id() == b.id();
+        let (q, k, v) = if same(input.query, input.key) && same(input.key, input.value) {
+            let qkv = self.in_proj(&q, 0, 3)?;
+            (
+                qkv.narrow(2, 0, e)?,
+                qkv.narrow(2, e, e)?,
+                qkv.narrow(2, 2 * e, e)?,
+            )
+        } else {
+            (
+                self.in_proj(&q, 0, 1)?,
+                self.in_proj(&k, 1, 1)?,
+                self.in_proj(&v, 2, 1)?,
+            )
+        };
+        let head_dim = e / self.num_heads;
+        let q = (self.split_heads(&q)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let (k, v) = (self.split_heads(&k)?, self.split_heads(&v)?);
+        let mut scores = q.matmul(&k.t()?)?; // [B, H, L, S]
+
+        if let Some(mask) = input.key_padding_mask {
+            let mask = if unbatched {
+                mask.unsqueeze(0)?
+            } else {
+                mask.clone()
+            };
+            let additive = additive_mask(&mask.reshape((b, 1, 1, s))?, scores.dtype())?;
+            scores = scores.broadcast_add(&additive)?;
+        }
+        if let Some(mask) = input.attn_mask {
+            let mask = match mask.rank() {
+                2 => mask.reshape((1, 1, l, s))?,
+                _ => mask.reshape((b, self.num_heads, l, s))?,
+            };
+            scores = scores.broadcast_add(&additive_mask(&mask, scores.dtype())?)?;
+        }
+        let mut weights = softmax_last_dim(&scores)?;
+        if self.dropout > 0.0 && self.training.is_training() {
+            weights = candle_nn::ops::dropout(&weights, self.dropout as f32)?;
+        }
+
+        let out = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, l, e))?;
+        let out = self.out_proj.call(&out)?;
+        let out = match (unbatched, self.batch_first) {
+            (true, _) => out.squeeze(0)?,
+            (false, true) => out,
+            (false, false) => out.transpose(0, 1)?,
+        };
+        let weights = match input.need_weights {
+            false => None,
+            true => {
+                let w = match input.average_attn_weights {
+                    true => weights.mean(1)?,
+                    false => weights,
+                };
+                Some(if unbatched { w.squeeze(0)? } else { w })
+            }
+        };
+        Ok((out, weights))
+    }
+}
+
+/// An additive attention mask in `dtype`: integer masks become `-inf` where non-zero and `0`
+/// elsewhere; floating-point masks are used as they are.
+fn additive_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    if mask.dtype().is_float() {
+        return Ok(mask.to_dtype(dtype)?);
+    }
+    let blocked = mask.ne(&mask.zeros_like()?)?;
+    let neg_inf = Tensor::full(f32::NEG_INFINITY, mask.shape(), mask.device())?.to_dtype(dtype)?;
+    let zero = Tensor::zeros(mask.shape(), dtype, mask.device())?;
+    Ok(blocked.where_cond(&neg_inf, &zero)?)
+}
+
+/// Softmax over the last dimension, built from differentiable ops (candle-nn's fused
+/// `softmax_last_dim` records no gradient). The row maximum is only a shift for numerical range, so
+/// it is detached: the result does not depend on it.
+pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let exp = x.broadcast_sub(&max)?.exp()?;
+    Ok(exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?)
+}
+
+impl Forward<AttentionInput<'_>> for MultiheadAttention {
+    type Output = (Tensor, Option<Tensor>);
+
+    fn forward(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
+        self.attend(input)
+    }
+}
+
+impl Forward<&Tensor> for MultiheadAttention {
+    type Output = Tensor;
+
+    /// Unmasked self-attention, output only.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let input = AttentionInput::self_attention(x).need_weights(false);
+        Ok(self.attend(input)?.0)
+    }
+}
+
+impl Forward<Tensor> for MultiheadAttention {
+    type Output = Tensor;
+
+    fn forward(&self, x: Tensor) -> Result<Tensor> {
+        self.forward(&x)
+    }
+}
+
+impl candle_core::Module for MultiheadAttention {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(Forward::forward(self, x)?)
+    }
+}
