@@ -115,10 +115,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     );
 
     let model = DigitNet::new(&device)?;
-    for (name, p) in model.named_parameters() {
-        println!("  {name:<12} {:?}", p.shape().dims());
-    }
-    println!("  {} parameters", model.num_parameters());
+    print!("{}", model.summary());
 
     let mut opt = candle_nn::AdamW::new(
         model.trainable_vars()?,
