@@ -32,6 +32,7 @@ macro_rules! forward_by_value {
         }
     )*};
 }
+pub(crate) use forward_by_value;
 
 /// Resolves a PyTorch-style dimension (negative counts from the end) against a tensor's rank.
 pub(crate) fn resolve_dim(x: &Tensor, dim: isize, op: &'static str) -> Result<usize> {

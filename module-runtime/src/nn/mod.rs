@@ -8,7 +8,9 @@ pub use linear::Linear;
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
 mod activation;
 pub mod loss;
+mod norm;
 
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
 };
+pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
