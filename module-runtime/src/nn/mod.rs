@@ -7,10 +7,14 @@ pub use linear::Linear;
 
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
 mod activation;
+mod dropout;
+mod embedding;
 pub mod loss;
 mod norm;
 
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
 };
+pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
