@@ -11,6 +11,7 @@ mod dropout;
 mod embedding;
 pub mod loss;
 mod norm;
+mod pool;
 
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
@@ -18,3 +19,4 @@ pub use activation::{
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
+pub use pool::{AvgPool2d, MaxPool2d};
