@@ -7,6 +7,7 @@ pub use linear::Linear;
 
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
 mod activation;
+mod conv;
 mod dropout;
 mod embedding;
 pub mod loss;
@@ -16,6 +17,7 @@ mod pool;
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
 };
+pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
