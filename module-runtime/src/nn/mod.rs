@@ -15,3 +15,21 @@ pub use attention::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig
 pub use container::{ModuleDict, ModuleList, Sequential, SequentialLayer};
 pub use native::{Functional, Native, NativeLayer};
 pub use rnn::{Gru, Lstm, RnnConfig};
+
+// Embedding, normalization, dropout, convolution, pooling, activations and losses.
+mod activation;
+mod conv;
+mod dropout;
+mod embedding;
+pub mod loss;
+mod norm;
+mod pool;
+
+pub use activation::{
+    Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
+};
+pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
+pub use dropout::Dropout;
+pub use embedding::Embedding;
+pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
+pub use pool::{AvgPool2d, MaxPool2d};

@@ -1,0 +1,99 @@
+//! Dropout.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::Result;
+use crate::nn::activation::forward_by_value;
+use crate::{Forward, Mode, Module};
+
+/// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
+///
+/// In training mode (see [`Mode`]) each element is zeroed with probability `p` and the others are
+/// scaled by `1 / (1 - p)`, so the expected value is unchanged; in evaluation mode the layer is the
+/// identity. Any shape in, the same shape out. No parameters.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::Dropout;
+/// let dropout = Dropout::new(0.5);
+/// let x = Tensor::ones((4, 100), DType::F32, &Device::Cpu)?;
+/// let y = dropout.call(&x)?; // training: zeros and 2.0s
+/// assert!(y.flatten_all()?.to_vec1::<f32>()?.iter().all(|&v| v == 0.0 || v == 2.0));
+/// dropout.eval();
+/// assert_eq!(dropout.call(&x)?.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct Dropout {
+    /// Probability of zeroing an element, in `[0, 1]`.
+    pub p: f64,
+    /// Training or evaluation mode.
+    pub mode: Mode,
+}
+
+impl Dropout {
+    /// Dropout with probability `p`, in training mode.
+    ///
+    /// # Panics
+    ///
+    /// If `p` is not in `[0, 1]`, as PyTorch raises.
+    pub fn new(p: f64) -> Self {
+        assert!(
+            (0.0..=1.0).contains(&p),
+            "dropout probability has to be between 0 and 1, but got {p}"
+        );
+        Self {
+            p,
+            mode: Mode::new(),
+        }
+    }
+}
+
+impl Forward<&Tensor> for Dropout {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.mode.is_training() || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        if self.p == 1.0 {
+            return Ok(x.zeros_like()?);
+        }
+        // The mask is a constant of the graph: gradients flow through the kept elements, scaled.
+        let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
+            .ge(self.p)?
+            .to_dtype(DType::F32)?;
+        let mask = (keep * (1.0 / (1.0 - self.p)))?.to_dtype(x.dtype())?;
+        Ok(x.mul(&mask)?)
+    }
+}
+
+forward_by_value!(Dropout);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModuleExt;
+    use candle_core::Device;
+
+    #[test]
+    fn training_drops_about_p_and_keeps_the_mean() -> Result<()> {
+        let x = Tensor::ones(10_000, DType::F32, &Device::Cpu)?;
+        let y = Dropout::new(0.3).forward(&x)?.to_vec1::<f32>()?;
+        let zeros = y.iter().filter(|&&v| v == 0.0).count() as f64 / y.len() as f64;
+        assert!((zeros - 0.3).abs() < 0.03, "dropped {zeros}");
+        let mean = y.iter().sum::<f32>() / y.len() as f32;
+        assert!((mean - 1.0).abs() < 0.05, "mean {mean}");
+        Ok(())
+    }
+
+    #[test]
+    fn p_one_drops_everything_and_eval_is_identity() -> Result<()> {
+        let x = Tensor::ones(5, DType::F32, &Device::Cpu)?;
+        let d = Dropout::new(1.0);
+        assert_eq!(d.forward(&x)?.to_vec1::<f32>()?, [0.0; 5]);
+        d.eval();
+        assert_eq!(d.forward(&x)?.to_vec1::<f32>()?, [1.0; 5]);
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! Embedding tables.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::Result;
+use crate::nn::activation::forward_by_value;
+use crate::{Forward, Module, Param};
+
+/// A lookup table of `num_embeddings` vectors of size `embedding_dim`: PyTorch's `nn.Embedding`.
+///
+/// Parameter `weight` `[num_embeddings, embedding_dim]`, initialized from `N(0, 1)` as PyTorch
+/// does. The input holds integer ids (`u8`, `u32` or `i64`) of any shape `[*]`; the output is
+/// `[*, embedding_dim]`. The gradient of `weight` accumulates over repeated ids.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::Embedding;
+/// let emb = Embedding::new(10, 4, &Device::Cpu)?;
+/// let ids = Tensor::new(&[[1i64, 2, 1], [0, 9, 3]], &Device::Cpu)?;
+/// assert_eq!(emb.call(&ids)?.dims(), [2, 3, 4]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct Embedding {
+    /// `[num_embeddings, embedding_dim]`.
+    pub weight: Param,
+}
+
+impl Embedding {
+    /// A float32 table initialized from `N(0, 1)`.
+    pub fn new(num_embeddings: usize, embedding_dim: usize, device: &Device) -> Result<Self> {
+        Self::with_dtype(num_embeddings, embedding_dim, DType::F32, device)
+    }
+
+    /// A table of any floating-point dtype initialized from `N(0, 1)`.
+    pub fn with_dtype(
+        num_embeddings: usize,
+        embedding_dim: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let weight = Tensor::randn(0f32, 1f32, (num_embeddings, embedding_dim), device)?;
+        Self::from_weight(weight.to_dtype(dtype)?)
+    }
+
+    /// A table holding `weight` `[num_embeddings, embedding_dim]`.
+    pub fn from_weight(weight: Tensor) -> Result<Self> {
+        weight.dims2()?;
+        Ok(Self {
+            weight: Param::new(weight)?,
+        })
+    }
+
+    /// Number of vectors in the table.
+    pub fn num_embeddings(&self) -> usize {
+        self.weight.shape().dims()[0]
+    }
+
+    /// Size of each vector.
+    pub fn embedding_dim(&self) -> usize {
+        self.weight.shape().dims()[1]
+    }
+}
+
+impl Forward<&Tensor> for Embedding {
+    type Output = Tensor;
+
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.tensor();
+        let rows = weight.index_select(&ids.flatten_all()?, 0)?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(weight.dim(1)?);
+        Ok(rows.reshape(dims)?)
+    }
+}
+
+forward_by_value!(Embedding);
