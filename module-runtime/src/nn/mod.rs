@@ -1,5 +1,15 @@
 //! Layers, written with `#[derive(Module)]`, with PyTorch's parameter names, layouts and default
 //! initialization.
+//!
+//! # Gradients and candle's fused kernels
+//!
+//! candle-nn's fused `layer_norm` and `rms_norm` kernels are fast but record no gradient (candle
+//! issues #2168, #3011): a model trained through them silently stops learning below the norm. The
+//! rule here is: **the fused kernel runs only when nothing needs a gradient**, that is when neither
+//! the input nor any parameter tracks one (`Tensor::track_op()` is false for all of them: the input
+//! is a plain tensor and the parameters are frozen, for instance after `model.freeze("**")` for
+//! inference). Otherwise the layer is composed of differentiable candle ops, which match PyTorch
+//! forward and backward. Both paths compute the same values.
 
 mod linear;
 

@@ -1,14 +1,6 @@
 //! Normalization layers: `LayerNorm`, `RmsNorm`, `GroupNorm`, `BatchNorm1d`, `BatchNorm2d`.
 //!
-//! # Gradients and candle's fused kernels
-//!
-//! candle-nn's fused `layer_norm` and `rms_norm` kernels are fast but record no gradient (candle
-//! issues #2168, #3011): a model trained through them silently stops learning below the norm. The
-//! rule here is: **the fused kernel runs only when nothing needs a gradient**, that is when neither
-//! the input nor any parameter tracks one (`Tensor::track_op()` is false for all of them: the input
-//! is a plain tensor and the parameters are frozen, for instance after `model.freeze("**")` for
-//! inference). Otherwise the layer is composed of differentiable candle ops, which match PyTorch
-//! forward and backward. Both paths compute the same values.
+//! See the [`nn`](crate::nn) docs for when candle's fused kernels run.
 //!
 //! Half-precision inputs (`f16`, `bf16`) are normalized in `f32` and converted back, as PyTorch does.
 
@@ -77,7 +69,7 @@ fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
 /// `weight` (ones) and `bias` (zeros), each of shape `normalized_shape`, when the layer is
 /// elementwise-affine. The input is `[…, *normalized_shape]`; the output has its shape.
 ///
-/// Differentiable whenever a gradient is needed; see the [module docs](self) for when candle's fused
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs for when candle's fused
 /// kernel is used.
 ///
 /// ```
@@ -185,7 +177,7 @@ impl Forward<&Tensor> for LayerNorm {
 /// ([`RmsNorm::DEFAULT_EPS_F32`] for float32). The input is `[…, *normalized_shape]`; the output has
 /// its shape.
 ///
-/// Differentiable whenever a gradient is needed; see the [module docs](self).
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs.
 ///
 /// ```
 /// use module_runtime::prelude::*;
