@@ -8,7 +8,16 @@ use crate::ast::{Data, Field, Input, Style, Variant};
 use crate::ctxt::Ctxt;
 use crate::{bound, check};
 
-pub fn derive(input: &syn::DeriveInput) -> TokenStream {
+/// The whole derive on `proc_macro2` tokens, so it runs in unit tests: the impl, or the errors
+/// followed by a stub impl.
+pub fn derive(input: TokenStream) -> TokenStream {
+    match syn::parse2::<syn::DeriveInput>(input) {
+        Ok(input) => derive_input(&input),
+        Err(error) => error.to_compile_error(),
+    }
+}
+
+fn derive_input(input: &syn::DeriveInput) -> TokenStream {
     let cx = Ctxt::new();
     let parsed = crate::ast::Input::from_ast(&cx, input);
     if let Some(parsed) = &parsed {
