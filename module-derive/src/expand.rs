@@ -137,12 +137,20 @@ fn expand_enum(variants: &[Variant], krate: &syn::Path) -> (TokenStream, TokenSt
         let bindings: Vec<syn::Ident> = (0..variant.fields.len())
             .map(|i| format_ident!("__field{}", i, span = Span::mixed_site()))
             .collect();
+        // Skipped fields are matched by `_`, so that no binding goes unused.
+        let patterns = variant.fields.iter().zip(&bindings).map(|(f, b)| {
+            if f.attrs.skip.is_some() {
+                quote!(_)
+            } else {
+                quote!(#b)
+            }
+        });
         let pattern = match variant.style {
             Style::Unit => quote!(Self::#ident),
-            Style::Tuple => quote!(Self::#ident(#(#bindings),*)),
+            Style::Tuple => quote!(Self::#ident(#(#patterns),*)),
             Style::Named => {
                 let members = variant.fields.iter().map(|f| &f.member);
-                quote!(Self::#ident { #(#members: #bindings),* })
+                quote!(Self::#ident { #(#members: #patterns),* })
             }
         };
         if let Some(field) = transparent_field(variant) {
@@ -168,9 +176,8 @@ fn expand_enum(variants: &[Variant], krate: &syn::Path) -> (TokenStream, TokenSt
         let body_mut: Vec<_> = fields
             .map(|(f, b)| visit_field(f, krate, quote!(#b), true))
             .collect();
-        let unused = quote!(#(let _ = #bindings;)*);
-        visit.push(quote!(#pattern => { #unused #(#body)* }));
-        visit_mut.push(quote!(#pattern => { #unused #(#body_mut)* }));
+        visit.push(quote!(#pattern => { #(#body)* }));
+        visit_mut.push(quote!(#pattern => { #(#body_mut)* }));
     }
     let visit = quote!(match self { #(#visit)* });
     let visit_mut = quote!(match self { #(#visit_mut)* });

@@ -11,17 +11,13 @@ impl ::module_runtime::Module for Head {
             Self::Linear(__field0) => {
                 <Linear as ::module_runtime::Module>::visit_children(__field0, __f)
             }
-            Self::Pair(__field0, __field1) => {
-                let _ = __field0;
-                let _ = __field1;
+            Self::Pair(__field0, _) => {
                 __f(
                     ::module_runtime::Name::Index(0usize),
                     <Linear as ::module_runtime::Module>::as_child(__field0),
                 );
             }
             Self::Scaled { proj: __field0, scale: __field1 } => {
-                let _ = __field0;
-                let _ = __field1;
                 __f(
                     ::module_runtime::Name::Field("proj"),
                     <Linear as ::module_runtime::Module>::as_child(__field0),
@@ -45,17 +41,13 @@ impl ::module_runtime::Module for Head {
             Self::Linear(__field0) => {
                 <Linear as ::module_runtime::Module>::visit_children_mut(__field0, __f)
             }
-            Self::Pair(__field0, __field1) => {
-                let _ = __field0;
-                let _ = __field1;
+            Self::Pair(__field0, _) => {
                 __f(
                     ::module_runtime::Name::Index(0usize),
                     <Linear as ::module_runtime::Module>::as_child_mut(__field0),
                 );
             }
             Self::Scaled { proj: __field0, scale: __field1 } => {
-                let _ = __field0;
-                let _ = __field1;
                 __f(
                     ::module_runtime::Name::Field("proj"),
                     <Linear as ::module_runtime::Module>::as_child_mut(__field0),
