@@ -2,7 +2,7 @@
     "unknown `#[module(...)]` key `transparent` on a type: expected `crate` or `bound`"
 }
 ::core::compile_error! {
-    "a skipped field has no name to `rename`"
+    "a skipped field has no name to `rename`; remove `rename`, or `skip` if the field is a module"
 }
 ::core::compile_error! {
     "`#[module(skip)]` on a `Param` would leave it out of training and checkpoints without a word; remove `skip` (to freeze it, call `freeze` on its path)"
