@@ -28,7 +28,7 @@ impl<T> Attr<T> {
         if self.value.is_some() {
             cx.syn_error(syn::Error::new(
                 span,
-                format!("duplicate `{}` in `#[module(...)]`", self.name),
+                format!("`{}` is given twice here; keep one", self.name),
             ));
         } else {
             self.value = Some((span, value));
@@ -56,13 +56,16 @@ impl Container {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
                 if meta.path.is_ident(CRATE) {
-                    let path: syn::Path = meta.value()?.parse()?;
-                    krate.set(cx, span, path);
+                    if let Some(path) = path_value(cx, &meta)? {
+                        krate.set(cx, span, path);
+                    }
                 } else if meta.path.is_ident(BOUND) {
-                    let lit: syn::LitStr = meta.value()?.parse()?;
-                    match parse_bound(&lit) {
-                        Ok(predicates) => bound.set(cx, span, predicates),
-                        Err(e) => cx.syn_error(e),
+                    let example = "bound = \"T: Module\"";
+                    if let Some(lit) = string_value(cx, &meta, example)? {
+                        match parse_bound(&lit) {
+                            Ok(predicates) => bound.set(cx, span, predicates),
+                            Err(e) => cx.syn_error(e),
+                        }
                     }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
@@ -122,19 +125,26 @@ impl Field {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
                 if meta.path.is_ident(SKIP) {
-                    skip.set(cx, span, ());
-                } else if meta.path.is_ident(FLATTEN) {
-                    flatten.set(cx, span, ());
-                } else if meta.path.is_ident(RENAME) {
-                    let lit: syn::LitStr = meta.value()?.parse()?;
-                    let name = lit.value();
-                    if name.is_empty() || name.contains('.') {
-                        cx.error_spanned_by(
-                            &lit,
-                            "a `rename` must be one non-empty path segment (no `.`)",
-                        );
+                    if flag(cx, &meta)? {
+                        skip.set(cx, span, ());
                     }
-                    rename.set(cx, span, (lit.span(), name));
+                } else if meta.path.is_ident(FLATTEN) {
+                    if flag(cx, &meta)? {
+                        flatten.set(cx, span, ());
+                    }
+                } else if meta.path.is_ident(RENAME) {
+                    let example = "rename = \"LayerNorm\"";
+                    if let Some(lit) = string_value(cx, &meta, example)? {
+                        let name = lit.value();
+                        if name.is_empty() || name.contains('.') {
+                            cx.error_spanned_by(
+                                &lit,
+                                "a `rename` must be one non-empty path segment (no `.`): the \
+                                 field's own name in its parent's checkpoint keys",
+                            );
+                        }
+                        rename.set(cx, span, (lit.span(), name));
+                    }
                 } else if is_any(&meta, &[CRATE, BOUND]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -185,7 +195,63 @@ fn path_name(meta: &ParseNestedMeta) -> String {
     quote::quote!(#path).to_string().replace(' ', "")
 }
 
-/// Consumes `= value` or `(...)` after an unknown key, so the rest of the list still parses.
+/// A key without a value (`skip`, `flatten`): whether it was written so. A value is reported
+/// and consumed, and the key is then ignored.
+fn flag(cx: &Ctxt, meta: &ParseNestedMeta) -> syn::Result<bool> {
+    if meta.input.is_empty() || meta.input.peek(syn::Token![,]) {
+        return Ok(true);
+    }
+    let name = path_name(meta);
+    skip_value(meta)?;
+    cx.syn_error(meta.error(format!(
+        "`{name}` takes no value: write `#[module({name})]`"
+    )));
+    Ok(false)
+}
+
+/// The string after `key =`. Anything else is reported (showing `example`) and consumed.
+fn string_value(
+    cx: &Ctxt,
+    meta: &ParseNestedMeta,
+    example: &str,
+) -> syn::Result<Option<syn::LitStr>> {
+    let name = path_name(meta);
+    let message = format!("`{name}` takes a string: `{example}`");
+    if !meta.input.peek(syn::Token![=]) {
+        skip_value(meta)?;
+        cx.syn_error(meta.error(message));
+        return Ok(None);
+    }
+    let value = meta.value()?;
+    if value.peek(syn::LitStr) {
+        return value.parse().map(Some);
+    }
+    let other: syn::Expr = value.parse()?;
+    cx.error_spanned_by(other, message);
+    Ok(None)
+}
+
+/// The path after `crate =`. Anything else (a string, as serde takes) is reported and consumed.
+fn path_value(cx: &Ctxt, meta: &ParseNestedMeta) -> syn::Result<Option<syn::Path>> {
+    if !meta.input.peek(syn::Token![=]) {
+        skip_value(meta)?;
+        cx.syn_error(meta.error("`crate` takes a path: `crate = module_runtime`"));
+        return Ok(None);
+    }
+    let value = meta.value()?;
+    if value.peek(syn::LitStr) {
+        let lit: syn::LitStr = value.parse()?;
+        cx.error_spanned_by(
+            lit,
+            "`crate` takes a path, not a string: `crate = module_runtime`",
+        );
+        return Ok(None);
+    }
+    value.parse().map(Some)
+}
+
+/// Consumes `= value` or `(...)` after an unknown or misused key, so the rest of the list still
+/// parses.
 fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
     if meta.input.peek(syn::Token![=]) {
         let _: proc_macro2::TokenStream = meta
@@ -193,7 +259,10 @@ fn skip_value(meta: &ParseNestedMeta) -> syn::Result<()> {
             .parse::<syn::Expr>()
             .map(|e| quote::quote!(#e))?;
     } else if meta.input.peek(syn::token::Paren) {
-        meta.parse_nested_meta(|inner| skip_value(&inner))?;
+        // Whatever is inside, as tokens: it need not be attribute syntax (`bound(T: Module)`).
+        let content;
+        syn::parenthesized!(content in meta.input);
+        content.parse::<proc_macro2::TokenStream>()?;
     }
     Ok(())
 }

@@ -25,13 +25,13 @@ fn check_field(cx: &Ctxt, field: &Field) {
         if let Some((span, _)) = &attrs.rename {
             cx.syn_error(syn::Error::new(
                 *span,
-                "a skipped field has no name to `rename`",
+                "a skipped field has no name to `rename`; remove `rename`, or `skip` if the field is a module",
             ));
         }
         if let Some(span) = attrs.flatten {
             cx.syn_error(syn::Error::new(
                 span,
-                "`skip` and `flatten` contradict each other",
+                "`skip` and `flatten` contradict each other; keep one",
             ));
         }
         if let Some(leaf) = runtime_leaf(field.ty) {

@@ -8,7 +8,16 @@ use crate::ast::{Data, Field, Input, Style, Variant};
 use crate::ctxt::Ctxt;
 use crate::{bound, check};
 
-pub fn derive(input: &syn::DeriveInput) -> TokenStream {
+/// The whole derive on `proc_macro2` tokens, so it runs in unit tests: the impl, or the errors
+/// followed by a stub impl.
+pub fn derive(input: TokenStream) -> TokenStream {
+    match syn::parse2::<syn::DeriveInput>(input) {
+        Ok(input) => derive_input(&input),
+        Err(error) => error.to_compile_error(),
+    }
+}
+
+fn derive_input(input: &syn::DeriveInput) -> TokenStream {
     let cx = Ctxt::new();
     let parsed = crate::ast::Input::from_ast(&cx, input);
     if let Some(parsed) = &parsed {
@@ -60,6 +69,7 @@ fn expand(input: &Input) -> TokenStream {
 
     quote! {
         #[automatically_derived]
+        #[diagnostic::do_not_recommend]
         impl #impl_generics #krate::Module for #ident #ty_generics #where_clause {
             fn visit_children<'__module>(
                 &'__module self,
@@ -128,12 +138,20 @@ fn expand_enum(variants: &[Variant], krate: &syn::Path) -> (TokenStream, TokenSt
         let bindings: Vec<syn::Ident> = (0..variant.fields.len())
             .map(|i| format_ident!("__field{}", i, span = Span::mixed_site()))
             .collect();
+        // Skipped fields are matched by `_`, so that no binding goes unused.
+        let patterns = variant.fields.iter().zip(&bindings).map(|(f, b)| {
+            if f.attrs.skip.is_some() {
+                quote!(_)
+            } else {
+                quote!(#b)
+            }
+        });
         let pattern = match variant.style {
             Style::Unit => quote!(Self::#ident),
-            Style::Tuple => quote!(Self::#ident(#(#bindings),*)),
+            Style::Tuple => quote!(Self::#ident(#(#patterns),*)),
             Style::Named => {
                 let members = variant.fields.iter().map(|f| &f.member);
-                quote!(Self::#ident { #(#members: #bindings),* })
+                quote!(Self::#ident { #(#members: #patterns),* })
             }
         };
         if let Some(field) = transparent_field(variant) {
@@ -159,9 +177,8 @@ fn expand_enum(variants: &[Variant], krate: &syn::Path) -> (TokenStream, TokenSt
         let body_mut: Vec<_> = fields
             .map(|(f, b)| visit_field(f, krate, quote!(#b), true))
             .collect();
-        let unused = quote!(#(let _ = #bindings;)*);
-        visit.push(quote!(#pattern => { #unused #(#body)* }));
-        visit_mut.push(quote!(#pattern => { #unused #(#body_mut)* }));
+        visit.push(quote!(#pattern => { #(#body)* }));
+        visit_mut.push(quote!(#pattern => { #(#body_mut)* }));
     }
     let visit = quote!(match self { #(#visit)* });
     let visit_mut = quote!(match self { #(#visit_mut)* });
@@ -220,6 +237,7 @@ fn fallback(input: &syn::DeriveInput, krate: &syn::Path) -> TokenStream {
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
     quote! {
         #[automatically_derived]
+        #[diagnostic::do_not_recommend]
         impl #impl_generics #krate::Module for #ident #ty_generics #where_clause {
             fn visit_children<'__module>(
                 &'__module self,

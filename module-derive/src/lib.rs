@@ -13,6 +13,8 @@ mod bound;
 mod check;
 mod ctxt;
 mod expand;
+#[cfg(test)]
+mod snapshot_tests;
 
 use proc_macro::TokenStream;
 
@@ -20,6 +22,5 @@ use proc_macro::TokenStream;
 /// attributes.
 #[proc_macro_derive(Module, attributes(module))]
 pub fn derive_module(input: TokenStream) -> TokenStream {
-    let input = syn::parse_macro_input!(input as syn::DeriveInput);
-    expand::derive(&input).into()
+    expand::derive(input.into()).into()
 }

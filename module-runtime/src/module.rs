@@ -29,8 +29,9 @@ use crate::param::Param;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a module, so `#[derive(Module)]` cannot walk this field",
     label = "not a `Module`",
-    note = "derive `Module` for `{Self}`; or, for a tensor, say what it is: `Param` (trained and saved) \
-            or `Buffer` (saved, not trained); or mark the field `#[module(skip)]` if it is neither"
+    note = "for a tensor, say what it is: `Param` (trained and saved) or `Buffer` (saved, not \
+            trained); for configuration or caches, mark the field `#[module(skip)]`; for a type of \
+            your own, add `#[derive(Module)]` to it"
 )]
 pub trait Module: Any + Send + Sync {
     /// Calls `f` on each direct child, in declaration order, with the name it has in paths.
@@ -217,6 +218,7 @@ impl Clone for Mode {
 
 macro_rules! leaf {
     ($ty:ty, $variant:ident) => {
+        #[diagnostic::do_not_recommend]
         impl Module for $ty {
             fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
             fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}

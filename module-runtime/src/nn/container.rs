@@ -58,6 +58,7 @@ impl<M: Module + Forward<Tensor, Output = Tensor>> SequentialLayer for M {
 
 /// Transparent, like `Box<M>`: the boxed layer is the module. Run it with
 /// [`forward_tensor`](SequentialLayer::forward_tensor) (which goes through the layer's `call`).
+#[diagnostic::do_not_recommend]
 impl Module for Box<dyn SequentialLayer> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         (**self).visit_children(f);
@@ -169,6 +170,7 @@ impl fmt::Debug for Sequential {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl Module for Sequential {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (i, layer) in self.layers.iter().enumerate() {
@@ -329,6 +331,7 @@ impl<M: Module> fmt::Debug for ModuleList<M> {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleList<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (i, m) in self.items.iter().enumerate() {
@@ -482,6 +485,7 @@ impl<M: Module> fmt::Debug for ModuleDict<M> {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleDict<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (k, m) in &self.entries {

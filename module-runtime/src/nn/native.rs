@@ -82,6 +82,7 @@ impl fmt::Debug for Functional {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl Module for Functional {
     fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
     fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}
@@ -303,6 +304,7 @@ impl<L: NativeLayer> fmt::Debug for Native<L> {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl<L: NativeLayer> Module for Native<L> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (name, p) in &self.params {

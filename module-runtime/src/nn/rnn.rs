@@ -105,6 +105,7 @@ impl StackedWeights {
     }
 }
 
+#[diagnostic::do_not_recommend]
 impl Module for StackedWeights {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (layer, [w_ih, w_hh, b_ih, b_hh]) in self.layers.iter().zip(&self.names) {

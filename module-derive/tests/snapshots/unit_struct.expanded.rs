@@ -1,0 +1,18 @@
+#[automatically_derived]
+#[diagnostic::do_not_recommend]
+impl ::module_runtime::Module for Identity {
+    fn visit_children<'__module>(
+        &'__module self,
+        __f: &mut dyn ::core::ops::FnMut(
+            ::module_runtime::Name<'_>,
+            ::module_runtime::Child<'__module>,
+        ),
+    ) {}
+    fn visit_children_mut<'__module>(
+        &'__module mut self,
+        __f: &mut dyn ::core::ops::FnMut(
+            ::module_runtime::Name<'_>,
+            ::module_runtime::ChildMut<'__module>,
+        ),
+    ) {}
+}

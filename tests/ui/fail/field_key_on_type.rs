@@ -1,0 +1,10 @@
+use module_runtime::nn::Linear;
+use module_runtime::Module;
+
+#[derive(Module)]
+#[module(skip)]
+struct Net {
+    fc: Linear,
+}
+
+fn main() {}

@@ -1,0 +1,10 @@
+use module_runtime::nn::Linear;
+use module_runtime::Module;
+
+#[derive(Module)]
+struct Net {
+    #[module(rename = "")]
+    fc: Linear,
+}
+
+fn main() {}

@@ -1,0 +1,10 @@
+use module_runtime::nn::Linear;
+use module_runtime::Module;
+
+#[derive(Module)]
+struct Net {
+    #[module(skip, flatten)]
+    fc: Linear,
+}
+
+fn main() {}
