@@ -138,6 +138,33 @@ pub enum Error {
         name: String,
     },
 
+    /// A hook failed: the call of the module at `path` was aborted.
+    #[error("{hook} on `{path}` failed: {source}")]
+    Hook {
+        /// The path of the module the hook ran on.
+        path: String,
+        /// Which kind of hook (`"forward pre-hook"`, `"forward hook"`).
+        hook: &'static str,
+        /// The hook's error.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A hook replaced a module's input or output with another number of tensors.
+    #[error(
+        "{hook} on `{path}` returned {got} tensors where the value it replaces has {expected}"
+    )]
+    HookTensorCount {
+        /// The path of the module the hook ran on.
+        path: String,
+        /// Which kind of hook.
+        hook: &'static str,
+        /// How many tensors the value has.
+        expected: usize,
+        /// How many the hook returned.
+        got: usize,
+    },
+
     /// An error raised while running the module at `path`.
     #[error("in `{path}`: {source}")]
     InModule {

@@ -35,3 +35,23 @@ pub trait Forward<In> {
     /// Computes the output. Call submodules with `call`, so their hooks fire.
     fn forward(&self, input: In) -> Result<Self::Output>;
 }
+
+/// A boxed module runs the module inside (and is the same node for hooks).
+impl<In, M: Forward<In>> Forward<In> for Box<M> {
+    type Output = M::Output;
+
+    fn forward(&self, input: In) -> Result<M::Output> {
+        (**self).forward(input)
+    }
+}
+
+/// A module shared through `Arc` runs the module inside. Called through the `Arc` field
+/// (`self.shared.call(x)`), hooks see the path of that field, so a module reached by two paths
+/// reports the one it was called through.
+impl<In, M: Forward<In>> Forward<In> for std::sync::Arc<M> {
+    type Output = M::Output;
+
+    fn forward(&self, input: In) -> Result<M::Output> {
+        (**self).forward(input)
+    }
+}

@@ -52,6 +52,7 @@ mod buffer;
 mod device;
 mod error;
 mod forward;
+mod hooks;
 mod io;
 mod module;
 pub mod nn;
@@ -59,17 +60,24 @@ mod param;
 mod pattern;
 mod state;
 mod summary;
+mod tree;
 mod visit;
 
 pub use buffer::Buffer;
 pub use device::{device_from_env, parse_device, DEVICE_ENV};
 pub use error::{Error, Result};
 pub use forward::Forward;
-pub use module::{Child, ChildMut, Mode, Module, Name};
+pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+#[doc(hidden)]
+pub use module::CallTarget;
+pub use module::{Child, ChildMut, Mode, Module, Name, Shared};
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use state::{KeyRule, LoadOptions, LoadReport, Mismatch, StateDict};
 pub use summary::{Summary, SummaryRow};
+#[doc(hidden)]
+pub use tree::Scope;
+pub use tree::{TensorStruct, TensorTree};
 pub use visit::{short_type_name, ModuleExt};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
@@ -85,7 +93,8 @@ pub use candle_nn;
 pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::{
-        Buffer, Error, Forward, LoadOptions, Mode, Module, ModuleExt, Param, Result, StateDict,
+        Buffer, Error, Forward, Hooks, LoadOptions, Mode, Module, ModuleExt, Param, Result,
+        StateDict,
     };
     pub use candle_core::{DType, Device, Module as _, Tensor, D};
 }

@@ -75,6 +75,54 @@ pub trait Module: Any + Send + Sync {
     {
         false
     }
+
+    /// Which node of the tree a `call` on this value is a call of (hook dispatch finds the module's
+    /// path with it). `Box` answers for the module inside; everything else for itself.
+    #[doc(hidden)]
+    fn __call_target(&self) -> CallTarget
+    where
+        Self: Sized,
+    {
+        CallTarget::of(self)
+    }
+}
+
+/// The address and type of a value a module is called through: what hook dispatch looks for among
+/// a module's children. Not public API.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallTarget {
+    addr: usize,
+    ty: std::any::TypeId,
+}
+
+impl CallTarget {
+    /// `value`'s address and type.
+    pub fn of<T: Any>(value: &T) -> Self {
+        Self {
+            addr: value as *const T as *const () as usize,
+            ty: std::any::TypeId::of::<T>(),
+        }
+    }
+
+    /// The target of a module seen through `dyn Module`.
+    pub(crate) fn of_dyn(module: &dyn Module) -> Self {
+        Self {
+            addr: module as *const dyn Module as *const () as usize,
+            ty: (module as &dyn Any).type_id(),
+        }
+    }
+}
+
+/// A module reached through an `Arc`: its identity (shared by every clone of the `Arc`) and the
+/// `Arc` value it was reached through (which tells two paths to one module apart when it is called).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shared {
+    /// The module's identity: the `Arc`'s target address.
+    pub id: usize,
+    /// The `Arc` field itself.
+    #[doc(hidden)]
+    pub holder: CallTarget,
 }
 
 impl dyn Module {
@@ -150,7 +198,7 @@ pub enum Child<'a> {
         /// The submodule.
         module: &'a dyn Module,
         /// Identity of a module shared through `Arc`.
-        shared: Option<usize>,
+        shared: Option<Shared>,
     },
     /// A trainable parameter.
     Param(&'a Param),
@@ -344,6 +392,9 @@ impl<M: Module> Module for Box<M> {
     fn is_config() -> bool {
         M::is_config()
     }
+    fn __call_target(&self) -> CallTarget {
+        (**self).__call_target()
+    }
 }
 
 /// Shared ownership is identity: every `Arc` clone of one module is that one module, listed once,
@@ -365,7 +416,10 @@ impl<M: Module> Module for Arc<M> {
         match (**self).as_child() {
             Child::Module { module, .. } => Child::Module {
                 module,
-                shared: Some(Arc::as_ptr(self) as *const () as usize),
+                shared: Some(Shared {
+                    id: Arc::as_ptr(self) as *const () as usize,
+                    holder: CallTarget::of(self),
+                }),
             },
             other => other,
         }

@@ -19,6 +19,11 @@ pub struct SummaryRow {
     pub params: usize,
     /// How many of them are trained (not frozen).
     pub trainable_params: usize,
+    /// The shapes of the module's input tensors at its first call, from
+    /// [`summary_with`](crate::ModuleExt::summary_with) (`[32, 64]`, comma-separated for several).
+    pub input_shape: Option<String>,
+    /// The shapes of its output tensors at that call.
+    pub output_shape: Option<String>,
 }
 
 /// A static summary of a model, from its structure alone (no forward pass): every module with its
@@ -83,6 +88,8 @@ impl Summary {
                         depth,
                         params: 0,
                         trainable_params: 0,
+                        input_shape: None,
+                        output_shape: None,
                     });
                 }
                 Visit::Param(p) => {
@@ -169,12 +176,34 @@ impl fmt::Display for Summary {
             .chain([6])
             .max()
             .unwrap_or(6);
-        let width = name_w + type_w + count_w + 6 + 9;
+        let shaped = self.rows.iter().any(|r| r.output_shape.is_some());
+        let shape_w = |get: fn(&SummaryRow) -> &Option<String>, title: &str| {
+            self.rows
+                .iter()
+                .map(|r| get(r).as_deref().unwrap_or("-").chars().count())
+                .chain([title.len()])
+                .max()
+                .unwrap_or(0)
+        };
+        let in_w = shape_w(|r| &r.input_shape, "Input shape");
+        let out_w = shape_w(|r| &r.output_shape, "Output shape");
+        let shapes_width = if shaped { in_w + out_w + 4 } else { 0 };
+        let width = name_w + type_w + count_w + 6 + 9 + shapes_width;
         let rule = "=".repeat(width);
+        let shape_cols = |input: &str, output: &str| {
+            if shaped {
+                format!("  {input:<in_w$}  {output:<out_w$}")
+            } else {
+                String::new()
+            }
+        };
         writeln!(
             f,
-            "{:<name_w$}  {:<type_w$}  {:>count_w$}  Trainable",
-            "Module", "Type", "Params"
+            "{:<name_w$}  {:<type_w$}{}  {:>count_w$}  Trainable",
+            "Module",
+            "Type",
+            shape_cols("Input shape", "Output shape"),
+            "Params"
         )?;
         writeln!(f, "{rule}")?;
         for row in &self.rows {
@@ -186,9 +215,13 @@ impl fmt::Display for Summary {
             };
             writeln!(
                 f,
-                "{:<name_w$}  {:<type_w$}  {:>count_w$}  {trainable}",
+                "{:<name_w$}  {:<type_w$}{}  {:>count_w$}  {trainable}",
                 label(row),
                 row.type_name,
+                shape_cols(
+                    row.input_shape.as_deref().unwrap_or("-"),
+                    row.output_shape.as_deref().unwrap_or("-")
+                ),
                 thousands(row.params)
             )?;
         }

@@ -8,10 +8,12 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::forward::Forward;
+use crate::hooks::{Captures, Hooks};
 use crate::module::{Child, ChildMut, Mode, Module, Name};
 use crate::param::Param;
 use crate::pattern::PathPattern;
 use crate::state::{LoadOptions, LoadReport, StateDict};
+use crate::tree::TensorTree;
 
 /// What a walk reaches.
 pub(crate) enum Visit<'a> {
@@ -55,7 +57,7 @@ impl<'a> Walker<'a, '_> {
 
     fn child(&mut self, name: Name<'_>, child: Child<'a>) {
         let identity = match child {
-            Child::Module { shared, .. } => shared,
+            Child::Module { shared, .. } => shared.map(|s| s.id),
             Child::Param(p) => Some(p.id()),
             Child::Buffer(b) => Some(b.id()),
             Child::Mode(_) | Child::Absent => None,
@@ -140,13 +142,102 @@ pub trait ModuleExt: Module {
     /// `self` as a mutable trait object.
     fn as_dyn_mut(&mut self) -> &mut dyn Module;
 
-    /// Runs the module: [`Forward::forward`] (the hooks issue adds hook dispatch here).
-    /// Call submodules through `call`, not `forward`, so that hooks see them.
+    /// Runs the module: [`Forward::forward`], with the hooks of an active [`Hooks::run`] around it
+    /// (PyTorch's `module(x)`). Call submodules through `call`, not `forward`, so that hooks see
+    /// them. With no hooks attached on this thread, `call` is `forward` plus one thread-local read.
+    ///
+    /// The input and output must be [`TensorTree`]s (tensors, references to them, tuples, `Vec`,
+    /// `Option`, numbers, your own [`TensorStruct`](crate::TensorStruct)s), and the output owns its
+    /// tensors.
+    ///
+    /// [`Hooks::run`]: crate::Hooks::run
+    #[inline]
     fn call<In>(&self, input: In) -> Result<<Self as Forward<In>>::Output>
     where
         Self: Forward<In> + Sized,
+        In: TensorTree,
+        <Self as Forward<In>>::Output: TensorTree + 'static,
     {
-        self.forward(input)
+        if !crate::hooks::active() {
+            return self.forward(input);
+        }
+        crate::hooks::dispatch(self, input)
+    }
+
+    /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for
+    /// [`hooks.run(self, run)`](Hooks::run).
+    fn with_hooks<R>(&self, hooks: &Hooks, run: impl FnOnce(&Self) -> R) -> R
+    where
+        Self: Sized,
+    {
+        hooks.run(self, run)
+    }
+
+    /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path
+    /// matches one of `patterns`, in call order (like torchvision's `create_feature_extractor`).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// struct Mlp {
+    ///     layers: Vec<Linear>,
+    /// }
+    ///
+    /// impl Forward<&Tensor> for Mlp {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    ///         let mut x = x.clone();
+    ///         for layer in &self.layers {
+    ///             x = layer.call(&x)?.relu()?;
+    ///         }
+    ///         Ok(x)
+    ///     }
+    /// }
+    ///
+    /// let dev = Device::Cpu;
+    /// let mlp = Mlp { layers: vec![Linear::new(4, 8, &dev)?, Linear::new(8, 3, &dev)?] };
+    /// let x = Tensor::ones((2, 4), DType::F32, &dev)?;
+    /// let (_, captured) = mlp.capture(&["layers.*"], |m| m.call(&x))?;
+    /// assert_eq!(captured.paths().collect::<Vec<_>>(), ["layers.0", "layers.1"]);
+    /// assert_eq!(captured.get("layers.1").unwrap().dims(), [2, 3]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn capture<R>(
+        &self,
+        patterns: &[&str],
+        run: impl FnOnce(&Self) -> Result<R>,
+    ) -> Result<(R, Captures)>
+    where
+        Self: Sized,
+    {
+        crate::hooks::capture(self, patterns, run)
+    }
+
+    /// Runs `run` and returns, beside its result, the path of every module call in the order the
+    /// calls started (Ivy's `track_submod_call_order`).
+    fn call_order<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<(R, Vec<String>)>
+    where
+        Self: Sized,
+    {
+        crate::hooks::call_order(self, run)
+    }
+
+    /// [`summary`](Self::summary) with each module's input and output shapes, from running `run`
+    /// (torchinfo's `summary(model, input_size)`). Modules that `run` does not call have no shapes.
+    fn summary_with<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<crate::Summary>
+    where
+        Self: Sized,
+    {
+        let shapes = crate::hooks::record_shapes(self, run)?;
+        let mut summary = crate::Summary::of(self.as_dyn());
+        for row in &mut summary.rows {
+            if let Some((_, input, output)) = shapes.iter().find(|(p, _, _)| *p == row.path) {
+                row.input_shape = Some(input.clone());
+                row.output_shape = Some(output.clone());
+            }
+        }
+        Ok(summary)
     }
 
     /// Every parameter with its path, each once (the first path that reaches it), in declaration
@@ -375,7 +466,7 @@ pub trait ModuleExt: Module {
         fn post_order(m: &dyn Module, seen: &mut HashSet<usize>, f: &mut dyn FnMut(&dyn Module)) {
             m.visit_children(&mut |_, child| {
                 if let Child::Module { module, shared } = child {
-                    if shared.is_none_or(|id| seen.insert(id)) {
+                    if shared.is_none_or(|s| seen.insert(s.id)) {
                         post_order(module, seen, f);
                     }
                 }
