@@ -1,5 +1,8 @@
 //! Shared support for this workspace's examples, integration tests and benchmarks: the bundled
-//! digits data set. The library itself is `module-runtime`.
+//! digits data set and a BERT encoder ([`bert`]) that loads Hugging Face checkpoints. The library
+//! itself is `module-runtime`.
+
+pub mod bert;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,538 @@
+//! A BERT encoder written with `#[derive(Module)]`, whose parameter paths are Hugging Face's
+//! (`embeddings.LayerNorm.weight`, `encoder.layer.3.attention.self.query.weight`, …), so a
+//! `transformers` `BertModel` checkpoint such as all-MiniLM-L6-v2 loads into it strictly, by name.
+//!
+//! Field names give most of the keys; `#[module(rename)]` gives the two that are not Rust
+//! identifiers in snake case (`LayerNorm`, `self`). Every submodule is run with `call`, so hooks see
+//! each of them under its checkpoint path.
+
+use std::path::Path;
+
+use module_runtime::nn::{Dropout, Embedding, LayerNorm, Linear, GELU};
+use module_runtime::prelude::*;
+use module_runtime::{Buffer, Error};
+use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
+
+/// The hyperparameters of a BERT encoder: the fields of a Hugging Face `config.json` it needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BertConfig {
+    /// Size of the vocabulary.
+    pub vocab_size: usize,
+    /// Width of the hidden states.
+    pub hidden_size: usize,
+    /// Number of encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Longest sequence the position embeddings cover.
+    pub max_position_embeddings: usize,
+    /// Number of token types (segments).
+    pub type_vocab_size: usize,
+    /// The layer norms' epsilon.
+    pub layer_norm_eps: f64,
+    /// Dropout on hidden states (training only).
+    pub hidden_dropout_prob: f64,
+    /// Dropout on attention probabilities (training only).
+    pub attention_probs_dropout_prob: f64,
+}
+
+impl BertConfig {
+    /// all-MiniLM-L6-v2's configuration: 6 layers, hidden size 384, 12 heads.
+    pub fn minilm_l6() -> Self {
+        Self {
+            vocab_size: 30522,
+            hidden_size: 384,
+            num_hidden_layers: 6,
+            num_attention_heads: 12,
+            intermediate_size: 1536,
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            hidden_dropout_prob: 0.1,
+            attention_probs_dropout_prob: 0.1,
+        }
+    }
+
+    /// BERT-base's configuration: 12 layers, hidden size 768, 12 heads (about 110M parameters).
+    pub fn base() -> Self {
+        Self {
+            hidden_size: 768,
+            num_hidden_layers: 12,
+            intermediate_size: 3072,
+            ..Self::minilm_l6()
+        }
+    }
+
+    /// Reads the fields above from a Hugging Face `config.json`. Only `hidden_act: "gelu"` (exact
+    /// GELU) and absolute position embeddings are supported; anything else is an error.
+    pub fn from_json_file(path: &Path) -> std::result::Result<Self, Box<dyn std::error::Error>> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+        let usize_of = |key: &str| -> std::result::Result<usize, String> {
+            json[key]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| format!("{}: `{key}` is missing or not an integer", path.display()))
+        };
+        let f64_of = |key: &str, default: f64| json[key].as_f64().unwrap_or(default);
+        let str_of =
+            |key: &str, default: &'static str| json[key].as_str().unwrap_or(default).to_owned();
+        if str_of("hidden_act", "gelu") != "gelu" {
+            return Err(
+                format!("{}: only hidden_act \"gelu\" is supported", path.display()).into(),
+            );
+        }
+        if str_of("position_embedding_type", "absolute") != "absolute" {
+            return Err(format!(
+                "{}: only absolute position embeddings are supported",
+                path.display()
+            )
+            .into());
+        }
+        Ok(Self {
+            vocab_size: usize_of("vocab_size")?,
+            hidden_size: usize_of("hidden_size")?,
+            num_hidden_layers: usize_of("num_hidden_layers")?,
+            num_attention_heads: usize_of("num_attention_heads")?,
+            intermediate_size: usize_of("intermediate_size")?,
+            max_position_embeddings: usize_of("max_position_embeddings")?,
+            type_vocab_size: usize_of("type_vocab_size")?,
+            layer_norm_eps: f64_of("layer_norm_eps", 1e-12),
+            hidden_dropout_prob: f64_of("hidden_dropout_prob", 0.1),
+            attention_probs_dropout_prob: f64_of("attention_probs_dropout_prob", 0.1),
+        })
+    }
+}
+
+/// Word, position and token-type embeddings, summed and normalized.
+#[derive(Module)]
+pub struct BertEmbeddings {
+    /// `[vocab_size, hidden]`.
+    pub word_embeddings: Embedding,
+    /// `[max_position_embeddings, hidden]`.
+    pub position_embeddings: Embedding,
+    /// `[type_vocab_size, hidden]`.
+    pub token_type_embeddings: Embedding,
+    /// Normalizes the sum.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+    /// Dropout after the norm.
+    pub dropout: Dropout,
+    /// `[1, max_position_embeddings]` int64 `0, 1, 2, …`: a persistent buffer in the checkpoint.
+    pub position_ids: Buffer,
+}
+
+/// Queries, keys and values (Hugging Face's `BertSelfAttention`); its output is the per-head
+/// context, heads side by side: `[batch, seq, heads * head_dim]`.
+#[derive(Module)]
+pub struct BertSelfAttention {
+    /// `[hidden, hidden]`.
+    pub query: Linear,
+    /// `[hidden, hidden]`.
+    pub key: Linear,
+    /// `[hidden, hidden]`.
+    pub value: Linear,
+    /// Dropout on the attention probabilities.
+    pub dropout: Dropout,
+    /// Number of heads.
+    pub num_heads: usize,
+}
+
+/// The projection after attention, with the residual connection and norm.
+#[derive(Module)]
+pub struct BertSelfOutput {
+    /// `[hidden, hidden]`.
+    pub dense: Linear,
+    /// Normalizes `dense(x) + residual`.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+    /// Dropout before the residual sum.
+    pub dropout: Dropout,
+}
+
+/// Self-attention and its output projection.
+#[derive(Module)]
+pub struct BertAttention {
+    /// The attention proper (checkpoint name `self`).
+    #[module(rename = "self")]
+    pub self_attention: BertSelfAttention,
+    /// Projection, residual and norm.
+    pub output: BertSelfOutput,
+}
+
+/// The first half of the feed-forward block.
+#[derive(Module)]
+pub struct BertIntermediate {
+    /// `[intermediate, hidden]`.
+    pub dense: Linear,
+    /// Exact GELU.
+    pub activation: GELU,
+}
+
+/// The second half of the feed-forward block, with the residual connection and norm.
+#[derive(Module)]
+pub struct BertOutput {
+    /// `[hidden, intermediate]`.
+    pub dense: Linear,
+    /// Normalizes `dense(x) + residual`.
+    #[module(rename = "LayerNorm")]
+    pub layer_norm: LayerNorm,
+    /// Dropout before the residual sum.
+    pub dropout: Dropout,
+}
+
+/// One transformer layer.
+#[derive(Module)]
+pub struct BertLayer {
+    /// Attention block.
+    pub attention: BertAttention,
+    /// Feed-forward, first half.
+    pub intermediate: BertIntermediate,
+    /// Feed-forward, second half.
+    pub output: BertOutput,
+}
+
+/// The stack of layers.
+#[derive(Module)]
+pub struct BertEncoder {
+    /// `layer.0`, `layer.1`, …
+    pub layer: Vec<BertLayer>,
+}
+
+/// `tanh(dense(hidden[:, 0]))`: the first token's pooled output.
+#[derive(Module)]
+pub struct BertPooler {
+    /// `[hidden, hidden]`.
+    pub dense: Linear,
+}
+
+/// Hugging Face's `BertModel`: embeddings, encoder and pooler.
+///
+/// `call((&input_ids, &attention_mask))` takes `[batch, seq]` token ids (u32 or i64) and a
+/// `[batch, seq]` mask (1 for tokens, 0 for padding, any dtype) and returns the last hidden state
+/// `[batch, seq, hidden]`; the token types are all 0 (single-segment input). The pooler is part
+/// of the checkpoint and is loaded, but [`pool`](Self::pool) runs it only when asked.
+#[derive(Module)]
+pub struct BertModel {
+    /// Input embeddings.
+    pub embeddings: BertEmbeddings,
+    /// Transformer layers.
+    pub encoder: BertEncoder,
+    /// First-token pooler.
+    pub pooler: BertPooler,
+}
+
+/// A configuration or input the model cannot run with.
+fn invalid(message: String) -> Error {
+    candle_core::Error::Msg(message).into()
+}
+
+fn dropout(p: f64) -> Result<Dropout> {
+    if !(0.0..=1.0).contains(&p) {
+        return Err(invalid(format!("dropout probability {p} is not in [0, 1]")));
+    }
+    Ok(Dropout::new(p))
+}
+
+impl BertModel {
+    /// A randomly initialized model (PyTorch's default initializations of each layer), in training
+    /// mode. Load a checkpoint into it with `load_safetensors`.
+    pub fn new(cfg: &BertConfig, device: &Device) -> Result<Self> {
+        let h = cfg.hidden_size;
+        if cfg.num_attention_heads == 0 || h % cfg.num_attention_heads != 0 {
+            return Err(invalid(format!(
+                "hidden_size {h} is not a multiple of num_attention_heads {}",
+                cfg.num_attention_heads
+            )));
+        }
+        let norm = || LayerNorm::new(h, cfg.layer_norm_eps, device);
+        let layer = || -> Result<BertLayer> {
+            Ok(BertLayer {
+                attention: BertAttention {
+                    self_attention: BertSelfAttention {
+                        query: Linear::new(h, h, device)?,
+                        key: Linear::new(h, h, device)?,
+                        value: Linear::new(h, h, device)?,
+                        dropout: dropout(cfg.attention_probs_dropout_prob)?,
+                        num_heads: cfg.num_attention_heads,
+                    },
+                    output: BertSelfOutput {
+                        dense: Linear::new(h, h, device)?,
+                        layer_norm: norm()?,
+                        dropout: dropout(cfg.hidden_dropout_prob)?,
+                    },
+                },
+                intermediate: BertIntermediate {
+                    dense: Linear::new(h, cfg.intermediate_size, device)?,
+                    activation: GELU::new(),
+                },
+                output: BertOutput {
+                    dense: Linear::new(cfg.intermediate_size, h, device)?,
+                    layer_norm: norm()?,
+                    dropout: dropout(cfg.hidden_dropout_prob)?,
+                },
+            })
+        };
+        let positions = Tensor::arange(0i64, cfg.max_position_embeddings as i64, device)?
+            .reshape((1, cfg.max_position_embeddings))?;
+        Ok(Self {
+            embeddings: BertEmbeddings {
+                word_embeddings: Embedding::new(cfg.vocab_size, h, device)?,
+                position_embeddings: Embedding::new(cfg.max_position_embeddings, h, device)?,
+                token_type_embeddings: Embedding::new(cfg.type_vocab_size, h, device)?,
+                layer_norm: norm()?,
+                dropout: dropout(cfg.hidden_dropout_prob)?,
+                position_ids: Buffer::new(positions),
+            },
+            encoder: BertEncoder {
+                layer: (0..cfg.num_hidden_layers)
+                    .map(|_| layer())
+                    .collect::<Result<_>>()?,
+            },
+            pooler: BertPooler {
+                dense: Linear::new(h, h, device)?,
+            },
+        })
+    }
+
+    /// The pooled output `[batch, hidden]` of a last hidden state.
+    pub fn pool(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.pooler.call(hidden)
+    }
+}
+
+impl Forward<&Tensor> for BertEmbeddings {
+    type Output = Tensor;
+
+    /// `[batch, seq]` ids → `[batch, seq, hidden]`.
+    fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (_, seq_len) = input_ids.dims2()?;
+        let positions = self.position_ids.tensor().narrow(1, 0, seq_len)?;
+        let words = self.word_embeddings.call(input_ids)?;
+        let positions = self.position_embeddings.call(&positions)?;
+        // Single-segment input: every token type is 0, so its embedding is row 0 for all tokens.
+        let token_type = self.token_type_embeddings.weight.tensor().narrow(0, 0, 1)?;
+        let sum = words
+            .broadcast_add(&positions)?
+            .broadcast_add(&token_type)?;
+        let normed = self.layer_norm.call(&sum)?;
+        self.dropout.call(&normed)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
+    type Output = Tensor;
+
+    /// `(hidden [batch, seq, hidden], mask bias [batch, 1, 1, seq])` → `[batch, seq, hidden]`.
+    fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let (batch, seq_len, hidden) = x.dims3()?;
+        let head_dim = hidden / self.num_heads;
+        let heads = |t: Tensor| -> Result<Tensor> {
+            Ok(t.reshape((batch, seq_len, self.num_heads, head_dim))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        // Scaling the queries (seq × head_dim values per head) is cheaper than scaling the scores.
+        let q = heads((self.query.call(x)? / (head_dim as f64).sqrt())?)?;
+        let k = heads(self.key.call(x)?)?;
+        let v = heads(self.value.call(x)?)?;
+        let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
+        let probs = softmax_last_dim(&scores)?;
+        let probs = self.dropout.call(&probs)?;
+        let context = probs.matmul(&v)?.transpose(1, 2)?;
+        Ok(context.reshape((batch, seq_len, hidden))?)
+    }
+}
+
+/// Softmax over the last dimension: candle's fused kernel when nothing needs a gradient (it records
+/// none), the differentiable composition otherwise. The same rule as the runtime's layers.
+fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.track_op() {
+        Ok(candle_nn::ops::softmax(x, D::Minus1)?)
+    } else {
+        Ok(candle_nn::ops::softmax_last_dim(x)?)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertSelfOutput {
+    type Output = Tensor;
+
+    /// `(attention context, residual)` → normalized sum.
+    fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let h = self.dropout.call(&self.dense.call(x)?)?;
+        self.layer_norm.call(&(h + residual)?)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertAttention {
+    type Output = Tensor;
+
+    /// `(hidden, mask bias)` → hidden.
+    fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let context = self.self_attention.call((x, mask_bias))?;
+        self.output.call((&context, x))
+    }
+}
+
+impl Forward<&Tensor> for BertIntermediate {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.activation.call(&self.dense.call(x)?)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertOutput {
+    type Output = Tensor;
+
+    /// `(intermediate, residual)` → normalized sum.
+    fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let h = self.dropout.call(&self.dense.call(x)?)?;
+        self.layer_norm.call(&(h + residual)?)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertLayer {
+    type Output = Tensor;
+
+    /// `(hidden, mask bias)` → hidden.
+    fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let attended = self.attention.call((x, mask_bias))?;
+        let inner = self.intermediate.call(&attended)?;
+        self.output.call((&inner, &attended))
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertEncoder {
+    type Output = Tensor;
+
+    /// `(hidden, mask bias)` → hidden.
+    fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let mut h = x.clone();
+        for layer in &self.layer {
+            h = layer.call((&h, mask_bias))?;
+        }
+        Ok(h)
+    }
+}
+
+impl Forward<&Tensor> for BertPooler {
+    type Output = Tensor;
+
+    /// `[batch, seq, hidden]` → `[batch, hidden]` from the first token.
+    fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let first = hidden.narrow(1, 0, 1)?.squeeze(1)?;
+        Ok(self.dense.call(&first)?.tanh()?)
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for BertModel {
+    type Output = Tensor;
+
+    /// `(input_ids [batch, seq], attention_mask [batch, seq])` → last hidden state.
+    fn forward(&self, (input_ids, attention_mask): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let (batch, seq_len) = input_ids.dims2()?;
+        if attention_mask.dims() != [batch, seq_len] {
+            return Err(invalid(format!(
+                "attention_mask has shape {:?}, input_ids {:?}: they must match",
+                attention_mask.dims(),
+                input_ids.dims()
+            )));
+        }
+        let embedded = self.embeddings.call(input_ids)?;
+        // 0 where a key is a token, the dtype's lowest value where it is padding (as transformers
+        // does): after the softmax, padding gets exactly zero weight.
+        let dtype = embedded.dtype();
+        let keep = attention_mask.to_dtype(dtype)?;
+        let lowest = match dtype {
+            DType::F16 => -65504.0,
+            DType::BF16 => -3.3895313892515355e38,
+            DType::F64 => f64::MIN,
+            _ => f64::from(f32::MIN),
+        };
+        let mask_bias = ((1.0 - keep)? * lowest)?.reshape((batch, 1, 1, seq_len))?;
+        self.encoder.call((&embedded, &mask_bias))
+    }
+}
+
+/// Sentence embeddings as sentence-transformers computes them: the mean of the hidden states over
+/// the attention mask, then L2-normalized. `hidden` is `[batch, seq, dim]`, `mask` `[batch, seq]`.
+pub fn mean_pool_normalized(hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let mask = mask.to_dtype(hidden.dtype())?.unsqueeze(2)?;
+    let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+    let counts = mask.sum(1)?.clamp(1e-9, f64::INFINITY)?;
+    let mean = summed.broadcast_div(&counts)?;
+    let norm = mean
+        .sqr()?
+        .sum_keepdim(1)?
+        .sqrt()?
+        .clamp(1e-12, f64::INFINITY)?;
+    Ok(mean.broadcast_div(&norm)?)
+}
+
+/// The tokenizer of a checkpoint folder (`tokenizer.json`), set up as sentence-transformers uses
+/// it: each batch padded to its longest sentence, sentences truncated to `max_seq_length` (from
+/// `sentence_bert_config.json`; 256 without one). The file's own fixed padding to 128 is replaced.
+pub fn load_tokenizer(dir: &Path) -> std::result::Result<Tokenizer, Box<dyn std::error::Error>> {
+    let max_len = std::fs::read_to_string(dir.join("sentence_bert_config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|json| json["max_seq_length"].as_u64())
+        .unwrap_or(256) as usize;
+    let path = dir.join("tokenizer.json");
+    let mut tokenizer =
+        Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    tokenizer.with_padding(Some(PaddingParams {
+        strategy: PaddingStrategy::BatchLongest,
+        ..PaddingParams::default()
+    }));
+    tokenizer
+        .with_truncation(Some(TruncationParams {
+            max_length: max_len,
+            ..TruncationParams::default()
+        }))
+        .map_err(|e| format!("{}: truncation: {e}", path.display()))?;
+    Ok(tokenizer)
+}
+
+/// Tokenizes `sentences` as one padded batch: `(input_ids, attention_mask)`, both `[batch, seq]`
+/// u32, ready for [`BertModel`]'s `call`.
+pub fn encode_batch(
+    tokenizer: &Tokenizer,
+    sentences: &[&str],
+    device: &Device,
+) -> std::result::Result<(Tensor, Tensor), Box<dyn std::error::Error>> {
+    let encodings = tokenizer
+        .encode_batch(sentences.to_vec(), true)
+        .map_err(|e| format!("tokenizing: {e}"))?;
+    let len = encodings.first().map_or(0, |e| e.get_ids().len());
+    let ids: Vec<u32> = encodings
+        .iter()
+        .flat_map(|e| e.get_ids().iter().copied())
+        .collect();
+    let mask: Vec<u32> = encodings
+        .iter()
+        .flat_map(|e| e.get_attention_mask().iter().copied())
+        .collect();
+    Ok((
+        Tensor::from_vec(ids, (sentences.len(), len), device)?,
+        Tensor::from_vec(mask, (sentences.len(), len), device)?,
+    ))
+}
+
+/// Where the all-MiniLM-L6-v2 checkpoint is: `$MINILM_DIR`, else `../shared/models/all-MiniLM-L6-v2`
+/// beside the workspace, if it holds a `model.safetensors`.
+pub fn minilm_dir() -> Option<std::path::PathBuf> {
+    let candidates = [
+        std::env::var_os("MINILM_DIR").map(std::path::PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models/all-MiniLM-L6-v2")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("model.safetensors").is_file())
+}
