@@ -14,6 +14,8 @@ mod check;
 mod ctxt;
 mod expand;
 #[cfg(test)]
+mod expansion_cost;
+#[cfg(test)]
 mod snapshot_tests;
 
 use proc_macro::TokenStream;
