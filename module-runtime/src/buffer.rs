@@ -131,6 +131,13 @@ impl Buffer {
     pub fn id(&self) -> usize {
         Arc::as_ptr(&self.0) as usize
     }
+
+    /// Whether another handle to this buffer exists. A buffer with one handle is held by one
+    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
+    /// dedups itself: traversal skips its memo set for such buffers.
+    pub(crate) fn has_aliases(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
 }
 
 impl std::fmt::Debug for Buffer {

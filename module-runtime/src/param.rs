@@ -183,6 +183,13 @@ impl Param {
         Arc::as_ptr(&self.0) as usize
     }
 
+    /// Whether another handle to this parameter exists. A parameter with one handle is held by one
+    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
+    /// dedups itself: traversal skips its memo set for such parameters.
+    pub(crate) fn has_aliases(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Var> {
         // A panic while holding the lock cannot leave a half-written `Var` (assignment is the last
         // step of every write), so a poisoned lock is safe to use.
