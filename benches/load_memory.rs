@@ -1,0 +1,73 @@
+//! Peak memory of loading all-MiniLM-L6-v2, against the checkpoint's size: our strict load into a
+//! built model, and candle-nn's `VarBuilder::from_mmaped_safetensors` reading every tensor. Each
+//! runs in its own process, since the peak (`VmHWM`) is per process:
+//!
+//! ```text
+//! cargo bench --bench load_memory -- derived
+//! cargo bench --bench load_memory -- varbuilder
+//! ```
+//!
+//! Resident memory counts the pages of the memory-mapped file that were read, as the kernel does.
+
+use candle_module::bert::{minilm_dir, BertConfig, BertModel};
+use candle_nn::VarBuilder;
+use module_runtime::prelude::*;
+
+/// `VmRSS` and `VmHWM` (peak) of this process, in MiB.
+fn memory() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let which = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .unwrap_or_else(|| "derived".to_owned());
+    let Some(dir) = minilm_dir() else {
+        eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
+        return Ok(());
+    };
+    let path = dir.join("model.safetensors");
+    let file_mib = std::fs::metadata(&path)?.len() as f64 / (1024.0 * 1024.0);
+    let device = Device::Cpu;
+    let (rss_before, _) = memory();
+    // Each arm measures while it still holds what it loaded.
+    let (held, rss_model, (rss_after, peak)) = match which.as_str() {
+        "derived" => {
+            let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
+            let (rss_model, _) = memory();
+            model.load_safetensors(&path)?;
+            (model.num_parameters(), rss_model, memory())
+        }
+        "varbuilder" => {
+            // SAFETY: the checkpoint is not modified while mapped.
+            let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
+            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&path)? };
+            let mut tensors = Vec::new();
+            for (name, view) in st.tensors() {
+                if DType::try_from(view.dtype()).is_ok_and(|d| d == DType::F32) {
+                    tensors.push(vb.get(view.shape(), &name)?);
+                }
+            }
+            let held = tensors.iter().map(|t| t.elem_count()).sum();
+            (held, rss_before, memory())
+        }
+        other => return Err(format!("unknown mode `{other}`: derived or varbuilder").into()),
+    };
+    println!(
+        "{which}: checkpoint {file_mib:.1} MiB; RSS before {rss_before:.1} MiB, with the model built \
+         {rss_model:.1} MiB, after the load {rss_after:.1} MiB, peak {peak:.1} MiB; \
+         peak above the start = {:.2} x the checkpoint ({held} values held)",
+        (peak - rss_before) / file_mib
+    );
+    Ok(())
+}
