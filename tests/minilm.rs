@@ -276,3 +276,41 @@ fn capture_returns_each_encoder_layer_by_path() -> Result<()> {
     assert_eq!(diff, 0.0);
     Ok(())
 }
+
+/// A checkpoint saved from a model wrapped in `DataParallel` (keys `module.…`) loads with the
+/// prefix-strip option, and only with it.
+#[test]
+fn a_module_prefixed_checkpoint_loads_with_strip_prefix() -> Result<()> {
+    let Some(dir) = checkpoint() else {
+        return Ok(());
+    };
+    let device = device_from_env()?;
+    let source = load_model(&dir, &device)?;
+    let prefixed: module_runtime::StateDict = source
+        .state_dict()?
+        .iter()
+        .map(|(k, t)| (format!("module.{k}"), t.clone()))
+        .collect();
+    let path =
+        std::env::temp_dir().join(format!("minilm-module-{}.safetensors", std::process::id()));
+    candle_core::safetensors::save(&prefixed.into_hash_map(), &path)?;
+
+    let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
+    let err = model.load_safetensors(&path).unwrap_err();
+    assert!(matches!(&err, Error::Load(r) if r.missing.len() == 104 && r.unexpected.len() == 104));
+    let report =
+        model.load_safetensors_with(&path, &LoadOptions::default().strip_prefix("module"))?;
+    std::fs::remove_file(&path).ok();
+    assert!(report.is_complete(), "{report}");
+    assert_eq!(report.loaded, 104);
+    let expected = source.state_dict()?;
+    for (key, value) in model.state_dict()?.iter() {
+        let diff = (value.to_dtype(DType::F64)?
+            - expected.get(key).unwrap().to_dtype(DType::F64)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f64>()?;
+        assert_eq!(diff, 0.0, "`{key}` differs");
+    }
+    Ok(())
+}
