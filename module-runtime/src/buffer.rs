@@ -5,6 +5,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::lazy::{Init, LazyShape, LazyState};
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
 ///
@@ -16,6 +17,10 @@ use crate::error::{Error, Result};
 /// can be replaced through `&self` during a forward pass (BatchNorm updates its running statistics
 /// this way). [`to_dtype`](crate::ModuleExt::to_dtype) converts floating-point buffers only, so
 /// integer buffers such as `position_ids` keep their dtype.
+///
+/// Like a [`Param`](crate::Param), a buffer may be lazy ([`Buffer::lazy`]): unbuilt, reading as an
+/// empty placeholder of shape `[0]`, until it is materialized with the shape the first input
+/// decides or the value a checkpoint holds.
 ///
 /// ```
 /// use module_runtime::{Buffer, candle_core::{Device, Tensor, DType}};
@@ -30,6 +35,8 @@ pub struct Buffer(Arc<BufferInner>);
 struct BufferInner {
     value: RwLock<Tensor>,
     persistent: bool,
+    /// Present for lazy buffers only.
+    lazy: Option<Box<LazyState>>,
 }
 
 impl Buffer {
@@ -49,7 +56,53 @@ impl Buffer {
         Self(Arc::new(BufferInner {
             value: RwLock::new(value),
             persistent,
+            lazy: None,
         }))
+    }
+
+    /// An unbuilt persistent buffer of `dtype` on `device`, to be built with a shape that `shape`
+    /// accepts and the value `init` gives (PyTorch's `UninitializedBuffer`).
+    pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Self(Arc::new(BufferInner {
+            value: RwLock::new(Tensor::zeros(0, dtype, device)?),
+            persistent: true,
+            lazy: Some(LazyState::new(shape, init)),
+        })))
+    }
+
+    /// Whether the buffer has a value: always for an eager buffer, once materialized for a lazy
+    /// one.
+    pub fn is_built(&self) -> bool {
+        self.0.lazy.as_ref().is_none_or(|l| l.is_built())
+    }
+
+    /// The shape an unbuilt buffer will be built with; `None` once built.
+    pub fn lazy_shape(&self) -> Option<LazyShape> {
+        self.0.lazy.as_ref().and_then(|l| l.shape())
+    }
+
+    /// Builds an unbuilt buffer with shape `dims`, once (see
+    /// [`Param::materialize`](crate::Param::materialize)), and returns its value. On a built buffer
+    /// this only checks that `dims` is its shape.
+    pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
+        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
+            lazy.build_once(|recipe| {
+                recipe.shape.check(dims)?;
+                let (dtype, device) = (self.dtype(), self.device());
+                let shape = candle_core::Shape::from(dims.to_vec());
+                self.replace(recipe.init.tensor(&shape, 0, dtype, &device)?);
+                Ok(())
+            })?;
+        }
+        let t = self.tensor();
+        if t.dims() != dims {
+            return Err(Error::LazyShape {
+                path: String::new(),
+                expected: format!("{:?}", t.dims()),
+                shape: Shape::from(dims.to_vec()),
+            });
+        }
+        Ok(t)
     }
 
     /// The current value.
@@ -68,7 +121,30 @@ impl Buffer {
 
     /// Replaces the value. The shape and dtype must stay the same (use [`replace`](Self::replace)
     /// to change them); the value is moved to the buffer's device.
+    ///
+    /// An unbuilt buffer is built from `value`: the shape must be one its
+    /// [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
     pub fn set(&self, value: &Tensor) -> Result<()> {
+        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
+            let built = lazy.build_once(|recipe| {
+                recipe.shape.check(value.dims())?;
+                let dtype = self.dtype();
+                if value.dtype() != dtype {
+                    return Err(Error::ValueMismatch {
+                        path: String::new(),
+                        expected_shape: value.shape().clone(),
+                        expected_dtype: dtype,
+                        shape: value.shape().clone(),
+                        dtype: value.dtype(),
+                    });
+                }
+                self.replace(value.to_device(&self.device())?);
+                Ok(())
+            })?;
+            if built {
+                return Ok(());
+            }
+        }
         let mut slot = self.0.value.write().unwrap_or_else(PoisonError::into_inner);
         if value.shape() != slot.shape() || value.dtype() != slot.dtype() {
             return Err(Error::ValueMismatch {
@@ -142,10 +218,14 @@ impl Buffer {
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let lazy_shape = self.lazy_shape();
         let t = self.tensor();
-        f.debug_struct("Buffer")
-            .field("shape", &t.dims())
-            .field("dtype", &t.dtype())
+        let mut f = f.debug_struct("Buffer");
+        match &lazy_shape {
+            Some(shape) => f.field("unbuilt", &format_args!("{shape}")),
+            None => f.field("shape", &t.dims()),
+        };
+        f.field("dtype", &t.dtype())
             .field("device", &t.device().location())
             .field("persistent", &self.is_persistent())
             .finish()

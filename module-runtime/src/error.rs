@@ -165,6 +165,51 @@ pub enum Error {
         got: usize,
     },
 
+    /// The model, or part of it, is not built yet: its lazy parameters, buffers or
+    /// [`Lazy`](crate::Lazy) cells have no shape until a first call, a
+    /// [`build`](crate::LazyExt::build) dry run or a checkpoint load.
+    #[error(
+        "cannot {action}: the model is not built yet; unbuilt: {}. Build it first: call it once, \
+         run `model.build(&sample)`, or load a checkpoint",
+        .paths.join(", ")
+    )]
+    Unbuilt {
+        /// What was attempted (`"list the trainable variables of"`, `"save"`, …).
+        action: &'static str,
+        /// Every unbuilt path.
+        paths: Vec<String>,
+    },
+
+    /// A lazy parameter or buffer was given a value or shape its layout does not allow.
+    #[error("`{path}` takes shape {expected}, got {shape:?}")]
+    LazyShape {
+        /// Its path (`""` when it was given directly).
+        path: String,
+        /// The shapes it takes (`[10, ?]`; `?` is any size).
+        expected: String,
+        /// The shape it was given.
+        shape: Shape,
+    },
+
+    /// A lazy layer was called with an input that does not fit the shape it was built with (by an
+    /// earlier call or a loaded checkpoint).
+    #[error(
+        "{layer}: an input of shape {input:?} needs `{name}` of shape {needed:?}, but it was \
+         built with shape {built:?} (by an earlier call or a loaded checkpoint)"
+    )]
+    LazyInput {
+        /// The layer's type (`"LazyLinear"`).
+        layer: &'static str,
+        /// The parameter or buffer that does not fit (`"weight"`).
+        name: &'static str,
+        /// The input's shape.
+        input: Shape,
+        /// The shape the input needs.
+        needed: Shape,
+        /// The shape it has.
+        built: Shape,
+    },
+
     /// An error raised while running the module at `path`.
     #[error("in `{path}`: {source}")]
     InModule {

@@ -54,6 +54,7 @@ mod error;
 mod forward;
 mod hooks;
 mod io;
+mod lazy;
 mod module;
 pub mod nn;
 mod param;
@@ -68,6 +69,7 @@ pub use device::{device_from_env, parse_device, DEVICE_ENV};
 pub use error::{Error, Result};
 pub use forward::Forward;
 pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+pub use lazy::{Build, Init, InitFn, Lazy, LazyExt, LazyShape};
 #[doc(hidden)]
 pub use module::CallTarget;
 pub use module::{Child, ChildMut, Mode, Module, Name, Shared};
@@ -93,8 +95,8 @@ pub use candle_nn;
 pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::{
-        Buffer, Error, Forward, Hooks, LoadOptions, Mode, Module, ModuleExt, Param, Result,
-        StateDict,
+        Buffer, Build, Error, Forward, Hooks, Lazy, LazyExt, LoadOptions, Mode, Module, ModuleExt,
+        Param, Result, StateDict,
     };
     pub use candle_core::{DType, Device, Module as _, Tensor, D};
 }

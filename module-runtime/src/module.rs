@@ -76,6 +76,13 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
+    /// Whether this node is an unbuilt [`Lazy`](crate::Lazy) cell (which has no children yet).
+    /// Not public API: ask [`LazyExt::unbuilt_paths`](crate::LazyExt::unbuilt_paths).
+    #[doc(hidden)]
+    fn __unbuilt(&self) -> bool {
+        false
+    }
+
     /// Which node of the tree a `call` on this value is a call of (hook dispatch finds the module's
     /// path with it). `Box` answers for the module inside; everything else for itself.
     #[doc(hidden)]

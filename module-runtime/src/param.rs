@@ -6,6 +6,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
+use crate::lazy::{Init, LazyShape, LazyState};
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
 ///
@@ -23,6 +24,13 @@ use crate::error::{Error, Result};
 /// `requires_grad` is a property of the parameter (shared by all aliases). A frozen parameter is read
 /// as a detached tensor, so no gradient is computed for it, and it is left out of `trainable_vars`.
 ///
+/// A parameter may be *lazy* ([`Param::lazy`]): created *unbuilt*, with a shape some of whose
+/// dimensions are unknown, and materialized once, with the dimensions the first input decides
+/// ([`materialize`](Self::materialize)) or the values a checkpoint holds ([`set`](Self::set)).
+/// An unbuilt parameter holds no values: it reads as an empty placeholder of shape `[0]`
+/// (so [`elem_count`](Self::elem_count) is 0), with the dtype and device it will be built with,
+/// which `to_device`/`to_dtype` change like any other parameter's.
+///
 /// ```
 /// use module_runtime::{Param, candle_core::{Device, Tensor}};
 /// let w = Param::new(Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?)?;
@@ -38,6 +46,8 @@ pub struct Param(Arc<ParamInner>);
 struct ParamInner {
     var: RwLock<Var>,
     requires_grad: AtomicBool,
+    /// Present for lazy parameters only, so reading an eager one costs nothing more.
+    lazy: Option<Box<LazyState>>,
 }
 
 impl Param {
@@ -60,12 +70,82 @@ impl Param {
         Self(Arc::new(ParamInner {
             var: RwLock::new(var),
             requires_grad: AtomicBool::new(true),
+            lazy: None,
         }))
+    }
+
+    /// An unbuilt parameter of floating-point `dtype` on `device`, to be built with a shape that
+    /// `shape` accepts, initialized by `init` (PyTorch's `UninitializedParameter`).
+    ///
+    /// ```
+    /// use module_runtime::{Init, LazyShape, Param};
+    /// use module_runtime::candle_core::{DType, Device};
+    ///
+    /// let w = Param::lazy(LazyShape::new([Some(4), None]), Init::UniformFanIn, DType::F32, &Device::Cpu)?;
+    /// assert!(!w.is_built());
+    /// assert_eq!(w.lazy_shape().unwrap().to_string(), "[4, ?]");
+    /// let t = w.materialize(&[4, 3], 3)?;
+    /// assert!(w.is_built());
+    /// assert_eq!(t.dims(), [4, 3]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
+        let placeholder = Var::zeros(0, dtype, device)?;
+        check_float(placeholder.as_tensor())?;
+        Ok(Self(Arc::new(ParamInner {
+            var: RwLock::new(placeholder),
+            requires_grad: AtomicBool::new(true),
+            lazy: Some(LazyState::new(shape, init)),
+        })))
+    }
+
+    /// Whether the parameter has values: always for an eager parameter, once materialized for a
+    /// lazy one.
+    pub fn is_built(&self) -> bool {
+        self.0.lazy.as_ref().is_none_or(|l| l.is_built())
+    }
+
+    /// The shape an unbuilt parameter will be built with (`?` for unknown dimensions); `None` once
+    /// built.
+    pub fn lazy_shape(&self) -> Option<LazyShape> {
+        self.0.lazy.as_ref().and_then(|l| l.shape())
+    }
+
+    /// Builds an unbuilt parameter with shape `dims` (its init recipe given the layer's `fan_in`),
+    /// once: when several threads get here first, one builds and the others get its value. Returns
+    /// the value to compute with, like [`tensor`](Self::tensor).
+    ///
+    /// On a built parameter (eager, or lazy and built already) this only checks that `dims` is its
+    /// shape. Fails with [`Error::LazyShape`] when `dims` does not fit.
+    pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
+        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
+            lazy.build_once(|recipe| {
+                recipe.shape.check(dims)?;
+                let (dtype, device) = (self.dtype(), self.device());
+                let value =
+                    recipe
+                        .init
+                        .tensor(&Shape::from(dims.to_vec()), fan_in, dtype, &device)?;
+                self.replace_var(Var::from_tensor(&value)?);
+                Ok(())
+            })?;
+        }
+        let t = self.tensor();
+        if t.dims() != dims {
+            return Err(Error::LazyShape {
+                path: String::new(),
+                expected: format!("{:?}", t.dims()),
+                shape: Shape::from(dims.to_vec()),
+            });
+        }
+        Ok(t)
     }
 
     /// The value to compute with in a forward pass.
     ///
     /// Gradients flow to the parameter unless it is frozen, in which case the tensor is detached.
+    /// An unbuilt lazy parameter reads as its empty placeholder; lazy layers call
+    /// [`materialize`](Self::materialize) instead.
     pub fn tensor(&self) -> Tensor {
         let var = self.read();
         if self.requires_grad() {
@@ -112,7 +192,30 @@ impl Param {
 
     /// Copies `value` into the parameter in place (every alias, and optimizers holding its `Var`,
     /// see the new value). The shape and dtype must match; the value may live on another device.
+    ///
+    /// An unbuilt parameter is built from `value` instead (its init recipe is not used): the
+    /// shape must be one its [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
     pub fn set(&self, value: &Tensor) -> Result<()> {
+        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
+            let built = lazy.build_once(|recipe| {
+                recipe.shape.check(value.dims())?;
+                if value.dtype() != self.dtype() {
+                    return Err(Error::ValueMismatch {
+                        path: String::new(),
+                        expected_shape: value.shape().clone(),
+                        expected_dtype: self.dtype(),
+                        shape: value.shape().clone(),
+                        dtype: value.dtype(),
+                    });
+                }
+                let value = value.to_device(&self.device())?;
+                self.replace_var(Var::from_tensor(&value)?);
+                Ok(())
+            })?;
+            if built {
+                return Ok(());
+            }
+        }
         let var = self.read();
         if value.shape() != var.shape() || value.dtype() != var.dtype() {
             return Err(Error::ValueMismatch {
@@ -218,10 +321,14 @@ fn check_float(t: &Tensor) -> Result<()> {
 
 impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let lazy_shape = self.lazy_shape();
         let var = self.read();
-        f.debug_struct("Param")
-            .field("shape", &var.shape().dims())
-            .field("dtype", &var.dtype())
+        let mut f = f.debug_struct("Param");
+        match &lazy_shape {
+            Some(shape) => f.field("unbuilt", &format_args!("{shape}")),
+            None => f.field("shape", &var.shape().dims()),
+        };
+        f.field("dtype", &var.dtype())
             .field("device", &var.device().location())
             .field("requires_grad", &self.requires_grad())
             .finish()

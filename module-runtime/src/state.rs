@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
+use crate::lazy::LazyShape;
 use crate::module::Module;
 use crate::param::Param;
 use crate::visit::{walk, Visit};
@@ -226,6 +227,9 @@ pub struct Mismatch {
     pub shape: Shape,
     /// The checkpoint's dtype.
     pub dtype: DType,
+    /// For an unbuilt lazy parameter or buffer: the shapes it takes (`?` for any size);
+    /// `expected_shape` is then its empty placeholder's.
+    pub unbuilt: Option<LazyShape>,
 }
 
 /// Everything a load found: what it loaded, and every key that did not fit, all at once.
@@ -268,10 +272,14 @@ impl fmt::Display for LoadReport {
             writeln!(f, "  unexpected key(s): {}.", quoted(&self.unexpected))?;
         }
         for m in &self.mismatched {
+            let expected = match &m.unbuilt {
+                Some(shape) => format!("{shape} (unbuilt)"),
+                None => format!("{:?}", m.expected_shape),
+            };
             writeln!(
                 f,
-                "  \"{}\": the checkpoint has {:?} {:?}, the model has {:?} {:?}.",
-                m.key, m.dtype, m.shape, m.expected_dtype, m.expected_shape
+                "  \"{}\": the checkpoint has {:?} {:?}, the model has {:?} {}.",
+                m.key, m.dtype, m.shape, m.expected_dtype, expected
             )?;
         }
         for (missing, unexpected) in &self.suggestions {
@@ -296,6 +304,13 @@ impl Slot {
         match self {
             Slot::Param(p) => p.shape(),
             Slot::Buffer(b) => b.shape(),
+        }
+    }
+
+    fn lazy_shape(&self) -> Option<LazyShape> {
+        match self {
+            Slot::Param(p) => p.lazy_shape(),
+            Slot::Buffer(b) => b.lazy_shape(),
         }
     }
 
@@ -368,12 +383,13 @@ impl Source for StateDict {
 }
 
 /// Validates everything, then stages every new value, then commits: a load that fails changes
-/// nothing.
+/// nothing. Unbuilt lazy slots take any shape their layout accepts, and are built by the commit.
 pub(crate) fn load(
     root: &dyn Module,
     source: &dyn Source,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
+    crate::lazy::ensure_cells_built(root, "load a checkpoint into")?;
     let targets = slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
     let mut unexpected = Vec::new();
@@ -395,15 +411,21 @@ pub(crate) fn load(
             continue;
         };
         let (expected_shape, expected_dtype) = (slot.shape(), slot.dtype());
+        let unbuilt = slot.lazy_shape();
+        let shape_ok = match &unbuilt {
+            Some(lazy) => lazy.accepts(shape.dims()),
+            None => *shape == expected_shape,
+        };
         let dtype_ok = *dtype == expected_dtype
             || (options.cast_dtype && dtype.is_float() == expected_dtype.is_float());
-        if *shape != expected_shape || !dtype_ok {
+        if !shape_ok || !dtype_ok {
             report.mismatched.push(Mismatch {
                 key: path.clone(),
                 expected_shape,
                 expected_dtype,
                 shape: shape.clone(),
                 dtype: *dtype,
+                unbuilt,
             });
             continue;
         }

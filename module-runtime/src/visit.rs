@@ -454,6 +454,9 @@ pub trait ModuleExt: Module {
 
     /// The `Var`s to hand to a candle optimizer: every parameter that is not frozen, once each.
     ///
+    /// Fails with [`Error::Unbuilt`], listing every unbuilt path, if the model is not built: an
+    /// optimizer holding a lazy parameter's placeholder would never train the real one.
+    ///
     /// ```
     /// use module_runtime::prelude::*;
     /// use candle_nn::Optimizer;
@@ -466,6 +469,7 @@ pub trait ModuleExt: Module {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     fn trainable_vars(&self) -> Result<Vec<Var>> {
+        crate::lazy::ensure_built(self.as_dyn(), "list the trainable variables of")?;
         Ok(self
             .parameters()
             .iter()
@@ -545,8 +549,10 @@ pub trait ModuleExt: Module {
 
     /// Every parameter and persistent buffer by path, in declaration order (PyTorch's
     /// `state_dict()`): a tied weight appears under each of its paths, non-persistent buffers not
-    /// at all. The tensors share storage with the model.
+    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`] if the model
+    /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
+        crate::lazy::ensure_built(self.as_dyn(), "take the state dict of")?;
         Ok(crate::state::state_dict(self.as_dyn()))
     }
 
@@ -562,6 +568,11 @@ pub trait ModuleExt: Module {
     /// was and [`Error::Load`] lists every missing key, unexpected key and shape or dtype mismatch at
     /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
     /// weights stay tied and optimizers built before the load keep working.
+    ///
+    /// Unbuilt lazy parameters and buffers are built from the checkpoint's values, whose shapes
+    /// must fit their known dimensions (a failed load leaves them unbuilt). A model holding an
+    /// unbuilt [`Lazy`](crate::Lazy) cell cannot be loaded ([`Error::Unbuilt`]): what the cell
+    /// would hold is only known once it is built.
     ///
     /// ```
     /// use module_runtime::prelude::*;
@@ -581,7 +592,10 @@ pub trait ModuleExt: Module {
 
     /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
     /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
+    ///
+    /// Fails with [`Error::Unbuilt`] if the model is not built.
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        crate::lazy::ensure_built(self.as_dyn(), "save")?;
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())
     }
 
@@ -616,6 +630,7 @@ pub trait ModuleExt: Module {
 
     /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.
     /// All or nothing: if one tensor fails to move, nothing has moved. Build optimizers after moving.
+    /// Unbuilt lazy parameters and buffers record the device and are built there.
     fn to_device(&self, device: &Device) -> Result<()> {
         convert(
             self.as_dyn(),
@@ -631,7 +646,8 @@ pub trait ModuleExt: Module {
     }
 
     /// Converts every floating-point parameter and buffer to the floating-point `dtype`, in place;
-    /// integer buffers keep their dtype (PyTorch's `Module.to(dtype)`). All or nothing.
+    /// integer buffers keep their dtype (PyTorch's `Module.to(dtype)`). All or nothing. Unbuilt lazy
+    /// parameters and buffers record the dtype and are built with it.
     fn to_dtype(&self, dtype: DType) -> Result<()> {
         if !dtype.is_float() {
             return Err(Error::NonFloatParam {

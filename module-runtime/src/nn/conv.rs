@@ -1,4 +1,4 @@
-//! Convolutions: `Conv1d`, `Conv2d`, `ConvTranspose2d`.
+//! Convolutions: `Conv1d`, `Conv2d`, `ConvTranspose2d`, and the lazy `LazyConv1d`, `LazyConv2d`.
 //!
 //! Weights use PyTorch's layouts, and both weight and bias start uniform on `±1/sqrt(fan_in)` (what
 //! PyTorch's Kaiming-uniform init with `a = sqrt(5)` amounts to), where `fan_in` is the weight's
@@ -19,8 +19,9 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
+use crate::lazy::layer_param;
 use crate::nn::activation::forward_by_value;
-use crate::{Forward, Module, Param};
+use crate::{Forward, Init, LazyShape, Module, Param};
 
 /// Stride, padding, dilation and groups of a [`Conv1d`] or [`Conv2d`]; PyTorch's defaults are
 /// `ConvConfig::default()`.
@@ -131,15 +132,58 @@ fn conv2d_differentiable(
     Ok(x.conv2d(weight, 0, stride, dilation, groups)?)
 }
 
-fn add_bias(y: Tensor, bias: &Option<Param>) -> Result<Tensor> {
+fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
         Some(b) => {
             let mut dims = vec![1; y.rank()];
             dims[1] = b.elem_count();
-            Ok(y.broadcast_add(&b.tensor().reshape(dims)?)?)
+            Ok(y.broadcast_add(&b.reshape(dims)?)?)
         }
         None => Ok(y),
     }
+}
+
+/// `Conv1d`'s computation, for it and `LazyConv1d`.
+fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
+    let y = if x.track_op() || weight.track_op() {
+        // As a 2-D convolution of height 1 (see the module docs).
+        conv2d_differentiable(
+            &x.unsqueeze(2)?,
+            &weight.unsqueeze(2)?,
+            (0, c.padding),
+            c.stride,
+            c.dilation,
+            c.groups,
+        )?
+        .squeeze(2)?
+    } else {
+        // candle's CPU kernel misreads a non-contiguous kernel.
+        x.conv1d(
+            &weight.contiguous()?,
+            c.padding,
+            c.stride,
+            c.dilation,
+            c.groups,
+        )?
+    };
+    add_bias(y, bias)
+}
+
+/// `Conv2d`'s computation, for it and `LazyConv2d`.
+fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
+    let y = if x.track_op() || weight.track_op() {
+        conv2d_differentiable(
+            x,
+            weight,
+            (c.padding, c.padding),
+            c.stride,
+            c.dilation,
+            c.groups,
+        )?
+    } else {
+        x.conv2d(weight, c.padding, c.stride, c.dilation, c.groups)?
+    };
+    add_bias(y, bias)
 }
 
 /// A 1-D convolution: PyTorch's `nn.Conv1d`.
@@ -213,30 +257,8 @@ impl Forward<&Tensor> for Conv1d {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let weight = self.weight.tensor();
-        let y = if x.track_op() || weight.track_op() {
-            // As a 2-D convolution of height 1 (see the module docs).
-            conv2d_differentiable(
-                &x.unsqueeze(2)?,
-                &weight.unsqueeze(2)?,
-                (0, c.padding),
-                c.stride,
-                c.dilation,
-                c.groups,
-            )?
-            .squeeze(2)?
-        } else {
-            // candle's CPU kernel misreads a non-contiguous kernel.
-            x.conv1d(
-                &weight.contiguous()?,
-                c.padding,
-                c.stride,
-                c.dilation,
-                c.groups,
-            )?
-        };
-        add_bias(y, &self.bias)
+        let bias = self.bias.as_ref().map(Param::tensor);
+        conv1d(x, &self.weight.tensor(), bias, &self.config)
     }
 }
 
@@ -317,21 +339,8 @@ impl Forward<&Tensor> for Conv2d {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let weight = self.weight.tensor();
-        let y = if x.track_op() || weight.track_op() {
-            conv2d_differentiable(
-                x,
-                &weight,
-                (c.padding, c.padding),
-                c.stride,
-                c.dilation,
-                c.groups,
-            )?
-        } else {
-            x.conv2d(&weight, c.padding, c.stride, c.dilation, c.groups)?
-        };
-        add_bias(y, &self.bias)
+        let bias = self.bias.as_ref().map(Param::tensor);
+        conv2d(x, &self.weight.tensor(), bias, &self.config)
     }
 }
 
@@ -432,11 +441,204 @@ impl Forward<&Tensor> for ConvTranspose2d {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::cat(&ys, 1)?
         };
-        add_bias(y, &self.bias)
+        add_bias(y, self.bias.as_ref().map(Param::tensor))
     }
 }
 
-forward_by_value!(Conv1d, Conv2d, ConvTranspose2d);
+/// The parameters of a lazy convolution with kernel `kernel`: unbuilt, with the input channels
+/// (the weight's second dimension) unknown.
+fn lazy_conv_params(
+    out_channels: usize,
+    kernel: &[usize],
+    config: &ConvConfig,
+    bias: bool,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Param, Option<Param>)> {
+    // Only `out_channels` can be checked now; `in_channels` is checked at the build.
+    check_groups(config.groups, out_channels, config.groups)?;
+    let weight_shape = [Some(out_channels), None]
+        .into_iter()
+        .chain(kernel.iter().map(|&k| Some(k)));
+    let weight = Param::lazy(
+        LazyShape::new(weight_shape),
+        Init::UniformFanIn,
+        dtype,
+        device,
+    )?;
+    let bias = bias
+        .then(|| {
+            let shape = LazyShape::new([Some(out_channels)]);
+            Param::lazy(shape, Init::UniformFanIn, dtype, device)
+        })
+        .transpose()?;
+    Ok((weight, bias))
+}
+
+/// Builds a lazy convolution's parameters for input `x` (channels in dimension 1), or checks that
+/// `x` fits them; returns the weight and bias to compute with.
+fn lazy_conv_tensors(
+    layer: &'static str,
+    weight: &Param,
+    bias: &Option<Param>,
+    out_channels: usize,
+    kernel: &[usize],
+    groups: usize,
+    x: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let in_channels = x.dim(1)?;
+    check_groups(in_channels, out_channels, groups)?;
+    let mut dims = vec![out_channels, in_channels / groups];
+    dims.extend_from_slice(kernel);
+    let fan_in = dims[1..].iter().product();
+    let w = layer_param(layer, "weight", weight, &dims, fan_in, x)?;
+    let b = bias
+        .as_ref()
+        .map(|b| layer_param(layer, "bias", b, &[out_channels], fan_in, x))
+        .transpose()?;
+    Ok((w, b))
+}
+
+macro_rules! lazy_conv {
+    (
+        $name:ident, $eager:ident, $torch:literal, $kernel:ty, $kernel_dims:expr, $input:literal,
+        $example:literal
+    ) => {
+        #[doc = concat!("A [`", stringify!($eager), "`] whose `in_channels` is dimension 1 of its first input: PyTorch's `nn.", $torch, "`.")]
+        ///
+        /// Same parameters, names, init and computation as the eager layer, built once, at the
+        /// first call, a [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that,
+        /// an input with another number of channels is an
+        /// [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both shapes.
+        #[doc = concat!("The input is ", $input, ".")]
+        ///
+        /// ```
+        /// use module_runtime::prelude::*;
+        #[doc = concat!("use module_runtime::nn::{", stringify!($name), ", ConvConfig};")]
+        #[doc = $example]
+        /// # Ok::<(), module_runtime::Error>(())
+        /// ```
+        #[derive(Module, Clone, Debug)]
+        pub struct $name {
+            #[doc = concat!("As `", stringify!($eager), "`'s, unbuilt until `in_channels` is known.")]
+            pub weight: Param,
+            /// `[out_channels]`, if the layer has a bias; built with the weight.
+            pub bias: Option<Param>,
+            /// Stride, padding, dilation and groups.
+            #[module(skip)]
+            pub config: ConvConfig,
+            out_channels: usize,
+            kernel_size: $kernel,
+        }
+
+        impl $name {
+            /// Any kernel, with or without a bias, of any floating-point dtype.
+            pub fn with_options(
+                out_channels: usize,
+                kernel_size: $kernel,
+                config: ConvConfig,
+                bias: bool,
+                dtype: DType,
+                device: &Device,
+            ) -> Result<Self> {
+                let kernel: &dyn Fn($kernel) -> Vec<usize> = &$kernel_dims;
+                let (weight, bias) =
+                    lazy_conv_params(out_channels, &kernel(kernel_size), &config, bias, dtype, device)?;
+                Ok(Self {
+                    weight,
+                    bias,
+                    config,
+                    out_channels,
+                    kernel_size,
+                })
+            }
+
+            /// Number of input channels, once built.
+            pub fn in_channels(&self) -> Option<usize> {
+                self.weight
+                    .is_built()
+                    .then(|| self.weight.shape().dims()[1] * self.config.groups)
+            }
+
+            /// Number of output channels.
+            pub fn out_channels(&self) -> usize {
+                self.out_channels
+            }
+        }
+
+        impl Forward<&Tensor> for $name {
+            type Output = Tensor;
+
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                let kernel: &dyn Fn($kernel) -> Vec<usize> = &$kernel_dims;
+                let (w, b) = lazy_conv_tensors(
+                    stringify!($name),
+                    &self.weight,
+                    &self.bias,
+                    self.out_channels,
+                    &kernel(self.kernel_size),
+                    self.config.groups,
+                    x,
+                )?;
+                lazy_conv!(@run $name, x, &w, b, &self.config)
+            }
+        }
+    };
+    (@run LazyConv1d, $x:expr, $w:expr, $b:expr, $c:expr) => { conv1d($x, $w, $b, $c) };
+    (@run LazyConv2d, $x:expr, $w:expr, $b:expr, $c:expr) => { conv2d($x, $w, $b, $c) };
+}
+
+lazy_conv!(
+    LazyConv1d,
+    Conv1d,
+    "LazyConv1d",
+    usize,
+    |k: usize| vec![k],
+    "`[N, C_in, L]`",
+    "let conv = LazyConv1d::new(4, 3, ConvConfig::default(), &Device::Cpu)?;
+let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
+assert_eq!(y.dims(), [2, 4, 7]);
+assert_eq!(conv.weight.shape().dims(), [4, 3, 3]);"
+);
+lazy_conv!(
+    LazyConv2d,
+    Conv2d,
+    "LazyConv2d",
+    (usize, usize),
+    |(kh, kw): (usize, usize)| vec![kh, kw],
+    "`[N, C_in, H, W]`",
+    "let conv = LazyConv2d::new(6, 3, ConvConfig { padding: 1, ..Default::default() }, &Device::Cpu)?;
+let y = conv.call(&Tensor::zeros((1, 2, 5, 5), DType::F32, &Device::Cpu)?)?;
+assert_eq!(y.dims(), [1, 6, 5, 5]);
+assert_eq!(conv.in_channels(), Some(2));"
+);
+
+impl LazyConv1d {
+    /// A float32 layer with a bias.
+    pub fn new(
+        out_channels: usize,
+        kernel_size: usize,
+        config: ConvConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_options(out_channels, kernel_size, config, true, DType::F32, device)
+    }
+}
+
+impl LazyConv2d {
+    /// A float32 layer with a square kernel and a bias.
+    pub fn new(
+        out_channels: usize,
+        kernel_size: usize,
+        config: ConvConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        let kernel = (kernel_size, kernel_size);
+        Self::with_options(out_channels, kernel, config, true, DType::F32, device)
+    }
+}
+
+forward_by_value!(Conv1d, Conv2d, ConvTranspose2d, LazyConv1d, LazyConv2d);
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,7 @@
 
 mod linear;
 
-pub use linear::Linear;
+pub use linear::{LazyLinear, Linear};
 
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
@@ -38,8 +38,13 @@ mod pool;
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
 };
-pub use conv::{Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig};
+pub use conv::{
+    Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, LazyConv1d, LazyConv2d,
+};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use norm::{BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm};
+pub use norm::{
+    BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, LazyBatchNorm1d, LazyBatchNorm2d,
+    LazyLayerNorm, RmsNorm,
+};
 pub use pool::{AvgPool2d, MaxPool2d};

@@ -1,4 +1,5 @@
-//! Normalization layers: `LayerNorm`, `RmsNorm`, `GroupNorm`, `BatchNorm1d`, `BatchNorm2d`.
+//! Normalization layers: `LayerNorm`, `RmsNorm`, `GroupNorm`, `BatchNorm1d`, `BatchNorm2d`, and
+//! the lazy `LazyLayerNorm`, `LazyBatchNorm1d`, `LazyBatchNorm2d`.
 //!
 //! See the [`nn`](crate::nn) docs for when candle's fused kernels run.
 //!
@@ -7,8 +8,9 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::{Error, Result};
+use crate::lazy::{layer_buffer, layer_param};
 use crate::nn::activation::forward_by_value;
-use crate::{Buffer, Forward, Mode, Module, Param};
+use crate::{Buffer, Forward, Init, LazyShape, Mode, Module, Param};
 
 fn no_gradient_needed(tensors: &[Option<&Tensor>]) -> bool {
     tensors.iter().flatten().all(|t| !t.track_op())
@@ -140,33 +142,134 @@ impl Forward<&Tensor> for LayerNorm {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let folded = fold_trailing(x, &self.normalized_shape, "LayerNorm")?;
-        let weight = flat(param_tensor(&self.weight))?;
-        let bias = flat(param_tensor(&self.bias))?;
-        let fused = match (&weight, &bias) {
-            (Some(w), Some(b)) if no_gradient_needed(&[Some(x), Some(w), Some(b)]) => Some(
-                candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, self.eps as f32)?,
-            ),
-            _ => None,
-        };
-        let y = match fused {
-            Some(y) => y,
-            None => {
-                let dtype = x.dtype();
-                let normed =
-                    standardize_last_dim(&folded.to_dtype(compute_dtype(dtype))?, self.eps)?
-                        .to_dtype(dtype)?;
-                let scaled = match &weight {
-                    Some(w) => normed.broadcast_mul(w)?,
-                    None => normed,
-                };
-                match &bias {
-                    Some(b) => scaled.broadcast_add(b)?,
-                    None => scaled,
-                }
+        let (weight, bias) = (param_tensor(&self.weight), param_tensor(&self.bias));
+        layer_norm(x, &self.normalized_shape, weight, bias, self.eps)
+    }
+}
+
+/// `LayerNorm`'s computation, for it and `LazyLayerNorm`.
+fn layer_norm(
+    x: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    let folded = fold_trailing(x, normalized_shape, "LayerNorm")?;
+    let weight = flat(weight)?;
+    let bias = flat(bias)?;
+    let fused = match (&weight, &bias) {
+        (Some(w), Some(b)) if no_gradient_needed(&[Some(x), Some(w), Some(b)]) => Some(
+            candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
+        ),
+        _ => None,
+    };
+    let y = match fused {
+        Some(y) => y,
+        None => {
+            let dtype = x.dtype();
+            let normed = standardize_last_dim(&folded.to_dtype(compute_dtype(dtype))?, eps)?
+                .to_dtype(dtype)?;
+            let scaled = match &weight {
+                Some(w) => normed.broadcast_mul(w)?,
+                None => normed,
+            };
+            match &bias {
+                Some(b) => scaled.broadcast_add(b)?,
+                None => scaled,
             }
+        }
+    };
+    Ok(y.reshape(x.shape())?)
+}
+
+/// A [`LayerNorm`] whose normalized shape is the last `num_dims` dimensions of its first input
+/// (PyTorch has no lazy LayerNorm; this follows `LazyLinear`).
+///
+/// Same parameters, names, init and computation as `LayerNorm`: `weight` (ones) and `bias`
+/// (zeros) of the normalized shape, built once, at the first call, a
+/// [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that, an input whose last
+/// dimensions differ is an [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both
+/// shapes. Without the affine parameters there is nothing to build, and any input is normalized
+/// over its last `num_dims` dimensions.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::LazyLayerNorm;
+/// let ln = LazyLayerNorm::new(1e-5, &Device::Cpu)?;
+/// ln.call(&Tensor::ones((2, 5), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(ln.normalized_shape(), Some(vec![5]));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct LazyLayerNorm {
+    /// The normalized shape, if the layer is elementwise-affine; unbuilt until it is known.
+    pub weight: Option<Param>,
+    /// The normalized shape, if the layer is elementwise-affine and has a bias.
+    pub bias: Option<Param>,
+    /// How many trailing dimensions are normalized.
+    pub num_dims: usize,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl LazyLayerNorm {
+    /// A float32 layer normalizing the last dimension, with weight and bias.
+    pub fn new(eps: f64, device: &Device) -> Result<Self> {
+        Self::with_options(1, eps, true, true, DType::F32, device)
+    }
+
+    /// Normalizes the last `num_dims` dimensions; `elementwise_affine` and `bias` as in PyTorch.
+    pub fn with_options(
+        num_dims: usize,
+        eps: f64,
+        elementwise_affine: bool,
+        bias: bool,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let lazy = |init| Param::lazy(LazyShape::new(vec![None; num_dims]), init, dtype, device);
+        let weight = elementwise_affine.then(|| lazy(Init::Ones)).transpose()?;
+        let bias = (elementwise_affine && bias)
+            .then(|| lazy(Init::Zeros))
+            .transpose()?;
+        Ok(Self {
+            weight,
+            bias,
+            num_dims,
+            eps,
+        })
+    }
+
+    /// The normalized shape, once built (always `None` without affine parameters).
+    pub fn normalized_shape(&self) -> Option<Vec<usize>> {
+        self.weight
+            .as_ref()
+            .filter(|w| w.is_built())
+            .map(|w| w.shape().dims().to_vec())
+    }
+}
+
+impl Forward<&Tensor> for LazyLayerNorm {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        if dims.len() < self.num_dims {
+            return Err(shape_error(
+                "LazyLayerNorm",
+                format!("with at least {} dimensions", self.num_dims),
+                x,
+            ));
+        }
+        let normalized = &dims[dims.len() - self.num_dims..];
+        let param = |name, p: &Option<Param>| {
+            p.as_ref()
+                .map(|p| layer_param("LazyLayerNorm", name, p, normalized, 0, x))
+                .transpose()
         };
-        Ok(y.reshape(x.shape())?)
+        let (weight, bias) = (param("weight", &self.weight)?, param("bias", &self.bias)?);
+        layer_norm(x, normalized, weight, bias, self.eps)
     }
 }
 
@@ -574,7 +677,160 @@ batch_norm!(
     "let x = Tensor::randn(0f32, 1., (2, 3, 4, 4), &Device::Cpu)?;"
 );
 
-forward_by_value!(LayerNorm, RmsNorm, GroupNorm, BatchNorm1d, BatchNorm2d);
+macro_rules! lazy_batch_norm {
+    ($name:ident, $eager:ident, $torch:literal, $input:literal, $ranks:expr, $example:literal) => {
+        #[doc = concat!("A [`", stringify!($eager), "`] whose number of channels is dimension 1 of its first input: PyTorch's `nn.", $torch, "`.")]
+        ///
+        /// Same parameters, buffers, names, init and computation as the eager layer; `weight`,
+        /// `bias`, `running_mean` and `running_var` are built once, at the first call, a
+        /// [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that, an input
+        /// with another number of channels is an [`Error::LazyInput`](crate::Error::LazyInput)
+        /// naming the layer and both shapes.
+        #[doc = concat!("The input is ", $input, "; the output has its shape.")]
+        ///
+        /// ```
+        /// use module_runtime::prelude::*;
+        #[doc = concat!("use module_runtime::nn::", stringify!($name), ";")]
+        #[doc = concat!("let bn = ", stringify!($name), "::new(&Device::Cpu)?;")]
+        #[doc = $example]
+        /// bn.call(&x)?;
+        /// assert_eq!(bn.running_mean.as_ref().unwrap().shape().dims(), [3]);
+        /// # Ok::<(), module_runtime::Error>(())
+        /// ```
+        #[derive(Module, Clone, Debug)]
+        pub struct $name {
+            /// `[C]`, if affine.
+            pub weight: Option<Param>,
+            /// `[C]`, if affine.
+            pub bias: Option<Param>,
+            /// `[C]`, if tracking running statistics.
+            pub running_mean: Option<Buffer>,
+            /// `[C]`, if tracking running statistics.
+            pub running_var: Option<Buffer>,
+            /// `i64` scalar, if tracking running statistics (its shape is known: built at once).
+            pub num_batches_tracked: Option<Buffer>,
+            /// Weight of the new batch in the running statistics; `None` for a cumulative average.
+            pub momentum: Option<f64>,
+            /// Added to the variance.
+            pub eps: f64,
+            /// Training or evaluation mode.
+            pub mode: Mode,
+        }
+
+        impl $name {
+            /// A float32 layer with PyTorch's defaults: `eps = 1e-5`, `momentum = 0.1`, affine,
+            /// tracking running statistics, in training mode.
+            pub fn new(device: &Device) -> Result<Self> {
+                Self::with_options(1e-5, Some(0.1), true, true, DType::F32, device)
+            }
+
+            /// Every PyTorch option: `eps`, `momentum`, `affine`, `track_running_stats`.
+            pub fn with_options(
+                eps: f64,
+                momentum: Option<f64>,
+                affine: bool,
+                track_running_stats: bool,
+                dtype: DType,
+                device: &Device,
+            ) -> Result<Self> {
+                let channels = || LazyShape::new([None]);
+                let param = |init| {
+                    affine
+                        .then(|| Param::lazy(channels(), init, dtype, device))
+                        .transpose()
+                };
+                let buffer = |init| {
+                    track_running_stats
+                        .then(|| Buffer::lazy(channels(), init, dtype, device))
+                        .transpose()
+                };
+                Ok(Self {
+                    weight: param(Init::Ones)?,
+                    bias: param(Init::Zeros)?,
+                    running_mean: buffer(Init::Zeros)?,
+                    running_var: buffer(Init::Ones)?,
+                    num_batches_tracked: track_running_stats
+                        .then(|| Tensor::new(0i64, device).map(Buffer::new))
+                        .transpose()?,
+                    momentum,
+                    eps,
+                    mode: Mode::new(),
+                })
+            }
+
+            /// Number of channels, once built (`None` with neither affine parameters nor running
+            /// statistics: there is nothing to build).
+            pub fn num_features(&self) -> Option<usize> {
+                let weight = self.weight.as_ref().filter(|w| w.is_built());
+                let mean = self.running_mean.as_ref().filter(|b| b.is_built());
+                weight
+                    .map(Param::elem_count)
+                    .or_else(|| mean.map(|b| b.shape().elem_count()))
+            }
+        }
+
+        impl Forward<&Tensor> for $name {
+            type Output = Tensor;
+
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                if !$ranks.contains(&x.rank()) {
+                    return Err(shape_error(stringify!($name), $input.to_string(), x));
+                }
+                let c = [x.dim(1)?];
+                let layer = stringify!($name);
+                for (name, p) in [("weight", &self.weight), ("bias", &self.bias)] {
+                    if let Some(p) = p {
+                        layer_param(layer, name, p, &c, 0, x)?;
+                    }
+                }
+                for (name, b) in [("running_mean", &self.running_mean), ("running_var", &self.running_var)] {
+                    if let Some(b) = b {
+                        layer_buffer(layer, name, b, &c, x)?;
+                    }
+                }
+                BatchNormState {
+                    weight: &self.weight,
+                    bias: &self.bias,
+                    running_mean: &self.running_mean,
+                    running_var: &self.running_var,
+                    num_batches_tracked: &self.num_batches_tracked,
+                    momentum: self.momentum,
+                    eps: self.eps,
+                    training: self.mode.is_training(),
+                }
+                .forward(x)
+            }
+        }
+    };
+}
+
+lazy_batch_norm!(
+    LazyBatchNorm1d,
+    BatchNorm1d,
+    "LazyBatchNorm1d",
+    "`[N, C]` or `[N, C, L]`",
+    [2, 3],
+    "let x = Tensor::randn(0f32, 1., (8, 3), &Device::Cpu)?;"
+);
+lazy_batch_norm!(
+    LazyBatchNorm2d,
+    BatchNorm2d,
+    "LazyBatchNorm2d",
+    "`[N, C, H, W]`",
+    [4],
+    "let x = Tensor::randn(0f32, 1., (2, 3, 4, 4), &Device::Cpu)?;"
+);
+
+forward_by_value!(
+    LayerNorm,
+    RmsNorm,
+    GroupNorm,
+    BatchNorm1d,
+    BatchNorm2d,
+    LazyLayerNorm,
+    LazyBatchNorm1d,
+    LazyBatchNorm2d
+);
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,693 @@
+//! Lazy build: parameters, buffers and submodules whose shapes come from the first input
+//! (PyTorch's `LazyLinear`, Keras' `build`, babilim's native modules).
+//!
+//! Three pieces, from the bottom up:
+//!
+//! - **Lazy parameters and buffers** ([`Param::lazy`], [`Buffer::lazy`]): a [`LazyShape`] with
+//!   unknown dimensions and an [`Init`] recipe, materialized exactly once
+//!   ([`Param::materialize`]) by whichever thread gets there first. Until then they are *unbuilt*:
+//!   traversal lists them ([`Param::is_built`] says which), `to_device`/`to_dtype` record the
+//!   target, loading a checkpoint materializes them from its shapes, and
+//!   [`trainable_vars`](crate::ModuleExt::trainable_vars), [`state_dict`](crate::ModuleExt::state_dict)
+//!   and saving fail with [`Error::Unbuilt`], listing every unbuilt path. The lazy layers of
+//!   [`nn`](crate::nn) (`LazyLinear`, `LazyConv2d`, …) are built on them.
+//! - **[`Lazy<M>`]**: a field holding a submodule that a module of your own builds from its first
+//!   input, once, with no interior mutability in your code; [`Build`] is the Keras-style way to
+//!   write that build next to `forward`.
+//! - **[`LazyExt::build`]**: an explicit dry run on a sample input that builds everything and
+//!   records no gradient.
+//!
+//! ```
+//! use module_runtime::prelude::*;
+//! use module_runtime::nn::LazyLinear;
+//!
+//! let fc = LazyLinear::new(10, &Device::Cpu)?;
+//! assert!(!fc.is_built());
+//! assert!(fc.trainable_vars().is_err()); // "… unbuilt: weight, bias …"
+//! let y = fc.call(&Tensor::zeros((5, 7), DType::F32, &Device::Cpu)?)?;
+//! assert_eq!(y.dims(), [5, 10]);
+//! assert_eq!(fc.weight.shape().dims(), [10, 7]);
+//! # Ok::<(), module_runtime::Error>(())
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::error::{Error, Result};
+use crate::forward::Forward;
+use crate::module::{CallTarget, Child, ChildMut, Mode, Module, Name};
+use crate::param::Param;
+use crate::visit::{walk, ModuleExt, Visit};
+
+/// The shape of an unbuilt parameter or buffer: a rank, with each dimension known (`Some`) or
+/// decided when it is built (`None`, shown as `?`).
+///
+/// ```
+/// use module_runtime::LazyShape;
+/// let shape = LazyShape::new([Some(10), None]);
+/// assert_eq!(shape.to_string(), "[10, ?]");
+/// assert!(shape.accepts(&[10, 7]));
+/// assert!(!shape.accepts(&[7, 10]));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LazyShape(Vec<Option<usize>>);
+
+impl LazyShape {
+    /// A shape from its dimensions, `None` for those the input decides.
+    pub fn new(dims: impl IntoIterator<Item = Option<usize>>) -> Self {
+        Self(dims.into_iter().collect())
+    }
+
+    /// The dimensions, `None` where unknown.
+    pub fn dims(&self) -> &[Option<usize>] {
+        &self.0
+    }
+
+    /// Whether `dims` has this rank and agrees on every known dimension.
+    pub fn accepts(&self, dims: &[usize]) -> bool {
+        dims.len() == self.0.len()
+            && self
+                .0
+                .iter()
+                .zip(dims)
+                .all(|(k, d)| k.is_none_or(|k| k == *d))
+    }
+
+    pub(crate) fn check(&self, dims: &[usize]) -> Result<()> {
+        if self.accepts(dims) {
+            Ok(())
+        } else {
+            Err(Error::LazyShape {
+                path: String::new(),
+                expected: self.to_string(),
+                shape: Shape::from(dims.to_vec()),
+            })
+        }
+    }
+}
+
+impl fmt::Display for LazyShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            match d {
+                Some(d) => write!(f, "{d}")?,
+                None => f.write_str("?")?,
+            }
+        }
+        f.write_str("]")
+    }
+}
+
+/// A custom initializer: `(shape, fan_in, dtype, device) -> value`.
+pub type InitFn = dyn Fn(&Shape, usize, DType, &Device) -> Result<Tensor> + Send + Sync;
+
+/// How an unbuilt parameter or buffer gets its first value when it is materialized.
+///
+/// The recipe runs with the full shape, the layer's `fan_in` (which a bias cannot infer from its
+/// own shape: PyTorch bounds a `Linear` bias by the weight's fan-in) and the dtype and device the
+/// value was last moved to.
+#[derive(Clone)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// Uniform on `±1/sqrt(fan_in)`: PyTorch's default for `Linear` and convolution weights and
+    /// biases.
+    UniformFanIn,
+    /// Any function of the shape, fan-in, dtype and device.
+    Custom(Arc<InitFn>),
+}
+
+impl Init {
+    /// The initial value of shape `shape`.
+    pub fn tensor(
+        &self,
+        shape: &Shape,
+        fan_in: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Ok(match self {
+            Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+            Init::Ones => Tensor::ones(shape, dtype, device)?,
+            Init::UniformFanIn => {
+                let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+                Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?
+            }
+            Init::Custom(f) => {
+                let t = f(shape, fan_in, dtype, device)?;
+                if t.shape() != shape {
+                    return Err(Error::LazyShape {
+                        path: String::new(),
+                        expected: format!("{:?}", shape.dims()),
+                        shape: t.shape().clone(),
+                    });
+                }
+                t.to_dtype(dtype)?.to_device(device)?
+            }
+        })
+    }
+}
+
+impl fmt::Debug for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Init::Zeros => "Zeros",
+            Init::Ones => "Ones",
+            Init::UniformFanIn => "UniformFanIn",
+            Init::Custom(_) => "Custom(..)",
+        })
+    }
+}
+
+/// The lazy part of a `Param` or `Buffer`: whether it is built, and how to build it.
+///
+/// The dtype and device to build with are not stored here: they are those of the placeholder the
+/// parameter holds while unbuilt, so `to_device`/`to_dtype` record them without knowing about
+/// laziness.
+pub(crate) struct LazyState {
+    /// Read on every use of a built lazy value: one atomic load.
+    built: AtomicBool,
+    /// Serializes building: held while the first value is made and committed.
+    recipe: Mutex<Recipe>,
+}
+
+pub(crate) struct Recipe {
+    pub(crate) shape: LazyShape,
+    pub(crate) init: Init,
+}
+
+impl LazyState {
+    pub(crate) fn new(shape: LazyShape, init: Init) -> Box<Self> {
+        Box::new(Self {
+            built: AtomicBool::new(false),
+            recipe: Mutex::new(Recipe { shape, init }),
+        })
+    }
+
+    pub(crate) fn is_built(&self) -> bool {
+        self.built.load(Ordering::Acquire)
+    }
+
+    /// The shape it will have, while unbuilt.
+    pub(crate) fn shape(&self) -> Option<LazyShape> {
+        if self.is_built() {
+            return None;
+        }
+        let recipe = self.lock();
+        (!self.is_built()).then(|| recipe.shape.clone())
+    }
+
+    /// Runs `build` (which commits the first value) unless another thread built it first, then
+    /// marks it built. Returns whether this call built it. An error leaves it unbuilt.
+    pub(crate) fn build_once(&self, build: impl FnOnce(&Recipe) -> Result<()>) -> Result<bool> {
+        let recipe = self.lock();
+        if self.is_built() {
+            return Ok(false);
+        }
+        build(&recipe)?;
+        self.built.store(true, Ordering::Release);
+        Ok(true)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Recipe> {
+        // The recipe is never written after construction, so a panic cannot leave it half-written.
+        self.recipe.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Builds `param` with `dims` for a lazy layer, or checks that the input still fits the shape it
+/// was built with (by an earlier call or a checkpoint), naming the layer and both shapes if not.
+pub(crate) fn layer_param(
+    layer: &'static str,
+    name: &'static str,
+    param: &Param,
+    dims: &[usize],
+    fan_in: usize,
+    input: &Tensor,
+) -> Result<Tensor> {
+    let fits = |built: &[usize]| check_fit(layer, name, built, dims, input);
+    if param.is_built() {
+        let t = param.tensor();
+        fits(t.dims())?;
+        return Ok(t);
+    }
+    let t = param.materialize(dims, fan_in)?;
+    fits(t.dims())?;
+    Ok(t)
+}
+
+/// Like [`layer_param`], for a buffer (running statistics).
+pub(crate) fn layer_buffer(
+    layer: &'static str,
+    name: &'static str,
+    buffer: &crate::Buffer,
+    dims: &[usize],
+    input: &Tensor,
+) -> Result<Tensor> {
+    let t = if buffer.is_built() {
+        buffer.tensor()
+    } else {
+        buffer.materialize(dims)?
+    };
+    check_fit(layer, name, t.dims(), dims, input)?;
+    Ok(t)
+}
+
+fn check_fit(
+    layer: &'static str,
+    name: &'static str,
+    built: &[usize],
+    needed: &[usize],
+    input: &Tensor,
+) -> Result<()> {
+    if built == needed {
+        return Ok(());
+    }
+    Err(Error::LazyInput {
+        layer,
+        name,
+        input: input.shape().clone(),
+        needed: Shape::from(needed.to_vec()),
+        built: Shape::from(built.to_vec()),
+    })
+}
+
+/// A submodule built from the first input of the module holding it: the lazily-built state of a
+/// module of your own (Keras' `build`, babilim's native modules), with no interior mutability in
+/// your code.
+///
+/// Built once, by the first of [`get_or_build`](Self::get_or_build) (usually through
+/// [`Build::built`] in `forward`), [`LazyExt::build`] or construction from a built value
+/// ([`Lazy::from`]); thread-safe, and a built cell costs one atomic load to read.
+///
+/// In traversal a built cell *is* the module it holds, at the field's path (like `Box`). An unbuilt
+/// cell is a module with no children, listed by [`LazyExt::unbuilt_paths`]: its parameters do not
+/// exist yet, so `trainable_vars`, `state_dict` and loading a checkpoint fail until it is built
+/// (a checkpoint cannot say what a build would have made, unlike for a lazy parameter, whose
+/// layout is fixed). Cloning a built cell clones the module (whose parameters stay the same
+/// parameters); cloning an unbuilt one gives another unbuilt cell.
+///
+/// ```
+/// use module_runtime::prelude::*;
+///
+/// /// Scales each feature by a learned factor; the number of features comes from the input.
+/// #[derive(Module, Default)]
+/// struct FeatureScale {
+///     scale: Lazy<Param>,
+/// }
+///
+/// impl Forward<&Tensor> for FeatureScale {
+///     type Output = Tensor;
+///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+///         let scale = self.scale.get_or_build(|| {
+///             Param::new(Tensor::ones(x.dim(D::Minus1)?, x.dtype(), x.device())?)
+///         })?;
+///         Ok(x.broadcast_mul(&scale.tensor())?)
+///     }
+/// }
+///
+/// let m = FeatureScale::default();
+/// assert_eq!(m.unbuilt_paths(), ["scale"]);
+/// m.call(&Tensor::ones((2, 3), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(m.named_parameters()[0].0, "scale");
+/// assert_eq!(m.named_parameters()[0].1.shape().dims(), [3]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub struct Lazy<M> {
+    cell: OnceLock<M>,
+    /// Serializes builds, so a build runs once even when it fails in one thread and another retries.
+    building: Mutex<()>,
+}
+
+impl<M> Lazy<M> {
+    /// An unbuilt cell.
+    pub fn new() -> Self {
+        Self {
+            cell: OnceLock::new(),
+            building: Mutex::new(()),
+        }
+    }
+
+    /// The module, once built.
+    pub fn get(&self) -> Option<&M> {
+        self.cell.get()
+    }
+
+    /// Whether the module has been built.
+    pub fn is_built(&self) -> bool {
+        self.cell.get().is_some()
+    }
+
+    /// The module, building it with `build` if this is the first use. Concurrent first uses build
+    /// once: the others wait and get the same module. If `build` fails, the cell stays unbuilt
+    /// and the error is returned (a later call tries again).
+    pub fn get_or_build(&self, build: impl FnOnce() -> Result<M>) -> Result<&M> {
+        if let Some(m) = self.cell.get() {
+            return Ok(m);
+        }
+        let _building = self.building.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(m) = self.cell.get() {
+            return Ok(m);
+        }
+        let m = build()?;
+        Ok(self.cell.get_or_init(|| m))
+    }
+
+    /// The module, if built.
+    pub fn into_inner(self) -> Option<M> {
+        self.cell.into_inner()
+    }
+}
+
+impl<M> Default for Lazy<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M> From<M> for Lazy<M> {
+    /// A cell built at construction.
+    fn from(module: M) -> Self {
+        Self {
+            cell: OnceLock::from(module),
+            building: Mutex::new(()),
+        }
+    }
+}
+
+impl<M: Clone> Clone for Lazy<M> {
+    fn clone(&self) -> Self {
+        match self.cell.get() {
+            Some(m) => Self::from(m.clone()),
+            None => Self::new(),
+        }
+    }
+}
+
+impl<M: fmt::Debug> fmt::Debug for Lazy<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.cell.get() {
+            Some(m) => f.debug_tuple("Lazy").field(m).finish(),
+            None => f.write_str("Lazy(<unbuilt>)"),
+        }
+    }
+}
+
+/// Built: the module inside, at this path. Unbuilt: an empty module that reports itself unbuilt.
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for Lazy<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        if let Some(m) = self.cell.get() {
+            m.visit_children(f);
+        }
+    }
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        if let Some(m) = self.cell.get_mut() {
+            m.visit_children_mut(f);
+        }
+    }
+    fn type_name(&self) -> &'static str {
+        match self.cell.get() {
+            Some(m) => m.type_name(),
+            None => std::any::type_name::<Self>(),
+        }
+    }
+    fn as_child(&self) -> Child<'_> {
+        match self.cell.get() {
+            Some(m) => m.as_child(),
+            None => Child::Module {
+                module: self,
+                shared: None,
+            },
+        }
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        if self.cell.get().is_some() {
+            self.cell
+                .get_mut()
+                .map_or(ChildMut::Absent, M::as_child_mut)
+        } else {
+            ChildMut::Module(self)
+        }
+    }
+    fn __call_target(&self) -> CallTarget {
+        match self.cell.get() {
+            Some(m) => m.__call_target(),
+            None => CallTarget::of(self),
+        }
+    }
+    fn __unbuilt(&self) -> bool {
+        self.cell.get().is_none()
+    }
+}
+
+/// A module of your own that builds part of itself from its first input (Keras' `Layer.build`,
+/// babilim's `build`): the configuration stays in ordinary fields, what the input decides goes in
+/// a [`Lazy`] field, and `forward` starts with [`built`](Self::built).
+///
+/// `build_state` runs once, with the same input as the first `forward` (whether that is the first
+/// call or an explicit [`LazyExt::build`] dry run); to build at construction instead, fill the
+/// field with `Lazy::from(state)`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{LayerNorm, Linear};
+///
+/// /// A residual block `x + proj(norm(x))` whose width is the input's.
+/// #[derive(Module)]
+/// struct Residual {
+///     block: Lazy<Block>,
+/// }
+///
+/// #[derive(Module)]
+/// struct Block {
+///     norm: LayerNorm,
+///     proj: Linear,
+/// }
+///
+/// impl Build<&Tensor> for Residual {
+///     type State = Block;
+///     fn state(&self) -> &Lazy<Block> {
+///         &self.block
+///     }
+///     fn build_state(&self, x: &Tensor) -> Result<Block> {
+///         let width = x.dim(D::Minus1)?;
+///         Ok(Block {
+///             norm: LayerNorm::new(width, 1e-5, x.device())?,
+///             proj: Linear::new(width, width, x.device())?,
+///         })
+///     }
+/// }
+///
+/// impl Forward<&Tensor> for Residual {
+///     type Output = Tensor;
+///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+///         let block = self.built(x)?;
+///         Ok((x + block.proj.call(&block.norm.call(x)?)?)?)
+///     }
+/// }
+///
+/// let model = Residual { block: Lazy::new() };
+/// model.build(&Tensor::zeros((1, 6), DType::F32, &Device::Cpu)?)?;
+/// let names: Vec<_> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["block.norm.weight", "block.norm.bias", "block.proj.weight", "block.proj.bias"]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub trait Build<In> {
+    /// What the first input decides: parameters, sublayers.
+    type State: Module;
+
+    /// The field holding the state.
+    fn state(&self) -> &Lazy<Self::State>;
+
+    /// Makes the state from the first input.
+    fn build_state(&self, input: In) -> Result<Self::State>;
+
+    /// The state, built from `input` if this is the first use (once, thread-safe).
+    fn built(&self, input: In) -> Result<&Self::State> {
+        self.state().get_or_build(|| self.build_state(input))
+    }
+}
+
+/// Building and inspecting lazy models; in the prelude, implemented for every module.
+pub trait LazyExt: ModuleExt {
+    /// Builds every lazy part of the model with a dry run of `forward` on `sample` (PyTorch's
+    /// "call it once on a dummy batch", as one explicit step).
+    ///
+    /// The dry run records no gradient and changes no state but the build itself: every parameter
+    /// (built or not) is read frozen, so no autograd graph is recorded, and the model runs in
+    /// evaluation mode, so Dropout is off and BatchNorm's running statistics are not updated. The
+    /// `requires_grad` flags and train/eval modes are restored afterwards, also on error; the
+    /// output is dropped. (Parameters that a [`Lazy`] cell *creates* during the run are read as
+    /// usual, but nothing of the run is kept.) The flags being the model's own, do not build a
+    /// model while another thread trains it.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::LazyLinear;
+    ///
+    /// let fc = LazyLinear::new(3, &Device::Cpu)?;
+    /// fc.build(&Tensor::zeros((1, 8), DType::F32, &Device::Cpu)?)?;
+    /// assert!(fc.is_built());
+    /// assert!(fc.weight.requires_grad());
+    /// assert_eq!(fc.weight.shape().dims(), [3, 8]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn build<In>(&self, sample: In) -> Result<()>
+    where
+        Self: Forward<In> + Sized,
+    {
+        let _dry_run = DryRun::enter(self.as_dyn());
+        self.forward(sample).map(drop)
+    }
+
+    /// The path of every unbuilt parameter, buffer and [`Lazy`] cell, each once, in declaration
+    /// order.
+    fn unbuilt_paths(&self) -> Vec<String> {
+        unbuilt_paths(self.as_dyn())
+    }
+
+    /// Whether nothing in the model is unbuilt.
+    fn is_built(&self) -> bool {
+        self.unbuilt_paths().is_empty()
+    }
+}
+
+impl<T: ModuleExt + ?Sized> LazyExt for T {}
+
+pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
+    let mut out = Vec::new();
+    walk(root, true, &mut |path, v| {
+        let unbuilt = match v {
+            Visit::Param(p) => !p.is_built(),
+            Visit::Buffer(b) => !b.is_built(),
+            Visit::Module(m) => m.__unbuilt(),
+            Visit::Mode(_) => false,
+        };
+        if unbuilt {
+            out.push(path.to_owned());
+        }
+        true
+    });
+    out
+}
+
+/// Fails with [`Error::Unbuilt`] (`"cannot {action} …"`) if anything in `root` is unbuilt.
+pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
+    let paths = unbuilt_paths(root);
+    if paths.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Unbuilt { action, paths })
+    }
+}
+
+/// Fails if `root` holds an unbuilt [`Lazy`] cell: a checkpoint cannot say what it would hold.
+pub(crate) fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
+    let mut paths = Vec::new();
+    walk(root, true, &mut |path, v| {
+        if let Visit::Module(m) = v {
+            if m.__unbuilt() {
+                paths.push(path.to_owned());
+            }
+        }
+        true
+    });
+    if paths.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Unbuilt { action, paths })
+    }
+}
+
+/// Freezes every parameter and puts every module in evaluation mode until dropped, then restores
+/// each flag as it was.
+struct DryRun<'a> {
+    params: Vec<(Param, bool)>,
+    modes: Vec<(&'a Mode, bool)>,
+}
+
+impl<'a> DryRun<'a> {
+    fn enter(root: &'a dyn Module) -> Self {
+        let mut params = Vec::new();
+        let mut modes = Vec::new();
+        walk(root, true, &mut |_, v| {
+            match v {
+                Visit::Param(p) => params.push((p.clone(), p.requires_grad())),
+                Visit::Mode(m) => modes.push((m, m.is_training())),
+                Visit::Module(_) | Visit::Buffer(_) => {}
+            }
+            true
+        });
+        for (p, _) in &params {
+            p.set_requires_grad(false);
+        }
+        for (m, _) in &modes {
+            m.set_training(false);
+        }
+        Self { params, modes }
+    }
+}
+
+impl Drop for DryRun<'_> {
+    fn drop(&mut self) {
+        for (p, requires_grad) in &self.params {
+            p.set_requires_grad(*requires_grad);
+        }
+        for (m, training) in &self.modes {
+            m.set_training(*training);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lazy_shape_display_and_accepts() {
+        let s = LazyShape::new([None, Some(3), None]);
+        assert_eq!(s.to_string(), "[?, 3, ?]");
+        assert!(s.accepts(&[1, 3, 9]));
+        assert!(!s.accepts(&[1, 4, 9]));
+        assert!(!s.accepts(&[1, 3]));
+        assert!(s.check(&[2, 2, 2]).is_err());
+    }
+
+    #[test]
+    fn custom_init_must_give_the_shape() {
+        let bad = Init::Custom(Arc::new(|_, _, dtype, dev| {
+            Ok(Tensor::zeros(3, dtype, dev)?)
+        }));
+        let err = bad
+            .tensor(&Shape::from((2, 2)), 2, DType::F32, &Device::Cpu)
+            .unwrap_err();
+        assert!(err.to_string().contains("[2, 2]"), "{err}");
+    }
+
+    #[test]
+    fn a_failed_cell_build_leaves_it_unbuilt() {
+        let cell: Lazy<Param> = Lazy::new();
+        let err = cell.get_or_build(|| {
+            Err(Error::Unbuilt {
+                action: "test",
+                paths: vec![],
+            })
+        });
+        assert!(err.is_err());
+        assert!(!cell.is_built());
+        let p = cell
+            .get_or_build(|| Param::new(Tensor::zeros(2, DType::F32, &Device::Cpu)?))
+            .unwrap();
+        assert_eq!(p.elem_count(), 2);
+    }
+}
