@@ -18,6 +18,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::nn::activation::forward_by_value;
 use crate::{Forward, Module, Param};
@@ -215,6 +216,7 @@ impl Forward<&Tensor> for Conv1d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let weight = self.weight.tensor();
+        check_input_device("Conv1d.weight", &weight, x)?;
         let y = if x.track_op() || weight.track_op() {
             // As a 2-D convolution of height 1 (see the module docs).
             conv2d_differentiable(
@@ -319,6 +321,7 @@ impl Forward<&Tensor> for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let weight = self.weight.tensor();
+        check_input_device("Conv2d.weight", &weight, x)?;
         let y = if x.track_op() || weight.track_op() {
             conv2d_differentiable(
                 x,
@@ -415,6 +418,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let weight = self.weight.tensor();
+        check_input_device("ConvTranspose2d.weight", &weight, x)?;
         let run = |x: &Tensor, w: &Tensor| {
             x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
         };

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Forward, Module, Param};
 
@@ -84,6 +85,7 @@ impl Forward<&Tensor> for Linear {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.tensor();
+        check_input_device("Linear.weight", &w, x)?;
         // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
         // reads in place (no transpose copy).
         let y = match x.dims() {
