@@ -5,6 +5,8 @@
 //! ```text
 //! cargo run --release --example train_digits -- [--epochs N] [--lr LR] [--device cpu|cuda:0] [--out PATH]
 //! ```
+//!
+//! Without `--device`, the device is `MODULE_DEVICE`'s (the CPU when unset), as for the tests.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -46,7 +48,8 @@ struct Args {
     epochs: usize,
     lr: f64,
     batch_size: usize,
-    device: String,
+    /// `--device`; `None` reads `MODULE_DEVICE`.
+    device: Option<String>,
     out: PathBuf,
 }
 
@@ -59,7 +62,7 @@ Options:
   --epochs N       passes over the training set [default: 30]
   --lr LR          AdamW learning rate [default: 0.003]
   --batch-size N   examples per step [default: 32]
-  --device NAME    cpu, cuda:0, metal:0 [default: cpu]
+  --device NAME    cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
   --out PATH       where to save the trained checkpoint [default: digits.safetensors]
   -h, --help       print this help";
 
@@ -68,7 +71,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         epochs: 30,
         lr: 3e-3,
         batch_size: 32,
-        device: "cpu".into(),
+        device: None,
         out: "digits.safetensors".into(),
     };
     let mut it = std::env::args().skip(1);
@@ -85,7 +88,7 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--epochs" => args.epochs = value.parse().map_err(|e| bad(&e))?,
             "--lr" => args.lr = value.parse().map_err(|e| bad(&e))?,
             "--batch-size" => args.batch_size = value.parse().map_err(|e| bad(&e))?,
-            "--device" => args.device = value,
+            "--device" => args.device = Some(value),
             "--out" => args.out = value.into(),
             _ => return Err(format!("unknown option {flag}\n\n{USAGE}")),
         }
@@ -105,13 +108,16 @@ fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
-    let device = module_runtime::parse_device(&args.device)?;
+    let device = match &args.device {
+        Some(name) => module_runtime::parse_device(name)?,
+        None => module_runtime::device_from_env()?,
+    };
     let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
     println!(
         "digits: {} training and {} test images (8x8), device {}",
         train.len(),
         test.len(),
-        args.device
+        module_runtime::device_name(&device)
     );
 
     let model = DigitNet::new(&device)?;

@@ -7,8 +7,9 @@ use candle_nn::{Optimizer, VarBuilder, VarMap};
 use module_runtime::nn::{Functional, ModuleDict, ModuleList, Native, Sequential, SequentialLayer};
 use module_runtime::prelude::*;
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    Device::Cpu
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 fn names<T>(items: Vec<(String, T)>) -> Vec<String> {

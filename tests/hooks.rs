@@ -8,8 +8,9 @@ use module_runtime::nn::{Linear, ReLU, Sequential};
 use module_runtime::prelude::*;
 use module_runtime::{Captures, HookCtx, TensorStruct};
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    Device::Cpu
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// A small model with every way of holding and calling a submodule.
@@ -439,7 +440,7 @@ fn threads_see_their_own_calls_and_share_hooks() -> Result<()> {
         .map(|rows| {
             let (model, hooks, barrier) = (model.clone(), hooks.clone(), barrier.clone());
             std::thread::spawn(move || -> Result<std::thread::ThreadId> {
-                let x = Tensor::ones((rows, 4), DType::F32, &Device::Cpu)?;
+                let x = Tensor::ones((rows, 4), DType::F32, &dev())?;
                 barrier.wait();
                 for _ in 0..50 {
                     hooks.run(&*model, |m| m.call(&x))?;

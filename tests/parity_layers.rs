@@ -18,8 +18,9 @@ use module_runtime::nn::{
 use module_runtime::prelude::*;
 use parity_common_a::{assert_close, assert_equal, Fixture};
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    Device::Cpu
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// Compares `output` with the fixture, backpropagates `(output * upstream).sum()`, and compares the

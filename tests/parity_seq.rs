@@ -15,6 +15,11 @@ use module_runtime::nn::{
 use module_runtime::prelude::*;
 use parity_common_b::{assert_close, Fixture};
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
+fn dev() -> Device {
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+}
+
 /// Backpropagates `(output * upstream).sum()` and compares the input's and every parameter's
 /// gradient with the fixture's.
 fn check_backward(fx: &Fixture, model: &dyn Module, input: &Var, output: &Tensor) {
@@ -43,7 +48,7 @@ fn check_linear(name: &str, bias: bool) {
     let Some(fx) = Fixture::load(name) else {
         return;
     };
-    let model = Linear::with_options(7, 5, bias, DType::F32, &Device::Cpu).unwrap();
+    let model = Linear::with_options(7, 5, bias, DType::F32, &dev()).unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let y = model.call(x.as_tensor()).unwrap();
@@ -71,7 +76,7 @@ fn multihead_attention() {
         batch_first: true,
         ..Default::default()
     };
-    let model = MultiheadAttention::with_config(8, 2, config, DType::F32, &Device::Cpu).unwrap();
+    let model = MultiheadAttention::with_config(8, 2, config, DType::F32, &dev()).unwrap();
     model.eval();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
@@ -101,7 +106,7 @@ fn lstm() {
         batch_first: true,
         ..Default::default()
     };
-    let model = Lstm::with_config(4, 6, config, DType::F32, &Device::Cpu).unwrap();
+    let model = Lstm::with_config(4, 6, config, DType::F32, &dev()).unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, (h, c)) = model.call(x.as_tensor()).unwrap();
@@ -121,7 +126,7 @@ fn gru() {
         batch_first: true,
         ..Default::default()
     };
-    let model = Gru::with_config(4, 6, config, DType::F32, &Device::Cpu).unwrap();
+    let model = Gru::with_config(4, 6, config, DType::F32, &dev()).unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, h) = model.call(x.as_tensor()).unwrap();
@@ -135,7 +140,7 @@ fn gru() {
 /// multi-layer wiring and the `[seq, batch, feature]` layout, which the fixtures do not cover.
 #[test]
 fn multi_layer_rnn_is_stacked_single_layers() {
-    let dev = Device::Cpu;
+    let dev = dev();
     let stacked = RnnConfig {
         num_layers: 2,
         ..Default::default()

@@ -10,6 +10,11 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use module_runtime::prelude::*;
 use parity_common_b::{assert_close, Fixture};
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
+fn dev() -> Device {
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+}
+
 #[derive(Module)]
 struct Mlp {
     fc1: Linear,
@@ -29,7 +34,7 @@ fn check_trace<O: Optimizer>(name: &str, make_opt: impl FnOnce(Vec<candle_core::
     let Some(fx) = Fixture::load(name) else {
         return;
     };
-    let dev = Device::Cpu;
+    let dev = dev();
     let model = Mlp {
         fc1: Linear::new(64, 32, &dev).unwrap(),
         fc2: Linear::new(32, 10, &dev).unwrap(),

@@ -6,6 +6,11 @@ use std::path::{Path, PathBuf};
 use module_runtime::prelude::*;
 use module_runtime::{Error, LoadOptions};
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
+fn dev() -> Device {
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+}
+
 #[derive(Module)]
 struct Embeddings {
     word: Linear,
@@ -16,7 +21,7 @@ struct Embeddings {
 }
 
 fn embeddings() -> Embeddings {
-    let dev = Device::Cpu;
+    let dev = dev();
     Embeddings {
         word: Linear::new(4, 3, &dev).unwrap(),
         norm: Linear::new(3, 3, &dev).unwrap(),
@@ -82,7 +87,7 @@ struct TiedLm {
 
 #[test]
 fn tied_parameters_stay_tied_after_a_load() {
-    let shared = Linear::no_bias(2, 2, &Device::Cpu).unwrap();
+    let shared = Linear::no_bias(2, 2, &dev()).unwrap();
     let a = TiedLm {
         embed: shared.clone(),
         head: shared,
@@ -93,7 +98,7 @@ fn tied_parameters_stay_tied_after_a_load() {
         2,
         "a tied weight is saved under each of its paths"
     );
-    let shared = Linear::no_bias(2, 2, &Device::Cpu).unwrap();
+    let shared = Linear::no_bias(2, 2, &dev()).unwrap();
     let b = TiedLm {
         embed: shared.clone(),
         head: shared,
@@ -115,7 +120,7 @@ struct Misnamed {
 fn strict_report_lists_everything_and_changes_nothing() {
     let source = embeddings();
     let sd = source.state_dict().unwrap();
-    let dev = Device::Cpu;
+    let dev = dev();
     let target = Misnamed {
         word: Linear::new(4, 3, &dev).unwrap(),
         norm: Linear::new(3, 3, &dev).unwrap(),
@@ -153,7 +158,7 @@ fn strict_report_lists_everything_and_changes_nothing() {
 
 #[test]
 fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
-    let dev = Device::Cpu;
+    let dev = dev();
     let m = Linear::new(3, 2, &dev).unwrap();
     let before = values(&m);
     let mut sd = m.state_dict().unwrap();
@@ -215,7 +220,7 @@ fn key_rules() {
 #[test]
 fn optimizer_built_before_a_load_trains_the_loaded_values() {
     use candle_nn::Optimizer;
-    let dev = Device::Cpu;
+    let dev = dev();
     let m = Linear::no_bias(2, 1, &dev).unwrap();
     let mut opt = candle_nn::SGD::new(m.trainable_vars().unwrap(), 0.0).unwrap();
     let mut sd = module_runtime::StateDict::new();
@@ -284,7 +289,7 @@ fn save_into_a_read_only_directory_keeps_the_previous_checkpoint() {
 /// A valid file to corrupt: header length (8 bytes LE) + JSON header + data.
 fn valid_bytes() -> Vec<u8> {
     let path = tmp("valid.safetensors");
-    Linear::new(2, 2, &Device::Cpu)
+    Linear::new(2, 2, &dev())
         .unwrap()
         .save_safetensors(&path)
         .unwrap();
@@ -398,7 +403,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
 
 #[test]
 fn malformed_files_are_typed_errors_and_change_nothing() {
-    let m = Linear::new(2, 2, &Device::Cpu).unwrap();
+    let m = Linear::new(2, 2, &dev()).unwrap();
     let before = values(&m);
     let cases = corpus();
     assert!(cases.len() >= 15);
@@ -424,7 +429,7 @@ fn malformed_files_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn pth_errors_are_typed() {
-    let m = Linear::new(2, 2, &Device::Cpu).unwrap();
+    let m = Linear::new(2, 2, &dev()).unwrap();
     let path = tmp("not_a_pickle.pth");
     std::fs::write(&path, b"definitely not a zip of pickles").unwrap();
     assert!(matches!(

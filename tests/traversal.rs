@@ -8,8 +8,9 @@ use candle_nn::Optimizer;
 use module_runtime::prelude::*;
 use module_runtime::Error;
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    Device::Cpu
+    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 #[derive(Module)]
@@ -305,7 +306,7 @@ fn to_dtype_converts_floats_only() {
         m.fc.call(&Tensor::ones((1, 2), DType::F16, &dev()).unwrap())
             .unwrap();
     assert_eq!(y.dtype(), DType::F16);
-    m.to_device(&Device::Cpu).unwrap();
+    m.to_device(&dev()).unwrap();
     assert!(m.to_dtype(DType::I64).is_err());
 }
 

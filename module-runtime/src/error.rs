@@ -138,6 +138,25 @@ pub enum Error {
         name: String,
     },
 
+    /// A layer was called with an input on another device than its parameters.
+    #[error(
+        "`{path}` is on {} but the input is on {}: move the input (`x.to_device(..)`) or the \
+         model (`model.to_device(..)`) so that both are on one device{}",
+        crate::device::location_name(.expected),
+        crate::device::location_name(.got),
+        crate::device::same_location_hint(.expected, .got)
+    )]
+    DeviceMismatch {
+        /// The layer type and the parameter the input was checked against (`Linear.weight`): a
+        /// layer does not know its own path in the model.
+        path: String,
+        /// Where the parameter is.
+        expected: candle_core::DeviceLocation,
+        /// Where the input is. It can equal `expected`: candle tells CUDA and Metal devices apart
+        /// by handle, and two handles opened on one GPU do not mix.
+        got: candle_core::DeviceLocation,
+    },
+
     /// A hook failed: the call of the module at `path` was aborted.
     #[error("{hook} on `{path}` failed: {source}")]
     Hook {

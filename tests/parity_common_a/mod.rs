@@ -40,7 +40,10 @@ impl Fixture {
             eprintln!("\n!!!!! {msg} !!!!!\n");
             return None;
         }
-        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+        // Onto the device under test, so inputs and expected values are where the model is.
+        let device =
+            module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device");
+        let tensors = candle_core::safetensors::load(&path, &device)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
         Some(Self {
             name: name.to_string(),

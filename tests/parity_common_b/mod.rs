@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 
-use module_runtime::candle_core::{DType, Device, Tensor};
+use module_runtime::candle_core::{DType, Tensor};
 use module_runtime::ModuleExt;
 
 /// Absolute and relative tolerance of every comparison.
@@ -52,7 +52,10 @@ impl Fixture {
             );
             return None;
         }
-        let tensors = module_runtime::candle_core::safetensors::load(&path, &Device::Cpu)
+        // Onto the device under test, so inputs and expected values are where the model is.
+        let device =
+            module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device");
+        let tensors = module_runtime::candle_core::safetensors::load(&path, &device)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
         Some(Fixture {
             name: name.to_owned(),

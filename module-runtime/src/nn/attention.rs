@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::nn::Linear;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
@@ -221,6 +222,14 @@ impl MultiheadAttention {
     }
 
     fn attend(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
+        let w = self.in_proj_weight.tensor();
+        let masks = [input.key_padding_mask, input.attn_mask];
+        for t in [input.query, input.key, input.value]
+            .into_iter()
+            .chain(masks.into_iter().flatten())
+        {
+            check_input_device("MultiheadAttention.in_proj_weight", &w, t)?;
+        }
         let unbatched = input.query.rank() == 2;
         let layout = |t: &Tensor| -> Result<Tensor> {
             Ok(match (unbatched, self.batch_first) {

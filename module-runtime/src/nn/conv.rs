@@ -18,6 +18,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::lazy::layer_param;
 use crate::nn::activation::forward_by_value;
@@ -145,6 +146,7 @@ fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 
 /// `Conv1d`'s computation, for it and `LazyConv1d`.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
+    check_input_device("Conv1d.weight", weight, x)?;
     let y = if x.track_op() || weight.track_op() {
         // As a 2-D convolution of height 1 (see the module docs).
         conv2d_differentiable(
@@ -171,6 +173,7 @@ fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 
 /// `Conv2d`'s computation, for it and `LazyConv2d`.
 fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
+    check_input_device("Conv2d.weight", weight, x)?;
     let y = if x.track_op() || weight.track_op() {
         conv2d_differentiable(
             x,
@@ -424,6 +427,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
         let weight = self.weight.tensor();
+        check_input_device("ConvTranspose2d.weight", &weight, x)?;
         let run = |x: &Tensor, w: &Tensor| {
             x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
         };

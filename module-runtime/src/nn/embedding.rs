@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::nn::activation::forward_by_value;
 use crate::{Forward, Module, Param};
@@ -67,6 +68,7 @@ impl Forward<&Tensor> for Embedding {
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let weight = self.weight.tensor();
+        check_input_device("Embedding.weight", &weight, ids)?;
         let rows = weight.index_select(&ids.flatten_all()?, 0)?;
         let mut dims = ids.dims().to_vec();
         dims.push(weight.dim(1)?);

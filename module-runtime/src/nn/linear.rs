@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::lazy::layer_param;
 use crate::{Forward, Init, LazyShape, Module, Param};
@@ -94,6 +95,7 @@ impl Forward<&Tensor> for Linear {
 
 /// `x Wᵀ + b`, for `Linear` and `LazyLinear`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+    check_input_device("Linear.weight", w, x)?;
     // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
     // reads in place (no transpose copy).
     let y = match x.dims() {

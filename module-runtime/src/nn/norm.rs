@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::lazy::{layer_buffer, layer_param};
 use crate::nn::activation::forward_by_value;
@@ -158,6 +159,9 @@ fn layer_norm(
     let folded = fold_trailing(x, normalized_shape, "LayerNorm")?;
     let weight = flat(weight)?;
     let bias = flat(bias)?;
+    if let Some(w) = &weight {
+        check_input_device("LayerNorm.weight", w, x)?;
+    }
     let fused = match (&weight, &bias) {
         (Some(w), Some(b)) if no_gradient_needed(&[Some(x), Some(w), Some(b)]) => Some(
             candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
@@ -335,6 +339,9 @@ impl Forward<&Tensor> for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let folded = fold_trailing(x, &self.normalized_shape, "RmsNorm")?;
         let weight = flat(param_tensor(&self.weight))?;
+        if let Some(w) = &weight {
+            check_input_device("RmsNorm.weight", w, x)?;
+        }
         let y = match &weight {
             Some(w) if no_gradient_needed(&[Some(x), Some(w)]) => {
                 candle_nn::ops::rms_norm(&folded.contiguous()?, w, self.eps as f32)?
@@ -433,6 +440,9 @@ impl Forward<&Tensor> for GroupNorm {
                 format!("[N, {}, *]", self.num_channels),
                 x,
             ));
+        }
+        if let Some(w) = &self.weight {
+            check_input_device("GroupNorm.weight", &w.tensor(), x)?;
         }
         let dtype = x.dtype();
         let grouped = x
@@ -645,6 +655,15 @@ macro_rules! batch_norm {
                 if !$ranks.contains(&x.rank()) || channels.is_some_and(|c| x.dim(1).ok() != Some(c))
                 {
                     return Err(shape_error(stringify!($name), $input.to_string(), x));
+                }
+                if let Some(w) = &self.weight {
+                    check_input_device(concat!(stringify!($name), ".weight"), &w.tensor(), x)?;
+                } else if let Some(mean) = &self.running_mean {
+                    check_input_device(
+                        concat!(stringify!($name), ".running_mean"),
+                        &mean.tensor(),
+                        x,
+                    )?;
                 }
                 BatchNormState {
                     weight: &self.weight,

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::device::check_input_device;
 use crate::error::Result;
 use crate::module::{Child, ChildMut, Name};
 use crate::{Forward, Mode, Module, Param};
@@ -136,6 +137,8 @@ impl Module for StackedWeights {
 
 /// How a recurrent layer runs: its configuration and weights.
 struct Recurrence<'a> {
+    /// The first layer's input weight, `Layer.weight_ih_l0`, for device mismatch errors.
+    first_weight: &'static str,
     weights: &'a StackedWeights,
     hidden_size: usize,
     batch_first: bool,
@@ -156,6 +159,12 @@ impl Recurrence<'_> {
         initial: Option<&[&Tensor]>,
         step: impl Fn(&Tensor, &LayerWeights, Vec<Tensor>) -> Result<Vec<Tensor>>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
+        if let Some(layer) = self.weights.layers.first() {
+            let w = layer.weight_ih.tensor();
+            for t in std::iter::once(x).chain(initial.into_iter().flatten().copied()) {
+                check_input_device(self.first_weight, &w, t)?;
+            }
+        }
         let unbatched = x.rank() == 2;
         let mut seq = match (unbatched, self.batch_first) {
             (true, _) => x.unsqueeze(0)?,
@@ -302,6 +311,7 @@ impl Lstm {
 
     fn recurrence(&self) -> Recurrence<'_> {
         Recurrence {
+            first_weight: "Lstm.weight_ih_l0",
             weights: &self.weights,
             hidden_size: self.hidden_size,
             batch_first: self.batch_first,
@@ -437,6 +447,7 @@ impl Gru {
 
     fn recurrence(&self) -> Recurrence<'_> {
         Recurrence {
+            first_weight: "Gru.weight_ih_l0",
             weights: &self.weights,
             hidden_size: self.hidden_size,
             batch_first: self.batch_first,
