@@ -7,7 +7,7 @@
 //! ```
 //!
 //! The checkpoint comes from `MINILM_DIR` or `../shared/models/all-MiniLM-L6-v2`; without it the
-//! benchmark says so and measures nothing.
+//! benchmark says so and measures nothing. The device is `MODULE_DEVICE`'s (the CPU when unset).
 
 use std::hint::black_box;
 use std::path::Path;
@@ -149,7 +149,7 @@ fn forward(c: &mut Criterion) {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return;
     };
-    let device = Device::Cpu;
+    let device = module_runtime::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
     let baseline = varbuilder(&dir.join("model.safetensors"), &device).unwrap();
     let (ids, mask) = inputs(&device).unwrap();
@@ -183,7 +183,7 @@ fn load(c: &mut Criterion) {
         return;
     };
     let path = dir.join("model.safetensors");
-    let device = Device::Cpu;
+    let device = module_runtime::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
 
     let mut group = c.benchmark_group("minilm_load");
