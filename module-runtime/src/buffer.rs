@@ -94,15 +94,7 @@ impl Buffer {
                 Ok(())
             })?;
         }
-        let t = self.tensor();
-        if t.dims() != dims {
-            return Err(Error::LazyShape {
-                path: String::new(),
-                expected: format!("{:?}", t.dims()),
-                shape: Shape::from(dims.to_vec()),
-            });
-        }
-        Ok(t)
+        crate::lazy::check_built_dims(self.tensor(), dims)
     }
 
     /// The current value.

@@ -42,6 +42,19 @@ use crate::module::{CallTarget, Child, ChildMut, Mode, Module, Name};
 use crate::param::Param;
 use crate::visit::{walk, ModuleExt, Visit};
 
+/// `t`, the value of a parameter or buffer that is now built, if it has the `dims` an input asked
+/// for; otherwise the error that says it was built with other ones.
+pub(crate) fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {
+    if t.dims() != dims {
+        return Err(Error::LazyShape {
+            path: String::new(),
+            expected: format!("{:?}", t.dims()),
+            shape: Shape::from(dims.to_vec()),
+        });
+    }
+    Ok(t)
+}
+
 /// The shape of an unbuilt parameter or buffer: a rank, with each dimension known (`Some`) or
 /// decided when it is built (`None`, shown as `?`).
 ///

@@ -130,15 +130,7 @@ impl Param {
                 Ok(())
             })?;
         }
-        let t = self.tensor();
-        if t.dims() != dims {
-            return Err(Error::LazyShape {
-                path: String::new(),
-                expected: format!("{:?}", t.dims()),
-                shape: Shape::from(dims.to_vec()),
-            });
-        }
-        Ok(t)
+        crate::lazy::check_built_dims(self.tensor(), dims)
     }
 
     /// The value to compute with in a forward pass.
