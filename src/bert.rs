@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use module_runtime::nn::{Dropout, Embedding, LayerNorm, Linear, GELU};
+use module_runtime::nn::{Dropout, Embedding, LayerNorm, Linear, Softmax, GELU};
 use module_runtime::prelude::*;
 use module_runtime::{Buffer, Error};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
@@ -142,18 +142,6 @@ pub struct BertSelfAttention {
     pub num_heads: usize,
 }
 
-/// The projection after attention, with the residual connection and norm.
-#[derive(Module)]
-pub struct BertSelfOutput {
-    /// `[hidden, hidden]`.
-    pub dense: Linear,
-    /// Normalizes `dense(x) + residual`.
-    #[module(rename = "LayerNorm")]
-    pub layer_norm: LayerNorm,
-    /// Dropout before the residual sum.
-    pub dropout: Dropout,
-}
-
 /// Self-attention and its output projection.
 #[derive(Module)]
 pub struct BertAttention {
@@ -161,7 +149,7 @@ pub struct BertAttention {
     #[module(rename = "self")]
     pub self_attention: BertSelfAttention,
     /// Projection, residual and norm.
-    pub output: BertSelfOutput,
+    pub output: BertOutput,
 }
 
 /// The first half of the feed-forward block.
@@ -173,10 +161,12 @@ pub struct BertIntermediate {
     pub activation: GELU,
 }
 
-/// The second half of the feed-forward block, with the residual connection and norm.
+/// A projection, dropout, the residual connection and a norm: Hugging Face's `BertSelfOutput`
+/// (after attention, `[hidden, hidden]`) and `BertOutput` (the feed-forward block's second half,
+/// `[hidden, intermediate]`), which are the same layers and computation, so one type serves both.
 #[derive(Module)]
 pub struct BertOutput {
-    /// `[hidden, intermediate]`.
+    /// `[hidden, hidden]` after attention, `[hidden, intermediate]` in the feed-forward block.
     pub dense: Linear,
     /// Normalizes `dense(x) + residual`.
     #[module(rename = "LayerNorm")]
@@ -260,7 +250,7 @@ impl BertModel {
                         dropout: dropout(cfg.attention_probs_dropout_prob)?,
                         num_heads: cfg.num_attention_heads,
                     },
-                    output: BertSelfOutput {
+                    output: BertOutput {
                         dense: Linear::new(h, h, device)?,
                         layer_norm: norm()?,
                         dropout: dropout(cfg.hidden_dropout_prob)?,
@@ -341,30 +331,11 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
         let k = heads(self.key.call(x)?)?;
         let v = heads(self.value.call(x)?)?;
         let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
-        let probs = softmax_last_dim(&scores)?;
+        // The runtime's softmax: candle's fused kernel when nothing needs a gradient.
+        let probs = Forward::forward(&Softmax::new(-1), &scores)?;
         let probs = self.dropout.call(&probs)?;
         let context = probs.matmul(&v)?.transpose(1, 2)?;
         Ok(context.reshape((batch, seq_len, hidden))?)
-    }
-}
-
-/// Softmax over the last dimension: candle's fused kernel when nothing needs a gradient (it records
-/// none), the differentiable composition otherwise. The same rule as the runtime's layers.
-fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if x.track_op() {
-        Ok(candle_nn::ops::softmax(x, D::Minus1)?)
-    } else {
-        Ok(candle_nn::ops::softmax_last_dim(x)?)
-    }
-}
-
-impl Forward<(&Tensor, &Tensor)> for BertSelfOutput {
-    type Output = Tensor;
-
-    /// `(attention context, residual)` → normalized sum.
-    fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
-        let h = self.dropout.call(&self.dense.call(x)?)?;
-        self.layer_norm.call(&(h + residual)?)
     }
 }
 
@@ -389,7 +360,7 @@ impl Forward<&Tensor> for BertIntermediate {
 impl Forward<(&Tensor, &Tensor)> for BertOutput {
     type Output = Tensor;
 
-    /// `(intermediate, residual)` → normalized sum.
+    /// `(attention context or intermediate, residual)` → normalized sum.
     fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
         let h = self.dropout.call(&self.dense.call(x)?)?;
         self.layer_norm.call(&(h + residual)?)
