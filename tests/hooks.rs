@@ -538,3 +538,60 @@ fn without_hooks_call_is_forward() -> Result<()> {
     assert_close(&y, &net.forward(&x)?)?;
     Ok(())
 }
+
+/// A `TensorStruct` whose `map_tensors` visits more tensors than `for_each_tensor` lists cannot take
+/// a hook's replacement: a typed error naming the path and the type, not a panic.
+#[test]
+fn a_tensor_struct_that_maps_more_than_it_lists_is_an_error() -> Result<()> {
+    struct Lopsided {
+        a: Tensor,
+        b: Tensor,
+    }
+    impl TensorStruct for Lopsided {
+        fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+            f(&self.a);
+        }
+        fn map_tensors(self, f: &mut dyn FnMut(Tensor) -> Tensor) -> Self {
+            Self {
+                a: f(self.a),
+                b: f(self.b),
+            }
+        }
+    }
+
+    #[derive(Module)]
+    struct Make {
+        scale: Param,
+    }
+    impl Forward<&Tensor> for Make {
+        type Output = Lopsided;
+        fn forward(&self, x: &Tensor) -> Result<Lopsided> {
+            let y = x.broadcast_mul(&self.scale.tensor())?;
+            Ok(Lopsided { a: y.clone(), b: y })
+        }
+    }
+
+    let m = Make {
+        scale: Param::new(Tensor::new(&[2f32], &dev())?)?,
+    };
+    let hooks = Hooks::new();
+    hooks.register_forward_hook("", |_, _, output| Ok(Some(vec![output[0].neg()?])))?;
+    let x = Tensor::new(&[1f32], &dev())?;
+    let err = match hooks.run(&m, |m| m.call(&x)) {
+        Ok(_) => panic!("the mismatch went unnoticed"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(
+            &err,
+            Error::TensorTreeMismatch {
+                listed: 1,
+                visited: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("Lopsided"), "{err}");
+    Ok(())
+}

@@ -254,13 +254,18 @@ fn failed_save_keeps_the_previous_checkpoint() {
     std::fs::create_dir_all(&dir_target).unwrap();
     assert!(a.save_safetensors(&dir_target).is_err());
     assert!(dir_target.is_dir());
-    // Overwriting works and leaves no temporary files behind.
+    // Overwriting works and leaves no temporary files behind (other tests save into the same
+    // folder at the same time: look at this file's temporaries only).
     embeddings().save_safetensors(&path).unwrap();
     assert_ne!(std::fs::read(&path).unwrap(), before);
     let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(".keep.safetensors.tmp-")
+        })
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }

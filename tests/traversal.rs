@@ -307,7 +307,14 @@ fn to_dtype_converts_floats_only() {
             .unwrap();
     assert_eq!(y.dtype(), DType::F16);
     m.to_device(&dev()).unwrap();
-    assert!(m.to_dtype(DType::I64).is_err());
+    // PyTorch's `Module.to(torch.int64)` is refused too ("nn.Module.to only accepts floating point
+    // or complex dtypes", torch/nn/modules/module.py); the error says which dtype was asked for.
+    let err = m.to_dtype(DType::I64).unwrap_err();
+    assert!(
+        matches!(err, Error::NonFloatDType { dtype: DType::I64 }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("I64"), "{err}");
 }
 
 #[test]

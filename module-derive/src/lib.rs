@@ -6,6 +6,7 @@
 //! from half-validated input: `ast` reads the input into our own types, `attr` parses the
 //! `#[module(...)]` attributes, `check` applies the cross-field rules, and `expand` generates
 //! the impl. Every mistake in one input is reported in one compile.
+#![forbid(unsafe_code)]
 
 mod ast;
 mod attr;

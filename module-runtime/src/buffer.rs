@@ -1,11 +1,13 @@
 //! Non-trainable module state.
 
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::lazy::{Init, LazyShape, LazyState};
+use crate::identity;
+use crate::lazy_cell::{check_built_dims, Init, LazyCell};
+use crate::lazy_shape::LazyShape;
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
 ///
@@ -33,10 +35,8 @@ use crate::lazy::{Init, LazyShape, LazyState};
 pub struct Buffer(Arc<BufferInner>);
 
 struct BufferInner {
-    value: RwLock<Tensor>,
+    value: LazyCell<Tensor>,
     persistent: bool,
-    /// Present for lazy buffers only.
-    lazy: Option<Box<LazyState>>,
 }
 
 impl Buffer {
@@ -54,9 +54,8 @@ impl Buffer {
         // Buffers never take part in autograd.
         let value = value.detach();
         Self(Arc::new(BufferInner {
-            value: RwLock::new(value),
+            value: LazyCell::eager(value),
             persistent,
-            lazy: None,
         }))
     }
 
@@ -64,46 +63,33 @@ impl Buffer {
     /// accepts and the value `init` gives (PyTorch's `UninitializedBuffer`).
     pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
         Ok(Self(Arc::new(BufferInner {
-            value: RwLock::new(Tensor::zeros(0, dtype, device)?),
+            value: LazyCell::lazy(shape, init, dtype, device)?,
             persistent: true,
-            lazy: Some(LazyState::new(shape, init)),
         })))
     }
 
     /// Whether the buffer has a value: always for an eager buffer, once materialized for a lazy
     /// one.
     pub fn is_built(&self) -> bool {
-        self.0.lazy.as_ref().is_none_or(|l| l.is_built())
+        self.0.value.is_built()
     }
 
     /// The shape an unbuilt buffer will be built with; `None` once built.
     pub fn lazy_shape(&self) -> Option<LazyShape> {
-        self.0.lazy.as_ref().and_then(|l| l.shape())
+        self.0.value.lazy_shape()
     }
 
     /// Builds an unbuilt buffer with shape `dims`, once (see
     /// [`Param::materialize`](crate::Param::materialize)), and returns its value. On a built buffer
     /// this only checks that `dims` is its shape.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
-        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
-            lazy.build_once(|recipe| {
-                recipe.shape.check(dims)?;
-                let (dtype, device) = (self.dtype(), self.device());
-                let shape = candle_core::Shape::from(dims.to_vec());
-                self.replace(recipe.init.tensor(&shape, 0, dtype, &device)?);
-                Ok(())
-            })?;
-        }
-        crate::lazy::check_built_dims(self.tensor(), dims)
+        self.0.value.materialize(dims, 0)?;
+        check_built_dims(self.tensor(), dims)
     }
 
     /// The current value.
     pub fn tensor(&self) -> Tensor {
-        self.0
-            .value
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.0.value.read().clone()
     }
 
     /// Whether state dicts include this buffer.
@@ -117,30 +103,12 @@ impl Buffer {
     /// An unbuilt buffer is built from `value`: the shape must be one its
     /// [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
     pub fn set(&self, value: &Tensor) -> Result<()> {
-        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
-            let built = lazy.build_once(|recipe| {
-                recipe.shape.check(value.dims())?;
-                let dtype = self.dtype();
-                if value.dtype() != dtype {
-                    return Err(Error::ValueMismatch {
-                        path: String::new(),
-                        expected_shape: value.shape().clone(),
-                        expected_dtype: dtype,
-                        shape: value.shape().clone(),
-                        dtype: value.dtype(),
-                    });
-                }
-                self.replace(value.to_device(&self.device())?);
-                Ok(())
-            })?;
-            if built {
-                return Ok(());
-            }
+        if self.0.value.build_from(value)? {
+            return Ok(());
         }
-        let mut slot = self.0.value.write().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.0.value.write();
         if value.shape() != slot.shape() || value.dtype() != slot.dtype() {
             return Err(Error::ValueMismatch {
-                path: String::new(),
                 expected_shape: slot.shape().clone(),
                 expected_dtype: slot.dtype(),
                 shape: value.shape().clone(),
@@ -153,7 +121,7 @@ impl Buffer {
 
     /// Replaces the value with one of any shape, dtype and device.
     pub fn replace(&self, value: Tensor) {
-        *self.0.value.write().unwrap_or_else(PoisonError::into_inner) = value.detach();
+        self.0.value.replace(value.detach());
     }
 
     /// The buffer's shape.
@@ -173,7 +141,7 @@ impl Buffer {
 
     /// Moves the buffer to `device`.
     pub fn to_device(&self, device: &Device) -> Result<()> {
-        let mut slot = self.0.value.write().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.0.value.write();
         if !slot.device().same_device(device) {
             *slot = slot.to_device(device)?;
         }
@@ -183,7 +151,7 @@ impl Buffer {
     /// Converts a floating-point buffer to `dtype`; integer and boolean-like buffers are left as
     /// they are (PyTorch's `Module.to(dtype)` rule).
     pub fn to_dtype(&self, dtype: DType) -> Result<()> {
-        let mut slot = self.0.value.write().unwrap_or_else(PoisonError::into_inner);
+        let mut slot = self.0.value.write();
         if slot.dtype().is_float() && dtype.is_float() && slot.dtype() != dtype {
             *slot = slot.to_dtype(dtype)?;
         }
@@ -197,14 +165,14 @@ impl Buffer {
 
     /// An identity usable as a map key: equal for clones, distinct otherwise.
     pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.0) as usize
+        identity::arc_id(&self.0)
     }
 
     /// Whether another handle to this buffer exists. A buffer with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such buffers.
     pub(crate) fn has_aliases(&self) -> bool {
-        Arc::strong_count(&self.0) > 1
+        identity::has_aliases(&self.0)
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::{Device, DeviceLocation, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::{location_name, Error, Result};
 
 /// The environment variable tests and examples read their device from.
 pub const DEVICE_ENV: &str = "MODULE_DEVICE";
@@ -79,29 +79,11 @@ pub fn device_name(device: &Device) -> String {
     location_name(&device.location())
 }
 
-/// The name of a device's location; see [`device_name`].
-pub(crate) fn location_name(location: &DeviceLocation) -> String {
-    match location {
-        DeviceLocation::Cpu => "cpu".to_owned(),
-        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
-        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
-}
-
-/// The end of a [`Error::DeviceMismatch`] message whose two devices are one GPU opened twice.
-pub(crate) fn same_location_hint(expected: &DeviceLocation, got: &DeviceLocation) -> &'static str {
-    if expected == got {
-        " (two handles for one GPU: create the device once, e.g. with `parse_device`)"
-    } else {
-        ""
-    }
-}
-
 /// Checks that `input` is on the device of `param`, the parameter (or buffer) a layer computes it
 /// with, named `path` as `Layer.parameter`.
 ///
 /// Layers call this where they take input, so that a model on one device called with a tensor on
-/// another fails with [`Error::DeviceMismatch`] naming both, rather than with candle's error from
+/// another fails with [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) naming both, rather than with candle's error from
 /// inside whichever op first combines them. It costs one comparison (a discriminant for the CPU, a
 /// handle id for CUDA and Metal).
 pub(crate) fn check_input_device(path: &'static str, param: &Tensor, input: &Tensor) -> Result<()> {

@@ -1,12 +1,17 @@
-//! The crate's one error type.
+//! The crate's one error type. It sits at the bottom of the crate: it names the types its variants
+//! carry ([`LoadReport`](crate::LoadReport)) and formats its own messages.
 
-use candle_core::{DType, Shape};
+use candle_core::{DType, DeviceLocation, Shape};
+
+use crate::report::LoadReport;
+use crate::type_name::short_type_name;
 
 /// Everything that can go wrong in `module-runtime`.
 ///
-/// Each variant carries the module or parameter path involved (PyTorch-style dotted path, `""` for
-/// the root) and, where shapes or dtypes are involved, both sides, so the message is actionable on
-/// its own.
+/// Variants about a place in a model carry its path (PyTorch-style dotted path, `""` for the root);
+/// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own, which
+/// does not know where it sits in a model, name the layer type instead. Where shapes or dtypes are
+/// involved, both sides are given, so the message is actionable on its own.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -17,7 +22,7 @@ pub enum Error {
     /// `get_submodule` and friends: a segment of the path names no child.
     #[error(
         "no submodule at `{path}`: `{parent}` ({}) has no child `{missing}`{}",
-        crate::short_type_name(.parent_type),
+        short_type_name(.parent_type),
         list_children(.children)
     )]
     NoSubmodule {
@@ -74,11 +79,19 @@ pub enum Error {
         shape: Shape,
     },
 
-    /// A new value for a parameter or buffer does not have its shape or dtype.
-    #[error("cannot set `{path}`: expected {expected_dtype:?} {expected_shape:?}, got {dtype:?} {shape:?}")]
+    /// `to_dtype` was asked for a dtype that is not floating point: parameters must stay floating
+    /// point (PyTorch's `Module.to(dtype)` accepts floating and complex dtypes only).
+    #[error("cannot convert a model to {dtype:?}: only floating-point dtypes are allowed")]
+    NonFloatDType {
+        /// The dtype that was asked for.
+        dtype: DType,
+    },
+
+    /// A new value given to a parameter or buffer ([`Param::set`](crate::Param::set),
+    /// [`Buffer::set`](crate::Buffer::set)) does not have its shape or dtype. A load checks every
+    /// value first and reports mismatches by path in [`Error::Load`](crate::Error::Load) instead.
+    #[error("cannot set a parameter or buffer of {expected_dtype:?} {expected_shape:?} to a value of {dtype:?} {shape:?}")]
     ValueMismatch {
-        /// The path of the parameter or buffer (`""` when it was set directly).
-        path: String,
         /// Its shape.
         expected_shape: Shape,
         /// Its dtype.
@@ -110,7 +123,7 @@ pub enum Error {
     /// A load found missing or unexpected keys (when strict), or values of the wrong shape or
     /// dtype. Nothing was changed. The report lists every problem at once.
     #[error("error(s) loading state dict; the model was not changed:\n{0}")]
-    Load(Box<crate::state::LoadReport>),
+    Load(Box<LoadReport>),
 
     /// A checkpoint file is malformed, truncated or unreadable as a checkpoint.
     #[error("bad checkpoint `{}`: {reason}", path.display())]
@@ -142,19 +155,19 @@ pub enum Error {
     #[error(
         "`{path}` is on {} but the input is on {}: move the input (`x.to_device(..)`) or the \
          model (`model.to_device(..)`) so that both are on one device{}",
-        crate::device::location_name(.expected),
-        crate::device::location_name(.got),
-        crate::device::same_location_hint(.expected, .got)
+        location_name(.expected),
+        location_name(.got),
+        same_location_hint(.expected, .got)
     )]
     DeviceMismatch {
         /// The layer type and the parameter the input was checked against (`Linear.weight`): a
         /// layer does not know its own path in the model.
         path: String,
         /// Where the parameter is.
-        expected: candle_core::DeviceLocation,
+        expected: DeviceLocation,
         /// Where the input is. It can equal `expected`: candle tells CUDA and Metal devices apart
         /// by handle, and two handles opened on one GPU do not mix.
-        got: candle_core::DeviceLocation,
+        got: DeviceLocation,
     },
 
     /// A hook failed: the call of the module at `path` was aborted.
@@ -199,11 +212,10 @@ pub enum Error {
         paths: Vec<String>,
     },
 
-    /// A lazy parameter or buffer was given a value or shape its layout does not allow.
-    #[error("`{path}` takes shape {expected}, got {shape:?}")]
+    /// A lazy parameter or buffer was given a value or shape its layout does not allow (a load
+    /// reports such values by path in [`Error::Load`](crate::Error::Load) instead).
+    #[error("a lazy parameter or buffer takes shape {expected}, got {shape:?}")]
     LazyShape {
-        /// Its path (`""` when it was given directly).
-        path: String,
         /// The shapes it takes (`[10, ?]`; `?` is any size).
         expected: String,
         /// The shape it was given.
@@ -229,14 +241,24 @@ pub enum Error {
         built: Shape,
     },
 
-    /// An error raised while running the module at `path`.
-    #[error("in `{path}`: {source}")]
-    InModule {
-        /// The module's path.
+    /// A [`TensorStruct`](crate::TensorStruct) used as a module's input or output maps another
+    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's
+    /// replacement cannot be put back.
+    #[error(
+        "a hook replaced tensors of `{}` in the call of `{path}`, but its `TensorStruct` impl lists \
+         {listed} tensors in `for_each_tensor` and visits {visited} in `map_tensors`: both must \
+         visit the same tensors in the same order",
+        short_type_name(.type_name)
+    )]
+    TensorTreeMismatch {
+        /// The path of the module called.
         path: String,
-        /// What went wrong there.
-        #[source]
-        source: Box<Error>,
+        /// The input or output type.
+        type_name: &'static str,
+        /// How many tensors `for_each_tensor` lists.
+        listed: usize,
+        /// How many `map_tensors` visited.
+        visited: usize,
     },
 }
 
@@ -258,5 +280,23 @@ impl From<Error> for candle_core::Error {
             Error::Candle(e) => e,
             other => candle_core::Error::wrap(other),
         }
+    }
+}
+
+/// The name of a device's location: `cpu`, `cuda:0`, `metal:0`.
+pub(crate) fn location_name(location: &DeviceLocation) -> String {
+    match location {
+        DeviceLocation::Cpu => "cpu".to_owned(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// The end of a [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) message whose two devices are one GPU opened twice.
+fn same_location_hint(expected: &DeviceLocation, got: &DeviceLocation) -> &'static str {
+    if expected == got {
+        " (two handles for one GPU: create the device once, e.g. with `parse_device`)"
+    } else {
+        ""
     }
 }

@@ -9,7 +9,7 @@
 //!   traversal lists them ([`Param::is_built`] says which), `to_device`/`to_dtype` record the
 //!   target, loading a checkpoint materializes them from its shapes, and
 //!   [`trainable_vars`](crate::ModuleExt::trainable_vars), [`state_dict`](crate::ModuleExt::state_dict)
-//!   and saving fail with [`Error::Unbuilt`], listing every unbuilt path. The lazy layers of
+//!   and saving fail with [`Error::Unbuilt`](crate::Error::Unbuilt), listing every unbuilt path. The lazy layers of
 //!   [`nn`](crate::nn) (`LazyLinear`, `LazyConv2d`, …) are built on them.
 //! - **[`Lazy<M>`]**: a field holding a submodule that a module of your own builds from its first
 //!   input, once, with no interior mutability in your code; [`Build`] is the Keras-style way to
@@ -31,211 +31,17 @@
 //! ```
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::ext::ModuleExt;
 use crate::forward::Forward;
-use crate::module::{CallTarget, Child, ChildMut, Mode, Module, Name};
+use crate::identity::CallTarget;
+use crate::module::{Child, ChildMut, Mode, Module, Name};
 use crate::param::Param;
-use crate::visit::{walk, ModuleExt, Visit};
-
-/// `t`, the value of a parameter or buffer that is now built, if it has the `dims` an input asked
-/// for; otherwise the error that says it was built with other ones.
-pub(crate) fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {
-    if t.dims() != dims {
-        return Err(Error::LazyShape {
-            path: String::new(),
-            expected: format!("{:?}", t.dims()),
-            shape: Shape::from(dims.to_vec()),
-        });
-    }
-    Ok(t)
-}
-
-/// The shape of an unbuilt parameter or buffer: a rank, with each dimension known (`Some`) or
-/// decided when it is built (`None`, shown as `?`).
-///
-/// ```
-/// use module_runtime::LazyShape;
-/// let shape = LazyShape::new([Some(10), None]);
-/// assert_eq!(shape.to_string(), "[10, ?]");
-/// assert!(shape.accepts(&[10, 7]));
-/// assert!(!shape.accepts(&[7, 10]));
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LazyShape(Vec<Option<usize>>);
-
-impl LazyShape {
-    /// A shape from its dimensions, `None` for those the input decides.
-    pub fn new(dims: impl IntoIterator<Item = Option<usize>>) -> Self {
-        Self(dims.into_iter().collect())
-    }
-
-    /// The dimensions, `None` where unknown.
-    pub fn dims(&self) -> &[Option<usize>] {
-        &self.0
-    }
-
-    /// Whether `dims` has this rank and agrees on every known dimension.
-    pub fn accepts(&self, dims: &[usize]) -> bool {
-        dims.len() == self.0.len()
-            && self
-                .0
-                .iter()
-                .zip(dims)
-                .all(|(k, d)| k.is_none_or(|k| k == *d))
-    }
-
-    pub(crate) fn check(&self, dims: &[usize]) -> Result<()> {
-        if self.accepts(dims) {
-            Ok(())
-        } else {
-            Err(Error::LazyShape {
-                path: String::new(),
-                expected: self.to_string(),
-                shape: Shape::from(dims.to_vec()),
-            })
-        }
-    }
-}
-
-impl fmt::Display for LazyShape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[")?;
-        for (i, d) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            match d {
-                Some(d) => write!(f, "{d}")?,
-                None => f.write_str("?")?,
-            }
-        }
-        f.write_str("]")
-    }
-}
-
-/// A custom initializer: `(shape, fan_in, dtype, device) -> value`.
-pub type InitFn = dyn Fn(&Shape, usize, DType, &Device) -> Result<Tensor> + Send + Sync;
-
-/// How an unbuilt parameter or buffer gets its first value when it is materialized.
-///
-/// The recipe runs with the full shape, the layer's `fan_in` (which a bias cannot infer from its
-/// own shape: PyTorch bounds a `Linear` bias by the weight's fan-in) and the dtype and device the
-/// value was last moved to.
-#[derive(Clone)]
-pub enum Init {
-    /// All zeros.
-    Zeros,
-    /// All ones.
-    Ones,
-    /// Uniform on `±1/sqrt(fan_in)`: PyTorch's default for `Linear` and convolution weights and
-    /// biases.
-    UniformFanIn,
-    /// Any function of the shape, fan-in, dtype and device.
-    Custom(Arc<InitFn>),
-}
-
-impl Init {
-    /// The initial value of shape `shape`.
-    pub fn tensor(
-        &self,
-        shape: &Shape,
-        fan_in: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        Ok(match self {
-            Init::Zeros => Tensor::zeros(shape, dtype, device)?,
-            Init::Ones => Tensor::ones(shape, dtype, device)?,
-            Init::UniformFanIn => {
-                let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-                Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?
-            }
-            Init::Custom(f) => {
-                let t = f(shape, fan_in, dtype, device)?;
-                if t.shape() != shape {
-                    return Err(Error::LazyShape {
-                        path: String::new(),
-                        expected: format!("{:?}", shape.dims()),
-                        shape: t.shape().clone(),
-                    });
-                }
-                t.to_dtype(dtype)?.to_device(device)?
-            }
-        })
-    }
-}
-
-impl fmt::Debug for Init {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Init::Zeros => "Zeros",
-            Init::Ones => "Ones",
-            Init::UniformFanIn => "UniformFanIn",
-            Init::Custom(_) => "Custom(..)",
-        })
-    }
-}
-
-/// The lazy part of a `Param` or `Buffer`: whether it is built, and how to build it.
-///
-/// The dtype and device to build with are not stored here: they are those of the placeholder the
-/// parameter holds while unbuilt, so `to_device`/`to_dtype` record them without knowing about
-/// laziness.
-pub(crate) struct LazyState {
-    /// Read on every use of a built lazy value: one atomic load.
-    built: AtomicBool,
-    /// Serializes building: held while the first value is made and committed.
-    recipe: Mutex<Recipe>,
-}
-
-pub(crate) struct Recipe {
-    pub(crate) shape: LazyShape,
-    pub(crate) init: Init,
-}
-
-impl LazyState {
-    pub(crate) fn new(shape: LazyShape, init: Init) -> Box<Self> {
-        Box::new(Self {
-            built: AtomicBool::new(false),
-            recipe: Mutex::new(Recipe { shape, init }),
-        })
-    }
-
-    pub(crate) fn is_built(&self) -> bool {
-        self.built.load(Ordering::Acquire)
-    }
-
-    /// The shape it will have, while unbuilt.
-    pub(crate) fn shape(&self) -> Option<LazyShape> {
-        if self.is_built() {
-            return None;
-        }
-        let recipe = self.lock();
-        (!self.is_built()).then(|| recipe.shape.clone())
-    }
-
-    /// Runs `build` (which commits the first value) unless another thread built it first, then
-    /// marks it built. Returns whether this call built it. An error leaves it unbuilt.
-    pub(crate) fn build_once(&self, build: impl FnOnce(&Recipe) -> Result<()>) -> Result<bool> {
-        let recipe = self.lock();
-        if self.is_built() {
-            return Ok(false);
-        }
-        build(&recipe)?;
-        self.built.store(true, Ordering::Release);
-        Ok(true)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Recipe> {
-        // The recipe is never written after construction, so a panic cannot leave it half-written.
-        self.recipe.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
+use crate::walk::{walk, Visit};
 
 /// Builds `param` with `dims` for a lazy layer, or checks that the input still fits the shape it
 /// was built with (by an earlier call or a checkpoint), naming the layer and both shapes if not.
@@ -594,7 +400,7 @@ pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
     out
 }
 
-/// Fails with [`Error::Unbuilt`] (`"cannot {action} …"`) if anything in `root` is unbuilt.
+/// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) (`"cannot {action} …"`) if anything in `root` is unbuilt.
 pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
     let paths = unbuilt_paths(root);
     if paths.is_empty() {
@@ -665,27 +471,7 @@ impl Drop for DryRun<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lazy_shape_display_and_accepts() {
-        let s = LazyShape::new([None, Some(3), None]);
-        assert_eq!(s.to_string(), "[?, 3, ?]");
-        assert!(s.accepts(&[1, 3, 9]));
-        assert!(!s.accepts(&[1, 4, 9]));
-        assert!(!s.accepts(&[1, 3]));
-        assert!(s.check(&[2, 2, 2]).is_err());
-    }
-
-    #[test]
-    fn custom_init_must_give_the_shape() {
-        let bad = Init::Custom(Arc::new(|_, _, dtype, dev| {
-            Ok(Tensor::zeros(3, dtype, dev)?)
-        }));
-        let err = bad
-            .tensor(&Shape::from((2, 2)), 2, DType::F32, &Device::Cpu)
-            .unwrap_err();
-        assert!(err.to_string().contains("[2, 2]"), "{err}");
-    }
+    use candle_core::{DType, Device};
 
     #[test]
     fn a_failed_cell_build_leaves_it_unbuilt() {

@@ -48,39 +48,54 @@
 // The runtime's own layers use the derive, whose expansion names `::module_runtime`.
 extern crate self as module_runtime;
 
+// Bottom up: each file uses only those above it (see the README's layout table).
 mod buffer;
+mod convert;
 mod device;
 mod error;
+mod ext;
 mod forward;
 mod hooks;
+mod identity;
 mod io;
 mod lazy;
+mod lazy_cell;
+mod lazy_shape;
 mod module;
 pub mod nn;
 mod param;
+mod path;
 mod pattern;
+mod report;
 mod state;
 mod summary;
-mod tree;
-mod visit;
+mod tensor_tree;
+mod type_name;
+mod views;
+mod walk;
 
 pub use buffer::Buffer;
 pub use device::{device_from_env, device_name, parse_device, DEVICE_ENV};
 pub use error::{Error, Result};
+pub use ext::ModuleExt;
 pub use forward::Forward;
 pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
-pub use lazy::{Build, Init, InitFn, Lazy, LazyExt, LazyShape};
 #[doc(hidden)]
-pub use module::CallTarget;
-pub use module::{Child, ChildMut, Mode, Module, Name, Shared};
+pub use identity::CallTarget;
+pub use identity::Shared;
+pub use lazy::{Build, Lazy, LazyExt};
+pub use lazy_cell::{Init, InitFn};
+pub use lazy_shape::LazyShape;
+pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use param::Param;
 pub use pattern::PathPattern;
-pub use state::{KeyRule, LoadOptions, LoadReport, Mismatch, StateDict};
+pub use report::{LoadReport, Mismatch};
+pub use state::{KeyRule, LoadOptions, StateDict};
 pub use summary::{Summary, SummaryRow};
 #[doc(hidden)]
-pub use tree::Scope;
-pub use tree::{TensorStruct, TensorTree};
-pub use visit::{short_type_name, ModuleExt};
+pub use tensor_tree::Scope;
+pub use tensor_tree::{TensorStruct, TensorTree};
+pub use type_name::short_type_name;
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///

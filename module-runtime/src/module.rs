@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::buffer::Buffer;
+use crate::identity::{CallTarget, Shared};
 use crate::param::Param;
 
 /// A node of a model's tree: PyTorch's `nn.Module`, reduced to the one thing the rest is built on,
@@ -94,44 +95,6 @@ pub trait Module: Any + Send + Sync {
     }
 }
 
-/// The address and type of a value a module is called through: what hook dispatch looks for among
-/// a module's children. Not public API.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CallTarget {
-    addr: usize,
-    ty: std::any::TypeId,
-}
-
-impl CallTarget {
-    /// `value`'s address and type.
-    pub fn of<T: Any>(value: &T) -> Self {
-        Self {
-            addr: value as *const T as *const () as usize,
-            ty: std::any::TypeId::of::<T>(),
-        }
-    }
-
-    /// The target of a module seen through `dyn Module`.
-    pub(crate) fn of_dyn(module: &dyn Module) -> Self {
-        Self {
-            addr: module as *const dyn Module as *const () as usize,
-            ty: (module as &dyn Any).type_id(),
-        }
-    }
-}
-
-/// A module reached through an `Arc`: its identity (shared by every clone of the `Arc`) and the
-/// `Arc` value it was reached through (which tells two paths to one module apart when it is called).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shared {
-    /// The module's identity: the `Arc`'s target address.
-    pub id: usize,
-    /// The `Arc` field itself.
-    #[doc(hidden)]
-    pub holder: CallTarget,
-}
-
 impl dyn Module {
     /// The concrete module, if it is a `T`.
     pub fn downcast_ref<T: Module>(&self) -> Option<&T> {
@@ -151,7 +114,7 @@ impl dyn Module {
 
 impl std::fmt::Debug for dyn Module {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&crate::visit::short_type_name(self.type_name()))
+        f.write_str(&crate::type_name::short_type_name(self.type_name()))
     }
 }
 
@@ -423,10 +386,7 @@ impl<M: Module> Module for Arc<M> {
         match (**self).as_child() {
             Child::Module { module, .. } => Child::Module {
                 module,
-                shared: Some(Shared {
-                    id: Arc::as_ptr(self) as *const () as usize,
-                    holder: CallTarget::of(self),
-                }),
+                shared: Some(Shared::of(self)),
             },
             other => other,
         }

@@ -1,12 +1,14 @@
 //! Trainable parameters.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, RwLockReadGuard};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::lazy::{Init, LazyShape, LazyState};
+use crate::identity;
+use crate::lazy_cell::{check_built_dims, Init, LazyCell};
+use crate::lazy_shape::LazyShape;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
 ///
@@ -44,16 +46,14 @@ use crate::lazy::{Init, LazyShape, LazyState};
 pub struct Param(Arc<ParamInner>);
 
 struct ParamInner {
-    var: RwLock<Var>,
+    var: LazyCell<Var>,
     requires_grad: AtomicBool,
-    /// Present for lazy parameters only, so reading an eager one costs nothing more.
-    lazy: Option<Box<LazyState>>,
 }
 
 impl Param {
     /// A trainable parameter holding `value` (copied into a fresh `Var`).
     ///
-    /// Fails with [`Error::NonFloatParam`] for integer tensors: only floating-point values have
+    /// Fails with [`Error::NonFloatParam`](crate::Error::NonFloatParam) for integer tensors: only floating-point values have
     /// gradients.
     pub fn new(value: Tensor) -> Result<Self> {
         check_float(&value)?;
@@ -68,9 +68,8 @@ impl Param {
 
     fn from_var_unchecked(var: Var) -> Self {
         Self(Arc::new(ParamInner {
-            var: RwLock::new(var),
+            var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(true),
-            lazy: None,
         }))
     }
 
@@ -90,25 +89,28 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
-        let placeholder = Var::zeros(0, dtype, device)?;
-        check_float(placeholder.as_tensor())?;
+        if !dtype.is_float() {
+            return Err(Error::NonFloatParam {
+                dtype,
+                shape: Shape::from(0),
+            });
+        }
         Ok(Self(Arc::new(ParamInner {
-            var: RwLock::new(placeholder),
+            var: LazyCell::lazy(shape, init, dtype, device)?,
             requires_grad: AtomicBool::new(true),
-            lazy: Some(LazyState::new(shape, init)),
         })))
     }
 
     /// Whether the parameter has values: always for an eager parameter, once materialized for a
     /// lazy one.
     pub fn is_built(&self) -> bool {
-        self.0.lazy.as_ref().is_none_or(|l| l.is_built())
+        self.0.var.is_built()
     }
 
     /// The shape an unbuilt parameter will be built with (`?` for unknown dimensions); `None` once
     /// built.
     pub fn lazy_shape(&self) -> Option<LazyShape> {
-        self.0.lazy.as_ref().and_then(|l| l.shape())
+        self.0.var.lazy_shape()
     }
 
     /// Builds an unbuilt parameter with shape `dims` (its init recipe given the layer's `fan_in`),
@@ -116,21 +118,10 @@ impl Param {
     /// the value to compute with, like [`tensor`](Self::tensor).
     ///
     /// On a built parameter (eager, or lazy and built already) this only checks that `dims` is its
-    /// shape. Fails with [`Error::LazyShape`] when `dims` does not fit.
+    /// shape. Fails with [`Error::LazyShape`](crate::Error::LazyShape) when `dims` does not fit.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
-        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
-            lazy.build_once(|recipe| {
-                recipe.shape.check(dims)?;
-                let (dtype, device) = (self.dtype(), self.device());
-                let value =
-                    recipe
-                        .init
-                        .tensor(&Shape::from(dims.to_vec()), fan_in, dtype, &device)?;
-                self.replace_var(Var::from_tensor(&value)?);
-                Ok(())
-            })?;
-        }
-        crate::lazy::check_built_dims(self.tensor(), dims)
+        self.0.var.materialize(dims, fan_in)?;
+        check_built_dims(self.tensor(), dims)
     }
 
     /// The value to compute with in a forward pass.
@@ -188,30 +179,12 @@ impl Param {
     /// An unbuilt parameter is built from `value` instead (its init recipe is not used): the
     /// shape must be one its [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
     pub fn set(&self, value: &Tensor) -> Result<()> {
-        if let Some(lazy) = self.0.lazy.as_ref().filter(|l| !l.is_built()) {
-            let built = lazy.build_once(|recipe| {
-                recipe.shape.check(value.dims())?;
-                if value.dtype() != self.dtype() {
-                    return Err(Error::ValueMismatch {
-                        path: String::new(),
-                        expected_shape: value.shape().clone(),
-                        expected_dtype: self.dtype(),
-                        shape: value.shape().clone(),
-                        dtype: value.dtype(),
-                    });
-                }
-                let value = value.to_device(&self.device())?;
-                self.replace_var(Var::from_tensor(&value)?);
-                Ok(())
-            })?;
-            if built {
-                return Ok(());
-            }
+        if self.0.var.build_from(value)? {
+            return Ok(());
         }
         let var = self.read();
         if value.shape() != var.shape() || value.dtype() != var.dtype() {
             return Err(Error::ValueMismatch {
-                path: String::new(),
                 expected_shape: var.shape().clone(),
                 expected_dtype: var.dtype(),
                 shape: value.shape().clone(),
@@ -256,7 +229,7 @@ impl Param {
     }
 
     fn replace_with(&self, f: impl FnOnce(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
-        let mut var = self.0.var.write().unwrap_or_else(PoisonError::into_inner);
+        let mut var = self.0.var.write();
         if let Some(new) = f(var.as_tensor())? {
             *var = Var::from_tensor(&new)?;
         }
@@ -265,7 +238,7 @@ impl Param {
 
     /// Swaps in a converted `Var` (a move or dtype change), for every alias at once.
     pub(crate) fn replace_var(&self, var: Var) {
-        *self.0.var.write().unwrap_or_else(PoisonError::into_inner) = var;
+        self.0.var.replace(var);
     }
 
     /// Whether `self` and `other` are the same parameter (aliases of one tied weight).
@@ -275,20 +248,18 @@ impl Param {
 
     /// An identity usable as a map key: equal for aliases, distinct for different parameters.
     pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.0) as usize
+        identity::arc_id(&self.0)
     }
 
     /// Whether another handle to this parameter exists. A parameter with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such parameters.
     pub(crate) fn has_aliases(&self) -> bool {
-        Arc::strong_count(&self.0) > 1
+        identity::has_aliases(&self.0)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Var> {
-        // A panic while holding the lock cannot leave a half-written `Var` (assignment is the last
-        // step of every write), so a poisoned lock is safe to use.
-        self.0.var.read().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> RwLockReadGuard<'_, Var> {
+        self.0.var.read()
     }
 }
 

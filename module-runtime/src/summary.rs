@@ -3,7 +3,8 @@
 use std::fmt;
 
 use crate::module::Module;
-use crate::visit::{short_type_name, walk, Visit};
+use crate::type_name::short_type_name;
+use crate::walk::{walk, Visit};
 
 /// One module of a [`Summary`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +66,17 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// Adds the input and output shapes recorded by a run (`(path, input, output)` rows).
+    pub(crate) fn with_shapes(mut self, shapes: &[(String, String, String)]) -> Self {
+        for row in &mut self.rows {
+            if let Some((_, input, output)) = shapes.iter().find(|(p, _, _)| *p == row.path) {
+                row.input_shape = Some(input.clone());
+                row.output_shape = Some(output.clone());
+            }
+        }
+        self
+    }
+
     /// Summarizes `root`.
     pub(crate) fn of(root: &dyn Module) -> Self {
         let mut rows: Vec<SummaryRow> = Vec::new();

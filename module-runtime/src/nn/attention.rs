@@ -362,3 +362,31 @@ impl candle_core::Module for MultiheadAttention {
         Ok(Forward::forward(self, x)?)
     }
 }
+
+impl crate::tensor_tree::sealed::Sealed for AttentionInput<'_> {}
+
+/// Hooks see `query`, `key`, `value`, then the masks that are present.
+impl crate::TensorTree for AttentionInput<'_> {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        self.query.for_each_tensor(f);
+        self.key.for_each_tensor(f);
+        self.value.for_each_tensor(f);
+        self.key_padding_mask.for_each_tensor(f);
+        self.attn_mask.for_each_tensor(f);
+    }
+
+    fn rebuild(
+        self,
+        next: &mut dyn FnMut(&Tensor) -> Tensor,
+        scope: &crate::tensor_tree::Scope,
+    ) -> Self {
+        Self {
+            query: self.query.rebuild(next, scope),
+            key: self.key.rebuild(next, scope),
+            value: self.value.rebuild(next, scope),
+            key_padding_mask: self.key_padding_mask.rebuild(next, scope),
+            attn_mask: self.attn_mask.rebuild(next, scope),
+            ..self
+        }
+    }
+}

@@ -1,13 +1,12 @@
-//! Inputs and outputs as trees of tensors, so hooks can see and replace what flows through a module
-//! whatever its `Forward` input type.
-
-use std::cell::RefCell;
+//! Inputs and outputs as trees of tensors (JAX's pytrees), so hooks can see and replace what flows
+//! through a module whatever its `Forward` input type. This is the tree of *tensors* a call takes
+//! and returns; the tree of *modules* is [`Module`](crate::Module)'s.
 
 use candle_core::{DType, Tensor};
 
-use crate::nn::AttentionInput;
+pub use crate::hooks::dispatch::Scope;
 
-mod sealed {
+pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
@@ -17,7 +16,7 @@ mod sealed {
 /// [`call`](crate::ModuleExt::call) needs its input and output to be tensor trees. Implemented for
 /// [`Tensor`] and `&Tensor`, tuples of up to six trees, `Vec`, `Option`, arrays, `()`, numbers,
 /// `bool`, strings and [`DType`] (leaves without tensors), the runtime's own input types (such as
-/// [`AttentionInput`]), and every type implementing [`TensorStruct`] — that is how a struct of your
+/// [`AttentionInput`](crate::nn::AttentionInput)), and every type implementing [`TensorStruct`] — that is how a struct of your
 /// own becomes an input or output. The trait itself is sealed.
 ///
 /// Hooks see a tree as the list of its tensors, depth first in field order, and may hand back a list
@@ -26,19 +25,15 @@ pub trait TensorTree: sealed::Sealed {
     /// Calls `f` on every tensor of the tree, depth first, in order.
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor));
 
-    /// Rebuilds the tree with the tensors `next` hands out, in [`for_each_tensor`] order.
+    /// Rebuilds the tree with the tensors `next` hands out, in [`for_each_tensor`] order; `next`
+    /// is given the tensor it replaces. Structure and non-tensor leaves are kept.
     ///
-    /// Borrowed tensors (`&Tensor`) that are replaced are kept alive in `scope`.
-    ///
-    /// # Safety
-    ///
-    /// A tree holding references may come back pointing into `scope`: the caller must keep `scope`
-    /// alive for as long as the returned value or anything derived from it is used, and must not
-    /// let it escape (the runtime only hands it to `forward` calls whose output is `'static`).
+    /// Borrowed tensors (`&Tensor`) that are replaced are kept alive in `scope`, which only hook
+    /// dispatch can create (see [`Scope`]).
     ///
     /// [`for_each_tensor`]: TensorTree::for_each_tensor
     #[doc(hidden)]
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self
     where
         Self: Sized;
 
@@ -99,35 +94,8 @@ impl<T: TensorStruct> TensorTree for T {
         TensorStruct::for_each_tensor(self, f)
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, _scope: &Scope) -> Self {
-        self.map_tensors(&mut |_| next())
-    }
-}
-
-/// Where replaced borrowed tensors live while the call that uses them runs.
-#[doc(hidden)]
-#[derive(Default)]
-pub struct Scope {
-    // Boxed so that a reference handed out stays valid when the vector grows.
-    #[allow(clippy::vec_box)]
-    kept: RefCell<Vec<Box<Tensor>>>,
-}
-
-impl Scope {
-    /// Keeps `t` alive as long as the scope and returns a reference to it.
-    ///
-    /// # Safety
-    ///
-    /// The reference is valid only while `self` is: the caller chooses `'a` and must not use the
-    /// reference after the scope is dropped.
-    unsafe fn keep<'a>(&self, t: Tensor) -> &'a Tensor {
-        let boxed = Box::new(t);
-        let ptr: *const Tensor = &*boxed;
-        // The heap allocation does not move when the box is moved into the vector, and boxes are
-        // only dropped with the scope.
-        self.kept.borrow_mut().push(boxed);
-        // SAFETY: `ptr` points into a live box owned by `self`; the caller bounds its use.
-        unsafe { &*ptr }
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {
+        self.map_tensors(&mut |old| next(&old))
     }
 }
 
@@ -138,8 +106,8 @@ impl TensorTree for Tensor {
         f(self)
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, _scope: &Scope) -> Self {
-        next()
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {
+        next(&self)
     }
 }
 
@@ -150,13 +118,12 @@ impl TensorTree for &Tensor {
         f(self)
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
-        let t = next();
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self {
+        let t = next(self);
         if t.id() == self.id() {
             return self;
         }
-        // SAFETY: forwarded to the caller's contract (keep `scope` alive while the value is used).
-        unsafe { scope.keep(t) }
+        scope.keep(t)
     }
 }
 
@@ -169,9 +136,8 @@ impl<T: TensorTree> TensorTree for Option<T> {
         }
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
-        // SAFETY: the caller's contract covers the parts.
-        self.map(|t| unsafe { t.rebuild(next, scope) })
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self {
+        self.map(|t| t.rebuild(next, scope))
     }
 }
 
@@ -182,11 +148,8 @@ impl<T: TensorTree> TensorTree for Vec<T> {
         self.iter().for_each(|t| t.for_each_tensor(f))
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
-        self.into_iter()
-            // SAFETY: the caller's contract covers the parts.
-            .map(|t| unsafe { t.rebuild(next, scope) })
-            .collect()
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self {
+        self.into_iter().map(|t| t.rebuild(next, scope)).collect()
     }
 }
 
@@ -197,9 +160,8 @@ impl<T: TensorTree, const N: usize> TensorTree for [T; N] {
         self.iter().for_each(|t| t.for_each_tensor(f))
     }
 
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
-        // SAFETY: the caller's contract covers the parts.
-        self.map(|t| unsafe { t.rebuild(next, scope) })
+    fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self {
+        self.map(|t| t.rebuild(next, scope))
     }
 }
 
@@ -215,10 +177,9 @@ macro_rules! tuple_tree {
             }
 
             #[allow(non_snake_case, unused_variables, clippy::unused_unit)]
-            unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
+            fn rebuild(self, next: &mut dyn FnMut(&Tensor) -> Tensor, scope: &Scope) -> Self {
                 let ($($name,)*) = self;
-                // SAFETY: the caller's contract covers the parts.
-                ($(unsafe { $name.rebuild(next, scope) },)*)
+                ($($name.rebuild(next, scope),)*)
             }
         }
     };
@@ -240,7 +201,7 @@ macro_rules! leaf_tree {
         impl TensorTree for $ty {
             fn for_each_tensor(&self, _f: &mut dyn FnMut(&Tensor)) {}
 
-            unsafe fn rebuild(self, _next: &mut dyn FnMut() -> Tensor, _scope: &Scope) -> Self {
+            fn rebuild(self, _next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {
                 self
             }
         }
@@ -255,57 +216,7 @@ impl sealed::Sealed for &str {}
 impl TensorTree for &str {
     fn for_each_tensor(&self, _f: &mut dyn FnMut(&Tensor)) {}
 
-    unsafe fn rebuild(self, _next: &mut dyn FnMut() -> Tensor, _scope: &Scope) -> Self {
+    fn rebuild(self, _next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {
         self
-    }
-}
-
-impl sealed::Sealed for AttentionInput<'_> {}
-
-/// Hooks see `query`, `key`, `value`, then the masks that are present.
-impl TensorTree for AttentionInput<'_> {
-    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
-        self.query.for_each_tensor(f);
-        self.key.for_each_tensor(f);
-        self.value.for_each_tensor(f);
-        self.key_padding_mask.for_each_tensor(f);
-        self.attn_mask.for_each_tensor(f);
-    }
-
-    unsafe fn rebuild(self, next: &mut dyn FnMut() -> Tensor, scope: &Scope) -> Self {
-        // SAFETY: the caller's contract covers the parts.
-        unsafe {
-            Self {
-                query: self.query.rebuild(next, scope),
-                key: self.key.rebuild(next, scope),
-                value: self.value.rebuild(next, scope),
-                key_padding_mask: self.key_padding_mask.rebuild(next, scope),
-                attn_mask: self.attn_mask.rebuild(next, scope),
-                ..self
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    #[test]
-    fn borrowed_tensors_are_replaced_through_the_scope() -> candle_core::Result<()> {
-        let a = Tensor::new(&[1f32], &Device::Cpu)?;
-        let b = Tensor::new(&[2f32], &Device::Cpu)?;
-        let tree = (&a, (Some(&b), 3usize), vec![a.clone()]);
-        assert_eq!(tree.tensor_count(), 3);
-        let scope = Scope::default();
-        let mut supply = vec![a.clone(), (&b * 10.)?, a.clone()].into_iter();
-        let rebuilt = unsafe { tree.rebuild(&mut || supply.next().unwrap(), &scope) };
-        // Unchanged borrowed tensors are the originals; replaced ones live in the scope.
-        assert!(std::ptr::eq(rebuilt.0, &a));
-        assert_eq!(rebuilt.1 .0.unwrap().to_vec1::<f32>()?, [20.]);
-        assert_eq!(rebuilt.1 .1, 3);
-        assert_eq!(scope.kept.borrow().len(), 1);
-        Ok(())
     }
 }

@@ -1,0 +1,72 @@
+//! Moves and conversions of a whole model (`to_device`, `to_dtype`), all or nothing.
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::buffer::Buffer;
+use crate::error::{Error, Result};
+use crate::module::Module;
+use crate::param::Param;
+use crate::views::{named_buffers, named_parameters};
+
+/// Moves every parameter and buffer under `root` to `device`.
+pub(crate) fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
+    convert(
+        root,
+        |p| match p.device().same_device(device) {
+            true => Ok(None),
+            false => Ok(Some(p.var().as_tensor().to_device(device)?)),
+        },
+        |b| match b.device().same_device(device) {
+            true => Ok(None),
+            false => Ok(Some(b.tensor().to_device(device)?)),
+        },
+    )
+}
+
+/// Converts every floating-point parameter and buffer under `root` to the floating-point `dtype`.
+pub(crate) fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
+    if !dtype.is_float() {
+        return Err(Error::NonFloatDType { dtype });
+    }
+    convert(
+        root,
+        |p| match p.dtype() == dtype {
+            true => Ok(None),
+            false => Ok(Some(p.var().as_tensor().to_dtype(dtype)?)),
+        },
+        |b| match !b.dtype().is_float() || b.dtype() == dtype {
+            true => Ok(None),
+            false => Ok(Some(b.tensor().to_dtype(dtype)?)),
+        },
+    )
+}
+
+/// Converts every parameter and buffer, committing only once every conversion has succeeded.
+fn convert(
+    root: &dyn Module,
+    param: impl Fn(&Param) -> Result<Option<Tensor>>,
+    buffer: impl Fn(&Buffer) -> Result<Option<Tensor>>,
+) -> Result<()> {
+    let params: Vec<Param> = named_parameters(root, true)
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
+    let buffers: Vec<Buffer> = named_buffers(root).into_iter().map(|(_, b)| b).collect();
+    let new_params = params.iter().map(&param).collect::<Result<Vec<_>>>()?;
+    let new_buffers = buffers.iter().map(&buffer).collect::<Result<Vec<_>>>()?;
+    let new_vars = new_params
+        .into_iter()
+        .map(|t| t.map(|t| Var::from_tensor(&t)).transpose())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    for (p, var) in params.iter().zip(new_vars) {
+        if let Some(var) = var {
+            p.replace_var(var);
+        }
+    }
+    for (b, t) in buffers.iter().zip(new_buffers) {
+        if let Some(t) = t {
+            b.replace(t);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,423 @@
+//! [`ModuleExt`]: every PyTorch `nn.Module` method, for every [`Module`], as thin delegations to
+//! the files that own each feature (traversal views in `views.rs`, path lookup in `path.rs`,
+//! conversions in `convert.rs`, state dicts in `state.rs`, files in `io.rs`, hooks in `hooks/`,
+//! lazy build in `lazy.rs`, summaries in `summary.rs`).
+
+use candle_core::{DType, Device, Var};
+
+use crate::buffer::Buffer;
+use crate::error::Result;
+use crate::forward::Forward;
+use crate::hooks::{Captures, Hooks};
+use crate::module::{Child, Module};
+use crate::param::Param;
+use crate::report::LoadReport;
+use crate::state::{LoadOptions, StateDict};
+use crate::tensor_tree::TensorTree;
+use crate::{path, views};
+
+/// Every PyTorch `nn.Module` method, for every [`Module`]. In the prelude; implemented for all
+/// modules and for `dyn Module`.
+///
+/// Paths are PyTorch's: dotted field names, list elements by position (`layers.0.weight`), the root
+/// module as `""`. Traversals list each parameter, buffer and `Arc`-shared module once, under the
+/// first path that reaches it, unless their name says `with_aliases`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+///
+/// #[derive(Module)]
+/// struct Net {
+///     fc1: Linear,
+///     fc2: Linear,
+/// }
+///
+/// let dev = Device::Cpu;
+/// let net = Net { fc1: Linear::new(2, 3, &dev)?, fc2: Linear::new(3, 1, &dev)? };
+/// let names: Vec<String> = net.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+/// assert_eq!(net.num_parameters(), 2 * 3 + 3 + 3 + 1);
+/// let fc2: &Linear = net.get_submodule("fc2")?;
+/// assert_eq!(fc2.out_features(), 1);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub trait ModuleExt: Module {
+    /// `self` as a trait object.
+    fn as_dyn(&self) -> &dyn Module;
+
+    /// `self` as a mutable trait object.
+    fn as_dyn_mut(&mut self) -> &mut dyn Module;
+
+    /// Runs the module: [`Forward::forward`], with the hooks of an active [`Hooks::run`] around it
+    /// (PyTorch's `module(x)`). Call submodules through `call`, not `forward`, so that hooks see
+    /// them. With no hooks attached on this thread, `call` is `forward` plus one thread-local read.
+    ///
+    /// The input and output must be [`TensorTree`]s (tensors, references to them, tuples, `Vec`,
+    /// `Option`, numbers, your own [`TensorStruct`](crate::TensorStruct)s), and the output owns its
+    /// tensors.
+    ///
+    /// [`Hooks::run`]: crate::Hooks::run
+    #[inline]
+    fn call<In>(&self, input: In) -> Result<<Self as Forward<In>>::Output>
+    where
+        Self: Forward<In> + Sized,
+        In: TensorTree,
+        <Self as Forward<In>>::Output: TensorTree + 'static,
+    {
+        if !crate::hooks::dispatch::active() {
+            return self.forward(input);
+        }
+        crate::hooks::dispatch::dispatch(self, input)
+    }
+
+    /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for
+    /// [`hooks.run(self, run)`](Hooks::run).
+    fn with_hooks<R>(&self, hooks: &Hooks, run: impl FnOnce(&Self) -> R) -> R
+    where
+        Self: Sized,
+    {
+        hooks.run(self, run)
+    }
+
+    /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path
+    /// matches one of `patterns`, in call order (like torchvision's `create_feature_extractor`).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// struct Mlp {
+    ///     layers: Vec<Linear>,
+    /// }
+    ///
+    /// impl Forward<&Tensor> for Mlp {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    ///         let mut x = x.clone();
+    ///         for layer in &self.layers {
+    ///             x = layer.call(&x)?.relu()?;
+    ///         }
+    ///         Ok(x)
+    ///     }
+    /// }
+    ///
+    /// let dev = Device::Cpu;
+    /// let mlp = Mlp { layers: vec![Linear::new(4, 8, &dev)?, Linear::new(8, 3, &dev)?] };
+    /// let x = Tensor::ones((2, 4), DType::F32, &dev)?;
+    /// let (_, captured) = mlp.capture(&["layers.*"], |m| m.call(&x))?;
+    /// assert_eq!(captured.paths().collect::<Vec<_>>(), ["layers.0", "layers.1"]);
+    /// assert_eq!(captured.get("layers.1").unwrap().dims(), [2, 3]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn capture<R>(
+        &self,
+        patterns: &[&str],
+        run: impl FnOnce(&Self) -> Result<R>,
+    ) -> Result<(R, Captures)>
+    where
+        Self: Sized,
+    {
+        crate::hooks::observe::capture(self, patterns, run)
+    }
+
+    /// Runs `run` and returns, beside its result, the path of every module call in the order the
+    /// calls started (Ivy's `track_submod_call_order`).
+    fn call_order<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<(R, Vec<String>)>
+    where
+        Self: Sized,
+    {
+        crate::hooks::observe::call_order(self, run)
+    }
+
+    /// [`summary`](Self::summary) with each module's input and output shapes, from running `run`
+    /// (torchinfo's `summary(model, input_size)`). Modules that `run` does not call have no shapes.
+    fn summary_with<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<crate::Summary>
+    where
+        Self: Sized,
+    {
+        let shapes = crate::hooks::observe::record_shapes(self, run)?;
+        Ok(crate::Summary::of(self.as_dyn()).with_shapes(&shapes))
+    }
+
+    /// Every parameter with its path, each once (the first path that reaches it), in declaration
+    /// order.
+    fn named_parameters(&self) -> Vec<(String, Param)> {
+        views::named_parameters(self.as_dyn(), true)
+    }
+
+    /// Every parameter under every path that reaches it: a tied weight appears once per alias
+    /// (PyTorch's `named_parameters(remove_duplicate=False)`).
+    fn named_parameters_with_aliases(&self) -> Vec<(String, Param)> {
+        views::named_parameters(self.as_dyn(), false)
+    }
+
+    /// Every parameter, each once.
+    fn parameters(&self) -> Vec<Param> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
+    }
+
+    /// Every buffer (persistent or not) with its path, each once.
+    fn named_buffers(&self) -> Vec<(String, Buffer)> {
+        views::named_buffers(self.as_dyn())
+    }
+
+    /// Every buffer, each once.
+    fn buffers(&self) -> Vec<Buffer> {
+        self.named_buffers().into_iter().map(|(_, b)| b).collect()
+    }
+
+    /// Every module, this one first as `""`, depth-first in declaration order; a module shared through
+    /// `Arc` once, under its first path. Lists (`Vec`, arrays, tuples) and maps are modules here, as
+    /// `ModuleList` and `ModuleDict` are in PyTorch; `Option` and `Box` are transparent.
+    fn named_modules(&self) -> Vec<(String, &dyn Module)> {
+        views::named_modules(self.as_dyn(), false)
+    }
+
+    /// The direct submodules, each once.
+    fn named_children(&self) -> Vec<(String, &dyn Module)> {
+        views::named_modules(self.as_dyn(), true)
+    }
+
+    /// The submodule at `path` (`""` is `self`) as a trait object.
+    fn get_submodule_dyn(&self, path: &str) -> Result<&dyn Module> {
+        path::submodule(self.as_dyn(), path)
+    }
+
+    /// The submodule at `path`, downcast to `T`.
+    ///
+    /// Fails with [`Error::NoSubmodule`](crate::Error::NoSubmodule)(crate::Error::NoSubmodule) naming the first segment that is missing (and what is
+    /// there instead), or [`Error::WrongModuleType`](crate::Error::WrongModuleType)(crate::Error::WrongModuleType) naming the type that is there.
+    fn get_submodule<T: Module>(&self, path: &str) -> Result<&T> {
+        path::downcast(path, self.get_submodule_dyn(path)?)
+    }
+
+    /// The submodule at `path` as a mutable trait object. A module shared through an `Arc` with other
+    /// owners cannot be borrowed mutably ([`Error::SharedModule`](crate::Error::SharedModule)(crate::Error::SharedModule)).
+    fn get_submodule_dyn_mut(&mut self, path: &str) -> Result<&mut dyn Module> {
+        path::submodule_mut(self.as_dyn_mut(), path)
+    }
+
+    /// The submodule at `path`, mutably, downcast to `T`.
+    fn get_submodule_mut<T: Module>(&mut self, path: &str) -> Result<&mut T> {
+        path::downcast_mut(path, self.get_submodule_dyn_mut(path)?)
+    }
+
+    /// The parameter at `path` (`fc1.weight`).
+    fn get_parameter(&self, path: &str) -> Result<Param> {
+        match path::leaf(self.as_dyn(), path, "parameter")? {
+            Child::Param(p) => Ok(p.clone()),
+            _ => unreachable!("`leaf` checked the kind"),
+        }
+    }
+
+    /// The buffer at `path` (`embeddings.position_ids`).
+    fn get_buffer(&self, path: &str) -> Result<Buffer> {
+        match path::leaf(self.as_dyn(), path, "buffer")? {
+            Child::Buffer(b) => Ok(b.clone()),
+            _ => unreachable!("`leaf` checked the kind"),
+        }
+    }
+
+    /// Number of scalar parameters, each parameter counted once.
+    fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(Param::elem_count).sum()
+    }
+
+    /// Number of scalar parameters that are trained (not frozen), each counted once.
+    fn num_trainable_parameters(&self) -> usize {
+        self.parameters()
+            .iter()
+            .filter(|p| p.requires_grad())
+            .map(Param::elem_count)
+            .sum()
+    }
+
+    /// The `Var`s to hand to a candle optimizer: every parameter that is not frozen, once each.
+    ///
+    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt), listing every unbuilt path, if the model is not built: an
+    /// optimizer holding a lazy parameter's placeholder would never train the real one.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use candle_nn::Optimizer;
+    ///
+    /// let model = Linear::new(4, 2, &Device::Cpu)?;
+    /// let mut opt = candle_nn::AdamW::new_lr(model.trainable_vars()?, 1e-3)?;
+    /// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+    /// let loss = model.call(&x)?.sqr()?.sum_all()?;
+    /// opt.backward_step(&loss)?;
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn trainable_vars(&self) -> Result<Vec<Var>> {
+        crate::lazy::ensure_built(self.as_dyn(), "list the trainable variables of")?;
+        Ok(self
+            .parameters()
+            .iter()
+            .filter(|p| p.requires_grad())
+            .map(Param::var)
+            .collect())
+    }
+
+    /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](crate::PathPattern)):
+    /// `freeze("encoder")` and `freeze("encoder.*")` freeze the whole encoder, `freeze("**.bias")`
+    /// every bias. Returns how many parameters matched. A pattern that matches nothing is an error
+    /// ([`Error::NoMatch`](crate::Error::NoMatch)(crate::Error::NoMatch)), since it is almost always a typo.
+    fn freeze(&self, pattern: &str) -> Result<usize> {
+        views::set_requires_grad(self.as_dyn(), pattern, false)
+    }
+
+    /// Unfreezes every parameter at or under a path matching `pattern`; see [`freeze`](Self::freeze).
+    fn unfreeze(&self, pattern: &str) -> Result<usize> {
+        views::set_requires_grad(self.as_dyn(), pattern, true)
+    }
+
+    /// Calls `f` on every module, children before their parent, each once (PyTorch's `apply`, for
+    /// instance to initialize weights by layer type).
+    fn apply(&self, f: &mut dyn FnMut(&dyn Module)) {
+        views::apply(self.as_dyn(), f)
+    }
+
+    /// A static, torchinfo-style summary: every module with its path, type and parameter count, and
+    /// the totals (see [`Summary`](crate::Summary)).
+    fn summary(&self) -> crate::Summary {
+        crate::summary::Summary::of(self.as_dyn())
+    }
+
+    /// Puts every module of the tree in training mode (sets every [`Mode`](crate::Mode) flag).
+    fn train(&self) {
+        self.set_training(true);
+    }
+
+    /// Puts every module of the tree in evaluation mode (PyTorch's `eval()`).
+    fn eval(&self) {
+        self.set_training(false);
+    }
+
+    /// Sets training (`true`) or evaluation (`false`) mode on every module of the tree.
+    fn set_training(&self, training: bool) {
+        views::set_training(self.as_dyn(), training)
+    }
+
+    /// Whether the module is in training mode: the first [`Mode`](crate::Mode) flag in the tree (its own, if it has
+    /// one). A tree with no mode-dependent layer behaves the same in both modes and reports `true`,
+    /// PyTorch's default.
+    fn is_training(&self) -> bool {
+        views::is_training(self.as_dyn())
+    }
+
+    /// Every parameter and persistent buffer by path, in declaration order (PyTorch's
+    /// `state_dict()`): a tied weight appears under each of its paths, non-persistent buffers not
+    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt) if the model
+    /// is not built.
+    fn state_dict(&self) -> Result<StateDict> {
+        crate::lazy::ensure_built(self.as_dyn(), "take the state dict of")?;
+        Ok(crate::state::state_dict(self.as_dyn()))
+    }
+
+    /// Loads `state` strictly: every path of the model must be present, with its shape and dtype,
+    /// and nothing else. See [`load_state_dict_with`](Self::load_state_dict_with).
+    fn load_state_dict(&self, state: &StateDict) -> Result<LoadReport> {
+        self.load_state_dict_with(state, &LoadOptions::default())
+    }
+
+    /// Loads `state` with `options` (non-strict, key rules, dtype casting).
+    ///
+    /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
+    /// was and [`Error::Load`](crate::Error::Load)(crate::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
+    /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
+    /// weights stay tied and optimizers built before the load keep working.
+    ///
+    /// Unbuilt lazy parameters and buffers are built from the checkpoint's values, whose shapes
+    /// must fit their known dimensions (a failed load leaves them unbuilt). A model holding an
+    /// unbuilt [`Lazy`](crate::Lazy) cell cannot be loaded ([`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt)): what the cell
+    /// would hold is only known once it is built.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// let a = Linear::new(3, 2, &Device::Cpu)?;
+    /// let b = Linear::new(3, 2, &Device::Cpu)?;
+    /// b.load_state_dict(&a.state_dict()?)?;
+    /// let diff = (a.weight.tensor() - b.weight.tensor())?.abs()?.sum_all()?;
+    /// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
+    ///
+    /// let err = Linear::no_bias(3, 2, &Device::Cpu)?.load_state_dict(&a.state_dict()?).unwrap_err();
+    /// assert!(err.to_string().contains("unexpected key(s): \"bias\""));
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn load_state_dict_with(&self, state: &StateDict, options: &LoadOptions) -> Result<LoadReport> {
+        crate::state::load(self.as_dyn(), state, options)
+    }
+
+    /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
+    /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
+    ///
+    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt) if the model is not built.
+    fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        crate::lazy::ensure_built(self.as_dyn(), "save")?;
+        crate::io::save_safetensors(self.state_dict()?, path.as_ref())
+    }
+
+    /// Loads a safetensors checkpoint strictly (memory-mapped; all or nothing).
+    fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+        self.load_safetensors_with(path, &LoadOptions::default())
+    }
+
+    /// Loads a safetensors checkpoint with `options`; see
+    /// [`load_state_dict_with`](Self::load_state_dict_with).
+    fn load_safetensors_with(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let file = crate::io::SafetensorsFile::open(path.as_ref())?;
+        crate::state::load(self.as_dyn(), &file, options)
+    }
+
+    /// Loads a PyTorch pickle checkpoint (`torch.save(model.state_dict(), "x.pth")`, or a Hugging
+    /// Face `pytorch_model.bin`) with `options`. `key` selects a nested dict such as
+    /// `"state_dict"`.
+    fn load_pth_with(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        key: Option<&str>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let state = crate::io::read_pth(path.as_ref(), key)?;
+        crate::state::load(self.as_dyn(), &state, options)
+    }
+
+    /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.
+    /// All or nothing: if one tensor fails to move, nothing has moved. Build optimizers after moving.
+    /// Unbuilt lazy parameters and buffers record the device and are built there.
+    fn to_device(&self, device: &Device) -> Result<()> {
+        crate::convert::to_device(self.as_dyn(), device)
+    }
+
+    /// Converts every floating-point parameter and buffer to the floating-point `dtype`, in place;
+    /// integer buffers keep their dtype (PyTorch's `Module.to(dtype)`). All or nothing. Unbuilt lazy
+    /// parameters and buffers record the dtype and are built with it.
+    fn to_dtype(&self, dtype: DType) -> Result<()> {
+        crate::convert::to_dtype(self.as_dyn(), dtype)
+    }
+}
+
+impl<M: Module> ModuleExt for M {
+    fn as_dyn(&self) -> &dyn Module {
+        self
+    }
+    fn as_dyn_mut(&mut self) -> &mut dyn Module {
+        self
+    }
+}
+
+impl ModuleExt for dyn Module {
+    fn as_dyn(&self) -> &dyn Module {
+        self
+    }
+    fn as_dyn_mut(&mut self) -> &mut dyn Module {
+        self
+    }
+}

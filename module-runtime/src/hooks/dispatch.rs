@@ -1,0 +1,430 @@
+//! Hook dispatch: the per-thread stack of running calls that finds a called module's path, and
+//! `call` with hooks around `forward`.
+//!
+//! This file holds all of the hook machinery's `unsafe`. Two things need it, and each is confined
+//! here with its reasoning:
+//!
+//! - the stack stores `*const dyn Module` pointers to modules borrowed by a [`Hooks::run`] or a
+//!   `call` that is still on this thread's call stack; guards pop every entry (on unwinding too)
+//!   before the borrow it came from ends, so every dereference is of a live module;
+//! - a pre-hook may replace a *borrowed* input tensor (`&Tensor`): the replacement must live as long
+//!   as the call it goes to, so it is kept in a [`Scope`] that only [`dispatch`] creates, on its own
+//!   stack frame, and that outlives the `forward` call (whose output is `'static`, so it cannot
+//!   keep a reference into the scope).
+//!
+//! [`Hooks::run`]: super::Hooks::run
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::cell::{Cell, RefCell};
+use std::sync::{Arc, PoisonError};
+
+use candle_core::Tensor;
+
+use super::registry::{Entry, ForwardHookFn, HookCtx, PreHookFn, Registry};
+use crate::error::{Error, Result};
+use crate::forward::Forward;
+use crate::identity::CallTarget;
+use crate::module::{Child, Module};
+use crate::tensor_tree::TensorTree;
+
+thread_local! {
+    /// How many sessions are active on this thread: the one thing `call` reads when none is.
+    static ACTIVE: Cell<usize> = const { Cell::new(0) };
+    static SESSIONS: RefCell<Vec<Session>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether any hook registry is attached on this thread.
+#[inline]
+pub(crate) fn active() -> bool {
+    ACTIVE.with(Cell::get) != 0
+}
+
+struct Session {
+    root: *const dyn Module,
+    root_target: CallTarget,
+    registries: Vec<Arc<Registry>>,
+    frames: Vec<Frame>,
+}
+
+struct Frame {
+    module: *const dyn Module,
+    path: Arc<str>,
+}
+
+/// Erases the lifetime of a module reference for the per-thread stack. Every pointer stored there
+/// is popped (by a guard, also on unwinding) before the borrow it came from ends.
+fn erase(module: &dyn Module) -> *const dyn Module {
+    let ptr: *const (dyn Module + '_) = module;
+    // SAFETY: only the trait object's lifetime bound changes; see above for why it is never
+    // dereferenced after the borrow ends.
+    unsafe { std::mem::transmute::<*const (dyn Module + '_), *const (dyn Module + 'static)>(ptr) }
+}
+
+pub(super) struct SessionGuard {
+    /// Whether the guard added a registry to an existing session rather than a new session.
+    merged: bool,
+}
+
+impl SessionGuard {
+    pub(super) fn enter(
+        root: &dyn Module,
+        root_target: CallTarget,
+        registry: Arc<Registry>,
+    ) -> Self {
+        let merged = SESSIONS.with(|s| {
+            let mut sessions = s.borrow_mut();
+            match sessions.last_mut() {
+                Some(top) if top.root_target == root_target => {
+                    top.registries.push(registry);
+                    true
+                }
+                _ => {
+                    sessions.push(Session {
+                        root: erase(root),
+                        root_target,
+                        registries: vec![registry],
+                        frames: Vec::new(),
+                    });
+                    false
+                }
+            }
+        });
+        ACTIVE.with(|a| a.set(a.get() + 1));
+        Self { merged }
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        ACTIVE.with(|a| a.set(a.get() - 1));
+        SESSIONS.with(|s| {
+            let mut sessions = s.borrow_mut();
+            if self.merged {
+                if let Some(top) = sessions.last_mut() {
+                    top.registries.pop();
+                }
+            } else {
+                sessions.pop();
+            }
+        });
+    }
+}
+
+/// The hooks one call fires, in order.
+#[derive(Default)]
+struct Plan {
+    pre: Vec<Armed<PreHookFn>>,
+    post: Vec<Armed<ForwardHookFn>>,
+}
+
+struct Armed<F: ?Sized> {
+    f: Arc<F>,
+    id: u64,
+    registry: Arc<Registry>,
+}
+
+impl<F: ?Sized> Armed<F> {
+    fn ctx<'a>(&'a self, path: &'a str, module: &'a dyn Module) -> HookCtx<'a> {
+        HookCtx {
+            path,
+            module,
+            registry: &self.registry,
+            id: self.id,
+        }
+    }
+}
+
+/// The running call's entry on the frame stack; popped on drop.
+struct FrameGuard {
+    path: Arc<str>,
+    /// The called module as the tree holds it (for `Box` and `Arc`, the module inside).
+    module: *const dyn Module,
+}
+
+impl Drop for FrameGuard {
+    fn drop(&mut self) {
+        SESSIONS.with(|s| {
+            if let Some(top) = s.borrow_mut().last_mut() {
+                top.frames.pop();
+            }
+        });
+    }
+}
+
+/// Finds the module called as `target`, pushes its frame and returns the hooks to fire, or `None`
+/// when it is not part of the hooked tree.
+fn enter_call(target: CallTarget) -> Option<(FrameGuard, Plan)> {
+    SESSIONS.with(|s| {
+        let mut sessions = s.borrow_mut();
+        let session = sessions.last_mut()?;
+        // SAFETY: every pointer on the stack is to a module borrowed by a `run` or `call` that is
+        // still on this thread's call stack (guards pop them before those borrows end).
+        let (module, path) = unsafe { locate(session, target) }?;
+        let path: Arc<str> = path.into();
+        let plan = plan_for(&session.registries, &path);
+        session.frames.push(Frame {
+            module,
+            path: path.clone(),
+        });
+        Some((FrameGuard { path, module }, plan))
+    })
+}
+
+/// The hooks to fire at `path`, group by group across the session's registries (global pre-hooks
+/// of every registry, then targeted pre-hooks, …), each group in registry order.
+fn plan_for(registries: &[Arc<Registry>], path: &str) -> Plan {
+    fn arm<F: ?Sized>(e: &Entry<F>, registry: &Arc<Registry>) -> Armed<F> {
+        Armed {
+            f: e.f.clone(),
+            id: e.id,
+            registry: registry.clone(),
+        }
+    }
+    let lists: Vec<_> = registries
+        .iter()
+        .map(|r| (r, r.lists.read().unwrap_or_else(PoisonError::into_inner)))
+        .collect();
+    let mut plan = Plan::default();
+    for (r, l) in &lists {
+        plan.pre.extend(l.global_pre.iter().map(|e| arm(e, r)));
+    }
+    for (r, l) in &lists {
+        plan.pre
+            .extend(l.pre.iter().filter(|e| e.targets(path)).map(|e| arm(e, r)));
+    }
+    for (r, l) in &lists {
+        plan.post.extend(l.global_post.iter().map(|e| arm(e, r)));
+    }
+    for (r, l) in &lists {
+        plan.post
+            .extend(l.post.iter().filter(|e| e.targets(path)).map(|e| arm(e, r)));
+    }
+    plan
+}
+
+/// The module called as `target` and its path: among the descendants of the running module first,
+/// then anywhere under the root.
+///
+/// # Safety
+///
+/// The session's pointers must be live (see [`enter_call`]).
+unsafe fn locate(session: &Session, target: CallTarget) -> Option<(*const dyn Module, String)> {
+    // SAFETY: per the function's contract.
+    let root = unsafe { &*session.root };
+    let Some(frame) = session.frames.last() else {
+        if session.root_target == target {
+            return Some((session.root, String::new()));
+        }
+        return find(root, target, String::new()).map(|(m, p)| (erase(m), p));
+    };
+    // SAFETY: per the function's contract.
+    let running = unsafe { &*frame.module };
+    if let Some((m, p)) = find(running, target, frame.path.to_string()) {
+        return Some((erase(m), p));
+    }
+    if session.root_target == target {
+        return Some((session.root, String::new()));
+    }
+    find(root, target, String::new()).map(|(m, p)| (erase(m), p))
+}
+
+/// Breadth of one level, then depth: the direct children of `parent` are checked before any of
+/// their own children, since that is where nearly every call goes.
+fn find(parent: &dyn Module, target: CallTarget, base: String) -> Option<(&dyn Module, String)> {
+    let mut found: Option<(&dyn Module, String)> = None;
+    let mut submodules: Vec<(&dyn Module, String)> = Vec::new();
+    parent.visit_children(&mut |name, child| {
+        if found.is_some() {
+            return;
+        }
+        if let Child::Module { module, shared } = child {
+            let mut path = base.clone();
+            name.push_to(&mut path);
+            let hit =
+                CallTarget::of_dyn(module) == target || shared.is_some_and(|s| s.holder == target);
+            if hit {
+                found = Some((module, path));
+            } else {
+                submodules.push((module, path));
+            }
+        }
+    });
+    if found.is_some() {
+        return found;
+    }
+    submodules
+        .into_iter()
+        .find_map(|(module, path)| find(module, target, path))
+}
+
+/// `call` with hooks attached: see the module docs.
+pub(crate) fn dispatch<M, In>(module: &M, input: In) -> Result<M::Output>
+where
+    M: Module + Forward<In>,
+    In: TensorTree,
+    M::Output: TensorTree + 'static,
+{
+    let Some((frame, plan)) = enter_call(module.__call_target()) else {
+        return module.forward(input);
+    };
+    if plan.pre.is_empty() && plan.post.is_empty() {
+        return module.forward(input);
+    }
+    let path: &str = &frame.path;
+    // SAFETY: the pointer is to the module being called, or to the module inside the `Box` or `Arc`
+    // being called, borrowed for the whole of this function through `module`.
+    let as_dyn: &dyn Module = unsafe { &*frame.module };
+
+    // Declared before the input it may hold replaced tensors for, so it outlives the forward call.
+    // SAFETY: the scope lives on this frame until the function returns, after `forward`; the
+    // rebuilt input only goes to `forward`, whose output is `'static` and cannot borrow from it.
+    let scope = unsafe { Scope::new() };
+    let mut input = input;
+    if !plan.pre.is_empty() {
+        let mut tensors = input.tensors();
+        let mut replaced = false;
+        for hook in &plan.pre {
+            let new = (hook.f)(&hook.ctx(path, as_dyn), &tensors)
+                .map_err(|e| hook_error(path, "forward pre-hook", e))?;
+            if let Some(new) = new {
+                check_count(path, "forward pre-hook", tensors.len(), new.len())?;
+                tensors = new;
+                replaced = true;
+            }
+        }
+        if replaced {
+            input = rebuild::<In>(path, input, tensors, &scope)?;
+        }
+    }
+    let input_tensors = if plan.post.is_empty() {
+        Vec::new()
+    } else {
+        input.tensors()
+    };
+    let mut output = module.forward(input)?;
+    if !plan.post.is_empty() {
+        let mut tensors = output.tensors();
+        let mut replaced = false;
+        for hook in &plan.post {
+            let new = (hook.f)(&hook.ctx(path, as_dyn), &input_tensors, &tensors)
+                .map_err(|e| hook_error(path, "forward hook", e))?;
+            if let Some(new) = new {
+                check_count(path, "forward hook", tensors.len(), new.len())?;
+                tensors = new;
+                replaced = true;
+            }
+        }
+        if replaced {
+            // An owned (`'static`) output holds no references, so the scope stays unused.
+            output = rebuild::<M::Output>(path, output, tensors, &scope)?;
+        }
+    }
+    drop(scope);
+    Ok(output)
+}
+
+/// Rebuilds `tree` with `tensors` (as many as it lists), or fails if a
+/// [`TensorStruct`](crate::TensorStruct) impl maps another number of tensors than it lists.
+fn rebuild<T: TensorTree>(path: &str, tree: T, tensors: Vec<Tensor>, scope: &Scope) -> Result<T> {
+    let listed = tensors.len();
+    let mut supply = tensors.into_iter();
+    let mut visited = 0;
+    let rebuilt = tree.rebuild(
+        &mut |old| {
+            visited += 1;
+            // Past the end, keep the old tensor: the count check below reports the mismatch.
+            supply.next().unwrap_or_else(|| old.clone())
+        },
+        scope,
+    );
+    if visited != listed {
+        return Err(Error::TensorTreeMismatch {
+            path: path.to_owned(),
+            type_name: std::any::type_name::<T>(),
+            listed,
+            visited,
+        });
+    }
+    Ok(rebuilt)
+}
+
+/// Where replaced borrowed input tensors live while the call that uses them runs.
+///
+/// Only [`dispatch`] creates one (the constructor is `unsafe`): that is what makes
+/// [`TensorTree::rebuild`], which hands out references into it, safe to call.
+#[doc(hidden)]
+pub struct Scope {
+    // Boxed so that a reference handed out stays valid when the vector grows.
+    #[allow(clippy::vec_box)]
+    kept: RefCell<Vec<Box<Tensor>>>,
+}
+
+impl Scope {
+    /// An empty scope.
+    ///
+    /// # Safety
+    ///
+    /// The scope must outlive every value rebuilt with it and everything derived from those values:
+    /// [`keep`](Self::keep) hands out references of any lifetime into it.
+    unsafe fn new() -> Self {
+        Self {
+            kept: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Keeps `t` alive as long as the scope and returns a reference to it.
+    pub(crate) fn keep<'a>(&self, t: Tensor) -> &'a Tensor {
+        let boxed = Box::new(t);
+        let ptr: *const Tensor = &*boxed;
+        // The heap allocation does not move when the box is moved into the vector, and boxes are
+        // only dropped with the scope.
+        self.kept.borrow_mut().push(boxed);
+        // SAFETY: `ptr` points into a live box owned by `self`, and the scope outlives every use of
+        // the reference by the contract of `Scope::new`, its only constructor.
+        unsafe { &*ptr }
+    }
+}
+
+fn hook_error(path: &str, hook: &'static str, source: Error) -> Error {
+    Error::Hook {
+        path: path.to_owned(),
+        hook,
+        source: Box::new(source),
+    }
+}
+
+fn check_count(path: &str, hook: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        return Ok(());
+    }
+    Err(Error::HookTensorCount {
+        path: path.to_owned(),
+        hook,
+        expected,
+        got,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn borrowed_tensors_are_replaced_through_the_scope() -> candle_core::Result<()> {
+        let a = Tensor::new(&[1f32], &Device::Cpu)?;
+        let b = Tensor::new(&[2f32], &Device::Cpu)?;
+        let tree = (&a, (Some(&b), 3usize), vec![a.clone()]);
+        assert_eq!(tree.tensor_count(), 3);
+        // SAFETY: the scope outlives `rebuilt`, the only value rebuilt with it.
+        let scope = unsafe { Scope::new() };
+        let mut supply = vec![a.clone(), (&b * 10.)?, a.clone()].into_iter();
+        let rebuilt = tree.rebuild(&mut |_| supply.next().unwrap(), &scope);
+        // Unchanged borrowed tensors are the originals; replaced ones live in the scope.
+        assert!(std::ptr::eq(rebuilt.0, &a));
+        assert_eq!(rebuilt.1 .0.unwrap().to_vec1::<f32>()?, [20.]);
+        assert_eq!(rebuilt.1 .1, 3);
+        assert_eq!(scope.kept.borrow().len(), 1);
+        Ok(())
+    }
+}

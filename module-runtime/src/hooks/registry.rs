@@ -1,0 +1,340 @@
+//! The hook registry: what a hook is, how it is registered, told about its call, and removed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
+
+use candle_core::Tensor;
+
+use super::dispatch::SessionGuard;
+use crate::error::Result;
+use crate::module::Module;
+use crate::pattern::PathPattern;
+
+/// A forward pre-hook: sees the module's input tensors (in [`TensorTree`](crate::TensorTree) order) and may return new
+/// ones (the same number) to run the module on. `Ok(None)` keeps the input.
+pub type PreHookFn = dyn Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync;
+
+/// A forward hook: sees the module's input and output tensors and may return new output tensors
+/// (the same number). `Ok(None)` keeps the output.
+pub type ForwardHookFn =
+    dyn Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync;
+
+/// What a hook is told about the call it runs in.
+pub struct HookCtx<'a> {
+    pub(super) path: &'a str,
+    pub(super) module: &'a dyn Module,
+    pub(super) registry: &'a Arc<Registry>,
+    pub(super) id: u64,
+}
+
+impl HookCtx<'_> {
+    /// The path of the module being called (`""` for the root).
+    pub fn path(&self) -> &str {
+        self.path
+    }
+
+    /// The module being called; [`downcast_ref`](trait.Module.html#method.downcast_ref) gets its
+    /// concrete type.
+    pub fn module(&self) -> &dyn Module {
+        self.module
+    }
+
+    /// Removes the hook that is running, from the next call on (this call's remaining hooks still
+    /// run). Idempotent.
+    pub fn remove_this_hook(&self) {
+        self.registry.remove(self.id);
+    }
+}
+
+/// A registry of forward hooks, attached to a model by [`run`](Hooks::run).
+///
+/// Cloning gives another handle to the same registry; it is `Send + Sync`, so one registry can
+/// serve several threads. Hooks fire in this order on every call of a module they target: global
+/// pre-hooks, pre-hooks, `forward`, global forward hooks, forward hooks — each group in registration
+/// order, hooks registered through [`prepend`](Hooks::prepend) first (the latest first).
+///
+/// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook)(crate::Error::Hook) naming the module's path. A
+/// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
+#[derive(Clone, Default)]
+pub struct Hooks(Arc<Registry>);
+
+#[derive(Default)]
+pub(super) struct Registry {
+    pub(super) lists: RwLock<Lists>,
+    next_id: AtomicU64,
+}
+
+/// The hooks of a registry, group by group, each in firing order.
+#[derive(Default)]
+pub(super) struct Lists {
+    pub(super) global_pre: Vec<Entry<PreHookFn>>,
+    pub(super) pre: Vec<Entry<PreHookFn>>,
+    pub(super) global_post: Vec<Entry<ForwardHookFn>>,
+    pub(super) post: Vec<Entry<ForwardHookFn>>,
+}
+
+pub(super) struct Entry<F: ?Sized> {
+    pub(super) id: u64,
+    target: Target,
+    pub(super) f: Arc<F>,
+}
+
+/// Which calls a hook sees.
+enum Target {
+    /// Every call (global hooks).
+    All,
+    /// Calls of the root (the pattern `""`).
+    Root,
+    /// Calls of the modules whose path matches.
+    Matching(PathPattern),
+}
+
+impl Target {
+    fn parse(pattern: &str) -> Result<Self> {
+        Ok(match pattern {
+            "" => Self::Root,
+            p => Self::Matching(PathPattern::new(p)?),
+        })
+    }
+}
+
+impl<F: ?Sized> Entry<F> {
+    pub(super) fn targets(&self, path: &str) -> bool {
+        match &self.target {
+            Target::All => true,
+            Target::Root => path.is_empty(),
+            Target::Matching(p) => p.matches(path),
+        }
+    }
+}
+
+impl Registry {
+    fn add<F: ?Sized>(
+        self: &Arc<Self>,
+        list: impl FnOnce(&mut Lists) -> &mut Vec<Entry<F>>,
+        target: Target,
+        prepend: bool,
+        f: Arc<F>,
+    ) -> HookHandle {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Entry { id, target, f };
+        let mut lists = self.lists.write().unwrap_or_else(PoisonError::into_inner);
+        let list = list(&mut lists);
+        if prepend {
+            list.insert(0, entry);
+        } else {
+            list.push(entry);
+        }
+        HookHandle {
+            registry: Arc::downgrade(self),
+            id,
+        }
+    }
+
+    pub(super) fn remove(&self, id: u64) -> bool {
+        let mut lists = self.lists.write().unwrap_or_else(PoisonError::into_inner);
+        let before = lists.len();
+        lists.global_pre.retain(|e| e.id != id);
+        lists.pre.retain(|e| e.id != id);
+        lists.global_post.retain(|e| e.id != id);
+        lists.post.retain(|e| e.id != id);
+        lists.len() != before
+    }
+}
+
+impl Lists {
+    fn len(&self) -> usize {
+        self.global_pre.len() + self.pre.len() + self.global_post.len() + self.post.len()
+    }
+}
+
+/// Removes the hook it was returned for. Removal is idempotent, may happen inside a hook (effective
+/// from the next call), and outlives the registry harmlessly. Dropping the handle keeps the hook.
+#[derive(Clone, Debug)]
+pub struct HookHandle {
+    registry: Weak<Registry>,
+    id: u64,
+}
+
+impl HookHandle {
+    /// Removes the hook. Returns whether it was still registered.
+    pub fn remove(&self) -> bool {
+        self.registry.upgrade().is_some_and(|r| r.remove(self.id))
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Hooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let lists = self.0.lists.read().unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("Hooks")
+            .field("hooks", &lists.len())
+            .finish()
+    }
+}
+
+/// Registers hooks in front of the others: see [`Hooks::prepend`].
+pub struct Prepend<'a>(&'a Hooks);
+
+impl Hooks {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a forward pre-hook on the modules whose path matches `pattern`: a path (`""` for
+    /// the root), or a [`PathPattern`] with `*` for one segment and `**` for any number.
+    pub fn register_forward_pre_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+    ) -> Result<HookHandle> {
+        self.pre_hook(false, pattern, Arc::new(hook))
+    }
+
+    /// Registers a forward hook on the modules whose path matches `pattern`.
+    pub fn register_forward_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<HookHandle> {
+        self.forward_hook(false, pattern, Arc::new(hook))
+    }
+
+    /// Registers a pre-hook that sees every module call (PyTorch's
+    /// `register_module_forward_pre_hook`), before the targeted pre-hooks.
+    pub fn register_global_forward_pre_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+    ) -> HookHandle {
+        self.0.add(
+            |l| &mut l.global_pre,
+            Target::All,
+            false,
+            Arc::new(hook) as Arc<PreHookFn>,
+        )
+    }
+
+    /// Registers a forward hook that sees every module call (PyTorch's
+    /// `register_module_forward_hook`), before the targeted forward hooks.
+    pub fn register_global_forward_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> HookHandle {
+        self.0.add(
+            |l| &mut l.global_post,
+            Target::All,
+            false,
+            Arc::new(hook) as Arc<ForwardHookFn>,
+        )
+    }
+
+    /// Registration that puts the hook first in its group (PyTorch's `prepend=True`):
+    /// `hooks.prepend().register_forward_hook("fc", f)`.
+    pub fn prepend(&self) -> Prepend<'_> {
+        Prepend(self)
+    }
+
+    fn pre_hook(&self, prepend: bool, pattern: &str, hook: Arc<PreHookFn>) -> Result<HookHandle> {
+        let target = Target::parse(pattern)?;
+        Ok(self.0.add(|l| &mut l.pre, target, prepend, hook))
+    }
+
+    fn forward_hook(
+        &self,
+        prepend: bool,
+        pattern: &str,
+        hook: Arc<ForwardHookFn>,
+    ) -> Result<HookHandle> {
+        let target = Target::parse(pattern)?;
+        Ok(self.0.add(|l| &mut l.post, target, prepend, hook))
+    }
+
+    /// How many hooks are registered.
+    pub fn len(&self) -> usize {
+        self.0
+            .lists
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether no hook is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` with these hooks attached to `root`: every [`call`](crate::ModuleExt::call) of
+    /// `root` or a module under it, on this thread, until `f` returns, fires the hooks that target
+    /// its path. Paths are relative to `root`.
+    ///
+    /// Runs nest: inside another `run` on the same root, both registries' hooks fire (the outer
+    /// one's first); on another root, the inner run replaces the outer one until it returns.
+    pub fn run<M: Module, R>(&self, root: &M, f: impl FnOnce(&M) -> R) -> R {
+        let _session = SessionGuard::enter(root, root.__call_target(), self.0.clone());
+        f(root)
+    }
+}
+
+impl Prepend<'_> {
+    /// [`Hooks::register_forward_pre_hook`], first in its group.
+    pub fn register_forward_pre_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+    ) -> Result<HookHandle> {
+        self.0.pre_hook(true, pattern, Arc::new(hook))
+    }
+
+    /// [`Hooks::register_forward_hook`], first in its group.
+    pub fn register_forward_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<HookHandle> {
+        self.0.forward_hook(true, pattern, Arc::new(hook))
+    }
+
+    /// [`Hooks::register_global_forward_pre_hook`], first in its group.
+    pub fn register_global_forward_pre_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+    ) -> HookHandle {
+        self.0 .0.add(
+            |l| &mut l.global_pre,
+            Target::All,
+            true,
+            Arc::new(hook) as Arc<PreHookFn>,
+        )
+    }
+
+    /// [`Hooks::register_global_forward_hook`], first in its group.
+    pub fn register_global_forward_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> HookHandle {
+        self.0 .0.add(
+            |l| &mut l.global_post,
+            Target::All,
+            true,
+            Arc::new(hook) as Arc<ForwardHookFn>,
+        )
+    }
+}

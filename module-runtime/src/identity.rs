@@ -1,0 +1,104 @@
+//! Identity: PyTorch tells modules and tensors apart by object identity; Rust values have none, so
+//! this file says what stands in for it.
+//!
+//! - A [`Param`](crate::Param) or [`Buffer`](crate::Buffer) is a shared handle: its identity is the
+//!   address of the allocation every clone shares ([`arc_id`]).
+//! - A module shared through an `Arc` is one module, whichever `Arc` clone reaches it
+//!   ([`Shared::id`]).
+//! - A module *call* is told apart by the address and type of the value it is called through
+//!   ([`CallTarget`]), which is how hook dispatch finds the called module in the tree.
+//!
+//! Walks remember the identities they have seen in an [`IdentitySet`].
+
+use std::any::Any;
+use std::collections::HashSet;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use crate::module::Module;
+
+/// The identity of a shared allocation: equal for every clone of `arc`, distinct otherwise.
+pub(crate) fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
+    Arc::as_ptr(arc) as *const () as usize
+}
+
+/// Whether another handle to `arc`'s allocation exists. A parameter or buffer with one handle is
+/// held by one field, so a walk can reach it twice only through a shared (`Arc`) module, which the
+/// walk dedups itself: such leaves skip the memo set.
+pub(crate) fn has_aliases<T: ?Sized>(arc: &Arc<T>) -> bool {
+    Arc::strong_count(arc) > 1
+}
+
+/// A set of identities (addresses of shared allocations). SipHash, the standard hasher, resists
+/// adversarial keys, which addresses are not; a multiplicative hash makes the memo set of a walk
+/// several times cheaper (`named_parameters` on BERT-base: see BENCHMARKS.md).
+pub(crate) type IdentitySet = HashSet<usize, BuildHasherDefault<AddressHasher>>;
+
+/// Fibonacci hashing of one `usize`: a multiply by 2^64/φ spreads aligned addresses (whose low bits
+/// are zero) over the whole table.
+#[derive(Default)]
+pub(crate) struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// The address and type of a value a module is called through: what hook dispatch looks for among
+/// a module's children. Not public API.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallTarget {
+    addr: usize,
+    ty: std::any::TypeId,
+}
+
+impl CallTarget {
+    /// `value`'s address and type.
+    pub fn of<T: Any>(value: &T) -> Self {
+        Self {
+            addr: value as *const T as *const () as usize,
+            ty: std::any::TypeId::of::<T>(),
+        }
+    }
+
+    /// The target of a module seen through `dyn Module`.
+    pub(crate) fn of_dyn(module: &dyn Module) -> Self {
+        Self {
+            addr: module as *const dyn Module as *const () as usize,
+            ty: (module as &dyn Any).type_id(),
+        }
+    }
+}
+
+/// A module reached through an `Arc`: its identity (shared by every clone of the `Arc`) and the
+/// `Arc` value it was reached through (which tells two paths to one module apart when it is called).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shared {
+    /// The module's identity: the `Arc`'s target address.
+    pub id: usize,
+    /// The `Arc` field itself.
+    #[doc(hidden)]
+    pub holder: CallTarget,
+}
+
+impl Shared {
+    /// The identity of the module behind `arc`, reached through that `Arc` value.
+    pub(crate) fn of<M: Module>(arc: &Arc<M>) -> Self {
+        Self {
+            id: arc_id(arc),
+            holder: CallTarget::of(arc),
+        }
+    }
+}

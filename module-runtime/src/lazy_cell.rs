@@ -1,0 +1,309 @@
+//! The one cell a [`Param`](crate::Param) and a [`Buffer`](crate::Buffer) keep their value in,
+//! eager or lazy: a lock around the current value and, for lazy ones, the recipe that builds it
+//! once ([`Init`], [`LazyShape`]).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::lazy_shape::LazyShape;
+
+/// What a cell holds: a `Var` (parameters) or a `Tensor` (buffers).
+pub(crate) trait CellValue: Sized {
+    /// The value as a tensor.
+    fn as_tensor(&self) -> &Tensor;
+    /// A new value holding `t`.
+    fn from_tensor(t: Tensor) -> Result<Self>;
+}
+
+impl CellValue for Var {
+    fn as_tensor(&self) -> &Tensor {
+        Var::as_tensor(self)
+    }
+    fn from_tensor(t: Tensor) -> Result<Self> {
+        Ok(Var::from_tensor(&t)?)
+    }
+}
+
+impl CellValue for Tensor {
+    fn as_tensor(&self) -> &Tensor {
+        self
+    }
+    fn from_tensor(t: Tensor) -> Result<Self> {
+        // Buffers never take part in autograd.
+        Ok(t.detach())
+    }
+}
+
+/// A value behind a lock, with the lazy state of an unbuilt one.
+pub(crate) struct LazyCell<T> {
+    value: RwLock<T>,
+    /// Present for lazy values only, so reading an eager one costs nothing more.
+    lazy: Option<Box<LazyState>>,
+}
+
+impl<T: CellValue> LazyCell<T> {
+    /// A built cell holding `value`.
+    pub(crate) fn eager(value: T) -> Self {
+        Self {
+            value: RwLock::new(value),
+            lazy: None,
+        }
+    }
+
+    /// An unbuilt cell: an empty `[0]` placeholder of `dtype` on `device` until it is built with a
+    /// shape `shape` accepts.
+    pub(crate) fn lazy(
+        shape: LazyShape,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            value: RwLock::new(T::from_tensor(Tensor::zeros(0, dtype, device)?)?),
+            lazy: Some(LazyState::new(shape, init)),
+        })
+    }
+
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, T> {
+        // A panic while holding the lock cannot leave a half-written value (assignment is the last
+        // step of every write), so a poisoned lock is safe to use.
+        self.value.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.value.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Swaps in a new value, for every alias at once.
+    pub(crate) fn replace(&self, value: T) {
+        *self.write() = value;
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.read().as_tensor().dtype()
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        self.read().as_tensor().device().clone()
+    }
+
+    pub(crate) fn is_built(&self) -> bool {
+        self.lazy.as_ref().is_none_or(|l| l.is_built())
+    }
+
+    pub(crate) fn lazy_shape(&self) -> Option<LazyShape> {
+        self.lazy.as_ref().and_then(|l| l.shape())
+    }
+
+    fn unbuilt(&self) -> Option<&LazyState> {
+        self.lazy.as_deref().filter(|l| !l.is_built())
+    }
+
+    /// Builds an unbuilt cell with shape `dims` from its recipe (given the layer's `fan_in`), once.
+    /// A built cell is left alone: the caller checks its dims.
+    pub(crate) fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<()> {
+        if let Some(lazy) = self.unbuilt() {
+            lazy.build_once(|recipe| {
+                check_accepts(&recipe.shape, dims)?;
+                let shape = Shape::from(dims.to_vec());
+                let value = recipe
+                    .init
+                    .tensor(&shape, fan_in, self.dtype(), &self.device())?;
+                self.replace(T::from_tensor(value)?);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Builds an unbuilt cell from `value` (its recipe unused): the shape must be one it accepts and
+    /// the dtype its own. Returns whether this call built it; `false` for a built cell.
+    pub(crate) fn build_from(&self, value: &Tensor) -> Result<bool> {
+        let Some(lazy) = self.unbuilt() else {
+            return Ok(false);
+        };
+        lazy.build_once(|recipe| {
+            check_accepts(&recipe.shape, value.dims())?;
+            if value.dtype() != self.dtype() {
+                return Err(Error::ValueMismatch {
+                    expected_shape: value.shape().clone(),
+                    expected_dtype: self.dtype(),
+                    shape: value.shape().clone(),
+                    dtype: value.dtype(),
+                });
+            }
+            self.replace(T::from_tensor(value.to_device(&self.device())?)?);
+            Ok(())
+        })
+    }
+}
+
+fn check_accepts(shape: &LazyShape, dims: &[usize]) -> Result<()> {
+    if shape.accepts(dims) {
+        return Ok(());
+    }
+    Err(Error::LazyShape {
+        expected: shape.to_string(),
+        shape: Shape::from(dims.to_vec()),
+    })
+}
+
+/// `t`, the value of a parameter or buffer that is now built, if it has the `dims` an input asked
+/// for; otherwise the error that says it was built with other ones.
+pub(crate) fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {
+    if t.dims() != dims {
+        return Err(Error::LazyShape {
+            expected: format!("{:?}", t.dims()),
+            shape: Shape::from(dims.to_vec()),
+        });
+    }
+    Ok(t)
+}
+
+/// A custom initializer: `(shape, fan_in, dtype, device) -> value`.
+pub type InitFn = dyn Fn(&Shape, usize, DType, &Device) -> Result<Tensor> + Send + Sync;
+
+/// How an unbuilt parameter or buffer gets its first value when it is materialized.
+///
+/// The recipe runs with the full shape, the layer's `fan_in` (which a bias cannot infer from its
+/// own shape: PyTorch bounds a `Linear` bias by the weight's fan-in) and the dtype and device the
+/// value was last moved to.
+#[derive(Clone)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// Uniform on `±1/sqrt(fan_in)`: PyTorch's default for `Linear` and convolution weights and
+    /// biases.
+    UniformFanIn,
+    /// Any function of the shape, fan-in, dtype and device.
+    Custom(Arc<InitFn>),
+}
+
+impl Init {
+    /// The initial value of shape `shape`.
+    pub fn tensor(
+        &self,
+        shape: &Shape,
+        fan_in: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        Ok(match self {
+            Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+            Init::Ones => Tensor::ones(shape, dtype, device)?,
+            Init::UniformFanIn => {
+                let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+                Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?
+            }
+            Init::Custom(f) => {
+                let t = f(shape, fan_in, dtype, device)?;
+                if t.shape() != shape {
+                    return Err(Error::LazyShape {
+                        expected: format!("{:?}", shape.dims()),
+                        shape: t.shape().clone(),
+                    });
+                }
+                t.to_dtype(dtype)?.to_device(device)?
+            }
+        })
+    }
+}
+
+impl fmt::Debug for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Init::Zeros => "Zeros",
+            Init::Ones => "Ones",
+            Init::UniformFanIn => "UniformFanIn",
+            Init::Custom(_) => "Custom(..)",
+        })
+    }
+}
+
+/// The lazy part of a `Param` or `Buffer`: whether it is built, and how to build it.
+///
+/// The dtype and device to build with are not stored here: they are those of the placeholder the
+/// parameter holds while unbuilt, so `to_device`/`to_dtype` record them without knowing about
+/// laziness.
+struct LazyState {
+    /// Read on every use of a built lazy value: one atomic load.
+    built: AtomicBool,
+    /// Serializes building: held while the first value is made and committed.
+    recipe: Mutex<Recipe>,
+}
+
+struct Recipe {
+    shape: LazyShape,
+    init: Init,
+}
+
+impl LazyState {
+    pub(crate) fn new(shape: LazyShape, init: Init) -> Box<Self> {
+        Box::new(Self {
+            built: AtomicBool::new(false),
+            recipe: Mutex::new(Recipe { shape, init }),
+        })
+    }
+
+    pub(crate) fn is_built(&self) -> bool {
+        self.built.load(Ordering::Acquire)
+    }
+
+    /// The shape it will have, while unbuilt.
+    pub(crate) fn shape(&self) -> Option<LazyShape> {
+        if self.is_built() {
+            return None;
+        }
+        let recipe = self.lock();
+        (!self.is_built()).then(|| recipe.shape.clone())
+    }
+
+    /// Runs `build` (which commits the first value) unless another thread built it first, then
+    /// marks it built. Returns whether this call built it. An error leaves it unbuilt.
+    pub(crate) fn build_once(&self, build: impl FnOnce(&Recipe) -> Result<()>) -> Result<bool> {
+        let recipe = self.lock();
+        if self.is_built() {
+            return Ok(false);
+        }
+        build(&recipe)?;
+        self.built.store(true, Ordering::Release);
+        Ok(true)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Recipe> {
+        // The recipe is never written after construction, so a panic cannot leave it half-written.
+        self.recipe.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lazy_shape_display_and_accepts() {
+        let s = LazyShape::new([None, Some(3), None]);
+        assert_eq!(s.to_string(), "[?, 3, ?]");
+        assert!(s.accepts(&[1, 3, 9]));
+        assert!(!s.accepts(&[1, 4, 9]));
+        assert!(!s.accepts(&[1, 3]));
+        assert!(check_accepts(&s, &[2, 2, 2]).is_err());
+    }
+
+    #[test]
+    fn custom_init_must_give_the_shape() {
+        let bad = Init::Custom(Arc::new(|_, _, dtype, dev| {
+            Ok(Tensor::zeros(3, dtype, dev)?)
+        }));
+        let err = bad
+            .tensor(&Shape::from((2, 2)), 2, DType::F32, &Device::Cpu)
+            .unwrap_err();
+        assert!(err.to_string().contains("[2, 2]"), "{err}");
+    }
+}

@@ -1,0 +1,185 @@
+//! Path lookup: the submodule, parameter or buffer at a dotted path (`get_submodule`,
+//! `get_parameter`, `get_buffer`), one segment at a time through one child search.
+
+use crate::error::{Error, Result};
+use crate::module::{Child, ChildMut, Module, Name};
+
+/// The segments of a dotted path; the root's path `""` has none.
+fn segments(path: &str) -> impl Iterator<Item = &str> {
+    path.split('.').filter(|_| !path.is_empty())
+}
+
+/// What a child is, in words, for errors.
+trait Kind {
+    fn kind(&self) -> &'static str;
+    fn is_absent(&self) -> bool {
+        self.kind() == "nothing"
+    }
+}
+
+impl Kind for Child<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            Child::Module { .. } => "module",
+            Child::Param(_) => "parameter",
+            Child::Buffer(_) => "buffer",
+            Child::Mode(_) => "train/eval flag",
+            Child::Absent => "nothing",
+        }
+    }
+}
+
+impl Kind for ChildMut<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            ChildMut::Module(_) | ChildMut::Shared(_) => "module",
+            ChildMut::Param(_) => "parameter",
+            ChildMut::Buffer(_) => "buffer",
+            ChildMut::Mode(_) => "train/eval flag",
+            ChildMut::Absent => "nothing",
+        }
+    }
+}
+
+/// The child named `segment` among those `visit` lists, or the names of the children there are.
+fn find_child<C: Kind>(
+    visit: impl FnOnce(&mut dyn FnMut(Name<'_>, C)),
+    segment: &str,
+) -> std::result::Result<C, Vec<String>> {
+    let mut found = None;
+    let mut children = Vec::new();
+    visit(&mut |name, child| {
+        if child.is_absent() {
+            return;
+        }
+        if found.is_none() && name.matches(segment) {
+            found = Some(child);
+        } else {
+            children.push(name.to_string());
+        }
+    });
+    found.ok_or(children)
+}
+
+/// The submodule at `path` (`""` is `root`).
+pub(crate) fn submodule<'a>(root: &'a dyn Module, path: &str) -> Result<&'a dyn Module> {
+    let mut current = root;
+    let mut walked = String::new();
+    for segment in segments(path) {
+        match find_child(|f| current.visit_children(f), segment) {
+            Ok(Child::Module { module, .. }) => current = module,
+            Ok(other) => return Err(wrong_kind(path, "module", other.kind())),
+            Err(children) => {
+                return Err(no_child(path, walked, current, segment, children));
+            }
+        }
+        Name::Field(segment).push_to(&mut walked);
+    }
+    Ok(current)
+}
+
+/// The submodule at `path`, mutably. A module shared through an `Arc` with other owners cannot be
+/// borrowed mutably.
+pub(crate) fn submodule_mut<'a>(
+    root: &'a mut dyn Module,
+    path: &str,
+) -> Result<&'a mut dyn Module> {
+    let mut current = root;
+    let mut walked = String::new();
+    for segment in segments(path) {
+        let parent_type = current.type_name();
+        match find_child(move |f| current.visit_children_mut(f), segment) {
+            Ok(ChildMut::Module(module)) => current = module,
+            Ok(ChildMut::Shared(_)) => {
+                Name::Field(segment).push_to(&mut walked);
+                return Err(Error::SharedModule { path: walked });
+            }
+            Ok(other) => return Err(wrong_kind(path, "module", other.kind())),
+            Err(children) => {
+                return Err(Error::NoSubmodule {
+                    path: path.to_owned(),
+                    parent: walked,
+                    parent_type,
+                    missing: segment.to_owned(),
+                    children,
+                });
+            }
+        }
+        Name::Field(segment).push_to(&mut walked);
+    }
+    Ok(current)
+}
+
+/// The leaf (parameter or buffer) at `path`, checked to be the `expected` kind.
+pub(crate) fn leaf<'a>(
+    root: &'a dyn Module,
+    path: &str,
+    expected: &'static str,
+) -> Result<Child<'a>> {
+    let (parent_path, last) = path.rsplit_once('.').unwrap_or(("", path));
+    let parent = submodule(root, parent_path)?;
+    match find_child(|f| parent.visit_children(f), last) {
+        Ok(child) if child.kind() == expected => Ok(child),
+        Ok(other) => Err(wrong_kind(path, expected, other.kind())),
+        Err(children) => Err(no_child(
+            path,
+            parent_path.to_owned(),
+            parent,
+            last,
+            children,
+        )),
+    }
+}
+
+/// The module at `path` downcast to `T`, or the error naming the type that is there.
+pub(crate) fn downcast<'a, T: Module>(path: &str, module: &'a dyn Module) -> Result<&'a T> {
+    module
+        .downcast_ref::<T>()
+        .ok_or_else(|| wrong_type::<T>(path, module))
+}
+
+/// Like [`downcast`], mutably.
+pub(crate) fn downcast_mut<'a, T: Module>(
+    path: &str,
+    module: &'a mut dyn Module,
+) -> Result<&'a mut T> {
+    if !module.is::<T>() {
+        return Err(wrong_type::<T>(path, module));
+    }
+    Ok(module
+        .downcast_mut::<T>()
+        .expect("the type was checked above"))
+}
+
+fn no_child(
+    path: &str,
+    parent: String,
+    parent_module: &dyn Module,
+    missing: &str,
+    children: Vec<String>,
+) -> Error {
+    Error::NoSubmodule {
+        path: path.to_owned(),
+        parent,
+        parent_type: parent_module.type_name(),
+        missing: missing.to_owned(),
+        children,
+    }
+}
+
+fn wrong_kind(path: &str, expected: &'static str, found: &'static str) -> Error {
+    Error::WrongKind {
+        path: path.to_owned(),
+        expected,
+        found,
+    }
+}
+
+fn wrong_type<T: Module>(path: &str, found: &dyn Module) -> Error {
+    use crate::type_name::short_type_name;
+    Error::WrongModuleType {
+        path: path.to_owned(),
+        expected: short_type_name(std::any::type_name::<T>()),
+        found: short_type_name(found.type_name()),
+    }
+}

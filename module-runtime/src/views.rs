@@ -1,0 +1,106 @@
+//! The views PyTorch users know, each one walk: `named_parameters`, `named_buffers`,
+//! `named_modules`, `named_children`, `apply`, freezing by pattern and train/eval modes.
+
+use crate::buffer::Buffer;
+use crate::error::{Error, Result};
+use crate::module::Module;
+use crate::param::Param;
+use crate::pattern::PathPattern;
+use crate::walk::{walk, walk_in, Order, Visit};
+
+/// Every parameter with its path; with `dedup`, each once under its first path.
+pub(crate) fn named_parameters(root: &dyn Module, dedup: bool) -> Vec<(String, Param)> {
+    let mut out = Vec::new();
+    walk(root, dedup, &mut |path, v| {
+        if let Visit::Param(p) = v {
+            out.push((path.to_owned(), p.clone()));
+        }
+        true
+    });
+    out
+}
+
+/// Every buffer with its path, each once.
+pub(crate) fn named_buffers(root: &dyn Module) -> Vec<(String, Buffer)> {
+    let mut out = Vec::new();
+    walk(root, true, &mut |path, v| {
+        if let Visit::Buffer(b) = v {
+            out.push((path.to_owned(), b.clone()));
+        }
+        true
+    });
+    out
+}
+
+/// Every module with its path, `root` first as `""`; with `children_only`, the direct children.
+pub(crate) fn named_modules(root: &dyn Module, children_only: bool) -> Vec<(String, &dyn Module)> {
+    let mut out = Vec::new();
+    walk(root, true, &mut |path, v| {
+        let Visit::Module(m) = v else { return false };
+        if path.is_empty() && children_only {
+            return true;
+        }
+        out.push((path.to_owned(), m));
+        !children_only
+    });
+    out
+}
+
+/// Calls `f` on every module, children before their parent, each once.
+pub(crate) fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
+    walk_in(root, true, Order::Post, &mut |_, v| {
+        if let Visit::Module(m) = v {
+            f(m);
+        }
+        true
+    });
+}
+
+/// Sets `requires_grad` on every parameter at or under a path matching `pattern`; returns how many
+/// parameters matched, or [`Error::NoMatch`](crate::Error::NoMatch) naming some that exist.
+pub(crate) fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> Result<usize> {
+    let pattern = PathPattern::new(pattern)?;
+    let mut matched: Vec<Param> = Vec::new();
+    let mut available = Vec::new();
+    for (path, p) in named_parameters(root, false) {
+        if pattern.matches_at_or_above(&path) {
+            if !matched.iter().any(|m| m.same_as(&p)) {
+                matched.push(p);
+            }
+        } else if available.len() < 8 {
+            available.push(path);
+        }
+    }
+    if matched.is_empty() {
+        return Err(Error::NoMatch {
+            pattern: pattern.as_str().to_owned(),
+            available,
+        });
+    }
+    for p in &matched {
+        p.set_requires_grad(on);
+    }
+    Ok(matched.len())
+}
+
+/// Sets every [`Mode`](crate::Mode) flag under `root`.
+pub(crate) fn set_training(root: &dyn Module, training: bool) {
+    walk(root, false, &mut |_, v| {
+        if let Visit::Mode(m) = v {
+            m.set_training(training);
+        }
+        true
+    });
+}
+
+/// The first [`Mode`](crate::Mode) flag under `root`, or `true` when there is none.
+pub(crate) fn is_training(root: &dyn Module) -> bool {
+    let mut found = None;
+    walk(root, false, &mut |_, v| {
+        if let (Visit::Mode(m), None) = (&v, found) {
+            found = Some(m.is_training());
+        }
+        found.is_none()
+    });
+    found.unwrap_or(true)
+}
