@@ -188,14 +188,14 @@ pub trait ModuleExt: Module {
 
     /// The submodule at `path`, downcast to `T`.
     ///
-    /// Fails with [`Error::NoSubmodule`](crate::Error::NoSubmodule)(crate::Error::NoSubmodule) naming the first segment that is missing (and what is
-    /// there instead), or [`Error::WrongModuleType`](crate::Error::WrongModuleType)(crate::Error::WrongModuleType) naming the type that is there.
+    /// Fails with [`Error::NoSubmodule`](crate::Error::NoSubmodule) naming the first segment that is missing (and what is
+    /// there instead), or [`Error::WrongModuleType`](crate::Error::WrongModuleType) naming the type that is there.
     fn get_submodule<T: Module>(&self, path: &str) -> Result<&T> {
         path::downcast(path, self.get_submodule_dyn(path)?)
     }
 
     /// The submodule at `path` as a mutable trait object. A module shared through an `Arc` with other
-    /// owners cannot be borrowed mutably ([`Error::SharedModule`](crate::Error::SharedModule)(crate::Error::SharedModule)).
+    /// owners cannot be borrowed mutably ([`Error::SharedModule`](crate::Error::SharedModule)).
     fn get_submodule_dyn_mut(&mut self, path: &str) -> Result<&mut dyn Module> {
         path::submodule_mut(self.as_dyn_mut(), path)
     }
@@ -237,7 +237,7 @@ pub trait ModuleExt: Module {
 
     /// The `Var`s to hand to a candle optimizer: every parameter that is not frozen, once each.
     ///
-    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt), listing every unbuilt path, if the model is not built: an
+    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt), listing every unbuilt path, if the model is not built: an
     /// optimizer holding a lazy parameter's placeholder would never train the real one.
     ///
     /// ```
@@ -264,7 +264,7 @@ pub trait ModuleExt: Module {
     /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](crate::PathPattern)):
     /// `freeze("encoder")` and `freeze("encoder.*")` freeze the whole encoder, `freeze("**.bias")`
     /// every bias. Returns how many parameters matched. A pattern that matches nothing is an error
-    /// ([`Error::NoMatch`](crate::Error::NoMatch)(crate::Error::NoMatch)), since it is almost always a typo.
+    /// ([`Error::NoMatch`](crate::Error::NoMatch)), since it is almost always a typo.
     fn freeze(&self, pattern: &str) -> Result<usize> {
         views::set_requires_grad(self.as_dyn(), pattern, false)
     }
@@ -310,7 +310,7 @@ pub trait ModuleExt: Module {
 
     /// Every parameter and persistent buffer by path, in declaration order (PyTorch's
     /// `state_dict()`): a tied weight appears under each of its paths, non-persistent buffers not
-    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt) if the model
+    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
         crate::lazy::ensure_built(self.as_dyn(), "take the state dict of")?;
@@ -326,13 +326,13 @@ pub trait ModuleExt: Module {
     /// Loads `state` with `options` (non-strict, key rules, dtype casting).
     ///
     /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
-    /// was and [`Error::Load`](crate::Error::Load)(crate::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
+    /// was and [`Error::Load`](crate::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
     /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
     /// weights stay tied and optimizers built before the load keep working.
     ///
     /// Unbuilt lazy parameters and buffers are built from the checkpoint's values, whose shapes
     /// must fit their known dimensions (a failed load leaves them unbuilt). A model holding an
-    /// unbuilt [`Lazy`](crate::Lazy) cell cannot be loaded ([`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt)): what the cell
+    /// unbuilt [`Lazy`](crate::Lazy) cell cannot be loaded ([`Error::Unbuilt`](crate::Error::Unbuilt)): what the cell
     /// would hold is only known once it is built.
     ///
     /// ```
@@ -354,7 +354,7 @@ pub trait ModuleExt: Module {
     /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
     /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
     ///
-    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt)(crate::Error::Unbuilt) if the model is not built.
+    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model is not built.
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         crate::lazy::ensure_built(self.as_dyn(), "save")?;
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())

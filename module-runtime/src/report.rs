@@ -1,4 +1,4 @@
-//! What a load found: [`LoadReport`], the payload of [`Error::Load`](crate::Error::Load)(crate::Error::Load)(crate::Error::Load).
+//! What a load found: [`LoadReport`], the payload of [`Error::Load`](crate::Error::Load)(crate::Error::Load).
 
 use std::fmt;
 
@@ -26,7 +26,7 @@ pub struct Mismatch {
 
 /// Everything a load found: what it loaded, and every key that did not fit, all at once.
 ///
-/// A failed load returns this inside [`Error::Load`](crate::Error::Load)(crate::Error::Load); a successful non-strict load returns it so the
+/// A failed load returns this inside [`Error::Load`](crate::Error::Load); a successful non-strict load returns it so the
 /// caller can inspect what was skipped.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LoadReport {

@@ -53,7 +53,7 @@ impl HookCtx<'_> {
 /// pre-hooks, pre-hooks, `forward`, global forward hooks, forward hooks — each group in registration
 /// order, hooks registered through [`prepend`](Hooks::prepend) first (the latest first).
 ///
-/// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook)(crate::Error::Hook) naming the module's path. A
+/// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook) naming the module's path. A
 /// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
 #[derive(Clone, Default)]
 pub struct Hooks(Arc<Registry>);
