@@ -1,4 +1,4 @@
-//! What a load found: [`LoadReport`], the payload of [`Error::Load`](crate::Error::Load)(crate::Error::Load).
+//! What a load found: [`LoadReport`], the payload of [`Error::Load`](crate::Error::Load).
 
 use std::fmt;
 
