@@ -33,9 +33,9 @@ impl LazyCnn {
             ..Default::default()
         };
         Ok(Self {
-            conv1: LazyConv2d::new(8, 3, same, device)?,
+            conv1: LazyConv2d::with_config(8, 3, same, device)?,
             bn1: LazyBatchNorm2d::new(device)?,
-            conv2: LazyConv2d::new(16, 3, same, device)?,
+            conv2: LazyConv2d::with_config(16, 3, same, device)?,
             pool: MaxPool2d::new(2),
             fc: LazyLinear::new(32, device)?,
             head: LazyLinear::new(10, device)?,

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use module_runtime::nn::{Dropout, Embedding, LayerNorm, Linear, Softmax, GELU};
+use module_runtime::nn::{Dropout, Embedding, LayerNorm, LayerNormConfig, Linear, Softmax, GELU};
 use module_runtime::prelude::*;
 use module_runtime::{Buffer, Error};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
@@ -239,7 +239,11 @@ impl BertModel {
                 cfg.num_attention_heads
             )));
         }
-        let norm = || LayerNorm::new(h, cfg.layer_norm_eps, device);
+        let norm_config = LayerNormConfig {
+            eps: cfg.layer_norm_eps,
+            ..Default::default()
+        };
+        let norm = || LayerNorm::with_config(h, norm_config, device);
         let layer = || -> Result<BertLayer> {
             Ok(BertLayer {
                 attention: BertAttention {

@@ -6,7 +6,7 @@
 //! a real device mismatch needs a second device and says so when it has none.
 
 use module_runtime::candle_core::DeviceLocation;
-use module_runtime::nn::{BatchNorm1d, Conv1d, ConvConfig, Embedding, LayerNorm, Lstm};
+use module_runtime::nn::{BatchNorm1d, Conv1d, Embedding, LayerNorm, Lstm};
 use module_runtime::nn::{Linear, MultiheadAttention};
 use module_runtime::prelude::*;
 use module_runtime::{device_name, parse_device};
@@ -259,18 +259,12 @@ fn an_input_on_another_device_is_a_typed_error_naming_both() -> Result<()> {
             "Embedding.weight",
             Embedding::new(VOCAB, DIM, &target)?.call(&Tensor::new(&[1u32, 2], &cpu)?),
         ),
-        (
-            "LayerNorm.weight",
-            LayerNorm::new(DIM, 1e-5, &target)?.call(&x),
-        ),
+        ("LayerNorm.weight", LayerNorm::new(DIM, &target)?.call(&x)),
         (
             "BatchNorm1d.weight",
             BatchNorm1d::new(DIM, &target)?.call(&x),
         ),
-        (
-            "Conv1d.weight",
-            Conv1d::new(1, 2, 1, ConvConfig::default(), &target)?.call(&seq),
-        ),
+        ("Conv1d.weight", Conv1d::new(1, 2, 1, &target)?.call(&seq)),
         (
             "MultiheadAttention.in_proj_weight",
             MultiheadAttention::new(DIM, 2, &target)?.call(&seq),

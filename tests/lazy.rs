@@ -417,22 +417,22 @@ fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
         ..Default::default()
     };
     // Each lazy layer loads its eager twin's state dict (same names), then both run one input.
-    let conv1 = Conv1d::new(4, 6, 3, cfg, &dev())?;
-    let lazy_conv1 = LazyConv1d::new(6, 3, cfg, &dev())?;
+    let conv1 = Conv1d::with_config(4, 6, 3, cfg, &dev())?;
+    let lazy_conv1 = LazyConv1d::with_config(6, 3, cfg, &dev())?;
     lazy_conv1.load_state_dict(&conv1.state_dict()?)?;
     let x = randn(&[2, 4, 9]);
     assert!(max_diff(&conv1.call(&x)?, &lazy_conv1.call(&x)?) < 1e-6);
     assert_eq!(lazy_conv1.in_channels(), Some(4));
 
-    let conv2 = Conv2d::new(4, 6, 3, cfg, &dev())?;
-    let lazy_conv2 = LazyConv2d::new(6, 3, cfg, &dev())?;
+    let conv2 = Conv2d::with_config(4, 6, 3, cfg, &dev())?;
+    let lazy_conv2 = LazyConv2d::with_config(6, 3, cfg, &dev())?;
     lazy_conv2.load_state_dict(&conv2.state_dict()?)?;
     let x = randn(&[2, 4, 7, 7]);
     assert!(max_diff(&conv2.call(&x)?, &lazy_conv2.call(&x)?) < 1e-6);
 
-    let ln = LayerNorm::new(5, 1e-5, &dev())?;
+    let ln = LayerNorm::new(5, &dev())?;
     ln.weight.as_ref().unwrap().set(&randn(&[5]))?;
-    let lazy_ln = LazyLayerNorm::new(1e-5, &dev())?;
+    let lazy_ln = LazyLayerNorm::new(1, &dev())?;
     lazy_ln.load_state_dict(&ln.state_dict()?)?;
     let x = randn(&[3, 5]);
     assert!(max_diff(&ln.call(&x)?, &lazy_ln.call(&x)?) < 1e-6);
@@ -496,7 +496,7 @@ fn lazy_layers_follow_pytorch_init_bounds() -> Result<()> {
 
 #[test]
 fn lazy_conv_and_norm_errors_name_the_layer_and_shapes() -> Result<()> {
-    let conv = LazyConv2d::new(4, 3, ConvConfig::default(), &dev())?;
+    let conv = LazyConv2d::new(4, 3, &dev())?;
     conv.call(&randn(&[1, 2, 5, 5]))?;
     let msg = conv.call(&randn(&[1, 3, 5, 5])).unwrap_err().to_string();
     for needle in ["LazyConv2d", "[1, 3, 5, 5]", "[4, 2, 3, 3]", "[4, 3, 3, 3]"] {

@@ -12,8 +12,8 @@ use candle_core::Var;
 use candle_nn::Optimizer;
 use module_runtime::nn::{
     self, loss, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, ConvConfig, ConvTranspose2d,
-    ConvTransposeConfig, Dropout, Embedding, GroupNorm, LayerNorm, LogSoftmax, MaxPool2d, RmsNorm,
-    Softmax, GELU,
+    ConvTransposeConfig, Dropout, Embedding, GroupNorm, LayerNorm, LayerNormConfig, LogSoftmax,
+    MaxPool2d, RmsNorm, RmsNormConfig, Softmax, GELU,
 };
 use module_runtime::prelude::*;
 use parity_common_a::{assert_close, assert_equal, Fixture};
@@ -96,17 +96,26 @@ fn embedding() {
 
 #[test]
 fn layer_norm() {
-    check_layer("layer_norm", &LayerNorm::new(8, 1e-5, &dev()).unwrap());
+    check_layer("layer_norm", &LayerNorm::new(8, &dev()).unwrap());
 }
 
 #[test]
 fn layer_norm_noaffine() {
-    check_layer("layer_norm_noaffine", &LayerNorm::no_affine(8, 1e-5));
+    let no_affine = LayerNormConfig {
+        elementwise_affine: false,
+        ..Default::default()
+    };
+    let layer = LayerNorm::with_config(8, no_affine, &dev()).unwrap();
+    check_layer("layer_norm_noaffine", &layer);
 }
 
 #[test]
 fn rms_norm() {
-    check_layer("rms_norm", &RmsNorm::new(8, 1e-6, &dev()).unwrap());
+    let eps = RmsNormConfig {
+        eps: Some(1e-6),
+        ..Default::default()
+    };
+    check_layer("rms_norm", &RmsNorm::with_config(8, eps, &dev()).unwrap());
 }
 
 #[test]
@@ -180,7 +189,10 @@ fn conv1d() {
         padding: 1,
         ..Default::default()
     };
-    check_layer("conv1d", &Conv1d::new(3, 4, 3, cfg, &dev()).unwrap());
+    check_layer(
+        "conv1d",
+        &Conv1d::with_config(3, 4, 3, cfg, &dev()).unwrap(),
+    );
 }
 
 #[test]
@@ -189,7 +201,10 @@ fn conv2d() {
         padding: 1,
         ..Default::default()
     };
-    check_layer("conv2d", &Conv2d::new(3, 4, 3, cfg, &dev()).unwrap());
+    check_layer(
+        "conv2d",
+        &Conv2d::with_config(3, 4, 3, cfg, &dev()).unwrap(),
+    );
 }
 
 #[test]
@@ -202,7 +217,7 @@ fn conv2d_groups_stride() {
     };
     check_layer(
         "conv2d_groups_stride",
-        &Conv2d::new(4, 6, 3, cfg, &dev()).unwrap(),
+        &Conv2d::with_config(4, 6, 3, cfg, &dev()).unwrap(),
     );
 }
 
@@ -216,7 +231,7 @@ fn conv_transpose2d() {
     };
     check_layer(
         "conv_transpose2d",
-        &ConvTranspose2d::new(3, 2, 3, cfg, &dev()).unwrap(),
+        &ConvTranspose2d::with_config(3, 2, 3, cfg, &dev()).unwrap(),
     );
 }
 
@@ -321,7 +336,7 @@ fn linear_then_layer_norm_learns() {
     }
     let block = Block {
         fc: Linear::new(4, 8, &dev()).unwrap(),
-        norm: LayerNorm::new(8, 1e-5, &dev()).unwrap(),
+        norm: LayerNorm::new(8, &dev()).unwrap(),
     };
     let x = Tensor::randn(0f32, 1., (5, 4), &dev()).unwrap();
     let target = Tensor::randn(0f32, 1., (5, 8), &dev()).unwrap();

@@ -10,7 +10,8 @@ mod parity_common_b;
 
 use candle_core::Var;
 use module_runtime::nn::{
-    AttentionInput, Gru, Lstm, MultiheadAttention, MultiheadAttentionConfig, RnnConfig,
+    AttentionInput, Gru, LinearConfig, Lstm, MultiheadAttention, MultiheadAttentionConfig,
+    RnnConfig,
 };
 use module_runtime::prelude::*;
 use parity_common_b::{assert_close, Fixture};
@@ -48,7 +49,16 @@ fn check_linear(name: &str, bias: bool) {
     let Some(fx) = Fixture::load(name) else {
         return;
     };
-    let model = Linear::with_options(7, 5, bias, DType::F32, &dev()).unwrap();
+    let model = Linear::with_config(
+        7,
+        5,
+        LinearConfig {
+            bias,
+            ..Default::default()
+        },
+        &dev(),
+    )
+    .unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let y = model.call(x.as_tensor()).unwrap();
@@ -76,7 +86,7 @@ fn multihead_attention() {
         batch_first: true,
         ..Default::default()
     };
-    let model = MultiheadAttention::with_config(8, 2, config, DType::F32, &dev()).unwrap();
+    let model = MultiheadAttention::with_config(8, 2, config, &dev()).unwrap();
     model.eval();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
@@ -106,7 +116,7 @@ fn lstm() {
         batch_first: true,
         ..Default::default()
     };
-    let model = Lstm::with_config(4, 6, config, DType::F32, &dev()).unwrap();
+    let model = Lstm::with_config(4, 6, config, &dev()).unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, (h, c)) = model.call(x.as_tensor()).unwrap();
@@ -126,7 +136,7 @@ fn gru() {
         batch_first: true,
         ..Default::default()
     };
-    let model = Gru::with_config(4, 6, config, DType::F32, &dev()).unwrap();
+    let model = Gru::with_config(4, 6, config, &dev()).unwrap();
     fx.load_params(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, h) = model.call(x.as_tensor()).unwrap();
@@ -147,7 +157,7 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     };
     let x = Tensor::randn(0f32, 1., (5, 2, 4), &dev).unwrap(); // [T, B, F]
 
-    let lstm = Lstm::with_config(4, 6, stacked, DType::F32, &dev).unwrap();
+    let lstm = Lstm::with_config(4, 6, stacked, &dev).unwrap();
     let l0 = Lstm::new(4, 6, &dev).unwrap();
     let l1 = Lstm::new(6, 6, &dev).unwrap();
     for (single, k) in [(&l0, 0), (&l1, 1)] {
@@ -166,7 +176,7 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     let (y_next, _) = lstm.call((&x, (&h, &c))).unwrap();
     assert_eq!(y_next.dims(), [5, 2, 6]);
 
-    let gru = Gru::with_config(4, 6, stacked, DType::F32, &dev).unwrap();
+    let gru = Gru::with_config(4, 6, stacked, &dev).unwrap();
     let g0 = Gru::new(4, 6, &dev).unwrap();
     let g1 = Gru::new(6, 6, &dev).unwrap();
     for (single, k) in [(&g0, 0), (&g1, 1)] {

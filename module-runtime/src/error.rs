@@ -260,6 +260,27 @@ pub enum Error {
         /// How many `map_tensors` visited.
         visited: usize,
     },
+
+    /// A layer was built with arguments PyTorch would reject (`groups` that does not divide the
+    /// channels, `num_heads` that does not divide `embed_dim`, …).
+    #[error("invalid configuration for {layer}: {message}")]
+    InvalidConfig {
+        /// The layer's type (`"Conv2d"`).
+        layer: &'static str,
+        /// What is wrong, with the values involved.
+        message: String,
+    },
+
+    /// A layer was called with an input whose shape it does not take.
+    #[error("{layer} expects an input of shape {expected}, got {got:?}")]
+    InputShape {
+        /// The layer or function (`"BatchNorm2d"`, `"cross_entropy"`).
+        layer: &'static str,
+        /// The shapes it takes (`[N, C, H, W]`).
+        expected: String,
+        /// The shape it was given.
+        got: Shape,
+    },
 }
 
 fn list_children(names: &[String]) -> String {

@@ -33,8 +33,6 @@
 use std::fmt;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use candle_core::{Shape, Tensor};
-
 use crate::error::{Error, Result};
 use crate::ext::ModuleExt;
 use crate::forward::Forward;
@@ -42,63 +40,6 @@ use crate::identity::CallTarget;
 use crate::module::{Child, ChildMut, Mode, Module, Name};
 use crate::param::Param;
 use crate::walk::{walk, Visit};
-
-/// Builds `param` with `dims` for a lazy layer, or checks that the input still fits the shape it
-/// was built with (by an earlier call or a checkpoint), naming the layer and both shapes if not.
-pub(crate) fn layer_param(
-    layer: &'static str,
-    name: &'static str,
-    param: &Param,
-    dims: &[usize],
-    fan_in: usize,
-    input: &Tensor,
-) -> Result<Tensor> {
-    let fits = |built: &[usize]| check_fit(layer, name, built, dims, input);
-    if param.is_built() {
-        let t = param.tensor();
-        fits(t.dims())?;
-        return Ok(t);
-    }
-    let t = param.materialize(dims, fan_in)?;
-    fits(t.dims())?;
-    Ok(t)
-}
-
-/// Like [`layer_param`], for a buffer (running statistics).
-pub(crate) fn layer_buffer(
-    layer: &'static str,
-    name: &'static str,
-    buffer: &crate::Buffer,
-    dims: &[usize],
-    input: &Tensor,
-) -> Result<Tensor> {
-    let t = if buffer.is_built() {
-        buffer.tensor()
-    } else {
-        buffer.materialize(dims)?
-    };
-    check_fit(layer, name, t.dims(), dims, input)?;
-    Ok(t)
-}
-
-fn check_fit(
-    layer: &'static str,
-    name: &'static str,
-    built: &[usize],
-    needed: &[usize],
-    input: &Tensor,
-) -> Result<()> {
-    if built == needed {
-        return Ok(());
-    }
-    Err(Error::LazyInput {
-        layer,
-        name,
-        input: input.shape().clone(),
-        needed: Shape::from(needed.to_vec()),
-        built: Shape::from(built.to_vec()),
-    })
-}
 
 /// A submodule built from the first input of the module holding it: the lazily-built state of a
 /// module of your own (Keras' `build`, babilim's native modules), with no interior mutability in
@@ -301,7 +242,7 @@ impl<M: Module> Module for Lazy<M> {
 ///     fn build_state(&self, x: &Tensor) -> Result<Block> {
 ///         let width = x.dim(D::Minus1)?;
 ///         Ok(Block {
-///             norm: LayerNorm::new(width, 1e-5, x.device())?,
+///             norm: LayerNorm::new(width, x.device())?,
 ///             proj: Linear::new(width, width, x.device())?,
 ///         })
 ///     }
@@ -471,7 +412,7 @@ impl Drop for DryRun<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device};
+    use candle_core::{DType, Device, Tensor};
 
     #[test]
     fn a_failed_cell_build_leaves_it_unbuilt() {

@@ -12,43 +12,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
+use crate::nn::common::{forward_by_value, resolve_dim};
 use crate::{Forward, Mode, Module};
-
-/// Implements `Forward<Tensor>` and `candle_core::Module` on top of `Forward<&Tensor>`.
-macro_rules! forward_by_value {
-    ($($ty:ty),* $(,)?) => {$(
-        impl Forward<Tensor> for $ty {
-            type Output = Tensor;
-
-            fn forward(&self, x: Tensor) -> Result<Tensor> {
-                self.forward(&x)
-            }
-        }
-
-        impl candle_core::Module for $ty {
-            fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-                Ok(Forward::forward(self, x)?)
-            }
-        }
-    )*};
-}
-pub(crate) use forward_by_value;
-
-/// Resolves a PyTorch-style dimension (negative counts from the end) against a tensor's rank.
-pub(crate) fn resolve_dim(x: &Tensor, dim: isize, op: &'static str) -> Result<usize> {
-    let rank = x.rank() as isize;
-    let resolved = if dim < 0 { rank + dim } else { dim };
-    if (0..rank).contains(&resolved) {
-        Ok(resolved as usize)
-    } else {
-        Err(candle_core::Error::DimOutOfRange {
-            shape: x.shape().clone(),
-            dim: dim as i32,
-            op,
-        }
-        .into())
-    }
-}
 
 /// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
 ///
@@ -187,10 +152,14 @@ impl candle_core::CustomOp1 for VectorizedGeluErf {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (candle_core::CpuStorage::F32(data), Some((start, end))) =
-            (storage, layout.contiguous_offsets())
-        else {
-            candle_core::bail!("gelu-erf-vectorized takes a contiguous float32 tensor");
+        let candle_core::CpuStorage::F32(data) = storage else {
+            return Err(candle_core::Error::UnsupportedDTypeForOp(
+                candle_core::backend::BackendStorage::dtype(storage),
+                self.name(),
+            ));
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
         };
         let out: Vec<f32> = data[start..end]
             .iter()
@@ -510,16 +479,6 @@ mod tests {
         assert!(diff < 1e-6);
         let grads = composed.sqr()?.sum_all()?.backward()?;
         assert!(grads.get(x.as_tensor()).is_some());
-        Ok(())
-    }
-
-    #[test]
-    fn dims_resolve_like_pytorch() -> Result<()> {
-        let x = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu)?;
-        assert_eq!(resolve_dim(&x, -1, "t")?, 1);
-        assert_eq!(resolve_dim(&x, 0, "t")?, 0);
-        assert!(resolve_dim(&x, 2, "t").is_err());
-        assert!(resolve_dim(&x, -3, "t").is_err());
         Ok(())
     }
 }

@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::device::check_input_device;
-use crate::error::Result;
-use crate::nn::Linear;
+use crate::error::{Error, Result};
+use crate::nn::{Linear, LinearConfig};
 use crate::{Forward, Mode, Module, ModuleExt, Param};
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -17,6 +17,8 @@ pub struct MultiheadAttentionConfig {
     /// Whether inputs and outputs are `[batch, seq, embed]` (`true`) or `[seq, batch, embed]`
     /// (`false`, PyTorch's default).
     pub batch_first: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
 }
 
 impl Default for MultiheadAttentionConfig {
@@ -25,6 +27,7 @@ impl Default for MultiheadAttentionConfig {
             bias: true,
             dropout: 0.0,
             batch_first: false,
+            dtype: DType::F32,
         }
     }
 }
@@ -52,7 +55,7 @@ impl Default for MultiheadAttentionConfig {
 ///
 /// let dev = Device::Cpu;
 /// let config = MultiheadAttentionConfig { batch_first: true, ..Default::default() };
-/// let mha = MultiheadAttention::with_config(8, 2, config, DType::F32, &dev)?;
+/// let mha = MultiheadAttention::with_config(8, 2, config, &dev)?;
 /// let x = Tensor::randn(0f32, 1., (2, 5, 8), &dev)?;
 /// // 1 = padded: the last two positions of the second sequence are ignored as keys.
 /// let mask = Tensor::new(&[[0u8, 0, 0, 0, 0], [0, 0, 0, 1, 1]], &dev)?;
@@ -146,29 +149,32 @@ impl<'a> AttentionInput<'a> {
 impl MultiheadAttention {
     /// A float32 layer with PyTorch's defaults (biases, no dropout, `[seq, batch, embed]` inputs).
     pub fn new(embed_dim: usize, num_heads: usize, device: &Device) -> Result<Self> {
-        Self::with_config(embed_dim, num_heads, Default::default(), DType::F32, device)
+        Self::with_config(embed_dim, num_heads, Default::default(), device)
     }
 
-    /// A layer of any floating-point dtype, initialized like PyTorch. `embed_dim` must be divisible
-    /// by `num_heads`.
+    /// A layer built as `config` says, initialized like PyTorch. `embed_dim` must be divisible
+    /// by `num_heads` ([`Error::InvalidConfig`] otherwise).
     pub fn with_config(
         embed_dim: usize,
         num_heads: usize,
         config: MultiheadAttentionConfig,
-        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
         if num_heads == 0 || embed_dim % num_heads != 0 {
-            return Err(candle_core::Error::Msg(format!(
-                "MultiheadAttention: embed_dim {embed_dim} must be divisible by num_heads {num_heads}"
-            ))
-            .into());
+            return Err(Error::InvalidConfig {
+                layer: "MultiheadAttention",
+                message: format!(
+                    "embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+                ),
+            });
         }
+        let dtype = config.dtype;
         // Xavier uniform over [3E, E]: fan_in = E, fan_out = 3E.
         let bound = (6.0 / (4 * embed_dim).max(1) as f64).sqrt();
         let in_proj_weight = Tensor::rand(-bound, bound, (3 * embed_dim, embed_dim), device)?;
         let zeros = |n: usize| Tensor::zeros(n, dtype, device);
-        let mut out_proj = Linear::with_options(embed_dim, embed_dim, false, dtype, device)?;
+        let no_bias = LinearConfig { bias: false, dtype };
+        let mut out_proj = Linear::with_config(embed_dim, embed_dim, no_bias, device)?;
         let in_proj_bias = if config.bias {
             out_proj.bias = Some(Param::new(zeros(embed_dim)?)?);
             Some(Param::new(zeros(3 * embed_dim)?)?)

@@ -1,4 +1,6 @@
-//! Convolutions: `Conv1d`, `Conv2d`, `ConvTranspose2d`, and the lazy `LazyConv1d`, `LazyConv2d`.
+//! Convolutions: `Conv1d`, `Conv2d` (one type, [`Conv`], over one or two spatial dimensions),
+//! `ConvTranspose2d`, and the lazy twins `LazyConv1d`, `LazyConv2d` (a `Conv` whose parameters
+//! are unbuilt).
 //!
 //! Weights use PyTorch's layouts, and both weight and bias start uniform on `±1/sqrt(fan_in)` (what
 //! PyTorch's Kaiming-uniform init with `a = sqrt(5)` amounts to), where `fan_in` is the weight's
@@ -19,23 +21,30 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::device::check_input_device;
-use crate::error::Result;
-use crate::lazy::layer_param;
-use crate::nn::activation::forward_by_value;
-use crate::{Forward, Init, LazyShape, Module, Param};
+use crate::error::{Error, Result};
+use crate::nn::common::{
+    add_channel_bias, fit_param, forward_by_value, input_shape_error, lazy_param, param_tensor,
+    uniform_fan_in, Size,
+};
+use crate::{Forward, Init, Module, Param};
 
-/// Stride, padding, dilation and groups of a [`Conv1d`] or [`Conv2d`]; PyTorch's defaults are
-/// `ConvConfig::default()`.
+/// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
+/// PyTorch's defaults (`ConvConfig::default()`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvConfig {
-    /// Step between windows.
+    /// Step between windows (default 1).
     pub stride: usize,
-    /// Zeros added on both sides of each spatial dimension.
+    /// Zeros added on both sides of each spatial dimension (default 0).
     pub padding: usize,
-    /// Spacing between kernel elements.
+    /// Spacing between kernel elements (default 1).
     pub dilation: usize,
-    /// Number of blocked connections from input to output channels; divides both channel counts.
+    /// Number of blocked connections from input to output channels; divides both channel counts
+    /// (default 1).
     pub groups: usize,
+    /// Whether the layer has a bias (default `true`).
+    pub bias: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
 }
 
 impl Default for ConvConfig {
@@ -45,24 +54,32 @@ impl Default for ConvConfig {
             padding: 0,
             dilation: 1,
             groups: 1,
+            bias: true,
+            dtype: DType::F32,
         }
     }
 }
 
-/// Stride, padding, output padding, dilation and groups of a [`ConvTranspose2d`]; PyTorch's
-/// defaults are `ConvTransposeConfig::default()`.
+/// How a [`ConvTranspose2d`] is built: PyTorch's keyword arguments, with PyTorch's defaults
+/// (`ConvTransposeConfig::default()`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvTransposeConfig {
-    /// Step between windows.
+    /// Step between windows (default 1).
     pub stride: usize,
-    /// `dilation * (kernel - 1) - padding` zeros are added on both sides of each input dimension.
+    /// `dilation * (kernel - 1) - padding` zeros are added on both sides of each input dimension
+    /// (default 0).
     pub padding: usize,
-    /// Extra size added to one side of each output dimension.
+    /// Extra size added to one side of each output dimension (default 0).
     pub output_padding: usize,
-    /// Spacing between kernel elements.
+    /// Spacing between kernel elements (default 1).
     pub dilation: usize,
-    /// Number of blocked connections from input to output channels; divides both channel counts.
+    /// Number of blocked connections from input to output channels; divides both channel counts
+    /// (default 1).
     pub groups: usize,
+    /// Whether the layer has a bias (default `true`).
+    pub bias: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
 }
 
 impl Default for ConvTransposeConfig {
@@ -73,38 +90,45 @@ impl Default for ConvTransposeConfig {
             output_padding: 0,
             dilation: 1,
             groups: 1,
+            bias: true,
+            dtype: DType::F32,
         }
     }
 }
 
-fn check_groups(in_channels: usize, out_channels: usize, groups: usize) -> Result<()> {
+/// [`Error::InvalidConfig`] unless `groups` divides both channel counts.
+fn check_groups(
+    layer: &'static str,
+    in_channels: usize,
+    out_channels: usize,
+    groups: usize,
+) -> Result<()> {
     if groups == 0 || in_channels % groups != 0 || out_channels % groups != 0 {
-        return Err(candle_core::Error::Msg(format!(
-            "convolution: groups ({groups}) must divide in_channels ({in_channels}) and \
-             out_channels ({out_channels})"
-        ))
-        .into());
+        return Err(Error::InvalidConfig {
+            layer,
+            message: format!(
+                "groups ({groups}) must divide in_channels ({in_channels}) and out_channels \
+                 ({out_channels})"
+            ),
+        });
     }
     Ok(())
 }
 
-/// PyTorch's default init: weight and bias uniform on `±1/sqrt(fan_in)`, with `fan_in` the
-/// weight's second dimension times the kernel's area.
-fn init(
-    weight_shape: &[usize],
-    bias_len: Option<usize>,
+/// A convolution's `weight` of shape `weight_dims` and its optional `bias` `[out_channels]`,
+/// initialized as PyTorch does: uniform on `±1/sqrt(fan_in)`, with `fan_in` the weight's second
+/// dimension times the kernel's area.
+fn conv_params(
+    weight_dims: &[usize],
+    out_channels: usize,
+    bias: bool,
     dtype: DType,
     device: &Device,
 ) -> Result<(Param, Option<Param>)> {
-    let fan_in: usize = weight_shape[1..].iter().product();
-    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-    let uniform = |shape: &[usize]| -> Result<Param> {
-        Param::new(Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?)
-    };
-    Ok((
-        uniform(weight_shape)?,
-        bias_len.map(|n| uniform(&[n])).transpose()?,
-    ))
+    let fan_in = weight_dims[1..].iter().product();
+    let uniform = |dims: &[usize]| uniform_fan_in(dims, fan_in, dtype, device);
+    let bias = bias.then(|| uniform(&[out_channels])).transpose()?;
+    Ok((uniform(weight_dims)?, bias))
 }
 
 /// A 2-D convolution that candle differentiates correctly (see the module docs): explicit zero
@@ -133,20 +157,8 @@ fn conv2d_differentiable(
     Ok(x.conv2d(weight, 0, stride, dilation, groups)?)
 }
 
-fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
-    match bias {
-        Some(b) => {
-            let mut dims = vec![1; y.rank()];
-            dims[1] = b.elem_count();
-            Ok(y.broadcast_add(&b.reshape(dims)?)?)
-        }
-        None => Ok(y),
-    }
-}
-
-/// `Conv1d`'s computation, for it and `LazyConv1d`.
+/// `Conv1d`'s computation.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
-    check_input_device("Conv1d.weight", weight, x)?;
     let y = if x.track_op() || weight.track_op() {
         // As a 2-D convolution of height 1 (see the module docs).
         conv2d_differentiable(
@@ -168,12 +180,11 @@ fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
             c.groups,
         )?
     };
-    add_bias(y, bias)
+    add_channel_bias(y, bias)
 }
 
-/// `Conv2d`'s computation, for it and `LazyConv2d`.
+/// `Conv2d`'s computation.
 fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
-    check_input_device("Conv2d.weight", weight, x)?;
     let y = if x.track_op() || weight.track_op() {
         conv2d_differentiable(
             x,
@@ -186,164 +197,145 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
     } else {
         x.conv2d(weight, c.padding, c.stride, c.dilation, c.groups)?
     };
-    add_bias(y, bias)
+    add_channel_bias(y, bias)
 }
 
-/// A 1-D convolution: PyTorch's `nn.Conv1d`.
+/// A convolution over `D` spatial dimensions: PyTorch's `nn.Conv1d` ([`Conv1d`] = `Conv<1>`) and
+/// `nn.Conv2d` ([`Conv2d`] = `Conv<2>`).
 ///
-/// Parameters `weight` `[out_channels, in_channels / groups, kernel_size]` and `bias`
-/// `[out_channels]` (absent without a bias). The input is `[N, C_in, L]`; the output
-/// `[N, C_out, L_out]` with `L_out = (L + 2 padding - dilation (kernel_size - 1) - 1) / stride + 1`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{Conv1d, ConvConfig};
-/// let cfg = ConvConfig { stride: 2, padding: 1, ..Default::default() };
-/// let conv = Conv1d::new(3, 4, 3, cfg, &Device::Cpu)?;
-/// let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(y.dims(), [2, 4, 5]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-#[derive(Module, Clone, Debug)]
-pub struct Conv1d {
-    /// `[out_channels, in_channels / groups, kernel_size]`.
-    pub weight: Param,
-    /// `[out_channels]`, if the layer has a bias.
-    pub bias: Option<Param>,
-    /// Stride, padding, dilation and groups.
-    #[module(skip)]
-    pub config: ConvConfig,
-}
-
-impl Conv1d {
-    /// A float32 layer with a bias, initialized like PyTorch.
-    pub fn new(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: usize,
-        config: ConvConfig,
-        device: &Device,
-    ) -> Result<Self> {
-        Self::with_options(
-            in_channels,
-            out_channels,
-            kernel_size,
-            config,
-            true,
-            DType::F32,
-            device,
-        )
-    }
-
-    /// With or without a bias, of any floating-point dtype, initialized like PyTorch.
-    pub fn with_options(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: usize,
-        config: ConvConfig,
-        bias: bool,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        check_groups(in_channels, out_channels, config.groups)?;
-        let shape = [out_channels, in_channels / config.groups, kernel_size];
-        let (weight, bias) = init(&shape, bias.then_some(out_channels), dtype, device)?;
-        Ok(Self {
-            weight,
-            bias,
-            config,
-        })
-    }
-}
-
-impl Forward<&Tensor> for Conv1d {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let bias = self.bias.as_ref().map(Param::tensor);
-        conv1d(x, &self.weight.tensor(), bias, &self.config)
-    }
-}
-
-/// A 2-D convolution: PyTorch's `nn.Conv2d`.
-///
-/// Parameters `weight` `[out_channels, in_channels / groups, kH, kW]` and `bias` `[out_channels]`
-/// (absent without a bias). The input is `[N, C_in, H, W]`; the output `[N, C_out, H_out, W_out]`
-/// with `H_out = (H + 2 padding - dilation (kH - 1) - 1) / stride + 1`.
+/// Parameters `weight` `[out_channels, in_channels / groups, *kernel_size]` and `bias`
+/// `[out_channels]` (absent without a bias). The input is `[N, C_in, *spatial]`; the output
+/// `[N, C_out, *spatial_out]` with, along each spatial dimension,
+/// `out = (in + 2 padding - dilation (kernel - 1) - 1) / stride + 1`.
 ///
 /// ```
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::{Conv2d, ConvConfig};
 /// let cfg = ConvConfig { stride: 2, padding: 1, groups: 2, ..Default::default() };
-/// let conv = Conv2d::new(4, 6, 3, cfg, &Device::Cpu)?;
+/// let conv = Conv2d::with_config(4, 6, 3, cfg, &Device::Cpu)?;
 /// assert_eq!(conv.weight.shape().dims(), [6, 2, 3, 3]);
 /// let y = conv.call(&Tensor::zeros((1, 4, 7, 7), DType::F32, &Device::Cpu)?)?;
 /// assert_eq!(y.dims(), [1, 6, 4, 4]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
-pub struct Conv2d {
-    /// `[out_channels, in_channels / groups, kH, kW]`.
+pub struct Conv<const D: usize> {
+    /// `[out_channels, in_channels / groups, *kernel_size]`.
     pub weight: Param,
     /// `[out_channels]`, if the layer has a bias.
     pub bias: Option<Param>,
-    /// Stride, padding, dilation and groups.
+    /// Stride, padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvConfig,
 }
 
-impl Conv2d {
-    /// A float32 layer with a square kernel and a bias, initialized like PyTorch.
+/// A 1-D convolution: PyTorch's `nn.Conv1d`. See [`Conv`].
+///
+/// The input is `[N, C_in, L]`; the output `[N, C_out, L_out]` with
+/// `L_out = (L + 2 padding - dilation (kernel_size - 1) - 1) / stride + 1`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{Conv1d, ConvConfig};
+/// let cfg = ConvConfig { stride: 2, padding: 1, ..Default::default() };
+/// let conv = Conv1d::with_config(3, 4, 3, cfg, &Device::Cpu)?;
+/// let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [2, 4, 5]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type Conv1d = Conv<1>;
+
+/// A 2-D convolution: PyTorch's `nn.Conv2d`. See [`Conv`].
+///
+/// `kernel_size` is `k` for a square kernel or `(kH, kW)`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::Conv2d;
+/// let conv = Conv2d::new(3, 8, (3, 5), &Device::Cpu)?;
+/// assert_eq!(conv.weight.shape().dims(), [8, 3, 3, 5]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type Conv2d = Conv<2>;
+
+impl<const D: usize> Conv<D> {
+    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
+    /// PyTorch.
     pub fn new(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: usize,
-        config: ConvConfig,
+        kernel_size: impl Size<D>,
         device: &Device,
     ) -> Result<Self> {
-        Self::with_options(
+        Self::with_config(
             in_channels,
             out_channels,
-            (kernel_size, kernel_size),
-            config,
-            true,
-            DType::F32,
+            kernel_size,
+            ConvConfig::default(),
             device,
         )
     }
 
-    /// Any kernel `(kH, kW)`, with or without a bias, of any floating-point dtype.
-    pub fn with_options(
+    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
+    /// counts ([`Error::InvalidConfig`] otherwise).
+    pub fn with_config(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: (usize, usize),
+        kernel_size: impl Size<D>,
         config: ConvConfig,
-        bias: bool,
-        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        check_groups(in_channels, out_channels, config.groups)?;
-        let shape = [
-            out_channels,
-            in_channels / config.groups,
-            kernel_size.0,
-            kernel_size.1,
-        ];
-        let (weight, bias) = init(&shape, bias.then_some(out_channels), dtype, device)?;
+        let names = Self::names()?;
+        check_groups(names.layer, in_channels, out_channels, config.groups)?;
+        let mut dims = vec![out_channels, in_channels / config.groups];
+        dims.extend(kernel_size.dims());
+        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
         Ok(Self {
             weight,
             bias,
             config,
         })
     }
+
+    /// PyTorch's names for the layer and its lazy twin, and the path a device mismatch names;
+    /// [`Error::InvalidConfig`] for a convolution candle does not run.
+    fn names() -> Result<Names> {
+        let (layer, lazy, weight) = match D {
+            1 => ("Conv1d", "LazyConv1d", "Conv1d.weight"),
+            2 => ("Conv2d", "LazyConv2d", "Conv2d.weight"),
+            _ => {
+                return Err(Error::InvalidConfig {
+                    layer: "Conv",
+                    message: format!("{D}-D convolutions are not supported, only 1-D and 2-D"),
+                })
+            }
+        };
+        Ok(Names {
+            layer,
+            lazy,
+            weight,
+        })
+    }
 }
 
-impl Forward<&Tensor> for Conv2d {
+/// What [`Conv::names`] gives.
+struct Names {
+    layer: &'static str,
+    lazy: &'static str,
+    weight: &'static str,
+}
+
+impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let bias = self.bias.as_ref().map(Param::tensor);
-        conv2d(x, &self.weight.tensor(), bias, &self.config)
+        let weight = self.weight.tensor();
+        check_input_device(Self::names()?.weight, &weight, x)?;
+        let bias = param_tensor(&self.bias);
+        match D {
+            1 => conv1d(x, &weight, bias, &self.config),
+            _ => conv2d(x, &weight, bias, &self.config),
+        }
     }
 }
 
@@ -359,7 +351,7 @@ impl Forward<&Tensor> for Conv2d {
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::{ConvTranspose2d, ConvTransposeConfig};
 /// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
-/// let up = ConvTranspose2d::new(3, 2, 3, cfg, &Device::Cpu)?;
+/// let up = ConvTranspose2d::with_config(3, 2, 3, cfg, &Device::Cpu)?;
 /// let y = up.call(&Tensor::zeros((1, 3, 4, 4), DType::F32, &Device::Cpu)?)?;
 /// assert_eq!(y.dims(), [1, 2, 8, 8]);
 /// # Ok::<(), module_runtime::Error>(())
@@ -370,49 +362,37 @@ pub struct ConvTranspose2d {
     pub weight: Param,
     /// `[out_channels]`, if the layer has a bias.
     pub bias: Option<Param>,
-    /// Stride, padding, output padding, dilation and groups.
+    /// Stride, padding, output padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvTransposeConfig,
 }
 
 impl ConvTranspose2d {
-    /// A float32 layer with a square kernel and a bias, initialized like PyTorch.
+    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
+    /// PyTorch; `kernel_size` is `k` for a square kernel or `(kH, kW)`.
     pub fn new(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: usize,
-        config: ConvTransposeConfig,
+        kernel_size: impl Size<2>,
         device: &Device,
     ) -> Result<Self> {
-        Self::with_options(
-            in_channels,
-            out_channels,
-            (kernel_size, kernel_size),
-            config,
-            true,
-            DType::F32,
-            device,
-        )
+        let config = ConvTransposeConfig::default();
+        Self::with_config(in_channels, out_channels, kernel_size, config, device)
     }
 
-    /// Any kernel `(kH, kW)`, with or without a bias, of any floating-point dtype.
-    pub fn with_options(
+    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
+    /// counts ([`Error::InvalidConfig`] otherwise).
+    pub fn with_config(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: (usize, usize),
+        kernel_size: impl Size<2>,
         config: ConvTransposeConfig,
-        bias: bool,
-        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        check_groups(in_channels, out_channels, config.groups)?;
-        let shape = [
-            in_channels,
-            out_channels / config.groups,
-            kernel_size.0,
-            kernel_size.1,
-        ];
-        let (weight, bias) = init(&shape, bias.then_some(out_channels), dtype, device)?;
+        check_groups("ConvTranspose2d", in_channels, out_channels, config.groups)?;
+        let [kh, kw] = kernel_size.dims();
+        let dims = [in_channels, out_channels / config.groups, kh, kw];
+        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
         Ok(Self {
             weight,
             bias,
@@ -445,200 +425,128 @@ impl Forward<&Tensor> for ConvTranspose2d {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::cat(&ys, 1)?
         };
-        add_bias(y, self.bias.as_ref().map(Param::tensor))
+        add_channel_bias(y, param_tensor(&self.bias))
     }
 }
 
-/// The parameters of a lazy convolution with kernel `kernel`: unbuilt, with the input channels
-/// (the weight's second dimension) unknown.
-fn lazy_conv_params(
-    out_channels: usize,
-    kernel: &[usize],
-    config: &ConvConfig,
-    bias: bool,
-    dtype: DType,
-    device: &Device,
-) -> Result<(Param, Option<Param>)> {
-    // Only `out_channels` can be checked now; `in_channels` is checked at the build.
-    check_groups(config.groups, out_channels, config.groups)?;
-    let weight_shape = [Some(out_channels), None]
-        .into_iter()
-        .chain(kernel.iter().map(|&k| Some(k)));
-    let weight = Param::lazy(
-        LazyShape::new(weight_shape),
-        Init::UniformFanIn,
-        dtype,
-        device,
-    )?;
-    let bias = bias
-        .then(|| {
-            let shape = LazyShape::new([Some(out_channels)]);
-            Param::lazy(shape, Init::UniformFanIn, dtype, device)
-        })
-        .transpose()?;
-    Ok((weight, bias))
+/// A [`Conv`] whose `in_channels` is dimension 1 of its first input: PyTorch's `nn.LazyConv1d`
+/// ([`LazyConv1d`]) and `nn.LazyConv2d` ([`LazyConv2d`]).
+///
+/// It *is* a `Conv` whose parameters are unbuilt (it dereferences to it): same parameters, names,
+/// init and computation, built once, at the first call, a [`build`](crate::LazyExt::build) dry run
+/// or a checkpoint load. After that, an input with another number of channels is an
+/// [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both shapes.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{ConvConfig, LazyConv2d};
+/// let conv = LazyConv2d::with_config(6, 3, ConvConfig { padding: 1, ..Default::default() }, &Device::Cpu)?;
+/// let y = conv.call(&Tensor::zeros((1, 2, 5, 5), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [1, 6, 5, 5]);
+/// assert_eq!(conv.in_channels(), Some(2));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct LazyConv<const D: usize> {
+    #[module(flatten)]
+    conv: Conv<D>,
 }
 
-/// Builds a lazy convolution's parameters for input `x` (channels in dimension 1), or checks that
-/// `x` fits them; returns the weight and bias to compute with.
-fn lazy_conv_tensors(
-    layer: &'static str,
-    weight: &Param,
-    bias: &Option<Param>,
-    out_channels: usize,
-    kernel: &[usize],
-    groups: usize,
-    x: &Tensor,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let in_channels = x.dim(1)?;
-    check_groups(in_channels, out_channels, groups)?;
-    let mut dims = vec![out_channels, in_channels / groups];
-    dims.extend_from_slice(kernel);
-    let fan_in = dims[1..].iter().product();
-    let w = layer_param(layer, "weight", weight, &dims, fan_in, x)?;
-    let b = bias
-        .as_ref()
-        .map(|b| layer_param(layer, "bias", b, &[out_channels], fan_in, x))
-        .transpose()?;
-    Ok((w, b))
-}
+/// A [`Conv1d`] whose `in_channels` comes from its first input: PyTorch's `nn.LazyConv1d`. See
+/// [`LazyConv`].
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::LazyConv1d;
+/// let conv = LazyConv1d::new(4, 3, &Device::Cpu)?;
+/// let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [2, 4, 7]);
+/// assert_eq!(conv.weight.shape().dims(), [4, 3, 3]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type LazyConv1d = LazyConv<1>;
 
-macro_rules! lazy_conv {
-    (
-        $name:ident, $eager:ident, $torch:literal, $kernel:ty, $kernel_dims:expr, $input:literal,
-        $example:literal
-    ) => {
-        #[doc = concat!("A [`", stringify!($eager), "`] whose `in_channels` is dimension 1 of its first input: PyTorch's `nn.", $torch, "`.")]
-        ///
-        /// Same parameters, names, init and computation as the eager layer, built once, at the
-        /// first call, a [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that,
-        /// an input with another number of channels is an
-        /// [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both shapes.
-        #[doc = concat!("The input is ", $input, ".")]
-        ///
-        /// ```
-        /// use module_runtime::prelude::*;
-        #[doc = concat!("use module_runtime::nn::{", stringify!($name), ", ConvConfig};")]
-        #[doc = $example]
-        /// # Ok::<(), module_runtime::Error>(())
-        /// ```
-        #[derive(Module, Clone, Debug)]
-        pub struct $name {
-            #[doc = concat!("As `", stringify!($eager), "`'s, unbuilt until `in_channels` is known.")]
-            pub weight: Param,
-            /// `[out_channels]`, if the layer has a bias; built with the weight.
-            pub bias: Option<Param>,
-            /// Stride, padding, dilation and groups.
-            #[module(skip)]
-            pub config: ConvConfig,
-            out_channels: usize,
-            kernel_size: $kernel,
-        }
+/// A [`Conv2d`] whose `in_channels` comes from its first input: PyTorch's `nn.LazyConv2d`. See
+/// [`LazyConv`].
+pub type LazyConv2d = LazyConv<2>;
 
-        impl $name {
-            /// Any kernel, with or without a bias, of any floating-point dtype.
-            pub fn with_options(
-                out_channels: usize,
-                kernel_size: $kernel,
-                config: ConvConfig,
-                bias: bool,
-                dtype: DType,
-                device: &Device,
-            ) -> Result<Self> {
-                let kernel: &dyn Fn($kernel) -> Vec<usize> = &$kernel_dims;
-                let (weight, bias) =
-                    lazy_conv_params(out_channels, &kernel(kernel_size), &config, bias, dtype, device)?;
-                Ok(Self {
-                    weight,
-                    bias,
-                    config,
-                    out_channels,
-                    kernel_size,
-                })
-            }
+impl<const D: usize> LazyConv<D> {
+    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias).
+    pub fn new(out_channels: usize, kernel_size: impl Size<D>, device: &Device) -> Result<Self> {
+        Self::with_config(out_channels, kernel_size, ConvConfig::default(), device)
+    }
 
-            /// Number of input channels, once built.
-            pub fn in_channels(&self) -> Option<usize> {
-                self.weight
-                    .is_built()
-                    .then(|| self.weight.shape().dims()[1] * self.config.groups)
-            }
-
-            /// Number of output channels.
-            pub fn out_channels(&self) -> usize {
-                self.out_channels
-            }
-        }
-
-        impl Forward<&Tensor> for $name {
-            type Output = Tensor;
-
-            fn forward(&self, x: &Tensor) -> Result<Tensor> {
-                let kernel: &dyn Fn($kernel) -> Vec<usize> = &$kernel_dims;
-                let (w, b) = lazy_conv_tensors(
-                    stringify!($name),
-                    &self.weight,
-                    &self.bias,
-                    self.out_channels,
-                    &kernel(self.kernel_size),
-                    self.config.groups,
-                    x,
-                )?;
-                lazy_conv!(@run $name, x, &w, b, &self.config)
-            }
-        }
-    };
-    (@run LazyConv1d, $x:expr, $w:expr, $b:expr, $c:expr) => { conv1d($x, $w, $b, $c) };
-    (@run LazyConv2d, $x:expr, $w:expr, $b:expr, $c:expr) => { conv2d($x, $w, $b, $c) };
-}
-
-lazy_conv!(
-    LazyConv1d,
-    Conv1d,
-    "LazyConv1d",
-    usize,
-    |k: usize| vec![k],
-    "`[N, C_in, L]`",
-    "let conv = LazyConv1d::new(4, 3, ConvConfig::default(), &Device::Cpu)?;
-let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
-assert_eq!(y.dims(), [2, 4, 7]);
-assert_eq!(conv.weight.shape().dims(), [4, 3, 3]);"
-);
-lazy_conv!(
-    LazyConv2d,
-    Conv2d,
-    "LazyConv2d",
-    (usize, usize),
-    |(kh, kw): (usize, usize)| vec![kh, kw],
-    "`[N, C_in, H, W]`",
-    "let conv = LazyConv2d::new(6, 3, ConvConfig { padding: 1, ..Default::default() }, &Device::Cpu)?;
-let y = conv.call(&Tensor::zeros((1, 2, 5, 5), DType::F32, &Device::Cpu)?)?;
-assert_eq!(y.dims(), [1, 6, 5, 5]);
-assert_eq!(conv.in_channels(), Some(2));"
-);
-
-impl LazyConv1d {
-    /// A float32 layer with a bias.
-    pub fn new(
+    /// A layer built as `config` says. `groups` must divide `out_channels` now and
+    /// `in_channels` at the build ([`Error::InvalidConfig`] otherwise).
+    pub fn with_config(
         out_channels: usize,
-        kernel_size: usize,
+        kernel_size: impl Size<D>,
         config: ConvConfig,
         device: &Device,
     ) -> Result<Self> {
-        Self::with_options(out_channels, kernel_size, config, true, DType::F32, device)
+        let names = Conv::<D>::names()?;
+        check_groups(names.lazy, config.groups, out_channels, config.groups)?;
+        let mut dims = vec![Some(out_channels), None];
+        dims.extend(kernel_size.dims().map(Some));
+        let lazy =
+            |dims: &[Option<usize>]| lazy_param(dims, Init::UniformFanIn, config.dtype, device);
+        let conv = Conv {
+            weight: lazy(&dims)?,
+            bias: config
+                .bias
+                .then(|| lazy(&[Some(out_channels)]))
+                .transpose()?,
+            config,
+        };
+        Ok(Self { conv })
+    }
+
+    /// Number of input channels, once built.
+    pub fn in_channels(&self) -> Option<usize> {
+        self.weight
+            .is_built()
+            .then(|| self.weight.shape().dims()[1] * self.config.groups)
+    }
+
+    /// Number of output channels.
+    pub fn out_channels(&self) -> usize {
+        match self.weight.lazy_shape() {
+            Some(shape) => shape.dims()[0].unwrap_or_default(),
+            None => self.weight.shape().dims()[0],
+        }
     }
 }
 
-impl LazyConv2d {
-    /// A float32 layer with a square kernel and a bias.
-    pub fn new(
-        out_channels: usize,
-        kernel_size: usize,
-        config: ConvConfig,
-        device: &Device,
-    ) -> Result<Self> {
-        let kernel = (kernel_size, kernel_size);
-        Self::with_options(out_channels, kernel, config, true, DType::F32, device)
+impl<const D: usize> std::ops::Deref for LazyConv<D> {
+    type Target = Conv<D>;
+
+    /// The `Conv` layer this is, built or not.
+    fn deref(&self) -> &Conv<D> {
+        &self.conv
+    }
+}
+
+impl<const D: usize> Forward<&Tensor> for LazyConv<D> {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let layer = Conv::<D>::names()?.lazy;
+        let (in_channels, groups) = (x.dim(1)?, self.config.groups);
+        if in_channels % groups != 0 {
+            let expected = format!("[N, C_in, …] with C_in a multiple of groups ({groups})");
+            return Err(input_shape_error(layer, expected, x));
+        }
+        let kernel_area: usize = match self.weight.lazy_shape() {
+            Some(shape) => shape.dims()[2..].iter().flatten().product(),
+            None => self.weight.shape().dims()[2..].iter().product(),
+        };
+        let fan_in = in_channels / groups * kernel_area;
+        let fit = |name, p, set| fit_param(layer, name, p, set, fan_in, x);
+        fit("weight", &self.weight, Some((1, in_channels / groups)))?;
+        if let Some(b) = &self.bias {
+            fit("bias", b, None)?;
+        }
+        self.conv.forward(x)
     }
 }
 
@@ -648,6 +556,25 @@ forward_by_value!(Conv1d, Conv2d, ConvTranspose2d, LazyConv1d, LazyConv2d);
 mod tests {
     use super::*;
 
+    #[test]
+    fn groups_must_divide_the_channels() {
+        let cfg = ConvConfig {
+            groups: 2,
+            ..Default::default()
+        };
+        let err = Conv2d::with_config(3, 4, 3, cfg, &Device::Cpu).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    layer: "Conv2d",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
     /// A grouped transposed convolution equals the per-group convolutions, stacked.
     #[test]
     fn conv_transpose_groups_split_channels() -> Result<()> {
@@ -655,9 +582,10 @@ mod tests {
         let cfg = ConvTransposeConfig {
             groups: 2,
             stride: 2,
+            bias: false,
             ..Default::default()
         };
-        let grouped = ConvTranspose2d::with_options(4, 6, (3, 3), cfg, false, DType::F32, &dev)?;
+        let grouped = ConvTranspose2d::with_config(4, 6, 3, cfg, &dev)?;
         assert_eq!(grouped.weight.shape().dims(), [4, 3, 3, 3]);
         let x = Tensor::randn(0f32, 1., (1, 4, 5, 5), &dev)?;
         let y = grouped.forward(&x)?;
@@ -694,7 +622,7 @@ mod tests {
             stride: 2,
             ..Default::default()
         };
-        let conv = Conv2d::new(2, 3, 3, cfg, &dev)?;
+        let conv = Conv2d::with_config(2, 3, 3, cfg, &dev)?;
         let x = Tensor::randn(0f32, 1., (1, 2, 7, 8), &dev)?;
         let (gx, gw) = grads(&conv, &x, &conv.weight)?;
         assert_eq!(gx.dims(), [1, 2, 7, 8]);
@@ -706,7 +634,7 @@ mod tests {
 
     #[test]
     fn init_bound_follows_fan_in() -> Result<()> {
-        let conv = Conv2d::new(2, 3, 3, ConvConfig::default(), &Device::Cpu)?;
+        let conv = Conv2d::new(2, 3, 3, &Device::Cpu)?;
         let bound = 1.0 / 18f32.sqrt();
         let max = conv.weight.tensor().abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(max <= bound);

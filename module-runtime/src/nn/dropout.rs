@@ -3,7 +3,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::error::Result;
-use crate::nn::activation::forward_by_value;
+use crate::nn::common::forward_by_value;
 use crate::{Forward, Mode, Module};
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.

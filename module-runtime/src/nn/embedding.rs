@@ -4,7 +4,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::nn::activation::forward_by_value;
+use crate::nn::common::forward_by_value;
 use crate::{Forward, Module, Param};
 
 /// A lookup table of `num_embeddings` vectors of size `embedding_dim`: PyTorch's `nn.Embedding`.
@@ -27,21 +27,40 @@ pub struct Embedding {
     pub weight: Param,
 }
 
+/// How an [`Embedding`] is built: PyTorch's keyword arguments this layer supports, with PyTorch's
+/// defaults (`padding_idx`, `max_norm` and sparse gradients are not supported).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmbeddingConfig {
+    /// The table's floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for EmbeddingConfig {
+    fn default() -> Self {
+        Self { dtype: DType::F32 }
+    }
+}
+
 impl Embedding {
     /// A float32 table initialized from `N(0, 1)`.
     pub fn new(num_embeddings: usize, embedding_dim: usize, device: &Device) -> Result<Self> {
-        Self::with_dtype(num_embeddings, embedding_dim, DType::F32, device)
+        Self::with_config(
+            num_embeddings,
+            embedding_dim,
+            EmbeddingConfig::default(),
+            device,
+        )
     }
 
-    /// A table of any floating-point dtype initialized from `N(0, 1)`.
-    pub fn with_dtype(
+    /// A table built as `config` says, initialized from `N(0, 1)`.
+    pub fn with_config(
         num_embeddings: usize,
         embedding_dim: usize,
-        dtype: DType,
+        config: EmbeddingConfig,
         device: &Device,
     ) -> Result<Self> {
         let weight = Tensor::randn(0f32, 1f32, (num_embeddings, embedding_dim), device)?;
-        Self::from_weight(weight.to_dtype(dtype)?)
+        Self::from_weight(weight.to_dtype(config.dtype)?)
     }
 
     /// A table holding `weight` `[num_embeddings, embedding_dim]`.

@@ -4,8 +4,8 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::lazy::layer_param;
-use crate::{Forward, Init, LazyShape, Module, Param};
+use crate::nn::common::{fit_param, forward_by_value, lazy_param, uniform_fan_in};
+use crate::{Forward, Init, Module, Param};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -28,37 +28,61 @@ pub struct Linear {
     pub bias: Option<Param>,
 }
 
+/// How a [`Linear`] or [`LazyLinear`] is built: PyTorch's keyword arguments, with PyTorch's
+/// defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearConfig {
+    /// Whether the layer has a bias (default `true`).
+    pub bias: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for LinearConfig {
+    fn default() -> Self {
+        Self {
+            bias: true,
+            dtype: DType::F32,
+        }
+    }
+}
+
 impl Linear {
     /// A float32 layer with a bias, initialized like PyTorch.
     pub fn new(in_features: usize, out_features: usize, device: &Device) -> Result<Self> {
-        Self::with_options(in_features, out_features, true, DType::F32, device)
+        Self::with_config(in_features, out_features, LinearConfig::default(), device)
     }
 
-    /// A float32 layer without a bias.
+    /// A float32 layer without a bias: shorthand for `LinearConfig { bias: false, .. }`.
     pub fn no_bias(in_features: usize, out_features: usize, device: &Device) -> Result<Self> {
-        Self::with_options(in_features, out_features, false, DType::F32, device)
+        let config = LinearConfig {
+            bias: false,
+            ..Default::default()
+        };
+        Self::with_config(in_features, out_features, config, device)
     }
 
-    /// A layer with or without a bias, of any floating-point dtype, initialized like PyTorch.
-    pub fn with_options(
+    /// A layer built as `config` says, initialized like PyTorch.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::{Linear, LinearConfig};
+    /// let config = LinearConfig { bias: false, dtype: DType::F64 };
+    /// let fc = Linear::with_config(3, 2, config, &Device::Cpu)?;
+    /// assert!(fc.bias.is_none());
+    /// assert_eq!(fc.weight.dtype(), DType::F64);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn with_config(
         in_features: usize,
         out_features: usize,
-        bias: bool,
-        dtype: DType,
+        config: LinearConfig,
         device: &Device,
     ) -> Result<Self> {
-        let bound = 1.0 / (in_features.max(1) as f64).sqrt();
-        let uniform = |shape: &[usize]| -> Result<Param> {
-            let t = Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?;
-            Param::new(t)
-        };
+        let uniform = |dims: &[usize]| uniform_fan_in(dims, in_features, config.dtype, device);
         Ok(Self {
             weight: uniform(&[out_features, in_features])?,
-            bias: if bias {
-                Some(uniform(&[out_features])?)
-            } else {
-                None
-            },
+            bias: config.bias.then(|| uniform(&[out_features])).transpose()?,
         })
     }
 
@@ -93,7 +117,7 @@ impl Forward<&Tensor> for Linear {
     }
 }
 
-/// `x Wᵀ + b`, for `Linear` and `LazyLinear`.
+/// `x Wᵀ + b`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     check_input_device("Linear.weight", w, x)?;
     // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
@@ -119,11 +143,12 @@ fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 /// A [`Linear`] layer whose `in_features` is the last dimension of its first input: PyTorch's
 /// `nn.LazyLinear`.
 ///
-/// Same parameters, names, init and computation as `Linear` (`weight` `[out_features,
-/// in_features]`, `bias` `[out_features]`), built once, at the first call, a
-/// [`build`](crate::LazyExt::build) dry run or a checkpoint load (which takes `in_features` from
-/// the checkpoint). After that, an input with another last dimension is an
-/// [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both shapes.
+/// It *is* a `Linear` whose parameters are unbuilt (it dereferences to it): same parameters,
+/// names, init and computation (`weight` `[out_features, in_features]`, `bias`
+/// `[out_features]`), built once, at the first call, a [`build`](crate::LazyExt::build) dry run
+/// or a checkpoint load (which takes `in_features` from the checkpoint). After that, an input with
+/// another last dimension is an [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and
+/// both shapes.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -137,56 +162,50 @@ fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 /// ```
 #[derive(Module, Clone, Debug)]
 pub struct LazyLinear {
-    /// `[out_features, in_features]`, unbuilt until `in_features` is known.
-    pub weight: Param,
-    /// `[out_features]`, if the layer has a bias; built with the weight.
-    pub bias: Option<Param>,
-    out_features: usize,
+    #[module(flatten)]
+    linear: Linear,
 }
 
 impl LazyLinear {
     /// A float32 layer with a bias.
     pub fn new(out_features: usize, device: &Device) -> Result<Self> {
-        Self::with_options(out_features, true, DType::F32, device)
+        Self::with_config(out_features, LinearConfig::default(), device)
     }
 
-    /// A float32 layer without a bias.
-    pub fn no_bias(out_features: usize, device: &Device) -> Result<Self> {
-        Self::with_options(out_features, false, DType::F32, device)
-    }
-
-    /// A layer with or without a bias, of any floating-point dtype.
-    pub fn with_options(
-        out_features: usize,
-        bias: bool,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        let lazy = |dims: &[Option<usize>]| {
-            Param::lazy(
-                LazyShape::new(dims.iter().copied()),
-                Init::UniformFanIn,
-                dtype,
-                device,
-            )
-        };
-        Ok(Self {
+    /// A layer built as `config` says.
+    pub fn with_config(out_features: usize, config: LinearConfig, device: &Device) -> Result<Self> {
+        let lazy =
+            |dims: &[Option<usize>]| lazy_param(dims, Init::UniformFanIn, config.dtype, device);
+        let linear = Linear {
             weight: lazy(&[Some(out_features), None])?,
-            bias: bias.then(|| lazy(&[Some(out_features)])).transpose()?,
-            out_features,
-        })
+            bias: config
+                .bias
+                .then(|| lazy(&[Some(out_features)]))
+                .transpose()?,
+        };
+        Ok(Self { linear })
     }
 
     /// Size of each input sample, once built.
     pub fn in_features(&self) -> Option<usize> {
-        self.weight
-            .is_built()
-            .then(|| self.weight.shape().dims()[1])
+        self.weight.is_built().then(|| self.linear.in_features())
     }
 
     /// Size of each output sample.
     pub fn out_features(&self) -> usize {
-        self.out_features
+        match self.weight.lazy_shape() {
+            Some(shape) => shape.dims()[0].unwrap_or_default(),
+            None => self.linear.out_features(),
+        }
+    }
+}
+
+impl std::ops::Deref for LazyLinear {
+    type Target = Linear;
+
+    /// The `Linear` layer this is, built or not.
+    fn deref(&self) -> &Linear {
+        &self.linear
     }
 }
 
@@ -195,17 +214,13 @@ impl Forward<&Tensor> for LazyLinear {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let in_features = x.dim(D::Minus1)?;
-        let out_features = self.out_features;
-        let param =
-            |name, p, dims: &[usize]| layer_param("LazyLinear", name, p, dims, in_features, x);
-        let w = param("weight", &self.weight, &[out_features, in_features])?;
-        let b = self
-            .bias
-            .as_ref()
-            .map(|b| param("bias", b, &[out_features]))
-            .transpose()?;
-        linear(x, &w, b)
+        let fit = |name, p, set| fit_param("LazyLinear", name, p, set, in_features, x);
+        fit("weight", &self.weight, Some((1, in_features)))?;
+        if let Some(b) = &self.bias {
+            fit("bias", b, None)?;
+        }
+        self.linear.forward(x)
     }
 }
 
-crate::nn::activation::forward_by_value!(Linear, LazyLinear);
+forward_by_value!(Linear, LazyLinear);

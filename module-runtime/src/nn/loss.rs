@@ -5,6 +5,7 @@ use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::nn::activation::log_softmax;
+use crate::nn::common::input_shape_error;
 
 /// The mean cross-entropy between `logits` `[N, C]` and integer class ids `target` `[N]` (`u8`,
 /// `u32` or `i64`): PyTorch's `F.cross_entropy(logits, target)` with its defaults (mean reduction,
@@ -22,12 +23,8 @@ use crate::nn::activation::log_softmax;
 pub fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if target.dims() != [n] {
-        return Err(candle_core::Error::Msg(format!(
-            "cross_entropy: expected target of shape [{n}] for logits {:?}, got {:?}",
-            logits.dims(),
-            target.dims()
-        ))
-        .into());
+        let expected = format!("[{n}] (the batch of the logits {:?})", logits.dims());
+        return Err(input_shape_error("cross_entropy", expected, target));
     }
     let log_p = log_softmax(logits, 1)?;
     let picked = log_p.gather(&target.unsqueeze(1)?, 1)?;

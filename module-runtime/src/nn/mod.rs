@@ -11,9 +11,26 @@
 //! inference). Otherwise the layer is composed of differentiable candle ops, which match PyTorch
 //! forward and backward. Both paths compute the same values.
 
+//! # Layout and constructors
+//!
+//! One file per layer family, as in candle-nn. Every layer is built the same way:
+//! `Layer::new(<required sizes>, device)` with PyTorch's defaults, or
+//! `Layer::with_config(<required sizes>, LayerConfig { .. }, device)`, where the config's fields
+//! are PyTorch's keyword arguments (and `dtype`) and its `Default` is PyTorch's defaults.
+//!
+//! A family that PyTorch spells once per spatial rank or per cell is one generic type here, with
+//! PyTorch's names as aliases: [`BatchNorm1d`] is `BatchNorm<1>`, [`Conv2d`] is `Conv<2>`,
+//! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `Recurrent<LstmCell>`. Summaries and type errors
+//! show the generic name. A lazy layer is its eager twin with unbuilt parameters, which it
+//! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
+
+mod common;
+
+pub use common::Size;
+
 mod linear;
 
-pub use linear::{LazyLinear, Linear};
+pub use linear::{LazyLinear, Linear, LinearConfig};
 
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
@@ -24,27 +41,32 @@ mod rnn;
 pub use attention::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig};
 pub use container::{ModuleDict, ModuleList, Sequential, SequentialLayer};
 pub use native::{Functional, Native, NativeLayer};
-pub use rnn::{Gru, Lstm, RnnConfig};
+pub use rnn::{Gru, GruCell, Lstm, LstmCell, Recurrent, RnnCell, RnnConfig};
 
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
 mod activation;
+mod batch_norm;
 mod conv;
 mod dropout;
 mod embedding;
+mod group_norm;
+mod layer_norm;
 pub mod loss;
-mod norm;
 mod pool;
 
 pub use activation::{
     Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
 };
+pub use batch_norm::{
+    BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, LazyBatchNorm, LazyBatchNorm1d,
+    LazyBatchNorm2d,
+};
 pub use conv::{
-    Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, LazyConv1d, LazyConv2d,
+    Conv, Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, LazyConv, LazyConv1d,
+    LazyConv2d,
 };
 pub use dropout::Dropout;
-pub use embedding::Embedding;
-pub use norm::{
-    BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, LazyBatchNorm1d, LazyBatchNorm2d,
-    LazyLayerNorm, RmsNorm,
-};
-pub use pool::{AvgPool2d, MaxPool2d};
+pub use embedding::{Embedding, EmbeddingConfig};
+pub use group_norm::{GroupNorm, GroupNormConfig};
+pub use layer_norm::{LayerNorm, LayerNormConfig, LazyLayerNorm, RmsNorm, RmsNormConfig};
+pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Reduction};

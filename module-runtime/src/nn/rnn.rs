@@ -1,10 +1,15 @@
-//! Recurrent layers: LSTM and GRU.
+//! Recurrent layers: `Lstm` and `Gru`, one type, [`Recurrent`], with the cell math ([`LstmCell`],
+//! [`GruCell`]) as its parameter.
+
+use std::fmt::Debug;
+use std::marker::PhantomData;
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::module::{Child, ChildMut, Name};
+use crate::nn::common::uniform_fan_in;
 use crate::{Forward, Mode, Module, Param};
 
 /// How an [`Lstm`] or a [`Gru`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -19,6 +24,8 @@ pub struct RnnConfig {
     pub batch_first: bool,
     /// Dropout on the output of every layer but the last, in training mode only (default `0.0`).
     pub dropout: f64,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
 }
 
 impl Default for RnnConfig {
@@ -28,6 +35,7 @@ impl Default for RnnConfig {
             bias: true,
             batch_first: false,
             dropout: 0.0,
+            dtype: DType::F32,
         }
     }
 }
@@ -57,13 +65,9 @@ impl StackedWeights {
         input_size: usize,
         hidden_size: usize,
         config: &RnnConfig,
-        dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let bound = 1.0 / (hidden_size.max(1) as f64).sqrt();
-        let uniform = |shape: &[usize]| -> Result<Param> {
-            Param::new(Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?)
-        };
+        let uniform = |dims: &[usize]| uniform_fan_in(dims, hidden_size, config.dtype, device);
         let rows = gates * hidden_size;
         let mut layers = Vec::with_capacity(config.num_layers);
         let mut names = Vec::with_capacity(config.num_layers);
@@ -135,34 +139,193 @@ impl Module for StackedWeights {
     }
 }
 
-/// How a recurrent layer runs: its configuration and weights.
-struct Recurrence<'a> {
-    /// The first layer's input weight, `Layer.weight_ih_l0`, for device mismatch errors.
-    first_weight: &'static str,
-    weights: &'a StackedWeights,
+/// The cell math of a [`Recurrent`] layer, the one thing that tells an LSTM from a GRU.
+pub trait RnnCell: Clone + Copy + Debug + Send + Sync + 'static {
+    /// The first layer's input weight, `Layer.weight_ih_l0`, named in device mismatch errors.
+    const FIRST_WEIGHT: &'static str;
+    /// Number of gate blocks of `hidden_size` rows in each weight.
+    const GATES: usize;
+    /// Number of state tensors `[B, H]` per layer (`h`, and `c` for an LSTM); the first is the
+    /// layer's output.
+    const STATES: usize;
+    /// The final state a call returns (each tensor `[num_layers, B, H]`).
+    type State;
+
+    /// One time step: from the input projection `gi = x W_ih^T + b_ih` and the hidden projection
+    /// `gh = h W_hh^T + b_hh`, both `[B, GATES * H]`, and the state, the next state.
+    fn step(gi: &Tensor, gh: &Tensor, state: &[Tensor]) -> Result<Vec<Tensor>>;
+
+    /// The final states, stacked over layers, as [`State`](Self::State).
+    fn final_state(states: Vec<Tensor>) -> Self::State;
+}
+
+/// The cell math of PyTorch's `nn.LSTM`: gates i, f, g, o; state `(h, c)`.
+#[derive(Clone, Copy, Debug)]
+pub struct LstmCell;
+
+impl RnnCell for LstmCell {
+    const FIRST_WEIGHT: &'static str = "Lstm.weight_ih_l0";
+    const GATES: usize = 4;
+    const STATES: usize = 2;
+    /// `(h_n, c_n)`.
+    type State = (Tensor, Tensor);
+
+    fn step(gi: &Tensor, gh: &Tensor, state: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (h_prev, c_prev) = (&state[0], &state[1]);
+        let h = h_prev.dim(1)?;
+        let gates = (gi + gh)?;
+        let i = sigmoid(&gates.narrow(1, 0, h)?)?;
+        let f = sigmoid(&gates.narrow(1, h, h)?)?;
+        let g = gates.narrow(1, 2 * h, h)?.tanh()?;
+        let o = sigmoid(&gates.narrow(1, 3 * h, h)?)?;
+        let c = ((f * c_prev)? + (i * g)?)?;
+        let h = (o * c.tanh()?)?;
+        Ok(vec![h, c])
+    }
+
+    fn final_state(states: Vec<Tensor>) -> (Tensor, Tensor) {
+        let [h_n, c_n]: [Tensor; 2] = states.try_into().expect("two states");
+        (h_n, c_n)
+    }
+}
+
+/// The cell math of PyTorch's `nn.GRU`: gates r, z, n, with
+/// `n = tanh(W_in x + b_in + r * (W_hn h + b_hn))` and `h' = (1 - z) * n + z * h`; state `h`.
+#[derive(Clone, Copy, Debug)]
+pub struct GruCell;
+
+impl RnnCell for GruCell {
+    const FIRST_WEIGHT: &'static str = "Gru.weight_ih_l0";
+    const GATES: usize = 3;
+    const STATES: usize = 1;
+    /// `h_n`.
+    type State = Tensor;
+
+    fn step(gi: &Tensor, gh: &Tensor, state: &[Tensor]) -> Result<Vec<Tensor>> {
+        let h_prev = &state[0];
+        let h = h_prev.dim(1)?;
+        let r = sigmoid(&(gi.narrow(1, 0, h)? + gh.narrow(1, 0, h)?)?)?;
+        let z = sigmoid(&(gi.narrow(1, h, h)? + gh.narrow(1, h, h)?)?)?;
+        let n = (gi.narrow(1, 2 * h, h)? + (r * gh.narrow(1, 2 * h, h)?)?)?.tanh()?;
+        // (1 - z) * n + z * h, with one multiplication.
+        Ok(vec![(&n + (z * (h_prev - &n)?)?)?])
+    }
+
+    fn final_state(mut states: Vec<Tensor>) -> Tensor {
+        states.remove(0)
+    }
+}
+
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::sigmoid(x)?)
+}
+
+/// A stack of recurrent layers with the cell math `C`: PyTorch's `nn.LSTM` ([`Lstm`] =
+/// `Recurrent<LstmCell>`) and `nn.GRU` ([`Gru`] = `Recurrent<GruCell>`), unidirectional, without
+/// projections.
+///
+/// Parameters, with PyTorch's names, layouts and init (uniform on `±1/sqrt(hidden_size)`), for each
+/// layer `k`: `weight_ih_lk` `[G·H, in]` (`in` = `input_size` for layer 0, `H` above),
+/// `weight_hh_lk` `[G·H, H]`, `bias_ih_lk` and `bias_hh_lk` `[G·H]`, with `G` gate blocks
+/// ([`RnnCell::GATES`]).
+///
+/// Input `[B, T, input_size]` with `batch_first` (else `[T, B, input_size]`; `[T, input_size]`
+/// unbatched). Returns `(output, state)`: `output` `[B, T, H]` (the last layer's `h` at each step)
+/// and the final state, each tensor `[num_layers, B, H]`.
+#[derive(Module, Clone, Debug)]
+pub struct Recurrent<C> {
+    #[module(flatten)]
+    weights: StackedWeights,
     hidden_size: usize,
     batch_first: bool,
     dropout: f64,
-    training: &'a Mode,
+    training: Mode,
+    #[module(skip)]
+    cell: PhantomData<C>,
 }
 
-impl Recurrence<'_> {
-    /// The loop shared by LSTM and GRU: layout handling, the layer loop and inter-layer dropout.
-    /// The state is `num_states` tensors `[B, H]` per layer (`h`, and `c` for an LSTM), the first
-    /// being the layer's output; `step` maps one time step's input projection `[B, gates * H]`, the
-    /// layer's weights and the state to the next state. Returns the output sequence and each final
-    /// state stacked over layers, `[num_layers, B, H]`.
-    fn run(
-        &self,
-        x: &Tensor,
-        num_states: usize,
-        initial: Option<&[&Tensor]>,
-        step: impl Fn(&Tensor, &LayerWeights, Vec<Tensor>) -> Result<Vec<Tensor>>,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+/// Long short-term memory: PyTorch's `nn.LSTM` (unidirectional, no projection). See
+/// [`Recurrent`].
+///
+/// The four row blocks of each weight are the gates i, f, g, o. Returns `(output, (h_n, c_n))`.
+/// Call with `(&x, (&h0, &c0))` to start from a state; plain `&x` starts from zeros.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{Lstm, RnnConfig};
+///
+/// let dev = Device::Cpu;
+/// let config = RnnConfig { num_layers: 2, batch_first: true, ..Default::default() };
+/// let lstm = Lstm::with_config(4, 6, config, &dev)?;
+/// assert_eq!(lstm.get_parameter("weight_hh_l1")?.shape().dims(), [24, 6]);
+/// let x = Tensor::randn(0f32, 1., (2, 5, 4), &dev)?;
+/// let (y, (h, c)) = lstm.call(&x)?;
+/// assert_eq!(y.dims(), [2, 5, 6]);
+/// assert_eq!(h.dims(), [2, 2, 6]);
+/// assert_eq!(c.dims(), [2, 2, 6]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type Lstm = Recurrent<LstmCell>;
+
+/// Gated recurrent unit: PyTorch's `nn.GRU` (unidirectional). See [`Recurrent`] and [`GruCell`].
+///
+/// The three row blocks of each weight are the gates r, z, n. Returns `(output, h_n)`. Call with
+/// `(&x, &h0)` to start from a state; plain `&x` starts from zeros.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{Gru, RnnConfig};
+///
+/// let dev = Device::Cpu;
+/// let gru = Gru::with_config(4, 6, RnnConfig { batch_first: true, ..Default::default() }, &dev)?;
+/// let x = Tensor::randn(0f32, 1., (2, 5, 4), &dev)?;
+/// let (y, h) = gru.call(&x)?;
+/// assert_eq!((y.dims(), h.dims()), ([2, 5, 6].as_slice(), [1, 2, 6].as_slice()));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type Gru = Recurrent<GruCell>;
+
+impl<C: RnnCell> Recurrent<C> {
+    /// A one-layer float32 layer with PyTorch's defaults (`[seq, batch, feature]` inputs).
+    pub fn new(input_size: usize, hidden_size: usize, device: &Device) -> Result<Self> {
+        Self::with_config(input_size, hidden_size, RnnConfig::default(), device)
+    }
+
+    /// A layer built as `config` says, initialized like PyTorch.
+    pub fn with_config(
+        input_size: usize,
+        hidden_size: usize,
+        config: RnnConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            weights: StackedWeights::new(C::GATES, input_size, hidden_size, &config, device)?,
+            hidden_size,
+            batch_first: config.batch_first,
+            dropout: config.dropout,
+            training: Mode::new(),
+            cell: PhantomData,
+        })
+    }
+
+    /// The size of the hidden (and cell) states.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    /// The number of stacked layers.
+    pub fn num_layers(&self) -> usize {
+        self.weights.layers.len()
+    }
+
+    /// The loop shared by every cell: layout handling, the layer loop and inter-layer dropout.
+    /// The state is [`RnnCell::STATES`] tensors `[B, H]` per layer, zeros unless `initial` gives
+    /// them stacked over layers. Returns the output sequence and the final state.
+    fn run(&self, x: &Tensor, initial: Option<&[&Tensor]>) -> Result<(Tensor, C::State)> {
         if let Some(layer) = self.weights.layers.first() {
             let w = layer.weight_ih.tensor();
             for t in std::iter::once(x).chain(initial.into_iter().flatten().copied()) {
-                check_input_device(self.first_weight, &w, t)?;
+                check_input_device(C::FIRST_WEIGHT, &w, t)?;
             }
         }
         let unbatched = x.rank() == 2;
@@ -182,7 +345,7 @@ impl Recurrence<'_> {
             })
             .transpose()?;
         // finals[j][k]: state j of layer k after the last step.
-        let mut finals: Vec<Vec<Tensor>> = vec![Vec::with_capacity(num_layers); num_states];
+        let mut finals: Vec<Vec<Tensor>> = vec![Vec::with_capacity(num_layers); C::STATES];
         for (k, layer) in self.weights.layers.iter().enumerate() {
             let mut state = match &initial {
                 Some(states) => states
@@ -191,14 +354,15 @@ impl Recurrence<'_> {
                     .collect::<candle_core::Result<Vec<_>>>()?,
                 None => {
                     let zeros = Tensor::zeros((b, self.hidden_size), seq.dtype(), seq.device())?;
-                    vec![zeros; num_states]
+                    vec![zeros; C::STATES]
                 }
             };
             let projected = StackedWeights::input_projection(layer, &seq)?;
             let mut outputs = Vec::with_capacity(t);
             for i in 0..t {
                 let gi = projected.narrow(1, i, 1)?.squeeze(1)?;
-                state = step(&gi, layer, state)?;
+                let gh = StackedWeights::hidden_projection(layer, &state[0])?;
+                state = C::step(&gi, &gh, &state)?;
                 outputs.push(state[0].clone());
             }
             seq = Tensor::stack(&outputs, 1)?;
@@ -225,124 +389,12 @@ impl Recurrence<'_> {
                 }
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok((output, finals))
+        Ok((output, C::final_state(finals)))
     }
 }
 
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
-    Ok(candle_nn::ops::sigmoid(x)?)
-}
-
-/// Long short-term memory: PyTorch's `nn.LSTM` (unidirectional, no projection).
-///
-/// Parameters, with PyTorch's names, layouts and init (uniform on `±1/sqrt(hidden_size)`), for each
-/// layer `k`: `weight_ih_lk` `[4H, in]` (`in` = `input_size` for layer 0, `H` above),
-/// `weight_hh_lk` `[4H, H]`, `bias_ih_lk` and `bias_hh_lk` `[4H]`; the four row blocks are the
-/// gates i, f, g, o.
-///
-/// Input `[B, T, input_size]` with `batch_first` (else `[T, B, input_size]`; `[T, input_size]`
-/// unbatched). Returns `(output, (h_n, c_n))`: `output` `[B, T, H]` (the last layer's `h` at each
-/// step), `h_n` and `c_n` `[num_layers, B, H]`. Call with `(&x, (&h0, &c0))` to start from a state;
-/// plain `&x` starts from zeros.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{Lstm, RnnConfig};
-///
-/// let dev = Device::Cpu;
-/// let config = RnnConfig { num_layers: 2, batch_first: true, ..Default::default() };
-/// let lstm = Lstm::with_config(4, 6, config, DType::F32, &dev)?;
-/// assert_eq!(lstm.get_parameter("weight_hh_l1")?.shape().dims(), [24, 6]);
-/// let x = Tensor::randn(0f32, 1., (2, 5, 4), &dev)?;
-/// let (y, (h, c)) = lstm.call(&x)?;
-/// assert_eq!(y.dims(), [2, 5, 6]);
-/// assert_eq!(h.dims(), [2, 2, 6]);
-/// assert_eq!(c.dims(), [2, 2, 6]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-#[derive(Module, Clone, Debug)]
-pub struct Lstm {
-    #[module(flatten)]
-    weights: StackedWeights,
-    hidden_size: usize,
-    batch_first: bool,
-    dropout: f64,
-    training: Mode,
-}
-
-impl Lstm {
-    /// A one-layer float32 LSTM with PyTorch's defaults (`[seq, batch, feature]` inputs).
-    pub fn new(input_size: usize, hidden_size: usize, device: &Device) -> Result<Self> {
-        Self::with_config(
-            input_size,
-            hidden_size,
-            RnnConfig::default(),
-            DType::F32,
-            device,
-        )
-    }
-
-    /// An LSTM of any floating-point dtype, initialized like PyTorch.
-    pub fn with_config(
-        input_size: usize,
-        hidden_size: usize,
-        config: RnnConfig,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        Ok(Self {
-            weights: StackedWeights::new(4, input_size, hidden_size, &config, dtype, device)?,
-            hidden_size,
-            batch_first: config.batch_first,
-            dropout: config.dropout,
-            training: Mode::new(),
-        })
-    }
-
-    /// The size of the hidden and cell states.
-    pub fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    /// The number of stacked layers.
-    pub fn num_layers(&self) -> usize {
-        self.weights.layers.len()
-    }
-
-    fn recurrence(&self) -> Recurrence<'_> {
-        Recurrence {
-            first_weight: "Lstm.weight_ih_l0",
-            weights: &self.weights,
-            hidden_size: self.hidden_size,
-            batch_first: self.batch_first,
-            dropout: self.dropout,
-            training: &self.training,
-        }
-    }
-
-    fn run(&self, x: &Tensor, initial: Option<[&Tensor; 2]>) -> Result<(Tensor, (Tensor, Tensor))> {
-        let h = self.hidden_size;
-        let step = |gi: &Tensor, layer: &LayerWeights, state: Vec<Tensor>| {
-            let (h_prev, c_prev) = (&state[0], &state[1]);
-            let gates = (gi + StackedWeights::hidden_projection(layer, h_prev)?)?;
-            let i = sigmoid(&gates.narrow(1, 0, h)?)?;
-            let f = sigmoid(&gates.narrow(1, h, h)?)?;
-            let g = gates.narrow(1, 2 * h, h)?.tanh()?;
-            let o = sigmoid(&gates.narrow(1, 3 * h, h)?)?;
-            let c = ((f * c_prev)? + (i * g)?)?;
-            let h = (o * c.tanh()?)?;
-            Ok(vec![h, c])
-        };
-        let (out, finals) =
-            self.recurrence()
-                .run(x, 2, initial.as_ref().map(|s| s.as_slice()), step)?;
-        let [h_n, c_n]: [Tensor; 2] = finals.try_into().expect("two states");
-        Ok((out, (h_n, c_n)))
-    }
-}
-
-impl Forward<&Tensor> for Lstm {
-    type Output = (Tensor, (Tensor, Tensor));
+impl<C: RnnCell> Forward<&Tensor> for Recurrent<C> {
+    type Output = (Tensor, C::State);
 
     /// From a zero state.
     fn forward(&self, x: &Tensor) -> Result<Self::Output> {
@@ -350,8 +402,8 @@ impl Forward<&Tensor> for Lstm {
     }
 }
 
-impl Forward<Tensor> for Lstm {
-    type Output = (Tensor, (Tensor, Tensor));
+impl<C: RnnCell> Forward<Tensor> for Recurrent<C> {
+    type Output = (Tensor, C::State);
 
     fn forward(&self, x: Tensor) -> Result<Self::Output> {
         self.run(&x, None)
@@ -363,133 +415,7 @@ impl Forward<(&Tensor, (&Tensor, &Tensor))> for Lstm {
 
     /// From the state `(h0, c0)`, each `[num_layers, B, H]`.
     fn forward(&self, (x, (h0, c0)): (&Tensor, (&Tensor, &Tensor))) -> Result<Self::Output> {
-        self.run(x, Some([h0, c0]))
-    }
-}
-
-impl candle_core::Module for Lstm {
-    /// The output sequence, from a zero state.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        Ok(self.run(x, None)?.0)
-    }
-}
-
-/// Gated recurrent unit: PyTorch's `nn.GRU` (unidirectional).
-///
-/// Parameters, with PyTorch's names, layouts and init (uniform on `±1/sqrt(hidden_size)`), for each
-/// layer `k`: `weight_ih_lk` `[3H, in]`, `weight_hh_lk` `[3H, H]`, `bias_ih_lk` and `bias_hh_lk`
-/// `[3H]`; the three row blocks are the gates r, z, n, with PyTorch's
-/// `n = tanh(W_in x + b_in + r * (W_hn h + b_hn))` and `h' = (1 - z) * n + z * h`.
-///
-/// Input `[B, T, input_size]` with `batch_first` (else `[T, B, input_size]`; `[T, input_size]`
-/// unbatched). Returns `(output, h_n)`: `output` `[B, T, H]`, `h_n` `[num_layers, B, H]`. Call with
-/// `(&x, &h0)` to start from a state; plain `&x` starts from zeros.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{Gru, RnnConfig};
-///
-/// let dev = Device::Cpu;
-/// let gru = Gru::with_config(4, 6, RnnConfig { batch_first: true, ..Default::default() }, DType::F32, &dev)?;
-/// let x = Tensor::randn(0f32, 1., (2, 5, 4), &dev)?;
-/// let (y, h) = gru.call(&x)?;
-/// assert_eq!((y.dims(), h.dims()), ([2, 5, 6].as_slice(), [1, 2, 6].as_slice()));
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-#[derive(Module, Clone, Debug)]
-pub struct Gru {
-    #[module(flatten)]
-    weights: StackedWeights,
-    hidden_size: usize,
-    batch_first: bool,
-    dropout: f64,
-    training: Mode,
-}
-
-impl Gru {
-    /// A one-layer float32 GRU with PyTorch's defaults (`[seq, batch, feature]` inputs).
-    pub fn new(input_size: usize, hidden_size: usize, device: &Device) -> Result<Self> {
-        Self::with_config(
-            input_size,
-            hidden_size,
-            RnnConfig::default(),
-            DType::F32,
-            device,
-        )
-    }
-
-    /// A GRU of any floating-point dtype, initialized like PyTorch.
-    pub fn with_config(
-        input_size: usize,
-        hidden_size: usize,
-        config: RnnConfig,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        Ok(Self {
-            weights: StackedWeights::new(3, input_size, hidden_size, &config, dtype, device)?,
-            hidden_size,
-            batch_first: config.batch_first,
-            dropout: config.dropout,
-            training: Mode::new(),
-        })
-    }
-
-    /// The size of the hidden state.
-    pub fn hidden_size(&self) -> usize {
-        self.hidden_size
-    }
-
-    /// The number of stacked layers.
-    pub fn num_layers(&self) -> usize {
-        self.weights.layers.len()
-    }
-
-    fn recurrence(&self) -> Recurrence<'_> {
-        Recurrence {
-            first_weight: "Gru.weight_ih_l0",
-            weights: &self.weights,
-            hidden_size: self.hidden_size,
-            batch_first: self.batch_first,
-            dropout: self.dropout,
-            training: &self.training,
-        }
-    }
-
-    fn run(&self, x: &Tensor, h0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        let h = self.hidden_size;
-        let step = |gi: &Tensor, layer: &LayerWeights, state: Vec<Tensor>| {
-            let h_prev = &state[0];
-            let gh = StackedWeights::hidden_projection(layer, h_prev)?;
-            let r = sigmoid(&(gi.narrow(1, 0, h)? + gh.narrow(1, 0, h)?)?)?;
-            let z = sigmoid(&(gi.narrow(1, h, h)? + gh.narrow(1, h, h)?)?)?;
-            let n = (gi.narrow(1, 2 * h, h)? + (r * gh.narrow(1, 2 * h, h)?)?)?.tanh()?;
-            // (1 - z) * n + z * h, with one multiplication.
-            let h_new = (&n + (z * (h_prev - &n)?)?)?;
-            Ok(vec![h_new])
-        };
-        let h0 = h0.map(|h0| [h0]);
-        let (out, mut finals) =
-            self.recurrence()
-                .run(x, 1, h0.as_ref().map(|s| s.as_slice()), step)?;
-        Ok((out, finals.remove(0)))
-    }
-}
-
-impl Forward<&Tensor> for Gru {
-    type Output = (Tensor, Tensor);
-
-    /// From a zero state.
-    fn forward(&self, x: &Tensor) -> Result<Self::Output> {
-        self.run(x, None)
-    }
-}
-
-impl Forward<Tensor> for Gru {
-    type Output = (Tensor, Tensor);
-
-    fn forward(&self, x: Tensor) -> Result<Self::Output> {
-        self.run(&x, None)
+        self.run(x, Some(&[h0, c0]))
     }
 }
 
@@ -498,11 +424,11 @@ impl Forward<(&Tensor, &Tensor)> for Gru {
 
     /// From the state `h0` `[num_layers, B, H]`.
     fn forward(&self, (x, h0): (&Tensor, &Tensor)) -> Result<Self::Output> {
-        self.run(x, Some(h0))
+        self.run(x, Some(&[h0]))
     }
 }
 
-impl candle_core::Module for Gru {
+impl<C: RnnCell> candle_core::Module for Recurrent<C> {
     /// The output sequence, from a zero state.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.run(x, None)?.0)

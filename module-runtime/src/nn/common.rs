@@ -1,0 +1,265 @@
+//! What several layer families use: the by-value forward impls, PyTorch-style dimensions, bias
+//! and per-channel helpers, the fan-in initialization, typed shape errors, and the helpers with
+//! which a lazy layer builds its parameters from its first input.
+
+use candle_core::{DType, Device, Shape, Tensor, D};
+
+use crate::error::{Error, Result};
+use crate::{Buffer, Init, LazyShape, Param};
+
+/// Implements `Forward<Tensor>` and `candle_core::Module` on top of `Forward<&Tensor>`.
+macro_rules! forward_by_value {
+    ($($ty:ty),* $(,)?) => {$(
+        impl $crate::Forward<candle_core::Tensor> for $ty {
+            type Output = candle_core::Tensor;
+
+            fn forward(&self, x: candle_core::Tensor) -> $crate::Result<candle_core::Tensor> {
+                self.forward(&x)
+            }
+        }
+
+        impl candle_core::Module for $ty {
+            fn forward(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+                Ok($crate::Forward::forward(self, x)?)
+            }
+        }
+    )*};
+}
+pub(crate) use forward_by_value;
+
+/// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
+/// (`[3, 5]`), or for two dimensions as `(height, width)`: PyTorch's "int or tuple" arguments
+/// (`kernel_size` of [`Conv2d`](crate::nn::Conv2d), [`MaxPool2d`](crate::nn::MaxPool2d), …).
+pub trait Size<const N: usize> {
+    /// The size along each dimension.
+    fn dims(self) -> [usize; N];
+}
+
+impl<const N: usize> Size<N> for usize {
+    fn dims(self) -> [usize; N] {
+        [self; N]
+    }
+}
+
+impl<const N: usize> Size<N> for [usize; N] {
+    fn dims(self) -> [usize; N] {
+        self
+    }
+}
+
+impl Size<2> for (usize, usize) {
+    fn dims(self) -> [usize; 2] {
+        [self.0, self.1]
+    }
+}
+
+/// Resolves a PyTorch-style dimension (negative counts from the end) against a tensor's rank.
+pub(crate) fn resolve_dim(x: &Tensor, dim: isize, op: &'static str) -> Result<usize> {
+    let rank = x.rank() as isize;
+    let resolved = if dim < 0 { rank + dim } else { dim };
+    if (0..rank).contains(&resolved) {
+        Ok(resolved as usize)
+    } else {
+        Err(candle_core::Error::DimOutOfRange {
+            shape: x.shape().clone(),
+            dim: dim as i32,
+            op,
+        }
+        .into())
+    }
+}
+
+/// [`Error::InputShape`]: `layer` takes inputs of shape `expected`, not `x`'s.
+pub(crate) fn input_shape_error(
+    layer: &'static str,
+    expected: impl Into<String>,
+    x: &Tensor,
+) -> Error {
+    Error::InputShape {
+        layer,
+        expected: expected.into(),
+        got: x.shape().clone(),
+    }
+}
+
+/// The value of an optional parameter (a bias, an affine weight).
+pub(crate) fn param_tensor(p: &Option<Param>) -> Option<Tensor> {
+    p.as_ref().map(Param::tensor)
+}
+
+/// `t` `[C]` reshaped to `[1, C, 1, …]`, to broadcast over an input `[N, C, *]` of rank `rank`.
+pub(crate) fn per_channel(t: &Tensor, rank: usize) -> Result<Tensor> {
+    let mut dims = vec![1; rank];
+    dims[1] = t.elem_count();
+    Ok(t.reshape(dims)?)
+}
+
+/// `y + bias` with the bias `[C]` added to every position of channel dimension 1 of `y`.
+pub(crate) fn add_channel_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+    match bias {
+        Some(b) => Ok(y.broadcast_add(&per_channel(&b, y.rank())?)?),
+        None => Ok(y),
+    }
+}
+
+/// The dtype a normalization computes in: half-precision inputs are normalized in `f32`, as
+/// PyTorch does.
+pub(crate) fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps)` along the last dimension, with the biased variance; composed of
+/// differentiable ops.
+pub(crate) fn standardize_last_dim(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(centered.broadcast_div(&(var + eps)?.sqrt()?)?)
+}
+
+/// A parameter of shape `dims` drawn as PyTorch initializes `Linear`, convolution and recurrent
+/// weights and biases: uniform on `±1/sqrt(fan_in)` ([`Init::UniformFanIn`]).
+pub(crate) fn uniform_fan_in(
+    dims: &[usize],
+    fan_in: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<Param> {
+    let shape = Shape::from(dims.to_vec());
+    Param::new(Init::UniformFanIn.tensor(&shape, fan_in, dtype, device)?)
+}
+
+/// An unbuilt parameter of a lazy layer: `None` dimensions come from the first input.
+pub(crate) fn lazy_param(
+    dims: &[Option<usize>],
+    init: Init,
+    dtype: DType,
+    device: &Device,
+) -> Result<Param> {
+    Param::lazy(LazyShape::new(dims.iter().copied()), init, dtype, device)
+}
+
+/// The shape a lazy layer's parameter or buffer takes for an input that sets its dimension
+/// `set.0` to `set.1` (if any): the other dimensions are those known at construction while it is
+/// unbuilt (`lazy`), or those it was built with (`built`).
+fn fit_dims(lazy: Option<LazyShape>, built: Shape, set: Option<(usize, usize)>) -> Vec<usize> {
+    let mut dims = match (lazy, set) {
+        (Some(lazy), Some((_, size))) => lazy.dims().iter().map(|d| d.unwrap_or(size)).collect(),
+        (Some(lazy), None) => lazy.dims().iter().map(|d| d.unwrap_or(0)).collect(),
+        (None, _) => built.dims().to_vec(),
+    };
+    if let Some((dim, size)) = set {
+        dims[dim] = size;
+    }
+    dims
+}
+
+/// Builds a lazy layer's `param` for `input` (dimension `set.0` of its shape is `set.1`), or checks
+/// that `input` fits the shape it was built with; [`Error::LazyInput`] naming the layer if not.
+pub(crate) fn fit_param(
+    layer: &'static str,
+    name: &'static str,
+    param: &Param,
+    set: Option<(usize, usize)>,
+    fan_in: usize,
+    input: &Tensor,
+) -> Result<Tensor> {
+    let dims = fit_dims(param.lazy_shape(), param.shape(), set);
+    layer_param(layer, name, param, &dims, fan_in, input)
+}
+
+/// Like [`fit_param`], for a buffer (running statistics).
+pub(crate) fn fit_buffer(
+    layer: &'static str,
+    name: &'static str,
+    buffer: &Buffer,
+    set: (usize, usize),
+    input: &Tensor,
+) -> Result<Tensor> {
+    let dims = fit_dims(buffer.lazy_shape(), buffer.shape(), Some(set));
+    layer_buffer(layer, name, buffer, &dims, input)
+}
+
+/// Builds `param` with `dims` for a lazy layer, or checks that the input still fits the shape it
+/// was built with (by an earlier call or a checkpoint), naming the layer and both shapes if not.
+pub(crate) fn layer_param(
+    layer: &'static str,
+    name: &'static str,
+    param: &Param,
+    dims: &[usize],
+    fan_in: usize,
+    input: &Tensor,
+) -> Result<Tensor> {
+    let t = if param.is_built() {
+        param.tensor()
+    } else {
+        param.materialize(dims, fan_in)?
+    };
+    check_fit(layer, name, t.dims(), dims, input)?;
+    Ok(t)
+}
+
+/// Like [`layer_param`], for a buffer (running statistics).
+pub(crate) fn layer_buffer(
+    layer: &'static str,
+    name: &'static str,
+    buffer: &Buffer,
+    dims: &[usize],
+    input: &Tensor,
+) -> Result<Tensor> {
+    let t = if buffer.is_built() {
+        buffer.tensor()
+    } else {
+        buffer.materialize(dims)?
+    };
+    check_fit(layer, name, t.dims(), dims, input)?;
+    Ok(t)
+}
+
+fn check_fit(
+    layer: &'static str,
+    name: &'static str,
+    built: &[usize],
+    needed: &[usize],
+    input: &Tensor,
+) -> Result<()> {
+    if built == needed {
+        return Ok(());
+    }
+    Err(Error::LazyInput {
+        layer,
+        name,
+        input: input.shape().clone(),
+        needed: Shape::from(needed.to_vec()),
+        built: Shape::from(built.to_vec()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_dim_counts_negative_dims_from_the_end() -> Result<()> {
+        let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?;
+        assert_eq!(resolve_dim(&x, -1, "t")?, 1);
+        assert_eq!(resolve_dim(&x, 0, "t")?, 0);
+        assert!(resolve_dim(&x, 2, "t").is_err());
+        assert!(resolve_dim(&x, -3, "t").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn fit_dims_fills_the_input_dimension() {
+        let lazy = LazyShape::new([Some(4), None, Some(3)]);
+        assert_eq!(
+            fit_dims(Some(lazy), Shape::from(0), Some((1, 2))),
+            [4, 2, 3]
+        );
+        let built = Shape::from((4, 5, 3));
+        assert_eq!(fit_dims(None, built.clone(), Some((1, 2))), [4, 2, 3]);
+        assert_eq!(fit_dims(None, built, None), [4, 5, 3]);
+    }
+}

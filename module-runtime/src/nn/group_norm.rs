@@ -1,0 +1,130 @@
+//! Group normalization: `GroupNorm`.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::device::check_input_device;
+use crate::error::{Error, Result};
+use crate::nn::common::{
+    compute_dtype, forward_by_value, input_shape_error, per_channel, standardize_last_dim,
+};
+use crate::{Forward, Module, Param};
+
+/// How a [`GroupNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupNormConfig {
+    /// Added to the variance (default `1e-5`).
+    pub eps: f64,
+    /// Whether the layer has a per-channel `weight` and `bias` (default `true`).
+    pub affine: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for GroupNormConfig {
+    fn default() -> Self {
+        Self {
+            eps: 1e-5,
+            affine: true,
+            dtype: DType::F32,
+        }
+    }
+}
+
+/// Normalizes groups of channels: PyTorch's `nn.GroupNorm(num_groups, num_channels)`.
+///
+/// The `C` channels are split into `num_groups` groups; each sample's group is normalized with its
+/// own mean and biased variance, then scaled and shifted per channel. Parameters `weight` (ones) and
+/// `bias` (zeros), both `[C]`, when affine. The input is `[N, C, *]`; the output has its shape.
+/// Always composed of differentiable ops.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::GroupNorm;
+/// let gn = GroupNorm::new(2, 4, &Device::Cpu)?;
+/// let y = gn.call(&Tensor::randn(0f32, 1., (3, 4, 5), &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [3, 4, 5]);
+/// assert!(GroupNorm::new(3, 4, &Device::Cpu).is_err()); // 3 groups do not divide 4 channels
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct GroupNorm {
+    /// `[num_channels]`, if affine.
+    pub weight: Option<Param>,
+    /// `[num_channels]`, if affine.
+    pub bias: Option<Param>,
+    /// Number of groups; divides `num_channels`.
+    pub num_groups: usize,
+    /// Number of channels `C`.
+    pub num_channels: usize,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl GroupNorm {
+    /// A float32 layer with PyTorch's defaults (`eps = 1e-5`, affine).
+    pub fn new(num_groups: usize, num_channels: usize, device: &Device) -> Result<Self> {
+        Self::with_config(num_groups, num_channels, GroupNormConfig::default(), device)
+    }
+
+    /// A layer built as `config` says. `num_groups` must divide `num_channels`
+    /// ([`Error::InvalidConfig`] otherwise).
+    pub fn with_config(
+        num_groups: usize,
+        num_channels: usize,
+        config: GroupNormConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        if num_groups == 0 || num_channels % num_groups != 0 {
+            return Err(Error::InvalidConfig {
+                layer: "GroupNorm",
+                message: format!(
+                    "num_channels ({num_channels}) must be divisible by num_groups ({num_groups})"
+                ),
+            });
+        }
+        let param = |value: f64| -> Result<Option<Param>> {
+            config
+                .affine
+                .then(|| Param::new((Tensor::ones(num_channels, config.dtype, device)? * value)?))
+                .transpose()
+        };
+        Ok(Self {
+            weight: param(1.0)?,
+            bias: param(0.0)?,
+            num_groups,
+            num_channels,
+            eps: config.eps,
+        })
+    }
+}
+
+impl Forward<&Tensor> for GroupNorm {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        if dims.len() < 2 || dims[1] != self.num_channels {
+            let expected = format!("[N, {}, *]", self.num_channels);
+            return Err(input_shape_error("GroupNorm", expected, x));
+        }
+        if let Some(w) = &self.weight {
+            check_input_device("GroupNorm.weight", &w.tensor(), x)?;
+        }
+        let dtype = x.dtype();
+        let grouped = x
+            .to_dtype(compute_dtype(dtype))?
+            .reshape((dims[0], self.num_groups, ()))?;
+        let mut y = standardize_last_dim(&grouped, self.eps)?
+            .to_dtype(dtype)?
+            .reshape(dims)?;
+        if let Some(w) = &self.weight {
+            y = y.broadcast_mul(&per_channel(&w.tensor(), dims.len())?)?;
+        }
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(&per_channel(&b.tensor(), dims.len())?)?;
+        }
+        Ok(y)
+    }
+}
+
+forward_by_value!(GroupNorm);

@@ -1,0 +1,486 @@
+//! Normalization over the last dimensions: `LayerNorm`, its lazy twin `LazyLayerNorm`, and
+//! `RmsNorm`.
+//!
+//! See the [`nn`](crate::nn) docs for when candle's fused kernels run. Half-precision inputs (`f16`,
+//! `bf16`) are normalized in `f32` and converted back, as PyTorch does.
+
+use candle_core::{DType, Device, Shape, Tensor, D};
+
+use crate::device::check_input_device;
+use crate::error::Result;
+use crate::nn::common::{
+    compute_dtype, forward_by_value, input_shape_error, layer_param, lazy_param, param_tensor,
+    standardize_last_dim,
+};
+use crate::{Forward, Init, Module, Param};
+
+/// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
+/// defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerNormConfig {
+    /// Added to the variance (default `1e-5`).
+    pub eps: f64,
+    /// Whether the layer has a `weight` (and a `bias`, see below) (default `true`).
+    pub elementwise_affine: bool,
+    /// Whether an elementwise-affine layer has a `bias` (default `true`).
+    pub bias: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for LayerNormConfig {
+    fn default() -> Self {
+        Self {
+            eps: 1e-5,
+            elementwise_affine: true,
+            bias: true,
+            dtype: DType::F32,
+        }
+    }
+}
+
+impl LayerNormConfig {
+    /// The `weight` (ones) and `bias` (zeros) this configuration asks for, each made by `make`
+    /// from its init.
+    fn params(
+        &self,
+        make: impl Fn(Init) -> Result<Param>,
+    ) -> Result<(Option<Param>, Option<Param>)> {
+        if !self.elementwise_affine {
+            return Ok((None, None));
+        }
+        let bias = self.bias.then(|| make(Init::Zeros)).transpose()?;
+        Ok((Some(make(Init::Ones)?), bias))
+    }
+}
+
+/// Normalizes over the last `normalized_shape.len()` dimensions: PyTorch's `nn.LayerNorm`.
+///
+/// `y = (x - mean) / sqrt(var + eps) * weight + bias`, with the biased variance. Parameters
+/// `weight` (ones) and `bias` (zeros), each of shape `normalized_shape`, when the layer is
+/// elementwise-affine. The input is `[…, *normalized_shape]`; the output has its shape.
+///
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs for when candle's fused
+/// kernel is used.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::LayerNorm;
+/// let ln = LayerNorm::new(4, &Device::Cpu)?;
+/// let y = ln.call(&Tensor::new(&[[1f32, 2., 3., 4.]], &Device::Cpu)?)?;
+/// assert!(y.sum_all()?.to_scalar::<f32>()?.abs() < 1e-5);
+/// assert_eq!(ln.named_parameters()[0].0, "weight");
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct LayerNorm {
+    /// `normalized_shape`, if the layer is elementwise-affine.
+    pub weight: Option<Param>,
+    /// `normalized_shape`, if the layer is elementwise-affine and has a bias.
+    pub bias: Option<Param>,
+    /// The trailing dimensions that are normalized.
+    pub normalized_shape: Vec<usize>,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    /// A float32 layer with PyTorch's defaults (`eps = 1e-5`, weight and bias) normalizing the
+    /// trailing dimensions `normalized_shape` (`8`, or `(2, 3)` for the last two).
+    pub fn new(normalized_shape: impl Into<Shape>, device: &Device) -> Result<Self> {
+        Self::with_config(normalized_shape, LayerNormConfig::default(), device)
+    }
+
+    /// A layer built as `config` says.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::{LayerNorm, LayerNormConfig};
+    /// let config = LayerNormConfig { eps: 1e-12, elementwise_affine: false, ..Default::default() };
+    /// let ln = LayerNorm::with_config((2, 3), config, &Device::Cpu)?;
+    /// assert_eq!(ln.num_parameters(), 0);
+    /// assert_eq!(ln.call(&Tensor::ones((4, 2, 3), DType::F32, &Device::Cpu)?)?.dims(), [4, 2, 3]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn with_config(
+        normalized_shape: impl Into<Shape>,
+        config: LayerNormConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        let shape: Shape = normalized_shape.into();
+        let (weight, bias) =
+            config.params(|init| Param::new(init.tensor(&shape, 0, config.dtype, device)?))?;
+        Ok(Self {
+            weight,
+            bias,
+            normalized_shape: shape.dims().to_vec(),
+            eps: config.eps,
+        })
+    }
+}
+
+impl Forward<&Tensor> for LayerNorm {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (weight, bias) = (param_tensor(&self.weight), param_tensor(&self.bias));
+        layer_norm(x, &self.normalized_shape, weight, bias, self.eps)
+    }
+}
+
+/// `LayerNorm`'s computation, for it and `LazyLayerNorm`.
+fn layer_norm(
+    x: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    let folded = fold_trailing(x, normalized_shape, "LayerNorm")?;
+    let weight = flat(weight)?;
+    let bias = flat(bias)?;
+    if let Some(w) = &weight {
+        check_input_device("LayerNorm.weight", w, x)?;
+    }
+    let fused =
+        match (&weight, &bias) {
+            (Some(w), Some(b)) if no_gradient_needed(&[x, w, b]) => Some(
+                candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
+            ),
+            _ => None,
+        };
+    let y = match fused {
+        Some(y) => y,
+        None => {
+            let dtype = x.dtype();
+            let normed = standardize_last_dim(&folded.to_dtype(compute_dtype(dtype))?, eps)?
+                .to_dtype(dtype)?;
+            let scaled = match &weight {
+                Some(w) => normed.broadcast_mul(w)?,
+                None => normed,
+            };
+            match &bias {
+                Some(b) => scaled.broadcast_add(b)?,
+                None => scaled,
+            }
+        }
+    };
+    Ok(y.reshape(x.shape())?)
+}
+
+fn no_gradient_needed(tensors: &[&Tensor]) -> bool {
+    tensors.iter().all(|t| !t.track_op())
+}
+
+/// Checks that `x` ends with `normalized_shape` and folds those dimensions into one.
+fn fold_trailing(x: &Tensor, normalized_shape: &[usize], layer: &'static str) -> Result<Tensor> {
+    let dims = x.dims();
+    if !dims.ends_with(normalized_shape) {
+        let trailing: Vec<String> = normalized_shape.iter().map(usize::to_string).collect();
+        return Err(input_shape_error(
+            layer,
+            format!("[…, {}]", trailing.join(", ")),
+            x,
+        ));
+    }
+    if normalized_shape.len() == 1 {
+        return Ok(x.clone());
+    }
+    let mut folded = dims[..dims.len() - normalized_shape.len()].to_vec();
+    folded.push(normalized_shape.iter().product());
+    Ok(x.reshape(folded)?)
+}
+
+/// A parameter of the normalized shape, as a vector over the folded dimension.
+fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
+    Ok(match p {
+        Some(t) if t.rank() != 1 => Some(t.flatten_all()?),
+        other => other,
+    })
+}
+
+/// A [`LayerNorm`] whose normalized shape is the last `num_dims` dimensions of its first input
+/// (PyTorch has no lazy LayerNorm; this follows `LazyLinear`).
+///
+/// Same parameters, names, init and computation as `LayerNorm`: `weight` (ones) and `bias`
+/// (zeros) of the normalized shape, built once, at the first call, a
+/// [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that, an input whose last
+/// dimensions differ is an [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both
+/// shapes. Without the affine parameters there is nothing to build, and any input is normalized
+/// over its last `num_dims` dimensions. (Unlike the other lazy layers it is not a `LayerNorm` with
+/// unbuilt parameters: a `LayerNorm` knows its normalized shape, which this layer learns from each
+/// input when it has no parameters to remember it.)
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::LazyLayerNorm;
+/// let ln = LazyLayerNorm::new(1, &Device::Cpu)?;
+/// ln.call(&Tensor::ones((2, 5), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(ln.normalized_shape(), Some(vec![5]));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct LazyLayerNorm {
+    /// The normalized shape, if the layer is elementwise-affine; unbuilt until it is known.
+    pub weight: Option<Param>,
+    /// The normalized shape, if the layer is elementwise-affine and has a bias.
+    pub bias: Option<Param>,
+    /// How many trailing dimensions are normalized.
+    pub num_dims: usize,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl LazyLayerNorm {
+    /// A float32 layer with PyTorch's defaults (`eps = 1e-5`, weight and bias) normalizing the
+    /// last `num_dims` dimensions.
+    pub fn new(num_dims: usize, device: &Device) -> Result<Self> {
+        Self::with_config(num_dims, LayerNormConfig::default(), device)
+    }
+
+    /// A layer built as `config` says, normalizing the last `num_dims` dimensions.
+    pub fn with_config(num_dims: usize, config: LayerNormConfig, device: &Device) -> Result<Self> {
+        let (weight, bias) =
+            config.params(|init| lazy_param(&vec![None; num_dims], init, config.dtype, device))?;
+        Ok(Self {
+            weight,
+            bias,
+            num_dims,
+            eps: config.eps,
+        })
+    }
+
+    /// The normalized shape, once built (always `None` without affine parameters).
+    pub fn normalized_shape(&self) -> Option<Vec<usize>> {
+        self.weight
+            .as_ref()
+            .filter(|w| w.is_built())
+            .map(|w| w.shape().dims().to_vec())
+    }
+}
+
+impl Forward<&Tensor> for LazyLayerNorm {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        if dims.len() < self.num_dims {
+            let expected = format!("with at least {} dimensions", self.num_dims);
+            return Err(input_shape_error("LazyLayerNorm", expected, x));
+        }
+        let normalized = &dims[dims.len() - self.num_dims..];
+        let param = |name, p: &Option<Param>| {
+            p.as_ref()
+                .map(|p| layer_param("LazyLayerNorm", name, p, normalized, 0, x))
+                .transpose()
+        };
+        let (weight, bias) = (param("weight", &self.weight)?, param("bias", &self.bias)?);
+        layer_norm(x, normalized, weight, bias, self.eps)
+    }
+}
+
+/// How an [`RmsNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNormConfig {
+    /// Added to the mean square; `None` (the default) is the machine epsilon of the input's dtype
+    /// (`torch.finfo(x.dtype).eps`).
+    pub eps: Option<f64>,
+    /// Whether the layer has a `weight` (default `true`).
+    pub elementwise_affine: bool,
+    /// The weight's floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for RmsNormConfig {
+    fn default() -> Self {
+        Self {
+            eps: None,
+            elementwise_affine: true,
+            dtype: DType::F32,
+        }
+    }
+}
+
+/// Root-mean-square normalization over the last dimensions: PyTorch's `nn.RMSNorm`.
+///
+/// `y = x / sqrt(mean(x²) + eps) * weight`. Parameter `weight` of shape `normalized_shape` (ones),
+/// when elementwise-affine. PyTorch's default `eps=None` means the input dtype's machine epsilon
+/// ([`RmsNorm::DEFAULT_EPS_F32`] for float32). The input is `[…, *normalized_shape]`; the output has
+/// its shape.
+///
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{RmsNorm, RmsNormConfig};
+/// let config = RmsNormConfig { eps: Some(1e-6), ..Default::default() };
+/// let norm = RmsNorm::with_config(2, config, &Device::Cpu)?;
+/// let y = norm.call(&Tensor::new(&[[3f32, 4.]], &Device::Cpu)?)?;
+/// let expected = [3. / 12.5f32.sqrt(), 4. / 12.5f32.sqrt()];
+/// let got = y.to_vec2::<f32>()?;
+/// assert!((got[0][0] - expected[0]).abs() < 1e-5 && (got[0][1] - expected[1]).abs() < 1e-5);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+pub struct RmsNorm {
+    /// `normalized_shape`, if the layer is elementwise-affine.
+    pub weight: Option<Param>,
+    /// The trailing dimensions that are normalized.
+    pub normalized_shape: Vec<usize>,
+    /// Added to the mean square; `None` for the input dtype's machine epsilon.
+    pub eps: Option<f64>,
+}
+
+impl RmsNorm {
+    /// PyTorch's default `eps` for float32 inputs: `torch.finfo(torch.float32).eps`.
+    pub const DEFAULT_EPS_F32: f64 = f32::EPSILON as f64;
+
+    /// A float32 layer with PyTorch's defaults (machine-epsilon `eps`, a weight) normalizing the
+    /// trailing dimensions `normalized_shape`.
+    pub fn new(normalized_shape: impl Into<Shape>, device: &Device) -> Result<Self> {
+        Self::with_config(normalized_shape, RmsNormConfig::default(), device)
+    }
+
+    /// A layer built as `config` says.
+    pub fn with_config(
+        normalized_shape: impl Into<Shape>,
+        config: RmsNormConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        let shape: Shape = normalized_shape.into();
+        Ok(Self {
+            weight: config
+                .elementwise_affine
+                .then(|| Param::new(Tensor::ones(&shape, config.dtype, device)?))
+                .transpose()?,
+            normalized_shape: shape.dims().to_vec(),
+            eps: config.eps,
+        })
+    }
+
+    /// The `eps` used for inputs of `dtype`.
+    fn eps_for(&self, dtype: DType) -> f64 {
+        self.eps.unwrap_or(match dtype {
+            // `torch.finfo(dtype).eps`: 2^-10 and 2^-7.
+            DType::F16 => 0.0009765625,
+            DType::BF16 => 0.0078125,
+            DType::F64 => f64::EPSILON,
+            _ => Self::DEFAULT_EPS_F32,
+        })
+    }
+}
+
+impl Forward<&Tensor> for RmsNorm {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let folded = fold_trailing(x, &self.normalized_shape, "RmsNorm")?;
+        let weight = flat(param_tensor(&self.weight))?;
+        if let Some(w) = &weight {
+            check_input_device("RmsNorm.weight", w, x)?;
+        }
+        let eps = self.eps_for(x.dtype());
+        let y = match &weight {
+            Some(w) if no_gradient_needed(&[x, w]) => {
+                candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
+            }
+            _ => {
+                let dtype = x.dtype();
+                let xc = folded.to_dtype(compute_dtype(dtype))?;
+                let ms = xc.sqr()?.mean_keepdim(D::Minus1)?;
+                let normed = xc.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dtype)?;
+                match &weight {
+                    Some(w) => normed.broadcast_mul(w)?,
+                    None => normed,
+                }
+            }
+        };
+        Ok(y.reshape(x.shape())?)
+    }
+}
+
+forward_by_value!(LayerNorm, LazyLayerNorm, RmsNorm);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModuleExt;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// With frozen parameters and a plain input nothing needs a gradient: the fused kernel runs, and
+    /// it agrees with the differentiable path.
+    #[test]
+    fn fused_and_composed_paths_agree() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = (Tensor::randn(0f32, 2., (3, 5, 16), &dev)? + 0.5)?;
+        let ln = LayerNorm::new(16, &dev)?;
+        ln.weight
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(1f32, 0.5, 16, &dev)?)?;
+        ln.bias
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(0f32, 0.5, 16, &dev)?)?;
+        let config = RmsNormConfig {
+            eps: Some(1e-6),
+            ..Default::default()
+        };
+        let rms = RmsNorm::with_config(16, config, &dev)?;
+        rms.weight
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(1f32, 0.5, 16, &dev)?)?;
+        let composed = (ln.forward(&x)?, rms.forward(&x)?);
+        ln.freeze("**")?;
+        rms.freeze("**")?;
+        let fused = (ln.forward(&x)?, rms.forward(&x)?);
+        assert!(max_diff(&composed.0, &fused.0) < 1e-5);
+        assert!(max_diff(&composed.1, &fused.1) < 1e-5);
+        Ok(())
+    }
+
+    #[test]
+    fn layer_norm_over_two_trailing_dims() -> Result<()> {
+        let dev = Device::Cpu;
+        let ln = LayerNorm::new((2, 3), &dev)?;
+        let x = Tensor::randn(0f32, 1., (4, 2, 3), &dev)?;
+        let y = ln.forward(&x)?;
+        let no_affine = LayerNormConfig {
+            elementwise_affine: false,
+            ..Default::default()
+        };
+        let flat = LayerNorm::with_config(6, no_affine, &dev)?.forward(&x.reshape((4, 6))?)?;
+        assert!(max_diff(&y.reshape((4, 6))?, &flat) < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn wrong_trailing_dims_are_an_input_shape_error() -> Result<()> {
+        let ln = LayerNorm::new(4, &Device::Cpu)?;
+        let err = ln
+            .forward(&Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                crate::Error::InputShape {
+                    layer: "LayerNorm",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        Ok(())
+    }
+}
