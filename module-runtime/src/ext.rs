@@ -252,7 +252,7 @@ pub trait ModuleExt: Module {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     fn trainable_vars(&self) -> Result<Vec<Var>> {
-        crate::lazy::ensure_built(self.as_dyn(), "list the trainable variables of")?;
+        crate::views::ensure_built(self.as_dyn(), "list the trainable variables of")?;
         Ok(self
             .parameters()
             .iter()
@@ -313,7 +313,7 @@ pub trait ModuleExt: Module {
     /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
-        crate::lazy::ensure_built(self.as_dyn(), "take the state dict of")?;
+        crate::views::ensure_built(self.as_dyn(), "take the state dict of")?;
         Ok(crate::state::state_dict(self.as_dyn()))
     }
 
@@ -356,7 +356,7 @@ pub trait ModuleExt: Module {
     ///
     /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model is not built.
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        crate::lazy::ensure_built(self.as_dyn(), "save")?;
+        crate::views::ensure_built(self.as_dyn(), "save")?;
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())
     }
 

@@ -15,8 +15,6 @@ use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-use crate::module::Module;
-
 /// The identity of a shared allocation: equal for every clone of `arc`, distinct otherwise.
 pub(crate) fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
     Arc::as_ptr(arc) as *const () as usize
@@ -73,11 +71,11 @@ impl CallTarget {
         }
     }
 
-    /// The target of a module seen through `dyn Module`.
-    pub(crate) fn of_dyn(module: &dyn Module) -> Self {
+    /// The target of a value seen through a trait object (`&dyn Module` upcasts to it).
+    pub(crate) fn of_dyn(value: &dyn Any) -> Self {
         Self {
-            addr: module as *const dyn Module as *const () as usize,
-            ty: (module as &dyn Any).type_id(),
+            addr: value as *const dyn Any as *const () as usize,
+            ty: value.type_id(),
         }
     }
 }
@@ -95,7 +93,7 @@ pub struct Shared {
 
 impl Shared {
     /// The identity of the module behind `arc`, reached through that `Arc` value.
-    pub(crate) fn of<M: Module>(arc: &Arc<M>) -> Self {
+    pub(crate) fn of<M: Any>(arc: &Arc<M>) -> Self {
         Self {
             id: arc_id(arc),
             holder: CallTarget::of(arc),

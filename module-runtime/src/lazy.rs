@@ -33,7 +33,7 @@
 use std::fmt;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ext::ModuleExt;
 use crate::forward::Forward;
 use crate::identity::CallTarget;
@@ -313,7 +313,7 @@ pub trait LazyExt: ModuleExt {
     /// The path of every unbuilt parameter, buffer and [`Lazy`] cell, each once, in declaration
     /// order.
     fn unbuilt_paths(&self) -> Vec<String> {
-        unbuilt_paths(self.as_dyn())
+        crate::views::unbuilt_paths(self.as_dyn())
     }
 
     /// Whether nothing in the model is unbuilt.
@@ -323,51 +323,6 @@ pub trait LazyExt: ModuleExt {
 }
 
 impl<T: ModuleExt + ?Sized> LazyExt for T {}
-
-pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
-    let mut out = Vec::new();
-    walk(root, true, &mut |path, v| {
-        let unbuilt = match v {
-            Visit::Param(p) => !p.is_built(),
-            Visit::Buffer(b) => !b.is_built(),
-            Visit::Module(m) => m.__unbuilt(),
-            Visit::Mode(_) => false,
-        };
-        if unbuilt {
-            out.push(path.to_owned());
-        }
-        true
-    });
-    out
-}
-
-/// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) (`"cannot {action} …"`) if anything in `root` is unbuilt.
-pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
-    let paths = unbuilt_paths(root);
-    if paths.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Unbuilt { action, paths })
-    }
-}
-
-/// Fails if `root` holds an unbuilt [`Lazy`] cell: a checkpoint cannot say what it would hold.
-pub(crate) fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
-    let mut paths = Vec::new();
-    walk(root, true, &mut |path, v| {
-        if let Visit::Module(m) = v {
-            if m.__unbuilt() {
-                paths.push(path.to_owned());
-            }
-        }
-        true
-    });
-    if paths.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Unbuilt { action, paths })
-    }
-}
 
 /// Freezes every parameter and puts every module in evaluation mode until dropped, then restores
 /// each flag as it was.
@@ -412,6 +367,7 @@ impl Drop for DryRun<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
     use candle_core::{DType, Device, Tensor};
 
     #[test]

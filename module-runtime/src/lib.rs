@@ -48,7 +48,14 @@
 // The runtime's own layers use the derive, whose expansion names `::module_runtime`.
 extern crate self as module_runtime;
 
-// Bottom up: each file uses only those above it (see the README's layout table).
+// The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
+//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
+//   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
+//   walk, path, views, convert, device                the one walk and what is built on it
+//   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
+//   state, io, summary                                state dicts, files, summaries
+//   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
+// *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
 mod convert;
 mod device;

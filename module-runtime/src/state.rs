@@ -311,7 +311,7 @@ pub(crate) fn load(
     source: &dyn Source,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
-    crate::lazy::ensure_cells_built(root, "load a checkpoint into")?;
+    crate::views::ensure_cells_built(root, "load a checkpoint into")?;
     let targets = slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
     let mut unexpected = Vec::new();

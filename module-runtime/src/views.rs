@@ -1,5 +1,6 @@
 //! The views PyTorch users know, each one walk: `named_parameters`, `named_buffers`,
-//! `named_modules`, `named_children`, `apply`, freezing by pattern and train/eval modes.
+//! `named_modules`, `named_children`, `apply`, freezing by pattern, train/eval modes, and what is
+//! still unbuilt.
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
@@ -103,4 +104,50 @@ pub(crate) fn is_training(root: &dyn Module) -> bool {
         found.is_none()
     });
     found.unwrap_or(true)
+}
+
+/// The path of every unbuilt parameter, buffer and [`Lazy`](crate::Lazy) cell, each once.
+pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
+    let mut out = Vec::new();
+    walk(root, true, &mut |path, v| {
+        let unbuilt = match v {
+            Visit::Param(p) => !p.is_built(),
+            Visit::Buffer(b) => !b.is_built(),
+            Visit::Module(m) => m.__unbuilt(),
+            Visit::Mode(_) => false,
+        };
+        if unbuilt {
+            out.push(path.to_owned());
+        }
+        true
+    });
+    out
+}
+
+/// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) (`"cannot {action} …"`) if anything in `root` is unbuilt.
+pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
+    let paths = unbuilt_paths(root);
+    if paths.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Unbuilt { action, paths })
+    }
+}
+
+/// Fails if `root` holds an unbuilt [`Lazy`] cell: a checkpoint cannot say what it would hold.
+pub(crate) fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
+    let mut paths = Vec::new();
+    walk(root, true, &mut |path, v| {
+        if let Visit::Module(m) = v {
+            if m.__unbuilt() {
+                paths.push(path.to_owned());
+            }
+        }
+        true
+    });
+    if paths.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Unbuilt { action, paths })
+    }
 }
