@@ -149,7 +149,7 @@ fn forward(c: &mut Criterion) {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return;
     };
-    let device = module_runtime::device_from_env().unwrap();
+    let device = candle_module::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
     let baseline = varbuilder(&dir.join("model.safetensors"), &device).unwrap();
     let (ids, mask) = inputs(&device).unwrap();
@@ -183,7 +183,7 @@ fn load(c: &mut Criterion) {
         return;
     };
     let path = dir.join("model.safetensors");
-    let device = module_runtime::device_from_env().unwrap();
+    let device = candle_module::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
 
     let mut group = c.benchmark_group("minilm_load");

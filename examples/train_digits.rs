@@ -11,38 +11,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_module::{digits_path, Digits};
+use candle_module::{digits_path, DigitNet, Digits};
 use candle_nn::Optimizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use module_runtime::prelude::*;
-
-/// 8x8 image → 64 → 128 → 64 → 10 classes.
-#[derive(Module)]
-struct DigitNet {
-    fc1: Linear,
-    fc2: Linear,
-    head: Linear,
-}
-
-impl DigitNet {
-    fn new(device: &Device) -> Result<Self> {
-        Ok(Self {
-            fc1: Linear::new(64, 128, device)?,
-            fc2: Linear::new(128, 64, device)?,
-            head: Linear::new(64, 10, device)?,
-        })
-    }
-}
-
-impl Forward<&Tensor> for DigitNet {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.call(x)?.relu()?;
-        let h = self.fc2.call(&h)?.relu()?;
-        self.head.call(&h)
-    }
-}
 
 struct Args {
     epochs: usize,
@@ -110,7 +82,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let device = match &args.device {
         Some(name) => module_runtime::parse_device(name)?,
-        None => module_runtime::device_from_env()?,
+        None => candle_module::device_from_env()?,
     };
     let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
     println!(

@@ -11,9 +11,10 @@ use candle_module::bert::{
     encode_batch, load_tokenizer, mean_pool_normalized, minilm_dir, BertConfig, BertEncoder,
     BertModel, BertPooler,
 };
+use candle_module::device_from_env;
 use module_runtime::nn::{Dropout, Embedding, LayerNorm};
 use module_runtime::prelude::*;
-use module_runtime::{device_from_env, Buffer};
+use module_runtime::Buffer;
 
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {

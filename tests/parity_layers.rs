@@ -20,7 +20,7 @@ use parity_common_a::{assert_close, assert_equal, Fixture};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// Compares `output` with the fixture, backpropagates `(output * upstream).sum()`, and compares the

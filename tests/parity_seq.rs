@@ -17,7 +17,7 @@ use parity_common_b::{assert_close, Fixture};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// Backpropagates `(output * upstream).sum()` and compares the input's and every parameter's

@@ -65,7 +65,7 @@ mod tree;
 mod visit;
 
 pub use buffer::Buffer;
-pub use device::{device_from_env, device_name, parse_device, DEVICE_ENV};
+pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use forward::Forward;
 pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};

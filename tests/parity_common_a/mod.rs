@@ -41,8 +41,7 @@ impl Fixture {
             return None;
         }
         // Onto the device under test, so inputs and expected values are where the model is.
-        let device =
-            module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device");
+        let device = candle_module::device_from_env().expect("MODULE_DEVICE names a usable device");
         let tensors = candle_core::safetensors::load(&path, &device)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
         Some(Self {
