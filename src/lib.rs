@@ -4,10 +4,11 @@
 //! - [`digits`]: the bundled digits data set and [`DigitNet`], the model the examples and
 //!   benchmarks train on it;
 //! - [`device_from_env`]: the device under test, from `MODULE_DEVICE`;
-//! - [`fixtures`]: PyTorch reference fixtures for the parity tests;
-//! - [`bert`]: a BERT encoder that loads Hugging Face checkpoints.
+//! - [`fixtures`]: PyTorch reference fixtures for the parity tests.
+//!
+//! The BERT model and everything that runs all-MiniLM-L6-v2 (examples, tests, benchmarks) are the
+//! `minilm` package, so that the examples here build without a tokenizer or a JSON parser.
 
-pub mod bert;
 mod device;
 pub mod digits;
 pub mod fixtures;

@@ -8,14 +8,14 @@
 //!    similarity to the unpatched ones), and how the similarity of two related sentences changes.
 //!
 //! ```text
-//! cargo run --release --example hooks -- [--model DIR] [--layer L]
+//! cargo run --release -p minilm --example hooks -- [--model DIR] [--layer L]
 //! ```
 
 use std::path::PathBuf;
 
-use candle_module::bert::{
-    encode_batch, load_tokenizer, mean_pool_normalized, minilm_dir, BertConfig, BertModel,
-};
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use minilm::sentences::{encode_batch, load_tokenizer, mean_pool_normalized};
 use module_runtime::prelude::*;
 use module_runtime::Hooks;
 

@@ -3,7 +3,7 @@
 //! a strict load of the checkpoint.
 //!
 //! ```text
-//! cargo bench --bench minilm
+//! cargo bench -p minilm --bench minilm
 //! ```
 //!
 //! The checkpoint comes from `MINILM_DIR` or `../shared/models/all-MiniLM-L6-v2`; without it the
@@ -13,9 +13,10 @@ use std::hint::black_box;
 use std::path::Path;
 use std::time::Duration;
 
-use candle_module::bert::{minilm_dir, BertConfig, BertModel};
 use candle_nn::VarBuilder;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
 use module_runtime::prelude::*;
 use module_runtime::Hooks;
 

@@ -1,11 +1,11 @@
 //! Sentence embeddings with a real Hugging Face checkpoint: all-MiniLM-L6-v2 loaded strictly, by
-//! name, into the BERT encoder of `candle_module::bert` (plain structs with `#[derive(Module)]`),
+//! name, into the BERT encoder of `minilm::bert` (plain structs with `#[derive(Module)]`),
 //! tokenized with the `tokenizers` crate, mean-pooled over the attention mask and L2-normalized,
 //! as sentence-transformers does.
 //!
 //! ```text
 //! printf 'A man is eating food.\nA man is riding a horse.\n' |
-//!     cargo run --release --example sentence_embeddings -- --model ../shared/models/all-MiniLM-L6-v2
+//!     cargo run --release -p minilm --example sentence_embeddings -- --model ../shared/models/all-MiniLM-L6-v2
 //! ```
 //!
 //! Reads sentences from stdin, one per line, and prints to stdout one JSON array holding one array of
@@ -15,9 +15,9 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_module::bert::{
-    encode_batch, load_tokenizer, mean_pool_normalized, minilm_dir, BertConfig, BertModel,
-};
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use minilm::sentences::{encode_batch, load_tokenizer, mean_pool_normalized};
 use module_runtime::parse_device;
 use module_runtime::prelude::*;
 

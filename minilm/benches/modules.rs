@@ -3,15 +3,15 @@
 //! step of the digits model, and `call` against `forward` on a tiny module.
 //!
 //! ```text
-//! cargo bench --bench modules
+//! cargo bench -p minilm --bench modules
 //! ```
 
 use std::hint::black_box;
 
-use candle_module::bert::{BertConfig, BertModel};
 use candle_module::DigitNet;
 use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, Criterion};
+use minilm::bert::{BertConfig, BertModel};
 use module_runtime::prelude::*;
 
 /// A VarMap holding the same tensors as `model`, under the same names: candle-nn's registry.
