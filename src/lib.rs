@@ -3,7 +3,8 @@
 //!
 //! - [`digits`]: the bundled digits data set and [`DigitNet`], the model the examples and
 //!   benchmarks train on it;
-//! - [`device_from_env`]: the device under test, from `MODULE_DEVICE`;
+//! - [`device_from_env`]: the device under test, from `MODULE_DEVICE` ([`device_or_env`] for an
+//!   example's `--device`);
 //! - [`fixtures`]: PyTorch reference fixtures for the parity tests.
 //!
 //! The BERT model and everything that runs all-MiniLM-L6-v2 (examples, tests, benchmarks) are the
@@ -13,5 +14,5 @@ mod device;
 pub mod digits;
 pub mod fixtures;
 
-pub use device::{device_from_env, DEVICE_ENV};
+pub use device::{device_from_env, device_or_env, DEVICE_ENV};
 pub use digits::{digits_path, DigitNet, Digits};
