@@ -48,7 +48,7 @@ pub fn load_tokenizer(dir: &Path) -> std::result::Result<Tokenizer, Box<dyn std:
 }
 
 /// Tokenizes `sentences` as one padded batch: `(input_ids, attention_mask)`, both `[batch, seq]`
-/// u32, ready for [`BertModel`]'s `call`.
+/// u32, ready for [`BertModel`](crate::bert::BertModel)'s `call`.
 pub fn encode_batch(
     tokenizer: &Tokenizer,
     sentences: &[&str],
