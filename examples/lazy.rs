@@ -4,14 +4,15 @@
 //! checkpoint's shapes build.
 //!
 //! ```text
-//! cargo run --release --example lazy -- [--steps N] [--device cpu|cuda:0] [--out PATH]
+//! cargo run --release --example lazy -- [--steps N] [--device NAME] [--out PATH]
 //! ```
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_module::{digits_path, Digits};
+use candle_module::{device_or_env, digits_path, Digits};
 use candle_nn::Optimizer;
+use clap::Parser;
 use module_runtime::nn::{ConvConfig, LazyBatchNorm2d, LazyConv2d, LazyLinear, MaxPool2d};
 use module_runtime::prelude::*;
 
@@ -57,46 +58,19 @@ impl Forward<&Tensor> for LazyCnn {
     }
 }
 
+/// Build a lazy CNN from one digits batch, train it briefly, save it, reload it into an unbuilt
+/// model.
+#[derive(Parser)]
 struct Args {
+    /// AdamW steps of 64 images
+    #[arg(long, value_name = "N", default_value_t = 200)]
     steps: usize,
-    device: String,
+    /// cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
+    #[arg(long, value_name = "NAME")]
+    device: Option<String>,
+    /// Where to save the checkpoint
+    #[arg(long, value_name = "PATH", default_value = "lazy_cnn.safetensors")]
     out: PathBuf,
-}
-
-const USAGE: &str = "\
-Build a lazy CNN from one digits batch, train it briefly, save it, reload it into an unbuilt model.
-
-Usage: lazy [OPTIONS]
-
-Options:
-  --steps N        AdamW steps of 64 images [default: 200]
-  --device NAME    cpu, cuda:0, metal:0 [default: cpu]
-  --out PATH       where to save the checkpoint [default: lazy_cnn.safetensors]
-  -h, --help       print this help";
-
-fn parse_args() -> std::result::Result<Args, String> {
-    let mut args = Args {
-        steps: 200,
-        device: "cpu".into(),
-        out: "lazy_cnn.safetensors".into(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let value = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n\n{USAGE}"))?;
-        match flag.as_str() {
-            "--steps" => args.steps = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?,
-            "--device" => args.device = value,
-            "--out" => args.out = value.into(),
-            _ => return Err(format!("unknown option {flag}\n\n{USAGE}")),
-        }
-    }
-    Ok(args)
 }
 
 /// Test accuracy, in evaluation mode (BatchNorm uses its running statistics).
@@ -111,8 +85,8 @@ fn accuracy(model: &LazyCnn, data: &Digits, device: &Device) -> Result<f64> {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    let args = parse_args()?;
-    let device = module_runtime::parse_device(&args.device)?;
+    let args = Args::parse();
+    let device = device_or_env(args.device.as_deref())?;
     let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
     let batch = 64;
 

@@ -3,100 +3,40 @@
 //! reloaded into a fresh model.
 //!
 //! ```text
-//! cargo run --release --example train_digits -- [--epochs N] [--lr LR] [--device cpu|cuda:0] [--out PATH]
+//! cargo run --release --example train_digits -- [--epochs N] [--lr LR] [--batch-size N] [--device NAME] [--out PATH]
 //! ```
 //!
-//! Without `--device`, the device is `MODULE_DEVICE`'s (the CPU when unset), as for the tests.
+//! Without `--device`, the device is `MODULE_DEVICE`'s (the CPU when unset), as for the tests;
+//! `-- --help` describes every flag.
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_module::{digits_path, Digits};
+use candle_module::{device_or_env, digits_path, DigitNet, Digits};
 use candle_nn::Optimizer;
+use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use module_runtime::prelude::*;
 
-/// 8x8 image → 64 → 128 → 64 → 10 classes.
-#[derive(Module)]
-struct DigitNet {
-    fc1: Linear,
-    fc2: Linear,
-    head: Linear,
-}
-
-impl DigitNet {
-    fn new(device: &Device) -> Result<Self> {
-        Ok(Self {
-            fc1: Linear::new(64, 128, device)?,
-            fc2: Linear::new(128, 64, device)?,
-            head: Linear::new(64, 10, device)?,
-        })
-    }
-}
-
-impl Forward<&Tensor> for DigitNet {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.call(x)?.relu()?;
-        let h = self.fc2.call(&h)?.relu()?;
-        self.head.call(&h)
-    }
-}
-
+/// Train a digit classifier on the bundled UCI digits data.
+#[derive(Parser)]
 struct Args {
+    /// Passes over the training set
+    #[arg(long, value_name = "N", default_value_t = 30)]
     epochs: usize,
+    /// AdamW learning rate
+    #[arg(long, value_name = "LR", default_value_t = 3e-3)]
     lr: f64,
-    batch_size: usize,
-    /// `--device`; `None` reads `MODULE_DEVICE`.
+    /// Examples per step
+    #[arg(long, value_name = "N", default_value = "32")]
+    batch_size: NonZeroUsize,
+    /// cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
+    #[arg(long, value_name = "NAME")]
     device: Option<String>,
+    /// Where to save the trained checkpoint
+    #[arg(long, value_name = "PATH", default_value = "digits.safetensors")]
     out: PathBuf,
-}
-
-const USAGE: &str = "\
-Train a digit classifier on the bundled UCI digits data.
-
-Usage: train_digits [OPTIONS]
-
-Options:
-  --epochs N       passes over the training set [default: 30]
-  --lr LR          AdamW learning rate [default: 0.003]
-  --batch-size N   examples per step [default: 32]
-  --device NAME    cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
-  --out PATH       where to save the trained checkpoint [default: digits.safetensors]
-  -h, --help       print this help";
-
-fn parse_args() -> std::result::Result<Args, String> {
-    let mut args = Args {
-        epochs: 30,
-        lr: 3e-3,
-        batch_size: 32,
-        device: None,
-        out: "digits.safetensors".into(),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let value = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n\n{USAGE}"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
-        match flag.as_str() {
-            "--epochs" => args.epochs = value.parse().map_err(|e| bad(&e))?,
-            "--lr" => args.lr = value.parse().map_err(|e| bad(&e))?,
-            "--batch-size" => args.batch_size = value.parse().map_err(|e| bad(&e))?,
-            "--device" => args.device = Some(value),
-            "--out" => args.out = value.into(),
-            _ => return Err(format!("unknown option {flag}\n\n{USAGE}")),
-        }
-    }
-    if args.batch_size == 0 {
-        return Err("--batch-size must be at least 1".into());
-    }
-    Ok(args)
 }
 
 fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
@@ -107,11 +47,9 @@ fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    let args = parse_args()?;
-    let device = match &args.device {
-        Some(name) => module_runtime::parse_device(name)?,
-        None => module_runtime::device_from_env()?,
-    };
+    let args = Args::parse();
+    let batch_size = args.batch_size.get();
+    let device = device_or_env(args.device.as_deref())?;
     let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
     println!(
         "digits: {} training and {} test images (8x8), device {}",
@@ -130,7 +68,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             ..Default::default()
         },
     )?;
-    let steps_per_epoch = train.len().div_ceil(args.batch_size);
+    let steps_per_epoch = train.len().div_ceil(batch_size);
     let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} steps, epoch {prefix}, loss {msg}")?,
     );
@@ -139,8 +77,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         bar.set_prefix(epoch.to_string());
         let mut total = 0.0;
         for step in 0..steps_per_epoch {
-            let lo = step * args.batch_size;
-            let (x, y) = train.batch(lo..(lo + args.batch_size).min(train.len()), &device)?;
+            let lo = step * batch_size;
+            let (x, y) = train.batch(lo..(lo + batch_size).min(train.len()), &device)?;
             let loss = candle_nn::loss::cross_entropy(&model.call(&x)?, &y)?;
             opt.backward_step(&loss)?;
             total += loss.to_scalar::<f32>()?;

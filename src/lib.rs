@@ -1,97 +1,18 @@
-//! Shared support for this workspace's examples, integration tests and benchmarks: the bundled
-//! digits data set and a BERT encoder ([`bert`]) that loads Hugging Face checkpoints. The library
-//! itself is `module-runtime`.
+//! Support code for this workspace's examples and integration tests — not part of the library,
+//! which is `module-runtime`:
+//!
+//! - [`digits`]: the bundled digits data set and [`DigitNet`], the model the examples and
+//!   benchmarks train on it;
+//! - [`device_from_env`]: the device under test, from `MODULE_DEVICE` ([`device_or_env`] for an
+//!   example's `--device`);
+//! - [`fixtures`]: PyTorch reference fixtures for the parity tests.
+//!
+//! The BERT model and everything that runs all-MiniLM-L6-v2 (examples, tests, benchmarks) are the
+//! `minilm` package, so that the examples here build without a tokenizer or a JSON parser.
 
-pub mod bert;
+mod device;
+pub mod digits;
+pub mod fixtures;
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-
-use module_runtime::candle_core::{Device, Tensor};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
-
-/// The bundled UCI digits data set (`data/digits.csv.gz`, CC BY 4.0; see `data/README.md`).
-pub fn digits_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/digits.csv.gz")
-}
-
-/// 8x8 grey-level digit images and their labels.
-pub struct Digits {
-    /// `[n, 64]` pixels scaled to `0..=1`, row-major.
-    pub images: Vec<[f32; 64]>,
-    /// `n` labels `0..=9`.
-    pub labels: Vec<u32>,
-}
-
-impl Digits {
-    /// Reads `digits.csv.gz`: 65 integers a row, 64 pixels (0..=16) then the label.
-    pub fn load(path: &Path) -> Result<Self, Box<dyn std::error::Error>> {
-        let mut text = String::new();
-        flate2::read::GzDecoder::new(std::fs::File::open(path)?).read_to_string(&mut text)?;
-        let mut images = Vec::new();
-        let mut labels = Vec::new();
-        for (line_no, line) in text.lines().enumerate().filter(|(_, l)| !l.is_empty()) {
-            let values = line
-                .split(',')
-                .map(|v| v.trim().parse::<u32>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("line {}: {e}", line_no + 1))?;
-            let [pixels @ .., label] = values.as_slice() else {
-                unreachable!("split yields at least one value")
-            };
-            if pixels.len() != 64 || *label > 9 {
-                return Err(
-                    format!("line {}: expected 64 pixels and a label 0..9", line_no + 1).into(),
-                );
-            }
-            let mut image = [0f32; 64];
-            for (dst, &p) in image.iter_mut().zip(pixels) {
-                *dst = p as f32 / 16.0;
-            }
-            images.push(image);
-            labels.push(*label);
-        }
-        Ok(Self { images, labels })
-    }
-
-    /// Number of examples.
-    pub fn len(&self) -> usize {
-        self.labels.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
-    }
-
-    /// Shuffles with a fixed `seed` and splits off the first `test_fraction` as the test set:
-    /// `(train, test)`.
-    pub fn split(self, test_fraction: f64, seed: u64) -> (Digits, Digits) {
-        let mut order: Vec<usize> = (0..self.len()).collect();
-        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
-        let n_test = (self.len() as f64 * test_fraction).round() as usize;
-        let pick = |idx: &[usize]| Digits {
-            images: idx.iter().map(|&i| self.images[i]).collect(),
-            labels: idx.iter().map(|&i| self.labels[i]).collect(),
-        };
-        (pick(&order[n_test..]), pick(&order[..n_test]))
-    }
-
-    /// Examples `range` as tensors: images `[len, 64]` (f32) and labels `[len]` (u32).
-    pub fn batch(
-        &self,
-        range: std::ops::Range<usize>,
-        device: &Device,
-    ) -> module_runtime::Result<(Tensor, Tensor)> {
-        let n = range.len();
-        let pixels: Vec<f32> = self.images[range.clone()]
-            .iter()
-            .flatten()
-            .copied()
-            .collect();
-        let images = Tensor::from_vec(pixels, (n, 64), device)?;
-        let labels = Tensor::from_slice(&self.labels[range], n, device)?;
-        Ok((images, labels))
-    }
-}
+pub use device::{device_from_env, device_or_env, DEVICE_ENV};
+pub use digits::{digits_path, DigitNet, Digits};

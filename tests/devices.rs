@@ -13,7 +13,7 @@ use module_runtime::{device_name, parse_device};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 const VOCAB: usize = 10;

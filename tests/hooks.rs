@@ -10,7 +10,7 @@ use module_runtime::{Captures, HookCtx, TensorStruct};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// A small model with every way of holding and calling a submodule.

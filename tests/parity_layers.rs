@@ -4,11 +4,10 @@
 //! Each test builds the layer, loads the fixture's `param.*` by PyTorch name (every key must be
 //! used), runs the forward pass, compares `output`, backpropagates
 //! `loss = (output * upstream).sum()`, and compares `grad.input` and every `grad.param.*`.
-//! Tolerance: `|actual - expected| <= 1e-5 + 1e-5 * |expected|` (see `parity_common_a::TOL`).
-
-mod parity_common_a;
+//! Tolerance: `|actual - expected| <= 1e-5 + 1e-5 * |expected|` (see `candle_module::fixtures::TOL`).
 
 use candle_core::Var;
+use candle_module::fixtures::{assert_close, assert_equal, Fixture};
 use candle_nn::Optimizer;
 use module_runtime::nn::{
     self, loss, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, ConvConfig, ConvTranspose2d,
@@ -16,11 +15,10 @@ use module_runtime::nn::{
     MaxPool2d, RmsNorm, RmsNormConfig, Softmax, GELU,
 };
 use module_runtime::prelude::*;
-use parity_common_a::{assert_close, assert_equal, Fixture};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// Compares `output` with the fixture, backpropagates `(output * upstream).sum()`, and compares the

@@ -6,19 +6,17 @@
 //!
 //! Tolerance: 1e-5 absolute plus 1e-5 relative (the fixtures are within 1.5e-6 of float64).
 
-mod parity_common_b;
-
 use candle_core::Var;
+use candle_module::fixtures::{assert_close, Fixture};
 use module_runtime::nn::{
     AttentionInput, Gru, LinearConfig, Lstm, MultiheadAttention, MultiheadAttentionConfig,
     RnnConfig,
 };
 use module_runtime::prelude::*;
-use parity_common_b::{assert_close, Fixture};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 /// Backpropagates `(output * upstream).sum()` and compares the input's and every parameter's
@@ -29,18 +27,18 @@ fn check_backward(fx: &Fixture, model: &dyn Module, input: &Var, output: &Tensor
     let grad_input = grads
         .get(input.as_tensor())
         .expect("no gradient for the input");
-    assert_close(grad_input, &fx.get("grad.input"), "grad.input");
+    assert_close("grad.input", grad_input, &fx.get("grad.input"));
     let params = model.named_parameters();
-    let keys = fx.keys_with_prefix("grad.param.");
+    let keys = fx.keys_under("grad.param.");
     assert_eq!(keys.len(), params.len(), "a gradient for every parameter");
     for (name, p) in params {
         let grad = grads
             .get(p.var().as_tensor())
             .unwrap_or_else(|| panic!("no gradient for {name}"));
         assert_close(
+            &format!("grad.{name}"),
             grad,
             &fx.get(&format!("grad.param.{name}")),
-            &format!("grad.{name}"),
         );
     }
 }
@@ -59,10 +57,10 @@ fn check_linear(name: &str, bias: bool) {
         &dev(),
     )
     .unwrap();
-    fx.load_params(&model);
+    fx.load_state(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let y = model.call(x.as_tensor()).unwrap();
-    assert_close(&y, &fx.get("output"), "output");
+    assert_close("output", &y, &fx.get("output"));
     check_backward(&fx, &model, &x, &y);
     fx.assert_all_used();
 }
@@ -88,21 +86,21 @@ fn multihead_attention() {
     };
     let model = MultiheadAttention::with_config(8, 2, config, &dev()).unwrap();
     model.eval();
-    fx.load_params(&model);
+    fx.load_state(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let x = x.as_tensor();
     let mask = fx.get("mask");
     let (y, weights) = model
         .call(AttentionInput::new(x, x, x).key_padding_mask(&mask))
         .unwrap();
-    assert_close(&y, &fx.get("output"), "output");
-    assert_close(&weights.unwrap(), &fx.get("output.weights"), "weights");
+    assert_close("output", &y, &fx.get("output"));
+    assert_close("weights", &weights.unwrap(), &fx.get("output.weights"));
     // The mask's dtype does not matter, only which entries are non-zero.
     let mask_i64 = mask.to_dtype(DType::I64).unwrap();
     let (y_i64, _) = model
         .call(AttentionInput::self_attention(x).key_padding_mask(&mask_i64))
         .unwrap();
-    assert_close(&y_i64, &y, "output with an i64 mask");
+    assert_close("output with an i64 mask", &y_i64, &y);
     check_backward(&fx, &model, &Var::from_tensor(x).unwrap(), &y);
     fx.assert_all_used();
 }
@@ -117,12 +115,12 @@ fn lstm() {
         ..Default::default()
     };
     let model = Lstm::with_config(4, 6, config, &dev()).unwrap();
-    fx.load_params(&model);
+    fx.load_state(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, (h, c)) = model.call(x.as_tensor()).unwrap();
-    assert_close(&y, &fx.get("output"), "output");
-    assert_close(&h, &fx.get("output.h"), "h_n");
-    assert_close(&c, &fx.get("output.c"), "c_n");
+    assert_close("output", &y, &fx.get("output"));
+    assert_close("h_n", &h, &fx.get("output.h"));
+    assert_close("c_n", &c, &fx.get("output.c"));
     check_backward(&fx, &model, &x, &y);
     fx.assert_all_used();
 }
@@ -137,11 +135,11 @@ fn gru() {
         ..Default::default()
     };
     let model = Gru::with_config(4, 6, config, &dev()).unwrap();
-    fx.load_params(&model);
+    fx.load_state(&model);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let (y, h) = model.call(x.as_tensor()).unwrap();
-    assert_close(&y, &fx.get("output"), "output");
-    assert_close(&h, &fx.get("output.h"), "h_n");
+    assert_close("output", &y, &fx.get("output"));
+    assert_close("h_n", &h, &fx.get("output.h"));
     check_backward(&fx, &model, &x, &y);
     fx.assert_all_used();
 }
@@ -169,9 +167,9 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     let (y, (h, c)) = lstm.call(&x).unwrap();
     let (y0, (h0, c0)) = l0.call(&x).unwrap();
     let (y1, (h1, c1)) = l1.call(&y0).unwrap();
-    assert_close(&y, &y1, "lstm output");
-    assert_close(&h, &Tensor::cat(&[h0, h1], 0).unwrap(), "lstm h_n");
-    assert_close(&c, &Tensor::cat(&[c0, c1], 0).unwrap(), "lstm c_n");
+    assert_close("lstm output", &y, &y1);
+    assert_close("lstm h_n", &h, &Tensor::cat(&[h0, h1], 0).unwrap());
+    assert_close("lstm c_n", &c, &Tensor::cat(&[c0, c1], 0).unwrap());
     // Starting from the final state continues the sequence.
     let (y_next, _) = lstm.call((&x, (&h, &c))).unwrap();
     assert_eq!(y_next.dims(), [5, 2, 6]);
@@ -188,8 +186,8 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     let (y, h) = gru.call(&x).unwrap();
     let (y0, h0) = g0.call(&x).unwrap();
     let (y1, h1) = g1.call(&y0).unwrap();
-    assert_close(&y, &y1, "gru output");
-    assert_close(&h, &Tensor::cat(&[h0, h1], 0).unwrap(), "gru h_n");
+    assert_close("gru output", &y, &y1);
+    assert_close("gru h_n", &h, &Tensor::cat(&[h0, h1], 0).unwrap());
     let names: Vec<String> = gru.named_parameters().into_iter().map(|(n, _)| n).collect();
     assert_eq!(
         names,

@@ -4,15 +4,13 @@
 //!
 //! Tolerance: 1e-5 absolute plus 1e-5 relative (the traces are within 4e-7 of a float64 rerun).
 
-mod parity_common_b;
-
+use candle_module::fixtures::{assert_close, Fixture};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
 use module_runtime::prelude::*;
-use parity_common_b::{assert_close, Fixture};
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 #[derive(Module)]
@@ -39,7 +37,7 @@ fn check_trace<O: Optimizer>(name: &str, make_opt: impl FnOnce(Vec<candle_core::
         fc1: Linear::new(64, 32, &dev).unwrap(),
         fc2: Linear::new(32, 10, &dev).unwrap(),
     };
-    fx.load_params(&model);
+    fx.load_state(&model);
     let mut opt = make_opt(model.trainable_vars().unwrap());
     let x = fx.get("input");
     let target = fx.get("target");
@@ -53,18 +51,18 @@ fn check_trace<O: Optimizer>(name: &str, make_opt: impl FnOnce(Vec<candle_core::
         losses_post.push(loss_of(&model).to_scalar::<f32>().unwrap());
     }
     assert_close(
+        "losses",
         &Tensor::new(losses, &dev).unwrap(),
         &fx.get("losses"),
-        "losses",
     );
     assert_close(
+        "losses_post",
         &Tensor::new(losses_post, &dev).unwrap(),
         &fx.get("losses_post"),
-        "losses_post",
     );
-    for key in fx.keys_with_prefix("after.") {
+    for key in fx.keys_under("after.") {
         let p = model.get_parameter(&key).unwrap();
-        assert_close(&p.tensor(), &fx.get(&format!("after.{key}")), &key);
+        assert_close(&key, &p.tensor(), &fx.get(&format!("after.{key}")));
     }
     fx.assert_all_used();
 }

@@ -10,7 +10,7 @@ use module_runtime::Error;
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`, …), the CPU when unset.
 fn dev() -> Device {
-    module_runtime::device_from_env().expect("MODULE_DEVICE names a usable device")
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
 }
 
 #[derive(Module)]

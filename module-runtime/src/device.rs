@@ -7,9 +7,6 @@ use candle_core::{Device, DeviceLocation, Tensor};
 
 use crate::error::{location_name, Error, Result};
 
-/// The environment variable tests and examples read their device from.
-pub const DEVICE_ENV: &str = "MODULE_DEVICE";
-
 /// Parses a device name: `cpu`, `cuda` / `cuda:N`, `metal` / `metal:N`.
 ///
 /// A name gives the same device every time it is parsed in a process. candle tells CUDA and Metal
@@ -50,17 +47,6 @@ pub fn parse_device(name: &str) -> Result<Device> {
     };
     opened.push((location, device.clone()));
     Ok(device)
-}
-
-/// The device named by `MODULE_DEVICE` (see [`parse_device`]), or the CPU when it is unset.
-///
-/// Tests and examples take their device from here, so `MODULE_DEVICE=cuda:0 cargo test --features
-/// cuda` runs them on a GPU.
-pub fn device_from_env() -> Result<Device> {
-    match std::env::var(DEVICE_ENV) {
-        Ok(name) if !name.is_empty() => parse_device(&name),
-        _ => Ok(Device::Cpu),
-    }
 }
 
 fn bad(name: &str) -> Error {

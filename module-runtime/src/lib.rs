@@ -82,7 +82,7 @@ mod views;
 mod walk;
 
 pub use buffer::Buffer;
-pub use device::{device_from_env, device_name, parse_device, DEVICE_ENV};
+pub use device::{device_name, parse_device};
 pub use error::{Error, Result};
 pub use ext::ModuleExt;
 pub use forward::Forward;

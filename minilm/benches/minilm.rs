@@ -3,7 +3,7 @@
 //! a strict load of the checkpoint.
 //!
 //! ```text
-//! cargo bench --bench minilm
+//! cargo bench -p minilm --bench minilm
 //! ```
 //!
 //! The checkpoint comes from `MINILM_DIR` or `../shared/models/all-MiniLM-L6-v2`; without it the
@@ -13,9 +13,10 @@ use std::hint::black_box;
 use std::path::Path;
 use std::time::Duration;
 
-use candle_module::bert::{minilm_dir, BertConfig, BertModel};
 use candle_nn::VarBuilder;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
 use module_runtime::prelude::*;
 use module_runtime::Hooks;
 
@@ -149,7 +150,7 @@ fn forward(c: &mut Criterion) {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return;
     };
-    let device = module_runtime::device_from_env().unwrap();
+    let device = candle_module::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
     let baseline = varbuilder(&dir.join("model.safetensors"), &device).unwrap();
     let (ids, mask) = inputs(&device).unwrap();
@@ -183,7 +184,7 @@ fn load(c: &mut Criterion) {
         return;
     };
     let path = dir.join("model.safetensors");
-    let device = module_runtime::device_from_env().unwrap();
+    let device = candle_module::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
 
     let mut group = c.benchmark_group("minilm_load");

@@ -1,92 +1,61 @@
 //! Sentence embeddings with a real Hugging Face checkpoint: all-MiniLM-L6-v2 loaded strictly, by
-//! name, into the BERT encoder of `candle_module::bert` (plain structs with `#[derive(Module)]`),
+//! name, into the BERT encoder of `minilm::bert` (plain structs with `#[derive(Module)]`),
 //! tokenized with the `tokenizers` crate, mean-pooled over the attention mask and L2-normalized,
 //! as sentence-transformers does.
 //!
 //! ```text
 //! printf 'A man is eating food.\nA man is riding a horse.\n' |
-//!     cargo run --release --example sentence_embeddings -- --model ../shared/models/all-MiniLM-L6-v2
+//!     cargo run --release -p minilm --example sentence_embeddings -- --model ../shared/models/all-MiniLM-L6-v2
 //! ```
 //!
 //! Reads sentences from stdin, one per line, and prints to stdout one JSON array holding one array of
 //! 384 floats per input line, in order. Nothing else goes to stdout (timings go to stderr).
 
 use std::io::{BufRead, Write};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_module::bert::{
-    encode_batch, load_tokenizer, mean_pool_normalized, minilm_dir, BertConfig, BertModel,
-};
-use module_runtime::parse_device;
+use candle_module::device_or_env;
+use clap::Parser;
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use minilm::sentences::{encode_batch, load_tokenizer, mean_pool_normalized};
 use module_runtime::prelude::*;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-const USAGE: &str = "\
-Embed sentences (one per line on stdin) with all-MiniLM-L6-v2; print a JSON array of embeddings.
-
-Usage: sentence_embeddings [OPTIONS]
-
-Options:
-  --model DIR       the checkpoint folder (config.json, model.safetensors, tokenizer.json)
-                    [default: $MINILM_DIR, else ../shared/models/all-MiniLM-L6-v2]
-  --batch-size N    sentences per forward pass [default: 32]
-  --device NAME     cpu, cuda:0, metal:0 [default: cpu]
-  -h, --help        print this help";
-
+/// Embed sentences (one per line on stdin) with all-MiniLM-L6-v2; print a JSON array of embeddings.
+#[derive(Parser)]
 struct Args {
-    model: PathBuf,
-    batch_size: usize,
-    device: String,
-}
-
-fn parse_args() -> AnyResult<Args> {
-    let mut model = None;
-    let mut batch_size = 32;
-    let mut device = "cpu".to_owned();
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--model" => model = Some(PathBuf::from(value()?)),
-            "--batch-size" => {
-                batch_size = value()?.parse()?;
-                if batch_size == 0 {
-                    return Err("--batch-size must be at least 1".into());
-                }
-            }
-            "--device" => device = value()?,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument `{other}`\n\n{USAGE}").into()),
-        }
-    }
-    let model = match model.or_else(minilm_dir) {
-        Some(dir) => dir,
-        None => return Err(format!("no checkpoint found: pass --model DIR\n\n{USAGE}").into()),
-    };
-    Ok(Args {
-        model,
-        batch_size,
-        device,
-    })
+    /// The checkpoint folder (config.json, model.safetensors, tokenizer.json)
+    /// [default: $MINILM_DIR, else ../shared/models/all-MiniLM-L6-v2]
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Sentences per forward pass
+    #[arg(long, value_name = "N", default_value = "32")]
+    batch_size: NonZeroUsize,
+    /// cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
+    #[arg(long, value_name = "NAME")]
+    device: Option<String>,
 }
 
 fn main() -> AnyResult<()> {
-    let args = parse_args()?;
-    let device = parse_device(&args.device)?;
+    let args = Args::parse();
+    let model_dir = args
+        .model
+        .or_else(minilm_dir)
+        .ok_or("no checkpoint found: pass --model DIR")?;
+    let device = device_or_env(args.device.as_deref())?;
 
     let started = Instant::now();
-    let config = BertConfig::from_json_file(&args.model.join("config.json"))?;
+    let config = BertConfig::from_json_file(&model_dir.join("config.json"))?;
     let model = BertModel::new(&config, &device)?;
-    model.load_safetensors(args.model.join("model.safetensors"))?;
+    model.load_safetensors(model_dir.join("model.safetensors"))?;
     // Inference: dropout off, and no parameter tracks a gradient, so the fused kernels run.
     model.eval();
     model.freeze("**")?;
-    let tokenizer = load_tokenizer(&args.model)?;
+    let tokenizer = load_tokenizer(&model_dir)?;
     let loaded = started.elapsed();
 
     let lines: Vec<String> = std::io::stdin()
@@ -100,7 +69,7 @@ fn main() -> AnyResult<()> {
     order.sort_by_key(|&i| sentences[i].len());
     let started = Instant::now();
     let mut embeddings = vec![Vec::new(); sentences.len()];
-    for chunk in order.chunks(args.batch_size) {
+    for chunk in order.chunks(args.batch_size.get()) {
         let batch: Vec<&str> = chunk.iter().map(|&i| sentences[i]).collect();
         let (ids, mask) = encode_batch(&tokenizer, &batch, &device)?;
         let hidden = model.call((&ids, &mask))?;
@@ -117,7 +86,7 @@ fn main() -> AnyResult<()> {
     out.flush()?;
     eprintln!(
         "loaded {} in {:.0} ms; embedded {} sentences in {:.0} ms ({:.0} sentences/s) on {:?}",
-        args.model.display(),
+        model_dir.display(),
         loaded.as_secs_f64() * 1e3,
         sentences.len(),
         elapsed.as_secs_f64() * 1e3,

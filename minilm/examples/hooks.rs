@@ -8,14 +8,15 @@
 //!    similarity to the unpatched ones), and how the similarity of two related sentences changes.
 //!
 //! ```text
-//! cargo run --release --example hooks -- [--model DIR] [--layer L]
+//! cargo run --release -p minilm --example hooks -- [--model DIR] [--layer L]
 //! ```
 
 use std::path::PathBuf;
 
-use candle_module::bert::{
-    encode_batch, load_tokenizer, mean_pool_normalized, minilm_dir, BertConfig, BertModel,
-};
+use clap::Parser;
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use minilm::sentences::{encode_batch, load_tokenizer, mean_pool_normalized};
 use module_runtime::prelude::*;
 use module_runtime::Hooks;
 
@@ -28,35 +29,15 @@ const SENTENCES: [&str; 4] = [
     "A cheetah is running behind its prey.",
 ];
 
-const USAGE: &str = "\
-Inspect and patch all-MiniLM-L6-v2 with forward hooks.
-
-Usage: hooks [--model DIR] [--layer L]
-
-Options:
-  --model DIR   the checkpoint folder [default: $MINILM_DIR, else ../shared/models/all-MiniLM-L6-v2]
-  --layer L     the encoder layer whose heads are zeroed one by one [default: 0]";
-
-fn parse_args() -> AnyResult<(PathBuf, usize)> {
-    let mut model = None;
-    let mut layer = 0;
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--model" => model = Some(PathBuf::from(value()?)),
-            "--layer" => layer = value()?.parse()?,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument `{other}`\n\n{USAGE}").into()),
-        }
-    }
-    let model = model
-        .or_else(minilm_dir)
-        .ok_or_else(|| format!("no checkpoint found: pass --model DIR\n\n{USAGE}"))?;
-    Ok((model, layer))
+/// Inspect and patch all-MiniLM-L6-v2 with forward hooks.
+#[derive(Parser)]
+struct Args {
+    /// The checkpoint folder [default: $MINILM_DIR, else ../shared/models/all-MiniLM-L6-v2]
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// The encoder layer whose heads are zeroed one by one
+    #[arg(long, value_name = "L", default_value_t = 0)]
+    layer: usize,
 }
 
 /// Cosine similarity of two L2-normalized embeddings (rows of `[n, dim]`).
@@ -65,7 +46,10 @@ fn cosine(a: &Tensor, b: &Tensor) -> Result<Vec<f32>> {
 }
 
 fn main() -> AnyResult<()> {
-    let (dir, layer) = parse_args()?;
+    let Args { model, layer } = Args::parse();
+    let dir = model
+        .or_else(minilm_dir)
+        .ok_or("no checkpoint found: pass --model DIR")?;
     let device = Device::Cpu;
     let config = BertConfig::from_json_file(&dir.join("config.json"))?;
     if layer >= config.num_hidden_layers {

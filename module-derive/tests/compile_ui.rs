@@ -2,7 +2,7 @@
 //!
 //! `tests/ui/fail/*.rs` must each fail with exactly the diagnostic in the `.stderr` beside it;
 //! `tests/ui/pass/*.rs` must compile. Regenerate the `.stderr` files with
-//! `TRYBUILD=overwrite cargo test --test compile_ui`, and read them: they are the user's view.
+//! `TRYBUILD=overwrite cargo test -p module-derive --test compile_ui`, and read them: they are the user's view.
 //!
 //! Diagnostics change between compiler releases, so the `.stderr` files are pinned to one
 //! toolchain ([`PINNED`]). On any other, the test says so loudly and passes, so that `cargo test`
@@ -32,7 +32,7 @@ fn ui() {
         let _ = writeln!(
             std::io::stderr(),
             "\n=== SKIPPED: derive UI tests ===\n\
-             The .stderr files in tests/ui/fail are pinned to `{PINNED}x`, but the compiler is \
+             The .stderr files in module-derive/tests/ui/fail are pinned to `{PINNED}x`, but the compiler is \
              `{version}`.\nCompiler diagnostics differ between releases, so these tests only run \
              on the pinned toolchain.\n================================\n"
         );

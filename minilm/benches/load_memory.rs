@@ -3,14 +3,15 @@
 //! runs in its own process, since the peak (`VmHWM`) is per process:
 //!
 //! ```text
-//! cargo bench --bench load_memory -- derived
-//! cargo bench --bench load_memory -- varbuilder
+//! cargo bench -p minilm --bench load_memory -- derived
+//! cargo bench -p minilm --bench load_memory -- varbuilder
 //! ```
 //!
 //! Resident memory counts the pages of the memory-mapped file that were read, as the kernel does.
 
-use candle_module::bert::{minilm_dir, BertConfig, BertModel};
 use candle_nn::VarBuilder;
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
 use module_runtime::prelude::*;
 
 /// `VmRSS` and `VmHWM` (peak) of this process, in MiB.

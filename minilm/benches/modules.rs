@@ -3,14 +3,15 @@
 //! step of the digits model, and `call` against `forward` on a tiny module.
 //!
 //! ```text
-//! cargo bench --bench modules
+//! cargo bench -p minilm --bench modules
 //! ```
 
 use std::hint::black_box;
 
-use candle_module::bert::{BertConfig, BertModel};
+use candle_module::DigitNet;
 use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, Criterion};
+use minilm::bert::{BertConfig, BertModel};
 use module_runtime::prelude::*;
 
 /// A VarMap holding the same tensors as `model`, under the same names: candle-nn's registry.
@@ -89,24 +90,6 @@ fn to_dtype(c: &mut Criterion) {
     group.finish();
 }
 
-/// The digits model of `examples/train_digits.rs`.
-#[derive(Module)]
-struct DigitNet {
-    fc1: Linear,
-    fc2: Linear,
-    head: Linear,
-}
-
-impl Forward<&Tensor> for DigitNet {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.fc1.call(x)?.relu()?;
-        let h = self.fc2.call(&h)?.relu()?;
-        self.head.call(&h)
-    }
-}
-
 /// The same network on candle-nn's `Linear` and `VarMap`.
 struct PlainDigitNet {
     fc1: candle_nn::Linear,
@@ -131,11 +114,7 @@ fn train_step(c: &mut Criterion) {
         ..ParamsAdamW::default()
     };
 
-    let model = DigitNet {
-        fc1: Linear::new(64, 128, &device).unwrap(),
-        fc2: Linear::new(128, 64, &device).unwrap(),
-        head: Linear::new(64, 10, &device).unwrap(),
-    };
+    let model = DigitNet::new(&device).unwrap();
     let mut opt = candle_nn::AdamW::new(model.trainable_vars().unwrap(), params.clone()).unwrap();
 
     let varmap = VarMap::new();

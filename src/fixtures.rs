@@ -1,0 +1,162 @@
+//! PyTorch reference fixtures (`shared/fixtures/pytorch/NAME.safetensors`, see its README) and
+//! comparisons with them, for the parity tests.
+//!
+//! Tolerance: `|actual - expected| <= TOL + TOL * |expected|` elementwise. The fixtures are float32
+//! values within 1.5e-6 of a float64 rerun (optimizer traces: 4e-7), so 1e-5 absolute plus relative
+//! leaves room for float32 reassociation in candle while still catching any real difference.
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+
+use module_runtime::prelude::*;
+
+use crate::device_from_env;
+
+/// Absolute and relative tolerance of [`assert_close`].
+pub const TOL: f64 = 1e-5;
+
+/// Where the fixtures are: `$FIXTURES_DIR`, else `../shared/fixtures/pytorch` beside the workspace.
+fn fixtures_dir() -> PathBuf {
+    match std::env::var_os("FIXTURES_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/pytorch"),
+    }
+}
+
+/// One fixture file, on the device under test ([`device_from_env`]); remembers which keys were
+/// read, so a test can check that it compared all of them ([`assert_all_used`](Self::assert_all_used)).
+pub struct Fixture {
+    /// The fixture's name, `NAME` in `NAME.safetensors`.
+    pub name: String,
+    tensors: HashMap<String, Tensor>,
+    used: RefCell<BTreeSet<String>>,
+}
+
+impl Fixture {
+    /// Loads `NAME.safetensors`. When the fixtures are not there, says so loudly and returns
+    /// `None`, except under `CI=true`, where a missing fixture fails the test.
+    pub fn load(name: &str) -> Option<Fixture> {
+        let path = fixtures_dir().join(format!("{name}.safetensors"));
+        if !path.exists() {
+            let msg = format!(
+                "PyTorch fixture {} not found (set FIXTURES_DIR to shared/fixtures/pytorch); \
+                 SKIPPING the `{name}` parity test",
+                path.display()
+            );
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{msg}");
+            }
+            // Straight to stderr: the test harness captures `eprintln!` of passing tests.
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!("\n!!!!! {msg} !!!!!\n").as_bytes(),
+            );
+            return None;
+        }
+        // Onto the device under test, so inputs and expected values are where the model is.
+        let device = device_from_env().expect("MODULE_DEVICE names a usable device");
+        let tensors = candle_core::safetensors::load(&path, &device)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        Some(Fixture {
+            name: name.to_owned(),
+            tensors,
+            used: RefCell::new(BTreeSet::new()),
+        })
+    }
+
+    /// The tensor stored under `key`, marked as used.
+    pub fn get(&self, key: &str) -> Tensor {
+        self.try_get(key)
+            .unwrap_or_else(|| panic!("fixture `{}` has no key `{key}`", self.name))
+    }
+
+    /// The tensor stored under `key`, if any, marked as used.
+    pub fn try_get(&self, key: &str) -> Option<Tensor> {
+        let tensor = self.tensors.get(key)?.clone();
+        self.used.borrow_mut().insert(key.to_owned());
+        Some(tensor)
+    }
+
+    /// The keys under `prefix`, with the prefix removed.
+    pub fn keys_under(&self, prefix: &str) -> BTreeSet<String> {
+        self.tensors
+            .keys()
+            .filter_map(|k| k.strip_prefix(prefix).map(str::to_owned))
+            .collect()
+    }
+
+    /// Sets every parameter and buffer `<name>` of `module` from `param.<name>`, and checks that
+    /// every `param.*` key is used, so the module has exactly PyTorch's state-dict names.
+    pub fn load_state(&self, module: &dyn Module) {
+        let mut used = BTreeSet::new();
+        for (name, p) in module.named_parameters() {
+            p.set(&self.get(&format!("param.{name}")))
+                .unwrap_or_else(|e| panic!("{}: setting parameter `{name}`: {e}", self.name));
+            used.insert(name);
+        }
+        for (name, b) in module.named_buffers() {
+            b.set(&self.get(&format!("param.{name}")))
+                .unwrap_or_else(|e| panic!("{}: setting buffer `{name}`: {e}", self.name));
+            used.insert(name);
+        }
+        assert_eq!(
+            used,
+            self.keys_under("param."),
+            "{}: the module's parameters and buffers differ from PyTorch's state dict",
+            self.name
+        );
+    }
+
+    /// Panics unless every key of the file was read.
+    pub fn assert_all_used(&self) {
+        let used = self.used.borrow();
+        let unused: Vec<&String> = self.tensors.keys().filter(|k| !used.contains(*k)).collect();
+        assert!(
+            unused.is_empty(),
+            "fixture `{}`: keys never compared: {unused:?}",
+            self.name
+        );
+    }
+}
+
+/// Asserts that `actual` has `expected`'s shape and values within [`TOL`]; on failure, names the
+/// element furthest out of tolerance (a NaN counts as infinitely far).
+pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
+    let (a, e) = (flat_f64(actual), flat_f64(expected));
+    let mut worst = (0.0f64, 0usize);
+    for (i, (a, e)) in a.iter().zip(&e).enumerate() {
+        let excess = (a - e).abs() - (TOL + TOL * e.abs());
+        let excess = if excess.is_nan() {
+            f64::INFINITY
+        } else {
+            excess
+        };
+        if excess > worst.0 {
+            worst = (excess, i);
+        }
+    }
+    assert!(
+        worst.0 <= 0.0,
+        "{what}: element {} is {} but PyTorch has {} (tolerance {TOL} abs + rel)",
+        worst.1,
+        a[worst.1],
+        e[worst.1]
+    );
+}
+
+/// Asserts that `actual` equals `expected` exactly, dtype included (integer buffers, state that
+/// must not change).
+pub fn assert_equal(what: &str, actual: &Tensor, expected: &Tensor) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
+    assert_eq!(actual.dtype(), expected.dtype(), "{what}: dtype");
+    assert_eq!(flat_f64(actual), flat_f64(expected), "{what}");
+}
+
+fn flat_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("a tensor converts to f64")
+}
