@@ -55,13 +55,13 @@ fn state_dict_keys_follow_pytorch() {
     assert_eq!(
         keys,
         [
+            "position_ids",
             "word.weight",
             "word.bias",
             "LayerNorm.weight",
             "LayerNorm.bias",
-            "position_ids"
         ],
-        "non-persistent buffers are not saved"
+        "own buffers before submodules (PyTorch's order); non-persistent buffers are not saved"
     );
     assert_eq!(sd.get("position_ids").unwrap().dtype(), DType::I64);
 }
@@ -165,7 +165,7 @@ fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
     sd.insert("weight", Tensor::zeros((2, 4), DType::F32, &dev).unwrap());
     sd.insert("bias", Tensor::zeros(2, DType::F64, &dev).unwrap());
     let err = m
-        .load_state_dict_with(&sd, &LoadOptions::default().non_strict())
+        .load_state_dict_with(&sd, &LoadOptions::default().non_strict().exact_dtype())
         .unwrap_err();
     let Error::Load(report) = &err else {
         panic!("unexpected {err:?}")
@@ -177,11 +177,10 @@ fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
     assert!(err.to_string().contains("[2, 4]"), "{err}");
     assert_eq!(values(&m), before);
 
-    // Casting accepts the F64 bias once the shape is right.
+    // By default (PyTorch's `copy_`), the F64 bias is converted once the shape is right.
     let mut sd = m.state_dict().unwrap();
     sd.insert("bias", Tensor::ones(2, DType::F64, &dev).unwrap());
-    m.load_state_dict_with(&sd, &LoadOptions::default().cast_dtype())
-        .unwrap();
+    m.load_state_dict(&sd).unwrap();
     assert_eq!(m.bias.as_ref().unwrap().dtype(), DType::F32);
     assert_eq!(
         m.bias.as_ref().unwrap().tensor().to_vec1::<f32>().unwrap(),

@@ -1,12 +1,13 @@
 //! Non-trainable module state.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::identity;
-use crate::lazy_cell::{check_built_dims, Init, LazyCell};
+use crate::identity::{self, ModeMarks};
+use crate::lazy_cell::{check_built_dims, is_cannot_set, own_storage, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
@@ -35,8 +36,14 @@ use crate::lazy_shape::LazyShape;
 pub struct Buffer(Arc<BufferInner>);
 
 struct BufferInner {
+    /// Train/eval flags of the modules this is the first leaf of.
+    modes: ModeMarks,
+    /// A variable tensor, so [`Buffer::set`] can write into its storage in place (candle's
+    /// `Var::set`); readers get detached views of it, which take no part in autograd.
     value: LazyCell<Tensor>,
     persistent: bool,
+    /// Whether a strict load accepts a checkpoint without this buffer (keeping its value).
+    missing_ok: AtomicBool,
 }
 
 impl Buffer {
@@ -51,20 +58,48 @@ impl Buffer {
     }
 
     fn with_persistence(value: Tensor, persistent: bool) -> Self {
-        // Buffers never take part in autograd.
-        let value = value.detach();
         Self(Arc::new(BufferInner {
-            value: LazyCell::eager(value),
+            modes: ModeMarks::default(),
+            value: LazyCell::eager(own_storage(&value)),
             persistent,
+            missing_ok: AtomicBool::new(false),
         }))
+    }
+
+    /// Lets a strict load accept a checkpoint that lacks this buffer, keeping the buffer's value
+    /// (the rule PyTorch's BatchNorm applies to `num_batches_tracked`, which checkpoints older than
+    /// PyTorch 0.4.1 lack: `_NormBase._load_from_state_dict` in `torch/nn/modules/batchnorm.py`).
+    /// Applies to every alias of the buffer.
+    ///
+    /// ```
+    /// use module_runtime::{Buffer, ModuleExt, StateDict};
+    /// use module_runtime::candle_core::{Device, Tensor};
+    /// #[derive(module_runtime::Module)]
+    /// struct Counter { steps: Buffer }
+    /// let c = Counter { steps: Buffer::new(Tensor::new(7i64, &Device::Cpu)?).allow_missing() };
+    /// c.load_state_dict(&StateDict::new())?; // strict, yet accepted
+    /// assert_eq!(c.steps.tensor().to_scalar::<i64>()?, 7);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn allow_missing(self) -> Self {
+        self.0.missing_ok.store(true, Ordering::Relaxed);
+        self
+    }
+
+    /// Whether a load accepts a checkpoint without this buffer; see
+    /// [`allow_missing`](Self::allow_missing).
+    pub fn is_missing_ok(&self) -> bool {
+        self.0.missing_ok.load(Ordering::Relaxed)
     }
 
     /// An unbuilt persistent buffer of `dtype` on `device`, to be built with a shape that `shape`
     /// accepts and the value `init` gives (PyTorch's `UninitializedBuffer`).
     pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
         Ok(Self(Arc::new(BufferInner {
+            modes: ModeMarks::default(),
             value: LazyCell::lazy(shape, init, dtype, device)?,
             persistent: true,
+            missing_ok: AtomicBool::new(false),
         })))
     }
 
@@ -87,9 +122,10 @@ impl Buffer {
         check_built_dims(self.tensor(), dims)
     }
 
-    /// The current value.
+    /// The current value: a view of the buffer's storage, so it sees later in-place updates
+    /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do.
     pub fn tensor(&self) -> Tensor {
-        self.0.value.read().clone()
+        self.0.value.read().detach()
     }
 
     /// Whether state dicts include this buffer.
@@ -97,8 +133,10 @@ impl Buffer {
         self.0.persistent
     }
 
-    /// Replaces the value. The shape and dtype must stay the same (use [`replace`](Self::replace)
-    /// to change them); the value is moved to the buffer's device.
+    /// Writes `value` into the buffer, in place: tensors read from the buffer before (a state dict
+    /// taken earlier included) see the new value, as in PyTorch. The shape and dtype must stay the
+    /// same (use [`replace`](Self::replace) to change them); the value is moved to the buffer's
+    /// device.
     ///
     /// An unbuilt buffer is built from `value`: the shape must be one its
     /// [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
@@ -115,13 +153,24 @@ impl Buffer {
                 dtype: value.dtype(),
             });
         }
-        *slot = value.to_device(slot.device())?.detach();
-        Ok(())
+        let value = value.to_device(slot.device())?;
+        if !slot.is_variable() {
+            // Only after a failed allocation in `own_storage`: take the value's copy as storage.
+            *slot = own_storage(&value);
+            return Ok(());
+        }
+        let var = Var::from_tensor(&slot)?; // the same storage, not a copy
+        match var.set(&value) {
+            // `value` is a view of this buffer: candle refuses to copy a storage onto itself.
+            Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
+            other => Ok(other?),
+        }
     }
 
-    /// Replaces the value with one of any shape, dtype and device.
+    /// Replaces the value with one of any shape, dtype and device (a new storage: tensors read
+    /// before keep the old value).
     pub fn replace(&self, value: Tensor) {
-        self.0.value.replace(value.detach());
+        self.0.value.replace(own_storage(&value));
     }
 
     /// The buffer's shape.
@@ -143,7 +192,7 @@ impl Buffer {
     pub fn to_device(&self, device: &Device) -> Result<()> {
         let mut slot = self.0.value.write();
         if !slot.device().same_device(device) {
-            *slot = slot.to_device(device)?;
+            *slot = own_storage(&slot.to_device(device)?);
         }
         Ok(())
     }
@@ -153,7 +202,7 @@ impl Buffer {
     pub fn to_dtype(&self, dtype: DType) -> Result<()> {
         let mut slot = self.0.value.write();
         if slot.dtype().is_float() && dtype.is_float() && slot.dtype() != dtype {
-            *slot = slot.to_dtype(dtype)?;
+            *slot = own_storage(&slot.to_dtype(dtype)?);
         }
         Ok(())
     }
@@ -171,6 +220,10 @@ impl Buffer {
     /// Whether another handle to this buffer exists. A buffer with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such buffers.
+    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+        &self.0.modes
+    }
+
     pub(crate) fn has_aliases(&self) -> bool {
         identity::has_aliases(&self.0)
     }

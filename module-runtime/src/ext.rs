@@ -139,8 +139,8 @@ pub trait ModuleExt: Module {
         Ok(crate::Summary::of(self.as_dyn()).with_shapes(&shapes))
     }
 
-    /// Every parameter with its path, each once (the first path that reaches it), in declaration
-    /// order.
+    /// Every parameter with its path, each once (the first path that reaches it), in PyTorch's
+    /// order: a module's own parameters before its submodules', whatever the field order.
     fn named_parameters(&self) -> Vec<(String, Param)> {
         views::named_parameters(self.as_dyn(), true)
     }
@@ -274,8 +274,10 @@ pub trait ModuleExt: Module {
         views::set_requires_grad(self.as_dyn(), pattern, true)
     }
 
-    /// Calls `f` on every module, children before their parent, each once (PyTorch's `apply`, for
-    /// instance to initialize weights by layer type).
+    /// Calls `f` on every module, children before their parent (PyTorch's `apply`, for instance to
+    /// initialize weights by layer type). As in PyTorch, the recursion goes through each module's
+    /// children: a module shared (through `Arc`) at two depths is visited at each, a module shared
+    /// by two fields of one parent once.
     fn apply(&self, f: &mut dyn FnMut(&dyn Module)) {
         views::apply(self.as_dyn(), f)
     }
@@ -301,15 +303,35 @@ pub trait ModuleExt: Module {
         views::set_training(self.as_dyn(), training)
     }
 
-    /// Whether the module is in training mode: the first [`Mode`](crate::Mode) flag in the tree (its own, if it has
-    /// one). A tree with no mode-dependent layer behaves the same in both modes and reports `true`,
-    /// PyTorch's default.
+    /// Whether the module is in training mode: PyTorch's `module.training`, the flag the last
+    /// [`train`](Self::train)/[`eval`](Self::eval) on this module or on a module above it set.
+    /// After `model.eval()`, `model.is_training()` is `false` even with no mode-dependent layer
+    /// inside, and `model.child.eval()` changes what the child reports, not the parent.
+    ///
+    /// A module that was never put in a mode reports its first [`Mode`](crate::Mode) flag, else
+    /// `true` (PyTorch's default). Rust structs have no hidden field to hold the flag, so it is kept
+    /// by the module's first parameter or buffer (under the path from the module to it): a module
+    /// with neither, and no `Mode` either, behaves the same in both modes and always reports `true`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// #[derive(Module)]
+    /// struct Mlp { fc1: Linear, fc2: Linear }
+    /// let m = Mlp { fc1: Linear::new(4, 8, &Device::Cpu)?, fc2: Linear::new(8, 2, &Device::Cpu)? };
+    /// assert!(m.is_training());
+    /// m.eval();
+    /// assert!(!m.is_training() && !m.fc1.is_training());
+    /// m.fc1.train();
+    /// assert!(m.fc1.is_training() && !m.is_training());
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
     fn is_training(&self) -> bool {
         views::is_training(self.as_dyn())
     }
 
-    /// Every parameter and persistent buffer by path, in declaration order (PyTorch's
-    /// `state_dict()`): a tied weight appears under each of its paths, non-persistent buffers not
+    /// Every parameter and persistent buffer by path, in PyTorch's `state_dict()` order: each
+    /// module's own parameters, then its own buffers, then its submodules' (field order within each
+    /// group, whatever the order of the fields of different kinds). A tied weight appears under each of its paths, non-persistent buffers not
     /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
@@ -374,6 +396,48 @@ pub trait ModuleExt: Module {
     ) -> Result<LoadReport> {
         let file = crate::io::SafetensorsFile::open(path.as_ref())?;
         crate::state::load(self.as_dyn(), &file, options)
+    }
+
+    /// Loads any checkpoint strictly, all or nothing, telling its format from its first bytes:
+    ///
+    /// | what | example |
+    /// |---|---|
+    /// | safetensors | `model.safetensors` |
+    /// | PyTorch zip (`torch.save` since 1.6) | `model.pth`, `model.pt`, `pytorch_model.bin` |
+    /// | PyTorch legacy (before 1.6, `_use_new_zipfile_serialization=False`) | `resnet18-5c106cde.pth` |
+    /// | Hugging Face shards, through their index | `model.safetensors.index.json`, `pytorch_model.bin.index.json` |
+    /// | a model folder holding any of those | `all-MiniLM-L6-v2/` |
+    ///
+    /// Shards load as one state dict: every shard is opened and checked before anything is copied,
+    /// so a missing shard or a key the index maps to a shard that lacks it fails the whole load.
+    /// See [`load_checkpoint_with`](Self::load_checkpoint_with) for options (a nested training
+    /// checkpoint, key rules, non-strict loading).
+    fn load_checkpoint(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+        self.load_checkpoint_with(path, &LoadOptions::default())
+    }
+
+    /// [`load_checkpoint`](Self::load_checkpoint) with `options`; see
+    /// [`load_state_dict_with`](Self::load_state_dict_with) and
+    /// [`LoadOptions::nested_in`](crate::LoadOptions::nested_in).
+    ///
+    /// ```no_run
+    /// # use module_runtime::prelude::*;
+    /// # use module_runtime::LoadOptions;
+    /// # let model = module_runtime::nn::Linear::new(2, 2, &Device::Cpu)?;
+    /// // torch.save({"epoch": 3, "model": model.module.state_dict(), ...}) from DataParallel:
+    /// model.load_checkpoint_with(
+    ///     "checkpoint.pt",
+    ///     &LoadOptions::default().nested_in("model").strip_prefix("module"),
+    /// )?;
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn load_checkpoint_with(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        let source = crate::checkpoint::open(path.as_ref(), options.nested_key())?;
+        crate::state::load(self.as_dyn(), source.as_ref(), options)
     }
 
     /// Loads a PyTorch pickle checkpoint (`torch.save(model.state_dict(), "x.pth")`, or a Hugging

@@ -8,12 +8,18 @@
 //! - A module *call* is told apart by the address and type of the value it is called through
 //!   ([`CallTarget`]), which is how hook dispatch finds the called module in the tree.
 //!
+//! - A module's own train/eval flag (PyTorch's `Module.training`) needs the module's identity
+//!   across moves, without a hidden field in user structs: it is kept by the module's *first leaf*
+//!   (the first parameter or buffer a walk from the module reaches), under the leaf's path relative
+//!   to the module ([`ModeMarks`]). The relative path tells apart a module and its first child,
+//!   which share that leaf (`"0.weight"` from a `Sequential`, `"weight"` from its first `Linear`).
+//!
 //! Walks remember the identities they have seen in an [`IdentitySet`].
 
 use std::any::Any;
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The identity of a shared allocation: equal for every clone of `arc`, distinct otherwise.
 pub(crate) fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
@@ -25,6 +31,31 @@ pub(crate) fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
 /// walk dedups itself: such leaves skip the memo set.
 pub(crate) fn has_aliases<T: ?Sized>(arc: &Arc<T>) -> bool {
     Arc::strong_count(arc) > 1
+}
+
+/// The train/eval flags of the modules whose first leaf holds this set, by the leaf's path relative
+/// to each module. Set by `train`/`eval`, read by `is_training`.
+#[derive(Default)]
+pub(crate) struct ModeMarks(Mutex<Vec<(Box<str>, bool)>>);
+
+impl ModeMarks {
+    /// Records the flag of the module from which this leaf is at `relative_path`.
+    pub(crate) fn set(&self, relative_path: &str, training: bool) {
+        let mut marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match marks.iter_mut().find(|(p, _)| &**p == relative_path) {
+            Some((_, flag)) => *flag = training,
+            None => marks.push((relative_path.into(), training)),
+        }
+    }
+
+    /// The flag of the module from which this leaf is at `relative_path`, if one was set.
+    pub(crate) fn get(&self, relative_path: &str) -> Option<bool> {
+        let marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        marks
+            .iter()
+            .find(|(p, _)| &**p == relative_path)
+            .map(|(_, flag)| *flag)
+    }
 }
 
 /// A set of identities (addresses of shared allocations). SipHash, the standard hasher, resists

@@ -1,45 +1,170 @@
-//! Checkpoint files: safetensors (written atomically, read memory-mapped) and PyTorch `.pth`/`.bin`.
+//! Checkpoint files: safetensors (written atomically, read with plain reads) and PyTorch
+//! `.pth`/`.bin`.
 
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::state::{Source, StateDict};
 
-/// Writes `state` to `path` atomically: into a temporary file beside it, flushed to disk, then
-/// renamed over `path`. An interrupted or failed save leaves any previous file untouched.
+/// The marker in the names of the temporary files a save writes beside its target
+/// (`.model.safetensors.module-tmp-<pid>-<n>`), so a later save can tell its own leftovers.
+const TMP_MARK: &str = ".module-tmp-";
+
+/// Writes `state` to `path` atomically: into a temporary file beside the target, flushed to disk,
+/// then renamed over it. An interrupted or failed save leaves any previous file untouched, and the
+/// next save to that path removes temporary files left by saves that were killed.
+///
+/// As `torch.save`: a symlink is written through (its target is replaced, the link stays), a new
+/// file's permissions follow the umask and an existing file keeps its own.
 pub(crate) fn save_safetensors(state: StateDict, path: &Path) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let file_name = path
+    let target = save_target(path)?;
+    let file_name = target
         .file_name()
         .ok_or_else(|| io_error(path, std::io::Error::other("the path names no file")))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(file_name);
-    tmp_name.push(format!(
-        ".tmp-{}-{}",
+    let prefix = format!(".{}{TMP_MARK}", file_name.to_string_lossy());
+    remove_stale_temporaries(&target, &prefix);
+    let tmp = target.with_file_name(format!(
+        "{prefix}{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let tmp = path.with_file_name(tmp_name);
     let result = (|| {
-        candle_core::safetensors::save(&state.into_hash_map(), &tmp).map_err(|e| {
-            Error::Checkpoint {
-                path: path.to_owned(),
-                reason: format!("cannot write {}: {e}", tmp.display()),
-            }
-        })?;
-        std::fs::File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| io_error(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| io_error(path, e))
+        // `File::create` gives the umask's mode, as `torch.save`'s `open(f, "wb")` does.
+        let file = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
+        write_safetensors(&state, &file).map_err(|e| io_error(&tmp, e))?;
+        if let Ok(existing) = std::fs::metadata(&target) {
+            file.set_permissions(existing.permissions())
+                .map_err(|e| io_error(&tmp, e))?;
+        }
+        file.sync_all().map_err(|e| io_error(&tmp, e))?;
+        std::fs::rename(&tmp, &target).map_err(|e| io_error(path, e))
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// The file a save to `path` replaces: `path`, or the file a symlink at `path` points to (followed
+/// through chains of links). Fails, in words, when `path` is a folder or its folder is missing.
+fn save_target(path: &Path) -> Result<PathBuf> {
+    let mut target = path.to_owned();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&target) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let link = std::fs::read_link(&target).map_err(|e| io_error(&target, e))?;
+                target = match target.parent() {
+                    Some(parent) => parent.join(link),
+                    None => link,
+                };
+            }
+            Ok(m) if m.is_dir() => {
+                return Err(io_error(
+                    path,
+                    std::io::Error::other("is a directory: give a file name to save to"),
+                ))
+            }
+            _ => {
+                let parent = match target.parent() {
+                    Some(p) if !p.as_os_str().is_empty() => p,
+                    _ => Path::new("."),
+                };
+                if !parent.is_dir() {
+                    return Err(io_error(
+                        path,
+                        std::io::Error::other(format!(
+                            "no such folder `{}` to save into",
+                            parent.display()
+                        )),
+                    ));
+                }
+                return Ok(target);
+            }
+        }
+    }
+    Err(io_error(
+        path,
+        std::io::Error::other("too many levels of symbolic links"),
+    ))
+}
+
+/// Removes the temporary files of earlier saves to `target` whose process is gone (killed mid-save).
+fn remove_stale_temporaries(target: &Path, prefix: &str) {
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let Ok(listing) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in listing.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !process_alive(pid, &entry) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Whether process `pid` (which wrote `temp`) may still be writing it: on Linux, whether it
+/// exists; elsewhere, whether the file changed in the last hour.
+fn process_alive(pid: u32, temp: &std::fs::DirEntry) -> bool {
+    if cfg!(target_os = "linux") {
+        return Path::new("/proc").join(pid.to_string()).exists();
+    }
+    temp.metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_none_or(|age| age.as_secs() < 3600)
+}
+
+/// Writes `state` as safetensors into `file`, streaming one tensor at a time. Tensors are laid out
+/// by decreasing element size (as the `safetensors` crate does, so every value stays aligned for
+/// zero-copy readers), in state-dict order within a size.
+fn write_safetensors(state: &StateDict, file: &File) -> std::io::Result<()> {
+    use safetensors::View;
+    use std::io::Write;
+    let mut order: Vec<(&str, &Tensor)> = state.iter().collect();
+    order.sort_by_key(|(_, t)| std::cmp::Reverse(Tensor::dtype(t).size_in_bytes()));
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, t) in &order {
+        let len = View::data_len(*t);
+        let info = safetensors::tensor::TensorInfo {
+            dtype: View::dtype(*t),
+            shape: t.dims().to_vec(),
+            data_offsets: (offset, offset + len),
+        };
+        header.insert(
+            (*name).to_owned(),
+            serde_json::to_value(info).map_err(std::io::Error::other)?,
+        );
+        offset += len;
+    }
+    let mut header = serde_json::to_vec(&header).map_err(std::io::Error::other)?;
+    // The data section starts 8-byte aligned: the format pads its header with spaces.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(header.len() as u64).to_le_bytes())?;
+    out.write_all(&header)?;
+    for (_, t) in &order {
+        out.write_all(&View::data(*t))?;
+    }
+    out.flush()
 }
 
 fn io_error(path: &Path, source: std::io::Error) -> Error {
@@ -49,59 +174,129 @@ fn io_error(path: &Path, source: std::io::Error) -> Error {
     }
 }
 
-/// A safetensors file, memory-mapped: the header is validated on open, values are read only for
-/// the entries a load uses.
+/// A safetensors file, read without a memory map: the header is read and validated on open
+/// (entries, dtypes, offsets, and the file's length against what the header declares), and each
+/// value is read with ordinary file reads when a load asks for it.
+///
+/// Reading instead of mapping means a file truncated or rewritten by another process while it is
+/// open gives an error (a short read), never a SIGBUS that would bring the process down; reading
+/// from the page cache costs about what copying out of a mapping does.
 pub(crate) struct SafetensorsFile {
     path: PathBuf,
-    file: MmapedSafetensors,
+    file: Mutex<File>,
+    /// Where the data section starts (after the 8-byte length and the JSON header).
+    data_start: u64,
+    /// Every entry in the order of its data in the file: name, shape, dtype, byte range.
+    entries: Vec<(String, Shape, DType, (usize, usize))>,
+    index: HashMap<String, usize>,
 }
+
+/// The largest header accepted (safetensors' own limit, 100 MB).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 impl SafetensorsFile {
     pub(crate) fn open(path: &Path) -> Result<Self> {
-        if let Err(e) = std::fs::metadata(path) {
-            return Err(io_error(path, e));
-        }
-        // SAFETY: the map is read-only; as with any memory-mapped reader (candle's `VarBuilder`
-        // included), the file must not be truncated by another process while it is open.
-        let file = unsafe { MmapedSafetensors::new(path) }.map_err(|e| Error::Checkpoint {
+        let corrupt = |reason: String| Error::Checkpoint {
             path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let mut file = open_for_reading(path)?;
+        let file_len = file.metadata().map_err(|e| io_error(path, e))?.len();
+        let mut len_bytes = [0u8; 8];
+        if file_len < 8 {
+            return Err(corrupt(format!(
+                "{file_len} bytes: too short for a safetensors file (an 8-byte header length, then \
+                 the header)"
+            )));
+        }
+        file.read_exact(&mut len_bytes)
+            .map_err(|e| io_error(path, e))?;
+        let header_len = u64::from_le_bytes(len_bytes);
+        if header_len > MAX_HEADER_BYTES || header_len > file_len - 8 {
+            return Err(corrupt(format!(
+                "the header declares {header_len} bytes, but the file holds {file_len} in all \
+                 (truncated, or not a safetensors file)"
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| io_error(path, e))?;
+        let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+            .map_err(|e| corrupt(format!("invalid safetensors header: {e}")))?;
+        let data_start = 8 + header_len;
+        let declared = data_start.checked_add(metadata.data_len() as u64);
+        if declared != Some(file_len) {
+            return Err(corrupt(format!(
+                "the header declares {} bytes of tensor data, the file holds {} (truncated or \
+                 padded)",
+                metadata.data_len(),
+                file_len - data_start
+            )));
+        }
+        let mut entries = Vec::new();
+        for name in metadata.offset_keys() {
+            let info = metadata.info(&name).expect("offset_keys lists known names");
+            let dtype = DType::try_from(info.dtype)
+                .map_err(|e| corrupt(format!("tensor `{name}` has an unsupported dtype: {e}")))?;
+            entries.push((
+                name,
+                Shape::from(info.shape.clone()),
+                dtype,
+                info.data_offsets,
+            ));
+        }
+        let index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, (name, ..))| (name.clone(), i))
+            .collect();
         Ok(Self {
             path: path.to_owned(),
-            file,
+            file: Mutex::new(file),
+            data_start,
+            entries,
+            index,
         })
-    }
-
-    fn corrupt(&self, reason: String) -> Error {
-        Error::Checkpoint {
-            path: self.path.clone(),
-            reason,
-        }
     }
 }
 
 impl Source for SafetensorsFile {
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
-        let mut entries = self
-            .file
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| {
-                let dtype = DType::try_from(view.dtype()).map_err(|e| {
-                    self.corrupt(format!("tensor `{name}` has an unsupported dtype: {e}"))
-                })?;
-                Ok((name, Shape::from(view.shape().to_vec()), dtype))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        entries.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(entries)
+        Ok(self
+            .entries
+            .iter()
+            .map(|(name, shape, dtype, _)| (name.clone(), shape.clone(), *dtype))
+            .collect())
     }
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
-        self.file
-            .load(key, device)
-            .map_err(|e| self.corrupt(format!("cannot read tensor `{key}`: {e}")))
+        let (_, shape, dtype, (start, end)) = &self.entries[self.index[key]];
+        let mut bytes = vec![0u8; end - start];
+        {
+            let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+            file.seek(SeekFrom::Start(self.data_start + *start as u64))
+                .and_then(|_| file.read_exact(&mut bytes))
+                .map_err(|e| Error::Checkpoint {
+                    path: self.path.clone(),
+                    reason: format!(
+                        "cannot read tensor `{key}` ({e}): was the file changed while loading?"
+                    ),
+                })?;
+        }
+        let t = Tensor::from_raw_buffer(&bytes, *dtype, shape.dims(), &Device::Cpu)?;
+        Ok(t.to_device(device)?)
+    }
+}
+
+/// Opens `path` for reading, saying in words what is wrong (a folder, a missing file).
+pub(crate) fn open_for_reading(path: &Path) -> Result<File> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Err(io_error(
+            path,
+            std::io::Error::other("is a directory, not a checkpoint file"),
+        )),
+        Ok(_) => File::open(path).map_err(|e| io_error(path, e)),
+        Err(e) => Err(io_error(path, e)),
     }
 }
 
@@ -117,4 +312,32 @@ pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<StateDict> {
             reason: e.to_string(),
         })?;
     Ok(entries.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another process truncates the file after its header was read: the next read is short,
+    /// which is an error. With a memory map it would be a SIGBUS, killing the process.
+    #[test]
+    fn a_file_truncated_while_open_gives_an_error() {
+        let dir = std::env::temp_dir().join(format!("module-io-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cut.safetensors");
+        let t = Tensor::arange(0f32, 4096., &Device::Cpu).unwrap();
+        let state: StateDict = [("a", t.clone()), ("b", t)].into_iter().collect();
+        save_safetensors(state, &path).unwrap();
+        let file = SafetensorsFile::open(&path).unwrap();
+        assert_eq!(file.entries().unwrap().len(), 2);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        let err = file.load("b", &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("changed while loading"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

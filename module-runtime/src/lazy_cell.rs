@@ -33,8 +33,8 @@ impl CellValue for Tensor {
         self
     }
     fn from_tensor(t: Tensor) -> Result<Self> {
-        // Buffers never take part in autograd.
-        Ok(t.detach())
+        // A buffer's own storage, writable in place; readers see it detached.
+        Ok(own_storage(&t))
     }
 }
 
@@ -279,6 +279,25 @@ impl LazyState {
     fn lock(&self) -> std::sync::MutexGuard<'_, Recipe> {
         // The recipe is never written after construction, so a panic cannot leave it half-written.
         self.recipe.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A copy of `value` in storage of its own, held as a candle variable so that `Buffer::set` can
+/// write into it in place. Falls back to the value itself (detached) if the copy cannot be
+/// allocated; `set` then takes a copy at the next write.
+pub(crate) fn own_storage(value: &Tensor) -> Tensor {
+    match Var::from_tensor(&value.detach()) {
+        Ok(var) => var.into_inner(),
+        Err(_) => value.detach(),
+    }
+}
+
+/// Whether `e` is candle's refusal to set a variable (e.g. from a view of itself).
+pub(crate) fn is_cannot_set(e: &candle_core::Error) -> bool {
+    match e {
+        candle_core::Error::CannotSetVar { .. } => true,
+        candle_core::Error::WithBacktrace { inner, .. } => is_cannot_set(inner),
+        _ => false,
     }
 }
 

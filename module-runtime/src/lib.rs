@@ -53,10 +53,11 @@ extern crate self as module_runtime;
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, convert, device                the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
-//   state, io, summary                                state dicts, files, summaries
+//   state, io, checkpoint, summary                    state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
+mod checkpoint;
 mod convert;
 mod device;
 mod error;

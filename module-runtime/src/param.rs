@@ -6,8 +6,8 @@ use std::sync::{Arc, RwLockReadGuard};
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::identity;
-use crate::lazy_cell::{check_built_dims, Init, LazyCell};
+use crate::identity::{self, ModeMarks};
+use crate::lazy_cell::{check_built_dims, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
@@ -46,6 +46,8 @@ use crate::lazy_shape::LazyShape;
 pub struct Param(Arc<ParamInner>);
 
 struct ParamInner {
+    /// Train/eval flags of the modules this is the first leaf of.
+    modes: ModeMarks,
     var: LazyCell<Var>,
     requires_grad: AtomicBool,
 }
@@ -68,6 +70,7 @@ impl Param {
 
     fn from_var_unchecked(var: Var) -> Self {
         Self(Arc::new(ParamInner {
+            modes: ModeMarks::default(),
             var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(true),
         }))
@@ -96,6 +99,7 @@ impl Param {
             });
         }
         Ok(Self(Arc::new(ParamInner {
+            modes: ModeMarks::default(),
             var: LazyCell::lazy(shape, init, dtype, device)?,
             requires_grad: AtomicBool::new(true),
         })))
@@ -254,20 +258,16 @@ impl Param {
     /// Whether another handle to this parameter exists. A parameter with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such parameters.
+    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+        &self.0.modes
+    }
+
     pub(crate) fn has_aliases(&self) -> bool {
         identity::has_aliases(&self.0)
     }
 
     fn read(&self) -> RwLockReadGuard<'_, Var> {
         self.0.var.read()
-    }
-}
-
-fn is_cannot_set(e: &candle_core::Error) -> bool {
-    match e {
-        candle_core::Error::CannotSetVar { .. } => true,
-        candle_core::Error::WithBacktrace { inner, .. } => is_cannot_set(inner),
-        _ => false,
     }
 }
 

@@ -16,8 +16,9 @@ use crate::walk::{walk, Visit};
 /// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](crate::ModuleExt::state_dict)
 /// returns and [`load_state_dict`](crate::ModuleExt::load_state_dict) takes.
 ///
-/// Order is the model's declaration order (or insertion order when built by hand), so a saved
-/// checkpoint lists its tensors the way `print(model.state_dict().keys())` would.
+/// Order is PyTorch's (each module's own parameters, own buffers, then submodules; insertion order
+/// when built by hand), so a saved checkpoint lists its tensors the way
+/// `print(model.state_dict().keys())` would.
 #[derive(Clone, Debug, Default)]
 pub struct StateDict {
     entries: Vec<(String, Tensor)>,
@@ -136,18 +137,22 @@ impl KeyRule {
 /// Options for [`load_state_dict`](crate::ModuleExt::load_state_dict) and the file loaders.
 ///
 /// The default is PyTorch's: strict (every key of the model present in the checkpoint and nothing
-/// else), no key rewriting, dtypes must match.
+/// else), no key rewriting, shapes must match exactly, and a value of another dtype is converted
+/// to the model's dtype as `Tensor.copy_` does (a float64 checkpoint into a float32 model, an
+/// integer value into a float parameter). [`exact_dtype`](Self::exact_dtype) asks for equal dtypes
+/// instead.
 ///
 /// ```
 /// use module_runtime::LoadOptions;
-/// let opts = LoadOptions::default().strip_prefix("module").rename("gamma", "weight").cast_dtype();
+/// let opts = LoadOptions::default().strip_prefix("module").rename("gamma", "weight").exact_dtype();
 /// assert!(opts.is_strict());
 /// ```
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     strict: bool,
     rules: Vec<KeyRule>,
-    cast_dtype: bool,
+    exact_dtype: bool,
+    nested: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -155,7 +160,8 @@ impl Default for LoadOptions {
         Self {
             strict: true,
             rules: Vec::new(),
-            cast_dtype: false,
+            exact_dtype: false,
+            nested: None,
         }
     }
 }
@@ -199,11 +205,31 @@ impl LoadOptions {
         self.rule(KeyRule::Rename(from.into(), to.into()))
     }
 
-    /// Converts floating-point checkpoint values to the model's floating-point dtype (and integer
-    /// values to the model's integer dtype) instead of reporting a mismatch.
-    pub fn cast_dtype(mut self) -> Self {
-        self.cast_dtype = true;
+    /// Requires every checkpoint value to have the model's dtype exactly: a value of another dtype
+    /// is reported as a mismatch instead of being converted (the default converts, as PyTorch's
+    /// `load_state_dict` does through `Tensor.copy_`).
+    pub fn exact_dtype(mut self) -> Self {
+        self.exact_dtype = true;
         self
+    }
+
+    /// Whether values must have the model's dtype exactly.
+    pub fn is_exact_dtype(&self) -> bool {
+        self.exact_dtype
+    }
+
+    /// Takes the state dict stored under `key` in a pickled training checkpoint
+    /// (`torch.save({"epoch": 3, "model": model.state_dict(), "optimizer": ...})`), for the file
+    /// loaders. Without it, a file whose top level is not a state dict is an error that lists the
+    /// keys holding one.
+    pub fn nested_in(mut self, key: impl Into<String>) -> Self {
+        self.nested = Some(key.into());
+        self
+    }
+
+    /// The key given to [`nested_in`](Self::nested_in).
+    pub fn nested_key(&self) -> Option<&str> {
+        self.nested.as_deref()
     }
 
     /// The model path a checkpoint key maps to.
@@ -329,7 +355,9 @@ pub(crate) fn load(
     let mut plan = Vec::new();
     for (path, slot) in &targets {
         let Some((key, shape, dtype)) = by_model_key.get(path) else {
-            report.missing.push(path.clone());
+            if !matches!(slot, Slot::Buffer(b) if b.is_missing_ok()) {
+                report.missing.push(path.clone());
+            }
             continue;
         };
         let (expected_shape, expected_dtype) = (slot.shape(), slot.dtype());
@@ -338,8 +366,9 @@ pub(crate) fn load(
             Some(lazy) => lazy.accepts(shape.dims()),
             None => *shape == expected_shape,
         };
-        let dtype_ok = *dtype == expected_dtype
-            || (options.cast_dtype && dtype.is_float() == expected_dtype.is_float());
+        // PyTorch copies with `param.copy_(input_param)`, which converts any dtype
+        // (`torch/nn/modules/module.py`, `Module._load_from_state_dict`).
+        let dtype_ok = *dtype == expected_dtype || !options.exact_dtype;
         if !shape_ok || !dtype_ok {
             report.mismatched.push(Mismatch {
                 key: path.clone(),

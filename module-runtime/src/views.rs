@@ -4,10 +4,11 @@
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
-use crate::module::Module;
+use crate::identity::IdentitySet;
+use crate::module::{Child, Module};
 use crate::param::Param;
 use crate::pattern::PathPattern;
-use crate::walk::{walk, walk_in, Order, Visit};
+use crate::walk::{walk, Visit};
 
 /// Every parameter with its path; with `dedup`, each once under its first path.
 pub(crate) fn named_parameters(root: &dyn Module, dedup: bool) -> Vec<(String, Param)> {
@@ -47,14 +48,24 @@ pub(crate) fn named_modules(root: &dyn Module, children_only: bool) -> Vec<(Stri
     out
 }
 
-/// Calls `f` on every module, children before their parent, each once.
+/// Calls `f` on every module, children before their parent, as PyTorch's `Module.apply` recurses:
+/// `for module in self.children(): module.apply(fn)`, then `fn(self)`. `children()` drops
+/// duplicates among one module's children only, so a module shared at two depths is visited at
+/// each (`torch/nn/modules/module.py`, `Module.apply` and `Module.named_children`).
 pub(crate) fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
-    walk_in(root, true, Order::Post, &mut |_, v| {
-        if let Visit::Module(m) = v {
-            f(m);
+    let mut children: Vec<&dyn Module> = Vec::new();
+    let mut seen = IdentitySet::default();
+    root.visit_children(&mut |_, child| {
+        if let Child::Module { module, shared } = child {
+            if shared.is_none_or(|s| seen.insert(s.id)) {
+                children.push(module);
+            }
         }
-        true
     });
+    for child in children {
+        apply(child, f);
+    }
+    f(root);
 }
 
 /// Sets `requires_grad` on every parameter at or under a path matching `pattern`; returns how many
@@ -84,26 +95,59 @@ pub(crate) fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> R
     Ok(matched.len())
 }
 
-/// Sets every [`Mode`](crate::Mode) flag under `root`.
+/// Sets every [`Mode`](crate::Mode) flag under `root`, and records the flag of `root` and of every
+/// module under it with its first leaf (see [`ModeMarks`](crate::identity::ModeMarks)), as
+/// PyTorch's `train(mode)` sets `training` on every module of the subtree.
 pub(crate) fn set_training(root: &dyn Module, training: bool) {
-    walk(root, false, &mut |_, v| {
-        if let Visit::Mode(m) = v {
-            m.set_training(training);
+    // Modules (by path) whose first leaf the walk has not reached yet, outermost first.
+    let mut pending: Vec<String> = Vec::new();
+    walk(root, false, &mut |path, v| {
+        // A pending module whose subtree the walk has left has no leaf at all.
+        while let Some(module) = pending.last() {
+            let inside = module.is_empty()
+                || (path.starts_with(module.as_str())
+                    && path.as_bytes().get(module.len()) == Some(&b'.'));
+            if inside {
+                break;
+            }
+            pending.pop();
+        }
+        let marks = match v {
+            Visit::Module(_) => {
+                pending.push(path.to_owned());
+                return true;
+            }
+            Visit::Mode(m) => {
+                m.set_training(training);
+                return true;
+            }
+            Visit::Param(p) => p.mode_marks(),
+            Visit::Buffer(b) => b.mode_marks(),
+        };
+        for module in pending.drain(..) {
+            marks.set(path[module.len()..].trim_start_matches('.'), training);
         }
         true
     });
 }
 
-/// The first [`Mode`](crate::Mode) flag under `root`, or `true` when there is none.
+/// `root`'s own flag: the one `train`/`eval` last recorded for it (see [`set_training`]), else the
+/// first [`Mode`](crate::Mode) flag under it, else `true` (PyTorch's default).
 pub(crate) fn is_training(root: &dyn Module) -> bool {
-    let mut found = None;
-    walk(root, false, &mut |_, v| {
-        if let (Visit::Mode(m), None) = (&v, found) {
-            found = Some(m.is_training());
+    let mut recorded = None;
+    let mut first_mode = None;
+    let mut leaf_seen = false;
+    walk(root, false, &mut |path, v| {
+        match v {
+            Visit::Param(p) if !leaf_seen => recorded = p.mode_marks().get(path),
+            Visit::Buffer(b) if !leaf_seen => recorded = b.mode_marks().get(path),
+            Visit::Mode(m) if first_mode.is_none() => first_mode = Some(m.is_training()),
+            _ => {}
         }
-        found.is_none()
+        leaf_seen |= matches!(v, Visit::Param(_) | Visit::Buffer(_));
+        !(leaf_seen && (recorded.is_some() || first_mode.is_some()))
     });
-    found.unwrap_or(true)
+    recorded.or(first_mode).unwrap_or(true)
 }
 
 /// The path of every unbuilt parameter, buffer and [`Lazy`](crate::Lazy) cell, each once.

@@ -15,16 +15,8 @@ pub(crate) enum Visit<'a> {
     Mode(&'a Mode),
 }
 
-/// When a walk reports a module: before its children (and then it may skip them), or after.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Order {
-    /// Parents first; the callback returns whether to descend into a module.
-    Pre,
-    /// Children first (PyTorch's `apply`); the callback's return value is ignored.
-    Post,
-}
-
-/// Walks `root` depth-first in declaration order, calling `f` with each node's dotted path
+/// Walks `root` depth-first in PyTorch's order (each module's own parameters, own buffers, then
+/// submodules, each group in declaration order), calling `f` with each node's dotted path
 /// (`""` for the root). `f` returns whether to descend into a module. With `dedup`, a module shared
 /// through `Arc`, a parameter or a buffer reached a second time is skipped with everything under it
 /// (PyTorch's memo set: the first path wins).
@@ -33,51 +25,59 @@ pub(crate) fn walk<'a>(
     dedup: bool,
     f: &mut dyn FnMut(&str, Visit<'a>) -> bool,
 ) {
-    walk_in(root, dedup, Order::Pre, f)
-}
-
-/// [`walk`] in the given order.
-pub(crate) fn walk_in<'a>(
-    root: &'a dyn Module,
-    dedup: bool,
-    order: Order,
-    f: &mut dyn FnMut(&str, Visit<'a>) -> bool,
-) {
     let mut walker = Walker {
         path: String::new(),
         dedup,
-        order,
         seen: IdentitySet::default(),
         f,
     };
     walker.module(root);
 }
 
+/// The three groups a module's children are listed in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Param,
+    Buffer,
+    Other,
+}
+
+impl Kind {
+    fn of(child: &Child<'_>) -> Self {
+        match child {
+            Child::Param(_) => Kind::Param,
+            Child::Buffer(_) => Kind::Buffer,
+            _ => Kind::Other,
+        }
+    }
+}
+
 struct Walker<'a, 'f> {
     path: String,
     dedup: bool,
-    order: Order,
     seen: IdentitySet,
     f: &'f mut dyn FnMut(&str, Visit<'a>) -> bool,
 }
 
 impl<'a> Walker<'a, '_> {
     fn module(&mut self, module: &'a dyn Module) {
-        match self.order {
-            Order::Pre => {
-                if (self.f)(&self.path, Visit::Module(module)) {
-                    self.children(module);
-                }
-            }
-            Order::Post => {
-                self.children(module);
-                (self.f)(&self.path, Visit::Module(module));
-            }
+        if (self.f)(&self.path, Visit::Module(module)) {
+            self.children(module);
         }
     }
 
+    /// A module's children in PyTorch's order, whatever the field order: its own parameters, then
+    /// its own buffers, then its submodules (`Module._save_to_state_dict` writes `_parameters`, then
+    /// `_buffers`, before recursing into `_modules`; `named_parameters` lists each module's own
+    /// parameters before its submodules'). Within each kind, declaration order.
     fn children(&mut self, module: &'a dyn Module) {
-        module.visit_children(&mut |name, child| self.child(name, child));
+        for kind in [Kind::Param, Kind::Buffer, Kind::Other] {
+            module.visit_children(&mut |name, child| {
+                if Kind::of(&child) == kind {
+                    self.child(name, child)
+                }
+            });
+        }
     }
 
     fn child(&mut self, name: Name<'_>, child: Child<'a>) {

@@ -45,6 +45,8 @@ impl Default for BatchNormConfig {
 /// (zeros) and `running_var` (ones), both `[C]`, and `num_batches_tracked` (an `i64` scalar) when
 /// tracking running statistics — PyTorch's names, order and dtypes. The input is `[N, C]` or
 /// `[N, C, L]` for `BatchNorm1d`, `[N, C, H, W]` for `BatchNorm2d`; the output has its shape.
+/// As in PyTorch, a checkpoint without `num_batches_tracked` (saved before PyTorch 0.4.1) loads
+/// strictly, keeping the layer's count (see [`Buffer::allow_missing`]).
 ///
 /// In training mode (see [`Mode`]) the input is normalized with the batch mean and biased variance
 /// over every dimension but the channels, and the running statistics are updated:
@@ -144,7 +146,7 @@ impl<const D: usize> BatchNorm<D> {
             running_var: tracked(Init::Ones)?,
             num_batches_tracked: config
                 .track_running_stats
-                .then(|| Tensor::new(0i64, device).map(Buffer::new))
+                .then(|| Tensor::new(0i64, device).map(|t| Buffer::new(t).allow_missing()))
                 .transpose()?,
             momentum: config.momentum,
             eps: config.eps,

@@ -1,0 +1,299 @@
+//! One entry point for every checkpoint a PyTorch or Hugging Face user has: it tells the format
+//! from the file's first bytes (not its extension) and opens the matching reader, and it joins
+//! Hugging Face's sharded checkpoints into one source.
+//!
+//! | what | how it is recognized |
+//! |---|---|
+//! | safetensors | an 8-byte little-endian header length, then a JSON header (`{`) |
+//! | PyTorch zip (`torch.save` since 1.6: `.pth`, `.pt`, `pytorch_model.bin`) | a zip's `PK\x03\x04` |
+//! | PyTorch legacy (before 1.6) | a pickle (`\x80` protocol opcode) |
+//! | sharded (`model.safetensors.index.json`, `pytorch_model.bin.index.json`) | JSON with a `weight_map` |
+//! | a folder | holds one of Hugging Face's file names, sharded or not |
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::error::{Error, Result};
+use crate::io::{open_for_reading, SafetensorsFile};
+use crate::state::{Source, StateDict};
+
+/// The file names Hugging Face gives a checkpoint in a model folder, in the order they are
+/// preferred (safetensors before pickles, as `transformers` does).
+const FOLDER_FILES: [&str; 4] = [
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+];
+
+/// What a checkpoint file is, from its first bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Safetensors,
+    PthZip,
+    PthLegacy,
+    Index,
+}
+
+fn sniff(path: &Path) -> Result<Format> {
+    let mut head = [0u8; 9];
+    let mut file = open_for_reading(path)?;
+    let mut n = 0;
+    while n < head.len() {
+        match file.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Error::Io {
+                    path: path.to_owned(),
+                    source: e,
+                })
+            }
+        }
+    }
+    let head = &head[..n];
+    let first_non_space = head.iter().find(|b| !b.is_ascii_whitespace());
+    Ok(
+        if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
+            Format::PthZip
+        } else if head.len() == 9 && head[8] == b'{' {
+            // Before the pickle test: a header length's first byte may be 0x80.
+            Format::Safetensors
+        } else if head.first() == Some(&0x80) && head.get(1).is_some_and(|p| (2..=5).contains(p)) {
+            // Pickle's PROTO opcode: `torch.save`'s legacy format starts with a pickled magic number.
+            Format::PthLegacy
+        } else if first_non_space == Some(&b'{') {
+            Format::Index
+        } else {
+            return Err(Error::Checkpoint {
+                path: path.to_owned(),
+                reason: format!(
+                "not a checkpoint format this crate reads (safetensors, a PyTorch zip or legacy \
+                 pickle, or a Hugging Face index); it starts with {:02x?}",
+                head
+            ),
+            });
+        },
+    )
+}
+
+/// Opens the checkpoint at `path` (a file of any supported format, an index, or a model folder).
+/// `nested` selects the state dict inside a pickled training checkpoint (`"model"` in
+/// `{"epoch": 3, "model": ...}`).
+pub(crate) fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>> {
+    if path.is_dir() {
+        let Some(file) = FOLDER_FILES
+            .iter()
+            .map(|f| path.join(f))
+            .find(|p| p.is_file())
+        else {
+            return Err(Error::Checkpoint {
+                path: path.to_owned(),
+                reason: format!(
+                    "the folder holds none of Hugging Face's checkpoint files ({})",
+                    FOLDER_FILES.join(", ")
+                ),
+            });
+        };
+        return open(&file, nested);
+    }
+    Ok(match sniff(path)? {
+        Format::Safetensors => Box::new(SafetensorsFile::open(path)?),
+        Format::PthZip | Format::PthLegacy => Box::new(crate::io::read_pth(path, nested)?),
+        Format::Index => Box::new(Sharded::open(path, nested)?),
+    })
+}
+
+impl StateDict {
+    /// Reads every tensor of a checkpoint into a state dict, on the CPU, in the file's order: a
+    /// safetensors file, a PyTorch `.pth`/`.pt`/`.bin` (zip or legacy), a Hugging Face shard
+    /// index, or a model folder (see [`ModuleExt::load_checkpoint`](crate::ModuleExt::load_checkpoint)).
+    /// For inspecting a checkpoint without a model.
+    ///
+    /// ```no_run
+    /// use module_runtime::StateDict;
+    /// let sd = StateDict::read("pytorch_model.bin")?;
+    /// for (key, t) in sd.iter() {
+    ///     println!("{key}: {:?} {:?}", t.dims(), t.dtype());
+    /// }
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn read(path: impl AsRef<Path>) -> Result<StateDict> {
+        Self::read_nested(path, None)
+    }
+
+    /// [`read`](Self::read), taking the state dict under `nested` in a pickled training
+    /// checkpoint (`"model"` in `{"epoch": 3, "model": ..., "optimizer": ...}`).
+    pub fn read_nested(path: impl AsRef<Path>, nested: Option<&str>) -> Result<StateDict> {
+        let source = open(path.as_ref(), nested)?;
+        let mut out = StateDict::new();
+        for (key, _, _) in source.entries()? {
+            let value = source.load(&key, &Device::Cpu)?;
+            out.insert(key, value);
+        }
+        Ok(out)
+    }
+}
+
+/// A Hugging Face sharded checkpoint: an index (`weight_map`: key → shard file) over shards in its
+/// folder, read as one source. Every shard is opened and checked when the index is, so a missing
+/// shard, a key the index maps to a shard that lacks it, or a key held by two shards fails before
+/// anything is loaded.
+struct Sharded {
+    shards: Vec<Box<dyn Source>>,
+    /// Every key with its shape, dtype and shard, in the index's order.
+    entries: Vec<(String, Shape, DType, usize)>,
+    index: HashMap<String, usize>,
+}
+
+impl Sharded {
+    fn open(path: &Path, nested: Option<&str>) -> Result<Self> {
+        let bad = |reason: String| Error::Checkpoint {
+            path: path.to_owned(),
+            reason,
+        };
+        let text = std::fs::read(path).map_err(|e| Error::Io {
+            path: path.to_owned(),
+            source: e,
+        })?;
+        let index: IndexFile =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        let Some(InOrder(map)) = index.weight_map else {
+            return Err(bad(
+                "no `weight_map` object: not a Hugging Face checkpoint index".into(),
+            ));
+        };
+        let folder = path.parent().unwrap_or(Path::new("."));
+        let mut files: Vec<String> = Vec::new();
+        let mut wanted: Vec<(String, usize)> = Vec::new();
+        for (key, file) in &map {
+            let Some(file) = file.as_str() else {
+                return Err(bad(format!(
+                    "`weight_map` maps `{key}` to {file}, not a file name"
+                )));
+            };
+            // Shards live beside the index: a name that climbs out of the folder is refused.
+            let plain = Path::new(file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !plain {
+                return Err(bad(format!(
+                    "`weight_map` maps `{key}` to `{file}`, outside the index's folder"
+                )));
+            }
+            let shard = match files.iter().position(|f| f == file) {
+                Some(i) => i,
+                None => {
+                    files.push(file.to_owned());
+                    files.len() - 1
+                }
+            };
+            wanted.push((key.clone(), shard));
+        }
+        let mut shards = Vec::with_capacity(files.len());
+        let mut listed: Vec<HashMap<String, (Shape, DType)>> = Vec::new();
+        for file in &files {
+            let shard_path: PathBuf = folder.join(file);
+            if !shard_path.is_file() {
+                return Err(bad(format!(
+                    "shard `{file}` is missing from {}",
+                    folder.display()
+                )));
+            }
+            let source = open(&shard_path, nested)?;
+            listed.push(
+                source
+                    .entries()?
+                    .into_iter()
+                    .map(|(k, shape, dtype)| (k, (shape, dtype)))
+                    .collect(),
+            );
+            shards.push(source);
+        }
+        let mut entries = Vec::with_capacity(wanted.len());
+        for (key, shard) in wanted {
+            let Some((shape, dtype)) = listed[shard].remove(&key) else {
+                return Err(bad(format!(
+                    "the index maps `{key}` to `{}`, which does not hold it",
+                    files[shard]
+                )));
+            };
+            entries.push((key, shape, dtype, shard));
+        }
+        // Keys a shard holds that the index does not list are loaded too (as `transformers`
+        // does, which loads whole shards), unless two shards hold one key.
+        let mut index: HashMap<String, usize> = HashMap::new();
+        for (shard, rest) in listed.into_iter().enumerate() {
+            let mut rest: Vec<_> = rest.into_iter().collect();
+            rest.sort_by(|a, b| a.0.cmp(&b.0));
+            for (key, (shape, dtype)) in rest {
+                entries.push((key, shape, dtype, shard));
+            }
+        }
+        for (i, (key, _, _, shard)) in entries.iter().enumerate() {
+            if let Some(&j) = index.get(key) {
+                return Err(bad(format!(
+                    "`{key}` is in both `{}` and `{}`",
+                    files[entries[j].3], files[*shard]
+                )));
+            }
+            index.insert(key.clone(), i);
+        }
+        Ok(Self {
+            shards,
+            entries,
+            index,
+        })
+    }
+}
+
+/// The part of a Hugging Face index this reads.
+#[derive(serde::Deserialize)]
+struct IndexFile {
+    weight_map: Option<InOrder>,
+}
+
+/// A JSON object's entries in the file's order (`serde_json`'s own map sorts its keys).
+struct InOrder(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for InOrder {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = InOrder;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object mapping keys to shard file names")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<InOrder, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    out.push(entry);
+                }
+                Ok(InOrder(out))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
+impl Source for Sharded {
+    fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
+        Ok(self
+            .entries
+            .iter()
+            .map(|(k, shape, dtype, _)| (k.clone(), shape.clone(), *dtype))
+            .collect())
+    }
+
+    fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
+        let shard = self.entries[self.index[key]].3;
+        self.shards[shard].load(key, device)
+    }
+}
