@@ -7,6 +7,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::pth::PthFile;
 use crate::state::{Source, StateDict};
 
 /// Writes `state` to `path` atomically: into a temporary file beside it, flushed to disk, then
@@ -105,16 +106,9 @@ impl Source for SafetensorsFile {
     }
 }
 
-/// Reads a PyTorch pickle checkpoint (`torch.save(model.state_dict())`, `.pth`/`.bin`) through
-/// candle's reader. `key` selects a nested dict (e.g. `"state_dict"` or `"model"`).
-pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<StateDict> {
-    if let Err(e) = std::fs::metadata(path) {
-        return Err(io_error(path, e));
-    }
-    let entries =
-        candle_core::pickle::read_all_with_key(path, key).map_err(|e| Error::Checkpoint {
-            path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
-    Ok(entries.into_iter().collect())
+/// Opens a PyTorch pickle checkpoint (`torch.save(model.state_dict())`, `.pth`/`.bin`, zip or
+/// legacy format) with the bounded reader. `key` selects a nested dict (e.g. `"state_dict"` or
+/// `"model"`).
+pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<PthFile> {
+    PthFile::open(path, key)
 }
