@@ -452,10 +452,11 @@ pub enum PthErrorKind {
         storage_type: String,
     },
 
-    /// No state dict was selected and the top level is not one; `candidates` are the top-level
-    /// keys that hold a state dict (pass one as the key).
+    /// No state dict was selected and the top level is not one (or the key selects something
+    /// that is not one); `candidates` are the keys there that hold a state dict, and dotted
+    /// `key.inner` ones a level further down (pass one as the key).
     #[error(
-        "the top level is {found}, not a state dict; keys holding a state dict: {}",
+        "found {found} where a state dict was expected; keys holding a state dict: {}",
         list_or_none(.candidates)
     )]
     NotAStateDict {

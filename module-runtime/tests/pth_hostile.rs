@@ -96,8 +96,16 @@ fn tensor(key: &str, numel: i64, size: &[i64], stride: &[i64]) -> Val {
 
 /// The main pickle: an `OrderedDict` of `entries`, as `torch.save(model.state_dict())` writes it.
 fn state_dict_pickle(entries: &[(&str, Val)], legacy: bool) -> Vec<u8> {
-    let mut p = P::default()
+    P::default()
         .proto()
+        .raw(&state_dict_body(entries, legacy))
+        .op(STOP)
+        .0
+}
+
+/// The pickle ops that push the state dict (no `PROTO`, no `STOP`).
+fn state_dict_body(entries: &[(&str, Val)], legacy: bool) -> Vec<u8> {
+    let mut p = P::default()
         .global("collections", "OrderedDict")
         .op(EMPTY_TUPLE)
         .op(REDUCE)
@@ -141,7 +149,7 @@ fn state_dict_pickle(entries: &[(&str, Val)], legacy: bool) -> Vec<u8> {
             }
         }
     }
-    p.op(SETITEMS).op(STOP).0
+    p.op(SETITEMS).0
 }
 
 /// The model the files are made for, and its state dict as file entries plus storages.
@@ -840,4 +848,66 @@ fn random_mutations_never_panic() {
     eprintln!("{err} errors, {ok} accepted");
     assert!(err > ok, "{err} errors, {ok} accepted");
     assert!(start.elapsed().as_secs() < 60, "{:?}", start.elapsed());
+}
+
+#[test]
+fn nested_and_dotted_keys_select_a_state_dict() {
+    let source = model();
+    let (entries, storages) = linear_entries();
+    let sd = source.state_dict().unwrap();
+    let storages: Storages = vec![
+        (storages[0].0.clone(), f32_bytes(sd.get("weight").unwrap())),
+        (storages[1].0.clone(), f32_bytes(sd.get("bias").unwrap())),
+    ];
+    // {"epoch": 3, "model": {"ema": state_dict}, "lr": 0.1}
+    let pickle = P::default()
+        .proto()
+        .op(EMPTY_DICT)
+        .op(MARK)
+        .str("epoch")
+        .int(3)
+        .str("model")
+        .op(EMPTY_DICT)
+        .op(MARK)
+        .str("ema")
+        .raw(&state_dict_body(&entries, false))
+        .op(SETITEMS)
+        .str("lr")
+        .op(b'G')
+        .raw(&0.1f64.to_be_bytes())
+        .op(SETITEMS)
+        .op(STOP)
+        .0;
+    let path = temp_path();
+    std::fs::write(&path, write_zip(&zip_members(pickle, &storages))).unwrap();
+
+    let read = StateDict::read_pth(&path, Some("model.ema")).unwrap();
+    assert_eq!(read.keys().collect::<Vec<_>>(), ["weight", "bias"]);
+    let target = model();
+    target
+        .load_pth_with(&path, Some("model.ema"), &Default::default())
+        .unwrap();
+    assert_eq!(
+        f32_bytes(target.state_dict().unwrap().get("weight").unwrap()),
+        f32_bytes(sd.get("weight").unwrap())
+    );
+
+    let kind = |key| match StateDict::read_pth(&path, key) {
+        Err(Error::Pth { kind, .. }) => *kind,
+        other => panic!("{key:?}: {other:?}"),
+    };
+    assert!(
+        matches!(kind(None), PthErrorKind::NotAStateDict { candidates, .. } if candidates == ["model.ema"])
+    );
+    assert!(
+        matches!(kind(Some("model")), PthErrorKind::NotAStateDict { candidates, .. } if candidates == ["ema"])
+    );
+    assert!(
+        matches!(kind(Some("model.emma")), PthErrorKind::NoSuchKey { available, .. } if available == ["ema"])
+    );
+    assert!(matches!(
+        kind(Some("epoch")),
+        PthErrorKind::NotAStateDict { .. }
+    ));
+    std::fs::remove_file(&path).unwrap();
 }

@@ -294,14 +294,51 @@ fn key_names(p: &Pickle, items: &[(Value, Value)]) -> Vec<String> {
         .collect()
 }
 
-/// Whether `v` is a non-empty dict of string keys and tensor values.
-fn is_state_dict(p: &Pickle, v: &Value) -> bool {
-    dict(p, v).is_some_and(|items| {
-        !items.is_empty()
-            && items
-                .iter()
-                .all(|(k, v)| matches!(k, Value::Str(_)) && tensor(p, v).is_some())
+/// Whether `v` is a non-empty dict of string keys and tensor values. Answers are cached by object,
+/// so a dict referenced many times (through the memo) is scanned once.
+fn is_state_dict(p: &Pickle, v: &Value, cache: &mut HashMap<usize, bool>) -> bool {
+    let Value::Obj(id) = v else {
+        return false;
+    };
+    *cache.entry(*id).or_insert_with(|| {
+        dict(p, v).is_some_and(|items| {
+            !items.is_empty()
+                && items
+                    .iter()
+                    .all(|(k, v)| matches!(k, Value::Str(_)) && tensor(p, v).is_some())
+        })
     })
+}
+
+/// The keys of `items` that hold a state dict, and `key.inner` for those one dict further down
+/// (each dict is looked into once; at most 50 names).
+fn candidates(p: &Pickle, items: &[(Value, Value)]) -> Vec<String> {
+    let mut cache = HashMap::new();
+    let mut expanded = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (k, v) in items {
+        let Value::Str(name) = k else { continue };
+        if is_state_dict(p, v, &mut cache) {
+            out.push(name.to_string());
+        } else if let (Some(inner), Value::Obj(id)) = (dict(p, v), v) {
+            if !expanded.insert(*id) {
+                continue;
+            }
+            for (k2, v2) in inner {
+                if let Value::Str(name2) = k2 {
+                    if is_state_dict(p, v2, &mut cache) {
+                        out.push(format!("{name}.{name2}"));
+                    }
+                }
+            }
+        }
+        if out.len() >= 50 {
+            break;
+        }
+    }
+    out.dedup();
+    out.truncate(50);
+    out
 }
 
 /// Finds the state dict: at `key` if given, else the top level.
@@ -371,14 +408,7 @@ fn state_dict<'p>(p: &'p Pickle, v: &Value) -> Result<Vec<(String, &'p TensorRef
         return Ok(out);
     };
     // Not a state dict: a training checkpoint, or a state dict with a stray value.
-    let candidates: Vec<String> = items
-        .iter()
-        .filter(|(_, v)| is_state_dict(p, v))
-        .filter_map(|(k, _)| match k {
-            Value::Str(s) => Some(s.to_string()),
-            _ => None,
-        })
-        .collect();
+    let candidates = candidates(p, items);
     if !candidates.is_empty() || out.is_empty() {
         return Err(not_a_state_dict(candidates));
     }
