@@ -593,6 +593,8 @@ fn tensors_must_fit_their_storage() {
         ("overflowing stride", 0, &[2, 2], &[i64::MAX, 1]),
         ("overflowing offset", i64::MAX, &[2], &[1]),
         ("huge rank", 0, &[2; 64], &[1; 64]),
+        ("empty, offset past the end", 7, &[0], &[1]),
+        ("empty, overflowing offset", i64::MAX, &[2, 0], &[1, 1]),
     ];
     for &(label, offset, size, stride) in layouts {
         let entries = [
@@ -620,6 +622,14 @@ fn tensors_must_fit_their_storage() {
             );
         }
     }
+    // Empty tensors inside their storage are fine.
+    let entries = [
+        ("weight", tensor("0", 6, &[0, 3], &[3, 1])),
+        ("bias", tensor("1", 2, &[2, 0], &[5, 9])),
+    ];
+    let sd = try_read(&zip_file(&entries, &storages), "empty tensors").unwrap();
+    assert_eq!(sd.get("weight").unwrap().dims(), [0, 3]);
+    assert_eq!(sd.get("bias").unwrap().dims(), [2, 0]);
     // Shape and stride of different ranks.
     let entries = [("weight", tensor("0", 6, &[2, 3], &[1]))];
     rejected(&zip_file(&entries, &storages), "rank mismatch");

@@ -92,7 +92,9 @@ impl PthFile {
         let storage = &self.bytes[e.storage.clone()];
         let numel: usize = e.shape.iter().product();
         let n = numel * elem;
-        let data = if is_contiguous(&e.shape, &e.stride) {
+        let data = if n == 0 {
+            std::borrow::Cow::Borrowed(&[][..])
+        } else if is_contiguous(&e.shape, &e.stride) {
             let start = e.offset * elem;
             std::borrow::Cow::Borrowed(&storage[start..start + n])
         } else {
@@ -233,7 +235,8 @@ fn check(container: &Container, key: String, t: &TensorRef) -> Result<Entry, Fai
             return None;
         }
         if numel == 0 {
-            return Some(());
+            // Nothing is read, but the offset must still lie within the storage.
+            return (offset.checked_mul(elem)? <= storage.len()).then_some(());
         }
         let last = shape
             .iter()
