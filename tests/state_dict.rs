@@ -436,8 +436,12 @@ fn pth_errors_are_typed() {
     let m = Linear::new(2, 2, &dev()).unwrap();
     let path = tmp("not_a_pickle.pth");
     std::fs::write(&path, b"definitely not a zip of pickles").unwrap();
-    assert!(matches!(
-        m.load_pth_with(&path, None, &LoadOptions::default()),
-        Err(Error::Checkpoint { .. })
-    ));
+    let err = m
+        .load_pth_with(&path, None, &LoadOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Pth { path: p, .. } if *p == path),
+        "{err:?}"
+    );
+    assert!(matches!(m.load_pth(&path), Err(Error::Pth { .. })));
 }

@@ -440,17 +440,32 @@ pub trait ModuleExt: Module {
         crate::state::load(self.as_dyn(), source.as_ref(), options)
     }
 
-    /// Loads a PyTorch pickle checkpoint (`torch.save(model.state_dict(), "x.pth")`, or a Hugging
-    /// Face `pytorch_model.bin`) with `options`. `key` selects a nested dict such as
-    /// `"state_dict"`.
+    /// Loads a PyTorch pickle checkpoint strictly (all or nothing): `torch.save(model.state_dict(),
+    /// "x.pth")`, or a Hugging Face `pytorch_model.bin`.
+    ///
+    /// Accepted: both formats `torch.load` reads (the zip format of PyTorch ≥ 1.6 and the legacy
+    /// format before it), holding a state dict at the top level, every value a tensor of a dtype
+    /// candle has (F16, BF16, F32, F64, U8, I16, I32, I64), strided views included. The reader is
+    /// bounded: a truncated, corrupt or hostile file is an [`Error::Pth`](crate::Error::Pth) that
+    /// says what is wrong, and Python globals outside PyTorch's tensor types are refused, never
+    /// executed. For a training checkpoint (`{"epoch": .., "model": .., ..}`) or key rewriting, use
+    /// [`load_pth_with`](Self::load_pth_with).
+    fn load_pth(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
+        self.load_pth_with(path, None, &LoadOptions::default())
+    }
+
+    /// Loads a PyTorch pickle checkpoint (see [`load_pth`](Self::load_pth)) with `options`.
+    /// `key` selects a nested state dict such as `"model"` or `"state_dict"` (dotted keys such as
+    /// `"model.ema"` descend further); without one, the top level must be a state dict, and the
+    /// error lists the top-level keys that hold one. Values are read one tensor at a time.
     fn load_pth_with(
         &self,
         path: impl AsRef<std::path::Path>,
         key: Option<&str>,
         options: &LoadOptions,
     ) -> Result<LoadReport> {
-        let state = crate::io::read_pth(path.as_ref(), key)?;
-        crate::state::load(self.as_dyn(), &state, options)
+        let file = crate::io::read_pth(path.as_ref(), key)?;
+        crate::state::load(self.as_dyn(), &file, options)
     }
 
     /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.

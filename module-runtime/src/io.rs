@@ -11,6 +11,7 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::pth::PthFile;
 use crate::state::{Source, StateDict};
 
 /// The marker in the names of the temporary files a save writes beside its target
@@ -300,18 +301,11 @@ pub(crate) fn open_for_reading(path: &Path) -> Result<File> {
     }
 }
 
-/// Reads a PyTorch pickle checkpoint (`torch.save(model.state_dict())`, `.pth`/`.bin`) through
-/// candle's reader. `key` selects a nested dict (e.g. `"state_dict"` or `"model"`).
-pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<StateDict> {
-    if let Err(e) = std::fs::metadata(path) {
-        return Err(io_error(path, e));
-    }
-    let entries =
-        candle_core::pickle::read_all_with_key(path, key).map_err(|e| Error::Checkpoint {
-            path: path.to_owned(),
-            reason: e.to_string(),
-        })?;
-    Ok(entries.into_iter().collect())
+/// Opens a PyTorch pickle checkpoint (`torch.save(model.state_dict())`, `.pth`/`.bin`, zip or
+/// legacy format) with the bounded reader. `key` selects a nested dict (e.g. `"state_dict"` or
+/// `"model"`).
+pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<PthFile> {
+    PthFile::open(path, key)
 }
 
 #[cfg(test)]

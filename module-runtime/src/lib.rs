@@ -53,7 +53,7 @@ extern crate self as module_runtime;
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, convert, device                the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
-//   state, io, checkpoint, summary                    state dicts, files, summaries
+//   state, pth/, io, checkpoint, summary              state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
@@ -74,6 +74,7 @@ pub mod nn;
 mod param;
 mod path;
 mod pattern;
+mod pth;
 mod report;
 mod state;
 mod summary;
@@ -84,7 +85,7 @@ mod walk;
 
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
-pub use error::{Error, Result};
+pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
 pub use forward::Forward;
 pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
