@@ -251,3 +251,77 @@ fn apply_recurses_through_children_like_pytorch() {
     // down, visited again. Children before parents.
     assert_eq!(names, ["Linear", "Linear", "Block", "Net"]);
 }
+
+/// A module shared as `a` and `b`, with a forward that calls it through `b` only.
+#[derive(Module)]
+struct TwoPaths {
+    a: Arc<Linear>,
+    b: Arc<Linear>,
+    spare: Linear,
+}
+
+impl Forward<&Tensor> for TwoPaths {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> module_runtime::Result<Tensor> {
+        self.b.call(x)
+    }
+}
+
+fn two_paths(dev: &Device) -> TwoPaths {
+    let shared = Arc::new(Linear::new(2, 2, dev).unwrap());
+    TwoPaths {
+        a: shared.clone(),
+        b: shared,
+        spare: Linear::new(2, 2, dev).unwrap(),
+    }
+}
+
+/// PyTorch stores hooks on the module object (`Module._forward_hooks`), so a hook registered on
+/// `model.a` fires however that module is reached.
+#[test]
+fn hooks_attach_to_the_module_not_to_the_path_string() {
+    let dev = device_from_env().unwrap();
+    let m = two_paths(&dev);
+    let hooks = Hooks::new();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    hooks
+        .register_forward_hook("a", move |ctx, _, _| {
+            sink.lock().unwrap().push(ctx.path().to_owned());
+            Ok(None)
+        })
+        .unwrap();
+    let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
+    hooks.run(&m, |m| m.call(&x)).unwrap();
+    assert_eq!(*seen.lock().unwrap(), ["b"]);
+}
+
+/// PyTorch has no patterns, so a misspelled name is an `AttributeError` there; here a pattern
+/// that matches nothing would silently never fire, so it is an error listing near matches.
+#[test]
+fn hook_and_capture_patterns_that_match_nothing_are_errors() {
+    let dev = device_from_env().unwrap();
+    let m = two_paths(&dev);
+    let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
+    let hooks = Hooks::new();
+    hooks
+        .register_forward_hook("spar", |_, _, _| Ok(None))
+        .unwrap();
+    let err = hooks.run(&m, |m| m.call(&x)).unwrap_err();
+    assert!(
+        matches!(&err, module_runtime::Error::NoModuleMatch { near, .. } if near[0] == "spare"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("did you mean: spare"), "{err}");
+
+    let err = m.capture(&["*.weight"], |m| m.call(&x)).unwrap_err();
+    assert!(matches!(err, module_runtime::Error::NoModuleMatch { .. }), "{err}");
+    // `spare` exists but the forward never calls it.
+    let err = m.capture(&["spare"], |m| m.call(&x)).unwrap_err();
+    assert!(
+        err.to_string().contains("`spare` matches spare, but none ran"),
+        "{err}"
+    );
+    let (_, captured) = m.capture(&["a"], |m| m.call(&x)).unwrap();
+    assert_eq!(captured.paths().collect::<Vec<_>>(), ["b"]);
+}

@@ -295,6 +295,38 @@ pub enum Error {
         /// What is wrong (boxed, to keep [`Error`] small).
         kind: Box<PthErrorKind>,
     },
+
+    /// A hook or capture pattern matches no module of the model it runs on: almost always a typo
+    /// (PyTorch would silently never fire it).
+    #[error("{what} pattern `{pattern}` matches no module of this model{}", near_matches(.near))]
+    NoModuleMatch {
+        /// What the pattern is for (`"hook"`, `"capture"`).
+        what: &'static str,
+        /// The pattern as given.
+        pattern: String,
+        /// Module paths that do exist, the most alike first.
+        near: Vec<String>,
+    },
+
+    /// `capture`: the pattern matches modules, but none of them ran during the call.
+    #[error(
+        "capture pattern `{pattern}` matches {}, but none ran during the call",
+        .matched.join(", ")
+    )]
+    NotRun {
+        /// The pattern as given.
+        pattern: String,
+        /// The module paths it matches (at most a few).
+        matched: Vec<String>,
+    },
+}
+
+fn near_matches(names: &[String]) -> String {
+    if names.is_empty() {
+        String::from(" (it has no submodules)")
+    } else {
+        format!("; did you mean: {}", names.join(", "))
+    }
 }
 
 fn list_children(names: &[String]) -> String {

@@ -72,7 +72,11 @@ pub trait ModuleExt: Module {
 
     /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for
     /// [`hooks.run(self, run)`](Hooks::run).
-    fn with_hooks<R>(&self, hooks: &Hooks, run: impl FnOnce(&Self) -> R) -> R
+    fn with_hooks<R, E: From<crate::Error>>(
+        &self,
+        hooks: &Hooks,
+        run: impl FnOnce(&Self) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E>
     where
         Self: Sized,
     {
@@ -81,6 +85,9 @@ pub trait ModuleExt: Module {
 
     /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path
     /// matches one of `patterns`, in call order (like torchvision's `create_feature_extractor`).
+    /// A pattern that matches no module ([`Error::NoModuleMatch`](crate::Error::NoModuleMatch)),
+    /// or whose modules none ran ([`Error::NotRun`](crate::Error::NotRun)), is an error rather
+    /// than an empty capture.
     ///
     /// ```
     /// use module_runtime::prelude::*;

@@ -87,7 +87,7 @@ impl Hasher for AddressHasher {
 /// The address and type of a value a module is called through: what hook dispatch looks for among
 /// a module's children. Not public API.
 #[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CallTarget {
     addr: usize,
     ty: std::any::TypeId,

@@ -116,13 +116,28 @@ pub use candle_core;
 pub use candle_nn;
 
 /// Everything a model definition needs: `use module_runtime::prelude::*;`.
+///
+/// It brings this crate's [`Forward`] into scope and not candle's `Module` trait, so
+/// `layer.forward(&x)` on a runtime layer is this crate's forward, never ambiguous (E0034). The
+/// runtime's layers and derived models that implement candle's `Module` stay usable from candle
+/// code, which needs no import: `x.apply(&layer)`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// let layer = Linear::new(3, 2, &Device::Cpu)?;
+/// let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
+/// let a = layer.forward(&x)?; // `Forward::forward`
+/// let b = x.apply(&layer)?; // candle's `Module`, as candle code calls it
+/// assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
 pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::{
         Buffer, Build, Error, Forward, Hooks, Lazy, LazyExt, LoadOptions, Mode, Module, ModuleExt,
         Param, Result, StateDict,
     };
-    pub use candle_core::{DType, Device, Module as _, Tensor, D};
+    pub use candle_core::{DType, Device, Tensor, D};
 }
 
 /// Support for the derive's expansion. Not public API.

@@ -16,6 +16,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::sync::{Arc, PoisonError};
 
 use candle_core::Tensor;
@@ -42,6 +43,8 @@ pub(crate) fn active() -> bool {
 struct Session {
     root: *const dyn Module,
     root_target: CallTarget,
+    /// Every path of the modules reachable by more than one (see `ModuleTable`).
+    aliases: HashMap<CallTarget, Vec<Arc<str>>>,
     registries: Vec<Arc<Registry>>,
     frames: Vec<Frame>,
 }
@@ -70,6 +73,7 @@ impl SessionGuard {
         root: &dyn Module,
         root_target: CallTarget,
         registry: Arc<Registry>,
+        aliases: HashMap<CallTarget, Vec<Arc<str>>>,
     ) -> Self {
         let merged = SESSIONS.with(|s| {
             let mut sessions = s.borrow_mut();
@@ -82,6 +86,7 @@ impl SessionGuard {
                     sessions.push(Session {
                         root: erase(root),
                         root_target,
+                        aliases,
                         registries: vec![registry],
                         frames: Vec::new(),
                     });
@@ -159,9 +164,10 @@ fn enter_call(target: CallTarget) -> Option<(FrameGuard, Plan)> {
         let session = sessions.last_mut()?;
         // SAFETY: every pointer on the stack is to a module borrowed by a `run` or `call` that is
         // still on this thread's call stack (guards pop them before those borrows end).
-        let (module, path) = unsafe { locate(session, target) }?;
+        let (module, path, called) = unsafe { locate(session, target) }?;
         let path: Arc<str> = path.into();
-        let plan = plan_for(&session.registries, &path);
+        let aliases = session.aliases.get(&called).map_or(&[][..], Vec::as_slice);
+        let plan = plan_for(&session.registries, &path, aliases);
         session.frames.push(Frame {
             module,
             path: path.clone(),
@@ -172,7 +178,7 @@ fn enter_call(target: CallTarget) -> Option<(FrameGuard, Plan)> {
 
 /// The hooks to fire at `path`, group by group across the session's registries (global pre-hooks
 /// of every registry, then targeted pre-hooks, …), each group in registry order.
-fn plan_for(registries: &[Arc<Registry>], path: &str) -> Plan {
+fn plan_for(registries: &[Arc<Registry>], path: &str, aliases: &[Arc<str>]) -> Plan {
     fn arm<F: ?Sized>(e: &Entry<F>, registry: &Arc<Registry>) -> Armed<F> {
         Armed {
             f: e.f.clone(),
@@ -189,15 +195,23 @@ fn plan_for(registries: &[Arc<Registry>], path: &str) -> Plan {
         plan.pre.extend(l.global_pre.iter().map(|e| arm(e, r)));
     }
     for (r, l) in &lists {
-        plan.pre
-            .extend(l.pre.iter().filter(|e| e.targets(path)).map(|e| arm(e, r)));
+        plan.pre.extend(
+            l.pre
+                .iter()
+                .filter(|e| e.targets(path, aliases))
+                .map(|e| arm(e, r)),
+        );
     }
     for (r, l) in &lists {
         plan.post.extend(l.global_post.iter().map(|e| arm(e, r)));
     }
     for (r, l) in &lists {
-        plan.post
-            .extend(l.post.iter().filter(|e| e.targets(path)).map(|e| arm(e, r)));
+        plan.post.extend(
+            l.post
+                .iter()
+                .filter(|e| e.targets(path, aliases))
+                .map(|e| arm(e, r)),
+        );
     }
     plan
 }
@@ -208,24 +222,31 @@ fn plan_for(registries: &[Arc<Registry>], path: &str) -> Plan {
 /// # Safety
 ///
 /// The session's pointers must be live (see [`enter_call`]).
-unsafe fn locate(session: &Session, target: CallTarget) -> Option<(*const dyn Module, String)> {
+unsafe fn locate(
+    session: &Session,
+    target: CallTarget,
+) -> Option<(*const dyn Module, String, CallTarget)> {
     // SAFETY: per the function's contract.
     let root = unsafe { &*session.root };
+    let found = |(m, p): (&dyn Module, String)| {
+        let any: &dyn std::any::Any = m;
+        (erase(m), p, CallTarget::of_dyn(any))
+    };
     let Some(frame) = session.frames.last() else {
         if session.root_target == target {
-            return Some((session.root, String::new()));
+            return Some(found((root, String::new())));
         }
-        return find(root, target, String::new()).map(|(m, p)| (erase(m), p));
+        return find(root, target, String::new()).map(found);
     };
     // SAFETY: per the function's contract.
     let running = unsafe { &*frame.module };
-    if let Some((m, p)) = find(running, target, frame.path.to_string()) {
-        return Some((erase(m), p));
+    if let Some(hit) = find(running, target, frame.path.to_string()) {
+        return Some(found(hit));
     }
     if session.root_target == target {
-        return Some((session.root, String::new()));
+        return Some(found((root, String::new())));
     }
-    find(root, target, String::new()).map(|(m, p)| (erase(m), p))
+    find(root, target, String::new()).map(found)
 }
 
 /// Breadth of one level, then depth: the direct children of `parent` are checked before any of

@@ -1,12 +1,13 @@
 //! What is built on hooks: capturing outputs by path pattern, the call order, and the shapes of a
 //! summary.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::Tensor;
 
 use super::Hooks;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::module::Module;
 
 /// The outputs of the modules a [`capture`](crate::ModuleExt::capture) watched, in call order (a
@@ -63,9 +64,13 @@ pub(crate) fn capture<M: Module, R>(
 ) -> Result<(R, Captures)> {
     let hooks = Hooks::new();
     let store = Arc::new(Mutex::new(Vec::new()));
-    for pattern in patterns {
+    let ran: Arc<Vec<AtomicBool>> =
+        Arc::new(patterns.iter().map(|_| AtomicBool::new(false)).collect());
+    for (i, pattern) in patterns.iter().enumerate() {
         let store = store.clone();
+        let ran = ran.clone();
         hooks.register_forward_hook(pattern, move |ctx, _input, output| {
+            ran[i].store(true, Ordering::Relaxed);
             store
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -75,6 +80,18 @@ pub(crate) fn capture<M: Module, R>(
     }
     let out = hooks.run(root, run)?;
     let entries = std::mem::take(&mut *store.lock().unwrap_or_else(PoisonError::into_inner));
+    // A pattern that matches modules none of which ran is as silent as a typo: say so.
+    for (i, pattern) in patterns.iter().enumerate() {
+        if !ran[i].load(Ordering::Relaxed) {
+            let parsed = crate::pattern::PathPattern::new(pattern)?;
+            let table = super::registry::ModuleTable::of(root);
+            let matched = table.paths.into_iter().filter(|p| parsed.matches(p));
+            return Err(Error::NotRun {
+                pattern: (*pattern).to_owned(),
+                matched: matched.take(5).collect(),
+            });
+        }
+    }
     Ok((out, Captures { entries }))
 }
 

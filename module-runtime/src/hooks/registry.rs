@@ -5,10 +5,14 @@ use std::sync::{Arc, PoisonError, RwLock, Weak};
 
 use candle_core::Tensor;
 
+use std::collections::HashMap;
+
 use super::dispatch::SessionGuard;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::identity::CallTarget;
 use crate::module::Module;
 use crate::pattern::PathPattern;
+use crate::walk::{walk, Visit};
 
 /// A forward pre-hook: sees the module's input tensors (in [`TensorTree`](crate::TensorTree) order) and may return new
 /// ones (the same number) to run the module on. `Ok(None)` keeps the input.
@@ -99,13 +103,67 @@ impl Target {
 }
 
 impl<F: ?Sized> Entry<F> {
-    pub(super) fn targets(&self, path: &str) -> bool {
+    /// Whether the hook fires for a call of the module at `path`, which is also reachable at
+    /// `aliases` (a module shared through `Arc`): hooks attach to modules, not to path strings,
+    /// as in PyTorch, where a hook registered on `model.a` fires however that module is reached.
+    pub(super) fn targets(&self, path: &str, aliases: &[Arc<str>]) -> bool {
         match &self.target {
             Target::All => true,
             Target::Root => path.is_empty(),
-            Target::Matching(p) => p.matches(path),
+            Target::Matching(p) => p.matches(path) || aliases.iter().any(|a| p.matches(a)),
         }
     }
+}
+
+/// The modules under a root: every path (a module shared through `Arc` under each of its paths),
+/// and for modules reachable by more than one path, all of them.
+pub(super) struct ModuleTable {
+    pub(super) paths: Vec<String>,
+    pub(super) aliases: HashMap<CallTarget, Vec<Arc<str>>>,
+}
+
+impl ModuleTable {
+    pub(super) fn of(root: &dyn Module) -> Self {
+        let mut paths = Vec::new();
+        let mut aliases: HashMap<CallTarget, Vec<Arc<str>>> = HashMap::new();
+        walk(root, false, &mut |path, v| {
+            if let Visit::Module(m) = v {
+                paths.push(path.to_owned());
+                let m: &dyn std::any::Any = m;
+                aliases
+                    .entry(CallTarget::of_dyn(m))
+                    .or_default()
+                    .push(path.into());
+            }
+            true
+        });
+        aliases.retain(|_, paths| paths.len() > 1);
+        Self { paths, aliases }
+    }
+
+    /// Fails with [`Error::NoModuleMatch`] if `pattern` matches no module path.
+    pub(super) fn check(&self, pattern: &PathPattern, what: &'static str) -> Result<()> {
+        if self.paths.iter().any(|p| pattern.matches(p)) {
+            return Ok(());
+        }
+        Err(Error::NoModuleMatch {
+            what,
+            pattern: pattern.as_str().to_owned(),
+            near: near(pattern.as_str(), &self.paths),
+        })
+    }
+}
+
+/// Up to five of `paths`, the most like `pattern` first.
+pub(super) fn near(pattern: &str, paths: &[String]) -> Vec<String> {
+    let mut ranked: Vec<(usize, &String)> = paths
+        .iter()
+        .filter(|p| !p.is_empty())
+        .map(|p| (strsim::levenshtein(pattern, p), p))
+        .collect();
+    ranked.sort();
+    ranked.dedup_by(|a, b| a.1 == b.1);
+    ranked.into_iter().take(5).map(|(_, p)| p.clone()).collect()
 }
 
 impl Registry {
@@ -129,6 +187,19 @@ impl Registry {
             registry: Arc::downgrade(self),
             id,
         }
+    }
+
+    /// The patterns of the targeted hooks.
+    fn patterns(&self) -> Vec<PathPattern> {
+        let lists = self.lists.read().unwrap_or_else(PoisonError::into_inner);
+        let targets = lists.pre.iter().map(|e| &e.target);
+        targets
+            .chain(lists.post.iter().map(|e| &e.target))
+            .filter_map(|t| match t {
+                Target::Matching(p) => Some(p.clone()),
+                _ => None,
+            })
+            .collect()
     }
 
     pub(super) fn remove(&self, id: u64) -> bool {
@@ -281,8 +352,25 @@ impl Hooks {
     ///
     /// Runs nest: inside another `run` on the same root, both registries' hooks fire (the outer
     /// one's first); on another root, the inner run replaces the outer one until it returns.
-    pub fn run<M: Module, R>(&self, root: &M, f: impl FnOnce(&M) -> R) -> R {
-        let _session = SessionGuard::enter(root, root.__call_target(), self.0.clone());
+    ///
+    /// A hook attaches to the *modules* its pattern matches, as in PyTorch: a module shared
+    /// through `Arc` as `a` and `b` fires a hook registered on `"a"` whichever path calls it (the
+    /// hook's [`path`](HookCtx::path) is the path it was called through).
+    ///
+    /// Fails before running `f` with [`Error::NoModuleMatch`] (listing the most alike paths) if a
+    /// hook's pattern matches no module of `root`: a typo would otherwise never fire, silently.
+    /// `f`'s error type only needs to convert from this crate's [`Error`].
+    pub fn run<M: Module, R, E: From<Error>>(
+        &self,
+        root: &M,
+        f: impl FnOnce(&M) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        let table = ModuleTable::of(root);
+        for pattern in self.0.patterns() {
+            table.check(&pattern, "hook")?;
+        }
+        let _session =
+            SessionGuard::enter(root, root.__call_target(), self.0.clone(), table.aliases);
         f(root)
     }
 }
