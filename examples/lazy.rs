@@ -30,7 +30,7 @@ struct LazyCnn {
 impl LazyCnn {
     fn new(device: &Device) -> Result<Self> {
         let same = ConvConfig {
-            padding: 1,
+            padding: 1.into(),
             ..Default::default()
         };
         Ok(Self {

@@ -411,8 +411,8 @@ fn a_user_module_builds_its_own_state_on_the_first_call() -> Result<()> {
 #[test]
 fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
     let cfg = ConvConfig {
-        stride: 2,
-        padding: 1,
+        stride: 2.into(),
+        padding: 1.into(),
         groups: 2,
         ..Default::default()
     };

@@ -183,8 +183,8 @@ fn batch_norm2d_eval() {
 #[test]
 fn conv1d() {
     let cfg = ConvConfig {
-        stride: 2,
-        padding: 1,
+        stride: 2.into(),
+        padding: 1.into(),
         ..Default::default()
     };
     check_layer(
@@ -196,7 +196,7 @@ fn conv1d() {
 #[test]
 fn conv2d() {
     let cfg = ConvConfig {
-        padding: 1,
+        padding: 1.into(),
         ..Default::default()
     };
     check_layer(
@@ -208,8 +208,8 @@ fn conv2d() {
 #[test]
 fn conv2d_groups_stride() {
     let cfg = ConvConfig {
-        stride: 2,
-        padding: 1,
+        stride: 2.into(),
+        padding: 1.into(),
         groups: 2,
         ..Default::default()
     };

@@ -53,6 +53,71 @@ impl Size<2> for (usize, usize) {
     }
 }
 
+/// A configuration value given for all spatial dimensions at once or per dimension: PyTorch's
+/// "int or tuple" `stride`, `padding` and `dilation` (`stride=2`, `padding=(1, 2)`).
+///
+/// Write it as PyTorch does and convert with `.into()`: `2.into()` is [`PerDim::All`]`(2)`,
+/// `(1, 2).into()` (or `[1, 2].into()`) is [`PerDim::HW`]`(1, 2)`.
+///
+/// ```
+/// use module_runtime::nn::{PerDim, Pool2dConfig};
+/// let cfg = Pool2dConfig { stride: Some((1, 2).into()), padding: 1.into(), ..Default::default() };
+/// assert_eq!(cfg.stride, Some(PerDim::HW(1, 2)));
+/// assert_eq!(cfg.padding.hw(), (1, 1));
+/// assert_eq!(PerDim::All(3).for_dims::<1>(), Some([3]));
+/// assert_eq!(PerDim::HW(1, 2).for_dims::<1>(), None);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PerDim {
+    /// The same value along every spatial dimension (PyTorch's int).
+    All(usize),
+    /// `(height, width)`: one value per dimension of a 2-D layer (PyTorch's tuple).
+    HW(usize, usize),
+}
+
+impl PerDim {
+    /// The value along the height and along the width.
+    pub fn hw(self) -> (usize, usize) {
+        match self {
+            PerDim::All(v) => (v, v),
+            PerDim::HW(h, w) => (h, w),
+        }
+    }
+
+    /// The value along each of `N` dimensions; `None` for [`PerDim::HW`] unless `N` is 2.
+    pub fn for_dims<const N: usize>(self) -> Option<[usize; N]> {
+        match self {
+            PerDim::All(v) => Some([v; N]),
+            PerDim::HW(h, w) => <[usize; N]>::try_from(&[h, w][..]).ok(),
+        }
+    }
+}
+
+impl From<usize> for PerDim {
+    fn from(v: usize) -> Self {
+        PerDim::All(v)
+    }
+}
+
+impl From<(usize, usize)> for PerDim {
+    fn from((h, w): (usize, usize)) -> Self {
+        PerDim::HW(h, w)
+    }
+}
+
+impl From<[usize; 2]> for PerDim {
+    fn from([h, w]: [usize; 2]) -> Self {
+        PerDim::HW(h, w)
+    }
+}
+
+impl Size<2> for PerDim {
+    fn dims(self) -> [usize; 2] {
+        let (h, w) = self.hw();
+        [h, w]
+    }
+}
+
 /// Resolves a PyTorch-style dimension (negative counts from the end) against a tensor's rank.
 pub(crate) fn resolve_dim(x: &Tensor, dim: isize, op: &'static str) -> Result<usize> {
     let rank = x.rank() as isize;

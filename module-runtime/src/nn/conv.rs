@@ -4,8 +4,12 @@
 //!
 //! Weights use PyTorch's layouts, and both weight and bias start uniform on `±1/sqrt(fan_in)` (what
 //! PyTorch's Kaiming-uniform init with `a = sqrt(5)` amounts to), where `fan_in` is the weight's
-//! second dimension times the kernel's area. candle's convolutions take one stride, padding and
-//! dilation for every spatial dimension, so these layers do too.
+//! second dimension times the kernel's area. As in PyTorch, stride, padding and dilation are one
+//! value for every spatial dimension or one per dimension ([`PerDim`]: `stride: (1, 2).into()`).
+//! candle's convolutions take one value for all dimensions: when the values differ, `Conv2d` pads
+//! explicitly, spaces the kernel's elements with zeros for the dilation beyond the common one, and
+//! keeps every `stride / gcd(sH, sW)`-th row or column of a convolution with the common stride. With
+//! equal values, candle's convolution runs as it is.
 //!
 //! # Gradients
 //!
@@ -24,20 +28,34 @@ use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::nn::common::{
     add_channel_bias, fit_param, forward_by_value, input_shape_error, lazy_param, param_tensor,
-    uniform_fan_in, Size,
+    uniform_fan_in, PerDim, Size,
 };
 use crate::{Forward, Init, Module, Param};
 
 /// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
 /// PyTorch's defaults (`ConvConfig::default()`).
+///
+/// `stride`, `padding` and `dilation` are PyTorch's "int or tuple": one value for every spatial
+/// dimension (`2.into()`) or `(height, width)` for a `Conv2d` (`(1, 2).into()`). PyTorch's
+/// `nn.Conv2d(8, 12, (3, 5), stride=(1, 2), padding=(1, 2))` is
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{Conv2d, ConvConfig};
+/// let cfg = ConvConfig { stride: (1, 2).into(), padding: (1, 2).into(), ..Default::default() };
+/// let conv = Conv2d::with_config(8, 12, (3, 5), cfg, &Device::Cpu)?;
+/// let y = conv.call(&Tensor::zeros((2, 8, 11, 13), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [2, 12, 11, 7]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvConfig {
     /// Step between windows (default 1).
-    pub stride: usize,
+    pub stride: PerDim,
     /// Zeros added on both sides of each spatial dimension (default 0).
-    pub padding: usize,
+    pub padding: PerDim,
     /// Spacing between kernel elements (default 1).
-    pub dilation: usize,
+    pub dilation: PerDim,
     /// Number of blocked connections from input to output channels; divides both channel counts
     /// (default 1).
     pub groups: usize,
@@ -50,13 +68,55 @@ pub struct ConvConfig {
 impl Default for ConvConfig {
     fn default() -> Self {
         Self {
-            stride: 1,
-            padding: 0,
-            dilation: 1,
+            stride: PerDim::All(1),
+            padding: PerDim::All(0),
+            dilation: PerDim::All(1),
             groups: 1,
             bias: true,
             dtype: DType::F32,
         }
+    }
+}
+
+/// A convolution's stride, padding and dilation along each of its `D` spatial dimensions.
+#[derive(Clone, Copy, Debug)]
+struct Spatial<const D: usize> {
+    stride: [usize; D],
+    padding: [usize; D],
+    dilation: [usize; D],
+}
+
+impl<const D: usize> Spatial<D> {
+    /// `config`'s values for a `D`-dimensional layer; [`Error::InvalidConfig`] for a `(h, w)` pair
+    /// given to a 1-D layer, or a zero stride or dilation.
+    fn of(layer: &'static str, config: &ConvConfig) -> Result<Self> {
+        let dims = |name: &str, v: PerDim| {
+            v.for_dims::<D>().ok_or_else(|| Error::InvalidConfig {
+                layer,
+                message: format!("{name} {v:?} does not fit a {D}-D convolution"),
+            })
+        };
+        let spatial = Self {
+            stride: dims("stride", config.stride)?,
+            padding: dims("padding", config.padding)?,
+            dilation: dims("dilation", config.dilation)?,
+        };
+        if spatial.stride.contains(&0) || spatial.dilation.contains(&0) {
+            return Err(Error::InvalidConfig {
+                layer,
+                message: format!(
+                    "stride {:?} and dilation {:?} must be positive",
+                    config.stride, config.dilation
+                ),
+            });
+        }
+        Ok(spatial)
+    }
+
+    /// Whether every value is the same along every dimension (candle's convolution takes them).
+    fn uniform(&self) -> bool {
+        let same = |a: &[usize; D]| a.iter().all(|&v| v == a[0]);
+        same(&self.stride) && same(&self.padding) && same(&self.dilation)
     }
 }
 
@@ -131,71 +191,114 @@ fn conv_params(
     Ok((uniform(weight_dims)?, bias))
 }
 
-/// A 2-D convolution that candle differentiates correctly (see the module docs): explicit zero
-/// padding `(pad_h, pad_w)`, the input cropped to the extent the windows read, no implicit padding.
+/// A 2-D convolution that candle differentiates correctly (see the module docs), with a stride,
+/// padding and dilation per dimension: explicit zero padding, the input cropped to the extent the
+/// windows read, no implicit padding. Unequal dilations space the kernel's elements with zeros
+/// beyond their common divisor; unequal strides run candle's convolution with their common divisor
+/// and keep every `stride / gcd`-th output row or column.
 fn conv2d_differentiable(
     x: &Tensor,
     weight: &Tensor,
-    padding: (usize, usize),
-    stride: usize,
-    dilation: usize,
+    padding: [usize; 2],
+    stride: [usize; 2],
+    dilation: [usize; 2],
     groups: usize,
 ) -> Result<Tensor> {
-    let x = x.pad_with_zeros(2, padding.0, padding.0)?;
-    let x = x.pad_with_zeros(3, padding.1, padding.1)?;
-    let read = |size: usize, kernel: usize| {
-        let span = dilation * (kernel - 1) + 1;
+    let x = x.pad_with_zeros(2, padding[0], padding[0])?;
+    let x = x.pad_with_zeros(3, padding[1], padding[1])?;
+    let d = gcd(dilation[0], dilation[1]);
+    let weight = space_kernel(weight, 2, dilation[0] / d)?;
+    let weight = space_kernel(&weight, 3, dilation[1] / d)?;
+    let s = gcd(stride[0], stride[1]);
+    let (_, _, h, w) = x.dims4()?;
+    let (_, _, kh, kw) = weight.dims4()?;
+    let read = |size: usize, kernel: usize, stride: usize| {
+        let span = d * (kernel - 1) + 1;
         if size < span {
             size // too small: candle reports the error
         } else {
             (size - span) / stride * stride + span
         }
     };
-    let (_, _, h, w) = x.dims4()?;
-    let (_, _, kh, kw) = weight.dims4()?;
-    let x = x.narrow(2, 0, read(h, kh))?.narrow(3, 0, read(w, kw))?;
-    Ok(x.conv2d(weight, 0, stride, dilation, groups)?)
+    let x = x
+        .narrow(2, 0, read(h, kh, stride[0]))?
+        .narrow(3, 0, read(w, kw, stride[1]))?;
+    let y = x.conv2d(&weight, 0, s, d, groups)?;
+    let y = every_nth(&y, 2, stride[0] / s)?;
+    every_nth(&y, 3, stride[1] / s)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// `kernel` with `factor - 1` zeros between consecutive elements along `dim` (a dilation by
+/// `factor`), built from differentiable ops.
+fn space_kernel(kernel: &Tensor, dim: usize, factor: usize) -> Result<Tensor> {
+    if factor == 1 {
+        return Ok(kernel.clone());
+    }
+    let k = kernel.dim(dim)?;
+    let mut dims = kernel.dims().to_vec();
+    dims[dim] = k * factor;
+    let spaced = kernel
+        .unsqueeze(dim + 1)?
+        .pad_with_zeros(dim + 1, 0, factor - 1)?
+        .reshape(dims)?;
+    Ok(spaced.narrow(dim, 0, (k - 1) * factor + 1)?)
+}
+
+/// Every `n`-th element of `x` along `dim`, from the first (differentiable: `index_select`).
+fn every_nth(x: &Tensor, dim: usize, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let size = x.dim(dim)?;
+    let index: Vec<u32> = (0..size).step_by(n).map(|i| i as u32).collect();
+    let len = index.len();
+    let index = Tensor::from_vec(index, len, x.device())?;
+    Ok(x.index_select(&index, dim)?)
 }
 
 /// `Conv1d`'s computation.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
+    let sp = Spatial::<1>::of("Conv1d", c)?;
+    let ([stride], [padding], [dilation]) = (sp.stride, sp.padding, sp.dilation);
     let y = if x.track_op() || weight.track_op() {
         // As a 2-D convolution of height 1 (see the module docs).
         conv2d_differentiable(
             &x.unsqueeze(2)?,
             &weight.unsqueeze(2)?,
-            (0, c.padding),
-            c.stride,
-            c.dilation,
+            [0, padding],
+            [stride, stride],
+            [dilation, dilation],
             c.groups,
         )?
         .squeeze(2)?
     } else {
         // candle's CPU kernel misreads a non-contiguous kernel.
-        x.conv1d(
-            &weight.contiguous()?,
-            c.padding,
-            c.stride,
-            c.dilation,
-            c.groups,
-        )?
+        x.conv1d(&weight.contiguous()?, padding, stride, dilation, c.groups)?
     };
     add_channel_bias(y, bias)
 }
 
 /// `Conv2d`'s computation.
 fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
-    let y = if x.track_op() || weight.track_op() {
-        conv2d_differentiable(
-            x,
+    let sp = Spatial::<2>::of("Conv2d", c)?;
+    let y = if x.track_op() || weight.track_op() || !sp.uniform() {
+        conv2d_differentiable(x, weight, sp.padding, sp.stride, sp.dilation, c.groups)?
+    } else {
+        x.conv2d(
             weight,
-            (c.padding, c.padding),
-            c.stride,
-            c.dilation,
+            sp.padding[0],
+            sp.stride[0],
+            sp.dilation[0],
             c.groups,
         )?
-    } else {
-        x.conv2d(weight, c.padding, c.stride, c.dilation, c.groups)?
     };
     add_channel_bias(y, bias)
 }
@@ -205,13 +308,14 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 ///
 /// Parameters `weight` `[out_channels, in_channels / groups, *kernel_size]` and `bias`
 /// `[out_channels]` (absent without a bias). The input is `[N, C_in, *spatial]`; the output
-/// `[N, C_out, *spatial_out]` with, along each spatial dimension,
+/// `[N, C_out, *spatial_out]` with, along each spatial dimension (each with its own stride,
+/// padding and dilation, see [`ConvConfig`]),
 /// `out = (in + 2 padding - dilation (kernel - 1) - 1) / stride + 1`.
 ///
 /// ```
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::{Conv2d, ConvConfig};
-/// let cfg = ConvConfig { stride: 2, padding: 1, groups: 2, ..Default::default() };
+/// let cfg = ConvConfig { stride: 2.into(), padding: 1.into(), groups: 2, ..Default::default() };
 /// let conv = Conv2d::with_config(4, 6, 3, cfg, &Device::Cpu)?;
 /// assert_eq!(conv.weight.shape().dims(), [6, 2, 3, 3]);
 /// let y = conv.call(&Tensor::zeros((1, 4, 7, 7), DType::F32, &Device::Cpu)?)?;
@@ -237,7 +341,7 @@ pub struct Conv<const D: usize> {
 /// ```
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::{Conv1d, ConvConfig};
-/// let cfg = ConvConfig { stride: 2, padding: 1, ..Default::default() };
+/// let cfg = ConvConfig { stride: 2.into(), padding: 1.into(), ..Default::default() };
 /// let conv = Conv1d::with_config(3, 4, 3, cfg, &Device::Cpu)?;
 /// let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
 /// assert_eq!(y.dims(), [2, 4, 5]);
@@ -277,7 +381,8 @@ impl<const D: usize> Conv<D> {
     }
 
     /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
-    /// counts ([`Error::InvalidConfig`] otherwise).
+    /// counts, stride and dilation must be positive, and a `(h, w)` pair fits only a `Conv2d`
+    /// ([`Error::InvalidConfig`] otherwise).
     pub fn with_config(
         in_channels: usize,
         out_channels: usize,
@@ -287,6 +392,7 @@ impl<const D: usize> Conv<D> {
     ) -> Result<Self> {
         let names = Self::names()?;
         check_groups(names.layer, in_channels, out_channels, config.groups)?;
+        Spatial::<D>::of(names.layer, &config)?;
         let mut dims = vec![out_channels, in_channels / config.groups];
         dims.extend(kernel_size.dims());
         let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
@@ -440,7 +546,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
 /// ```
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::{ConvConfig, LazyConv2d};
-/// let conv = LazyConv2d::with_config(6, 3, ConvConfig { padding: 1, ..Default::default() }, &Device::Cpu)?;
+/// let conv = LazyConv2d::with_config(6, 3, ConvConfig { padding: 1.into(), ..Default::default() }, &Device::Cpu)?;
 /// let y = conv.call(&Tensor::zeros((1, 2, 5, 5), DType::F32, &Device::Cpu)?)?;
 /// assert_eq!(y.dims(), [1, 6, 5, 5]);
 /// assert_eq!(conv.in_channels(), Some(2));
@@ -486,6 +592,7 @@ impl<const D: usize> LazyConv<D> {
     ) -> Result<Self> {
         let names = Conv::<D>::names()?;
         check_groups(names.lazy, config.groups, out_channels, config.groups)?;
+        Spatial::<D>::of(names.lazy, &config)?;
         let mut dims = vec![Some(out_channels), None];
         dims.extend(kernel_size.dims().map(Some));
         let lazy =
@@ -619,7 +726,7 @@ mod tests {
     fn conv2d_gradient_with_unread_columns() -> Result<()> {
         let dev = Device::Cpu;
         let cfg = ConvConfig {
-            stride: 2,
+            stride: 2.into(),
             ..Default::default()
         };
         let conv = Conv2d::with_config(2, 3, 3, cfg, &dev)?;

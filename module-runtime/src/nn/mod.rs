@@ -26,7 +26,7 @@
 
 mod common;
 
-pub use common::Size;
+pub use common::{PerDim, Size};
 
 mod linear;
 
