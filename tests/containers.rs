@@ -64,8 +64,12 @@ fn tower() -> Tower {
     mixed.push_layer(Linear::new(2, 2, &dev()).unwrap());
     mixed.push_layer(relu());
     let mut heads = ModuleDict::new();
-    heads.insert("zeta", Linear::new(2, 1, &dev()).unwrap());
-    heads.insert("alpha", Linear::new(2, 3, &dev()).unwrap());
+    heads
+        .insert("zeta", Linear::new(2, 1, &dev()).unwrap())
+        .unwrap();
+    heads
+        .insert("alpha", Linear::new(2, 3, &dev()).unwrap())
+        .unwrap();
     Tower {
         stem: Sequential::new().add(Linear::new(4, 2, &dev()).unwrap()),
         blocks: (0..2).map(|_| Linear::new(2, 2, &dev()).unwrap()).collect(),
@@ -97,7 +101,10 @@ fn lists_and_dicts_name_like_torch() {
     );
     assert_eq!(t.heads.keys().collect::<Vec<_>>(), ["zeta", "alpha"]);
     // Replacing a key keeps its position.
-    let old = t.heads.insert("zeta", Linear::new(2, 7, &dev()).unwrap());
+    let old = t
+        .heads
+        .insert("zeta", Linear::new(2, 7, &dev()).unwrap())
+        .unwrap();
     assert!(old.is_some());
     assert_eq!(t.heads.keys().collect::<Vec<_>>(), ["zeta", "alpha"]);
     assert_eq!(t.heads["zeta"].out_features(), 7);

@@ -315,13 +315,39 @@ fn hook_and_capture_patterns_that_match_nothing_are_errors() {
     assert!(err.to_string().contains("did you mean: spare"), "{err}");
 
     let err = m.capture(&["*.weight"], |m| m.call(&x)).unwrap_err();
-    assert!(matches!(err, module_runtime::Error::NoModuleMatch { .. }), "{err}");
+    assert!(
+        matches!(err, module_runtime::Error::NoModuleMatch { .. }),
+        "{err}"
+    );
     // `spare` exists but the forward never calls it.
     let err = m.capture(&["spare"], |m| m.call(&x)).unwrap_err();
     assert!(
-        err.to_string().contains("`spare` matches spare, but none ran"),
+        err.to_string()
+            .contains("`spare` matches spare, but none ran"),
         "{err}"
     );
     let (_, captured) = m.capture(&["a"], |m| m.call(&x)).unwrap();
     assert_eq!(captured.paths().collect::<Vec<_>>(), ["b"]);
+}
+
+/// `Module.add_module` (which `ModuleDict.__setitem__` calls) raises `KeyError` for an empty name
+/// or one containing `.`.
+#[test]
+fn module_dict_rejects_empty_and_dotted_keys() {
+    let dev = device_from_env().unwrap();
+    let mut d = module_runtime::nn::ModuleDict::new();
+    for bad in ["", "a.b", "."] {
+        let err = d.insert(bad, Linear::new(2, 2, &dev).unwrap()).unwrap_err();
+        assert!(
+            matches!(err, module_runtime::Error::InvalidConfig { .. }),
+            "{err}"
+        );
+    }
+    assert!(d.is_empty());
+    d.insert("ok", Linear::new(2, 2, &dev).unwrap()).unwrap();
+    assert!(module_runtime::nn::ModuleDict::from_entries([(
+        "x.y",
+        Linear::new(2, 2, &dev).unwrap()
+    )])
+    .is_err());
 }

@@ -543,15 +543,39 @@ impl<M> ModuleDict<M> {
     }
 
     /// Inserts `module` under `key`, returning the module it replaces (which keeps its position).
-    pub fn insert(&mut self, key: impl Into<String>, module: M) -> Option<M> {
+    ///
+    /// As PyTorch's `add_module` (`torch/nn/modules/module.py`), an empty key or one containing `.`
+    /// is refused ([`Error::InvalidConfig`](crate::Error::InvalidConfig)): it would make paths
+    /// ambiguous (`heads.a.b.weight`).
+    pub fn insert(&mut self, key: impl Into<String>, module: M) -> crate::Result<Option<M>> {
         let key = key.into();
-        match self.entries.iter_mut().find(|(k, _)| *k == key) {
+        if key.is_empty() || key.contains('.') {
+            return Err(crate::Error::InvalidConfig {
+                layer: "ModuleDict",
+                message: format!(
+                    "key {key:?} is not a path segment: keys must be non-empty and contain no `.`"
+                ),
+            });
+        }
+        Ok(match self.entries.iter_mut().find(|(k, _)| *k == key) {
             Some((_, slot)) => Some(std::mem::replace(slot, module)),
             None => {
                 self.entries.push((key, module));
                 None
             }
+        })
+    }
+
+    /// A dictionary of `entries`, in order (PyTorch's `ModuleDict(dict)`); fails on a key
+    /// [`insert`](Self::insert) refuses.
+    pub fn from_entries<K: Into<String>>(
+        entries: impl IntoIterator<Item = (K, M)>,
+    ) -> crate::Result<Self> {
+        let mut dict = Self::new();
+        for (k, m) in entries {
+            dict.insert(k, m)?;
         }
+        Ok(dict)
     }
 
     /// Removes the module under `key`.
@@ -605,12 +629,12 @@ impl<M> ModuleDict<M> {
 }
 
 impl ModuleDict {
-    /// Inserts a layer of any type under `key`, boxing it.
+    /// Inserts a layer of any type under `key`, boxing it; see [`insert`](Self::insert).
     pub fn insert_layer(
         &mut self,
         key: impl Into<String>,
         layer: impl SequentialLayer,
-    ) -> Option<Box<dyn SequentialLayer>> {
+    ) -> crate::Result<Option<Box<dyn SequentialLayer>>> {
         self.insert(key, Box::new(layer))
     }
 }
@@ -628,16 +652,6 @@ impl<M> std::ops::Index<&str> for ModuleDict<M> {
     fn index(&self, key: &str) -> &M {
         self.get(key)
             .unwrap_or_else(|| panic!("ModuleDict has no key `{key}`"))
-    }
-}
-
-impl<K: Into<String>, M> FromIterator<(K, M)> for ModuleDict<M> {
-    fn from_iter<I: IntoIterator<Item = (K, M)>>(iter: I) -> Self {
-        let mut dict = Self::new();
-        for (k, m) in iter {
-            dict.insert(k, m);
-        }
-        dict
     }
 }
 
