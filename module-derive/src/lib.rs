@@ -1,4 +1,4 @@
-//! `#[derive(Module)]` for [`module-runtime`](https://docs.rs/module-runtime).
+//! `#[derive(Module)]` and `#[derive(TensorStruct)]` for [`module-runtime`](https://docs.rs/module-runtime).
 //!
 //! Use it through `module_runtime` (which re-exports it), not directly. The derive only emits a
 //! structural walk over the fields (`visit_children`); every semantic — naming, dedup, state dicts,
@@ -18,6 +18,7 @@ mod expand;
 mod expansion_cost;
 #[cfg(test)]
 mod snapshot_tests;
+mod tensor_struct;
 
 use proc_macro::TokenStream;
 
@@ -26,4 +27,13 @@ use proc_macro::TokenStream;
 #[proc_macro_derive(Module, attributes(module))]
 pub fn derive_module(input: TokenStream) -> TokenStream {
     expand::derive(input.into()).into()
+}
+
+/// Implements `module_runtime::TensorStruct` for a struct whose fields are tensors or tensor trees
+/// (`Option<Tensor>`, `Vec<Tensor>`, tuples, other `TensorStruct`s, …), walked in field order;
+/// fields marked `#[tensor(skip)]` are plain values carried over unchanged. See
+/// `module_runtime::TensorStruct`.
+#[proc_macro_derive(TensorStruct, attributes(tensor))]
+pub fn derive_tensor_struct(input: TokenStream) -> TokenStream {
+    tensor_struct::derive(input.into()).into()
 }

@@ -146,3 +146,21 @@ fn errors_then_stub_impl() {
         },
     );
 }
+
+/// `#[derive(TensorStruct)]`: named, skipped and generic fields.
+#[test]
+fn tensor_struct() {
+    let input = quote! {
+        struct Encoded<T> {
+            hidden: Tensor,
+            pooled: Option<T>,
+            #[tensor(skip)]
+            lengths: Vec<usize>,
+        }
+    };
+    let expanded = crate::tensor_struct::derive(input);
+    let file: syn::File = syn::parse2(expanded).expect("a valid file");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/tensor_struct.expanded.rs");
+    expect_file![path].assert_eq(&prettyplease::unparse(&file));
+}

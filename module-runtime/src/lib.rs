@@ -112,6 +112,12 @@ pub use type_name::short_type_name;
 /// `#[module(flatten)]`, and on the type `#[module(bound = "…")]` and `#[module(crate = path)]`.
 pub use module_derive::Module;
 
+/// `#[derive(TensorStruct)]`: implements [`TensorStruct`](trait@TensorStruct) for a struct whose
+/// fields are tensors or [`TensorTree`]s, so it can be a module's input or output with hooks seeing
+/// its tensors. Fields marked `#[tensor(skip)]` are plain values carried over unchanged; see the
+/// trait for an example.
+pub use module_derive::TensorStruct;
+
 pub use candle_core;
 pub use candle_nn;
 
@@ -135,7 +141,7 @@ pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::{
         Buffer, Build, Error, Forward, Hooks, Lazy, LazyExt, LoadOptions, Mode, Module, ModuleExt,
-        Param, Result, StateDict,
+        Param, Result, StateDict, TensorStruct,
     };
     pub use candle_core::{DType, Device, Tensor, D};
 }
@@ -144,4 +150,12 @@ pub mod prelude {
 #[doc(hidden)]
 pub mod __private {
     pub use ::core;
+
+    /// `#[derive(TensorStruct)]`'s `map_tensors` on one field.
+    pub fn map_tree<T: crate::TensorTree>(
+        tree: T,
+        f: &mut dyn FnMut(crate::candle_core::Tensor) -> crate::candle_core::Tensor,
+    ) -> T {
+        crate::hooks::dispatch::map_tree(tree, f)
+    }
 }

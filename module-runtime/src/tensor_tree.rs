@@ -21,6 +21,11 @@ pub(crate) mod sealed {
 ///
 /// Hooks see a tree as the list of its tensors, depth first in field order, and may hand back a list
 /// of the same length to rebuild it: structure and non-tensor leaves are kept.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tree of tensors",
+    label = "not a tensor, a tuple/`Vec`/`Option` of tensors, or a `TensorStruct`",
+    note = "derive `TensorStruct` for a struct of your own, or mark a plain field `#[tensor(skip)]`"
+)]
 pub trait TensorTree: sealed::Sealed {
     /// Calls `f` on every tensor of the tree, depth first, in order.
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor));
@@ -55,16 +60,34 @@ pub trait TensorTree: sealed::Sealed {
 /// Makes a struct of your own a [`TensorTree`], so it can be a module's input or output with hooks
 /// seeing its tensors. The struct owns its tensors (`'static`).
 ///
+/// Derive it: `#[derive(TensorStruct)]` walks the fields in order, each a tensor or any tensor tree
+/// (`Option<Tensor>`, `Vec<Tensor>`, tuples, another `TensorStruct`, …); a field marked
+/// `#[tensor(skip)]` is a plain value, carried over unchanged when hooks rebuild the struct. Named
+/// fields, tuple structs and generic structs work; enums and unions are a compile error.
+///
 /// ```
 /// use module_runtime::{TensorStruct, TensorTree};
-/// use module_runtime::candle_core::{Device, Tensor};
+/// use module_runtime::candle_core::{DType, Device, Tensor};
 ///
+/// #[derive(TensorStruct)]
 /// struct Encoded {
 ///     hidden: Tensor,
 ///     pooled: Option<Tensor>,
+///     #[tensor(skip)]
 ///     lengths: Vec<usize>,
 /// }
 ///
+/// let e = Encoded { hidden: Tensor::zeros(2, DType::F32, &Device::Cpu)?, pooled: None, lengths: vec![2] };
+/// assert_eq!(e.tensor_count(), 1);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+///
+/// By hand, the same impl is:
+///
+/// ```
+/// # use module_runtime::TensorStruct;
+/// # use module_runtime::candle_core::Tensor;
+/// # struct Encoded { hidden: Tensor, pooled: Option<Tensor>, lengths: Vec<usize> }
 /// impl TensorStruct for Encoded {
 ///     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
 ///         f(&self.hidden);
@@ -74,10 +97,6 @@ pub trait TensorTree: sealed::Sealed {
 ///         Self { hidden: f(self.hidden), pooled: self.pooled.map(&mut *f), ..self }
 ///     }
 /// }
-///
-/// let e = Encoded { hidden: Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?, pooled: None, lengths: vec![2] };
-/// assert_eq!(e.tensor_count(), 1);
-/// # Ok::<(), candle_core::Error>(())
 /// ```
 pub trait TensorStruct: 'static {
     /// Calls `f` on every tensor, in a fixed order.

@@ -393,6 +393,11 @@ impl Scope {
         }
     }
 
+    /// Whether nothing was kept.
+    fn is_empty(&self) -> bool {
+        self.kept.borrow().is_empty()
+    }
+
     /// Keeps `t` alive as long as the scope and returns a reference to it.
     pub(crate) fn keep<'a>(&self, t: Tensor) -> &'a Tensor {
         let boxed = Box::new(t);
@@ -424,6 +429,23 @@ fn check_count(path: &str, hook: &'static str, expected: usize, got: usize) -> R
         expected,
         got,
     })
+}
+
+/// Rebuilds `tree` with each tensor replaced by `f` of it, outside hook dispatch: what
+/// `#[derive(TensorStruct)]`'s `map_tensors` does with each field.
+///
+/// A borrowed `&'static Tensor` leaf that `f` replaces needs a home that lives forever: the scope
+/// that holds it is then leaked (a field type no derived struct has in practice); otherwise nothing
+/// references the scope and it is dropped.
+pub(crate) fn map_tree<T: TensorTree>(tree: T, f: &mut dyn FnMut(Tensor) -> Tensor) -> T {
+    // SAFETY: the scope outlives every value rebuilt with it: when `keep` handed out a reference
+    // the scope is leaked, and when it did not, no value refers to it.
+    let scope = unsafe { Scope::new() };
+    let rebuilt = tree.rebuild(&mut |old| f(old.clone()), &scope);
+    if !scope.is_empty() {
+        std::mem::forget(scope);
+    }
+    rebuilt
 }
 
 #[cfg(test)]

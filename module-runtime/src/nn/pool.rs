@@ -154,7 +154,9 @@ impl Reduction for Avg {
 /// `H_out = (H + 2 padding - dilation (kH - 1) - 1) / sH + 1`, the division rounding up in
 /// `ceil_mode`, where a last window that would start in the right padding is dropped. When nothing
 /// needs a gradient and no option is involved candle's kernel runs; see [`Max`] and [`Avg`] for the
-/// gradients, and the [module docs](self) for the options.
+/// gradients. With padding or an extra `ceil_mode` window, the input is padded explicitly (`-inf`
+/// for max, zeros for avg) to exactly the extent the windows cover, and an average is rescaled by
+/// each window's divisor as PyTorch's CPU kernel computes it (see [`Pool2dConfig`]).
 #[derive(Module, Clone, Debug)]
 pub struct Pool2d<R> {
     /// Window size `(kH, kW)`.

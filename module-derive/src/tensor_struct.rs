@@ -1,0 +1,218 @@
+//! `#[derive(TensorStruct)]`: a struct whose fields are tensors or tensor trees, walked in field
+//! order. Like the `Module` derive, it emits only the structural walk; what a tree is lives in the
+//! runtime (`TensorTree`).
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+
+use crate::ctxt::Ctxt;
+
+const TENSOR: &str = "tensor";
+const SKIP: &str = "skip";
+
+/// The derive on `proc_macro2` tokens: the impl, or the errors followed by a stub impl that keeps
+/// uses of the type from adding follow-on errors.
+pub fn derive(input: TokenStream) -> TokenStream {
+    let input = match syn::parse2::<syn::DeriveInput>(input) {
+        Ok(input) => input,
+        Err(error) => return error.to_compile_error(),
+    };
+    let cx = Ctxt::new();
+    let fields = read(&cx, &input);
+    match (cx.check(), fields) {
+        (Ok(()), Some(fields)) => expand(&input, &fields),
+        (Err(errors), _) => {
+            let errors = errors.to_compile_error();
+            let stub = stub(&input);
+            quote!(#errors #stub)
+        }
+        (Ok(()), None) => unreachable!("an input that could not be read always records an error"),
+    }
+}
+
+struct Field<'a> {
+    member: syn::Member,
+    ty: &'a syn::Type,
+    skip: bool,
+}
+
+/// The struct's fields with their `#[tensor(...)]` attributes; `None` (with an error) for enums
+/// and unions.
+fn read<'a>(cx: &Ctxt, input: &'a syn::DeriveInput) -> Option<Vec<Field<'a>>> {
+    for attr in input.attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+        cx.error_spanned_by(
+            attr,
+            "`#[tensor(...)]` goes on fields (`#[tensor(skip)]`), not on the type",
+        );
+    }
+    let fields = match &input.data {
+        syn::Data::Struct(s) => &s.fields,
+        syn::Data::Enum(e) => {
+            cx.error_spanned_by(
+                e.enum_token,
+                "`#[derive(TensorStruct)]` supports structs only: hooks rebuild a value from its \
+                 tensors, which must not depend on a variant; write the `TensorStruct` impl by hand",
+            );
+            return None;
+        }
+        syn::Data::Union(u) => {
+            cx.error_spanned_by(
+                u.union_token,
+                "`#[derive(TensorStruct)]` does not support unions: a walk cannot know which field \
+                 is live; use a struct",
+            );
+            return None;
+        }
+    };
+    let fields = fields
+        .iter()
+        .enumerate()
+        .map(|(i, f)| Field {
+            member: match &f.ident {
+                Some(ident) => syn::Member::Named(ident.clone()),
+                None => syn::Member::Unnamed(syn::Index {
+                    index: i as u32,
+                    span: f.ty.span(),
+                }),
+            },
+            ty: &f.ty,
+            skip: skip_attr(cx, &f.attrs),
+        })
+        .collect();
+    Some(fields)
+}
+
+/// Whether the field is `#[tensor(skip)]`; other keys, values and repeats are reported.
+fn skip_attr(cx: &Ctxt, attrs: &[syn::Attribute]) -> bool {
+    let mut skip = false;
+    for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+        let result = attr.parse_nested_meta(|meta| {
+            if meta.path.is_ident(SKIP)
+                && (meta.input.is_empty() || meta.input.peek(syn::Token![,]))
+            {
+                if skip {
+                    cx.syn_error(meta.error("`skip` is given twice here; keep one"));
+                }
+                skip = true;
+                return Ok(());
+            }
+            // Consume whatever follows, so that the rest of the list still parses.
+            if meta.input.peek(syn::Token![=]) {
+                meta.value()?.parse::<syn::Expr>()?;
+            } else if meta.input.peek(syn::token::Paren) {
+                let content;
+                syn::parenthesized!(content in meta.input);
+                content.parse::<TokenStream>()?;
+            }
+            cx.syn_error(meta.error(
+                "unknown `#[tensor(...)]` argument: the only one is `skip` (a plain value \
+                 carried over unchanged)",
+            ));
+            Ok(())
+        });
+        if let Err(e) = result {
+            cx.syn_error(e);
+        }
+    }
+    skip
+}
+
+/// The generics with `'static` for every parameter (a `TensorStruct` is `'static`) and
+/// `Field: TensorTree` for every walked field whose type mentions a type parameter.
+fn generics(input: &syn::DeriveInput, fields: &[Field], krate: &TokenStream) -> syn::Generics {
+    let mut generics = input.generics.clone();
+    let params: Vec<String> = generics
+        .type_params()
+        .map(|p| p.ident.to_string())
+        .collect();
+    let lifetimes: Vec<syn::Lifetime> = generics.lifetimes().map(|l| l.lifetime.clone()).collect();
+    let type_params: Vec<syn::Ident> = generics.type_params().map(|p| p.ident.clone()).collect();
+    let where_clause = generics.make_where_clause();
+    for l in lifetimes {
+        where_clause.predicates.push(syn::parse_quote!(#l: 'static));
+    }
+    for p in type_params {
+        where_clause.predicates.push(syn::parse_quote!(#p: 'static));
+    }
+    for field in fields.iter().filter(|f| !f.skip) {
+        let ty = field.ty;
+        if mentions_any(quote!(#ty), &params) {
+            let predicate = quote_spanned!(ty.span()=> #ty: #krate::TensorTree);
+            where_clause.predicates.push(syn::parse_quote!(#predicate));
+        }
+    }
+    generics
+}
+
+fn mentions_any(tokens: TokenStream, params: &[String]) -> bool {
+    tokens.into_iter().any(|tt| match tt {
+        proc_macro2::TokenTree::Ident(i) => params.iter().any(|p| i == p),
+        proc_macro2::TokenTree::Group(g) => mentions_any(g.stream(), params),
+        _ => false,
+    })
+}
+
+fn expand(input: &syn::DeriveInput, fields: &[Field]) -> TokenStream {
+    let krate = quote!(::module_runtime);
+    let ident = &input.ident;
+    let generics = generics(input, fields, &krate);
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+    let tensor = quote!(#krate::candle_core::Tensor);
+    let bindings: Vec<syn::Ident> = (0..fields.len())
+        .map(|i| format_ident!("__field{}", i, span = Span::mixed_site()))
+        .collect();
+    let members: Vec<&syn::Member> = fields.iter().map(|f| &f.member).collect();
+    // The trait is named through the field's type, spanned at it, so a field that is not a tensor
+    // tree gets one error, pointing at its type.
+    let visit = fields.iter().filter(|f| !f.skip).map(|f| {
+        let (ty, member) = (f.ty, &f.member);
+        quote_spanned!(ty.span()=> <#ty as #krate::TensorTree>::for_each_tensor(&self.#member, __f);)
+    });
+    let rebuilt = fields.iter().zip(&bindings).map(|(f, b)| {
+        let ty = f.ty;
+        if f.skip {
+            quote!(#b)
+        } else {
+            quote_spanned!(ty.span()=> #krate::__private::map_tree::<#ty>(#b, __f))
+        }
+    });
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::TensorStruct for #ident #ty_generics #where_clause {
+            fn for_each_tensor(&self, __f: &mut dyn ::core::ops::FnMut(&#tensor)) {
+                #(#visit)*
+            }
+
+            fn map_tensors(
+                self,
+                __f: &mut dyn ::core::ops::FnMut(#tensor) -> #tensor,
+            ) -> Self {
+                let Self { #(#members: #bindings),* } = self;
+                Self { #(#members: #rebuilt),* }
+            }
+        }
+    }
+}
+
+/// After an error: an impl with no tensors. Enums and unions get none (they have no `Self { }`).
+fn stub(input: &syn::DeriveInput) -> TokenStream {
+    if !matches!(input.data, syn::Data::Struct(_)) {
+        return TokenStream::new();
+    }
+    let krate = quote!(::module_runtime);
+    let ident = &input.ident;
+    let generics = generics(input, &[], &krate);
+    let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
+    let tensor = quote!(#krate::candle_core::Tensor);
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #krate::TensorStruct for #ident #ty_generics #where_clause {
+            fn for_each_tensor(&self, _: &mut dyn ::core::ops::FnMut(&#tensor)) {}
+
+            fn map_tensors(self, _: &mut dyn ::core::ops::FnMut(#tensor) -> #tensor) -> Self {
+                self
+            }
+        }
+    }
+}
