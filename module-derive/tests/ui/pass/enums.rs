@@ -32,7 +32,8 @@ fn main() {
     let net = Net {
         head: Head::Scaled { proj: lin(), scale },
     };
-    assert_eq!(names(&net), ["head.proj.weight", "head.scale"]);
+    // PyTorch's order: own parameters before submodules'.
+    assert_eq!(names(&net), ["head.scale", "head.proj.weight"]);
     let net = Net {
         head: Head::Pair(lin(), lin()),
     };
