@@ -109,16 +109,21 @@ fn fields<'a>(cx: &Ctxt, fields: &'a syn::Fields) -> Vec<Field<'a>> {
         .iter()
         .enumerate()
         .map(|(i, f)| Field {
-            member: match &f.ident {
-                Some(ident) => syn::Member::Named(ident.clone()),
-                None => syn::Member::Unnamed(syn::Index {
-                    index: i as u32,
-                    span: f.ty.span(),
-                }),
-            },
+            member: member(i, f),
             ty: &f.ty,
             attrs: attr::Field::from_ast(cx, &f.attrs),
             span: f.ident.as_ref().map_or_else(|| f.ty.span(), |i| i.span()),
         })
         .collect()
+}
+
+/// How the `i`-th field is named in `self.<member>`: its identifier, or its position.
+pub fn member(i: usize, field: &syn::Field) -> syn::Member {
+    match &field.ident {
+        Some(ident) => syn::Member::Named(ident.clone()),
+        None => syn::Member::Unnamed(syn::Index {
+            index: i as u32,
+            span: field.ty.span(),
+        }),
+    }
 }

@@ -12,24 +12,8 @@ use crate::ast::Input;
 /// 'static` for skipped ones, and `'static` for every parameter (modules are `Any`). With
 /// `#[module(bound = "...")]`, the user's predicates replace the inferred field bounds.
 pub fn with_bounds(input: &Input, krate: &syn::Path) -> syn::Generics {
-    let mut generics = input.generics.clone();
-    let params: BTreeSet<String> = generics
-        .type_params()
-        .map(|p| p.ident.to_string())
-        .collect();
-    let lifetimes: Vec<syn::Lifetime> = generics.lifetimes().map(|l| l.lifetime.clone()).collect();
-    let type_params: Vec<syn::Ident> = generics.type_params().map(|p| p.ident.clone()).collect();
+    let (mut generics, params) = all_static(input.generics);
     let where_clause = generics.make_where_clause();
-    for lifetime in lifetimes {
-        where_clause
-            .predicates
-            .push(syn::parse_quote!(#lifetime: 'static));
-    }
-    for param in type_params {
-        where_clause
-            .predicates
-            .push(syn::parse_quote!(#param: 'static));
-    }
     match &input.attrs.bound {
         Some(predicates) => where_clause.predicates.extend(predicates.iter().cloned()),
         None => {
@@ -51,8 +35,32 @@ pub fn with_bounds(input: &Input, krate: &syn::Path) -> syn::Generics {
     generics
 }
 
+/// `generics` with `'static` required of every lifetime and type parameter (derived impls are for
+/// `Any` types), and the names of the type parameters, for [`mentions_any`].
+pub fn all_static(generics: &syn::Generics) -> (syn::Generics, BTreeSet<String>) {
+    let mut generics = generics.clone();
+    let params: BTreeSet<String> = generics
+        .type_params()
+        .map(|p| p.ident.to_string())
+        .collect();
+    let lifetimes: Vec<syn::Lifetime> = generics.lifetimes().map(|l| l.lifetime.clone()).collect();
+    let type_params: Vec<syn::Ident> = generics.type_params().map(|p| p.ident.clone()).collect();
+    let where_clause = generics.make_where_clause();
+    for lifetime in lifetimes {
+        where_clause
+            .predicates
+            .push(syn::parse_quote!(#lifetime: 'static));
+    }
+    for param in type_params {
+        where_clause
+            .predicates
+            .push(syn::parse_quote!(#param: 'static));
+    }
+    (generics, params)
+}
+
 /// Whether `ty` names one of `params` anywhere (as a path segment: `T`, `Vec<T>`, `T::Assoc`).
-fn mentions_any(ty: &syn::Type, params: &BTreeSet<String>) -> bool {
+pub fn mentions_any(ty: &syn::Type, params: &BTreeSet<String>) -> bool {
     if params.is_empty() {
         return false;
     }

@@ -69,13 +69,7 @@ fn read<'a>(cx: &Ctxt, input: &'a syn::DeriveInput) -> Option<Vec<Field<'a>>> {
         .iter()
         .enumerate()
         .map(|(i, f)| Field {
-            member: match &f.ident {
-                Some(ident) => syn::Member::Named(ident.clone()),
-                None => syn::Member::Unnamed(syn::Index {
-                    index: i as u32,
-                    span: f.ty.span(),
-                }),
-            },
+            member: crate::ast::member(i, f),
             ty: &f.ty,
             skip: skip_attr(cx, &f.attrs),
         })
@@ -121,36 +115,16 @@ fn skip_attr(cx: &Ctxt, attrs: &[syn::Attribute]) -> bool {
 /// The generics with `'static` for every parameter (a `TensorStruct` is `'static`) and
 /// `Field: TensorTree` for every walked field whose type mentions a type parameter.
 fn generics(input: &syn::DeriveInput, fields: &[Field], krate: &TokenStream) -> syn::Generics {
-    let mut generics = input.generics.clone();
-    let params: Vec<String> = generics
-        .type_params()
-        .map(|p| p.ident.to_string())
-        .collect();
-    let lifetimes: Vec<syn::Lifetime> = generics.lifetimes().map(|l| l.lifetime.clone()).collect();
-    let type_params: Vec<syn::Ident> = generics.type_params().map(|p| p.ident.clone()).collect();
+    let (mut generics, params) = crate::bound::all_static(&input.generics);
     let where_clause = generics.make_where_clause();
-    for l in lifetimes {
-        where_clause.predicates.push(syn::parse_quote!(#l: 'static));
-    }
-    for p in type_params {
-        where_clause.predicates.push(syn::parse_quote!(#p: 'static));
-    }
     for field in fields.iter().filter(|f| !f.skip) {
         let ty = field.ty;
-        if mentions_any(quote!(#ty), &params) {
+        if crate::bound::mentions_any(ty, &params) {
             let predicate = quote_spanned!(ty.span()=> #ty: #krate::TensorTree);
             where_clause.predicates.push(syn::parse_quote!(#predicate));
         }
     }
     generics
-}
-
-fn mentions_any(tokens: TokenStream, params: &[String]) -> bool {
-    tokens.into_iter().any(|tt| match tt {
-        proc_macro2::TokenTree::Ident(i) => params.iter().any(|p| i == p),
-        proc_macro2::TokenTree::Group(g) => mentions_any(g.stream(), params),
-        _ => false,
-    })
 }
 
 fn expand(input: &syn::DeriveInput, fields: &[Field]) -> TokenStream {
