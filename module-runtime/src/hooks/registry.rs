@@ -286,12 +286,7 @@ impl Hooks {
         &self,
         hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
     ) -> HookHandle {
-        self.0.add(
-            |l| &mut l.global_pre,
-            Target::All,
-            false,
-            Arc::new(hook) as Arc<PreHookFn>,
-        )
+        self.global_pre_hook(false, Arc::new(hook))
     }
 
     /// Registers a forward hook that sees every module call (PyTorch's
@@ -303,12 +298,7 @@ impl Hooks {
             + Sync
             + 'static,
     ) -> HookHandle {
-        self.0.add(
-            |l| &mut l.global_post,
-            Target::All,
-            false,
-            Arc::new(hook) as Arc<ForwardHookFn>,
-        )
+        self.global_forward_hook(false, Arc::new(hook))
     }
 
     /// Registration that puts the hook first in its group (PyTorch's `prepend=True`):
@@ -330,6 +320,16 @@ impl Hooks {
     ) -> Result<HookHandle> {
         let target = Target::parse(pattern)?;
         Ok(self.0.add(|l| &mut l.post, target, prepend, hook))
+    }
+
+    fn global_pre_hook(&self, prepend: bool, hook: Arc<PreHookFn>) -> HookHandle {
+        self.0
+            .add(|l| &mut l.global_pre, Target::All, prepend, hook)
+    }
+
+    fn global_forward_hook(&self, prepend: bool, hook: Arc<ForwardHookFn>) -> HookHandle {
+        self.0
+            .add(|l| &mut l.global_post, Target::All, prepend, hook)
     }
 
     /// How many hooks are registered.
@@ -365,12 +365,18 @@ impl Hooks {
         root: &M,
         f: impl FnOnce(&M) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, E> {
-        let table = ModuleTable::of(root);
-        for pattern in self.0.patterns() {
-            table.check(&pattern, "hook")?;
-        }
-        let _session =
-            SessionGuard::enter(root, root.__call_target(), self.0.clone(), table.aliases);
+        // Only targeted hooks need the table (global hooks fire on every call).
+        let patterns = self.0.patterns();
+        let aliases = if patterns.is_empty() {
+            HashMap::new()
+        } else {
+            let table = ModuleTable::of(root);
+            for pattern in &patterns {
+                table.check(pattern, "hook")?;
+            }
+            table.aliases
+        };
+        let _session = SessionGuard::enter(root, root.__call_target(), self.0.clone(), aliases);
         f(root)
     }
 }
@@ -402,12 +408,7 @@ impl Prepend<'_> {
         &self,
         hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
     ) -> HookHandle {
-        self.0 .0.add(
-            |l| &mut l.global_pre,
-            Target::All,
-            true,
-            Arc::new(hook) as Arc<PreHookFn>,
-        )
+        self.0.global_pre_hook(true, Arc::new(hook))
     }
 
     /// [`Hooks::register_global_forward_hook`], first in its group.
@@ -418,11 +419,6 @@ impl Prepend<'_> {
             + Sync
             + 'static,
     ) -> HookHandle {
-        self.0 .0.add(
-            |l| &mut l.global_post,
-            Target::All,
-            true,
-            Arc::new(hook) as Arc<ForwardHookFn>,
-        )
+        self.0.global_forward_hook(true, Arc::new(hook))
     }
 }
