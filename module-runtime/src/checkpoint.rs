@@ -39,23 +39,15 @@ enum Format {
 }
 
 fn sniff(path: &Path) -> Result<Format> {
-    let mut head = [0u8; 9];
-    let mut file = open_for_reading(path)?;
-    let mut n = 0;
-    while n < head.len() {
-        match file.read(&mut head[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(Error::Io {
-                    path: path.to_owned(),
-                    source: e,
-                })
-            }
-        }
-    }
-    let head = &head[..n];
+    let mut head = Vec::with_capacity(9);
+    open_for_reading(path)?
+        .take(9)
+        .read_to_end(&mut head)
+        .map_err(|e| Error::Io {
+            path: path.to_owned(),
+            source: e,
+        })?;
+    let head = &head[..];
     let first_non_space = head.iter().find(|b| !b.is_ascii_whitespace());
     Ok(
         if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
