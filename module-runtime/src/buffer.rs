@@ -103,6 +103,23 @@ impl Buffer {
         })))
     }
 
+    /// A persistent buffer of shape `shape` holding `init`'s value; under
+    /// [`empty_weights`](crate::empty_weights), left empty for a load (see
+    /// [`Param::init`](crate::Param::init)).
+    pub fn init(
+        shape: impl Into<Shape>,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self(Arc::new(BufferInner {
+            modes: ModeMarks::default(),
+            value: LazyCell::init(&shape.into(), init, 0, dtype, device)?,
+            persistent: true,
+            missing_ok: AtomicBool::new(false),
+        })))
+    }
+
     /// Whether the buffer has a value: always for an eager buffer, once materialized for a lazy
     /// one.
     pub fn is_built(&self) -> bool {
@@ -126,6 +143,24 @@ impl Buffer {
     /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do.
     pub fn tensor(&self) -> Tensor {
         self.0.value.read().detach()
+    }
+
+    /// The current value, like [`tensor`](Self::tensor), or
+    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
+    /// [`Param::value`](crate::Param::value)).
+    pub fn value(&self) -> Result<Tensor> {
+        match self.0.value.unbuilt_error("buffer") {
+            None => Ok(self.tensor()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Takes `value` (its dtype included) as the buffer's new value instead of copying into the
+    /// current one: a load with [`LoadOptions::assign`](crate::LoadOptions::assign). The shape
+    /// must be the buffer's, or one an unbuilt buffer accepts.
+    pub fn assign(&self, value: &Tensor) -> Result<()> {
+        let value = value.to_device(&self.0.value.device())?;
+        self.0.value.assign(value)
     }
 
     /// Whether state dicts include this buffer.

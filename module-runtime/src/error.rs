@@ -212,6 +212,22 @@ pub enum Error {
         paths: Vec<String>,
     },
 
+    /// The values of a parameter or buffer were read before it had any: it was made under
+    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a
+    /// lazy one that was never built.
+    #[error(
+        "a {what} of shape {shape} has no values yet: {}",
+        not_loaded_hint(.awaits_load)
+    )]
+    NotLoaded {
+        /// `"parameter"` or `"buffer"`.
+        what: &'static str,
+        /// Its shape (`?` for a dimension still unknown).
+        shape: String,
+        /// Whether it was made under `empty_weights` (only a load can fill it).
+        awaits_load: bool,
+    },
+
     /// A lazy parameter or buffer was given a value or shape its layout does not allow (a load
     /// reports such values by path in [`Error::Load`](crate::Error::Load) instead).
     #[error("a lazy parameter or buffer takes shape {expected}, got {shape:?}")]
@@ -522,4 +538,15 @@ pub enum PthErrorKind {
         /// What is wrong, in words.
         reason: String,
     },
+}
+
+/// What to do about [`Error::NotLoaded`].
+fn not_loaded_hint(awaits_load: &bool) -> &'static str {
+    if *awaits_load {
+        "the model was built under `empty_weights` (build only to load); load a checkpoint into it \
+         before calling it"
+    } else {
+        "it is lazy and not built; call the model once, run `model.build(&sample)`, or load a \
+         checkpoint"
+    }
 }

@@ -272,21 +272,56 @@ impl Source for SafetensorsFile {
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
         let (_, shape, dtype, (start, end)) = &self.entries[self.index[key]];
-        let mut bytes = vec![0u8; end - start];
-        {
-            let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut read = |bytes: &mut [u8]| {
             file.seek(SeekFrom::Start(self.data_start + *start as u64))
-                .and_then(|_| file.read_exact(&mut bytes))
+                .and_then(|_| file.read_exact(bytes))
                 .map_err(|e| Error::Checkpoint {
                     path: self.path.clone(),
                     reason: format!(
                         "cannot read tensor `{key}` ({e}): was the file changed while loading?"
                     ),
-                })?;
-        }
-        let t = Tensor::from_raw_buffer(&bytes, *dtype, shape.dims(), &Device::Cpu)?;
-        Ok(t.to_device(device)?)
+                })
+        };
+        let n = shape.elem_count();
+        // The common dtypes are read straight into the vector that becomes the tensor's storage,
+        // as a candle variable: a load that takes it (`assign`, or an empty parameter) copies
+        // nothing more. The header was validated on open, so `end - start` is `n` values.
+        let t = match dtype {
+            DType::F32 => typed::<f32>(n, shape, device, read)?,
+            DType::F16 => typed::<half::f16>(n, shape, device, read)?,
+            DType::BF16 => typed::<half::bf16>(n, shape, device, read)?,
+            DType::F64 => typed::<f64>(n, shape, device, read)?,
+            DType::I64 => typed::<i64>(n, shape, device, read)?,
+            DType::U32 => typed::<u32>(n, shape, device, read)?,
+            DType::U8 => typed::<u8>(n, shape, device, read)?,
+            _ => {
+                let mut bytes = vec![0u8; end - start];
+                read(&mut bytes)?;
+                Tensor::from_raw_buffer(&bytes, *dtype, shape.dims(), &Device::Cpu)?
+                    .to_device(device)?
+            }
+        };
+        Ok(t)
     }
+}
+
+/// `n` values of `T` read by `read` (little-endian, as safetensors stores them) into a fresh
+/// vector that becomes a variable tensor of `shape` on `device` without another copy on the CPU.
+fn typed<T: candle_core::WithDType + bytemuck::Pod>(
+    n: usize,
+    shape: &Shape,
+    device: &Device,
+    read: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<Tensor> {
+    // Zero-valued `vec!`s of primitives are allocated zeroed (calloc), so no pass writes them.
+    let mut values = vec![T::zeroed(); n];
+    read(bytemuck::cast_slice_mut(&mut values))?;
+    #[cfg(target_endian = "big")]
+    for v in &mut values {
+        bytemuck::bytes_of_mut(v).reverse();
+    }
+    Ok(candle_core::Var::from_vec(values, shape.clone(), device)?.into_inner())
 }
 
 /// Opens `path` for reading, saying in words what is wrong (a folder, a missing file).

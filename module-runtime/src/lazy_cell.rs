@@ -2,7 +2,9 @@
 //! eager or lazy: a lock around the current value and, for lazy ones, the recipe that builds it
 //! once ([`Init`], [`LazyShape`]).
 
+use std::cell::Cell;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -54,8 +56,31 @@ impl<T: CellValue> LazyCell<T> {
         }
     }
 
+    /// A cell of shape `shape` holding `init`'s value (given the layer's `fan_in`) — or, under
+    /// [`empty_weights`], an unbuilt cell of that exact shape that only a load can fill.
+    pub(crate) fn init(
+        shape: &Shape,
+        init: Init,
+        fan_in: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if deferring() {
+            return Self::lazy(
+                LazyShape::new(shape.dims().iter().map(|&d| Some(d))),
+                init,
+                dtype,
+                device,
+            );
+        }
+        Ok(Self::eager(T::from_tensor(
+            init.tensor(shape, fan_in, dtype, device)?,
+        )?))
+    }
+
     /// An unbuilt cell: an empty `[0]` placeholder of `dtype` on `device` until it is built with a
-    /// shape `shape` accepts.
+    /// shape `shape` accepts. Made under [`empty_weights`], it awaits a load: materializing it from
+    /// its recipe is an error ([`Error::NotLoaded`]).
     pub(crate) fn lazy(
         shape: LazyShape,
         init: Init,
@@ -64,7 +89,7 @@ impl<T: CellValue> LazyCell<T> {
     ) -> Result<Self> {
         Ok(Self {
             value: RwLock::new(T::from_tensor(Tensor::zeros(0, dtype, device)?)?),
-            lazy: Some(LazyState::new(shape, init)),
+            lazy: Some(LazyState::new(shape, init, deferring())),
         })
     }
 
@@ -103,10 +128,53 @@ impl<T: CellValue> LazyCell<T> {
         self.lazy.as_deref().filter(|l| !l.is_built())
     }
 
+    /// The error for reading the values of an unbuilt cell (`what` is `"parameter"` or
+    /// `"buffer"`), or `None` when it is built.
+    pub(crate) fn unbuilt_error(&self, what: &'static str) -> Option<Error> {
+        let lazy = self.unbuilt()?;
+        Some(Error::NotLoaded {
+            what,
+            shape: lazy.shape().map(|s| s.to_string()).unwrap_or_default(),
+            awaits_load: lazy.awaits_load,
+        })
+    }
+
+    /// Takes `value` as the cell's new value (a load with `assign`): an unbuilt cell is built from
+    /// it if its layout accepts the shape; a built one must have the shape already. The dtype is
+    /// `value`'s, whatever the cell held.
+    pub(crate) fn assign(&self, value: Tensor) -> Result<()> {
+        if let Some(lazy) = self.unbuilt() {
+            let built = lazy.build_once(|recipe| {
+                check_accepts(&recipe.shape, value.dims())?;
+                self.replace(T::from_tensor(value.clone())?);
+                Ok(())
+            })?;
+            if built {
+                return Ok(());
+            }
+        }
+        let current = self.read().as_tensor().shape().clone();
+        if *value.shape() != current {
+            return Err(Error::LazyShape {
+                expected: format!("{:?}", current.dims()),
+                shape: value.shape().clone(),
+            });
+        }
+        self.replace(T::from_tensor(value)?);
+        Ok(())
+    }
+
     /// Builds an unbuilt cell with shape `dims` from its recipe (given the layer's `fan_in`), once.
     /// A built cell is left alone: the caller checks its dims.
     pub(crate) fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<()> {
         if let Some(lazy) = self.unbuilt() {
+            if lazy.awaits_load {
+                return Err(Error::NotLoaded {
+                    what: "parameter",
+                    shape: format!("{dims:?}"),
+                    awaits_load: true,
+                });
+            }
             lazy.build_once(|recipe| {
                 check_accepts(&recipe.shape, dims)?;
                 let shape = Shape::from(dims.to_vec());
@@ -181,6 +249,22 @@ pub enum Init {
     /// Uniform on `±1/sqrt(fan_in)`: PyTorch's default for `Linear` and convolution weights and
     /// biases.
     UniformFanIn,
+    /// Uniform on `[low, high)` (PyTorch's `nn.init.uniform_`; Xavier's uniform with
+    /// `±sqrt(6 / (fan_in + fan_out))`).
+    Uniform {
+        /// The lower bound.
+        low: f64,
+        /// The upper bound.
+        high: f64,
+    },
+    /// Normal with mean `mean` and standard deviation `std` (PyTorch's `nn.init.normal_`;
+    /// `Embedding`'s default is `N(0, 1)`).
+    Normal {
+        /// The mean.
+        mean: f64,
+        /// The standard deviation.
+        std: f64,
+    },
     /// Any function of the shape, fan-in, dtype and device.
     Custom(Arc<InitFn>),
 }
@@ -200,6 +284,12 @@ impl Init {
             Init::UniformFanIn => {
                 let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
                 Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?
+            }
+            Init::Uniform { low, high } => {
+                Tensor::rand(*low, *high, shape, device)?.to_dtype(dtype)?
+            }
+            Init::Normal { mean, std } => {
+                Tensor::randn(*mean, *std, shape, device)?.to_dtype(dtype)?
             }
             Init::Custom(f) => {
                 let t = f(shape, fan_in, dtype, device)?;
@@ -221,6 +311,8 @@ impl fmt::Debug for Init {
             Init::Zeros => "Zeros",
             Init::Ones => "Ones",
             Init::UniformFanIn => "UniformFanIn",
+            Init::Uniform { low, high } => return write!(f, "Uniform({low}, {high})"),
+            Init::Normal { mean, std } => return write!(f, "Normal({mean}, {std})"),
             Init::Custom(_) => "Custom(..)",
         })
     }
@@ -234,6 +326,8 @@ impl fmt::Debug for Init {
 struct LazyState {
     /// Read on every use of a built lazy value: one atomic load.
     built: AtomicBool,
+    /// Made under [`empty_weights`]: only a load may build it, never its recipe.
+    awaits_load: bool,
     /// Serializes building: held while the first value is made and committed.
     recipe: Mutex<Recipe>,
 }
@@ -244,9 +338,10 @@ struct Recipe {
 }
 
 impl LazyState {
-    pub(crate) fn new(shape: LazyShape, init: Init) -> Box<Self> {
+    pub(crate) fn new(shape: LazyShape, init: Init, awaits_load: bool) -> Box<Self> {
         Box::new(Self {
             built: AtomicBool::new(false),
+            awaits_load,
             recipe: Mutex::new(Recipe { shape, init }),
         })
     }
@@ -279,6 +374,88 @@ impl LazyState {
     fn lock(&self) -> std::sync::MutexGuard<'_, Recipe> {
         // The recipe is never written after construction, so a panic cannot leave it half-written.
         self.recipe.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+thread_local! {
+    static DEFERRING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether parameters and buffers made now on this thread are left empty for a load.
+pub(crate) fn deferring() -> bool {
+    DEFERRING.with(Cell::get)
+}
+
+/// While the guard lives, models built on this thread get *empty* parameters and buffers that a
+/// checkpoint load fills: build only to load. PyTorch's `with torch.device("meta"):` followed by
+/// `load_state_dict(sd, assign=True)`, or Hugging Face accelerate's `init_empty_weights()`.
+///
+/// Under the guard, every parameter or buffer a layer makes from an [`Init`] recipe
+/// ([`Param::init`](crate::Param::init), [`Buffer::init`](crate::Buffer::init), and all of this
+/// crate's layers) is created unbuilt with its full shape: no random numbers are drawn and no
+/// memory is allocated for values about to be overwritten. A load then builds each one from the
+/// checkpoint's value — a strict load still reports missing, unexpected and mismatched keys, and a
+/// failed load leaves the model empty. Reading a parameter that was never loaded, or calling a layer
+/// holding one, is [`Error::NotLoaded`]; so is building it from its recipe (a lazy layer's first
+/// call).
+///
+/// Values given explicitly (`Param::new(tensor)`, `Buffer::new(tensor)`) are kept as they are:
+/// they are already computed.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::{empty_weights, StateDict};
+///
+/// let trained = Linear::new(4, 2, &Device::Cpu)?;
+/// let state = trained.state_dict()?;
+///
+/// let model = {
+///     let _guard = empty_weights();
+///     Linear::new(4, 2, &Device::Cpu)? // no values drawn
+/// };
+/// let x = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
+/// assert!(matches!(model.call(&x), Err(Error::NotLoaded { .. })));
+/// model.load_state_dict(&state)?; // strict: every key must be there
+/// assert_eq!(model.call(&x)?.to_vec2::<f32>()?, trained.call(&x)?.to_vec2::<f32>()?);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn empty_weights() -> EmptyWeightsGuard {
+    EmptyWeightsGuard {
+        previous: DEFERRING.with(|d| d.replace(true)),
+        _thread_bound: PhantomData,
+    }
+}
+
+/// Runs `build` under [`empty_weights`]: the model it returns holds no values until loaded.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// let model = module_runtime::build_empty(|| Linear::new(384, 384, &Device::Cpu))?;
+/// assert!(!model.weight.is_built());
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn build_empty<R>(build: impl FnOnce() -> R) -> R {
+    let _guard = empty_weights();
+    build()
+}
+
+/// The guard [`empty_weights`] returns: restores the previous mode when dropped (also during a
+/// panic). Bound to its thread.
+#[must_use = "models are built empty only while the guard lives: `let _guard = empty_weights();`"]
+pub struct EmptyWeightsGuard {
+    previous: bool,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl Drop for EmptyWeightsGuard {
+    fn drop(&mut self) {
+        DEFERRING.with(|d| d.set(self.previous));
+    }
+}
+
+impl fmt::Debug for EmptyWeightsGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EmptyWeightsGuard").finish_non_exhaustive()
     }
 }
 

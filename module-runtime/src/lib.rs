@@ -50,6 +50,7 @@ extern crate self as module_runtime;
 
 // The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
 //   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
+//   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, convert, device                the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
@@ -63,6 +64,7 @@ mod device;
 mod error;
 mod ext;
 mod forward;
+mod grad_mode;
 mod hooks;
 mod identity;
 mod io;
@@ -88,12 +90,15 @@ pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
 pub use forward::Forward;
+pub use grad_mode::{
+    enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
+};
 pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
 #[doc(hidden)]
 pub use identity::CallTarget;
 pub use identity::Shared;
 pub use lazy::{Build, Lazy, LazyExt};
-pub use lazy_cell::{Init, InitFn};
+pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
 pub use lazy_shape::LazyShape;
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use param::Param;

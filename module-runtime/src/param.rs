@@ -105,6 +105,41 @@ impl Param {
         })))
     }
 
+    /// A parameter of shape `shape` initialized by `init` (given the layer's `fan_in`, which
+    /// [`Init::UniformFanIn`] uses): the constructor layers use, so that under
+    /// [`empty_weights`](crate::empty_weights) the parameter is left empty for a load instead of
+    /// drawing values that would be overwritten.
+    ///
+    /// ```
+    /// use module_runtime::{Init, Param};
+    /// use module_runtime::candle_core::{DType, Device};
+    ///
+    /// let w = Param::init((3, 4), Init::UniformFanIn, 4, DType::F32, &Device::Cpu)?;
+    /// assert!(w.is_built());
+    /// let bound = 1.0 / 2.0; // 1/sqrt(fan_in)
+    /// assert!(w.tensor().abs()?.max_all()?.to_scalar::<f32>()? <= bound);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn init(
+        shape: impl Into<Shape>,
+        init: Init,
+        fan_in: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(Error::NonFloatParam {
+                dtype,
+                shape: shape.into(),
+            });
+        }
+        Ok(Self(Arc::new(ParamInner {
+            modes: ModeMarks::default(),
+            var: LazyCell::init(&shape.into(), init, fan_in, dtype, device)?,
+            requires_grad: AtomicBool::new(true),
+        })))
+    }
+
     /// Whether the parameter has values: always for an eager parameter, once materialized for a
     /// lazy one.
     pub fn is_built(&self) -> bool {
@@ -130,15 +165,28 @@ impl Param {
 
     /// The value to compute with in a forward pass.
     ///
-    /// Gradients flow to the parameter unless it is frozen, in which case the tensor is detached.
-    /// An unbuilt lazy parameter reads as its empty placeholder; lazy layers call
+    /// Gradients flow to the parameter unless it is frozen or read under
+    /// [`no_grad`](crate::no_grad), in which case the tensor is detached (it records no operation,
+    /// so layers take their fused inference kernels). An unbuilt lazy parameter reads as its empty placeholder; lazy layers call
     /// [`materialize`](Self::materialize) instead.
     pub fn tensor(&self) -> Tensor {
         let var = self.read();
-        if self.requires_grad() {
+        if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
             var.as_tensor().clone()
         } else {
             var.as_tensor().detach()
+        }
+    }
+
+    /// The value to compute with, like [`tensor`](Self::tensor), or
+    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the parameter has no values yet (made
+    /// under [`empty_weights`](crate::empty_weights) and not loaded, or lazy and not built). The
+    /// runtime's layers read their parameters this way, so calling a model before loading it is a
+    /// clear error rather than a shape mismatch against an empty placeholder.
+    pub fn value(&self) -> Result<Tensor> {
+        match self.0.var.unbuilt_error("parameter") {
+            None => Ok(self.tensor()),
+            Some(e) => Err(e),
         }
     }
 
@@ -202,6 +250,21 @@ impl Param {
             Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
             other => Ok(other?),
         }
+    }
+
+    /// Takes `value` as the parameter's new value instead of copying into the current one (a load
+    /// with [`LoadOptions::assign`](crate::LoadOptions::assign), PyTorch's
+    /// `load_state_dict(assign=True)`): the parameter gets `value`'s dtype, keeps its device, and
+    /// shares `value`'s storage when `value` is a candle variable (as a checkpoint read from a file
+    /// is), so nothing is copied. An unbuilt parameter is built from it. Every alias sees the new
+    /// value; optimizers built before hold the old `Var` (build them after loading).
+    ///
+    /// The shape must be the parameter's (or one an unbuilt parameter accepts) and the dtype a
+    /// floating-point one.
+    pub fn assign(&self, value: &Tensor) -> Result<()> {
+        check_float(value)?;
+        let value = value.to_device(&self.0.var.device())?;
+        self.0.var.assign(value)
     }
 
     /// Moves the parameter to `device` (a no-op when it is already there).

@@ -152,6 +152,7 @@ pub struct LoadOptions {
     strict: bool,
     rules: Vec<KeyRule>,
     exact_dtype: bool,
+    assign: bool,
     nested: Option<String>,
 }
 
@@ -161,6 +162,7 @@ impl Default for LoadOptions {
             strict: true,
             rules: Vec::new(),
             exact_dtype: false,
+            assign: false,
             nested: None,
         }
     }
@@ -216,6 +218,38 @@ impl LoadOptions {
     /// Whether values must have the model's dtype exactly.
     pub fn is_exact_dtype(&self) -> bool {
         self.exact_dtype
+    }
+
+    /// Makes the checkpoint's tensors the model's values instead of copying them into the current
+    /// ones: PyTorch's `load_state_dict(sd, assign=True)`, the zero-copy path for a model built
+    /// only to be loaded ([`empty_weights`](crate::empty_weights)).
+    ///
+    /// As in PyTorch, the values keep the checkpoint's dtype (a float16 checkpoint makes a float16
+    /// model; a parameter still needs a floating-point value), shapes must still match, and whether
+    /// a parameter is trained is the model's. Values read from a file are candle variables and
+    /// become the parameters without a copy. Differences from PyTorch: values move to the
+    /// parameter's device (the model stays on one device), and tied parameters stay tied, taking the
+    /// value loaded last (PyTorch's assign unties them). Optimizers hold the old `Var`s: build them
+    /// after the load.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// let source = Linear::new(3, 2, &Device::Cpu)?;
+    /// source.to_dtype(DType::F16)?;
+    /// let model = Linear::new(3, 2, &Device::Cpu)?;
+    /// model.load_state_dict_with(&source.state_dict()?, &LoadOptions::default().assign())?;
+    /// assert_eq!(model.weight.dtype(), DType::F16); // the checkpoint's dtype
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn assign(mut self) -> Self {
+        self.assign = true;
+        self
+    }
+
+    /// Whether the load takes the checkpoint's tensors ([`assign`](Self::assign)).
+    pub fn is_assign(&self) -> bool {
+        self.assign
     }
 
     /// Takes the state dict stored under `key` in a pickled training checkpoint
@@ -368,7 +402,12 @@ pub(crate) fn load(
         };
         // PyTorch copies with `param.copy_(input_param)`, which converts any dtype
         // (`torch/nn/modules/module.py`, `Module._load_from_state_dict`).
-        let dtype_ok = *dtype == expected_dtype || !options.exact_dtype;
+        // With `assign`, the checkpoint's dtype is taken; a parameter still needs a float.
+        let dtype_ok = if options.assign {
+            dtype.is_float() || matches!(slot, Slot::Buffer(_))
+        } else {
+            *dtype == expected_dtype || !options.exact_dtype
+        };
         if !shape_ok || !dtype_ok {
             report.mismatched.push(Mismatch {
                 key: path.clone(),
@@ -396,7 +435,7 @@ pub(crate) fn load(
     let mut staged = Vec::with_capacity(plan.len());
     for (slot, key, dtype) in plan {
         let value = source.load(key, &slot.device())?;
-        let value = if value.dtype() == dtype {
+        let value = if value.dtype() == dtype || options.assign {
             value
         } else {
             value.to_dtype(dtype)?
@@ -405,9 +444,11 @@ pub(crate) fn load(
     }
     // Commit: shapes, dtypes and devices are known to match, so these copies cannot fail on input.
     for (slot, value) in &staged {
-        match slot {
-            Slot::Param(p) => p.set(value)?,
-            Slot::Buffer(b) => b.set(value)?,
+        match (slot, options.assign) {
+            (Slot::Param(p), false) => p.set(value)?,
+            (Slot::Buffer(b), false) => b.set(value)?,
+            (Slot::Param(p), true) => p.assign(value)?,
+            (Slot::Buffer(b), true) => b.assign(value)?,
         }
     }
     report.loaded = staged.len();

@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor, D};
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::nn::{Linear, LinearConfig};
+use crate::Init;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -171,18 +172,22 @@ impl MultiheadAttention {
         let dtype = config.dtype;
         // Xavier uniform over [3E, E]: fan_in = E, fan_out = 3E.
         let bound = (6.0 / (4 * embed_dim).max(1) as f64).sqrt();
-        let in_proj_weight = Tensor::rand(-bound, bound, (3 * embed_dim, embed_dim), device)?;
-        let zeros = |n: usize| Tensor::zeros(n, dtype, device);
+        let xavier = Init::Uniform {
+            low: -bound,
+            high: bound,
+        };
+        let in_proj_weight = Param::init((3 * embed_dim, embed_dim), xavier, 0, dtype, device)?;
+        let zeros = |n: usize| Param::init(n, Init::Zeros, 0, dtype, device);
         let no_bias = LinearConfig { bias: false, dtype };
         let mut out_proj = Linear::with_config(embed_dim, embed_dim, no_bias, device)?;
         let in_proj_bias = if config.bias {
-            out_proj.bias = Some(Param::new(zeros(embed_dim)?)?);
-            Some(Param::new(zeros(3 * embed_dim)?)?)
+            out_proj.bias = Some(zeros(embed_dim)?);
+            Some(zeros(3 * embed_dim)?)
         } else {
             None
         };
         Ok(Self {
-            in_proj_weight: Param::new(in_proj_weight.to_dtype(dtype)?)?,
+            in_proj_weight,
             in_proj_bias,
             out_proj,
             num_heads,
@@ -210,11 +215,11 @@ impl MultiheadAttention {
     /// Projects `x` `[B, T, E]` with rows `chunk * E .. (chunk + n) * E` of the input projection.
     fn in_proj(&self, x: &Tensor, chunk: usize, n: usize) -> Result<Tensor> {
         let e = self.embed_dim();
-        let w = self.in_proj_weight.tensor().narrow(0, chunk * e, n * e)?;
+        let w = self.in_proj_weight.value()?.narrow(0, chunk * e, n * e)?;
         let (b, t, _) = x.dims3()?;
         let y = x.reshape((b * t, e))?.matmul(&w.t()?)?;
         let y = match &self.in_proj_bias {
-            Some(bias) => y.broadcast_add(&bias.tensor().narrow(0, chunk * e, n * e)?)?,
+            Some(bias) => y.broadcast_add(&bias.value()?.narrow(0, chunk * e, n * e)?)?,
             None => y,
         };
         Ok(y.reshape((b, t, n * e))?)
@@ -228,7 +233,7 @@ impl MultiheadAttention {
     }
 
     fn attend(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
-        let w = self.in_proj_weight.tensor();
+        let w = self.in_proj_weight.value()?;
         let masks = [input.key_padding_mask, input.attn_mask];
         for t in [input.query, input.key, input.value]
             .into_iter()

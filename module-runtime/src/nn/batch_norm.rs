@@ -2,7 +2,7 @@
 //! spatial dimensions) and their lazy twins `LazyBatchNorm1d`, `LazyBatchNorm2d` (a `BatchNorm`
 //! whose parameters and running statistics are unbuilt).
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -119,13 +119,12 @@ impl<const D: usize> BatchNorm<D> {
         config: BatchNormConfig,
         device: &Device,
     ) -> Result<Self> {
-        let shape = Shape::from(num_features);
-        let value = |init: Init| init.tensor(&shape, 0, config.dtype, device);
+        let dtype = config.dtype;
         Self::from_config(
             &config,
             device,
-            |init| Param::new(value(init)?),
-            |init| Ok(Buffer::new(value(init)?)),
+            |init| Param::init(num_features, init, 0, dtype, device),
+            |init| Buffer::init(num_features, init, dtype, device),
         )
     }
 
@@ -218,8 +217,8 @@ impl<const D: usize> BatchNorm<D> {
         let training = self.mode.is_training();
         let (mean, var) = match (&self.running_mean, &self.running_var) {
             (Some(mean), Some(var)) if !training => (
-                per_channel(&mean.tensor().to_dtype(x.dtype())?, rank)?,
-                per_channel(&var.tensor().to_dtype(x.dtype())?, rank)?,
+                per_channel(&mean.value()?.to_dtype(x.dtype())?, rank)?,
+                per_channel(&var.value()?.to_dtype(x.dtype())?, rank)?,
             ),
             _ => self.batch_statistics(x, training)?,
         };
@@ -227,10 +226,10 @@ impl<const D: usize> BatchNorm<D> {
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
         if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.tensor(), rank)?)?;
+            y = y.broadcast_mul(&per_channel(&w.value()?, rank)?)?;
         }
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.tensor(), rank)?)?;
+            y = y.broadcast_add(&per_channel(&b.value()?, rank)?)?;
         }
         Ok(y)
     }
@@ -263,7 +262,7 @@ impl<const D: usize> BatchNorm<D> {
         };
         let mut batches = None;
         if let Some(nbt) = &self.num_batches_tracked {
-            let t = nbt.tensor();
+            let t = nbt.value()?;
             let next = t.broadcast_add(&t.ones_like()?)?;
             nbt.set(&next)?;
             batches = Some(next);
@@ -275,7 +274,7 @@ impl<const D: usize> BatchNorm<D> {
         };
         let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
         for (buffer, stat) in [(rm, mean.detach()), (rv, unbiased)] {
-            let old = buffer.tensor();
+            let old = buffer.value()?;
             let stat = stat.flatten_all()?.to_dtype(old.dtype())?;
             buffer.set(&((old * (1.0 - factor))? + (stat * factor)?)?)?;
         }
@@ -298,9 +297,9 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
         Self::check_input(x, false, self.channels())?;
         let names = Self::names();
         if let Some(w) = &self.weight {
-            check_input_device(names.weight, &w.tensor(), x)?;
+            check_input_device(names.weight, &w.value()?, x)?;
         } else if let Some(mean) = &self.running_mean {
-            check_input_device(names.running_mean, &mean.tensor(), x)?;
+            check_input_device(names.running_mean, &mean.value()?, x)?;
         }
         self.normalize(x)
     }

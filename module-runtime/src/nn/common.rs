@@ -148,8 +148,8 @@ pub(crate) fn input_shape_error(
 }
 
 /// The value of an optional parameter (a bias, an affine weight).
-pub(crate) fn param_tensor(p: &Option<Param>) -> Option<Tensor> {
-    p.as_ref().map(Param::tensor)
+pub(crate) fn param_tensor(p: &Option<Param>) -> Result<Option<Tensor>> {
+    p.as_ref().map(Param::value).transpose()
 }
 
 /// `t` `[C]` reshaped to `[1, C, 1, …]`, to broadcast over an input `[N, C, *]` of rank `rank`.
@@ -192,8 +192,7 @@ pub(crate) fn uniform_fan_in(
     dtype: DType,
     device: &Device,
 ) -> Result<Param> {
-    let shape = Shape::from(dims.to_vec());
-    Param::new(Init::UniformFanIn.tensor(&shape, fan_in, dtype, device)?)
+    Param::init(dims.to_vec(), Init::UniformFanIn, fan_in, dtype, device)
 }
 
 /// An unbuilt parameter of a lazy layer: `None` dimensions come from the first input.

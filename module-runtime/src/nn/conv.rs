@@ -435,9 +435,9 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.tensor();
+        let weight = self.weight.value()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
-        let bias = param_tensor(&self.bias);
+        let bias = param_tensor(&self.bias)?;
         match D {
             1 => conv1d(x, &weight, bias, &self.config),
             _ => conv2d(x, &weight, bias, &self.config),
@@ -512,7 +512,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let weight = self.weight.tensor();
+        let weight = self.weight.value()?;
         check_input_device("ConvTranspose2d.weight", &weight, x)?;
         let run = |x: &Tensor, w: &Tensor| {
             x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
@@ -531,7 +531,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::cat(&ys, 1)?
         };
-        add_channel_bias(y, param_tensor(&self.bias))
+        add_channel_bias(y, param_tensor(&self.bias)?)
     }
 }
 

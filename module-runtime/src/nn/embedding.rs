@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::nn::common::forward_by_value;
+use crate::Init;
 use crate::{Forward, Module, Param};
 
 /// A lookup table of `num_embeddings` vectors of size `embedding_dim`: PyTorch's `nn.Embedding`.
@@ -59,8 +60,14 @@ impl Embedding {
         config: EmbeddingConfig,
         device: &Device,
     ) -> Result<Self> {
-        let weight = Tensor::randn(0f32, 1f32, (num_embeddings, embedding_dim), device)?;
-        Self::from_weight(weight.to_dtype(config.dtype)?)
+        let normal = Init::Normal {
+            mean: 0.0,
+            std: 1.0,
+        };
+        let shape = (num_embeddings, embedding_dim);
+        Ok(Self {
+            weight: Param::init(shape, normal, 0, config.dtype, device)?,
+        })
     }
 
     /// A table holding `weight` `[num_embeddings, embedding_dim]`.
@@ -86,7 +93,7 @@ impl Forward<&Tensor> for Embedding {
     type Output = Tensor;
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.tensor();
+        let weight = self.weight.value()?;
         check_input_device("Embedding.weight", &weight, ids)?;
         let rows = weight.index_select(&ids.flatten_all()?, 0)?;
         let mut dims = ids.dims().to_vec();

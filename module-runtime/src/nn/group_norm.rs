@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::nn::common::{
     compute_dtype, forward_by_value, input_shape_error, per_channel, standardize_last_dim,
 };
+use crate::Init;
 use crate::{Forward, Module, Param};
 
 /// How a [`GroupNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -82,15 +83,15 @@ impl GroupNorm {
                 ),
             });
         }
-        let param = |value: f64| -> Result<Option<Param>> {
+        let param = |init: Init| -> Result<Option<Param>> {
             config
                 .affine
-                .then(|| Param::new((Tensor::ones(num_channels, config.dtype, device)? * value)?))
+                .then(|| Param::init(num_channels, init, 0, config.dtype, device))
                 .transpose()
         };
         Ok(Self {
-            weight: param(1.0)?,
-            bias: param(0.0)?,
+            weight: param(Init::Ones)?,
+            bias: param(Init::Zeros)?,
             num_groups,
             num_channels,
             eps: config.eps,
@@ -108,7 +109,7 @@ impl Forward<&Tensor> for GroupNorm {
             return Err(input_shape_error("GroupNorm", expected, x));
         }
         if let Some(w) = &self.weight {
-            check_input_device("GroupNorm.weight", &w.tensor(), x)?;
+            check_input_device("GroupNorm.weight", &w.value()?, x)?;
         }
         let dtype = x.dtype();
         let grouped = x
@@ -118,10 +119,10 @@ impl Forward<&Tensor> for GroupNorm {
             .to_dtype(dtype)?
             .reshape(dims)?;
         if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.tensor(), dims.len())?)?;
+            y = y.broadcast_mul(&per_channel(&w.value()?, dims.len())?)?;
         }
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.tensor(), dims.len())?)?;
+            y = y.broadcast_add(&per_channel(&b.value()?, dims.len())?)?;
         }
         Ok(y)
     }

@@ -109,7 +109,7 @@ impl LayerNorm {
     ) -> Result<Self> {
         let shape: Shape = normalized_shape.into();
         let (weight, bias) =
-            config.params(|init| Param::new(init.tensor(&shape, 0, config.dtype, device)?))?;
+            config.params(|init| Param::init(shape.clone(), init, 0, config.dtype, device))?;
         Ok(Self {
             weight,
             bias,
@@ -123,7 +123,7 @@ impl Forward<&Tensor> for LayerNorm {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (weight, bias) = (param_tensor(&self.weight), param_tensor(&self.bias));
+        let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
         layer_norm(x, &self.normalized_shape, weight, bias, self.eps)
     }
 }
@@ -351,7 +351,7 @@ impl RmsNorm {
         Ok(Self {
             weight: config
                 .elementwise_affine
-                .then(|| Param::new(Tensor::ones(&shape, config.dtype, device)?))
+                .then(|| Param::init(shape.clone(), Init::Ones, 0, config.dtype, device))
                 .transpose()?,
             normalized_shape: shape.dims().to_vec(),
             eps: config.eps,
@@ -375,7 +375,7 @@ impl Forward<&Tensor> for RmsNorm {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let folded = fold_trailing(x, &self.normalized_shape, "RmsNorm")?;
-        let weight = flat(param_tensor(&self.weight))?;
+        let weight = flat(param_tensor(&self.weight)?)?;
         if let Some(w) = &weight {
             check_input_device("RmsNorm.weight", w, x)?;
         }

@@ -111,8 +111,8 @@ impl Forward<&Tensor> for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(
             x,
-            &self.weight.tensor(),
-            self.bias.as_ref().map(Param::tensor),
+            &self.weight.value()?,
+            self.bias.as_ref().map(Param::value).transpose()?,
         )
     }
 }

@@ -323,7 +323,8 @@ impl<L: NativeLayer> Forward<&Tensor> for Native<L> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let needs_grad = self.params.iter().any(|(_, p)| p.requires_grad());
+        let needs_grad =
+            crate::is_grad_enabled() && self.params.iter().any(|(_, p)| p.requires_grad());
         Ok(self.layer().forward_native(x, needs_grad)?)
     }
 }

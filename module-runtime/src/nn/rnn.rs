@@ -91,10 +91,10 @@ impl StackedWeights {
     /// `x W_ih^T + b_ih` for every time step at once: `[B, T, in]` → `[B, T, gates * H]`.
     fn input_projection(layer: &LayerWeights, x: &Tensor) -> Result<Tensor> {
         let (b, t, i) = x.dims3()?;
-        let w = layer.weight_ih.tensor();
+        let w = layer.weight_ih.value()?;
         let y = x.reshape((b * t, i))?.matmul(&w.t()?)?;
         let y = match &layer.bias_ih {
-            Some(bias) => y.broadcast_add(&bias.tensor())?,
+            Some(bias) => y.broadcast_add(&bias.value()?)?,
             None => y,
         };
         Ok(y.reshape((b, t, w.dim(0)?))?)
@@ -102,9 +102,9 @@ impl StackedWeights {
 
     /// `h W_hh^T + b_hh`: `[B, H]` → `[B, gates * H]`.
     fn hidden_projection(layer: &LayerWeights, h: &Tensor) -> Result<Tensor> {
-        let y = h.matmul(&layer.weight_hh.tensor().t()?)?;
+        let y = h.matmul(&layer.weight_hh.value()?.t()?)?;
         Ok(match &layer.bias_hh {
-            Some(bias) => y.broadcast_add(&bias.tensor())?,
+            Some(bias) => y.broadcast_add(&bias.value()?)?,
             None => y,
         })
     }
@@ -323,7 +323,7 @@ impl<C: RnnCell> Recurrent<C> {
     /// them stacked over layers. Returns the output sequence and the final state.
     fn run(&self, x: &Tensor, initial: Option<&[&Tensor]>) -> Result<(Tensor, C::State)> {
         if let Some(layer) = self.weights.layers.first() {
-            let w = layer.weight_ih.tensor();
+            let w = layer.weight_ih.value()?;
             for t in std::iter::once(x).chain(initial.into_iter().flatten().copied()) {
                 check_input_device(C::FIRST_WEIGHT, &w, t)?;
             }
