@@ -10,6 +10,7 @@ use crate::error::Result;
 use crate::forward::Forward;
 use crate::hooks::{Captures, Hooks};
 use crate::module::{Child, Module};
+use crate::names::Names;
 use crate::param::Param;
 use crate::report::LoadReport;
 use crate::state::{LoadOptions, StateDict};
@@ -158,6 +159,14 @@ pub trait ModuleExt: Module {
         views::named_parameters(self.as_dyn(), false)
     }
 
+    /// [`named_parameters`](Self::named_parameters) with PyTorch's `prefix`, `recurse` and
+    /// `remove_duplicate` arguments (see [`Names`]): `named_parameters_with(&Names::new().prefix("model"))`
+    /// is PyTorch's `named_parameters(prefix="model")`, `Names::new().recurse(false)` lists only the
+    /// module's own parameters, `Names::new().keep_duplicates()` every alias of a tied one.
+    fn named_parameters_with(&self, names: &Names) -> Vec<(String, Param)> {
+        crate::names::named_parameters(self.as_dyn(), names)
+    }
+
     /// Every parameter, each once.
     fn parameters(&self) -> Vec<Param> {
         self.named_parameters()
@@ -171,6 +180,13 @@ pub trait ModuleExt: Module {
         views::named_buffers(self.as_dyn())
     }
 
+    /// [`named_buffers`](Self::named_buffers) with PyTorch's `prefix`, `recurse` and
+    /// `remove_duplicate` arguments (see [`Names`]). Non-persistent buffers are listed too, as in
+    /// PyTorch.
+    fn named_buffers_with(&self, names: &Names) -> Vec<(String, Buffer)> {
+        crate::names::named_buffers(self.as_dyn(), names)
+    }
+
     /// Every buffer, each once.
     fn buffers(&self) -> Vec<Buffer> {
         self.named_buffers().into_iter().map(|(_, b)| b).collect()
@@ -181,6 +197,15 @@ pub trait ModuleExt: Module {
     /// `ModuleList` and `ModuleDict` are in PyTorch; `Option` and `Box` are transparent.
     fn named_modules(&self) -> Vec<(String, &dyn Module)> {
         views::named_modules(self.as_dyn(), false)
+    }
+
+    /// [`named_modules`](Self::named_modules) with PyTorch's `prefix` and `remove_duplicate`
+    /// arguments (see [`Names`]): the root is named by the prefix (`""` without one), and with
+    /// [`keep_duplicates`](Names::keep_duplicates) a module shared through `Arc` is listed under
+    /// every path. [`recurse`](Names::recurse) does not apply (PyTorch's `named_modules` has no
+    /// such argument): every module is listed.
+    fn named_modules_with(&self, names: &Names) -> Vec<(String, &dyn Module)> {
+        crate::names::named_modules(self.as_dyn(), names)
     }
 
     /// The direct submodules, each once.

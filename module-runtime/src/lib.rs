@@ -51,7 +51,7 @@ extern crate self as module_runtime;
 // The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
 //   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
-//   walk, path, views, convert, device                the one walk and what is built on it
+//   walk, path, views, names, convert, device         the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   state, pth/, io, checkpoint, summary              state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
@@ -70,6 +70,7 @@ mod lazy;
 mod lazy_cell;
 mod lazy_shape;
 mod module;
+mod names;
 pub mod nn;
 mod param;
 mod path;
@@ -96,6 +97,7 @@ pub use lazy::{Build, Lazy, LazyExt};
 pub use lazy_cell::{Init, InitFn};
 pub use lazy_shape::LazyShape;
 pub use module::{Child, ChildMut, Mode, Module, Name};
+pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
