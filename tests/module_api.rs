@@ -174,3 +174,194 @@ fn default_names_are_the_plain_views() {
     assert_eq!(names(s.named_buffers_with(&d)), names(s.named_buffers()));
     assert_eq!(names(s.named_modules_with(&d)), names(s.named_modules()));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 4. always_call forward hooks
+// ---------------------------------------------------------------------------------------------
+
+/// A module whose `forward` fails on an input with a negative first element.
+#[derive(Module)]
+struct Picky {
+    fc: Linear,
+}
+
+impl Forward<&Tensor> for Picky {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.flatten_all()?.get(0)?.to_scalar::<f32>()? < 0.0 {
+            return Err(Error::Candle(candle_core::Error::Msg(
+                "negative input".into(),
+            )));
+        }
+        self.fc.call(x)
+    }
+}
+
+#[derive(Module)]
+struct Outer {
+    picky: Picky,
+}
+
+impl Forward<&Tensor> for Outer {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.picky.call(x)
+    }
+}
+
+fn outer() -> Outer {
+    Outer {
+        picky: Picky {
+            fc: Linear::new(2, 2, &Device::Cpu).unwrap(),
+        },
+    }
+}
+
+type Log = Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Registers on `hooks` a forward hook named `name` that logs
+/// `name:<failed>:<inputs>:<outputs>` and then returns `result`.
+fn logging_hook(
+    log: &Log,
+    name: &'static str,
+    fail: bool,
+) -> impl Fn(&module_runtime::HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+       + Send
+       + Sync
+       + 'static {
+    let log = log.clone();
+    move |ctx, input, output| {
+        log.lock().unwrap().push(format!(
+            "{name}:{}:{}:{}",
+            ctx.failed(),
+            input.len(),
+            output.len()
+        ));
+        if fail {
+            return Err(Error::Candle(candle_core::Error::Msg(format!(
+                "{name} failed"
+            ))));
+        }
+        Ok(None)
+    }
+}
+
+fn entries(log: &Log) -> Vec<String> {
+    std::mem::take(&mut *log.lock().unwrap())
+}
+
+fn x(first: f32) -> Tensor {
+    Tensor::new(&[[first, 1.0]], &Device::Cpu).unwrap()
+}
+
+/// `Module._call_impl`: when `forward` raises, the `except` branch runs the hooks registered with
+/// `always_call=True` (globals first, then the module's) with `result` still `None`, then re-raises;
+/// other forward hooks do not run.
+#[test]
+fn always_call_hooks_run_when_forward_fails() {
+    let m = outer();
+    let hooks = Hooks::new();
+    let log: Log = Default::default();
+    hooks
+        .register_forward_hook("picky", logging_hook(&log, "plain", false))
+        .unwrap();
+    hooks
+        .always_call()
+        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .unwrap();
+    hooks
+        .always_call()
+        .register_global_forward_hook(logging_hook(&log, "global", false));
+
+    let err = hooks.run(&m, |m| m.call(&x(-1.0))).unwrap_err();
+    // The error is forward's own, not wrapped as a hook error.
+    assert!(err.to_string().contains("negative input"), "{err}");
+    assert!(!matches!(err, Error::Hook { .. }));
+    // `picky` failed, so did `""` (its caller): each runs its always-call hooks, the inner first.
+    // The output is absent (PyTorch's `result` is `None`); the input is there.
+    assert_eq!(
+        entries(&log),
+        ["global:true:1:0", "always:true:1:0", "global:true:1:0"]
+    );
+
+    // In a call that succeeds they are ordinary forward hooks (`picky.fc` runs this time).
+    hooks.run(&m, |m| m.call(&x(1.0))).unwrap();
+    assert_eq!(
+        entries(&log),
+        [
+            "global:false:1:1",
+            "global:false:1:1",
+            "plain:false:1:1",
+            "always:false:1:1",
+            "global:false:1:1"
+        ]
+    );
+}
+
+/// `Module._call_impl` marks an always-call hook as called (`called_always_called_hooks`) before
+/// running it, and the `except` branch skips those: when a forward hook fails, the always-call
+/// hooks that already ran do not run again, the later ones run with the output so far, and the
+/// error of an always-call hook in the `except` branch is ignored (PyTorch warns), so the first
+/// error is the one raised.
+#[test]
+fn always_call_hooks_after_a_failing_forward_hook_run_once_with_the_output() {
+    let m = outer();
+    let hooks = Hooks::new();
+    let log: Log = Default::default();
+    hooks
+        .always_call()
+        .register_forward_hook("picky", logging_hook(&log, "first", false))
+        .unwrap();
+    hooks
+        .register_forward_hook("picky", logging_hook(&log, "bad", true))
+        .unwrap();
+    hooks
+        .register_forward_hook("picky", logging_hook(&log, "skipped", false))
+        .unwrap();
+    hooks
+        .always_call()
+        .register_forward_hook("picky", logging_hook(&log, "last", true))
+        .unwrap();
+
+    let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
+    match &err {
+        Error::Hook { path, hook, source } => {
+            assert_eq!(path, "picky");
+            assert_eq!(*hook, "forward hook");
+            assert!(source.to_string().contains("bad failed"));
+        }
+        other => panic!("expected the failing hook's error, got {other}"),
+    }
+    assert_eq!(
+        entries(&log),
+        ["first:false:1:1", "bad:false:1:1", "last:true:1:1"]
+    );
+}
+
+/// The `try` in `Module._call_impl` covers the forward pre-hooks too: a failing pre-hook runs the
+/// always-call forward hooks, with the input as the pre-hooks left it.
+#[test]
+fn always_call_hooks_run_when_a_pre_hook_fails() {
+    let m = outer();
+    let hooks = Hooks::new();
+    let log: Log = Default::default();
+    hooks
+        .register_forward_pre_hook("picky", |_, _| {
+            Err(Error::Candle(candle_core::Error::Msg("pre failed".into())))
+        })
+        .unwrap();
+    hooks
+        .always_call()
+        .prepend()
+        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .unwrap();
+    let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
+    assert!(matches!(
+        &err,
+        Error::Hook {
+            hook: "forward pre-hook",
+            ..
+        }
+    ));
+    assert_eq!(entries(&log), ["always:true:1:0"]);
+}

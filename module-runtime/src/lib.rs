@@ -89,7 +89,9 @@ pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
 pub use forward::Forward;
-pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+pub use hooks::{
+    AlwaysCall, Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend,
+};
 #[doc(hidden)]
 pub use identity::CallTarget;
 pub use identity::Shared;
