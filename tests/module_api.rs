@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use module_runtime::prelude::*;
-use module_runtime::Names;
+use module_runtime::{Names, StateDict};
 
 fn names<T>(list: Vec<(String, T)>) -> Vec<String> {
     list.into_iter().map(|(n, _)| n).collect()
@@ -364,4 +364,172 @@ fn always_call_hooks_run_when_a_pre_hook_fails() {
         }
     ));
     assert_eq!(entries(&log), ["always:true:1:0"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. load_state_dict post-hooks
+// ---------------------------------------------------------------------------------------------
+
+fn weight_of(m: &Block) -> Vec<Vec<f32>> {
+    m.fc.weight.tensor().to_vec2::<f32>().unwrap()
+}
+
+/// A state dict for `Block` with `fc.bias` left out and an extra `old.scale`.
+fn partial_state(from: &Block) -> StateDict {
+    let mut sd = from.state_dict().unwrap();
+    let kept: Vec<(String, Tensor)> = sd
+        .iter()
+        .filter(|(k, _)| *k != "fc.bias")
+        .map(|(k, t)| (k.to_owned(), t.clone()))
+        .collect();
+    sd = kept.into_iter().collect();
+    sd.insert(
+        "old.scale",
+        Tensor::ones(1, DType::F32, &Device::Cpu).unwrap(),
+    );
+    sd
+}
+
+/// `Module.register_load_state_dict_post_hook`: "clearing out both missing and unexpected keys
+/// will avoid an error" — `Module.load_state_dict` runs the hooks inside `load(...)` and checks
+/// `strict` only after `load(self, state_dict)` returns.
+#[test]
+fn post_hook_that_clears_the_keys_makes_a_strict_load_succeed() {
+    let source = block();
+    let model = block();
+    let sd = partial_state(&source);
+    let err = model.load_state_dict(&sd).unwrap_err();
+    assert!(err.to_string().contains("fc.bias"), "{err}");
+
+    let seen: Log = Default::default();
+    let log = seen.clone();
+    let opts = LoadOptions::default().post_hook(move |_, keys| {
+        log.lock().unwrap().push(format!(
+            "missing={:?} unexpected={:?}",
+            keys.missing_keys, keys.unexpected_keys
+        ));
+        keys.missing_keys.clear();
+        keys.unexpected_keys.clear();
+        assert!(keys.is_empty());
+        Ok(())
+    });
+    let report = model.load_state_dict_with(&sd, &opts).unwrap();
+    // The hook saw full paths, after the key rules.
+    assert_eq!(
+        entries(&seen),
+        [r#"missing=["fc.bias"] unexpected=["old.scale"]"#]
+    );
+    assert!(report.is_complete());
+    assert!(report.suggestions.is_empty());
+    assert_eq!(report.loaded, 3);
+    assert_eq!(weight_of(&model), weight_of(&source));
+}
+
+/// The same docstring: "Additions to either set of keys will result in an error being thrown when
+/// `strict=True`". A strict load that fails changes nothing.
+#[test]
+fn post_hook_that_adds_a_key_makes_a_strict_load_fail_and_change_nothing() {
+    let source = block();
+    let model = block();
+    let before = weight_of(&model);
+    let opts = LoadOptions::default().post_hook(|_, keys| {
+        keys.unexpected_keys.push("made.up".into());
+        Ok(())
+    });
+    let err = model
+        .load_state_dict_with(&source.state_dict().unwrap(), &opts)
+        .unwrap_err();
+    match &err {
+        Error::Load(report) => assert_eq!(report.unexpected, ["made.up"]),
+        other => panic!("expected a load report, got {other}"),
+    }
+    assert_eq!(weight_of(&model), before);
+}
+
+/// `Module.load_state_dict` runs the hooks whatever `strict` is, and returns the (edited)
+/// `_IncompatibleKeys`.
+#[test]
+fn post_hooks_run_on_non_strict_loads_and_the_report_shows_their_edits() {
+    let source = block();
+    let model = block();
+    let opts = LoadOptions::default().non_strict().post_hook(|_, keys| {
+        keys.unexpected_keys.retain(|k| !k.starts_with("old."));
+        Ok(())
+    });
+    let report = model
+        .load_state_dict_with(&partial_state(&source), &opts)
+        .unwrap();
+    assert_eq!(report.missing, ["fc.bias"]);
+    assert!(report.unexpected.is_empty());
+}
+
+/// In `Module.load_state_dict`, `load(module, ...)` recurses into `module._modules` before running
+/// `module._load_state_dict_post_hooks`: a submodule's hooks run before its parent's, and each
+/// hook is called with the module it is registered on.
+#[test]
+fn post_hooks_run_children_first_with_their_module() {
+    let m = outer();
+    let log: Log = Default::default();
+    let hook = |name: &'static str| {
+        let log = log.clone();
+        move |module: &dyn Module, _: &mut module_runtime::IncompatibleKeys<'_>| {
+            log.lock()
+                .unwrap()
+                .push(format!("{name}:{}", module.is::<Linear>()));
+            Ok(())
+        }
+    };
+    let opts = LoadOptions::default()
+        .post_hook(hook("root"))
+        .post_hook_at("picky", hook("picky"))
+        .post_hook_at("picky.fc", hook("fc"))
+        .post_hook(hook("root2"));
+    m.load_state_dict_with(&m.state_dict().unwrap(), &opts)
+        .unwrap();
+    assert_eq!(
+        entries(&log),
+        ["fc:true", "picky:false", "root:false", "root2:false"]
+    );
+}
+
+/// A hook's error fails the load (in PyTorch the exception propagates out of `load_state_dict`);
+/// here it comes before anything is copied, so the model is unchanged. A hook cannot accept a
+/// value of the wrong shape: PyTorch reports those in `error_msgs`, which hooks do not see.
+#[test]
+fn post_hook_errors_and_mismatches_fail_the_load() {
+    let source = block();
+    let model = block();
+    let before = weight_of(&model);
+    let opts = LoadOptions::default().post_hook_at("fc", |_, _| {
+        Err(Error::Candle(candle_core::Error::Msg("refused".into())))
+    });
+    let err = model
+        .load_state_dict_with(&source.state_dict().unwrap(), &opts)
+        .unwrap_err();
+    match &err {
+        Error::Hook { path, hook, .. } => {
+            assert_eq!(path, "fc");
+            assert_eq!(*hook, "load_state_dict post-hook");
+        }
+        other => panic!("expected a hook error, got {other}"),
+    }
+    assert_eq!(weight_of(&model), before);
+
+    let mut sd = source.state_dict().unwrap();
+    sd.insert("gain", Tensor::ones(3, DType::F32, &Device::Cpu).unwrap());
+    let clear = LoadOptions::default().post_hook(|_, keys| {
+        assert_eq!(keys.mismatched().len(), 1);
+        keys.missing_keys.clear();
+        Ok(())
+    });
+    assert!(matches!(
+        model.load_state_dict_with(&sd, &clear),
+        Err(Error::Load(_))
+    ));
+
+    let nowhere = LoadOptions::default().post_hook_at("fcc", |_, _| Ok(()));
+    assert!(matches!(
+        model.load_state_dict_with(&source.state_dict().unwrap(), &nowhere),
+        Err(Error::NoSubmodule { .. })
+    ));
 }

@@ -53,7 +53,7 @@ extern crate self as module_runtime;
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, names, convert, device         the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
-//   state, pth/, io, checkpoint, summary              state dicts, files, summaries
+//   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
@@ -69,6 +69,7 @@ mod io;
 mod lazy;
 mod lazy_cell;
 mod lazy_shape;
+mod load_hooks;
 mod module;
 mod names;
 pub mod nn;
@@ -98,6 +99,7 @@ pub use identity::Shared;
 pub use lazy::{Build, Lazy, LazyExt};
 pub use lazy_cell::{Init, InitFn};
 pub use lazy_shape::LazyShape;
+pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use names::Names;
 pub use param::Param;

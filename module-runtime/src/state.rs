@@ -2,12 +2,14 @@
 //! all-or-nothing loading with a report of everything that does not fit.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::lazy_shape::LazyShape;
+use crate::load_hooks::{IncompatibleKeys, PostHooks};
 use crate::module::Module;
 use crate::param::Param;
 use crate::report::{LoadReport, Mismatch};
@@ -153,6 +155,7 @@ pub struct LoadOptions {
     rules: Vec<KeyRule>,
     exact_dtype: bool,
     nested: Option<String>,
+    post_hooks: PostHooks,
 }
 
 impl Default for LoadOptions {
@@ -162,6 +165,7 @@ impl Default for LoadOptions {
             rules: Vec::new(),
             exact_dtype: false,
             nested: None,
+            post_hooks: PostHooks::default(),
         }
     }
 }
@@ -230,6 +234,65 @@ impl LoadOptions {
     /// The key given to [`nested_in`](Self::nested_in).
     pub fn nested_key(&self) -> Option<&str> {
         self.nested.as_deref()
+    }
+
+    /// Adds a load-state-dict post-hook on the module the load is called on (PyTorch's
+    /// `register_load_state_dict_post_hook`): see [`post_hook_at`](Self::post_hook_at).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::{nn::Linear, StateDict};
+    ///
+    /// let full = Linear::new(3, 2, &Device::Cpu)?;
+    /// let mut sd = StateDict::new();
+    /// sd.insert("weight", full.weight.tensor()); // no "bias"
+    /// let model = Linear::new(3, 2, &Device::Cpu)?;
+    /// assert!(model.load_state_dict(&sd).is_err());
+    /// // A hook that accepts a missing bias makes the strict load succeed.
+    /// let opts = LoadOptions::default().post_hook(|_module, keys| {
+    ///     keys.missing_keys.retain(|k| k != "bias");
+    ///     Ok(())
+    /// });
+    /// let report = model.load_state_dict_with(&sd, &opts)?;
+    /// assert!(report.missing.is_empty() && report.loaded == 1);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    #[doc(alias = "register_load_state_dict_post_hook")]
+    pub fn post_hook(
+        self,
+        hook: impl Fn(&dyn Module, &mut IncompatibleKeys<'_>) -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.post_hook_at("", hook)
+    }
+
+    /// Adds a load-state-dict post-hook on the submodule at `path` (`""`: the module the load is
+    /// called on), PyTorch's `model.get_submodule(path).register_load_state_dict_post_hook(hook)`.
+    ///
+    /// The hook is called with that submodule and the load's [`IncompatibleKeys`]: the missing
+    /// and unexpected keys (full paths, after the key rules), which it may edit in place.
+    /// Strictness is decided *after* the hooks, as in PyTorch's `Module.load_state_dict`: a hook
+    /// that removes every missing and unexpected key makes a strict load succeed, one that adds a
+    /// key makes it fail. Hooks on submodules run before the hooks on the modules above them
+    /// (PyTorch runs a module's hooks after loading its children), hooks on one module in the
+    /// order they were added. They run on strict and non-strict loads, and the returned
+    /// [`LoadReport`](crate::LoadReport) (or the error's) shows their edits.
+    ///
+    /// **Deviation, from all-or-nothing loading:** PyTorch runs the hooks after the values are
+    /// copied; here they run after every key is checked and *before* anything is copied, since
+    /// whether anything is copied depends on them. So a hook sees the model's old values, and an
+    /// error from a hook ([`Error::Hook`](crate::Error::Hook)) fails the load with the model
+    /// unchanged. To act on the loaded values, do it after the load returns. A `path` that
+    /// names no submodule fails the load ([`Error::NoSubmodule`](crate::Error::NoSubmodule)).
+    /// Modules have no hidden field to hold hooks, so they belong to the options, not to the
+    /// module: pass the same options to every load that needs them.
+    #[doc(alias = "register_load_state_dict_post_hook")]
+    pub fn post_hook_at(
+        mut self,
+        path: impl Into<String>,
+        hook: impl Fn(&dyn Module, &mut IncompatibleKeys<'_>) -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.post_hooks.push(path.into(), Arc::new(hook));
+        self
     }
 
     /// The model path a checkpoint key maps to.
@@ -384,6 +447,8 @@ pub(crate) fn load(
     }
     unexpected.sort();
     report.unexpected = unexpected;
+    // Post-hooks may edit the missing and unexpected keys; strictness is decided after them.
+    options.post_hooks.run(root, &mut report)?;
     report.suggestions = suggest(&report.missing, &report.unexpected);
 
     let failed = !report.mismatched.is_empty()
