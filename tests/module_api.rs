@@ -533,3 +533,185 @@ fn post_hook_errors_and_mismatches_fail_the_load() {
         Err(Error::NoSubmodule { .. })
     ));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 3. Extra state
+// ---------------------------------------------------------------------------------------------
+
+/// A module with non-tensor state: a word list, saved as bytes.
+#[derive(Module)]
+#[module(extra_state)]
+struct Vocab {
+    scale: Param,
+    fc: Linear,
+    #[module(skip)]
+    words: std::sync::Mutex<Vec<String>>,
+}
+
+impl module_runtime::ExtraState for Vocab {
+    fn get_extra_state(&self) -> Result<Tensor> {
+        module_runtime::extra_state_from_bytes(self.words.lock().unwrap().join("\n").as_bytes())
+    }
+
+    fn set_extra_state(&self, state: &Tensor) -> Result<()> {
+        let bytes = module_runtime::extra_state_to_bytes(state)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| Error::Candle(candle_core::Error::Msg(e.to_string())))?;
+        if text.contains("refused") {
+            return Err(Error::Candle(candle_core::Error::Msg("refused".into())));
+        }
+        *self.words.lock().unwrap() = text.split('\n').map(str::to_owned).collect();
+        Ok(())
+    }
+}
+
+fn vocab(words: &[&str]) -> Vocab {
+    Vocab {
+        scale: ones(1),
+        fc: Linear::new(2, 2, &Device::Cpu).unwrap(),
+        words: std::sync::Mutex::new(words.iter().map(|w| w.to_string()).collect()),
+    }
+}
+
+fn words(v: &Vocab) -> Vec<String> {
+    v.words.lock().unwrap().clone()
+}
+
+#[derive(Module)]
+struct Tagger {
+    gain: Param,
+    first: Vocab,
+    second: Vocab,
+}
+
+fn tagger(a: &[&str], b: &[&str]) -> Tagger {
+    Tagger {
+        gain: ones(2),
+        first: vocab(a),
+        second: vocab(b),
+    }
+}
+
+/// `Module._save_to_state_dict` writes the module's parameters, its persistent buffers, then
+/// `destination[prefix + _EXTRA_STATE_KEY_SUFFIX] = self.get_extra_state()` (the suffix being
+/// `"_extra_state"`), and `Module.state_dict` recurses into the submodules after it.
+#[test]
+fn extra_state_is_saved_after_own_members_before_submodules() {
+    let t = tagger(&["a"], &["b"]);
+    let keys: Vec<String> = t.state_dict().unwrap().keys().map(str::to_owned).collect();
+    assert_eq!(
+        keys,
+        [
+            "gain",
+            "first.scale",
+            "first._extra_state",
+            "first.fc.weight",
+            "first.fc.bias",
+            "second.scale",
+            "second._extra_state",
+            "second.fc.weight",
+            "second.fc.bias",
+        ]
+    );
+    // The root's extra state is `_extra_state` (an empty prefix).
+    let v = vocab(&["x"]);
+    assert_eq!(
+        v.state_dict().unwrap().keys().collect::<Vec<_>>(),
+        ["scale", "_extra_state", "fc.weight", "fc.bias"]
+    );
+    // It is state, not a buffer or a parameter.
+    assert!(names(v.named_buffers()).is_empty());
+    assert_eq!(
+        names(v.named_parameters()),
+        ["scale", "fc.weight", "fc.bias"]
+    );
+}
+
+/// `Module._load_from_state_dict` calls `self.set_extra_state(state_dict[extra_state_key])`.
+/// Here the value goes through a safetensors file, as bytes.
+#[test]
+fn extra_state_round_trips_through_safetensors() {
+    let dir = std::env::temp_dir().join(format!("module_api_extra_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tagger.safetensors");
+    let saved = tagger(&["the", "cat"], &["sat", "on", "mats"]);
+    saved.save_safetensors(&file).unwrap();
+
+    let loaded = tagger(&[], &[]);
+    let report = loaded.load_safetensors(&file).unwrap();
+    assert!(report.is_complete());
+    assert_eq!(report.loaded, 9);
+    assert_eq!(words(&loaded.first), ["the", "cat"]);
+    assert_eq!(words(&loaded.second), ["sat", "on", "mats"]);
+    assert_eq!(
+        weight_of_fc(&loaded.second.fc),
+        weight_of_fc(&saved.second.fc)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn weight_of_fc(fc: &Linear) -> Vec<Vec<f32>> {
+    fc.weight.tensor().to_vec2::<f32>().unwrap()
+}
+
+/// `Module._load_from_state_dict`: a module that implements `set_extra_state` and finds no
+/// `extra_state_key` appends it to `missing_keys` (a strict load fails); a module without extra
+/// state that finds one appends it to `unexpected_keys`.
+#[test]
+fn a_missing_extra_state_key_is_missing_and_a_stray_one_unexpected() {
+    let saved = tagger(&["a"], &["b"]);
+    let sd: StateDict = saved
+        .state_dict()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "second._extra_state")
+        .map(|(k, t)| (k.to_owned(), t.clone()))
+        .collect();
+    let model = tagger(&["old"], &["old"]);
+    match model.load_state_dict(&sd).unwrap_err() {
+        Error::Load(report) => {
+            assert_eq!(report.missing, ["second._extra_state"]);
+            assert!(report.unexpected.is_empty());
+        }
+        other => panic!("expected a load report, got {other}"),
+    }
+    // The failed load changed nothing.
+    assert_eq!(words(&model.first), ["old"]);
+    // Non-strict: loaded where present, reported where not.
+    let report = model
+        .load_state_dict_with(&sd, &LoadOptions::default().non_strict())
+        .unwrap();
+    assert_eq!(report.missing, ["second._extra_state"]);
+    assert_eq!(words(&model.first), ["a"]);
+    assert_eq!(words(&model.second), ["old"]);
+
+    let mut stray = block().state_dict().unwrap();
+    stray.insert(
+        "fc._extra_state",
+        module_runtime::extra_state_from_bytes(b"x").unwrap(),
+    );
+    match block().load_state_dict(&stray).unwrap_err() {
+        Error::Load(report) => assert_eq!(report.unexpected, ["fc._extra_state"]),
+        other => panic!("expected a load report, got {other}"),
+    }
+}
+
+/// PyTorch has no all-or-nothing load (an exception in `set_extra_state` leaves what was copied
+/// before it); here a refused extra state fails the load with nothing changed: the extra states
+/// already set get their old value back, and no parameter is copied.
+#[test]
+fn a_refused_extra_state_changes_nothing() {
+    let saved = tagger(&["new"], &["refused"]);
+    let model = tagger(&["old1"], &["old2"]);
+    let before = weight_of_fc(&model.first.fc);
+    let err = model
+        .load_state_dict(&saved.state_dict().unwrap())
+        .unwrap_err();
+    match &err {
+        Error::ExtraState { path, .. } => assert_eq!(path, "second._extra_state"),
+        other => panic!("expected an extra-state error, got {other}"),
+    }
+    assert_eq!(words(&model.first), ["old1"]);
+    assert_eq!(words(&model.second), ["old2"]);
+    assert_eq!(weight_of_fc(&model.first.fc), before);
+}

@@ -368,7 +368,7 @@ pub trait ModuleExt: Module {
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
         crate::views::ensure_built(self.as_dyn(), "take the state dict of")?;
-        Ok(crate::state::state_dict(self.as_dyn()))
+        crate::state::state_dict(self.as_dyn())
     }
 
     /// Loads `state` strictly: every path of the model must be present, with its shape and dtype,

@@ -62,6 +62,7 @@ mod convert;
 mod device;
 mod error;
 mod ext;
+mod extra_state;
 mod forward;
 mod hooks;
 mod identity;
@@ -89,6 +90,7 @@ pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
+pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
 pub use hooks::{
     AlwaysCall, Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend,

@@ -364,11 +364,34 @@ pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
     out
 }
 
-pub(crate) fn state_dict(root: &dyn Module) -> StateDict {
-    slots(root)
-        .into_iter()
-        .map(|(k, s)| (k, s.tensor()))
-        .collect()
+/// Every parameter and persistent buffer, and every module's extra state, in PyTorch's order
+/// (each module's own parameters, own buffers, extra state, then submodules).
+pub(crate) fn state_dict(root: &dyn Module) -> Result<StateDict> {
+    let mut sd = StateDict::new();
+    let mut failed = None;
+    walk(root, false, &mut |path, v| {
+        let value = match v {
+            Visit::Param(p) => Slot::Param(p.clone()).tensor(),
+            Visit::Buffer(b) if b.is_persistent() => Slot::Buffer(b.clone()).tensor(),
+            Visit::Extra(e) if failed.is_none() => match e.get_extra_state() {
+                Ok(t) => t,
+                Err(source) => {
+                    failed = Some(Error::ExtraState {
+                        path: path.to_owned(),
+                        source: Box::new(source),
+                    });
+                    return true;
+                }
+            },
+            _ => return true,
+        };
+        sd.insert(path, value);
+        true
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(sd),
+    }
 }
 
 /// Where checkpoint values come from: an in-memory state dict or a file read lazily.
@@ -402,9 +425,12 @@ pub(crate) fn load(
 ) -> Result<LoadReport> {
     crate::views::ensure_cells_built(root, "load a checkpoint into")?;
     let targets = slots(root);
+    let extras = crate::extra_state::slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
     let mut unexpected = Vec::new();
-    let model_keys: HashSet<&str> = targets.iter().map(|(k, _)| k.as_str()).collect();
+    let model_keys: HashSet<&str> = (targets.iter().map(|(k, _)| k.as_str()))
+        .chain(extras.iter().map(|(k, _)| k.as_str()))
+        .collect();
     for (key, shape, dtype) in source.entries()? {
         let mapped = options.map_key(&key);
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
@@ -445,6 +471,14 @@ pub(crate) fn load(
         }
         plan.push((slot, key.as_str(), expected_dtype));
     }
+    // Extra state: a missing key is missing; any value is handed to `set_extra_state`.
+    let mut extra_plan = Vec::new();
+    for (path, extra) in &extras {
+        match by_model_key.get(path) {
+            Some((key, ..)) => extra_plan.push((path.as_str(), *extra, key.as_str())),
+            None => report.missing.push(path.clone()),
+        }
+    }
     unexpected.sort();
     report.unexpected = unexpected;
     // Post-hooks may edit the missing and unexpected keys; strictness is decided after them.
@@ -468,6 +502,12 @@ pub(crate) fn load(
         };
         staged.push((slot, value));
     }
+    let mut staged_extras = Vec::with_capacity(extra_plan.len());
+    for (path, extra, key) in extra_plan {
+        staged_extras.push((path, extra, source.load(key, &Device::Cpu)?));
+    }
+    // Extra states first: `set_extra_state` may refuse its value, and puts the others back if so.
+    crate::extra_state::commit(&staged_extras)?;
     // Commit: shapes, dtypes and devices are known to match, so these copies cannot fail on input.
     for (slot, value) in &staged {
         match slot {
@@ -475,7 +515,7 @@ pub(crate) fn load(
             Slot::Buffer(b) => b.set(value)?,
         }
     }
-    report.loaded = staged.len();
+    report.loaded = staged.len() + staged_extras.len();
     Ok(report)
 }
 
