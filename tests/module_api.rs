@@ -715,3 +715,30 @@ fn a_refused_extra_state_changes_nothing() {
     assert_eq!(words(&model.second), ["old2"]);
     assert_eq!(weight_of_fc(&model.first.fc), before);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 5. What candle rules out: backward hooks, and what to do instead
+// ---------------------------------------------------------------------------------------------
+
+/// PyTorch's `register_full_backward_hook` sees gradients as they flow (`Module._call_impl` wraps
+/// the call in a `BackwardHook`); candle's autograd has no hooks, so the documented replacement
+/// is to read the `GradStore` after `backward`, by parameter name.
+#[test]
+fn gradients_by_name_come_from_the_grad_store() {
+    let m = outer();
+    let x = x(1.0);
+    let loss = m.call(&x).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    for (name, p) in m.named_parameters() {
+        let g = grads
+            .get(&p.var())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        assert_eq!(g.dims(), p.shape().dims(), "{name}");
+    }
+    // d(sum(x W^T + b))/db = 1 for each output.
+    let bias = m.picky.fc.bias.as_ref().unwrap().var();
+    assert_eq!(
+        grads.get(&bias).unwrap().to_vec1::<f32>().unwrap(),
+        [1.0, 1.0]
+    );
+}

@@ -21,7 +21,13 @@ use crate::{path, views};
 /// modules and for `dyn Module`.
 ///
 /// Paths are PyTorch's: dotted field names, list elements by position (`layers.0.weight`), the root
-/// module as `""`. Traversals list each parameter, buffer and `Arc`-shared module once, under the
+/// module as `""`.
+///
+/// What Rust rules out: `register_parameter`, `register_buffer` and `add_module` on a model at
+/// runtime (a struct's fields are fixed when it is compiled: declare an `Option<Param>` field, or
+/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
+/// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
+/// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
 /// first path that reaches it, unless their name says `with_aliases`.
 ///
 /// ```

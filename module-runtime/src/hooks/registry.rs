@@ -75,6 +75,21 @@ impl HookCtx<'_> {
 ///
 /// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook) naming the module's path. A
 /// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
+///
+/// # What PyTorch has that candle makes impossible
+///
+/// - **Backward hooks** (`register_full_backward_hook`, `register_full_backward_pre_hook`, the
+///   deprecated `register_backward_hook`, `Tensor.register_hook`): candle's autograd builds no
+///   graph object that code can attach to, and `Tensor::backward` runs to the end and returns a
+///   [`GradStore`](candle_core::backprop::GradStore). To see gradients by name, call `backward`
+///   and look each parameter up: `grads.get(&param.var())` for every `(name, param)` of
+///   [`named_parameters`](crate::ModuleExt::named_parameters). To see an activation's gradient,
+///   keep the activation (a forward hook, or [`capture`](crate::ModuleExt::capture)) and look it
+///   up in the same store. Gradients cannot be changed in flight; change them in the store
+///   before the optimizer step.
+/// - **`with_kwargs`**: Rust calls have no keyword arguments; a module's input is one
+///   [`TensorTree`](crate::TensorTree) (a tuple or a [`TensorStruct`](crate::TensorStruct)), all
+///   of whose tensors the hooks see.
 #[derive(Clone, Default)]
 pub struct Hooks(Arc<Registry>);
 
