@@ -12,6 +12,7 @@ const BOUND: &str = "bound";
 const SKIP: &str = "skip";
 const RENAME: &str = "rename";
 const FLATTEN: &str = "flatten";
+const EXTRA_STATE: &str = "extra_state";
 
 /// A value set at most once, remembering where.
 struct Attr<T> {
@@ -46,12 +47,15 @@ pub struct Container {
     pub krate: Option<syn::Path>,
     /// `bound = "T: Module, ..."`: replaces the inferred bounds.
     pub bound: Option<Vec<syn::WherePredicate>>,
+    /// `extra_state`: the type implements `ExtraState`, saved under `<path>._extra_state`.
+    pub extra_state: Option<Span>,
 }
 
 impl Container {
     pub fn from_ast(cx: &Ctxt, attrs: &[syn::Attribute]) -> Self {
         let mut krate = Attr::none(CRATE);
         let mut bound = Attr::none(BOUND);
+        let mut extra_state = Attr::none(EXTRA_STATE);
         for attr in module_attrs(attrs) {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
@@ -67,6 +71,13 @@ impl Container {
                             Err(e) => cx.syn_error(e),
                         }
                     }
+                } else if meta.path.is_ident(EXTRA_STATE) {
+                    if meta.input.is_empty() || meta.input.peek(syn::Token![,]) {
+                        extra_state.set(cx, span, ());
+                    } else {
+                        skip_value(&meta)?;
+                        cx.syn_error(meta.error("`extra_state` takes no value"));
+                    }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -76,7 +87,7 @@ impl Container {
                 } else {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
-                        "unknown `#[module(...)]` key `{}` on a type: expected `crate` or `bound`",
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound` or `extra_state`",
                         path_name(&meta)
                     )));
                 }
@@ -89,6 +100,7 @@ impl Container {
         Self {
             krate: krate.get().map(|(_, p)| p),
             bound: bound.get().map(|(_, b)| b),
+            extra_state: extra_state.get().map(|(span, ())| span),
         }
     }
 }
@@ -145,7 +157,7 @@ impl Field {
                         }
                         rename.set(cx, span, (lit.span(), name));
                     }
-                } else if is_any(&meta, &[CRATE, BOUND]) {
+                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
                         "`{}` belongs on the type, not on a field",

@@ -66,6 +66,15 @@ fn expand(input: &Input) -> TokenStream {
         }
         Data::Enum(variants) => expand_enum(variants, &krate),
     };
+    // `extra_state`: the type's own `ExtraState` impl, named at the attribute so that a missing
+    // impl is reported there.
+    let extra_state = input.attrs.extra_state.map(|span| {
+        quote_spanned! {span=>
+            fn extra_state(&self) -> ::core::option::Option<&dyn #krate::ExtraState> {
+                ::core::option::Option::Some(self)
+            }
+        }
+    });
 
     quote! {
         #[automatically_derived]
@@ -86,6 +95,8 @@ fn expand(input: &Input) -> TokenStream {
             }
 
             #as_child
+
+            #extra_state
         }
     }
 }

@@ -335,6 +335,18 @@ pub enum Error {
         /// The module paths it matches (at most a few).
         matched: Vec<String>,
     },
+
+    /// A module's [`ExtraState`](crate::ExtraState) failed: `get_extra_state` while taking the
+    /// state dict, or `set_extra_state` (or the `get_extra_state` that keeps the value to put back)
+    /// during a load, which then changed nothing.
+    #[error("extra state `{path}` failed: {source}")]
+    ExtraState {
+        /// The state dict key (`enc._extra_state`).
+        path: String,
+        /// The module's error.
+        #[source]
+        source: Box<Error>,
+    },
 }
 
 fn near_matches(names: &[String]) -> String {

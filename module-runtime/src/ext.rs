@@ -10,6 +10,7 @@ use crate::error::Result;
 use crate::forward::Forward;
 use crate::hooks::{Captures, Hooks};
 use crate::module::{Child, Module};
+use crate::names::Names;
 use crate::param::Param;
 use crate::report::LoadReport;
 use crate::state::{LoadOptions, StateDict};
@@ -20,7 +21,13 @@ use crate::{path, views};
 /// modules and for `dyn Module`.
 ///
 /// Paths are PyTorch's: dotted field names, list elements by position (`layers.0.weight`), the root
-/// module as `""`. Traversals list each parameter, buffer and `Arc`-shared module once, under the
+/// module as `""`.
+///
+/// What Rust rules out: `register_parameter`, `register_buffer` and `add_module` on a model at
+/// runtime (a struct's fields are fixed when it is compiled: declare an `Option<Param>` field, or
+/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
+/// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
+/// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
 /// first path that reaches it, unless their name says `with_aliases`.
 ///
 /// ```
@@ -158,6 +165,14 @@ pub trait ModuleExt: Module {
         views::named_parameters(self.as_dyn(), false)
     }
 
+    /// [`named_parameters`](Self::named_parameters) with PyTorch's `prefix`, `recurse` and
+    /// `remove_duplicate` arguments (see [`Names`]): `named_parameters_with(&Names::new().prefix("model"))`
+    /// is PyTorch's `named_parameters(prefix="model")`, `Names::new().recurse(false)` lists only the
+    /// module's own parameters, `Names::new().keep_duplicates()` every alias of a tied one.
+    fn named_parameters_with(&self, names: &Names) -> Vec<(String, Param)> {
+        crate::names::named_parameters(self.as_dyn(), names)
+    }
+
     /// Every parameter, each once.
     fn parameters(&self) -> Vec<Param> {
         self.named_parameters()
@@ -171,6 +186,13 @@ pub trait ModuleExt: Module {
         views::named_buffers(self.as_dyn())
     }
 
+    /// [`named_buffers`](Self::named_buffers) with PyTorch's `prefix`, `recurse` and
+    /// `remove_duplicate` arguments (see [`Names`]). Non-persistent buffers are listed too, as in
+    /// PyTorch.
+    fn named_buffers_with(&self, names: &Names) -> Vec<(String, Buffer)> {
+        crate::names::named_buffers(self.as_dyn(), names)
+    }
+
     /// Every buffer, each once.
     fn buffers(&self) -> Vec<Buffer> {
         self.named_buffers().into_iter().map(|(_, b)| b).collect()
@@ -181,6 +203,15 @@ pub trait ModuleExt: Module {
     /// `ModuleList` and `ModuleDict` are in PyTorch; `Option` and `Box` are transparent.
     fn named_modules(&self) -> Vec<(String, &dyn Module)> {
         views::named_modules(self.as_dyn(), false)
+    }
+
+    /// [`named_modules`](Self::named_modules) with PyTorch's `prefix` and `remove_duplicate`
+    /// arguments (see [`Names`]): the root is named by the prefix (`""` without one), and with
+    /// [`keep_duplicates`](Names::keep_duplicates) a module shared through `Arc` is listed under
+    /// every path. [`recurse`](Names::recurse) does not apply (PyTorch's `named_modules` has no
+    /// such argument): every module is listed.
+    fn named_modules_with(&self, names: &Names) -> Vec<(String, &dyn Module)> {
+        crate::names::named_modules(self.as_dyn(), names)
     }
 
     /// The direct submodules, each once.
@@ -343,7 +374,7 @@ pub trait ModuleExt: Module {
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
         crate::views::ensure_built(self.as_dyn(), "take the state dict of")?;
-        Ok(crate::state::state_dict(self.as_dyn()))
+        crate::state::state_dict(self.as_dyn())
     }
 
     /// Loads `state` strictly: every path of the model must be present, with its shape and dtype,

@@ -339,7 +339,7 @@ impl<'a> DryRun<'a> {
             match v {
                 Visit::Param(p) => params.push((p.clone(), p.requires_grad())),
                 Visit::Mode(m) => modes.push((m, m.is_training())),
-                Visit::Module(_) | Visit::Buffer(_) => {}
+                Visit::Module(_) | Visit::Buffer(_) | Visit::Extra(_) => {}
             }
             true
         });

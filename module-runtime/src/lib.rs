@@ -52,9 +52,9 @@ extern crate self as module_runtime;
 //   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
 //   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
-//   walk, path, views, convert, device                the one walk and what is built on it
+//   walk, path, views, names, convert, device         the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
-//   state, pth/, io, checkpoint, summary              state dicts, files, summaries
+//   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
@@ -63,6 +63,7 @@ mod convert;
 mod device;
 mod error;
 mod ext;
+mod extra_state;
 mod forward;
 mod grad_mode;
 mod hooks;
@@ -71,7 +72,9 @@ mod io;
 mod lazy;
 mod lazy_cell;
 mod lazy_shape;
+mod load_hooks;
 mod module;
+mod names;
 pub mod nn;
 mod param;
 mod path;
@@ -89,18 +92,23 @@ pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
+pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
 pub use grad_mode::{
     enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
 };
-pub use hooks::{Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+pub use hooks::{
+    AlwaysCall, Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend,
+};
 #[doc(hidden)]
 pub use identity::CallTarget;
 pub use identity::Shared;
 pub use lazy::{Build, Lazy, LazyExt};
 pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
 pub use lazy_shape::LazyShape;
+pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
 pub use module::{Child, ChildMut, Mode, Module, Name};
+pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};

@@ -77,6 +77,14 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
+    /// The module's extra state (PyTorch's `get_extra_state`/`set_extra_state`), saved in the
+    /// state dict under `<path>._extra_state`; `None` (the default) for a module without any.
+    /// Do not implement it by hand: implement [`ExtraState`](crate::ExtraState) and mark the type
+    /// `#[module(extra_state)]`, and the derive returns `Some(self)`.
+    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
+        None
+    }
+
     /// Whether this node is an unbuilt [`Lazy`](crate::Lazy) cell (which has no children yet).
     /// Not public API: ask [`LazyExt::unbuilt_paths`](crate::LazyExt::unbuilt_paths).
     #[doc(hidden)]
@@ -330,6 +338,9 @@ impl<M: Module> Module for Option<M> {
             None => std::any::type_name::<Self>(),
         }
     }
+    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
+        self.as_ref().and_then(M::extra_state)
+    }
     fn as_child(&self) -> Child<'_> {
         self.as_ref().map_or(Child::Absent, M::as_child)
     }
@@ -365,6 +376,9 @@ impl<M: Module> Module for Box<M> {
     fn __call_target(&self) -> CallTarget {
         (**self).__call_target()
     }
+    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
+        (**self).extra_state()
+    }
 }
 
 /// Shared ownership is identity: every `Arc` clone of one module is that one module, listed once,
@@ -381,6 +395,9 @@ impl<M: Module> Module for Arc<M> {
     }
     fn type_name(&self) -> &'static str {
         (**self).type_name()
+    }
+    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
+        (**self).extra_state()
     }
     fn as_child(&self) -> Child<'_> {
         match (**self).as_child() {

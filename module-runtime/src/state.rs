@@ -2,12 +2,14 @@
 //! all-or-nothing loading with a report of everything that does not fit.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::lazy_shape::LazyShape;
+use crate::load_hooks::{IncompatibleKeys, PostHooks};
 use crate::module::Module;
 use crate::param::Param;
 use crate::report::{LoadReport, Mismatch};
@@ -154,6 +156,7 @@ pub struct LoadOptions {
     exact_dtype: bool,
     assign: bool,
     nested: Option<String>,
+    post_hooks: PostHooks,
 }
 
 impl Default for LoadOptions {
@@ -164,6 +167,7 @@ impl Default for LoadOptions {
             exact_dtype: false,
             assign: false,
             nested: None,
+            post_hooks: PostHooks::default(),
         }
     }
 }
@@ -266,6 +270,65 @@ impl LoadOptions {
         self.nested.as_deref()
     }
 
+    /// Adds a load-state-dict post-hook on the module the load is called on (PyTorch's
+    /// `register_load_state_dict_post_hook`): see [`post_hook_at`](Self::post_hook_at).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::{nn::Linear, StateDict};
+    ///
+    /// let full = Linear::new(3, 2, &Device::Cpu)?;
+    /// let mut sd = StateDict::new();
+    /// sd.insert("weight", full.weight.tensor()); // no "bias"
+    /// let model = Linear::new(3, 2, &Device::Cpu)?;
+    /// assert!(model.load_state_dict(&sd).is_err());
+    /// // A hook that accepts a missing bias makes the strict load succeed.
+    /// let opts = LoadOptions::default().post_hook(|_module, keys| {
+    ///     keys.missing_keys.retain(|k| k != "bias");
+    ///     Ok(())
+    /// });
+    /// let report = model.load_state_dict_with(&sd, &opts)?;
+    /// assert!(report.missing.is_empty() && report.loaded == 1);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    #[doc(alias = "register_load_state_dict_post_hook")]
+    pub fn post_hook(
+        self,
+        hook: impl Fn(&dyn Module, &mut IncompatibleKeys<'_>) -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.post_hook_at("", hook)
+    }
+
+    /// Adds a load-state-dict post-hook on the submodule at `path` (`""`: the module the load is
+    /// called on), PyTorch's `model.get_submodule(path).register_load_state_dict_post_hook(hook)`.
+    ///
+    /// The hook is called with that submodule and the load's [`IncompatibleKeys`]: the missing
+    /// and unexpected keys (full paths, after the key rules), which it may edit in place.
+    /// Strictness is decided *after* the hooks, as in PyTorch's `Module.load_state_dict`: a hook
+    /// that removes every missing and unexpected key makes a strict load succeed, one that adds a
+    /// key makes it fail. Hooks on submodules run before the hooks on the modules above them
+    /// (PyTorch runs a module's hooks after loading its children), hooks on one module in the
+    /// order they were added. They run on strict and non-strict loads, and the returned
+    /// [`LoadReport`](crate::LoadReport) (or the error's) shows their edits.
+    ///
+    /// **Deviation, from all-or-nothing loading:** PyTorch runs the hooks after the values are
+    /// copied; here they run after every key is checked and *before* anything is copied, since
+    /// whether anything is copied depends on them. So a hook sees the model's old values, and an
+    /// error from a hook ([`Error::Hook`](crate::Error::Hook)) fails the load with the model
+    /// unchanged. To act on the loaded values, do it after the load returns. A `path` that
+    /// names no submodule fails the load ([`Error::NoSubmodule`](crate::Error::NoSubmodule)).
+    /// Modules have no hidden field to hold hooks, so they belong to the options, not to the
+    /// module: pass the same options to every load that needs them.
+    #[doc(alias = "register_load_state_dict_post_hook")]
+    pub fn post_hook_at(
+        mut self,
+        path: impl Into<String>,
+        hook: impl Fn(&dyn Module, &mut IncompatibleKeys<'_>) -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        self.post_hooks.push(path.into(), Arc::new(hook));
+        self
+    }
+
     /// The model path a checkpoint key maps to.
     pub fn map_key(&self, key: &str) -> String {
         self.rules
@@ -335,11 +398,34 @@ pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
     out
 }
 
-pub(crate) fn state_dict(root: &dyn Module) -> StateDict {
-    slots(root)
-        .into_iter()
-        .map(|(k, s)| (k, s.tensor()))
-        .collect()
+/// Every parameter and persistent buffer, and every module's extra state, in PyTorch's order
+/// (each module's own parameters, own buffers, extra state, then submodules).
+pub(crate) fn state_dict(root: &dyn Module) -> Result<StateDict> {
+    let mut sd = StateDict::new();
+    let mut failed = None;
+    walk(root, false, &mut |path, v| {
+        let value = match v {
+            Visit::Param(p) => Slot::Param(p.clone()).tensor(),
+            Visit::Buffer(b) if b.is_persistent() => Slot::Buffer(b.clone()).tensor(),
+            Visit::Extra(e) if failed.is_none() => match e.get_extra_state() {
+                Ok(t) => t,
+                Err(source) => {
+                    failed = Some(Error::ExtraState {
+                        path: path.to_owned(),
+                        source: Box::new(source),
+                    });
+                    return true;
+                }
+            },
+            _ => return true,
+        };
+        sd.insert(path, value);
+        true
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(sd),
+    }
 }
 
 /// Where checkpoint values come from: an in-memory state dict or a file read lazily.
@@ -373,9 +459,12 @@ pub(crate) fn load(
 ) -> Result<LoadReport> {
     crate::views::ensure_cells_built(root, "load a checkpoint into")?;
     let targets = slots(root);
+    let extras = crate::extra_state::slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
     let mut unexpected = Vec::new();
-    let model_keys: HashSet<&str> = targets.iter().map(|(k, _)| k.as_str()).collect();
+    let model_keys: HashSet<&str> = (targets.iter().map(|(k, _)| k.as_str()))
+        .chain(extras.iter().map(|(k, _)| k.as_str()))
+        .collect();
     for (key, shape, dtype) in source.entries()? {
         let mapped = options.map_key(&key);
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
@@ -421,8 +510,18 @@ pub(crate) fn load(
         }
         plan.push((slot, key.as_str(), expected_dtype));
     }
+    // Extra state: a missing key is missing; any value is handed to `set_extra_state`.
+    let mut extra_plan = Vec::new();
+    for (path, extra) in &extras {
+        match by_model_key.get(path) {
+            Some((key, ..)) => extra_plan.push((path.as_str(), *extra, key.as_str())),
+            None => report.missing.push(path.clone()),
+        }
+    }
     unexpected.sort();
     report.unexpected = unexpected;
+    // Post-hooks may edit the missing and unexpected keys; strictness is decided after them.
+    options.post_hooks.run(root, &mut report)?;
     report.suggestions = suggest(&report.missing, &report.unexpected);
 
     let failed = !report.mismatched.is_empty()
@@ -442,6 +541,12 @@ pub(crate) fn load(
         };
         staged.push((slot, value));
     }
+    let mut staged_extras = Vec::with_capacity(extra_plan.len());
+    for (path, extra, key) in extra_plan {
+        staged_extras.push((path, extra, source.load(key, &Device::Cpu)?));
+    }
+    // Extra states first: `set_extra_state` may refuse its value, and puts the others back if so.
+    crate::extra_state::commit(&staged_extras)?;
     // Commit: shapes, dtypes and devices are known to match, so these copies cannot fail on input.
     for (slot, value) in &staged {
         match (slot, options.assign) {
@@ -451,7 +556,7 @@ pub(crate) fn load(
             (Slot::Buffer(b), true) => b.assign(value)?,
         }
     }
-    report.loaded = staged.len();
+    report.loaded = staged.len() + staged_extras.len();
     Ok(report)
 }
 

@@ -115,7 +115,7 @@ impl Summary {
                         rows[i].trainable_params += trained;
                     }
                 }
-                Visit::Buffer(_) | Visit::Mode(_) => {}
+                Visit::Buffer(_) | Visit::Mode(_) | Visit::Extra(_) => {}
             }
             true
         });

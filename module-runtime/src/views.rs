@@ -121,6 +121,7 @@ pub(crate) fn set_training(root: &dyn Module, training: bool) {
                 m.set_training(training);
                 return true;
             }
+            Visit::Extra(_) => return true,
             Visit::Param(p) => p.mode_marks(),
             Visit::Buffer(b) => b.mode_marks(),
         };
@@ -158,7 +159,7 @@ pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
             Visit::Param(p) => !p.is_built(),
             Visit::Buffer(b) => !b.is_built(),
             Visit::Module(m) => m.__unbuilt(),
-            Visit::Mode(_) => false,
+            Visit::Mode(_) | Visit::Extra(_) => false,
         };
         if unbuilt {
             out.push(path.to_owned());

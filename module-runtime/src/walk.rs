@@ -13,6 +13,8 @@ pub(crate) enum Visit<'a> {
     Param(&'a Param),
     Buffer(&'a Buffer),
     Mode(&'a Mode),
+    /// A module's extra state, at `<module path>._extra_state`.
+    Extra(&'a dyn crate::ExtraState),
 }
 
 /// Walks `root` depth-first in PyTorch's order (each module's own parameters, own buffers, then
@@ -69,7 +71,8 @@ impl<'a> Walker<'a, '_> {
     /// A module's children in PyTorch's order, whatever the field order: its own parameters, then
     /// its own buffers, then its submodules (`Module._save_to_state_dict` writes `_parameters`, then
     /// `_buffers`, before recursing into `_modules`; `named_parameters` lists each module's own
-    /// parameters before its submodules'). Within each kind, declaration order.
+    /// parameters before its submodules'). Within each kind, declaration order. A module's extra
+    /// state comes after its buffers (`_save_to_state_dict` writes it last).
     fn children(&mut self, module: &'a dyn Module) {
         for kind in [Kind::Param, Kind::Buffer, Kind::Other] {
             module.visit_children(&mut |name, child| {
@@ -77,6 +80,14 @@ impl<'a> Walker<'a, '_> {
                     self.child(name, child)
                 }
             });
+            if kind == Kind::Buffer {
+                if let Some(extra) = module.extra_state() {
+                    let len = self.path.len();
+                    Name::Field(crate::extra_state::EXTRA_STATE_KEY).push_to(&mut self.path);
+                    (self.f)(&self.path, Visit::Extra(extra));
+                    self.path.truncate(len);
+                }
+            }
         }
     }
 

@@ -126,6 +126,7 @@ struct Armed<F: ?Sized> {
     f: Arc<F>,
     id: u64,
     registry: Arc<Registry>,
+    always_call: bool,
 }
 
 impl<F: ?Sized> Armed<F> {
@@ -135,7 +136,38 @@ impl<F: ?Sized> Armed<F> {
             module,
             registry: &self.registry,
             id: self.id,
+            error: None,
         }
+    }
+}
+
+impl Plan {
+    /// The call failed with `error` before forward hook `from` ran: runs the always-call forward
+    /// hooks from `from` on, as PyTorch's `Module._call_impl` does in its `except` branch (the
+    /// hooks not run yet, globals first; their results and errors are ignored, PyTorch only warns),
+    /// and gives the error back.
+    #[cold]
+    fn fail(
+        &self,
+        path: &str,
+        module: &dyn Module,
+        from: usize,
+        input: &[Tensor],
+        output: &[Tensor],
+        error: Error,
+    ) -> Error {
+        for hook in self.post.iter().skip(from).filter(|h| h.always_call) {
+            let ctx = HookCtx {
+                error: Some(&error),
+                ..hook.ctx(path, module)
+            };
+            let _ignored = (hook.f)(&ctx, input, output);
+        }
+        error
+    }
+
+    fn has_always_call(&self) -> bool {
+        self.post.iter().any(|h| h.always_call)
     }
 }
 
@@ -184,6 +216,7 @@ fn plan_for(registries: &[Arc<Registry>], path: &str, aliases: &[Arc<str>]) -> P
             f: e.f.clone(),
             id: e.id,
             registry: registry.clone(),
+            always_call: e.always_call,
         }
     }
     let lists: Vec<_> = registries
@@ -301,20 +334,37 @@ where
     // rebuilt input only goes to `forward`, whose output is `'static` and cannot borrow from it.
     let scope = unsafe { Scope::new() };
     let mut input = input;
+    // On an error, the always-call forward hooks run before it is returned (see `Plan::fail`).
     if !plan.pre.is_empty() {
         let mut tensors = input.tensors();
         let mut replaced = false;
         for hook in &plan.pre {
             let new = (hook.f)(&hook.ctx(path, as_dyn), &tensors)
-                .map_err(|e| hook_error(path, "forward pre-hook", e))?;
-            if let Some(new) = new {
-                check_count(path, "forward pre-hook", tensors.len(), new.len())?;
-                tensors = new;
-                replaced = true;
+                .map_err(|e| hook_error(path, "forward pre-hook", e))
+                .and_then(|new| match new {
+                    Some(new) => check_count(path, "forward pre-hook", tensors.len(), new.len())
+                        .map(|()| Some(new)),
+                    None => Ok(None),
+                });
+            match new {
+                Ok(Some(new)) => {
+                    tensors = new;
+                    replaced = true;
+                }
+                Ok(None) => {}
+                Err(e) => return Err(plan.fail(path, as_dyn, 0, &tensors, &[], e)),
             }
         }
         if replaced {
-            input = rebuild::<In>(path, input, tensors, &scope)?;
+            let kept = if plan.has_always_call() {
+                tensors.clone()
+            } else {
+                Vec::new()
+            };
+            input = match rebuild::<In>(path, input, tensors, &scope) {
+                Ok(input) => input,
+                Err(e) => return Err(plan.fail(path, as_dyn, 0, &kept, &[], e)),
+            };
         }
     }
     let input_tensors = if plan.post.is_empty() {
@@ -322,17 +372,28 @@ where
     } else {
         input.tensors()
     };
-    let mut output = module.forward(input)?;
+    let mut output = match module.forward(input) {
+        Ok(output) => output,
+        Err(e) => return Err(plan.fail(path, as_dyn, 0, &input_tensors, &[], e)),
+    };
     if !plan.post.is_empty() {
         let mut tensors = output.tensors();
         let mut replaced = false;
-        for hook in &plan.post {
+        for (i, hook) in plan.post.iter().enumerate() {
             let new = (hook.f)(&hook.ctx(path, as_dyn), &input_tensors, &tensors)
-                .map_err(|e| hook_error(path, "forward hook", e))?;
-            if let Some(new) = new {
-                check_count(path, "forward hook", tensors.len(), new.len())?;
-                tensors = new;
-                replaced = true;
+                .map_err(|e| hook_error(path, "forward hook", e))
+                .and_then(|new| match new {
+                    Some(new) => check_count(path, "forward hook", tensors.len(), new.len())
+                        .map(|()| Some(new)),
+                    None => Ok(None),
+                });
+            match new {
+                Ok(Some(new)) => {
+                    tensors = new;
+                    replaced = true;
+                }
+                Ok(None) => {}
+                Err(e) => return Err(plan.fail(path, as_dyn, i + 1, &input_tensors, &tensors, e)),
             }
         }
         if replaced {

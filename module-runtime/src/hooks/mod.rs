@@ -75,4 +75,4 @@ pub(crate) mod observe;
 mod registry;
 
 pub use observe::Captures;
-pub use registry::{ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+pub use registry::{AlwaysCall, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};

@@ -29,6 +29,7 @@ pub struct HookCtx<'a> {
     pub(super) module: &'a dyn Module,
     pub(super) registry: &'a Arc<Registry>,
     pub(super) id: u64,
+    pub(super) error: Option<&'a Error>,
 }
 
 impl HookCtx<'_> {
@@ -48,6 +49,21 @@ impl HookCtx<'_> {
     pub fn remove_this_hook(&self) {
         self.registry.remove(self.id);
     }
+
+    /// The error the call failed with, when this is an [`always_call`](Hooks::always_call)
+    /// forward hook running because the call failed (a pre-hook, `forward` or an earlier forward
+    /// hook returned an error); `None` in a call that has not failed.
+    ///
+    /// PyTorch passes no exception to such a hook; it is given here so the hook can tell a failed
+    /// call from a module that returns no tensors.
+    pub fn error(&self) -> Option<&Error> {
+        self.error
+    }
+
+    /// Whether the call failed (see [`error`](Self::error)).
+    pub fn failed(&self) -> bool {
+        self.error.is_some()
+    }
 }
 
 /// A registry of forward hooks, attached to a model by [`run`](Hooks::run).
@@ -59,6 +75,21 @@ impl HookCtx<'_> {
 ///
 /// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook) naming the module's path. A
 /// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
+///
+/// # What PyTorch has that candle makes impossible
+///
+/// - **Backward hooks** (`register_full_backward_hook`, `register_full_backward_pre_hook`, the
+///   deprecated `register_backward_hook`, `Tensor.register_hook`): candle's autograd builds no
+///   graph object that code can attach to, and `Tensor::backward` runs to the end and returns a
+///   [`GradStore`](candle_core::backprop::GradStore). To see gradients by name, call `backward`
+///   and look each parameter up: `grads.get(&param.var())` for every `(name, param)` of
+///   [`named_parameters`](crate::ModuleExt::named_parameters). To see an activation's gradient,
+///   keep the activation (a forward hook, or [`capture`](crate::ModuleExt::capture)) and look it
+///   up in the same store. Gradients cannot be changed in flight; change them in the store
+///   before the optimizer step.
+/// - **`with_kwargs`**: Rust calls have no keyword arguments; a module's input is one
+///   [`TensorTree`](crate::TensorTree) (a tuple or a [`TensorStruct`](crate::TensorStruct)), all
+///   of whose tensors the hooks see.
 #[derive(Clone, Default)]
 pub struct Hooks(Arc<Registry>);
 
@@ -81,6 +112,8 @@ pub(super) struct Entry<F: ?Sized> {
     pub(super) id: u64,
     target: Target,
     pub(super) f: Arc<F>,
+    /// Runs when the call fails too (forward hooks registered through [`Hooks::always_call`]).
+    pub(super) always_call: bool,
 }
 
 /// Which calls a hook sees.
@@ -171,14 +204,19 @@ impl Registry {
         self: &Arc<Self>,
         list: impl FnOnce(&mut Lists) -> &mut Vec<Entry<F>>,
         target: Target,
-        prepend: bool,
+        how: How,
         f: Arc<F>,
     ) -> HookHandle {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry { id, target, f };
+        let entry = Entry {
+            id,
+            target,
+            f,
+            always_call: how.always_call,
+        };
         let mut lists = self.lists.write().unwrap_or_else(PoisonError::into_inner);
         let list = list(&mut lists);
-        if prepend {
+        if how.prepend {
             list.insert(0, entry);
         } else {
             list.push(entry);
@@ -277,7 +315,7 @@ impl Hooks {
             + Sync
             + 'static,
     ) -> Result<HookHandle> {
-        self.forward_hook(false, pattern, Arc::new(hook))
+        self.forward_hook(How::default(), pattern, Arc::new(hook))
     }
 
     /// Registers a pre-hook that sees every module call (PyTorch's
@@ -298,7 +336,7 @@ impl Hooks {
             + Sync
             + 'static,
     ) -> HookHandle {
-        self.global_forward_hook(false, Arc::new(hook))
+        self.global_forward_hook(How::default(), Arc::new(hook))
     }
 
     /// Registration that puts the hook first in its group (PyTorch's `prepend=True`):
@@ -307,29 +345,83 @@ impl Hooks {
         Prepend(self)
     }
 
+    /// Registration of forward hooks that also run when the call fails (PyTorch 2's
+    /// `register_forward_hook(hook, always_call=True)`):
+    /// `hooks.always_call().register_forward_hook("encoder", f)`.
+    ///
+    /// When a pre-hook, `forward` or a forward hook of the call returns an error, every
+    /// always-call forward hook of the call that has not run yet runs, in the usual order, as
+    /// PyTorch's `Module._call_impl` does in its `except` branch. It is given the input (as
+    /// replaced by the pre-hooks that ran) and the output so far: none when the call failed
+    /// before or in `forward`, `forward`'s output (as replaced by the forward hooks that ran)
+    /// when a forward hook failed. [`HookCtx::error`] holds the error. What it returns is
+    /// ignored, and so is its own error: the call fails with the first error, as in PyTorch
+    /// (which also ignores it, with a warning). A panic unwinds without running them (PyTorch
+    /// catches `Exception`, not `BaseException`). In a call that succeeds, an always-call hook
+    /// is an ordinary forward hook.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// struct Net { fc: Linear }
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { self.fc.call(x) }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(4, 2, &Device::Cpu)? };
+    /// let hooks = Hooks::new();
+    /// let seen = Arc::new(Mutex::new(Vec::new()));
+    /// let log = seen.clone();
+    /// hooks.always_call().register_forward_hook("fc", move |ctx, _input, output| {
+    ///     log.lock().unwrap().push((ctx.failed(), output.len()));
+    ///     Ok(None)
+    /// })?;
+    /// let bad = Tensor::ones((1, 3), DType::F32, &Device::Cpu)?; // 3 features, not 4
+    /// assert!(hooks.run(&net, |net| net.call(&bad)).is_err());
+    /// let good = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
+    /// hooks.run(&net, |net| net.call(&good))?;
+    /// assert_eq!(*seen.lock().unwrap(), [(true, 0), (false, 1)]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn always_call(&self) -> AlwaysCall<'_> {
+        AlwaysCall {
+            hooks: self,
+            prepend: false,
+        }
+    }
+
     fn pre_hook(&self, prepend: bool, pattern: &str, hook: Arc<PreHookFn>) -> Result<HookHandle> {
         let target = Target::parse(pattern)?;
-        Ok(self.0.add(|l| &mut l.pre, target, prepend, hook))
+        let how = How {
+            prepend,
+            always_call: false,
+        };
+        Ok(self.0.add(|l| &mut l.pre, target, how, hook))
     }
 
     fn forward_hook(
         &self,
-        prepend: bool,
+        how: How,
         pattern: &str,
         hook: Arc<ForwardHookFn>,
     ) -> Result<HookHandle> {
         let target = Target::parse(pattern)?;
-        Ok(self.0.add(|l| &mut l.post, target, prepend, hook))
+        Ok(self.0.add(|l| &mut l.post, target, how, hook))
     }
 
     fn global_pre_hook(&self, prepend: bool, hook: Arc<PreHookFn>) -> HookHandle {
-        self.0
-            .add(|l| &mut l.global_pre, Target::All, prepend, hook)
+        let how = How {
+            prepend,
+            always_call: false,
+        };
+        self.0.add(|l| &mut l.global_pre, Target::All, how, hook)
     }
 
-    fn global_forward_hook(&self, prepend: bool, hook: Arc<ForwardHookFn>) -> HookHandle {
-        self.0
-            .add(|l| &mut l.global_post, Target::All, prepend, hook)
+    fn global_forward_hook(&self, how: How, hook: Arc<ForwardHookFn>) -> HookHandle {
+        self.0.add(|l| &mut l.global_post, Target::All, how, hook)
     }
 
     /// How many hooks are registered.
@@ -381,7 +473,15 @@ impl Hooks {
     }
 }
 
-impl Prepend<'_> {
+impl<'a> Prepend<'a> {
+    /// Always-call forward hooks (see [`Hooks::always_call`]), first in their group.
+    pub fn always_call(&self) -> AlwaysCall<'a> {
+        AlwaysCall {
+            hooks: self.0,
+            prepend: true,
+        }
+    }
+
     /// [`Hooks::register_forward_pre_hook`], first in its group.
     pub fn register_forward_pre_hook(
         &self,
@@ -400,7 +500,7 @@ impl Prepend<'_> {
             + Sync
             + 'static,
     ) -> Result<HookHandle> {
-        self.0.forward_hook(true, pattern, Arc::new(hook))
+        self.0.forward_hook(How::PREPEND, pattern, Arc::new(hook))
     }
 
     /// [`Hooks::register_global_forward_pre_hook`], first in its group.
@@ -419,6 +519,67 @@ impl Prepend<'_> {
             + Sync
             + 'static,
     ) -> HookHandle {
-        self.0.global_forward_hook(true, Arc::new(hook))
+        self.0.global_forward_hook(How::PREPEND, Arc::new(hook))
+    }
+}
+
+/// How a hook is registered: first in its group or last, and whether it runs when the call fails.
+#[derive(Clone, Copy, Default)]
+pub(super) struct How {
+    prepend: bool,
+    always_call: bool,
+}
+
+impl How {
+    const PREPEND: How = How {
+        prepend: true,
+        always_call: false,
+    };
+}
+
+/// Registers forward hooks that run even when the call fails: see [`Hooks::always_call`].
+pub struct AlwaysCall<'a> {
+    hooks: &'a Hooks,
+    prepend: bool,
+}
+
+impl AlwaysCall<'_> {
+    /// Puts the hooks registered through this value first in their group (PyTorch's
+    /// `prepend=True`).
+    pub fn prepend(mut self) -> Self {
+        self.prepend = true;
+        self
+    }
+
+    fn how(&self) -> How {
+        How {
+            prepend: self.prepend,
+            always_call: true,
+        }
+    }
+
+    /// [`Hooks::register_forward_hook`], run when the call fails too (PyTorch's
+    /// `register_forward_hook(hook, always_call=True)`).
+    pub fn register_forward_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> Result<HookHandle> {
+        self.hooks.forward_hook(self.how(), pattern, Arc::new(hook))
+    }
+
+    /// [`Hooks::register_global_forward_hook`], run when the call fails too (PyTorch's
+    /// `register_module_forward_hook(hook, always_call=True)`).
+    pub fn register_global_forward_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> HookHandle {
+        self.hooks.global_forward_hook(self.how(), Arc::new(hook))
     }
 }

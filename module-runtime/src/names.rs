@@ -1,0 +1,168 @@
+//! [`Names`]: the `prefix`, `recurse` and `remove_duplicate` arguments of PyTorch's
+//! `named_parameters`, `named_buffers` and `named_modules`, as one options value.
+
+use crate::buffer::Buffer;
+use crate::module::Module;
+use crate::param::Param;
+use crate::walk::{walk, Visit};
+
+/// How [`named_parameters_with`](crate::ModuleExt::named_parameters_with),
+/// [`named_buffers_with`](crate::ModuleExt::named_buffers_with) and
+/// [`named_modules_with`](crate::ModuleExt::named_modules_with) name and select what they list:
+/// PyTorch's `prefix`, `recurse` and `remove_duplicate` arguments
+/// (`torch/nn/modules/module.py`, `Module.named_parameters`, `Module._named_members`,
+/// `Module.named_modules`).
+///
+/// The default is PyTorch's: no prefix, recursive, each shared parameter, buffer or module once.
+///
+/// - [`prefix`](Self::prefix): joined to every name with `"."`, as PyTorch's
+///   `prefix + ("." if prefix else "") + name`; an empty prefix gives the bare names, and
+///   `named_modules_with` names the root itself by the prefix.
+/// - [`recurse(false)`](Self::recurse): only the module's own, direct parameters or buffers
+///   (`[(prefix, self)]` instead of `self.named_modules(...)`); `named_modules_with` ignores it,
+///   as PyTorch's `named_modules` has no such argument.
+/// - [`keep_duplicates`](Self::keep_duplicates) (PyTorch's `remove_duplicate=False`): a tied
+///   parameter, or a module shared through `Arc`, is listed under every path that reaches it.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::Names;
+///
+/// #[derive(Module)]
+/// struct Net {
+///     scale: Param,
+///     fc: Linear,
+/// }
+///
+/// let dev = Device::Cpu;
+/// let net = Net { scale: Param::new(Tensor::ones(1, DType::F32, &dev)?)?, fc: Linear::new(2, 2, &dev)? };
+/// let names = |list: Vec<(String, Param)>| list.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+/// assert_eq!(
+///     names(net.named_parameters_with(&Names::new().prefix("model"))),
+///     ["model.scale", "model.fc.weight", "model.fc.bias"]
+/// );
+/// assert_eq!(names(net.named_parameters_with(&Names::new().recurse(false))), ["scale"]);
+/// let modules: Vec<String> =
+///     net.named_modules_with(&Names::new().prefix("model")).into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(modules, ["model", "model.fc"]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Names {
+    prefix: String,
+    recurse: bool,
+    remove_duplicate: bool,
+}
+
+impl Default for Names {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            recurse: true,
+            remove_duplicate: true,
+        }
+    }
+}
+
+impl Names {
+    /// PyTorch's defaults: no prefix, recursive, duplicates removed.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Puts `prefix.` in front of every name (PyTorch's `prefix=`); `""` gives the bare names.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Whether to list the parameters or buffers of submodules too (PyTorch's `recurse=`, default
+    /// `true`); with `false`, only the module's own.
+    pub fn recurse(mut self, recurse: bool) -> Self {
+        self.recurse = recurse;
+        self
+    }
+
+    /// Lists a shared parameter, buffer or module under every path that reaches it (PyTorch's
+    /// `remove_duplicate=False`).
+    pub fn keep_duplicates(self) -> Self {
+        self.remove_duplicate(false)
+    }
+
+    /// Whether to list shared things once, under their first path (PyTorch's `remove_duplicate=`,
+    /// default `true`).
+    pub fn remove_duplicate(mut self, remove: bool) -> Self {
+        self.remove_duplicate = remove;
+        self
+    }
+
+    /// The prefix.
+    pub fn get_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Whether submodules are listed.
+    pub fn is_recursive(&self) -> bool {
+        self.recurse
+    }
+
+    /// Whether shared things are listed once.
+    pub fn removes_duplicates(&self) -> bool {
+        self.remove_duplicate
+    }
+
+    /// `prefix + ("." if prefix else "") + path`, and the prefix alone for the root (`""`).
+    fn join(&self, path: &str) -> String {
+        match (self.prefix.is_empty(), path.is_empty()) {
+            (true, _) => path.to_owned(),
+            (false, true) => self.prefix.clone(),
+            (false, false) => format!("{}.{path}", self.prefix),
+        }
+    }
+
+    /// Walks `root`, descending into submodules only when recursive.
+    fn walk<'a>(&self, root: &'a dyn Module, f: &mut dyn FnMut(&str, Visit<'a>)) {
+        walk(root, self.remove_duplicate, &mut |path, v| {
+            let descend = !matches!(v, Visit::Module(_)) || path.is_empty() || self.recurse;
+            f(path, v);
+            descend
+        });
+    }
+}
+
+pub(crate) fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String, Param)> {
+    let mut out = Vec::new();
+    names.walk(root, &mut |path, v| {
+        if let Visit::Param(p) = v {
+            out.push((names.join(path), p.clone()));
+        }
+    });
+    out
+}
+
+pub(crate) fn named_buffers(root: &dyn Module, names: &Names) -> Vec<(String, Buffer)> {
+    let mut out = Vec::new();
+    names.walk(root, &mut |path, v| {
+        if let Visit::Buffer(b) = v {
+            out.push((names.join(path), b.clone()));
+        }
+    });
+    out
+}
+
+pub(crate) fn named_modules<'a>(
+    root: &'a dyn Module,
+    names: &Names,
+) -> Vec<(String, &'a dyn Module)> {
+    let names = Names {
+        recurse: true,
+        ..names.clone()
+    };
+    let mut out = Vec::new();
+    names.walk(root, &mut |path, v| {
+        if let Visit::Module(m) = v {
+            out.push((names.join(path), m));
+        }
+    });
+    out
+}
