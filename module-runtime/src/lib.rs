@@ -77,6 +77,7 @@ mod pattern;
 mod pth;
 mod report;
 mod state;
+mod suggest;
 mod summary;
 mod tensor_tree;
 mod type_name;
@@ -100,6 +101,7 @@ pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
 pub use state::{KeyRule, LoadOptions, StateDict};
+pub use suggest::KeyFix;
 pub use summary::{Summary, SummaryRow};
 #[doc(hidden)]
 pub use tensor_tree::Scope;

@@ -101,9 +101,11 @@ impl From<HashMap<String, Tensor>> for StateDict {
 /// How a checkpoint's keys are rewritten before they are matched against the model's paths.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyRule {
-    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`).
+    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`); the
+    /// prefix may be given with or without its trailing dot.
     StripPrefix(String),
-    /// Puts `prefix.` in front of every key.
+    /// Puts `prefix.` in front of every key; the prefix may be given with or without its
+    /// trailing dot.
     AddPrefix(String),
     /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
     /// `ln.weight`, and leaves `ln.gammas` alone.
@@ -113,12 +115,17 @@ pub enum KeyRule {
 impl KeyRule {
     fn apply(&self, key: &str) -> String {
         match self {
+            // `module` and `module.` are one prefix: PyTorch's
+            // `consume_prefix_in_state_dict_if_present(sd, "module.")` is spelled with the dot.
             KeyRule::StripPrefix(prefix) => key
-                .strip_prefix(prefix.as_str())
+                .strip_prefix(prefix.trim_end_matches('.'))
                 .and_then(|rest| rest.strip_prefix('.'))
                 .unwrap_or(key)
                 .to_owned(),
-            KeyRule::AddPrefix(prefix) => format!("{prefix}.{key}"),
+            KeyRule::AddPrefix(prefix) => match prefix.trim_end_matches('.') {
+                "" => key.to_owned(),
+                prefix => format!("{prefix}.{key}"),
+            },
             KeyRule::Rename(from, to) => {
                 let padded = format!(".{key}.");
                 match padded.find(&format!(".{from}.")) {
@@ -190,12 +197,15 @@ impl LoadOptions {
         self
     }
 
-    /// Strips `prefix.` from checkpoint keys that have it.
+    /// Strips `prefix.` from checkpoint keys that have it: `strip_prefix("module")` and
+    /// `strip_prefix("module.")` (PyTorch's spelling in `consume_prefix_in_state_dict_if_present`)
+    /// are the same rule.
     pub fn strip_prefix(self, prefix: impl Into<String>) -> Self {
         self.rule(KeyRule::StripPrefix(prefix.into()))
     }
 
-    /// Prepends `prefix.` to every checkpoint key.
+    /// Prepends `prefix.` to every checkpoint key (`add_prefix("bert")` loads a bare `BertModel`
+    /// checkpoint into a model that holds it as its `bert` field); a trailing dot is optional.
     pub fn add_prefix(self, prefix: impl Into<String>) -> Self {
         self.rule(KeyRule::AddPrefix(prefix.into()))
     }
@@ -347,16 +357,20 @@ pub(crate) fn load(
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
             by_model_key.insert(mapped, (key, shape, dtype));
         } else {
-            unexpected.push(mapped);
+            unexpected.push((mapped, shape));
         }
     }
+    let mut missing = Vec::new();
 
     let mut report = LoadReport::default();
     let mut plan = Vec::new();
     for (path, slot) in &targets {
         let Some((key, shape, dtype)) = by_model_key.get(path) else {
             if !matches!(slot, Slot::Buffer(b) if b.is_missing_ok()) {
-                report.missing.push(path.clone());
+                missing.push((
+                    path.clone(),
+                    crate::suggest::expected(slot.lazy_shape(), slot.shape()),
+                ));
             }
             continue;
         };
@@ -382,9 +396,13 @@ pub(crate) fn load(
         }
         plan.push((slot, key.as_str(), expected_dtype));
     }
-    unexpected.sort();
-    report.unexpected = unexpected;
-    report.suggestions = suggest(&report.missing, &report.unexpected);
+    unexpected.sort_by(|a, b| a.0.cmp(&b.0));
+    let keys: Vec<&str> = targets.iter().map(|(k, _)| k.as_str()).collect();
+    let found = crate::suggest::suggest(&keys, &missing, &unexpected, &options.rules);
+    report.key_fix = found.fix;
+    report.suggestions = found.pairs;
+    report.missing = missing.into_iter().map(|(k, _)| k).collect();
+    report.unexpected = unexpected.into_iter().map(|(k, _)| k).collect();
 
     let failed = !report.mismatched.is_empty()
         || (options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()));
@@ -412,23 +430,4 @@ pub(crate) fn load(
     }
     report.loaded = staged.len();
     Ok(report)
-}
-
-/// Pairs each missing key with the unexpected key most like it, when they are alike enough.
-fn suggest(missing: &[String], unexpected: &[String]) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for m in missing {
-        let best = unexpected
-            .iter()
-            .map(|u| (strsim::levenshtein(&m.to_lowercase(), &u.to_lowercase()), u))
-            .min_by_key(|(d, _)| *d);
-        if let Some((distance, u)) = best {
-            // Close in spelling (a case change, a typo), or the same leaf under a renamed module.
-            let same_leaf = m.rsplit('.').next() == u.rsplit('.').next();
-            if distance <= 3.max(m.len() / 5) || (same_leaf && distance <= m.len() / 2) {
-                out.push((m.clone(), u.clone()));
-            }
-        }
-    }
-    out
 }
