@@ -405,3 +405,260 @@ fn a_tensor_that_does_not_fit_is_never_suggested() {
         [("norm.weight".to_owned(), "nrm.weight".to_owned())]
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// 3. Forward errors name the submodule that failed.
+
+mod forward {
+    use std::error::Error as _;
+    use std::sync::Arc;
+
+    use module_runtime::nn::Sequential;
+    use module_runtime::prelude::*;
+    use module_runtime::{short_type_name, Error, Hooks};
+
+    use super::dev;
+
+    #[derive(Module)]
+    struct Intermediate {
+        dense: Linear,
+    }
+
+    #[derive(Module)]
+    struct Block {
+        intermediate: Intermediate,
+        #[module(skip)]
+        shadow: Option<Linear>,
+    }
+
+    #[derive(Module)]
+    struct Encoder {
+        // Boxed on purpose: a `Box`'s `call` is the boxed module's frame, not one more level.
+        #[allow(clippy::vec_box)]
+        layer: Vec<Box<Block>>,
+    }
+
+    #[derive(Module)]
+    struct Model {
+        encoder: Encoder,
+        head: Arc<Linear>,
+        seq: Sequential,
+    }
+
+    impl Forward<&Tensor> for Intermediate {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.dense.call(x)
+        }
+    }
+
+    impl Forward<&Tensor> for Block {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let y = self.intermediate.call(x)?;
+            match &self.shadow {
+                // A module outside the tree (a skipped field): its own frame, inside this one's.
+                Some(shadow) => shadow.call(&y),
+                None => Ok(y),
+            }
+        }
+    }
+
+    impl Forward<&Tensor> for Encoder {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let mut x = x.clone();
+            for layer in &self.layer {
+                x = layer.call(&x)?;
+            }
+            Ok(x)
+        }
+    }
+
+    impl Forward<&Tensor> for Model {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let x = self.encoder.call(x)?;
+            let x = self.head.call(&x)?;
+            let x = self.seq.call(&x)?;
+            // The model's own code can fail too.
+            Ok(x.reshape((7, 7))?)
+        }
+    }
+
+    /// Layer `bad` of four takes 5 features where the others give 4.
+    fn model(bad: Option<usize>) -> Model {
+        let dev = dev();
+        let layer = (0..4)
+            .map(|i| {
+                let inputs = if Some(i) == bad { 5 } else { 4 };
+                Box::new(Block {
+                    intermediate: Intermediate {
+                        dense: Linear::new(inputs, 4, &dev).unwrap(),
+                    },
+                    shadow: None,
+                })
+            })
+            .collect();
+        Model {
+            encoder: Encoder { layer },
+            head: Arc::new(Linear::new(4, 4, &dev).unwrap()),
+            seq: Sequential::new()
+                .add(Linear::new(4, 4, &dev).unwrap())
+                .add(Linear::new(4, 3, &dev).unwrap()),
+        }
+    }
+
+    fn input() -> Tensor {
+        Tensor::ones((2, 4), DType::F32, &dev()).unwrap()
+    }
+
+    /// The path, short type name and message of a forward error.
+    fn frame(err: &Error) -> (&str, String) {
+        match err {
+            Error::Forward {
+                path, module_type, ..
+            } => (path.as_str(), short_type_name(module_type)),
+            other => panic!("expected a forward error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_shape_error_deep_in_candle_names_the_submodule_path_and_type() {
+        let model = model(Some(3));
+        let err = model.call(&input()).unwrap_err();
+        assert_eq!(
+            frame(&err),
+            ("encoder.layer.3.intermediate.dense", "Linear".into())
+        );
+        // The original error is one `source()` away, and `inner()` gets it for matching.
+        let inner = err.inner();
+        assert!(matches!(inner, Error::Candle(_)), "{inner:?}");
+        assert_eq!(err.source().unwrap().to_string(), inner.to_string());
+        assert_eq!(
+            err.to_string(),
+            format!("forward of `encoder.layer.3.intermediate.dense` (Linear) failed: {inner}")
+        );
+        assert!(inner.to_string().contains("shape mismatch"), "{inner}");
+
+        // Called on a submodule, the path starts there.
+        let err = model.encoder.call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("layer.3.intermediate.dense", "Linear".into()));
+    }
+
+    #[test]
+    fn a_dtype_error_names_the_first_layer_it_reaches() {
+        let model = model(None);
+        let x = Tensor::ones((2, 4), DType::F64, &dev()).unwrap();
+        let err = model.call(&x).unwrap_err();
+        assert_eq!(
+            frame(&err),
+            ("encoder.layer.0.intermediate.dense", "Linear".into())
+        );
+        assert!(err.inner().to_string().contains("dtype mismatch"), "{err}");
+    }
+
+    #[test]
+    fn shared_modules_sequentials_and_the_root_are_named() {
+        let dev = dev();
+        // An `Arc` field: its path, whoever else holds the module.
+        let mut m = model(None);
+        m.head = Arc::new(Linear::new(5, 4, &dev).unwrap());
+        let err = m.call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("head", "Linear".into()));
+
+        // A `Sequential` layer: its name in the sequence.
+        let mut m = model(None);
+        m.seq = Sequential::new()
+            .add(Linear::new(4, 4, &dev).unwrap())
+            .add(Linear::new(5, 3, &dev).unwrap());
+        let err = m.call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("seq.1", "Linear".into()));
+
+        // The model's own code: the root, by its type.
+        let err = model(None).call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("", "Model".into()));
+        assert_eq!(
+            err.to_string(),
+            format!("forward of Model failed: {}", err.inner())
+        );
+    }
+
+    #[test]
+    fn a_module_outside_the_tree_is_a_frame_inside_its_caller() {
+        let dev = dev();
+        let mut m = model(None);
+        m.encoder.layer[2].shadow = Some(Linear::new(3, 4, &dev).unwrap());
+        let err = m.call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("encoder.layer.2", "Block".into()));
+        let Error::Forward { source, .. } = &err else {
+            unreachable!()
+        };
+        assert_eq!(frame(source), ("", "Linear".into()));
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "forward of `encoder.layer.2` (Block) failed: forward of Linear failed: {}",
+                err.inner()
+            )
+        );
+    }
+
+    #[test]
+    fn with_hooks_the_path_is_the_same_and_hook_errors_are_not_wrapped() {
+        let model = model(Some(1));
+        let hooks = Hooks::new();
+        hooks
+            .register_forward_hook("encoder.layer.*", |_, _, _| Ok(None))
+            .unwrap();
+        let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
+        assert_eq!(
+            frame(&err),
+            ("encoder.layer.1.intermediate.dense", "Linear".into())
+        );
+
+        let model = super::forward::model(None);
+        let hooks = Hooks::new();
+        hooks
+            .register_forward_hook("encoder.layer.2.intermediate", |_, _, _| {
+                Err(Error::InvalidDevice {
+                    name: "refused".into(),
+                })
+            })
+            .unwrap();
+        let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
+        match &err {
+            Error::Hook { path, .. } => assert_eq!(path, "encoder.layer.2.intermediate"),
+            other => panic!("expected the hook's error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_layers_own_error_keeps_its_variant_under_the_path() {
+        let dev = dev();
+        #[derive(Module)]
+        struct Net {
+            norm: module_runtime::nn::LayerNorm,
+        }
+        impl Forward<&Tensor> for Net {
+            type Output = Tensor;
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                self.norm.call(x)
+            }
+        }
+        let net = Net {
+            norm: module_runtime::nn::LayerNorm::new(8, &dev).unwrap(),
+        };
+        let err = net.call(&input()).unwrap_err();
+        assert_eq!(frame(&err).0, "norm");
+        assert!(matches!(err.inner(), Error::InputShape { .. }), "{err:?}");
+        // Converted to candle's error (for `candle_nn::Module` callers), the message stays.
+        let candle: candle_core::Error = err.into();
+        assert!(
+            candle
+                .to_string()
+                .starts_with("forward of `norm` (LayerNorm) failed: "),
+            "{candle}"
+        );
+    }
+}

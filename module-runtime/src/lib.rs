@@ -80,6 +80,7 @@ mod state;
 mod suggest;
 mod summary;
 mod tensor_tree;
+mod trace;
 mod type_name;
 mod views;
 mod walk;
