@@ -200,7 +200,7 @@ fn an_empty_model_holds_nothing_until_loaded() -> Result<()> {
     let err = model.call(&x).unwrap_err();
     assert!(
         matches!(
-            err,
+            err.inner(),
             Error::NotLoaded {
                 awaits_load: true,
                 ..
@@ -210,6 +210,7 @@ fn an_empty_model_holds_nothing_until_loaded() -> Result<()> {
     );
     let message = err.to_string();
     assert!(message.contains("[16, 6]"), "{message}");
+    assert!(message.contains("`fc1` (Linear)"), "{message}");
     assert!(message.contains("load a checkpoint"), "{message}");
 
     model.load_state_dict(&trained.state_dict()?)?;
@@ -277,7 +278,7 @@ fn lazy_layers_under_empty_weights_wait_for_the_load() -> Result<()> {
     let err = lazy.call(&x).unwrap_err();
     assert!(
         matches!(
-            err,
+            err.inner(),
             Error::NotLoaded {
                 awaits_load: true,
                 ..

@@ -150,7 +150,7 @@ fn loading_a_linear_checkpoint_materializes_a_lazy_linear() -> Result<()> {
     assert_eq!(max_diff(&lazy.call(&x)?, &eager.call(&x)?), 0.0);
 
     let err = lazy.call(&randn(&[2, 7])).unwrap_err();
-    assert!(matches!(err, Error::LazyInput { .. }), "{err:?}");
+    assert!(matches!(err.inner(), Error::LazyInput { .. }), "{err:?}");
     let msg = err.to_string();
     for needle in ["LazyLinear", "[2, 7]", "[10, 5]", "[10, 7]", "weight"] {
         assert!(msg.contains(needle), "{needle} missing from: {msg}");

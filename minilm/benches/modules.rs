@@ -1,6 +1,7 @@
 //! The module layer's own costs, each beside the same work written directly on candle / candle-nn:
 //! traversal and state dicts of a BERT-base-sized model (random weights), `to_dtype(F16)`, one AdamW
-//! step of the digits model, and `call` against `forward` on a tiny module.
+//! step of the digits model, and `call` against `forward` on a tiny module (one and three levels
+//! deep, and a failing call's error path).
 //!
 //! ```text
 //! cargo bench -p minilm --bench modules
@@ -158,6 +159,40 @@ impl Forward<f64> for Tiny {
     }
 }
 
+/// Three levels of `call` around [`Tiny`]: every level's success path (hook check and forward
+/// error naming, which must cost nothing when nothing fails) shows against one `forward`.
+#[derive(Module)]
+struct Outer {
+    mid: Mid,
+}
+
+#[derive(Module)]
+struct Mid {
+    inner: Tiny,
+}
+
+impl Forward<f64> for Outer {
+    type Output = f64;
+
+    fn forward(&self, x: f64) -> Result<f64> {
+        self.mid.call(x)
+    }
+}
+
+impl Forward<f64> for Mid {
+    type Output = f64;
+
+    fn forward(&self, x: f64) -> Result<f64> {
+        // A negative input fails, so the error path can be timed too.
+        if x < 0.0 {
+            return Err(module_runtime::Error::InvalidDevice {
+                name: String::from("negative"),
+            });
+        }
+        self.inner.call(x)
+    }
+}
+
 fn call_overhead(c: &mut Criterion) {
     let tiny = Tiny { scale: 1.5 };
     let mut group = c.benchmark_group("call_overhead");
@@ -166,6 +201,19 @@ fn call_overhead(c: &mut Criterion) {
     });
     group.bench_function("call_no_hooks", |b| {
         b.iter(|| black_box(tiny.call(black_box(2.0)).unwrap()))
+    });
+    let outer = Outer {
+        mid: Mid {
+            inner: Tiny { scale: 1.5 },
+        },
+    };
+    // Within noise of `forward` (plus two calls' worth of `call_no_hooks`).
+    group.bench_function("call_no_hooks_3_deep", |b| {
+        b.iter(|| black_box(outer.call(black_box(2.0)).unwrap()))
+    });
+    // The cold path, for the record: an error named by path through two frames.
+    group.bench_function("call_error_3_deep", |b| {
+        b.iter(|| black_box(outer.call(black_box(-2.0)).unwrap_err()))
     });
     group.finish();
 }

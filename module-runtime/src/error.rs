@@ -182,6 +182,31 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// A module's forward failed (a shape or dtype mismatch deep in candle, a layer's own input
+    /// check, …): the error names the module that failed by path and type, like the frames of a
+    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source)
+    /// (or [`Error::inner`]).
+    ///
+    /// `path` is relative to the module whose [`call`](crate::ModuleExt::call) returned the
+    /// error (`""` for that module itself). Submodules called through `call` are named exactly;
+    /// an error from a submodule whose `forward` is called directly is reported at the nearest
+    /// module called through `call`. Errors that name their module already (hook errors) are not
+    /// wrapped. Nothing of this runs unless a forward fails.
+    #[error("forward of {} failed: {source}", module_at(.path, .module_type))]
+    #[non_exhaustive]
+    Forward {
+        /// The path of the module whose forward failed (`encoder.layer.3.intermediate.dense`).
+        path: String,
+        /// Its type (its full Rust name; messages show it without module paths).
+        module_type: &'static str,
+        /// The error it failed with.
+        #[source]
+        source: Box<Error>,
+        /// The module the path starts from, while the error travels up the calls.
+        #[doc(hidden)]
+        frame: crate::identity::CallTarget,
+    },
+
     /// A hook replaced a module's input or output with another number of tensors.
     #[error(
         "{hook} on `{path}` returned {got} tensors where the value it replaces has {expected}"
@@ -347,6 +372,46 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+}
+
+impl Error {
+    /// The error itself, or for an [`Error::Forward`] the error the forward failed with (under
+    /// every `Forward` frame), to match on what went wrong wherever it happened.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::Error;
+    ///
+    /// #[derive(Module)]
+    /// struct Net { fc: Linear }
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { self.fc.call(x) }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(4, 2, &Device::Cpu)? };
+    /// let err = net.call(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?).unwrap_err();
+    /// assert!(matches!(&err, Error::Forward { path, .. } if path == "fc"));
+    /// assert!(matches!(err.inner(), Error::Candle(_)));
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn inner(&self) -> &Error {
+        let mut error = self;
+        while let Error::Forward { source, .. } = error {
+            error = source;
+        }
+        error
+    }
+}
+
+/// `` `encoder.layer.3` (Layer)``, or the bare type for the module called.
+fn module_at(path: &str, module_type: &str) -> String {
+    let ty = short_type_name(module_type);
+    if path.is_empty() {
+        ty
+    } else {
+        format!("`{path}` ({ty})")
+    }
 }
 
 fn near_matches(names: &[String]) -> String {

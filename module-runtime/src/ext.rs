@@ -59,6 +59,11 @@ pub trait ModuleExt: Module {
     /// (PyTorch's `module(x)`). Call submodules through `call`, not `forward`, so that hooks see
     /// them. With no hooks attached on this thread, `call` is `forward` plus one thread-local read.
     ///
+    /// An error from `forward` comes back as [`Error::Forward`](crate::Error::Forward), naming the
+    /// submodule that failed by its path from `self` and its type
+    /// (`forward of `encoder.layer.3.intermediate.dense` (Linear) failed: …`); the path is worked
+    /// out only when an error passes, so a successful call pays nothing for it.
+    ///
     /// The input and output must be [`TensorTree`]s (tensors, references to them, tuples, `Vec`,
     /// `Option`, numbers, your own [`TensorStruct`](crate::TensorStruct)s), and the output owns its
     /// tensors.
@@ -71,10 +76,16 @@ pub trait ModuleExt: Module {
         In: TensorTree,
         <Self as Forward<In>>::Output: TensorTree + 'static,
     {
-        if !crate::hooks::dispatch::active() {
-            return self.forward(input);
+        let result = if !crate::hooks::dispatch::active() {
+            self.forward(input)
+        } else {
+            crate::hooks::dispatch::dispatch(self, input)
+        };
+        match result {
+            Ok(output) => Ok(output),
+            // Cold: names the failing submodule by path (see `Error::Forward`).
+            Err(error) => Err(crate::trace::forward_error(self, error)),
         }
-        crate::hooks::dispatch::dispatch(self, input)
     }
 
     /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for

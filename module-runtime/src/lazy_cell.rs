@@ -414,7 +414,8 @@ pub(crate) fn deferring() -> bool {
 ///     Linear::new(4, 2, &Device::Cpu)? // no values drawn
 /// };
 /// let x = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
-/// assert!(matches!(model.call(&x), Err(Error::NotLoaded { .. })));
+/// let err = model.call(&x).unwrap_err();
+/// assert!(matches!(err.inner(), Error::NotLoaded { .. }), "{err}");
 /// model.load_state_dict(&state)?; // strict: every key must be there
 /// assert_eq!(model.call(&x)?.to_vec2::<f32>()?, trained.call(&x)?.to_vec2::<f32>()?);
 /// # Ok::<(), module_runtime::Error>(())

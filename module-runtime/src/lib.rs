@@ -82,8 +82,10 @@ mod pattern;
 mod pth;
 mod report;
 mod state;
+mod suggest;
 mod summary;
 mod tensor_tree;
+mod trace;
 mod type_name;
 mod views;
 mod walk;
@@ -113,6 +115,7 @@ pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
 pub use state::{KeyRule, LoadOptions, StateDict};
+pub use suggest::KeyFix;
 pub use summary::{Summary, SummaryRow};
 #[doc(hidden)]
 pub use tensor_tree::Scope;

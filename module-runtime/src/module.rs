@@ -32,7 +32,13 @@ use crate::param::Param;
     label = "not a `Module`",
     note = "for a tensor, say what it is: `Param` (trained and saved) or `Buffer` (saved, not \
             trained); for configuration or caches, mark the field `#[module(skip)]`; for a type of \
-            your own, add `#[derive(Module)]` to it"
+            your own, add `#[derive(Module)]` to it",
+    note = "for a candle-nn layer, use the runtime's layer of the same name \
+            (`module_runtime::nn::Linear` for `candle_nn::Linear`, ...) or wrap it: \
+            `module_runtime::nn::Native<candle_nn::Linear>`; for a `HashMap` of modules, use \
+            `BTreeMap<String, _>` (sorted) or `module_runtime::nn::ModuleDict` (insertion order): \
+            a `HashMap` has no order, so parameter order and state-dict keys would change from run \
+            to run"
 )]
 pub trait Module: Any + Send + Sync {
     /// Calls `f` on each direct child, in declaration order, with the name it has in paths.

@@ -103,9 +103,11 @@ impl From<HashMap<String, Tensor>> for StateDict {
 /// How a checkpoint's keys are rewritten before they are matched against the model's paths.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KeyRule {
-    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`).
+    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`); the
+    /// prefix may be given with or without its trailing dot.
     StripPrefix(String),
-    /// Puts `prefix.` in front of every key.
+    /// Puts `prefix.` in front of every key; the prefix may be given with or without its
+    /// trailing dot.
     AddPrefix(String),
     /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
     /// `ln.weight`, and leaves `ln.gammas` alone.
@@ -115,12 +117,17 @@ pub enum KeyRule {
 impl KeyRule {
     fn apply(&self, key: &str) -> String {
         match self {
+            // `module` and `module.` are one prefix: PyTorch's
+            // `consume_prefix_in_state_dict_if_present(sd, "module.")` is spelled with the dot.
             KeyRule::StripPrefix(prefix) => key
-                .strip_prefix(prefix.as_str())
+                .strip_prefix(prefix.trim_end_matches('.'))
                 .and_then(|rest| rest.strip_prefix('.'))
                 .unwrap_or(key)
                 .to_owned(),
-            KeyRule::AddPrefix(prefix) => format!("{prefix}.{key}"),
+            KeyRule::AddPrefix(prefix) => match prefix.trim_end_matches('.') {
+                "" => key.to_owned(),
+                prefix => format!("{prefix}.{key}"),
+            },
             KeyRule::Rename(from, to) => {
                 let padded = format!(".{key}.");
                 match padded.find(&format!(".{from}.")) {
@@ -196,12 +203,15 @@ impl LoadOptions {
         self
     }
 
-    /// Strips `prefix.` from checkpoint keys that have it.
+    /// Strips `prefix.` from checkpoint keys that have it: `strip_prefix("module")` and
+    /// `strip_prefix("module.")` (PyTorch's spelling in `consume_prefix_in_state_dict_if_present`)
+    /// are the same rule.
     pub fn strip_prefix(self, prefix: impl Into<String>) -> Self {
         self.rule(KeyRule::StripPrefix(prefix.into()))
     }
 
-    /// Prepends `prefix.` to every checkpoint key.
+    /// Prepends `prefix.` to every checkpoint key (`add_prefix("bert")` loads a bare `BertModel`
+    /// checkpoint into a model that holds it as its `bert` field); a trailing dot is optional.
     pub fn add_prefix(self, prefix: impl Into<String>) -> Self {
         self.rule(KeyRule::AddPrefix(prefix.into()))
     }
@@ -470,16 +480,20 @@ pub(crate) fn load(
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
             by_model_key.insert(mapped, (key, shape, dtype));
         } else {
-            unexpected.push(mapped);
+            unexpected.push((mapped, shape));
         }
     }
+    let mut missing = Vec::new();
 
     let mut report = LoadReport::default();
     let mut plan = Vec::new();
     for (path, slot) in &targets {
         let Some((key, shape, dtype)) = by_model_key.get(path) else {
             if !matches!(slot, Slot::Buffer(b) if b.is_missing_ok()) {
-                report.missing.push(path.clone());
+                missing.push((
+                    path.clone(),
+                    crate::suggest::expected(slot.lazy_shape(), slot.shape()),
+                ));
             }
             continue;
         };
@@ -515,14 +529,41 @@ pub(crate) fn load(
     for (path, extra) in &extras {
         match by_model_key.get(path) {
             Some((key, ..)) => extra_plan.push((path.as_str(), *extra, key.as_str())),
-            None => report.missing.push(path.clone()),
+            None => missing.push((
+                path.clone(),
+                crate::suggest::Expected::Lazy(LazyShape::new([None])),
+            )),
         }
     }
-    unexpected.sort();
-    report.unexpected = unexpected;
-    // Post-hooks may edit the missing and unexpected keys; strictness is decided after them.
+    unexpected.sort_by(|a, b| a.0.cmp(&b.0));
+    report.missing = missing.iter().map(|(k, _)| k.clone()).collect();
+    report.unexpected = unexpected.iter().map(|(k, _)| k.clone()).collect();
+    // Post-hooks may edit the missing and unexpected keys; strictness and suggestions are decided
+    // after them, on the keys they left (a key a hook added has no known shape).
     options.post_hooks.run(root, &mut report)?;
-    report.suggestions = suggest(&report.missing, &report.unexpected);
+    let mut missing: HashMap<String, crate::suggest::Expected> = missing.into_iter().collect();
+    let missing: Vec<_> = (report.missing.iter())
+        .map(|k| {
+            let expected = missing.remove(k);
+            (
+                k.clone(),
+                expected.unwrap_or(crate::suggest::Expected::Lazy(LazyShape::new([None]))),
+            )
+        })
+        .collect();
+    let mut unexpected: HashMap<String, Shape> = unexpected.into_iter().collect();
+    let unexpected: Vec<_> = (report.unexpected.iter())
+        .map(|k| {
+            (
+                k.clone(),
+                unexpected.remove(k).unwrap_or_else(|| Shape::from(())),
+            )
+        })
+        .collect();
+    let keys: Vec<&str> = targets.iter().map(|(k, _)| k.as_str()).collect();
+    let found = crate::suggest::suggest(&keys, &missing, &unexpected, &options.rules);
+    report.key_fix = found.fix;
+    report.suggestions = found.pairs;
 
     let failed = !report.mismatched.is_empty()
         || (options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()));
@@ -558,23 +599,4 @@ pub(crate) fn load(
     }
     report.loaded = staged.len() + staged_extras.len();
     Ok(report)
-}
-
-/// Pairs each missing key with the unexpected key most like it, when they are alike enough.
-fn suggest(missing: &[String], unexpected: &[String]) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for m in missing {
-        let best = unexpected
-            .iter()
-            .map(|u| (strsim::levenshtein(&m.to_lowercase(), &u.to_lowercase()), u))
-            .min_by_key(|(d, _)| *d);
-        if let Some((distance, u)) = best {
-            // Close in spelling (a case change, a typo), or the same leaf under a renamed module.
-            let same_leaf = m.rsplit('.').next() == u.rsplit('.').next();
-            if distance <= 3.max(m.len() / 5) || (same_leaf && distance <= m.len() / 2) {
-                out.push((m.clone(), u.clone()));
-            }
-        }
-    }
-    out
 }
