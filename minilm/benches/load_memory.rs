@@ -1,10 +1,13 @@
 //! Peak memory of loading all-MiniLM-L6-v2, against the checkpoint's size: our strict load into a
-//! built model, and candle-nn's `VarBuilder::from_mmaped_safetensors` reading every tensor. Each
+//! built model (`derived`), our model built only to load (`empty`: `build_empty` + a strict load),
+//! candle-transformers' `BertModel::load` on a memory-mapped `VarBuilder` (`candle_transformers`),
+//! and candle-nn's `VarBuilder::from_mmaped_safetensors` reading every tensor (`varbuilder`). Each
 //! runs in its own process, since the peak (`VmHWM`) is per process:
 //!
 //! ```text
-//! cargo bench -p minilm --bench load_memory -- derived
-//! cargo bench -p minilm --bench load_memory -- varbuilder
+//! for m in derived empty candle_transformers varbuilder; do
+//!     cargo bench -p minilm --bench load_memory -- $m
+//! done
 //! ```
 //!
 //! Resident memory counts the pages of the memory-mapped file that were read, as the kernel does.
@@ -49,6 +52,22 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             model.load_safetensors(&path)?;
             (model.num_parameters(), rss_model, memory())
         }
+        "empty" => {
+            let model =
+                module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
+            let (rss_model, _) = memory();
+            model.load_safetensors(&path)?;
+            (model.num_parameters(), rss_model, memory())
+        }
+        "candle_transformers" => {
+            use candle_transformers::models::bert;
+            let config: bert::Config =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+            // SAFETY: the checkpoint is not modified while mapped.
+            let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
+            let _model = bert::BertModel::load(vb, &config)?;
+            (0, rss_before, memory())
+        }
         "varbuilder" => {
             // SAFETY: the checkpoint is not modified while mapped.
             let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
@@ -62,13 +81,19 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let held = tensors.iter().map(|t| t.elem_count()).sum();
             (held, rss_before, memory())
         }
-        other => return Err(format!("unknown mode `{other}`: derived or varbuilder").into()),
+        other => {
+            return Err(format!(
+                "unknown mode `{other}`: derived, empty, candle_transformers or varbuilder"
+            )
+            .into())
+        }
     };
     println!(
         "{which}: checkpoint {file_mib:.1} MiB; RSS before {rss_before:.1} MiB, with the model built \
          {rss_model:.1} MiB, after the load {rss_after:.1} MiB, peak {peak:.1} MiB; \
-         peak above the start = {:.2} x the checkpoint ({held} values held)",
-        (peak - rss_before) / file_mib
+         peak above the start = {:.2} x the checkpoint{}",
+        (peak - rss_before) / file_mib,
+        if held > 0 { format!(" ({held} values held)") } else { String::new() }
     );
     Ok(())
 }

@@ -1,6 +1,11 @@
-//! all-MiniLM-L6-v2 on the CPU: our derived BERT against the same model written directly on
-//! candle-nn, for the forward pass (batch of 32 sentences of 25 tokens, as in DESIGN.md §6) and for
-//! a strict load of the checkpoint.
+//! all-MiniLM-L6-v2 on the CPU: our derived BERT against candle-transformers' `BertModel` (the
+//! model people run with candle today) and the same BERT written directly on candle-nn, for the
+//! forward pass (batch of 32 sentences of 25 tokens, as in DESIGN.md §6), for a strict load of the
+//! checkpoint, and for the time to a ready model (construct + load).
+//!
+//! Ours runs in three inference set-ups: `eval()` only (what a PyTorch user writes without
+//! `no_grad`: every parameter records a graph), `eval()` + `no_grad()` (PyTorch's habit), and
+//! `eval()` + `freeze("**")`.
 //!
 //! ```text
 //! cargo bench -p minilm --bench minilm
@@ -14,11 +19,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use candle_nn::VarBuilder;
+use candle_transformers::models::bert;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
-use module_runtime::Hooks;
+use module_runtime::{no_grad, Hooks};
 
 const BATCH: usize = 32;
 const SEQ: usize = 25;
@@ -131,12 +137,32 @@ fn inputs(device: &Device) -> Result<(Tensor, Tensor)> {
     Ok((ids, mask))
 }
 
+/// Our model, loaded strictly and in eval mode (nothing frozen).
 fn ours(dir: &Path, device: &Device) -> Result<BertModel> {
     let model = BertModel::new(&BertConfig::minilm_l6(), device)?;
     model.load_safetensors(dir.join("model.safetensors"))?;
     model.eval();
-    model.freeze("**")?;
     Ok(model)
+}
+
+/// Ours, built only to be loaded (`build_empty`), then loaded strictly: the time to a ready model.
+fn ours_empty(dir: &Path, device: &Device) -> Result<BertModel> {
+    let model = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), device))?;
+    model.load_safetensors(dir.join("model.safetensors"))?;
+    Ok(model)
+}
+
+/// candle-transformers' BERT, as its examples load it: a memory-mapped `VarBuilder`.
+fn peer(dir: &Path, device: &Device) -> candle_core::Result<bert::BertModel> {
+    let config: bert::Config = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?,
+    )
+    .map_err(candle_core::Error::wrap)?;
+    // SAFETY: the checkpoint is not modified while mapped.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, device)?
+    };
+    bert::BertModel::load(vb, &config)
 }
 
 fn varbuilder(path: &Path, device: &Device) -> candle_core::Result<plain::Bert> {
@@ -152,14 +178,21 @@ fn forward(c: &mut Criterion) {
     };
     let device = candle_module::device_from_env().unwrap();
     let model = ours(&dir, &device).unwrap();
+    let frozen = ours(&dir, &device).unwrap();
+    frozen.freeze("**").unwrap();
     let baseline = varbuilder(&dir.join("model.safetensors"), &device).unwrap();
+    let peer = peer(&dir, &device).unwrap();
     let (ids, mask) = inputs(&device).unwrap();
+    let token_types = ids.zeros_like().unwrap();
 
-    // Both compute the same thing.
+    // All compute the same thing.
     let a = model.call((&ids, &mask)).unwrap();
     let b = baseline.forward(&ids, &mask).unwrap();
-    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-    assert!(diff.to_scalar::<f32>().unwrap() < 1e-4);
+    let p = peer.forward(&ids, &token_types, Some(&mask)).unwrap();
+    for other in [b, p] {
+        let diff = (&a - other).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-4);
+    }
 
     let hooks = Hooks::new();
     hooks.register_global_forward_hook(|_, _, _| Ok(None));
@@ -167,13 +200,24 @@ fn forward(c: &mut Criterion) {
     let mut group = c.benchmark_group("minilm_forward_32x25");
     group.throughput(Throughput::Elements(BATCH as u64));
     group.measurement_time(Duration::from_secs(10));
+    group.bench_function("candle_transformers_bert", |bench| {
+        bench.iter(|| black_box(peer.forward(&ids, &token_types, Some(&mask)).unwrap()))
+    });
     group.bench_function("plain_candle_nn", |bench| {
         bench.iter(|| black_box(baseline.forward(&ids, &mask).unwrap()))
     });
-    group.bench_function("derived_call_no_hooks", |bench| {
+    group.bench_function("derived_eval_only", |bench| {
         bench.iter(|| black_box(model.call((&ids, &mask)).unwrap()))
     });
-    group.bench_function("derived_noop_hook_every_module", |bench| {
+    group.bench_function("derived_eval_no_grad", |bench| {
+        let _guard = no_grad();
+        bench.iter(|| black_box(model.call((&ids, &mask)).unwrap()))
+    });
+    group.bench_function("derived_eval_freeze", |bench| {
+        bench.iter(|| black_box(frozen.call((&ids, &mask)).unwrap()))
+    });
+    group.bench_function("derived_no_grad_noop_hook_every_module", |bench| {
+        let _guard = no_grad();
         bench.iter(|| black_box(hooks.run(&model, |m| m.call((&ids, &mask))).unwrap()))
     });
     group.finish();
@@ -188,11 +232,35 @@ fn load(c: &mut Criterion) {
     let model = ours(&dir, &device).unwrap();
 
     let mut group = c.benchmark_group("minilm_load");
-    group.bench_function("derived_strict_load_safetensors", |bench| {
+    group.bench_function("derived_strict_load_into_built_model", |bench| {
         bench.iter(|| black_box(model.load_safetensors(&path).unwrap()))
+    });
+    // The load alone into a model built only to load: building is outside the timing.
+    group.bench_function("derived_strict_load_into_empty_model", |bench| {
+        bench.iter_batched(
+            || {
+                module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))
+                    .unwrap()
+            },
+            |empty| black_box(empty.load_safetensors(&path).unwrap()),
+            criterion::BatchSize::PerIteration,
+        )
     });
     group.bench_function("candle_nn_varbuilder_mmaped", |bench| {
         bench.iter(|| black_box(varbuilder(&path, &device).unwrap()))
+    });
+    group.finish();
+
+    // Time to a ready model: construct + strict load.
+    let mut group = c.benchmark_group("minilm_construct_and_load");
+    group.bench_function("derived_eager_construct_then_load", |bench| {
+        bench.iter(|| black_box(ours(&dir, &device).unwrap()))
+    });
+    group.bench_function("derived_build_empty_then_load", |bench| {
+        bench.iter(|| black_box(ours_empty(&dir, &device).unwrap()))
+    });
+    group.bench_function("candle_transformers_varbuilder_load", |bench| {
+        bench.iter(|| black_box(peer(&dir, &device).unwrap()))
     });
     group.finish();
 }
