@@ -77,6 +77,7 @@ struct Args {
 fn accuracy(model: &LazyCnn, data: &Digits, device: &Device) -> Result<f64> {
     let was_training = model.is_training();
     model.eval();
+    let _no_grad = module_runtime::no_grad();
     let (x, y) = data.batch(0..data.len(), device)?;
     let predicted = model.call(&x)?.argmax(D::Minus1)?;
     model.set_training(was_training);

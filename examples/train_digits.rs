@@ -40,6 +40,7 @@ struct Args {
 }
 
 fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
+    let _no_grad = module_runtime::no_grad(); // inference: record no graph
     let (x, y) = data.batch(0..data.len(), device)?;
     let predicted = model.call(&x)?.argmax(D::Minus1)?;
     let correct = predicted.eq(&y)?.to_dtype(DType::F32)?.sum_all()?;

@@ -59,10 +59,10 @@ fn main() -> AnyResult<()> {
         )
         .into());
     }
-    let model = BertModel::new(&config, &device)?;
+    let model = module_runtime::build_empty(|| BertModel::new(&config, &device))?;
     model.load_safetensors(dir.join("model.safetensors"))?;
     model.eval();
-    model.freeze("**")?;
+    let _no_grad = module_runtime::no_grad();
     let tokenizer = load_tokenizer(&dir)?;
     let (ids, mask) = encode_batch(&tokenizer, &SENTENCES, &device)?;
     let embed =

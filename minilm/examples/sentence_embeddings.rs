@@ -50,11 +50,13 @@ fn main() -> AnyResult<()> {
 
     let started = Instant::now();
     let config = BertConfig::from_json_file(&model_dir.join("config.json"))?;
-    let model = BertModel::new(&config, &device)?;
+    // Build only to load: no random init of weights the checkpoint is about to replace.
+    let model = module_runtime::build_empty(|| BertModel::new(&config, &device))?;
     model.load_safetensors(model_dir.join("model.safetensors"))?;
-    // Inference: dropout off, and no parameter tracks a gradient, so the fused kernels run.
+    // Inference, as in PyTorch: `model.eval()` (dropout off) and `torch.no_grad()` (no parameter
+    // records a gradient, so the fused kernels run).
     model.eval();
-    model.freeze("**")?;
+    let _no_grad = module_runtime::no_grad();
     let tokenizer = load_tokenizer(&model_dir)?;
     let loaded = started.elapsed();
 

@@ -63,8 +63,10 @@ fn reference(dir: &std::path::Path) -> Reference {
     }
 }
 
+/// The model as the examples make it: built only to load (`build_empty`), loaded strictly, in
+/// eval mode; the embeddings are computed under `no_grad` (see `embed`).
 fn load_model(dir: &std::path::Path, device: &Device) -> Result<BertModel> {
-    let model = BertModel::new(&BertConfig::minilm_l6(), device)?;
+    let model = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), device))?;
     let report = model.load_safetensors(dir.join("model.safetensors"))?;
     assert!(report.is_complete(), "{report}");
     // 104 tensors: 96 in the six layers, 5 embedding tensors + `position_ids`, 2 in the pooler.
@@ -73,7 +75,6 @@ fn load_model(dir: &std::path::Path, device: &Device) -> Result<BertModel> {
         "every tensor of the checkpoint is loaded"
     );
     model.eval();
-    model.freeze("**")?;
     Ok(model)
 }
 
@@ -94,6 +95,7 @@ fn batch(rows: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
 
 fn embed(model: &BertModel, rows: &[&[u32]], device: &Device) -> Result<Vec<Vec<f32>>> {
     let (ids, mask) = batch(rows, device)?;
+    let _no_grad = module_runtime::no_grad();
     let hidden = model.call((&ids, &mask))?;
     Ok(mean_pool_normalized(&hidden, &mask)?.to_vec2::<f32>()?)
 }
@@ -312,5 +314,38 @@ fn a_module_prefixed_checkpoint_loads_with_strip_prefix() -> Result<()> {
         .to_scalar::<f64>()?;
         assert_eq!(diff, 0.0, "`{key}` differs");
     }
+    Ok(())
+}
+
+/// Build only to load gives the same model as building eagerly (random init) and loading over it;
+/// calling the empty model before the load is an error naming the first layer it reaches.
+#[test]
+fn an_empty_model_loads_to_the_same_embeddings_as_an_eager_one() -> Result<()> {
+    let Some(dir) = checkpoint() else {
+        return Ok(());
+    };
+    let device = Device::Cpu;
+    let rows: [&[u32]; 2] = [&[101, 7592, 2088, 102], &[101, 2023, 2003, 1037, 3231, 102]];
+
+    let empty = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
+    let (ids, mask) = batch(&rows, &device)?;
+    let err = empty.call((&ids, &mask)).unwrap_err();
+    assert!(
+        matches!(err.inner(), module_runtime::Error::NotLoaded { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("embeddings.word_embeddings"),
+        "{err}"
+    );
+
+    let eager = BertModel::new(&BertConfig::minilm_l6(), &device)?;
+    eager.load_safetensors(dir.join("model.safetensors"))?;
+    eager.eval();
+    let loaded = load_model(&dir, &device)?;
+    assert_eq!(
+        embed(&loaded, &rows, &device)?,
+        embed(&eager, &rows, &device)?
+    );
     Ok(())
 }

@@ -3,10 +3,14 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
+#[cfg(not(unix))]
+use std::io::{Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
+#[cfg(not(unix))]
+use std::sync::PoisonError;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -184,7 +188,11 @@ fn io_error(path: &Path, source: std::io::Error) -> Error {
 /// from the page cache costs about what copying out of a mapping does.
 pub(crate) struct SafetensorsFile {
     path: PathBuf,
-    file: Mutex<File>,
+    /// Read with positioned reads on Unix (no shared cursor, so concurrent loads need no lock);
+    /// other platforms seek under `seek_lock`.
+    file: File,
+    #[cfg_attr(unix, allow(dead_code))]
+    seek_lock: Mutex<()>,
     /// Where the data section starts (after the 8-byte length and the JSON header).
     data_start: u64,
     /// Every entry in the order of its data in the file: name, shape, dtype, byte range.
@@ -253,11 +261,32 @@ impl SafetensorsFile {
             .collect();
         Ok(Self {
             path: path.to_owned(),
-            file: Mutex::new(file),
+            file,
+            seek_lock: Mutex::new(()),
             data_start,
             entries,
             index,
         })
+    }
+}
+
+impl SafetensorsFile {
+    /// Fills `buf` from the file at `offset`.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
+        }
+        #[cfg(not(unix))]
+        {
+            let _seeking = self
+                .seek_lock
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let mut file = &self.file;
+            file.seek(SeekFrom::Start(offset))?;
+            file.read_exact(buf)
+        }
     }
 }
 
@@ -272,10 +301,8 @@ impl Source for SafetensorsFile {
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
         let (_, shape, dtype, (start, end)) = &self.entries[self.index[key]];
-        let mut file = self.file.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut read = |bytes: &mut [u8]| {
-            file.seek(SeekFrom::Start(self.data_start + *start as u64))
-                .and_then(|_| file.read_exact(bytes))
+        let read = |bytes: &mut [u8]| {
+            self.read_at(self.data_start + *start as u64, bytes)
                 .map_err(|e| Error::Checkpoint {
                     path: self.path.clone(),
                     reason: format!(
