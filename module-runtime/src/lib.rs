@@ -80,6 +80,7 @@ mod param;
 mod path;
 mod pattern;
 mod pth;
+mod recurrent;
 mod report;
 mod state;
 mod suggest;
@@ -113,6 +114,7 @@ pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
+pub use recurrent::Recurrent;
 pub use report::{LoadReport, Mismatch};
 pub use state::{KeyRule, LoadOptions, StateDict};
 pub use suggest::KeyFix;
@@ -155,6 +157,7 @@ pub use candle_nn;
 /// ```
 pub mod prelude {
     pub use crate::nn::Linear;
+    pub use crate::Recurrent;
     pub use crate::{
         Buffer, Build, Error, Forward, Hooks, Lazy, LazyExt, LoadOptions, Mode, Module, ModuleExt,
         Param, Result, StateDict, TensorStruct,

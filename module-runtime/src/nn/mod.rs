@@ -20,8 +20,9 @@
 //!
 //! A family that PyTorch spells once per spatial rank or per cell is one generic type here, with
 //! PyTorch's names as aliases: [`BatchNorm1d`] is `BatchNorm<1>`, [`Conv2d`] is `Conv<2>`,
-//! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `Recurrent<LstmCell>`. Summaries and type errors
-//! show the generic name. A lazy layer is its eager twin with unbuilt parameters, which it
+//! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `RnnBase<LstmGates>`, [`LstmCell`] is
+//! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Summaries
+//! and type errors show the generic name. A lazy layer is its eager twin with unbuilt parameters, which it
 //! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
 
 mod common;
@@ -41,7 +42,10 @@ mod rnn;
 pub use attention::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig};
 pub use container::{ModuleDict, ModuleList, Sequential, SequentialLayer};
 pub use native::{Functional, Native, NativeLayer};
-pub use rnn::{Gru, GruCell, Lstm, LstmCell, Recurrent, RnnCell, RnnConfig};
+pub use rnn::{
+    Gates, Gru, GruCell, GruGates, Lstm, LstmCell, LstmGates, RnnBase, RnnCellBase, RnnCellConfig,
+    RnnConfig,
+};
 
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
 mod activation;
