@@ -617,3 +617,62 @@ fn expect_outputs_reports_shapes_and_calls_that_did_not_happen() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn expected_outputs_can_be_given_by_path() -> Result<()> {
+    let model = outer();
+    let x = full(1.0, &[2, 3]);
+    let head = model
+        .capture(&["head"], |m| m.call(&x))?
+        .1
+        .get("head")
+        .unwrap()
+        .clone();
+    let expected: Captures = [("head", (head + 1e-3)?)].into_iter().collect();
+    model.expect_outputs(&expected, Tolerance::new(1e-2, 0.0), |m| m.call(&x))?;
+    let err = model
+        .expect_outputs(&expected, Tolerance::new(1e-4, 0.0), |m| m.call(&x))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::OutputMismatch(d) if (d.max_diff - 1e-3).abs() < 1e-5),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// The training mode of `call_and_update` is the calling thread's only: threads updating state
+/// from one model in eval mode do not change what a plain call on another thread computes.
+#[test]
+fn call_and_update_on_threads_leaves_plain_calls_in_eval_mode() -> Result<()> {
+    let model = Arc::new(Net::new());
+    model.eval();
+    let x = Tensor::new(&[[1f32, 2., 3.], [0., -1., 4.], [2., 2., 2.]], &dev())?;
+    let eval_out = vec2(&model.call(&x)?);
+    let states: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let (model, x) = (model.clone(), x.clone());
+                s.spawn(move || -> Result<StateDict> {
+                    let mut state = StateDict::new();
+                    for _ in 0..5 {
+                        state = model.call_and_update(&state, &x)?.1;
+                    }
+                    Ok(state)
+                })
+            })
+            .collect();
+        for _ in 0..20 {
+            assert_eq!(vec2(&model.call(&x).unwrap()), eval_out);
+        }
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for state in states {
+        let n = state?
+            .get("bn.num_batches_tracked")
+            .unwrap()
+            .to_scalar::<i64>()?;
+        assert_eq!(n, 5);
+    }
+    assert_eq!(vec2(&model.call(&x)?), eval_out);
+    Ok(())
+}
