@@ -676,3 +676,38 @@ fn call_and_update_on_threads_leaves_plain_calls_in_eval_mode() -> Result<()> {
     assert_eq!(vec2(&model.call(&x)?), eval_out);
     Ok(())
 }
+
+/// PyTorch builds models on the `meta` device and runs them with `functional_call`; here a model
+/// made under `empty_weights` (or with unbuilt lazy parameters) runs on given tensors and stays
+/// unbuilt.
+#[test]
+fn unbuilt_models_run_on_given_tensors_and_stay_unbuilt() -> Result<()> {
+    let empty = module_runtime::build_empty(|| Linear::new(3, 2, &dev()))?;
+    let x = full(1.0, &[1, 3]);
+    assert_eq!(
+        vec2(&empty.functional_call(&linear_tensors(1.0, 0.0), &x)?),
+        [[3.0, 3.0]]
+    );
+    assert!(!empty.weight.is_built());
+    let mut only_weight = StateDict::new();
+    only_weight.insert("weight", full(1.0, &[2, 3]));
+    let err = empty.functional_call(&only_weight, &x).unwrap_err();
+    assert!(
+        matches!(&err, Error::Unbuilt { paths, .. } if paths == &["bias"]),
+        "{err}"
+    );
+
+    // A lazy layer takes any shape its lazy shape accepts, and is not built by the call.
+    let lazy = module_runtime::nn::LazyLinear::new(2, &dev())?;
+    let y = lazy.functional_call(&linear_tensors(1.0, 0.0), &x)?;
+    assert_eq!(vec2(&y), [[3.0, 3.0]]);
+    assert!(!lazy.get_parameter("weight")?.is_built());
+    let mut wrong = linear_tensors(1.0, 0.0);
+    wrong.insert("weight", full(1.0, &[5, 3]));
+    let err = lazy.functional_call(&wrong, &x).unwrap_err();
+    assert!(
+        matches!(&err, Error::Load(r) if r.mismatched[0].unbuilt.is_some()),
+        "{err}"
+    );
+    Ok(())
+}

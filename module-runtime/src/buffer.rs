@@ -134,7 +134,15 @@ impl Buffer {
     /// Builds an unbuilt buffer with shape `dims`, once (see
     /// [`Param::materialize`](crate::Param::materialize)), and returns its value. On a built buffer
     /// this only checks that `dims` is its shape.
+    ///
+    /// Inside a functional call that substitutes or captures this buffer, nothing is built: the
+    /// call's value is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+                return check_built_dims(t, dims);
+            }
+        }
         self.0.value.materialize(dims, 0)?;
         check_built_dims(self.tensor(), dims)
     }

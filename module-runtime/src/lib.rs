@@ -56,8 +56,9 @@ extern crate self as module_runtime;
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
-//   functional/                                       functional calls (its `scope` is read by
-//                                                     param, buffer and `Mode`: the one upward use)
+//   functional/                                       functional calls. Upward uses: param, buffer
+//                                                     and `Mode` read `functional::scope`; error
+//                                                     names `OutputDivergence`
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
 mod checkpoint;

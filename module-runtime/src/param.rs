@@ -158,7 +158,15 @@ impl Param {
     ///
     /// On a built parameter (eager, or lazy and built already) this only checks that `dims` is its
     /// shape. Fails with [`Error::LazyShape`](crate::Error::LazyShape) when `dims` does not fit.
+    ///
+    /// Inside a functional call that substitutes this parameter, nothing is built: the substituted
+    /// tensor is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = self.substituted() {
+                return check_built_dims(t, dims);
+            }
+        }
         self.0.var.materialize(dims, fan_in)?;
         check_built_dims(self.tensor(), dims)
     }

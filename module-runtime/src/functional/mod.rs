@@ -93,7 +93,12 @@ pub trait FunctionalExt: Module + Sized {
     ///
     /// Values must have the shape, dtype and device of what they replace (no conversion, so that
     /// gradients reach the given tensors): otherwise [`Error::Load`] lists every mismatch, as a
-    /// load does, and [`Error::DeviceMismatch`] names a value on another device. A value given for
+    /// load does, and [`Error::DeviceMismatch`] names a value on another device.
+    ///
+    /// A model made under [`empty_weights`](crate::empty_weights), or with unbuilt lazy
+    /// parameters, can be called when every unbuilt parameter and buffer is given (any shape its
+    /// lazy shape accepts), and stays unbuilt (PyTorch's `functional_call` on a model on the
+    /// `meta` device); an unbuilt one left out is [`Error::Unbuilt`]. A value given for
     /// one alias of a tied weight is used for every alias; two different values for aliases of one
     /// weight are [`Error::TiedValues`]. A key that names nothing in the model is an error (see
     /// [`FunctionalOptions`]).
@@ -358,6 +363,9 @@ fn capture_buffers(root: &dyn Module, frame: &mut Frame, copy: bool) -> Result<(
     Ok(())
 }
 
+/// What [`Error::Unbuilt`] says a functional call could not do.
+const ACTION: &str = "make a functional call on";
+
 /// A checked substitution and the model's train/eval flags.
 struct Plan {
     frame: Frame,
@@ -378,11 +386,20 @@ impl Leaf {
         }
     }
 
-    /// The model's own value (not a scope's: it is what a substitution must fit).
+    /// The model's own value (not a scope's: it is what a substitution must fit); an unbuilt
+    /// leaf's is its empty placeholder, with the dtype and device it will have.
     fn value(&self) -> Tensor {
         match self {
             Leaf::Param(p) => p.var().as_tensor().detach(),
             Leaf::Buffer(b) => b.own_tensor(),
+        }
+    }
+
+    /// The shapes an unbuilt leaf takes; `None` once built.
+    fn lazy_shape(&self) -> Option<crate::LazyShape> {
+        match self {
+            Leaf::Param(p) => p.lazy_shape(),
+            Leaf::Buffer(b) => b.lazy_shape(),
         }
     }
 }
@@ -391,7 +408,9 @@ impl Leaf {
 /// keys: `torch/nn/utils/stateless.py`, `_untie_named_tensors_map` and `_reparametrize_module`),
 /// plus the shape, dtype and device checks of a load, and builds the scope's frame.
 fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> Result<Plan> {
-    crate::views::ensure_built(root, "make a functional call on")?;
+    // A `Lazy` cell would build its module during the call; unbuilt parameters and buffers are
+    // fine as long as they are given (checked below): nothing is built from them.
+    crate::views::ensure_cells_built(root, ACTION)?;
     // Every parameter and buffer under every path (PyTorch's `named_parameters(remove_duplicate=
     // False)` and `named_buffers(remove_duplicate=False)`, non-persistent buffers included).
     let mut leaves: Vec<(String, Leaf)> = Vec::new();
@@ -422,14 +441,19 @@ fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> 
         };
         let leaf = &leaves[i].1;
         let own = leaf.value();
-        if value.shape() != own.shape() || value.dtype() != own.dtype() {
+        let unbuilt = leaf.lazy_shape();
+        let shape_ok = match &unbuilt {
+            Some(lazy) => lazy.accepts(value.dims()),
+            None => value.shape() == own.shape(),
+        };
+        if !shape_ok || value.dtype() != own.dtype() {
             report.mismatched.push(Mismatch {
                 key: key.to_owned(),
                 expected_shape: own.shape().clone(),
                 expected_dtype: own.dtype(),
                 shape: value.shape().clone(),
                 dtype: value.dtype(),
-                unbuilt: None,
+                unbuilt,
             });
             continue;
         }
@@ -457,7 +481,10 @@ fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> 
         .filter(|(_, leaf)| !given.contains_key(&leaf.id()))
         .map(|(path, leaf)| {
             let shape = leaf.value().shape().clone();
-            (path.clone(), crate::suggest::Expected::Shape(shape))
+            (
+                path.clone(),
+                crate::suggest::expected(leaf.lazy_shape(), shape),
+            )
         })
         .collect();
     let check_missing = options.strict;
@@ -478,6 +505,20 @@ fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> 
             report.suggestions = found.pairs;
         }
         return Err(Error::Load(Box::new(report)));
+    }
+
+    // An unbuilt leaf the call would read has no value (and reading it could build it).
+    let mut seen = IdentitySet::default();
+    let unbuilt: Vec<String> = (leaves.iter())
+        .filter(|(_, leaf)| leaf.lazy_shape().is_some() && !given.contains_key(&leaf.id()))
+        .filter(|(_, leaf)| seen.insert(leaf.id()))
+        .map(|(path, _)| path.clone())
+        .collect();
+    if !unbuilt.is_empty() {
+        return Err(Error::Unbuilt {
+            action: ACTION,
+            paths: unbuilt,
+        });
     }
 
     let mut frame = Frame::default();
