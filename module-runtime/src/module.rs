@@ -226,6 +226,9 @@ impl Mode {
     }
 
     /// Whether the module is in training mode.
+    ///
+    /// Inside [`call_and_update`](crate::FunctionalExt::call_and_update), the flags of the called
+    /// model read as training on the calling thread only (the flag itself is not changed).
     pub fn is_training(&self) -> bool {
         if crate::functional::scope::active() {
             if let Some(training) = crate::functional::scope::training(self.addr()) {

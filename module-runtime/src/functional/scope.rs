@@ -138,3 +138,58 @@ impl Drop for ScopeGuard {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn scopes_nest_innermost_first_and_clear_the_flag() {
+        let t = |v: f64| {
+            Tensor::full(v, 1, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let value = |id| param(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
+        assert!(!active());
+        let mut outer = Frame::default();
+        outer.params.insert(1, t(1.0));
+        outer.params.insert(2, t(2.0));
+        let outer = ScopeGuard::enter(outer);
+        {
+            let mut inner = Frame::default();
+            inner.params.insert(1, t(10.0));
+            let _inner = ScopeGuard::enter(inner);
+            assert_eq!(
+                (value(1), value(2), value(3)),
+                (Some(10.0), Some(2.0), None)
+            );
+        }
+        assert!(active());
+        assert_eq!(value(1), Some(1.0));
+        drop(outer);
+        assert!(!active());
+        assert_eq!(value(1), None);
+    }
+
+    #[test]
+    fn writes_go_to_the_innermost_scope_holding_the_buffer() {
+        let t = |v: f64| {
+            Tensor::full(v, 1, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let read = |id| buffer(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
+        let mut outer = Frame::default();
+        outer.buffers.insert(7, t(0.0));
+        let _outer = ScopeGuard::enter(outer);
+        let inner = ScopeGuard::enter(Frame::default());
+        assert!(write_buffer(7, t(5.0)).is_ok());
+        assert!(write_buffer(8, t(5.0)).is_err());
+        drop(inner);
+        assert_eq!(read(7), Some(5.0));
+    }
+}
