@@ -134,14 +134,30 @@ impl Buffer {
     /// Builds an unbuilt buffer with shape `dims`, once (see
     /// [`Param::materialize`](crate::Param::materialize)), and returns its value. On a built buffer
     /// this only checks that `dims` is its shape.
+    ///
+    /// Inside a functional call that substitutes or captures this buffer, nothing is built: the
+    /// call's value is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+                return check_built_dims(t, dims);
+            }
+        }
         self.0.value.materialize(dims, 0)?;
         check_built_dims(self.tensor(), dims)
     }
 
     /// The current value: a view of the buffer's storage, so it sees later in-place updates
     /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do.
+    ///
+    /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes or
+    /// captures this buffer, it reads as the call's copy instead.
     pub fn tensor(&self) -> Tensor {
+        if crate::functional::scope::active() {
+            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+                return t;
+            }
+        }
         self.0.value.read().detach()
     }
 
@@ -149,6 +165,11 @@ impl Buffer {
     /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
     /// [`Param::value`](crate::Param::value)).
     pub fn value(&self) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+                return Ok(t);
+            }
+        }
         match self.0.value.unbuilt_error("buffer") {
             None => Ok(self.tensor()),
             Some(e) => Err(e),
@@ -175,7 +196,13 @@ impl Buffer {
     ///
     /// An unbuilt buffer is built from `value`: the shape must be one its
     /// [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
+    ///
+    /// Inside a functional call that substitutes or captures this buffer, the write goes to the
+    /// call's copy and the buffer itself is left unchanged.
     pub fn set(&self, value: &Tensor) -> Result<()> {
+        if crate::functional::scope::active() && crate::functional::write_buffer(self, value)? {
+            return Ok(());
+        }
         if self.0.value.build_from(value)? {
             return Ok(());
         }
@@ -204,7 +231,18 @@ impl Buffer {
 
     /// Replaces the value with one of any shape, dtype and device (a new storage: tensors read
     /// before keep the old value).
+    ///
+    /// Inside a functional call that substitutes or captures this buffer, the call's copy is
+    /// replaced and the buffer itself is left unchanged.
     pub fn replace(&self, value: Tensor) {
+        let value = if crate::functional::scope::active() {
+            match crate::functional::scope::write_buffer(self.id(), value.detach()) {
+                Ok(()) => return,
+                Err(value) => value,
+            }
+        } else {
+            value
+        };
         self.0.value.replace(own_storage(&value));
     }
 
@@ -240,6 +278,22 @@ impl Buffer {
             *slot = own_storage(&slot.to_dtype(dtype)?);
         }
         Ok(())
+    }
+
+    /// The buffer's own value, whatever a functional scope substitutes.
+    pub(crate) fn own_tensor(&self) -> Tensor {
+        self.0.value.read().detach()
+    }
+
+    /// A new buffer holding a copy of this one's value, with its persistence and
+    /// [`allow_missing`](Self::allow_missing) (a deep copy: not an alias). Built buffers only.
+    pub(crate) fn deep_copy(&self) -> Result<Self> {
+        Ok(Self(Arc::new(BufferInner {
+            modes: self.0.modes.snapshot(),
+            value: LazyCell::eager(own_storage(&self.own_tensor().copy()?)),
+            persistent: self.0.persistent,
+            missing_ok: AtomicBool::new(self.is_missing_ok()),
+        })))
     }
 
     /// Whether `self` and `other` are the same buffer.

@@ -372,6 +372,33 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+
+    /// A functional call was given two different tensors for aliases of one tied weight
+    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`, from
+    /// `_untie_named_tensors_map` in `torch/nn/utils/stateless.py`). Give one of the keys.
+    #[error(
+        "functional call got different tensors for {}, which are one tied weight: give one of them",
+        .keys.join(", ")
+    )]
+    TiedValues {
+        /// The given keys that name the weight, sorted.
+        keys: Vec<String>,
+    },
+
+    /// [`expect_outputs`](crate::FunctionalExt::expect_outputs): a submodule's output differs
+    /// from the expected one beyond the tolerance. Names the first diverging call in call order.
+    #[error("{0}")]
+    OutputMismatch(Box<crate::OutputDivergence>),
+
+    /// [`FlatSpec::unflatten`](crate::FlatSpec::unflatten) was given another number of tensors
+    /// than the spec describes.
+    #[error("expected {expected} tensors (one per entry of the spec), got {got}")]
+    FlatLength {
+        /// How many the spec describes.
+        expected: usize,
+        /// How many were given.
+        got: usize,
+    },
 }
 
 impl Error {

@@ -48,6 +48,12 @@ impl ModeMarks {
         }
     }
 
+    /// An independent copy of the flags (for a deep copy of the leaf).
+    pub(crate) fn snapshot(&self) -> Self {
+        let marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        Self(Mutex::new(marks.clone()))
+    }
+
     /// The flag of the module from which this leaf is at `relative_path`, if one was set.
     pub(crate) fn get(&self, relative_path: &str) -> Option<bool> {
         let marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);

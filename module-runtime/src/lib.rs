@@ -56,6 +56,9 @@ extern crate self as module_runtime;
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
+//   functional/                                       functional calls. Upward uses: param, buffer
+//                                                     and `Mode` read `functional::scope`; error
+//                                                     names `OutputDivergence`
 // *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
 mod buffer;
 mod checkpoint;
@@ -65,6 +68,7 @@ mod error;
 mod ext;
 mod extra_state;
 mod forward;
+mod functional;
 mod grad_mode;
 mod hooks;
 mod identity;
@@ -97,6 +101,9 @@ pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
+pub use functional::{
+    FlatSpec, FunctionalExt, FunctionalOptions, OutputDivergence, TensorSpec, Tolerance,
+};
 pub use grad_mode::{
     enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
 };
@@ -159,8 +166,8 @@ pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::Recurrent;
     pub use crate::{
-        Buffer, Build, Error, Forward, Hooks, Lazy, LazyExt, LoadOptions, Mode, Module, ModuleExt,
-        Param, Result, StateDict, TensorStruct,
+        Buffer, Build, Error, Forward, FunctionalExt, Hooks, Lazy, LazyExt, LoadOptions, Mode,
+        Module, ModuleExt, Param, Result, StateDict, TensorStruct,
     };
     pub use candle_core::{DType, Device, Tensor, D};
 }

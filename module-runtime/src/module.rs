@@ -226,13 +226,26 @@ impl Mode {
     }
 
     /// Whether the module is in training mode.
+    ///
+    /// Inside [`call_and_update`](crate::FunctionalExt::call_and_update), the flags of the called
+    /// model read as training on the calling thread only (the flag itself is not changed).
     pub fn is_training(&self) -> bool {
+        if crate::functional::scope::active() {
+            if let Some(training) = crate::functional::scope::training(self.addr()) {
+                return training;
+            }
+        }
         self.0.load(Ordering::Relaxed)
     }
 
     /// Sets training (`true`) or evaluation (`false`) mode.
     pub fn set_training(&self, training: bool) {
         self.0.store(training, Ordering::Relaxed);
+    }
+
+    /// The flag's identity while it is borrowed (functional scopes override flags by it).
+    pub(crate) fn addr(&self) -> usize {
+        self as *const Self as usize
     }
 }
 

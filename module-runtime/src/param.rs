@@ -158,7 +158,15 @@ impl Param {
     ///
     /// On a built parameter (eager, or lazy and built already) this only checks that `dims` is its
     /// shape. Fails with [`Error::LazyShape`](crate::Error::LazyShape) when `dims` does not fit.
+    ///
+    /// Inside a functional call that substitutes this parameter, nothing is built: the substituted
+    /// tensor is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = self.substituted() {
+                return check_built_dims(t, dims);
+            }
+        }
         self.0.var.materialize(dims, fan_in)?;
         check_built_dims(self.tensor(), dims)
     }
@@ -169,7 +177,15 @@ impl Param {
     /// [`no_grad`](crate::no_grad), in which case the tensor is detached (it records no operation,
     /// so layers take their fused inference kernels). An unbuilt lazy parameter reads as its empty placeholder; lazy layers call
     /// [`materialize`](Self::materialize) instead.
+    ///
+    /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes this
+    /// parameter, it reads as the substituted tensor instead (detached under `no_grad`).
     pub fn tensor(&self) -> Tensor {
+        if crate::functional::scope::active() {
+            if let Some(t) = self.substituted() {
+                return t;
+            }
+        }
         let var = self.read();
         if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
             var.as_tensor().clone()
@@ -184,10 +200,28 @@ impl Param {
     /// runtime's layers read their parameters this way, so calling a model before loading it is a
     /// clear error rather than a shape mismatch against an empty placeholder.
     pub fn value(&self) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = self.substituted() {
+                return Ok(t);
+            }
+        }
         match self.0.var.unbuilt_error("parameter") {
             None => Ok(self.tensor()),
             Some(e) => Err(e),
         }
+    }
+
+    /// The tensor a functional scope on this thread substitutes for this parameter, detached
+    /// under `no_grad` as parameters are. The substituted tensor's own tracking decides whether
+    /// gradients flow (as in PyTorch, where the swapped-in tensor's `requires_grad` is its own).
+    #[cold]
+    fn substituted(&self) -> Option<Tensor> {
+        let t = crate::functional::scope::param(self.id())?;
+        Some(if crate::grad_mode::is_grad_enabled() {
+            t
+        } else {
+            t.detach()
+        })
     }
 
     /// The candle `Var` behind the parameter (whether frozen or not).
@@ -306,6 +340,18 @@ impl Param {
     /// Swaps in a converted `Var` (a move or dtype change), for every alias at once.
     pub(crate) fn replace_var(&self, var: Var) {
         self.0.var.replace(var);
+    }
+
+    /// A new parameter holding a copy of this one's value, with its `requires_grad` (a deep copy:
+    /// not an alias). Built parameters only.
+    pub(crate) fn deep_copy(&self) -> Result<Self> {
+        // `Var::from_tensor` copies a tensor that is not a variable (a detached view is not).
+        let value = self.read().as_tensor().detach();
+        Ok(Self(Arc::new(ParamInner {
+            modes: self.0.modes.snapshot(),
+            var: LazyCell::eager(Var::from_tensor(&value)?),
+            requires_grad: AtomicBool::new(self.requires_grad()),
+        })))
     }
 
     /// Whether `self` and `other` are the same parameter (aliases of one tied weight).

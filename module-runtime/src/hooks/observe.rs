@@ -57,6 +57,26 @@ impl Captures {
     }
 }
 
+/// Expected outputs built by hand (for [`expect_outputs`](crate::FunctionalExt::expect_outputs)),
+/// for instance from a reference implementation's tensors saved by path: each `(path, tensor)` is
+/// one call of the module at `path` with one output, in order.
+///
+/// ```
+/// use module_runtime::{candle_core::{Device, Tensor}, Captures};
+/// let expected: Captures = [("fc1", Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?)]
+///     .into_iter()
+///     .collect();
+/// assert_eq!(expected.paths().collect::<Vec<_>>(), ["fc1"]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+impl<K: Into<String>> FromIterator<(K, Tensor)> for Captures {
+    fn from_iter<I: IntoIterator<Item = (K, Tensor)>>(iter: I) -> Self {
+        Self {
+            entries: iter.into_iter().map(|(k, t)| (k.into(), vec![t])).collect(),
+        }
+    }
+}
+
 pub(crate) fn capture<M: Module, R>(
     root: &M,
     patterns: &[&str],

@@ -1,0 +1,195 @@
+//! The thread-local substitution table behind functional calls.
+//!
+//! A functional scope maps parameter and buffer identities ([`Param::id`](crate::Param::id),
+//! [`Buffer::id`](crate::Buffer::id)) to the tensors to read instead, and [`Mode`](crate::Mode)
+//! flags (by address) to the train/eval flag to read instead. [`Param::tensor`](crate::Param::tensor),
+//! [`Buffer::tensor`](crate::Buffer::tensor) and [`Mode::is_training`](crate::Mode::is_training)
+//! consult it, and [`Buffer::set`](crate::Buffer::set)/[`Buffer::replace`](crate::Buffer::replace)
+//! write into it, only when [`active`] says a scope is open on this thread: outside a scope the
+//! read path pays one thread-local read of a `bool`.
+//!
+//! Scopes are per thread (another thread, and a plain call on it, sees none of them) and nest: the
+//! innermost scope that holds an identity answers for it. A scope is closed by dropping its
+//! [`ScopeGuard`], also when the closure it guards panics.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::marker::PhantomData;
+
+use candle_core::Tensor;
+
+use crate::identity::{AddressHasher, IdentitySet};
+
+type IdMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
+
+thread_local! {
+    /// Whether any scope is open on this thread: the one read the hot path makes.
+    static ACTIVE: Cell<bool> = const { Cell::new(false) };
+    /// The open scopes, outermost first.
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One scope's substitutions.
+#[derive(Default)]
+pub(crate) struct Frame {
+    /// Parameter id -> the tensor to compute with.
+    pub(crate) params: IdMap<Tensor>,
+    /// Buffer id -> the scope's copy of the buffer (reads and writes go here).
+    pub(crate) buffers: IdMap<Tensor>,
+    /// The train/eval flag the model's [`Mode`](crate::Mode)s read (by address), if overridden.
+    pub(crate) training: Option<(bool, IdentitySet)>,
+}
+
+/// Whether a functional scope is open on this thread.
+#[inline]
+pub(crate) fn active() -> bool {
+    ACTIVE.with(Cell::get)
+}
+
+/// The tensor a scope substitutes for the parameter `id`, innermost scope first.
+#[cold]
+pub(crate) fn param(id: usize) -> Option<Tensor> {
+    FRAMES.with(|f| {
+        f.borrow()
+            .iter()
+            .rev()
+            .find_map(|fr| fr.params.get(&id).cloned())
+    })
+}
+
+/// The scope's copy of the buffer `id`, innermost scope first.
+#[cold]
+pub(crate) fn buffer(id: usize) -> Option<Tensor> {
+    FRAMES.with(|f| {
+        f.borrow()
+            .iter()
+            .rev()
+            .find_map(|fr| fr.buffers.get(&id).cloned())
+    })
+}
+
+/// Writes `value` as the buffer `id`'s value in the innermost scope that holds it; `Err(value)`
+/// when no scope does (the write goes to the buffer itself).
+#[cold]
+pub(crate) fn write_buffer(id: usize, value: Tensor) -> Result<(), Tensor> {
+    FRAMES.with(|f| {
+        let mut frames = f.borrow_mut();
+        match frames
+            .iter_mut()
+            .rev()
+            .find_map(|fr| fr.buffers.get_mut(&id))
+        {
+            Some(slot) => {
+                *slot = value;
+                Ok(())
+            }
+            None => Err(value),
+        }
+    })
+}
+
+/// The train/eval flag a scope gives the [`Mode`](crate::Mode) at address `addr`.
+#[cold]
+pub(crate) fn training(addr: usize) -> Option<bool> {
+    FRAMES.with(|f| {
+        f.borrow().iter().rev().find_map(|fr| match &fr.training {
+            Some((flag, modes)) if modes.contains(&addr) => Some(*flag),
+            _ => None,
+        })
+    })
+}
+
+/// Keeps a scope open on this thread; dropping it closes the scope and hands back its frame.
+pub(crate) struct ScopeGuard {
+    depth: usize,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl ScopeGuard {
+    /// Opens a scope with `frame`'s substitutions.
+    pub(crate) fn enter(frame: Frame) -> Self {
+        let depth = FRAMES.with(|f| {
+            let mut frames = f.borrow_mut();
+            frames.push(frame);
+            frames.len()
+        });
+        ACTIVE.with(|a| a.set(true));
+        Self {
+            depth,
+            _thread_bound: PhantomData,
+        }
+    }
+
+    /// The buffers' values as the scope leaves them (it stays open).
+    pub(crate) fn buffer(&self, id: usize) -> Option<Tensor> {
+        FRAMES.with(|f| f.borrow().get(self.depth - 1)?.buffers.get(&id).cloned())
+    }
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        // Guards are dropped innermost first (they are not `Send`, and each lives in the stack
+        // frame of the call that opened it), so this scope is the last one.
+        FRAMES.with(|f| {
+            let mut frames = f.borrow_mut();
+            frames.truncate(self.depth - 1);
+            ACTIVE.with(|a| a.set(!frames.is_empty()));
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn scopes_nest_innermost_first_and_clear_the_flag() {
+        let t = |v: f64| {
+            Tensor::full(v, 1, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let value = |id| param(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
+        assert!(!active());
+        let mut outer = Frame::default();
+        outer.params.insert(1, t(1.0));
+        outer.params.insert(2, t(2.0));
+        let outer = ScopeGuard::enter(outer);
+        {
+            let mut inner = Frame::default();
+            inner.params.insert(1, t(10.0));
+            let _inner = ScopeGuard::enter(inner);
+            assert_eq!(
+                (value(1), value(2), value(3)),
+                (Some(10.0), Some(2.0), None)
+            );
+        }
+        assert!(active());
+        assert_eq!(value(1), Some(1.0));
+        drop(outer);
+        assert!(!active());
+        assert_eq!(value(1), None);
+    }
+
+    #[test]
+    fn writes_go_to_the_innermost_scope_holding_the_buffer() {
+        let t = |v: f64| {
+            Tensor::full(v, 1, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let read = |id| buffer(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
+        let mut outer = Frame::default();
+        outer.buffers.insert(7, t(0.0));
+        let _outer = ScopeGuard::enter(outer);
+        let inner = ScopeGuard::enter(Frame::default());
+        assert!(write_buffer(7, t(5.0)).is_ok());
+        assert!(write_buffer(8, t(5.0)).is_err());
+        drop(inner);
+        assert_eq!(read(7), Some(5.0));
+    }
+}
