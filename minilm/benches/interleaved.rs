@@ -1,0 +1,115 @@
+//! all-MiniLM-L6-v2 forward throughput, the variants interleaved: each round runs every variant once,
+//! in turn, so a shared machine's slow and fast moments fall on all of them alike, and the medians
+//! and ratios of one run are comparable (criterion's groups run one variant after another, ten
+//! seconds each, and on the 2-core development machine two such runs differ by 10–25%).
+//!
+//! ```text
+//! cargo bench -p minilm --bench interleaved            # 30 rounds
+//! cargo bench -p minilm --bench interleaved -- 60      # 60 rounds
+//! ```
+//!
+//! Variants: candle-transformers' `BertModel` (the peer), ours with `eval()` only, ours with
+//! `eval()` + `no_grad()`, and ours with `eval()` + `freeze("**")`; one batch of 32 sentences of 25
+//! tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
+//! `../shared/models/all-MiniLM-L6-v2`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert;
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use module_runtime::prelude::*;
+
+const BATCH: usize = 32;
+const SEQ: usize = 25;
+
+type Run<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let rounds: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(30);
+    let Some(dir) = minilm_dir() else {
+        eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
+        return Ok(());
+    };
+    let device = Device::Cpu;
+    let path = dir.join("model.safetensors");
+    let load = || -> Result<BertModel> {
+        let model =
+            module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
+        model.load_safetensors(&path)?;
+        model.eval();
+        Ok(model)
+    };
+    let ours = load()?;
+    let frozen = load()?;
+    frozen.freeze("**")?;
+    let config: bert::Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    // SAFETY: the checkpoint is not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
+    let peer = bert::BertModel::load(vb, &config)?;
+
+    let ids: Vec<u32> = (0..BATCH * SEQ)
+        .map(|i| 1000 + (i as u32 * 7919) % 29000)
+        .collect();
+    let ids = Tensor::from_vec(ids, (BATCH, SEQ), &device)?;
+    let mask = Tensor::ones((BATCH, SEQ), DType::U32, &device)?;
+    let types = ids.zeros_like()?;
+
+    let variants: Vec<(&str, Run)> = vec![
+        (
+            "candle_transformers_bert",
+            Box::new(|| Ok(peer.forward(&ids, &types, Some(&mask))?)),
+        ),
+        ("derived_eval_only", Box::new(|| ours.call((&ids, &mask)))),
+        (
+            "derived_eval_no_grad",
+            Box::new(|| module_runtime::without_grad(|| ours.call((&ids, &mask)))),
+        ),
+        (
+            "derived_eval_freeze",
+            Box::new(|| frozen.call((&ids, &mask))),
+        ),
+    ];
+    // Same outputs, then a warm-up round.
+    let reference = (variants[0].1)()?;
+    for (name, run) in &variants {
+        let diff = (run()? - &reference)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{name} differs from the peer by {diff}");
+    }
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); variants.len()];
+    for _ in 0..rounds {
+        for ((_, run), times) in variants.iter().zip(&mut times) {
+            let start = Instant::now();
+            black_box(run()?);
+            times.push(start.elapsed());
+        }
+    }
+    let medians: Vec<f64> = times
+        .iter_mut()
+        .map(|t| {
+            t.sort();
+            t[t.len() / 2].as_secs_f64()
+        })
+        .collect();
+    println!("{rounds} interleaved rounds, batch {BATCH} x {SEQ} tokens");
+    for (((name, _), t), median) in variants.iter().zip(&times).zip(&medians) {
+        println!(
+            "{name:<26} median {:7.1} ms = {:5.0} sentences/s (min {:6.1} ms, max {:6.1} ms); {:.2} x the peer's throughput",
+            median * 1e3,
+            BATCH as f64 / median,
+            t[0].as_secs_f64() * 1e3,
+            t[t.len() - 1].as_secs_f64() * 1e3,
+            medians[0] / median,
+        );
+    }
+    Ok(())
+}
