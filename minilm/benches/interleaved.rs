@@ -9,7 +9,9 @@
 //! ```
 //!
 //! Variants: candle-transformers' `BertModel` (the peer), ours with `eval()` only, ours with
-//! `eval()` + `no_grad()`, and ours with `eval()` + `freeze("**")`; one batch of 32 sentences of 25
+//! `eval()` + `no_grad()`, ours with `eval()` + `freeze("**")`, and ours under `no_grad()` through
+//! `functional_call` with every parameter substituted (copies of the model's own values; issue 15's
+//! target: within 5% of the plain call); one batch of 32 sentences of 25
 //! tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
 //! `../shared/models/all-MiniLM-L6-v2`.
 
@@ -21,6 +23,7 @@ use candle_transformers::models::bert;
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
+use module_runtime::StateDict;
 
 const BATCH: usize = 32;
 const SEQ: usize = 25;
@@ -46,6 +49,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         Ok(model)
     };
     let ours = load()?;
+    // Every parameter substituted: copies of the model's own values, in fresh storage.
+    let substitutes: StateDict = (ours.named_parameters().into_iter())
+        .map(|(path, p)| Ok((path, p.tensor().copy()?)))
+        .collect::<Result<_>>()?;
     let frozen = load()?;
     frozen.freeze("**")?;
     let config: bert::Config =
@@ -74,6 +81,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         (
             "derived_eval_freeze",
             Box::new(|| frozen.call((&ids, &mask))),
+        ),
+        (
+            "derived_functional_all",
+            Box::new(|| {
+                module_runtime::without_grad(|| ours.functional_call(&substitutes, (&ids, &mask)))
+            }),
         ),
     ];
     // Same outputs, then a warm-up round.
