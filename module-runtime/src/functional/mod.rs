@@ -72,19 +72,19 @@ impl FunctionalOptions {
 /// Functional calls and state as a value, on every [`Module`](trait@Module). In the
 /// [prelude](crate::prelude).
 ///
-///  # How a functional call works
+/// # How a functional call works
 ///
-///  PyTorch swaps the given tensors into the module's attributes for the duration of the call and
-///  swaps the originals back afterwards (`torch/nn/utils/stateless.py`, `_reparametrize_module`), so
-///  two threads cannot make functional calls on one module at once. Here nothing in the model is
-///  touched: a *scope* on the calling thread maps parameter and buffer identities
-///  ([`Param::id`], [`Buffer::id`]) to the tensors to use, and [`Param::tensor`]/[`Buffer::tensor`]
-///  (and their `value`) read from it while it is open. So any number of threads may make functional
-///  calls on one `Arc<Model>` at once, each seeing only its own tensors, while plain calls on other
-///  threads see the model's. Outside a scope, reading a parameter pays one thread-local read.
+/// PyTorch swaps the given tensors into the module's attributes for the duration of the call and
+/// swaps the originals back afterwards (`torch/nn/utils/stateless.py`, `_reparametrize_module`), so
+/// two threads cannot make functional calls on one module at once. Here nothing in the model is
+/// touched: a *scope* on the calling thread maps parameter and buffer identities
+/// ([`Param::id`], [`Buffer::id`]) to the tensors to use, and [`Param::tensor`]/[`Buffer::tensor`]
+/// (and their `value`) read from it while it is open. So any number of threads may make functional
+/// calls on one `Arc<Model>` at once, each seeing only its own tensors, while plain calls on other
+/// threads see the model's. Outside a scope, reading a parameter pays one thread-local read.
 ///
-///  The scope covers what the closure does *on the calling thread*: work a forward pass hands to
-///  other threads of its own reads the model's tensors.
+/// The scope covers what the closure does *on the calling thread*: work a forward pass hands to
+/// other threads of its own reads the model's tensors.
 pub trait FunctionalExt: Module + Sized {
     /// Calls the model on `input` with the tensors of `tensors` in place of the parameters and
     /// buffers they name (any subset, by state-dict path): `torch.func.functional_call(model,
