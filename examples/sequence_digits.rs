@@ -16,7 +16,6 @@ use std::time::Instant;
 use candle_module::{device_or_env, digits_path, Digits};
 use candle_nn::Optimizer;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use module_runtime::nn::{Lstm, RnnConfig};
 use module_runtime::no_grad;
 use module_runtime::prelude::*;
@@ -140,9 +139,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let steps_per_epoch = train.len().div_ceil(batch_size);
-    let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} steps, epoch {prefix}, loss {msg}")?,
-    );
+    let bar = candle_module::training_bar(args.epochs * steps_per_epoch);
     model.train();
     let start = Instant::now();
     for epoch in 1..=args.epochs {

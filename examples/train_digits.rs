@@ -16,7 +16,6 @@ use std::time::Instant;
 use candle_module::{device_or_env, digits_path, DigitNet, Digits};
 use candle_nn::Optimizer;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use module_runtime::prelude::*;
 
 /// Train a digit classifier on the bundled UCI digits data.
@@ -70,9 +69,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let steps_per_epoch = train.len().div_ceil(batch_size);
-    let bar = ProgressBar::new((args.epochs * steps_per_epoch) as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} steps, epoch {prefix}, loss {msg}")?,
-    );
+    let bar = candle_module::training_bar(args.epochs * steps_per_epoch);
     let start = Instant::now();
     for epoch in 1..=args.epochs {
         bar.set_prefix(epoch.to_string());

@@ -146,6 +146,18 @@ pub fn assert_close(what: &str, actual: &Tensor, expected: &Tensor) {
     );
 }
 
+/// The largest absolute elementwise difference between `a` and `b`, any float dtype, as `f32`
+/// (0 for equal tensors). Panics if the shapes differ: for tests.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let diff = (a - b).and_then(|d| d.abs()).and_then(|d| d.flatten_all());
+    let max = diff
+        .and_then(|d| d.max(0))
+        .and_then(|m| m.to_dtype(DType::F32));
+    max.and_then(|m| m.to_scalar::<f32>())
+        .expect("a difference of two tensors")
+}
+
 /// Asserts that `actual` equals `expected` exactly, dtype included (integer buffers, state that
 /// must not change).
 pub fn assert_equal(what: &str, actual: &Tensor, expected: &Tensor) {

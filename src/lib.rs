@@ -5,7 +5,8 @@
 //!   benchmarks train on it;
 //! - [`device_from_env`]: the device under test, from `MODULE_DEVICE` ([`device_or_env`] for an
 //!   example's `--device`);
-//! - [`fixtures`]: PyTorch reference fixtures for the parity tests.
+//! - [`fixtures`]: PyTorch reference fixtures for the parity tests;
+//! - [`training_bar`]: the training examples' progress bar.
 //!
 //! The BERT model and everything that runs all-MiniLM-L6-v2 (examples, tests, benchmarks) are the
 //! `minilm` package, so that the examples here build without a tokenizer or a JSON parser.
@@ -13,6 +14,8 @@
 mod device;
 pub mod digits;
 pub mod fixtures;
+mod progress;
 
 pub use device::{device_from_env, device_or_env, DEVICE_ENV};
 pub use digits::{digits_path, DigitNet, Digits};
+pub use progress::training_bar;

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use candle_module::fixtures::max_abs_diff as max_diff;
 use module_runtime::nn::{
     AvgPool2d, BatchNorm2d, Conv2d, ConvConfig, Linear, MaxPool2d, Pool2dConfig, ReLU, Sequential,
     SequentialLayer,
@@ -127,18 +128,6 @@ impl GapNet {
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/pytorch/checkpoints")
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 /// The largest difference between the model's eval-mode outputs and PyTorch's.

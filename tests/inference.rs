@@ -13,6 +13,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Barrier};
 
+use candle_module::fixtures::max_abs_diff as max_diff;
 use module_runtime::prelude::*;
 use module_runtime::{enable_grad, is_grad_enabled, no_grad, without_grad};
 
@@ -44,19 +45,6 @@ fn input(dev: &Device) -> Result<Tensor> {
     Ok(Tensor::arange(0f32, 30., dev)?
         .reshape((5, 6))?
         .affine(0.1, -1.0)?)
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 
+use candle_module::fixtures::max_abs_diff as max_diff;
 use module_runtime::nn::{
     BatchNorm1d, BatchNorm2d, Conv1d, Conv2d, ConvConfig, LayerNorm, LazyBatchNorm1d,
     LazyBatchNorm2d, LazyConv1d, LazyConv2d, LazyLayerNorm, LazyLinear,
@@ -21,19 +22,6 @@ fn dims(p: &Param) -> Vec<usize> {
 
 fn randn(shape: &[usize]) -> Tensor {
     Tensor::randn(0f32, 1., shape, &dev()).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[derive(Module)]

@@ -11,6 +11,7 @@
 //! - States of the wrong shape are typed errors naming both shapes.
 
 use candle_core::Var;
+use candle_module::fixtures::max_abs_diff as max_diff;
 use candle_module::fixtures::{assert_close, Fixture};
 use module_runtime::nn::{Gru, GruCell, Lstm, LstmCell, RnnCellConfig, RnnConfig};
 use module_runtime::prelude::*;
@@ -23,22 +24,6 @@ fn dev() -> Device {
 
 /// Tolerance of the step-by-step vs whole-sequence comparisons.
 const STEP_TOL: f32 = 1e-6;
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
 
 fn assert_within(what: &str, a: &Tensor, b: &Tensor) {
     let d = max_diff(a, b);
