@@ -339,13 +339,8 @@ where
         let mut tensors = input.tensors();
         let mut replaced = false;
         for hook in &plan.pre {
-            let new = (hook.f)(&hook.ctx(path, as_dyn), &tensors)
-                .map_err(|e| hook_error(path, "forward pre-hook", e))
-                .and_then(|new| match new {
-                    Some(new) => check_count(path, "forward pre-hook", tensors.len(), new.len())
-                        .map(|()| Some(new)),
-                    None => Ok(None),
-                });
+            let new = (hook.f)(&hook.ctx(path, as_dyn), &tensors);
+            let new = checked(path, "forward pre-hook", tensors.len(), new);
             match new {
                 Ok(Some(new)) => {
                     tensors = new;
@@ -380,13 +375,8 @@ where
         let mut tensors = output.tensors();
         let mut replaced = false;
         for (i, hook) in plan.post.iter().enumerate() {
-            let new = (hook.f)(&hook.ctx(path, as_dyn), &input_tensors, &tensors)
-                .map_err(|e| hook_error(path, "forward hook", e))
-                .and_then(|new| match new {
-                    Some(new) => check_count(path, "forward hook", tensors.len(), new.len())
-                        .map(|()| Some(new)),
-                    None => Ok(None),
-                });
+            let new = (hook.f)(&hook.ctx(path, as_dyn), &input_tensors, &tensors);
+            let new = checked(path, "forward hook", tensors.len(), new);
             match new {
                 Ok(Some(new)) => {
                     tensors = new;
@@ -469,6 +459,20 @@ impl Scope {
         // SAFETY: `ptr` points into a live box owned by `self`, and the scope outlives every use of
         // the reference by the contract of `Scope::new`, its only constructor.
         unsafe { &*ptr }
+    }
+}
+
+/// What a hook returned, checked: its error named by `path` and the kind of `hook`, and a
+/// replacement of another length than the `len` tensors it was given refused.
+fn checked(
+    path: &str,
+    hook: &'static str,
+    len: usize,
+    result: Result<Option<Vec<Tensor>>>,
+) -> Result<Option<Vec<Tensor>>> {
+    match result.map_err(|e| hook_error(path, hook, e))? {
+        Some(new) => check_count(path, hook, len, new.len()).map(|()| Some(new)),
+        None => Ok(None),
     }
 }
 
