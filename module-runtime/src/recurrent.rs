@@ -125,36 +125,26 @@ fn time_steps(inputs: &Tensor) -> Result<usize> {
     }
 }
 
-/// A shared module steps like the module inside.
-impl<M: Recurrent + ?Sized> Recurrent for std::sync::Arc<M> {
-    type State = M::State;
+/// A shared (`Arc`) or boxed module steps like the module inside.
+macro_rules! recurrent_through {
+    ($($pointer:ident)::+) => {
+        impl<M: Recurrent + ?Sized> Recurrent for $($pointer)::+<M> {
+            type State = M::State;
 
-    fn initial_state(&self, batch: usize) -> Result<Self::State> {
-        (**self).initial_state(batch)
-    }
+            fn initial_state(&self, batch: usize) -> Result<Self::State> {
+                (**self).initial_state(batch)
+            }
 
-    fn step(&self, input: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
-        (**self).step(input, state)
-    }
+            fn step(&self, input: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
+                (**self).step(input, state)
+            }
 
-    fn scan(&self, inputs: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
-        (**self).scan(inputs, state)
-    }
+            fn scan(&self, inputs: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
+                (**self).scan(inputs, state)
+            }
+        }
+    };
 }
 
-/// A boxed module steps like the module inside.
-impl<M: Recurrent + ?Sized> Recurrent for Box<M> {
-    type State = M::State;
-
-    fn initial_state(&self, batch: usize) -> Result<Self::State> {
-        (**self).initial_state(batch)
-    }
-
-    fn step(&self, input: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
-        (**self).step(input, state)
-    }
-
-    fn scan(&self, inputs: &Tensor, state: Self::State) -> Result<(Tensor, Self::State)> {
-        (**self).scan(inputs, state)
-    }
-}
+recurrent_through!(std::sync::Arc);
+recurrent_through!(Box);
