@@ -410,7 +410,7 @@ impl Dataflow {
                 }
                 NodeKind::Ops => {
                     let what = match n.ops {
-                        0 => "tensor".to_owned(),
+                        0 => "tensor\n(no traced inputs)".to_owned(),
                         1 => "1 op".to_owned(),
                         k => format!("{k} ops"),
                     };
