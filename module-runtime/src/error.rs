@@ -390,6 +390,31 @@ pub enum Error {
     #[error("{0}")]
     OutputMismatch(Box<crate::OutputDivergence>),
 
+    /// [`Dataflow::render`](crate::Dataflow::render): Graphviz's `dot` (or the program given to
+    /// [`render_with`](crate::Dataflow::render_with)) is not on `PATH`.
+    #[error(
+        "cannot render `{}`: Graphviz's `{command}` was not found on PATH; install Graphviz \
+         (`apt install graphviz`, `brew install graphviz`, https://graphviz.org/download/) or write \
+         `Dataflow::to_dot()` to a `.dot` file and render it elsewhere",
+        path.display()
+    )]
+    GraphvizNotFound {
+        /// The program that was looked for.
+        command: String,
+        /// The file that was to be written.
+        path: std::path::PathBuf,
+    },
+
+    /// [`Dataflow::render`](crate::Dataflow::render): `dot` ran and failed, or the output path
+    /// names no format.
+    #[error("cannot render `{}`: {reason}", path.display())]
+    Render {
+        /// The file that was to be written.
+        path: std::path::PathBuf,
+        /// What went wrong (with `dot`'s own message).
+        reason: String,
+    },
+
     /// [`FlatSpec::unflatten`](crate::FlatSpec::unflatten) was given another number of tensors
     /// than the spec describes.
     #[error("expected {expected} tensors (one per entry of the spec), got {got}")]

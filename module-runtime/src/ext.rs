@@ -164,6 +164,23 @@ pub trait ModuleExt: Module {
         Ok(crate::Summary::of(self.as_dyn()).with_shapes(&shapes))
     }
 
+    /// The dataflow graph of `run` (Ivy's `show_graph`, PyTorch's torchview): a node per module
+    /// call (path, type, input/output shapes, parameters), edges following tensors from one call's
+    /// output to another's input by identity (a residual is an edge that skips a block), and
+    /// tensor-level work outside submodules as ops nodes in the module that did it.
+    /// [`Dataflow::collapse`](crate::Dataflow::collapse) gives depth-limited views,
+    /// [`to_dot`](crate::Dataflow::to_dot) Graphviz DOT, [`render`](crate::Dataflow::render) an
+    /// SVG or PNG. See [`Dataflow`](crate::Dataflow) for how edges are found and the limits.
+    ///
+    /// The run is a trace: the value `run` returns is dropped, and gradients do not flow across
+    /// module boundaries inside it.
+    fn dataflow<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<crate::Dataflow>
+    where
+        Self: Sized,
+    {
+        crate::dataflow::dataflow(self, run)
+    }
+
     /// Every parameter with its path, each once (the first path that reaches it), in PyTorch's
     /// order: a module's own parameters before its submodules', whatever the field order.
     fn named_parameters(&self) -> Vec<(String, Param)> {

@@ -56,6 +56,7 @@ extern crate self as module_runtime;
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
+//   dataflow                                          a run's graph, built on hooks (+ DOT)
 //   functional/                                       functional calls. Upward uses: param, buffer
 //                                                     and `Mode` read `functional::scope`; error
 //                                                     names `OutputDivergence`
@@ -63,6 +64,7 @@ extern crate self as module_runtime;
 mod buffer;
 mod checkpoint;
 mod convert;
+mod dataflow;
 mod device;
 mod error;
 mod ext;
@@ -96,6 +98,7 @@ mod views;
 mod walk;
 
 pub use buffer::Buffer;
+pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
