@@ -56,6 +56,8 @@ extern crate self as module_runtime;
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
+//   distributed/                                      data-parallel training (on ext, views;
+//                                                     error names `DistributedError`)
 //   functional/                                       functional calls. Upward uses: param, buffer
 //                                                     and `Mode` read `functional::scope`; error
 //                                                     names `OutputDivergence`
@@ -64,6 +66,7 @@ mod buffer;
 mod checkpoint;
 mod convert;
 mod device;
+pub mod distributed;
 mod error;
 mod ext;
 mod extra_state;
