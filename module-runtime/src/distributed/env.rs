@@ -218,6 +218,20 @@ pub fn init_from_env() -> Result<Box<dyn Collective>> {
     if !env.is_distributed() {
         return Ok(Box::new(SingleProcess));
     }
+    #[cfg(feature = "mpi")]
+    if matches!(env.launcher, Launcher::OpenMpi | Launcher::Pmi) {
+        let mpi = super::Mpi::init()?;
+        if (mpi.rank(), mpi.world_size()) != (env.rank, env.world_size) {
+            return Err(env_error(format!(
+                "MPI says rank {} of {}, the launcher's variables rank {} of {}",
+                mpi.rank(),
+                mpi.world_size(),
+                env.rank,
+                env.world_size
+            )));
+        }
+        return Ok(Box::new(mpi));
+    }
     Err(env_error(format!(
         "a world of {} ranks ({:?} variables) needs a multi-process engine: build \
          module-runtime with the `mpi` feature and launch with `mpiexec` (torchrun-style \

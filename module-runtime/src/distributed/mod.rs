@@ -40,6 +40,8 @@ mod ddp;
 mod env;
 mod error;
 mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod sampler;
 
 pub use collective::{Collective, ReduceOp, SingleProcess};
@@ -47,4 +49,6 @@ pub use ddp::{plan_buckets, DdpConfig, DistributedDataParallel, DEFAULT_BUCKET_C
 pub use env::{init_from_env, DistEnv, Launcher};
 pub use error::DistributedError;
 pub use local::LocalGroup;
+#[cfg(feature = "mpi")]
+pub use mpi::Mpi;
 pub use sampler::DistributedSampler;
