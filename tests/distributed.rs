@@ -262,6 +262,43 @@ fn a_parameter_unused_on_one_rank_counts_as_zeros_there() {
 }
 
 #[test]
+fn a_parameter_unused_on_every_rank_keeps_no_gradient() {
+    let (x, y) = batch();
+    let out = on_ranks(2, |_, comm| {
+        let model = Net::new(5);
+        let ddp = DistributedDataParallel::new(&model, comm, DdpConfig::default())?;
+        let mut g = mse(&ddp.call(&x)?, &y)?.backward()?;
+        ddp.reduce_gradients(&mut g)?;
+        Ok((
+            g.get(model.extra.weight.var().as_tensor()).is_none(),
+            g.get(model.fc1.weight.var().as_tensor()).is_some(),
+        ))
+    });
+    for r in out {
+        assert_eq!(r.unwrap(), (true, true));
+    }
+}
+
+#[test]
+fn bf16_models_reduce_in_their_own_buckets() {
+    let (x, y) = batch();
+    let out = on_ranks(2, |rank, comm| {
+        let model = Net::new(9 + rank as u64);
+        model.to_dtype(DType::BF16)?;
+        let ddp = DistributedDataParallel::new(&model, comm, DdpConfig::default())?;
+        let xs = x.narrow(0, rank * 4, 4)?.to_dtype(DType::BF16)?;
+        let ys = y.narrow(0, rank * 4, 4)?.to_dtype(DType::BF16)?;
+        let mut g = mse(&ddp.call(&xs)?, &ys)?.backward()?;
+        ddp.reduce_gradients(&mut g)?;
+        let w = g.get(model.fc1.weight.var().as_tensor()).unwrap();
+        assert_eq!(w.dtype(), DType::BF16);
+        Ok(w.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+    });
+    let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
+    assert_eq!(out[0], out[1]);
+}
+
+#[test]
 fn mismatched_models_fail_on_every_rank() {
     let out = on_ranks(3, |rank, comm| {
         let model = Net::new(0);
