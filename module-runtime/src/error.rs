@@ -144,6 +144,11 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// Data-parallel training: a collective failed, the environment is half set, or the ranks
+    /// built different models; see [`DistributedError`](crate::distributed::DistributedError).
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
+
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
     InvalidDevice {

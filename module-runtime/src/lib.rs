@@ -57,6 +57,8 @@ extern crate self as module_runtime;
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
 //   dataflow                                          a run's graph, built on hooks (+ DOT)
+//   distributed/                                      data-parallel training (on ext, views;
+//                                                     error names `DistributedError`)
 //   functional/                                       functional calls. Upward uses: param, buffer
 //                                                     and `Mode` read `functional::scope`; error
 //                                                     names `OutputDivergence`
@@ -66,6 +68,7 @@ mod checkpoint;
 mod convert;
 mod dataflow;
 mod device;
+pub mod distributed;
 mod error;
 mod ext;
 mod extra_state;

@@ -1,0 +1,141 @@
+//! The collective interface every engine implements, and the single-process engine.
+
+use candle_core::Tensor;
+
+use super::DistributedError;
+use crate::Result;
+
+/// How [`Collective::all_reduce`] combines the ranks' tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// The element-wise sum over ranks.
+    Sum,
+    /// The element-wise mean over ranks (the sum divided by the world size).
+    Avg,
+}
+
+/// A process group: the ranks of one data-parallel job and the collectives they run together.
+///
+/// One value per process (or, for [`LocalGroup`](super::LocalGroup), per thread). Every rank must
+/// call the same collectives in the same order with tensors of the same size and dtype, as with
+/// MPI, NCCL or `torch.distributed`. The operations work **in place** on a contiguous tensor
+/// (for instance a fresh `Tensor::cat` of flattened gradients, or a `flatten_all` view of a
+/// contiguous tensor, which shares its storage): its storage is overwritten with the result.
+///
+/// Engines in this crate: [`SingleProcess`] (world size 1, the default; no dependency),
+/// [`LocalGroup`](super::LocalGroup) (ranks as threads of one process, for tests and examples),
+/// and `Mpi` with the `mpi` feature. The trait is object safe: [`init_from_env`](super::init_from_env)
+/// returns a `Box<dyn Collective>`.
+///
+/// # An NCCL engine (not implemented)
+///
+/// The plan, so that GPU support is one small adapter: with candle's `nccl` feature, an
+/// `Nccl { comm: cudarc::nccl::safe::Comm }` made with `Comm::from_rank` on the candle device's own
+/// stream (`CudaDevice::cuda_stream()`), the 128-byte unique id sent from rank 0 over a TCP
+/// rendezvous at `MASTER_ADDR:MASTER_PORT` (or through MPI). `all_reduce` takes the tensor's
+/// `CudaStorage` through `Tensor::inplace_op1` and calls `comm.all_reduce_in_place(.., Sum|Avg)`;
+/// `broadcast` calls `broadcast_in_place`. `Comm` is `!Send`, so the engine stays on its thread.
+/// NCCL cannot time out a collective (cudarc has no `ncclCommGetAsyncError` wrapper), so a timeout
+/// would be a watchdog thread aborting the communicator. Untested: no GPU was available.
+pub trait Collective {
+    /// This process's rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// Combines `tensor` over all ranks with `op`, in place: afterwards every rank holds the
+    /// same result. `tensor` must be contiguous.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// Overwrites `tensor` on every rank with its value on `root`, in place. `tensor` must be
+    /// contiguous and have the same shape and dtype on every rank.
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
+
+    /// Returns once every rank has called it (for instance after rank 0 saved a checkpoint).
+    fn barrier(&self) -> Result<()>;
+
+    /// The engine's name, for messages (`"single-process"`, `"local"`, `"mpi"`).
+    fn backend(&self) -> &'static str;
+}
+
+/// The one-rank process group: every collective is a no-op (a sum or mean over one rank is the
+/// tensor itself), so a program written for data parallelism runs unchanged, and bit for bit as
+/// without it, in a single process. It is what [`init_from_env`](super::init_from_env) returns
+/// when no launcher variables are set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SingleProcess;
+
+impl Collective for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, _op: ReduceOp) -> Result<()> {
+        check_contiguous(tensor)
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        check_root(root, 1)?;
+        check_contiguous(tensor)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn backend(&self) -> &'static str {
+        "single-process"
+    }
+}
+
+/// A root that is not a rank is an error, not a hang.
+pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
+    if root < world_size {
+        Ok(())
+    } else {
+        Err(DistributedError::InvalidRank {
+            rank: root,
+            world_size,
+        }
+        .into())
+    }
+}
+
+/// The in-place operations write through the tensor's storage, which needs a contiguous layout.
+pub(crate) fn check_contiguous(tensor: &Tensor) -> Result<()> {
+    if tensor.is_contiguous() {
+        Ok(())
+    } else {
+        Err(candle_core::Error::RequiresContiguous { op: "collective" }.into())
+    }
+}
+
+/// Writes `value` (any layout, dtype or device; `tensor`'s element count) into `tensor`'s
+/// storage, in place. `tensor` must be contiguous.
+pub(crate) fn write_into(tensor: &Tensor, value: &Tensor) -> Result<()> {
+    check_contiguous(tensor)?;
+    let dst = tensor.flatten_all()?;
+    let src = value
+        .to_dtype(tensor.dtype())?
+        .to_device(tensor.device())?
+        .flatten_all()?
+        // A fresh storage: `slice_set` refuses a source that shares the destination's.
+        .copy()?;
+    if src.elem_count() != dst.elem_count() {
+        return Err(DistributedError::OpMismatch {
+            detail: format!(
+                "a result of {} elements for a tensor of {}",
+                src.elem_count(),
+                dst.elem_count()
+            ),
+        }
+        .into());
+    }
+    dst.slice_set(&src, 0, 0)?;
+    Ok(())
+}

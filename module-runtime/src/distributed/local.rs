@@ -1,0 +1,285 @@
+//! [`LocalGroup`]: a process group whose ranks are threads of one process.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+use super::collective::{check_contiguous, check_root, write_into};
+use super::{Collective, DistributedError, ReduceOp};
+use crate::Result;
+
+/// What one rank asked for, to check that all ranks asked for the same thing.
+#[derive(Debug, Clone, PartialEq)]
+enum Op {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    Barrier,
+}
+
+#[derive(Default)]
+struct State {
+    /// Completed collectives; a rank waits for this to move past the value it saw on arrival.
+    generation: u64,
+    /// Each rank's contribution to the collective in progress.
+    slots: Vec<Option<(Op, Option<Tensor>)>>,
+    arrived: usize,
+    /// The result of the last completed collective (valid until every rank has read it, which
+    /// is before the next one can complete).
+    result: Option<std::result::Result<Option<Tensor>, DistributedError>>,
+    /// Set by a timeout: every later call fails.
+    poisoned: Option<String>,
+}
+
+struct Shared {
+    world_size: usize,
+    timeout: Option<Duration>,
+    state: Mutex<State>,
+    arrived: Condvar,
+}
+
+/// A process group whose ranks are threads of one process, through shared memory: data-parallel
+/// code can be run and tested with several ranks without MPI or a GPU.
+///
+/// [`LocalGroup::new`] returns one handle per rank; move each into its own thread. Sums are
+/// computed in rank order (0 + 1 + …), so every rank gets bitwise the same result. Calls are
+/// checked: ranks that call different collectives, or pass tensors of different shapes or
+/// dtypes, all get [`DistributedError::OpMismatch`] instead of corrupt data. With
+/// [`with_timeout`](Self::with_timeout), a collective that some rank never joins fails with
+/// [`DistributedError::Timeout`] and makes the group unusable.
+///
+/// ```
+/// use module_runtime::distributed::{Collective, LocalGroup, ReduceOp};
+/// use module_runtime::prelude::*;
+///
+/// let ranks = LocalGroup::new(2)?;
+/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+///     let handles: Vec<_> = ranks
+///         .into_iter()
+///         .map(|comm| {
+///             s.spawn(move || -> Result<Vec<f32>> {
+///                 let t = Tensor::new(&[comm.rank() as f32, 1.0], &Device::Cpu)?;
+///                 comm.all_reduce(&t, ReduceOp::Sum)?;
+///                 Ok(t.to_vec1()?)
+///             })
+///         })
+///         .collect();
+///     handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<_>>()
+/// })?;
+/// assert_eq!(sums, [[1.0, 2.0], [1.0, 2.0]]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for LocalGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.shared.world_size)
+            .field("timeout", &self.shared.timeout)
+            .finish()
+    }
+}
+
+impl LocalGroup {
+    /// A group of `world_size` ranks with no timeout: one handle per rank, rank `i` at index `i`.
+    pub fn new(world_size: usize) -> Result<Vec<LocalGroup>> {
+        Self::build(world_size, None)
+    }
+
+    /// A group of `world_size` ranks whose collectives fail after waiting `timeout` for the
+    /// other ranks.
+    pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Vec<LocalGroup>> {
+        Self::build(world_size, Some(timeout))
+    }
+
+    fn build(world_size: usize, timeout: Option<Duration>) -> Result<Vec<LocalGroup>> {
+        if world_size == 0 {
+            return Err(DistributedError::InvalidRank {
+                rank: 0,
+                world_size,
+            }
+            .into());
+        }
+        let shared = Arc::new(Shared {
+            world_size,
+            timeout,
+            state: Mutex::new(State {
+                slots: vec![None; world_size],
+                ..State::default()
+            }),
+            arrived: Condvar::new(),
+        });
+        Ok((0..world_size)
+            .map(|rank| LocalGroup {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A rank that panicked while holding the lock left consistent state (every update is
+        // completed before anything can panic), so go on.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Deposits this rank's part and waits for the combined result.
+    fn run(&self, op: Op, name: &'static str, data: Option<Tensor>) -> Result<Option<Tensor>> {
+        let world = self.shared.world_size;
+        let mut state = self.lock();
+        if let Some(reason) = &state.poisoned {
+            return Err(DistributedError::Poisoned {
+                reason: reason.clone(),
+            }
+            .into());
+        }
+        state.slots[self.rank] = Some((op, data));
+        state.arrived += 1;
+        if state.arrived == world {
+            let parts: Vec<_> = state.slots.iter_mut().map(|s| s.take()).collect();
+            let result = combine(parts.into_iter().flatten().collect(), world);
+            let mine = result.clone();
+            state.result = Some(result);
+            state.arrived = 0;
+            state.generation += 1;
+            self.shared.arrived.notify_all();
+            return Ok(mine?);
+        }
+        let generation = state.generation;
+        let deadline = self.shared.timeout.map(|t| Instant::now() + t);
+        while state.generation == generation {
+            if let Some(reason) = &state.poisoned {
+                return Err(DistributedError::Poisoned {
+                    reason: reason.clone(),
+                }
+                .into());
+            }
+            state = match deadline {
+                None => self
+                    .shared
+                    .arrived
+                    .wait(state)
+                    .unwrap_or_else(|p| p.into_inner()),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        let after = self.shared.timeout.unwrap_or_default();
+                        state.poisoned = Some(format!(
+                            "`{name}` timed out after {after:?} on rank {}",
+                            self.rank
+                        ));
+                        self.shared.arrived.notify_all();
+                        return Err(DistributedError::Timeout {
+                            op: name,
+                            rank: self.rank,
+                            after,
+                        }
+                        .into());
+                    }
+                    self.shared
+                        .arrived
+                        .wait_timeout(state, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+        let result = state.result.clone().unwrap_or(Ok(None));
+        Ok(result?)
+    }
+}
+
+/// Combines the ranks' parts, in rank order, or explains how they disagree.
+fn combine(
+    parts: Vec<(Op, Option<Tensor>)>,
+    world: usize,
+) -> std::result::Result<Option<Tensor>, DistributedError> {
+    let describe = |parts: &[(Op, Option<Tensor>)]| {
+        parts
+            .iter()
+            .enumerate()
+            .map(|(rank, (op, t))| match t {
+                Some(t) => format!("rank {rank}: {op:?} on {:?} {:?}", t.dtype(), t.dims()),
+                None => format!("rank {rank}: {op:?}"),
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let (op, first) = (&parts[0].0.clone(), &parts[0].1.clone());
+    let same = parts.iter().all(|(o, t)| {
+        o == op
+            && match (t, first) {
+                (Some(t), Some(f)) => t.dtype() == f.dtype() && t.elem_count() == f.elem_count(),
+                (None, None) => true,
+                _ => false,
+            }
+    });
+    if !same {
+        return Err(DistributedError::OpMismatch {
+            detail: describe(&parts),
+        });
+    }
+    let backend = |e: candle_core::Error| DistributedError::Backend {
+        backend: "local",
+        message: e.to_string(),
+    };
+    match op {
+        Op::Barrier => Ok(None),
+        Op::Broadcast(root) => Ok(parts[*root].1.clone()),
+        Op::AllReduce(reduce) => {
+            let mut tensors = parts.into_iter().filter_map(|(_, t)| t);
+            let mut sum = tensors.next().expect("a world has a rank");
+            for t in tensors {
+                sum = (sum + t).map_err(backend)?;
+            }
+            if *reduce == ReduceOp::Avg && world > 1 {
+                sum = (sum / world as f64).map_err(backend)?;
+            }
+            Ok(Some(sum))
+        }
+    }
+}
+
+impl Collective for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        check_contiguous(tensor)?;
+        // A private copy on the CPU: the other ranks read it after this call returns.
+        let mine = tensor.flatten_all()?.to_device(&Device::Cpu)?.copy()?;
+        let sum = self.run(Op::AllReduce(op), "all_reduce", Some(mine))?;
+        write_into(tensor, &sum.expect("all_reduce has a result"))
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        check_root(root, self.shared.world_size)?;
+        check_contiguous(tensor)?;
+        let mine = tensor.flatten_all()?.to_device(&Device::Cpu)?.copy()?;
+        let value = self.run(Op::Broadcast(root), "broadcast", Some(mine))?;
+        if self.rank != root {
+            write_into(tensor, &value.expect("broadcast has a result"))?;
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.run(Op::Barrier, "barrier", None).map(|_| ())
+    }
+
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+}

@@ -1,0 +1,54 @@
+//! Data-parallel training: one replica of the model per process, gradients averaged over the
+//! processes after each backward (PyTorch's `torch.distributed` + `DistributedDataParallel` +
+//! `DistributedSampler`).
+//!
+//! * [`Collective`]: a process group (rank, world size, in-place all-reduce and broadcast of a
+//!   candle tensor, barrier). Engines: [`SingleProcess`] (the default, no dependency),
+//!   [`LocalGroup`] (ranks as threads, for tests), and with the `mpi` feature `Mpi` (CPU
+//!   clusters and tests under `mpiexec`). An NCCL engine for GPUs is planned, not written; the
+//!   plan is in [`Collective`]'s docs.
+//! * [`init_from_env`] and [`DistEnv`]: the process group a launcher (`torchrun`, `mpiexec`,
+//!   `srun`) describes, with half-set variables an error.
+//! * [`DistributedDataParallel`]: checks and syncs the replicas at construction, averages the
+//!   gradients in buckets, syncs buffers before forward.
+//! * [`DistributedSampler`]: each rank's share of the dataset, with PyTorch's index lists.
+//!
+//! A training step on every rank:
+//!
+//! ```ignore
+//! let comm = init_from_env()?;
+//! let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?;
+//! let mut sampler = DistributedSampler::for_collective(dataset_len, &*comm)?;
+//! for epoch in 0..epochs {
+//!     sampler.set_epoch(epoch);
+//!     for batch in sampler.indices().chunks(batch_size) {
+//!         let loss = loss_fn(&ddp.call(&inputs(batch))?, &targets(batch))?;
+//!         let mut grads = loss.backward()?;
+//!         ddp.reduce_gradients(&mut grads)?;
+//!         opt.step(&grads)?;
+//!     }
+//!     if ddp.is_main() { model.save_safetensors("ckpt.safetensors")?; }
+//!     ddp.barrier()?;
+//! }
+//! ```
+//!
+//! With a mean loss, the averaged gradient of `world` ranks on equal parts of a batch is the
+//! gradient of the whole batch, so the run matches a single process on the full batch.
+
+mod collective;
+mod ddp;
+mod env;
+mod error;
+mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod sampler;
+
+pub use collective::{Collective, ReduceOp, SingleProcess};
+pub use ddp::{plan_buckets, DdpConfig, DistributedDataParallel, DEFAULT_BUCKET_CAP_BYTES};
+pub use env::{init_from_env, DistEnv, Launcher};
+pub use error::DistributedError;
+pub use local::LocalGroup;
+#[cfg(feature = "mpi")]
+pub use mpi::Mpi;
+pub use sampler::DistributedSampler;

@@ -1,0 +1,187 @@
+//! [`Mpi`]: the process group of an MPI job (`mpiexec -n N`), through rsmpi.
+
+use candle_core::{DType, Device, Tensor, WithDType};
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence, Root};
+
+use super::collective::{check_contiguous, check_root, write_into};
+use super::{Collective, DistributedError, ReduceOp};
+use crate::Result;
+
+/// The MPI process group (`MPI_COMM_WORLD`), for CPU clusters and for testing data-parallel
+/// code with several processes on one machine (`mpiexec -n 2 ./train`). Behind the `mpi`
+/// feature, which needs an MPI library with `mpicc` (MPICH or Open MPI) and libclang to build.
+///
+/// Tensors are staged through host memory: floating-point ones are reduced in `f32` (`f64` for
+/// `F64`; MPI has no `bf16`/`f16`, so those are summed in `f32` and rounded back), integer ones
+/// in their own type; broadcasts copy the bits of any dtype but the 8-bit float formats. Sums
+/// are MPI's `MPI_SUM`, whose order MPI leaves to the implementation, but every rank receives the
+/// same result.
+///
+/// **No timeout**: MPI's blocking collectives cannot be cancelled, and abandoning a pending
+/// non-blocking one is undefined, so a rank that never joins hangs the others. Use the
+/// launcher's timeout (`mpiexec -timeout SECONDS` or `MPIEXEC_TIMEOUT` with MPICH's Hydra,
+/// `mpirun --timeout` with Open MPI); [`DistributedDataParallel::new`](super::DistributedDataParallel::new)
+/// already turns the likeliest cause, ranks that built different models, into an error on every
+/// rank.
+///
+/// MPI is initialized once per process, with `MPI_THREAD_FUNNELED`: make the value on the main
+/// thread (or the one thread that runs the training) and call it from that thread; dropping it
+/// finalizes MPI.
+pub struct Mpi {
+    world: SimpleCommunicator,
+    // Dropped last: finalizes MPI.
+    _universe: Universe,
+}
+
+impl std::fmt::Debug for Mpi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mpi")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .finish()
+    }
+}
+
+impl Mpi {
+    /// Initializes MPI and takes its world communicator. Fails if MPI was initialized before in
+    /// this process.
+    pub fn init() -> Result<Mpi> {
+        let (universe, _threading) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+            .ok_or_else(|| {
+                backend("MPI is already initialized in this process (one `Mpi` per process)")
+            })?;
+        Ok(Mpi {
+            world: universe.world(),
+            _universe: universe,
+        })
+    }
+
+    fn sum<T: WithDType + Equivalence>(&self, tensor: &Tensor) -> Result<Vec<T>> {
+        let send: Vec<T> = host(tensor)?;
+        let mut recv = send.clone();
+        self.world
+            .all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        Ok(recv)
+    }
+
+    fn bcast<T: WithDType + Equivalence>(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        let mut buf: Vec<T> = host(tensor)?;
+        self.world
+            .process_at_rank(root as i32)
+            .broadcast_into(&mut buf[..]);
+        write_back(tensor, buf)
+    }
+
+    fn bcast_bits<T: WithDType>(
+        &self,
+        tensor: &Tensor,
+        root: usize,
+        to_bits: fn(T) -> u16,
+        from_bits: fn(u16) -> T,
+    ) -> Result<()> {
+        let mut bits: Vec<u16> = host::<T>(tensor)?.into_iter().map(to_bits).collect();
+        self.world
+            .process_at_rank(root as i32)
+            .broadcast_into(&mut bits[..]);
+        write_back(tensor, bits.into_iter().map(from_bits).collect::<Vec<T>>())
+    }
+}
+
+fn backend(message: &str) -> crate::Error {
+    DistributedError::Backend {
+        backend: "mpi",
+        message: message.to_string(),
+    }
+    .into()
+}
+
+fn unsupported(what: String) -> crate::Error {
+    DistributedError::Unsupported {
+        backend: "mpi",
+        what,
+    }
+    .into()
+}
+
+/// The tensor's values in host memory, as `T`.
+fn host<T: WithDType>(tensor: &Tensor) -> Result<Vec<T>> {
+    Ok(tensor
+        .flatten_all()?
+        .to_device(&Device::Cpu)?
+        .to_dtype(T::DTYPE)?
+        .to_vec1::<T>()?)
+}
+
+/// Writes host values back into the tensor's own storage (its dtype and device).
+fn write_back<T: WithDType>(tensor: &Tensor, values: Vec<T>) -> Result<()> {
+    let n = values.len();
+    write_into(tensor, &Tensor::from_vec(values, n, &Device::Cpu)?)
+}
+
+impl Collective for Mpi {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        check_contiguous(tensor)?;
+        let world = self.world_size();
+        match tensor.dtype() {
+            DType::F64 => {
+                let mut v = self.sum::<f64>(tensor)?;
+                if op == ReduceOp::Avg {
+                    v.iter_mut().for_each(|x| *x /= world as f64);
+                }
+                write_back(tensor, v)
+            }
+            DType::F32 | DType::BF16 | DType::F16 => {
+                let mut v = self.sum::<f32>(tensor)?;
+                if op == ReduceOp::Avg {
+                    v.iter_mut().for_each(|x| *x /= world as f32);
+                }
+                write_back(tensor, v)
+            }
+            DType::I64 | DType::U32 | DType::U8 if op == ReduceOp::Sum => match tensor.dtype() {
+                DType::I64 => write_back(tensor, self.sum::<i64>(tensor)?),
+                DType::U32 => write_back(tensor, self.sum::<u32>(tensor)?),
+                _ => write_back(tensor, self.sum::<u8>(tensor)?),
+            },
+            dtype => Err(unsupported(format!("{op:?} all-reduce of {dtype:?}"))),
+        }
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        check_root(root, self.world_size())?;
+        check_contiguous(tensor)?;
+        match tensor.dtype() {
+            DType::F64 => self.bcast::<f64>(tensor, root),
+            DType::F32 => self.bcast::<f32>(tensor, root),
+            DType::I64 => self.bcast::<i64>(tensor, root),
+            DType::U32 => self.bcast::<u32>(tensor, root),
+            DType::U8 => self.bcast::<u8>(tensor, root),
+            DType::BF16 => {
+                self.bcast_bits::<half::bf16>(tensor, root, |x| x.to_bits(), half::bf16::from_bits)
+            }
+            DType::F16 => {
+                self.bcast_bits::<half::f16>(tensor, root, |x| x.to_bits(), half::f16::from_bits)
+            }
+            dtype => Err(unsupported(format!("a broadcast of {dtype:?}"))),
+        }
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.world.barrier();
+        Ok(())
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+}
