@@ -74,6 +74,16 @@ impl Digits {
         (pick(&order[n_test..]), pick(&order[..n_test]))
     }
 
+    /// The examples at `indices` (in that order) as tensors: images `[len, 64]` (f32) and labels
+    /// `[len]` (u32). For samplers that pick examples out of order.
+    pub fn gather(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+        let n = indices.len();
+        let pixels: Vec<f32> = (indices.iter()).flat_map(|&i| self.images[i]).collect();
+        let labels: Vec<u32> = indices.iter().map(|&i| self.labels[i]).collect();
+        let images = Tensor::from_vec(pixels, (n, 64), device)?;
+        Ok((images, Tensor::from_vec(labels, n, device)?))
+    }
+
     /// Examples `range` as tensors: images `[len, 64]` (f32) and labels `[len]` (u32).
     pub fn batch(
         &self,
