@@ -4,6 +4,7 @@
 //! for `BertModel`) with one method per field, and `BertModel::path()`, the path of the root:
 //!
 //! ```
+//! use module_runtime::nn::LayerNorm;
 //! use module_runtime::prelude::*;
 //!
 //! #[derive(Module)]
