@@ -1,11 +1,17 @@
 //! Forward hooks on a real model: all-MiniLM-L6-v2 loaded into the derived BERT.
 //!
 //! 1. `summary_with` runs one batch and prints every module with its input and output shapes.
-//! 2. `capture(["encoder.layer.*"])` returns each layer's output by path; per-layer activation
-//!    statistics follow.
-//! 3. Activation patching: a forward hook on `encoder.layer.L.attention.self` zeroes one head's
-//!    slice of the attention context; for each head, how far the sentence embeddings move (cosine
-//!    similarity to the unpatched ones), and how the similarity of two related sentences changes.
+//! 2. `capture` of `BertModel::path().encoder().layer().each()` (the typed form of
+//!    `encoder.layer.*`) returns each layer's output by path; per-layer activation statistics
+//!    follow.
+//! 3. Activation patching: a typed forward hook on
+//!    `BertModel::path().encoder().layer().at(L).attention().self_attention()`
+//!    (`encoder.layer.L.attention.self`) zeroes one head's slice of the attention context; for each
+//!    head, how far the sentence embeddings move (cosine similarity to the unpatched ones), and how
+//!    the similarity of two related sentences changes.
+//!
+//! The paths are typed (`#[module(paths)]` on the BERT structs): a misspelled segment is a compile
+//! error, and the hook gets the `BertSelfAttention` itself, with no downcast.
 //!
 //! ```text
 //! cargo run --release -p minilm --example hooks -- [--model DIR] [--layer L]
@@ -14,7 +20,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use minilm::bert::{BertConfig, BertModel};
+use minilm::bert::{BertConfig, BertModel, BertSelfAttention};
 use minilm::minilm_dir;
 use minilm::sentences::{encode_batch, load_tokenizer, mean_pool_normalized};
 use module_runtime::prelude::*;
@@ -71,8 +77,9 @@ fn main() -> AnyResult<()> {
     // 1. Shapes from a dry run.
     println!("{}", model.summary_with(|m| m.call((&ids, &mask)))?);
 
-    // 2. Every layer's output, by path.
-    let (hidden, layers) = model.capture(&["encoder.layer.*"], |m| m.call((&ids, &mask)))?;
+    // 2. Every layer's output, by path (a typed pattern is a `str`: `encoder.layer.*`).
+    let every_layer = BertModel::path().encoder().layer().each();
+    let (hidden, layers) = model.capture(&[&every_layer], |m| m.call((&ids, &mask)))?;
     println!("per-layer activations over {} sentences:", SENTENCES.len());
     println!(
         "{:<18} {:>9} {:>9} {:>9}",
@@ -102,8 +109,15 @@ fn main() -> AnyResult<()> {
 
     // 3. Zero one attention head at a time with a forward hook on the attention's `self` module,
     //    whose output holds the heads side by side.
-    let target = format!("encoder.layer.{layer}.attention.self");
-    let heads = config.num_attention_heads;
+    let target = BertModel::path()
+        .encoder()
+        .layer()
+        .at(layer)
+        .attention()
+        .self_attention();
+    // The path is checked at run time only for the index: `get` gives an `Option`.
+    let heads = model.get(target.clone()).ok_or("no such layer")?.num_heads;
+    assert_eq!(heads, config.num_attention_heads);
     let head_dim = config.hidden_size / heads;
     println!("zeroing one head of `{target}` at a time:");
     println!(
@@ -116,9 +130,14 @@ fn main() -> AnyResult<()> {
             .map(|i| if i / head_dim == head { 0.0 } else { 1.0 })
             .collect();
         let keep = Tensor::from_vec(keep, config.hidden_size, &device)?;
-        let handle = hooks.register_forward_hook(&target, move |_ctx, _input, output| {
-            Ok(Some(vec![output[0].broadcast_mul(&keep)?]))
-        })?;
+        // A typed hook: it is given the module as a `BertSelfAttention`.
+        let handle = hooks.register_typed_forward_hook(
+            &target,
+            move |_ctx, attention: &BertSelfAttention, _input, output| {
+                debug_assert_eq!(attention.num_heads, heads);
+                Ok(Some(vec![output[0].broadcast_mul(&keep)?]))
+            },
+        )?;
         let patched = hooks.run(&model, embed)?;
         handle.remove();
         let moved = cosine(&baseline, &patched)?;

@@ -109,6 +109,7 @@ impl BertConfig {
 
 /// Word, position and token-type embeddings, summed and normalized.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertEmbeddings {
     /// `[vocab_size, hidden]`.
     pub word_embeddings: Embedding,
@@ -128,6 +129,7 @@ pub struct BertEmbeddings {
 /// Queries, keys and values (Hugging Face's `BertSelfAttention`); its output is the per-head
 /// context, heads side by side: `[batch, seq, heads * head_dim]`.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertSelfAttention {
     /// `[hidden, hidden]`.
     pub query: Linear,
@@ -143,6 +145,7 @@ pub struct BertSelfAttention {
 
 /// Self-attention and its output projection.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertAttention {
     /// The attention proper (checkpoint name `self`).
     #[module(rename = "self")]
@@ -153,6 +156,7 @@ pub struct BertAttention {
 
 /// The first half of the feed-forward block.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertIntermediate {
     /// `[intermediate, hidden]`.
     pub dense: Linear,
@@ -164,6 +168,7 @@ pub struct BertIntermediate {
 /// (after attention, `[hidden, hidden]`) and `BertOutput` (the feed-forward block's second half,
 /// `[hidden, intermediate]`), which are the same layers and computation, so one type serves both.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertOutput {
     /// `[hidden, hidden]` after attention, `[hidden, intermediate]` in the feed-forward block.
     pub dense: Linear,
@@ -176,6 +181,7 @@ pub struct BertOutput {
 
 /// One transformer layer.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertLayer {
     /// Attention block.
     pub attention: BertAttention,
@@ -187,6 +193,7 @@ pub struct BertLayer {
 
 /// The stack of layers.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertEncoder {
     /// `layer.0`, `layer.1`, …
     pub layer: Vec<BertLayer>,
@@ -194,6 +201,7 @@ pub struct BertEncoder {
 
 /// `tanh(dense(hidden[:, 0]))`: the first token's pooled output.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertPooler {
     /// `[hidden, hidden]`.
     pub dense: Linear,
@@ -206,6 +214,7 @@ pub struct BertPooler {
 /// `[batch, seq, hidden]`; the token types are all 0 (single-segment input). The pooler is part
 /// of the checkpoint and is loaded, but [`pool`](Self::pool) runs it only when asked.
 #[derive(Module)]
+#[module(paths)]
 pub struct BertModel {
     /// Input embeddings.
     pub embeddings: BertEmbeddings,

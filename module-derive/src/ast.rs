@@ -8,6 +8,7 @@ use crate::ctxt::Ctxt;
 
 pub struct Input<'a> {
     pub ident: &'a syn::Ident,
+    pub vis: &'a syn::Visibility,
     pub generics: &'a syn::Generics,
     pub attrs: attr::Container,
     pub data: Data<'a>,
@@ -81,6 +82,7 @@ impl<'a> Input<'a> {
         };
         Some(Self {
             ident: &input.ident,
+            vis: &input.vis,
             generics: &input.generics,
             attrs,
             data,

@@ -13,6 +13,7 @@ const SKIP: &str = "skip";
 const RENAME: &str = "rename";
 const FLATTEN: &str = "flatten";
 const EXTRA_STATE: &str = "extra_state";
+const PATHS: &str = "paths";
 
 /// A value set at most once, remembering where.
 struct Attr<T> {
@@ -49,6 +50,8 @@ pub struct Container {
     pub bound: Option<Vec<syn::WherePredicate>>,
     /// `extra_state`: the type implements `ExtraState`, saved under `<path>._extra_state`.
     pub extra_state: Option<Span>,
+    /// `paths`: also emit the typed path type (`FooPath`) and `Foo::path()`.
+    pub paths: Option<Span>,
 }
 
 impl Container {
@@ -56,6 +59,7 @@ impl Container {
         let mut krate = Attr::none(CRATE);
         let mut bound = Attr::none(BOUND);
         let mut extra_state = Attr::none(EXTRA_STATE);
+        let mut paths = Attr::none(PATHS);
         for attr in module_attrs(attrs) {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
@@ -78,6 +82,10 @@ impl Container {
                         skip_value(&meta)?;
                         cx.syn_error(meta.error("`extra_state` takes no value"));
                     }
+                } else if meta.path.is_ident(PATHS) {
+                    if flag(cx, &meta)? {
+                        paths.set(cx, span, ());
+                    }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -87,7 +95,7 @@ impl Container {
                 } else {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
-                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound` or `extra_state`",
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state` or `paths`",
                         path_name(&meta)
                     )));
                 }
@@ -101,6 +109,7 @@ impl Container {
             krate: krate.get().map(|(_, p)| p),
             bound: bound.get().map(|(_, b)| b),
             extra_state: extra_state.get().map(|(span, ())| span),
+            paths: paths.get().map(|(span, ())| span),
         }
     }
 }
@@ -157,7 +166,7 @@ impl Field {
                         }
                         rename.set(cx, span, (lit.span(), name));
                     }
-                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE]) {
+                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE, PATHS]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
                         "`{}` belongs on the type, not on a field",

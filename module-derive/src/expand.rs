@@ -76,7 +76,14 @@ fn expand(input: &Input) -> TokenStream {
         }
     });
 
+    let paths = match input.attrs.paths {
+        Some(_) => crate::paths::expand(input, &krate),
+        None => TokenStream::new(),
+    };
+
     quote! {
+        #paths
+
         #[automatically_derived]
         #[diagnostic::do_not_recommend]
         impl #impl_generics #krate::Module for #ident #ty_generics #where_clause {

@@ -47,15 +47,29 @@ fn expansion_cost() {
     let wide = quote! {
         struct Wide { #(#fields,)* }
     };
+    let wide_paths = with_paths(&wide);
     let (time, lines, bytes) = measure(&[wide], 200);
     println!("200-field struct: {time:?} per expansion, {lines} lines / {bytes} bytes emitted");
-
+    let (time, lines, bytes) = measure(&[wide_paths], 200);
+    println!(
+        "200-field struct with #[module(paths)]: {time:?} per expansion, {lines} lines / {bytes} bytes emitted"
+    );
     let derived = bert_model();
+    let derived_paths: Vec<_> = derived.iter().map(with_paths).collect();
     let (time, lines, bytes) = measure(&derived, 200);
     println!(
         "BERT model ({} derived types): {time:?} for all expansions, {lines} lines / {bytes} bytes emitted",
         derived.len()
     );
+    let (time, lines, bytes) = measure(&derived_paths, 200);
+    println!(
+        "BERT model with #[module(paths)]: {time:?} for all expansions, {lines} lines / {bytes} bytes emitted"
+    );
+}
+
+/// The same input with `#[module(paths)]` (the typed path type and its methods).
+fn with_paths(input: &TokenStream) -> TokenStream {
+    quote!(#[module(paths)] #input)
 }
 
 /// The derived types of a BERT encoder, as the derive sees them (the type headers; doc comments

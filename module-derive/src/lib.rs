@@ -16,6 +16,7 @@ mod ctxt;
 mod expand;
 #[cfg(test)]
 mod expansion_cost;
+mod paths;
 #[cfg(test)]
 mod snapshot_tests;
 mod tensor_struct;

@@ -40,6 +40,27 @@ fn plain_struct() {
     );
 }
 
+/// `#[module(paths)]`: the path type, its glue impls and one method per field (renamed,
+/// flattened, skipped).
+#[test]
+fn typed_paths() {
+    assert_snapshot(
+        "typed_paths",
+        quote! {
+            #[module(paths)]
+            pub struct Block {
+                #[module(rename = "LayerNorm")]
+                norm: LayerNorm,
+                layers: Vec<Linear>,
+                #[module(flatten)]
+                inner: Inner,
+                #[module(skip)]
+                cache: usize,
+            }
+        },
+    );
+}
+
 #[test]
 fn tuple_and_unit_structs() {
     assert_snapshot(

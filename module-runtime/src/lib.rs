@@ -97,6 +97,7 @@ mod summary;
 mod tensor_tree;
 mod trace;
 mod type_name;
+pub mod typed_path;
 mod views;
 mod walk;
 
@@ -136,6 +137,7 @@ pub use summary::{Summary, SummaryRow};
 pub use tensor_tree::Scope;
 pub use tensor_tree::{TensorStruct, TensorTree};
 pub use type_name::short_type_name;
+pub use typed_path::{HasPath, PathExt, TypedPath};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///

@@ -20,6 +20,7 @@ use crate::{Forward, Mode, Module};
 /// The gradient at exactly `0` is `1` here (candle's rule) where PyTorch uses `0`; it only matters
 /// for inputs that are exactly zero.
 #[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
 pub struct ReLU {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
     pub mode: Mode,
@@ -63,6 +64,7 @@ pub enum GeluApproximation {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
 pub struct GELU {
     /// Which formula to use.
     #[module(skip)]
@@ -171,6 +173,7 @@ impl candle_core::CustomOp1 for VectorizedGeluErf {
 
 /// `x σ(x)`, also called swish: PyTorch's `nn.SiLU`. Any shape in, the same shape out.
 #[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
 pub struct SiLU {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
     pub mode: Mode,
@@ -193,6 +196,7 @@ impl Forward<&Tensor> for SiLU {
 
 /// `1 / (1 + e⁻ˣ)`: PyTorch's `nn.Sigmoid`. Any shape in, the same shape out.
 #[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
 pub struct Sigmoid {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
     pub mode: Mode,
@@ -216,6 +220,7 @@ impl Forward<&Tensor> for Sigmoid {
 
 /// The hyperbolic tangent: PyTorch's `nn.Tanh`. Any shape in, the same shape out.
 #[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
 pub struct Tanh {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
     pub mode: Mode,
@@ -272,6 +277,7 @@ pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Softmax {
     /// The dimension the probabilities sum to one along (negative counts from the end).
     pub dim: isize,
@@ -295,6 +301,7 @@ impl Forward<&Tensor> for Softmax {
 /// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
 /// the same shape out; negative `dim` counts from the end.
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LogSoftmax {
     /// The dimension to normalize along (negative counts from the end).
     pub dim: isize,
@@ -329,6 +336,7 @@ impl Forward<&Tensor> for LogSoftmax {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub enum Activation {
     /// [`ReLU`].
     Relu(ReLU),

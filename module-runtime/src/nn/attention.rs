@@ -66,6 +66,7 @@ impl Default for MultiheadAttentionConfig {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct MultiheadAttention {
     /// `[3 * embed_dim, embed_dim]`: query, key and value projections, stacked.
     pub in_proj_weight: Param,

@@ -68,6 +68,7 @@ impl Default for BatchNormConfig {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct BatchNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,
@@ -325,6 +326,7 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LazyBatchNorm<const D: usize> {
     #[module(flatten)]
     norm: BatchNorm<D>,

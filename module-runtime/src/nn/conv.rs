@@ -323,6 +323,7 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Conv<const D: usize> {
     /// `[out_channels, in_channels / groups, *kernel_size]`.
     pub weight: Param,
@@ -463,6 +464,7 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct ConvTranspose2d {
     /// `[in_channels, out_channels / groups, kH, kW]`.
     pub weight: Param,
@@ -553,6 +555,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LazyConv<const D: usize> {
     #[module(flatten)]
     conv: Conv<D>,

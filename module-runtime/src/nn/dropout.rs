@@ -24,6 +24,7 @@ use crate::{Forward, Mode, Module};
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Dropout {
     /// Probability of zeroing an element, in `[0, 1]`.
     pub p: f64,

@@ -23,6 +23,7 @@ use crate::{Forward, Module, Param};
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Param,

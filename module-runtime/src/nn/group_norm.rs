@@ -48,6 +48,7 @@ impl Default for GroupNormConfig {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct GroupNorm {
     /// `[num_channels]`, if affine.
     pub weight: Option<Param>,

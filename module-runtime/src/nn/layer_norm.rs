@@ -73,6 +73,7 @@ impl LayerNormConfig {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LayerNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,
@@ -220,6 +221,7 @@ fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LazyLayerNorm {
     /// The normalized shape, if the layer is elementwise-affine; unbuilt until it is known.
     pub weight: Option<Param>,
@@ -322,6 +324,7 @@ impl Default for RmsNormConfig {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct RmsNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,

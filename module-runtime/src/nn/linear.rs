@@ -21,6 +21,7 @@ use crate::{Forward, Init, Module, Param};
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Linear {
     /// `[out_features, in_features]`.
     pub weight: Param,
@@ -161,6 +162,7 @@ fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct LazyLinear {
     #[module(flatten)]
     linear: Linear,

@@ -158,6 +158,7 @@ impl Reduction for Avg {
 /// for max, zeros for avg) to exactly the extent the windows cover, and an average is rescaled by
 /// each window's divisor as PyTorch's CPU kernel computes it (see [`Pool2dConfig`]).
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct Pool2d<R> {
     /// Window size `(kH, kW)`.
     pub kernel_size: (usize, usize),

@@ -66,6 +66,7 @@ impl Default for RnnCellConfig {
 /// One layer's weights, `gates` blocks of `hidden_size` rows each, under PyTorch's cell names
 /// (`weight_ih`, `weight_hh`, `bias_ih`, `bias_hh`).
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 struct LayerWeights {
     weight_ih: Param,
     weight_hh: Param,
@@ -133,6 +134,11 @@ impl LayerWeights {
 struct StackedWeights {
     layers: Vec<LayerWeights>,
     names: Vec<[String; 4]>,
+}
+
+/// A node with no typed path methods: its names are built at run time.
+impl crate::typed_path::HasPath for StackedWeights {
+    type Path<R: 'static, K: crate::typed_path::PathKind> = crate::typed_path::Path<R, K, Self>;
 }
 
 impl StackedWeights {
@@ -355,6 +361,7 @@ fn check_state(
 /// time step `[B, input_size]` and returns `[B, H]` with the next state;
 /// [`scan`](Recurrent::scan) takes `[B, T, input_size]` whatever `batch_first` says.
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct RnnBase<G> {
     #[module(flatten)]
     weights: StackedWeights,
@@ -690,6 +697,7 @@ impl<G: Gates> Recurrent for RnnBase<G> {
 /// Input `[B, input_size]` (or `[input_size]` unbatched); state tensors `[B, H]` (or `[H]`),
 /// which must have exactly that shape; zeros when not given.
 #[derive(Module, Clone, Debug)]
+#[module(paths)]
 pub struct RnnCellBase<G> {
     #[module(flatten)]
     weights: LayerWeights,

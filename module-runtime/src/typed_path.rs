@@ -1,0 +1,566 @@
+//! Typed paths: module paths the compiler checks and the editor completes.
+//!
+//! `#[module(paths)]` on a derived type makes the derive also emit a path type (`BertModelPath`
+//! for `BertModel`) with one method per field, and `BertModel::path()`, the path of the root:
+//!
+//! ```
+//! use module_runtime::nn::LayerNorm;
+//! use module_runtime::prelude::*;
+//!
+//! #[derive(Module)]
+//! #[module(paths)]
+//! struct Block {
+//!     #[module(rename = "LayerNorm")]
+//!     norm: LayerNorm,
+//!     fc: Linear,
+//! }
+//!
+//! #[derive(Module)]
+//! #[module(paths)]
+//! struct Net {
+//!     blocks: Vec<Block>,
+//!     head: Option<Linear>,
+//! }
+//!
+//! let dev = Device::Cpu;
+//! let block = || -> Result<Block> {
+//!     Ok(Block { norm: LayerNorm::new(4, &dev)?, fc: Linear::new(4, 4, &dev)? })
+//! };
+//! let net = Net { blocks: vec![block()?, block()?], head: None };
+//!
+//! // The string form is the state-dict path.
+//! let norm = Net::path().blocks().at(1).norm();
+//! assert_eq!(norm.as_str(), "blocks.1.LayerNorm");
+//! // `get` gives the concrete type; an index is checked at run time, so it is an `Option`.
+//! let norm: Option<&LayerNorm> = net.get(norm);
+//! assert!(norm.is_some());
+//! // A path with no index or `Option` on the way exists: `get` returns the module itself.
+//! let blocks: &Vec<Block> = net.get(Net::path().blocks());
+//! assert_eq!(blocks.len(), 2);
+//! // `each()` is the wildcard `*`; `get` on a pattern lists every match.
+//! let every_fc = Net::path().blocks().each().fc();
+//! assert_eq!(every_fc.as_str(), "blocks.*.fc");
+//! assert_eq!(net.get(every_fc.clone()).len(), 2);
+//! // A typed path is a `str` wherever one is taken (hooks, `capture`, `freeze`).
+//! assert_eq!(net.freeze(&every_fc)?, 4);
+//! assert!(net.get(Net::path().head()).is_none());
+//! # Ok::<(), module_runtime::Error>(())
+//! ```
+//!
+//! A misspelled field is a compile error naming the path type (`NetPath`) and its methods; an
+//! index into something that is not a list has no `at` method.
+//!
+//! What the string form follows: `rename`d fields use their checkpoint name; a `flatten`ed field adds
+//! no segment (its path is its parent's, and [`get`](PathExt::get) is not offered on it, only on
+//! its children); `Option`, `Box`, `Arc` and `Lazy` add none (`Option` and `Lazy` make the path
+//! [`Checked`]); `Vec`, arrays, `ModuleList` and `Sequential` are indexed with `at(i)`, maps
+//! (`BTreeMap<String, _>`, `ModuleDict`) with `key(k)`, tuples with `_0()`, `_1()`, …; an enum's
+//! fields are reached through `<variant>_<field>()` (the variant name is no path segment), and a
+//! single-field tuple variant, which is transparent, through `<variant>()`. A module shared
+//! through `Arc` has one state-dict path (its first); a typed path through another alias reaches
+//! the same module.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use crate::module::{Child, Module};
+use crate::nn::{ModuleDict, ModuleList, Native, NativeLayer, Sequential, SequentialLayer};
+use crate::{Buffer, Lazy, Param};
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What is known at compile time about whether a typed path exists: its *kind*, a marker type
+/// parameter of every path. [`PathExt::get`] returns `&T` for a [`Static`] path, `Option<&T>` for
+/// a [`Checked`] one, and every match for an [`Each`] pattern.
+pub trait PathKind: sealed::Sealed + 'static {
+    /// The kind after a field segment.
+    type Field: PathKind;
+    /// The kind after something only known at run time (an index, an `Option`, an enum variant).
+    type Checked: PathKind;
+}
+
+/// A path that exists in every value of the root type: only fields, `Box` and `Arc` on the way.
+pub enum Static {}
+/// A path whose existence is checked at run time: it goes through an index, a key, an `Option`,
+/// a `Lazy` cell or an enum variant.
+pub enum Checked {}
+/// A pattern: it went through `each()` (`*`).
+pub enum Each {}
+/// The path of a `#[module(flatten)]` field: the same string as its parent's, so it is only a
+/// prefix for the field's children (no [`get`](PathExt::get), which would find the parent).
+pub struct Flat<K>(PhantomData<K>, std::convert::Infallible);
+
+impl sealed::Sealed for Static {}
+impl sealed::Sealed for Checked {}
+impl sealed::Sealed for Each {}
+impl<K> sealed::Sealed for Flat<K> {}
+impl PathKind for Static {
+    type Field = Static;
+    type Checked = Checked;
+}
+impl PathKind for Checked {
+    type Field = Checked;
+    type Checked = Checked;
+}
+impl PathKind for Each {
+    type Field = Each;
+    type Checked = Each;
+}
+impl<K: PathKind> PathKind for Flat<K> {
+    type Field = K;
+    type Checked = Flat<K::Checked>;
+}
+
+/// The kind of a path after an index or a key.
+pub type Indexed<K> = <<K as PathKind>::Field as PathKind>::Checked;
+
+/// The kinds [`PathExt::get`] resolves, and what it returns for each.
+pub trait Resolve: PathKind {
+    /// `&T`, `Option<&T>` or `Vec<&T>`.
+    type Output<'a, T: 'a>;
+    #[doc(hidden)]
+    fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Self::Output<'a, T>;
+}
+
+impl Resolve for Static {
+    type Output<'a, T: 'a> = &'a T;
+    fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> &'a T {
+        let mut found = Vec::new();
+        find(root, path, &mut found);
+        found.into_iter().next().unwrap_or_else(|| {
+            panic!(
+                "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
+                 bug in module-runtime or in a hand-written `Module` impl on the way",
+                std::any::type_name::<T>()
+            )
+        })
+    }
+}
+
+impl Resolve for Checked {
+    type Output<'a, T: 'a> = Option<&'a T>;
+    fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Option<&'a T> {
+        let mut found = Vec::new();
+        find(root, path, &mut found);
+        found.into_iter().next()
+    }
+}
+
+impl Resolve for Each {
+    type Output<'a, T: 'a> = Vec<&'a T>;
+    fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Vec<&'a T> {
+        let mut found = Vec::new();
+        find(root, path, &mut found);
+        found
+    }
+}
+
+/// Every node at `path` (`*` segments match any child) that is a `T`.
+fn find<'a, T: Any>(root: &'a dyn Module, path: &str, out: &mut Vec<&'a T>) {
+    let segments: Vec<&str> = if path.is_empty() {
+        Vec::new()
+    } else {
+        path.split('.').collect()
+    };
+    walk(
+        Child::Module {
+            module: root,
+            shared: None,
+        },
+        &segments,
+        out,
+    );
+}
+
+fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], out: &mut Vec<&'a T>) {
+    let Some((segment, rest)) = segments.split_first() else {
+        let any: Option<&'a dyn Any> = match node {
+            Child::Module { module, .. } => Some(module as &dyn Any),
+            Child::Param(p) => Some(p as &dyn Any),
+            Child::Buffer(b) => Some(b as &dyn Any),
+            Child::Mode(_) | Child::Absent => None,
+        };
+        out.extend(any.and_then(|a| a.downcast_ref::<T>()));
+        return;
+    };
+    if let Child::Module { module, .. } = node {
+        let mut first = true;
+        module.visit_children(&mut |name, child| {
+            if *segment == "*" || (first && name.matches(segment)) {
+                if *segment != "*" {
+                    first = false;
+                }
+                walk(child, rest, out);
+            }
+        });
+    }
+}
+
+/// A typed path: from a root module `Root` to a `Target`, with a [`PathKind`]. Implemented by
+/// [`Path`] and by the path types `#[module(paths)]` generates.
+pub trait TypedPath: Clone + fmt::Display {
+    /// The module the path starts at.
+    type Root: 'static;
+    /// What the path leads to.
+    type Target: 'static;
+    /// What is known about its existence.
+    type Kind: PathKind;
+    /// The path as a string: the state-dict path (or, after `each()`, a [`PathPattern`](crate::PathPattern)).
+    fn as_str(&self) -> &str;
+}
+
+/// How a path type is made from its string (used by generated code).
+pub trait FromPathString {
+    #[doc(hidden)]
+    fn __from_path_string(path: String) -> Self;
+}
+
+/// Types with typed paths: the derive with `#[module(paths)]`, the runtime's layers and
+/// containers, and (as dead ends, with no path methods) configuration values.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no typed paths",
+    label = "no typed paths",
+    note = "add `#[module(paths)]` next to `#[derive(Module)]` on `{Self}`, or `#[module(skip)]` \
+            the field, or drop `#[module(paths)]` from the type that holds it"
+)]
+pub trait HasPath: 'static {
+    /// The path type of a path from `R` to `Self`, of kind `K`.
+    type Path<R: 'static, K: PathKind>: FromPathString;
+}
+
+/// A typed path to a `T` inside an `R`, of kind `K`; the path type of the runtime's layers and
+/// containers, and what a generated path type dereferences to. It dereferences to `str`.
+pub struct Path<R, K, T: ?Sized> {
+    path: String,
+    _marker: PhantomData<Marker<R, K, T>>,
+}
+
+/// Covariant, and `Send + Sync` whatever the parameters.
+type Marker<R, K, T> = fn() -> (*const R, *const K, *const T);
+
+impl<R, K, T: ?Sized> Path<R, K, T> {
+    /// The path as a string.
+    pub fn as_str(&self) -> &str {
+        &self.path
+    }
+
+    /// The path as a `String`.
+    pub fn into_string(self) -> String {
+        self.path
+    }
+
+    fn child<K2, T2: HasPath>(&self, segment: fmt::Arguments<'_>) -> T2::Path<R, K2>
+    where
+        R: 'static,
+        K2: PathKind,
+    {
+        T2::Path::<R, K2>::__from_path_string(__child(&self.path, segment))
+    }
+}
+
+#[doc(hidden)]
+pub fn __child(parent: &str, segment: fmt::Arguments<'_>) -> String {
+    use fmt::Write;
+    let mut path = String::with_capacity(parent.len() + 8);
+    path.push_str(parent);
+    if !path.is_empty() {
+        path.push('.');
+    }
+    let _ = path.write_fmt(segment);
+    path
+}
+
+#[doc(hidden)]
+pub fn __child_name(parent: &str, name: &str) -> String {
+    let mut path = String::with_capacity(parent.len() + 1 + name.len());
+    path.push_str(parent);
+    if !path.is_empty() {
+        path.push('.');
+    }
+    path.push_str(name);
+    path
+}
+
+impl<R, K, T: ?Sized> FromPathString for Path<R, K, T> {
+    fn __from_path_string(path: String) -> Self {
+        Self {
+            path,
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<R, K, T: ?Sized> Clone for Path<R, K, T> {
+    fn clone(&self) -> Self {
+        Self::__from_path_string(self.path.clone())
+    }
+}
+
+impl<R, K, T: ?Sized> std::ops::Deref for Path<R, K, T> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.path
+    }
+}
+
+impl<R, K, T: ?Sized> AsRef<str> for Path<R, K, T> {
+    fn as_ref(&self) -> &str {
+        &self.path
+    }
+}
+
+impl<R, K, T: ?Sized> fmt::Display for Path<R, K, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.path)
+    }
+}
+
+impl<R, K, T: ?Sized> fmt::Debug for Path<R, K, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Path({:?})", self.path)
+    }
+}
+
+impl<R, K, T: ?Sized> From<Path<R, K, T>> for String {
+    fn from(p: Path<R, K, T>) -> String {
+        p.path
+    }
+}
+
+impl<R: 'static, K: PathKind, T: 'static> TypedPath for Path<R, K, T> {
+    type Root = R;
+    type Target = T;
+    type Kind = K;
+    fn as_str(&self) -> &str {
+        &self.path
+    }
+}
+
+/// The root of a typed path (`Self::path()` of a derived type is this, wrapped).
+#[doc(hidden)]
+pub fn __root<P: FromPathString>() -> P {
+    P::__from_path_string(String::new())
+}
+
+/// `model.get(path)`: the module (or parameter, or buffer) a typed path leads to, as its own type.
+pub trait PathExt: Module + Sized {
+    /// `&T` for a [`Static`] path, `Option<&T>` for a [`Checked`] one (through an index, a key, an
+    /// `Option`…), and `Vec<&T>` (every match) for an [`Each`] pattern.
+    fn get<P>(&self, path: P) -> <P::Kind as Resolve>::Output<'_, P::Target>
+    where
+        P: TypedPath<Root = Self>,
+        P::Kind: Resolve,
+    {
+        <P::Kind as Resolve>::__resolve::<P::Target>(self, path.as_str())
+    }
+}
+
+impl<M: Module> PathExt for M {}
+
+impl crate::Hooks {
+    /// [`register_forward_hook`](crate::Hooks::register_forward_hook) on a typed path, with the
+    /// module given to the hook as its own type: `|ctx, attn: &BertSelfAttention, input, output|`.
+    /// A hook whose module type is not the path's target does not compile.
+    pub fn register_typed_forward_hook<P: TypedPath>(
+        &self,
+        path: &P,
+        hook: impl Fn(
+                &crate::HookCtx<'_>,
+                &P::Target,
+                &[candle_core::Tensor],
+                &[candle_core::Tensor],
+            ) -> crate::Result<Option<Vec<candle_core::Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> crate::Result<crate::HookHandle> {
+        self.register_forward_hook(path.as_str(), move |ctx, input, output| {
+            match (ctx.module() as &dyn Any).downcast_ref::<P::Target>() {
+                Some(module) => hook(ctx, module, input, output),
+                // A path through an `Arc` alias or a `Sequential` cast can reach another type.
+                None => Err(crate::Error::WrongModuleType {
+                    path: ctx.path().to_owned(),
+                    expected: std::any::type_name::<P::Target>().to_owned(),
+                    found: ctx.module().type_name().to_owned(),
+                }),
+            }
+        })
+    }
+}
+
+// ---- Path types of the runtime's own types ----
+
+/// A dead end: the path type of configuration values, which are not in the module tree.
+#[derive(Clone, Copy, Debug)]
+pub struct NoPath;
+
+impl FromPathString for NoPath {
+    fn __from_path_string(_: String) -> Self {
+        NoPath
+    }
+}
+
+macro_rules! no_path {
+    ($($ty:ty),* $(,)?) => {$(
+        impl HasPath for $ty {
+            type Path<R: 'static, K: PathKind> = NoPath;
+        }
+    )*};
+}
+no_path!(
+    (),
+    bool,
+    char,
+    u8,
+    u16,
+    u32,
+    u64,
+    u128,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    i128,
+    isize,
+    f32,
+    f64,
+    String,
+    &'static str,
+    candle_core::DType,
+    candle_core::Device,
+    candle_core::Shape,
+    crate::Mode,
+);
+
+impl<T: ?Sized + 'static> HasPath for PhantomData<T> {
+    type Path<R: 'static, K: PathKind> = NoPath;
+}
+
+macro_rules! node_path {
+    ($($ty:ty),* $(,)?) => {$(
+        impl HasPath for $ty {
+            type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+        }
+    )*};
+}
+node_path!(Param, Buffer, Sequential, Box<dyn SequentialLayer>);
+
+impl<M: HasPath> HasPath for Option<M> {
+    type Path<R: 'static, K: PathKind> = M::Path<R, K::Checked>;
+}
+impl<M: HasPath> HasPath for Lazy<M> {
+    type Path<R: 'static, K: PathKind> = M::Path<R, K::Checked>;
+}
+impl<M: HasPath> HasPath for Box<M> {
+    type Path<R: 'static, K: PathKind> = M::Path<R, K>;
+}
+impl<M: HasPath> HasPath for Arc<M> {
+    type Path<R: 'static, K: PathKind> = M::Path<R, K>;
+}
+impl<L: NativeLayer> HasPath for Native<L> {
+    type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+}
+
+impl<R: 'static, K: PathKind, L: NativeLayer> Path<R, K, Native<L>> {
+    /// The parameter called `name` (`weight`, `bias`, …).
+    pub fn param(&self, name: &str) -> Path<R, Indexed<K>, Param> {
+        self.child::<_, Param>(format_args!("{name}"))
+    }
+}
+
+macro_rules! list_path {
+    ($([$($g:tt)*] $ty:ty),* $(,)?) => {$(
+        impl<$($g)*> HasPath for $ty {
+            type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+        }
+
+        impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
+            /// Element `index` (checked at run time by [`get`](PathExt::get)).
+            pub fn at(&self, index: usize) -> M::Path<R, Indexed<K>> {
+                self.child::<_, M>(format_args!("{index}"))
+            }
+
+            /// Every element: the pattern segment `*`.
+            pub fn each(&self) -> M::Path<R, Each> {
+                self.child::<_, M>(format_args!("*"))
+            }
+        }
+    )*};
+}
+list_path!(
+    [M: HasPath] Vec<M>,
+    [M: HasPath, const N: usize] [M; N],
+    [M: HasPath] ModuleList<M>,
+);
+
+macro_rules! map_path {
+    ($([$($g:tt)*] $ty:ty),* $(,)?) => {$(
+        impl<$($g)*> HasPath for $ty {
+            type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+        }
+
+        impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
+            /// The entry `key` (checked at run time by [`get`](PathExt::get)).
+            pub fn key(&self, key: &str) -> M::Path<R, Indexed<K>> {
+                self.child::<_, M>(format_args!("{key}"))
+            }
+
+            /// Every entry: the pattern segment `*`.
+            pub fn each(&self) -> M::Path<R, Each> {
+                self.child::<_, M>(format_args!("*"))
+            }
+        }
+    )*};
+}
+map_path!([M: HasPath] BTreeMap<String, M>, [M: HasPath] ModuleDict<M>);
+
+impl<R: 'static, K: PathKind> Path<R, K, Sequential> {
+    /// Layer `index` (a layer added by `push`); [`of`](Path::of) says its type.
+    pub fn at(&self, index: usize) -> Path<R, Indexed<K>, Box<dyn SequentialLayer>> {
+        self.child::<_, Box<dyn SequentialLayer>>(format_args!("{index}"))
+    }
+
+    /// The layer called `name` (added by `push_named`).
+    pub fn named(&self, name: &str) -> Path<R, Indexed<K>, Box<dyn SequentialLayer>> {
+        self.child::<_, Box<dyn SequentialLayer>>(format_args!("{name}"))
+    }
+
+    /// Every layer: the pattern segment `*`.
+    pub fn each(&self) -> Path<R, Each, Box<dyn SequentialLayer>> {
+        self.child::<_, Box<dyn SequentialLayer>>(format_args!("*"))
+    }
+}
+
+impl<R: 'static, K: PathKind> Path<R, K, Box<dyn SequentialLayer>> {
+    /// The layer as a `T`: checked at run time by [`get`](PathExt::get) (and by a typed hook).
+    pub fn of<T: HasPath>(&self) -> T::Path<R, K::Checked> {
+        T::Path::<R, K::Checked>::__from_path_string(self.path.clone())
+    }
+}
+
+macro_rules! tuple_path {
+    ($($t:ident $i:tt $m:ident),+) => {
+        impl<$($t: HasPath),+> HasPath for ($($t,)+) {
+            type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+        }
+
+        impl<R: 'static, K: PathKind, $($t: HasPath),+> Path<R, K, ($($t,)+)> {
+            $(
+                #[doc = concat!("Element `", stringify!($i), "`.")]
+                pub fn $m(&self) -> $t::Path<R, K::Field> {
+                    self.child::<_, $t>(format_args!("{}", $i))
+                }
+            )+
+        }
+    };
+}
+tuple_path!(A 0 _0);
+tuple_path!(A 0 _0, B 1 _1);
+tuple_path!(A 0 _0, B 1 _1, C 2 _2);
+tuple_path!(A 0 _0, B 1 _1, C 2 _2, D 3 _3);

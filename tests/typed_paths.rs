@@ -1,0 +1,279 @@
+//! Typed paths (`#[module(paths)]`): for every container kind, the string form of a typed path is
+//! the runtime's path (as `named_modules` / `named_parameters` list it), and `get` finds the value
+//! there, as its own type.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use module_runtime::nn::{LayerNorm, ModuleDict, ModuleList, Sequential};
+use module_runtime::prelude::*;
+use module_runtime::typed_path::{Checked, Each, Static, TypedPath};
+use module_runtime::PathExt;
+
+#[derive(Module)]
+#[module(paths)]
+struct Block {
+    #[module(rename = "LayerNorm")]
+    norm: LayerNorm,
+    fc: Linear,
+}
+
+#[derive(Module)]
+#[module(paths)]
+struct Pair(Linear, Linear);
+
+#[derive(Module)]
+#[module(paths)]
+struct Inner {
+    proj: Linear,
+}
+
+#[derive(Module)]
+#[module(paths)]
+enum Head {
+    Plain(Linear),
+    Gated { gate: Linear, out: Linear },
+}
+
+#[derive(Module)]
+#[module(paths)]
+struct Net {
+    blocks: Vec<Block>,
+    array: [Linear; 2],
+    list: ModuleList<Linear>,
+    seq: Sequential,
+    dict: ModuleDict<Linear>,
+    map: BTreeMap<String, Block>,
+    head: Option<Linear>,
+    absent: Option<Linear>,
+    boxed: Box<Block>,
+    shared_a: Arc<Block>,
+    shared_b: Arc<Block>,
+    tuple: (Linear, Block),
+    pair: Pair,
+    #[module(flatten)]
+    inner: Inner,
+    gated: Head,
+    plain: Head,
+    #[module(skip)]
+    _config: usize,
+    width: usize,
+}
+
+fn lin() -> Linear {
+    Linear::new(2, 2, &Device::Cpu).unwrap()
+}
+
+fn block() -> Block {
+    Block {
+        norm: LayerNorm::new(2, &Device::Cpu).unwrap(),
+        fc: lin(),
+    }
+}
+
+fn net() -> Net {
+    let mut seq = Sequential::new();
+    seq.push(lin());
+    seq.add_module("named", lin()).unwrap();
+    let mut list = ModuleList::new();
+    list.push(lin());
+    let mut dict = ModuleDict::new();
+    dict.insert("a", lin()).unwrap();
+    let mut map = BTreeMap::new();
+    map.insert("k".to_owned(), block());
+    let shared = Arc::new(block());
+    Net {
+        blocks: vec![block(), block()],
+        array: [lin(), lin()],
+        list,
+        seq,
+        dict,
+        map,
+        head: Some(lin()),
+        absent: None,
+        boxed: Box::new(block()),
+        shared_a: shared.clone(),
+        shared_b: shared,
+        tuple: (lin(), block()),
+        pair: Pair(lin(), lin()),
+        inner: Inner { proj: lin() },
+        gated: Head::Gated {
+            gate: lin(),
+            out: lin(),
+        },
+        plain: Head::Plain(lin()),
+        _config: 0,
+        width: 2,
+    }
+}
+
+/// The path is listed by the runtime (as a module or a parameter).
+fn listed(net: &Net, path: &str) -> bool {
+    let with_aliases = module_runtime::Names::new().keep_duplicates();
+    net.named_modules_with(&with_aliases)
+        .iter()
+        .any(|(p, _)| p == path)
+        || net
+            .named_parameters_with_aliases()
+            .iter()
+            .any(|(p, _)| p == path)
+}
+
+#[test]
+fn strings_are_the_runtime_paths() {
+    let net = net();
+    let p = Net::path;
+    let paths: Vec<String> = vec![
+        p().blocks().to_string(),
+        p().blocks().at(1).norm().to_string(),
+        p().blocks().at(0).norm().weight().to_string(),
+        p().blocks().at(1).fc().bias().to_string(),
+        p().array().at(1).to_string(),
+        p().list().at(0).weight().to_string(),
+        p().seq().at(0).to_string(),
+        p().seq().named("named").to_string(),
+        p().seq().named("named").of::<Linear>().weight().to_string(),
+        p().dict().key("a").weight().to_string(),
+        p().map().key("k").norm().to_string(),
+        p().head().to_string(),
+        p().head().weight().to_string(),
+        p().boxed().fc().to_string(),
+        p().shared_a().fc().to_string(),
+        p().tuple()._0().to_string(),
+        p().tuple()._1().norm().to_string(),
+        p().pair()._1().to_string(),
+        p().inner().proj().to_string(),
+        p().gated().gated_gate().to_string(),
+        p().plain().plain().weight().to_string(),
+    ];
+    let expected = [
+        "blocks",
+        "blocks.1.LayerNorm",
+        "blocks.0.LayerNorm.weight",
+        "blocks.1.fc.bias",
+        "array.1",
+        "list.0.weight",
+        "seq.0",
+        "seq.named",
+        "seq.named.weight",
+        "dict.a.weight",
+        "map.k.LayerNorm",
+        "head",
+        "head.weight",
+        "boxed.fc",
+        "shared_a.fc",
+        "tuple.0",
+        "tuple.1.LayerNorm",
+        "pair.1",
+        "proj",
+        "gated.gate",
+        "plain.weight",
+    ];
+    assert_eq!(paths, expected);
+    for path in &paths {
+        assert!(listed(&net, path), "`{path}` is not a runtime path");
+    }
+    // The second alias of a shared module is not a state-dict path (its first path is), but it
+    // reaches the same module.
+    let b = p().shared_b().fc();
+    assert_eq!(b.as_str(), "shared_b.fc");
+    let a: &Linear = net.get(p().shared_a().fc());
+    assert!(std::ptr::eq(a, net.get(b)));
+    // Patterns.
+    assert_eq!(p().blocks().each().fc().as_str(), "blocks.*.fc");
+    assert_eq!(p().map().each().norm().as_str(), "map.*.LayerNorm");
+    assert_eq!(p().seq().each().as_str(), "seq.*");
+    // The root is the empty path.
+    assert_eq!(p().as_str(), "");
+}
+
+#[test]
+fn get_returns_the_concrete_type() {
+    let net = net();
+    let p = Net::path;
+    // Static: no `Option`.
+    let root: &Net = net.get(p());
+    assert_eq!(root.width, 2);
+    let fc: &Linear = net.get(p().boxed().fc());
+    assert!(std::ptr::eq(fc, &net.boxed.fc));
+    let norm: &LayerNorm = net.get(p().tuple()._1().norm());
+    assert!(std::ptr::eq(norm, &net.tuple.1.norm));
+    let weight: &Param = net.get(p().inner().proj().weight());
+    assert!(std::ptr::eq(weight, &net.inner.proj.weight));
+    let blocks: &Vec<Block> = net.get(p().blocks());
+    assert_eq!(blocks.len(), 2);
+    // Checked: indices, keys, `Option`, enum variants.
+    assert!(net.get(p().blocks().at(1).fc()).is_some());
+    assert!(net.get(p().blocks().at(2).fc()).is_none());
+    assert!(net.get(p().dict().key("a")).is_some());
+    assert!(net.get(p().dict().key("b")).is_none());
+    assert!(net.get(p().map().key("k").fc()).is_some());
+    assert!(net.get(p().head()).is_some());
+    assert!(net.get(p().absent()).is_none());
+    assert!(net.get(p().seq().named("named").of::<Linear>()).is_some());
+    assert!(net.get(p().seq().at(0).of::<LayerNorm>()).is_none());
+    assert!(net.get(p().gated().gated_out()).is_some());
+    assert!(net.get(p().gated().plain()).is_none());
+    assert!(net.get(p().plain().plain()).is_some());
+    assert!(net.get(p().plain().gated_gate()).is_none());
+    assert!(net.get(p().head().bias()).is_some());
+    // Each: every match.
+    let fcs: Vec<&Linear> = net.get(p().blocks().each().fc());
+    assert_eq!(fcs.len(), 2);
+    assert_eq!(net.get(p().array().each()).len(), 2);
+    // `PathExt::get` works on any root, through the generic path types too.
+    let list: &ModuleList<Linear> = net.get(p().list());
+    assert!(std::ptr::eq(list, &net.list));
+    let _: Option<&Linear> = PathExt::get(&net, p().list().at(0));
+}
+
+#[test]
+fn kinds_are_tracked_in_the_types() {
+    fn kind<P: TypedPath>(_: &P) -> &'static str {
+        std::any::type_name::<P::Kind>()
+    }
+    let p = Net::path;
+    assert_eq!(kind(&p().boxed().fc()), std::any::type_name::<Static>());
+    assert_eq!(
+        kind(&p().blocks().at(0).fc()),
+        std::any::type_name::<Checked>()
+    );
+    assert_eq!(
+        kind(&p().blocks().each().fc()),
+        std::any::type_name::<Each>()
+    );
+    assert_eq!(kind(&p().head()), std::any::type_name::<Checked>());
+    // Past a flattened field, the kind is the parent's again.
+    assert_eq!(kind(&p().inner().proj()), std::any::type_name::<Static>());
+}
+
+#[test]
+fn typed_paths_are_accepted_where_strings_are() -> Result<()> {
+    let net = net();
+    // freeze / unfreeze take `&str`: a typed path dereferences to one.
+    let every_fc = Net::path().blocks().each().fc();
+    assert_eq!(net.freeze(&every_fc)?, 4);
+    assert_eq!(net.unfreeze(&every_fc)?, 4);
+    // capture takes `&[&str]`.
+    let x = Tensor::ones((1, 2), DType::F32, &Device::Cpu)?;
+    let first = Net::path().blocks().at(0).fc();
+    let (_, captured) = net.capture(&[&first, &every_fc], |n| n.blocks[0].fc.call(&x))?;
+    assert!(captured.get("blocks.0.fc").is_some());
+    // Hooks: a string hook and a typed hook, which sees the module as its own type.
+    let hooks = Hooks::new();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let _h = hooks.register_forward_hook(&every_fc, |_, _, _| Ok(None))?;
+    let _t = hooks.register_typed_forward_hook(&first, move |ctx, fc: &Linear, _, _| {
+        log.lock()
+            .unwrap()
+            .push((ctx.path().to_owned(), fc.weight.tensor().dims().to_vec()));
+        Ok(None)
+    })?;
+    hooks.run(&net, |n| n.blocks[0].fc.call(&x))?;
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [("blocks.0.fc".to_owned(), vec![2, 2])]
+    );
+    Ok(())
+}
