@@ -298,30 +298,40 @@ macro_rules! config {
         }
     )*};
 }
-config!(
-    (),
-    bool,
-    char,
-    u8,
-    u16,
-    u32,
-    u64,
-    u128,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    i128,
-    isize,
-    f32,
-    f64,
-    String,
-    &'static str,
-    candle_core::DType,
-    candle_core::Device,
-    candle_core::Shape,
-);
+/// Calls `$m!` with every plain value type a derived struct may hold as configuration (numbers,
+/// strings, dtypes, devices, shapes): one list for the `Module` impls here and the path types in
+/// `typed_path`.
+macro_rules! for_config_types {
+    ($m:ident) => {
+        $m!(
+            (),
+            bool,
+            char,
+            u8,
+            u16,
+            u32,
+            u64,
+            u128,
+            usize,
+            i8,
+            i16,
+            i32,
+            i64,
+            i128,
+            isize,
+            f32,
+            f64,
+            String,
+            &'static str,
+            candle_core::DType,
+            candle_core::Device,
+            candle_core::Shape,
+        );
+    };
+}
+pub(crate) use for_config_types;
+
+for_config_types!(config);
 
 #[diagnostic::do_not_recommend]
 impl<T: ?Sized + Send + Sync + 'static> Module for PhantomData<T> {

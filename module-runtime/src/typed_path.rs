@@ -412,31 +412,8 @@ macro_rules! no_path {
         }
     )*};
 }
-no_path!(
-    (),
-    bool,
-    char,
-    u8,
-    u16,
-    u32,
-    u64,
-    u128,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    i128,
-    isize,
-    f32,
-    f64,
-    String,
-    &'static str,
-    candle_core::DType,
-    candle_core::Device,
-    candle_core::Shape,
-    crate::Mode,
-);
+crate::module::for_config_types!(no_path);
+no_path!(crate::Mode);
 
 impl<T: ?Sized + 'static> HasPath for PhantomData<T> {
     type Path<R: 'static, K: PathKind> = NoPath;
