@@ -277,3 +277,69 @@ fn typed_paths_are_accepted_where_strings_are() -> Result<()> {
     );
     Ok(())
 }
+
+/// A module whose call returns two tensors, to see a typed tuple output in a hook.
+#[derive(Module)]
+#[module(paths)]
+struct Split {
+    fc: Linear,
+}
+
+impl Forward<&Tensor> for Split {
+    type Output = (Tensor, Tensor);
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let y = self.fc.call(x)?;
+        Ok((y.clone(), y.neg()?))
+    }
+}
+
+#[derive(Module)]
+#[module(paths)]
+struct Outer {
+    split: Split,
+}
+
+impl Forward<&Tensor> for Outer {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (a, b) = self.split.call(x)?;
+        Ok((a + b)?)
+    }
+}
+
+#[test]
+fn typed_output_hooks_see_and_replace_the_modules_own_output_type() -> Result<()> {
+    let dev = Device::Cpu;
+    let outer = Outer {
+        split: Split {
+            fc: Linear::new(3, 2, &dev)?,
+        },
+    };
+    let x = Tensor::ones((1, 3), DType::F32, &dev)?;
+    let hooks = Hooks::new();
+    let path = Outer::path().split();
+    // The first hook replaces the second tensor of the tuple by zeros...
+    hooks.register_typed_output_hook(&path, |ctx, split: &Split, out: &(Tensor, Tensor)| {
+        assert_eq!(ctx.path(), "split");
+        assert_eq!(out.0.dim(1)?, split.fc.out_features());
+        Ok(Some((out.0.clone(), out.1.zeros_like()?)))
+    })?;
+    // ...and the next one sees that replacement as a typed value.
+    hooks.register_typed_output_hook(&path, |_, _: &Split, out: &(Tensor, Tensor)| {
+        assert_eq!(out.1.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(None)
+    })?;
+    let y = hooks.run(&outer, |m| m.call(&x))?;
+    let first = outer.split.fc.call(&x)?;
+    assert_eq!(y.to_vec2::<f32>()?, first.to_vec2::<f32>()?);
+
+    // A hook for another output type is an error naming the path and the type it takes.
+    let wrong = Hooks::new();
+    wrong
+        .register_typed_output_hook(&Outer::path().split(), |_, _: &Split, _: &Tensor| Ok(None))?;
+    let err = wrong.run(&outer, |m| m.call(&x)).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("`split`"), "{message}");
+    assert!(message.contains("Tensor"), "{message}");
+    Ok(())
+}

@@ -49,6 +49,17 @@ pub enum Error {
         found: String,
     },
 
+    /// A typed forward hook ([`Hooks::register_typed_output_hook`](crate::Hooks::register_typed_output_hook))
+    /// was registered for an output type the module's call did not return (a module with several
+    /// `Forward` impls returns the type of the one called).
+    #[error("the typed forward hook on `{path}` takes a `{expected}` output, but the call returned another type")]
+    HookOutputType {
+        /// The module's path.
+        path: String,
+        /// The output type the hook takes.
+        expected: String,
+    },
+
     /// The path leads to a parameter or buffer where a module was expected, or vice versa.
     #[error("`{path}` is a {found}, not a {expected}")]
     WrongKind {

@@ -393,6 +393,67 @@ impl crate::Hooks {
     }
 }
 
+impl crate::Hooks {
+    /// A forward hook on a typed path that sees the module *and its output* as their own types —
+    /// `|ctx, attn: &BertSelfAttention, out: &Tensor|`, or a tuple, or a
+    /// [`TensorStruct`](crate::TensorStruct) — and may return a replacement output of that type
+    /// (`Ok(Some(new))`). The module's type is checked at compile time; the output type at run
+    /// time, since a module may implement `Forward` for several inputs: a call that returns
+    /// another type is [`Error::HookOutputType`](crate::Error::HookOutputType).
+    ///
+    /// The input is not given typed: inputs may borrow (`&Tensor`), so a hook that runs after
+    /// `forward` sees them as the tensors of [`register_forward_hook`](crate::Hooks::register_forward_hook).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// #[module(paths)]
+    /// struct Net {
+    ///     fc: Linear,
+    /// }
+    ///
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    ///         self.fc.call(x)
+    ///     }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(3, 2, &Device::Cpu)? };
+    /// let hooks = Hooks::new();
+    /// hooks.register_typed_output_hook(&Net::path().fc(), |_, fc: &Linear, out: &Tensor| {
+    ///     assert_eq!(out.dim(1)?, fc.out_features());
+    ///     Ok(Some(out.zeros_like()?)) // replace the output
+    /// })?;
+    /// let y = hooks.run(&net, |m| m.call(&Tensor::ones((1, 3), DType::F32, &Device::Cpu)?))?;
+    /// assert_eq!(y.to_vec2::<f32>()?, [[0.0, 0.0]]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn register_typed_output_hook<P, O>(
+        &self,
+        path: &P,
+        hook: impl Fn(&crate::HookCtx<'_>, &P::Target, &O) -> crate::Result<Option<O>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> crate::Result<crate::HookHandle>
+    where
+        P: TypedPath,
+        O: crate::TensorTree + 'static,
+    {
+        self.register_typed_forward_hook(path, move |ctx, module, _input, _output| {
+            let Some(output) = ctx.output::<O>() else {
+                return Err(crate::Error::HookOutputType {
+                    path: ctx.path().to_owned(),
+                    expected: std::any::type_name::<O>().to_owned(),
+                });
+            };
+            Ok(hook(ctx, module, output)?.map(|new| new.tensors()))
+        })
+    }
+}
+
 // ---- Path types of the runtime's own types ----
 
 /// A dead end: the path type of configuration values, which are not in the module tree.

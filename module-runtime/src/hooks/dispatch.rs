@@ -137,6 +137,7 @@ impl<F: ?Sized> Armed<F> {
             registry: &self.registry,
             id: self.id,
             error: None,
+            output: None,
         }
     }
 }
@@ -373,22 +374,27 @@ where
     };
     if !plan.post.is_empty() {
         let mut tensors = output.tensors();
-        let mut replaced = false;
         for (i, hook) in plan.post.iter().enumerate() {
-            let new = (hook.f)(&hook.ctx(path, as_dyn), &input_tensors, &tensors);
-            let new = checked(path, "forward hook", tensors.len(), new);
-            match new {
-                Ok(Some(new)) => {
-                    tensors = new;
-                    replaced = true;
-                }
+            let new = {
+                let mut ctx = hook.ctx(path, as_dyn);
+                ctx.output = Some(&output as &dyn std::any::Any);
+                (hook.f)(&ctx, &input_tensors, &tensors)
+            };
+            match checked(path, "forward hook", tensors.len(), new) {
+                // The next hook sees the replaced output as a typed value too. An owned
+                // (`'static`) output holds no references, so the scope stays unused.
+                Ok(Some(new)) => match rebuild::<M::Output>(path, output, new.clone(), &scope) {
+                    Ok(rebuilt) => {
+                        output = rebuilt;
+                        tensors = new;
+                    }
+                    Err(e) => {
+                        return Err(plan.fail(path, as_dyn, i + 1, &input_tensors, &tensors, e))
+                    }
+                },
                 Ok(None) => {}
                 Err(e) => return Err(plan.fail(path, as_dyn, i + 1, &input_tensors, &tensors, e)),
             }
-        }
-        if replaced {
-            // An owned (`'static`) output holds no references, so the scope stays unused.
-            output = rebuild::<M::Output>(path, output, tensors, &scope)?;
         }
     }
     drop(scope);

@@ -30,6 +30,8 @@ pub struct HookCtx<'a> {
     pub(super) registry: &'a Arc<Registry>,
     pub(super) id: u64,
     pub(super) error: Option<&'a Error>,
+    /// The output as its own type, in a forward hook of a call that has not failed.
+    pub(super) output: Option<&'a dyn std::any::Any>,
 }
 
 impl HookCtx<'_> {
@@ -63,6 +65,14 @@ impl HookCtx<'_> {
     /// Whether the call failed (see [`error`](Self::error)).
     pub fn failed(&self) -> bool {
         self.error.is_some()
+    }
+
+    /// In a forward hook, the module's output as its own type (a `Tensor`, a tuple, a
+    /// [`TensorStruct`](crate::TensorStruct)…), with the replacements of the hooks that ran before
+    /// this one; `None` in a pre-hook, after a failure, or when `O` is not the output's type.
+    /// The tensors the hook is given are this value's, in [`TensorTree`](crate::TensorTree) order.
+    pub fn output<O: 'static>(&self) -> Option<&O> {
+        self.output?.downcast_ref::<O>()
     }
 }
 
