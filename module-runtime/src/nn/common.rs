@@ -167,6 +167,86 @@ pub(crate) fn add_channel_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor
     }
 }
 
+/// [`add_channel_bias`] for the fresh output of a convolution kernel, which nothing else holds: in
+/// place during CPU float32 inference (no second output allocated), else as `add_channel_bias`.
+pub(crate) fn add_channel_bias_to_fresh(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+    match bias {
+        Some(b) if can_add_bias_in_place(&y, &b, 1) => {
+            add_bias_in_place(&y, &b, 1)?;
+            Ok(y)
+        }
+        other => add_channel_bias(y, other),
+    }
+}
+
+/// Whether `b` can be added to `y` along dimension `dim` in place: `y` contiguous, nothing records
+/// a gradient, float32 on the CPU, `b` one non-empty value per index of `dim`. The caller
+/// guarantees that `y` is a kernel's fresh output that no one else holds.
+pub(crate) fn can_add_bias_in_place(y: &Tensor, b: &Tensor, dim: usize) -> bool {
+    !y.track_op()
+        && !b.track_op()
+        && y.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && y.device().is_cpu()
+        && b.device().is_cpu()
+        && y.is_contiguous()
+        && b.is_contiguous()
+        && b.rank() == 1
+        && b.elem_count() > 0
+        && y.dims().get(dim) == Some(&b.elem_count())
+}
+
+/// `y[.., j, ..] += b[j]` along dimension `dim`, in place (see [`can_add_bias_in_place`]).
+pub(crate) fn add_bias_in_place(y: &Tensor, b: &Tensor, dim: usize) -> Result<()> {
+    let inner = y.dims()[dim + 1..].iter().product();
+    Ok(y.inplace_op2(b, &AddBiasInPlace { inner })?)
+}
+
+/// `y += b` over a contiguous float32 `y` viewed as `[outer, b.len(), inner]`.
+struct AddBiasInPlace {
+    inner: usize,
+}
+
+impl candle_core::InplaceOp2 for AddBiasInPlace {
+    fn name(&self) -> &'static str {
+        "add-bias-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &mut candle_core::CpuStorage,
+        y_layout: &candle_core::Layout,
+        b: &candle_core::CpuStorage,
+        b_layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage::F32;
+        let (F32(y), F32(b)) = (y, b) else {
+            return Err(candle_core::Error::Msg(format!(
+                "{}: float32 only",
+                self.name()
+            )));
+        };
+        let (Some((y0, y1)), Some((b0, b1))) =
+            (y_layout.contiguous_offsets(), b_layout.contiguous_offsets())
+        else {
+            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
+        };
+        let b = &b[b0..b1];
+        let y = &mut y[y0..y1];
+        if self.inner == 0 || y.is_empty() {
+            return Ok(());
+        }
+        for block in y.chunks_exact_mut(b.len() * self.inner) {
+            for (run, c) in block.chunks_exact_mut(self.inner).zip(b) {
+                for v in run {
+                    *v += c;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The dtype a normalization computes in: half-precision inputs are normalized in `f32`, as
 /// PyTorch does.
 pub(crate) fn compute_dtype(dtype: DType) -> DType {
@@ -303,6 +383,43 @@ fn check_fit(
 
 #[cfg(test)]
 mod tests {
+    /// The in-place bias add gives `broadcast_add`'s values bit for bit, along any dimension.
+    #[test]
+    fn in_place_bias_add_matches_broadcast_add() -> Result<()> {
+        let dev = Device::Cpu;
+        let y = Tensor::randn(0f32, 1., (2, 3, 4, 5), &dev)?;
+        for dim in 0..4 {
+            let b = Tensor::randn(0f32, 1., y.dim(dim)?, &dev)?;
+            let mut shape = vec![1; 4];
+            shape[dim] = y.dim(dim)?;
+            let expected = y.broadcast_add(&b.reshape(shape)?)?;
+            let fresh = y.copy()?;
+            assert!(can_add_bias_in_place(&fresh, &b, dim));
+            add_bias_in_place(&fresh, &b, dim)?;
+            assert_eq!(
+                fresh.flatten_all()?.to_vec1::<f32>()?,
+                expected.flatten_all()?.to_vec1::<f32>()?,
+                "dim {dim}"
+            );
+        }
+        // Not for a tensor that records a gradient, another dtype, or an empty bias.
+        let var = candle_core::Var::from_tensor(&y)?;
+        let b = Tensor::ones(3, DType::F32, &dev)?;
+        assert!(!can_add_bias_in_place(var.as_tensor(), &b, 1));
+        assert!(!can_add_bias_in_place(
+            &y.to_dtype(DType::F64)?,
+            &b.to_dtype(DType::F64)?,
+            1
+        ));
+        let empty = Tensor::zeros((2, 0), DType::F32, &dev)?;
+        assert!(!can_add_bias_in_place(
+            &empty,
+            &Tensor::zeros(0, DType::F32, &dev)?,
+            1
+        ));
+        Ok(())
+    }
+
     use super::*;
 
     #[test]

@@ -27,8 +27,8 @@ use candle_core::{DType, Device, Tensor};
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::nn::common::{
-    add_channel_bias, fit_param, forward_by_value, input_shape_error, lazy_param, param_tensor,
-    uniform_fan_in, PerDim, Size,
+    add_channel_bias, add_channel_bias_to_fresh, fit_param, forward_by_value, input_shape_error,
+    lazy_param, param_tensor, uniform_fan_in, PerDim, Size,
 };
 use crate::{Forward, Init, Module, Param};
 
@@ -280,8 +280,10 @@ fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
         )?
         .squeeze(2)?
     } else {
-        // candle's CPU kernel misreads a non-contiguous kernel.
-        x.conv1d(&weight.contiguous()?, padding, stride, dilation, c.groups)?
+        // candle's CPU kernel misreads a non-contiguous kernel. Its output is fresh: the bias
+        // can go in place.
+        let y = x.conv1d(&weight.contiguous()?, padding, stride, dilation, c.groups)?;
+        return add_channel_bias_to_fresh(y, bias);
     };
     add_channel_bias(y, bias)
 }
@@ -292,13 +294,15 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
     let y = if x.track_op() || weight.track_op() || !sp.uniform() {
         conv2d_differentiable(x, weight, sp.padding, sp.stride, sp.dilation, c.groups)?
     } else {
-        x.conv2d(
+        // candle's kernel: a fresh output, so the bias can go in place.
+        let y = x.conv2d(
             weight,
             sp.padding[0],
             sp.stride[0],
             sp.dilation[0],
             c.groups,
-        )?
+        )?;
+        return add_channel_bias_to_fresh(y, bias);
     };
     add_channel_bias(y, bias)
 }
@@ -665,6 +669,28 @@ forward_by_value!(Conv1d, Conv2d, ConvTranspose2d, LazyConv1d, LazyConv2d);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::ModuleExt;
+
+    /// Inference (candle's kernels, the bias added in place) agrees with the differentiable path.
+    #[test]
+    fn inference_matches_the_differentiable_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let x1 = Tensor::randn(0f32, 1., (2, 3, 9), &dev)?;
+        let c1 = Conv1d::new(3, 4, 3, &dev)?;
+        let x2 = Tensor::randn(0f32, 1., (2, 3, 6, 7), &dev)?;
+        let c2 = Conv2d::new(3, 4, 3, &dev)?;
+        let pairs = [
+            (c1.call(&x1)?, crate::without_grad(|| c1.call(&x1))?),
+            (c2.call(&x2)?, crate::without_grad(|| c2.call(&x2))?),
+        ];
+        for (tracked, fast) in pairs {
+            assert!(tracked.track_op() && !fast.track_op());
+            let diff = (tracked - fast)?.abs()?.flatten_all()?.max(0)?;
+            assert!(diff.to_scalar::<f32>()? < 1e-5);
+        }
+        Ok(())
+    }
 
     #[test]
     fn groups_must_divide_the_channels() {

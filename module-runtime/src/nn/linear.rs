@@ -4,7 +4,10 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::nn::common::{fit_param, forward_by_value, lazy_param, uniform_fan_in};
+use crate::nn::common::{
+    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, lazy_param,
+    uniform_fan_in,
+};
 use crate::{Forward, Init, Module, Param};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
@@ -138,65 +141,12 @@ fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
         // Inference on the CPU: add the bias into the matmul's fresh output, in place, instead of
         // allocating (and page-faulting in) a second output of the same size.
-        Some(b) if can_add_in_place(&y, &b) => {
-            y.inplace_op2(&b, &AddBiasInPlace)?;
+        Some(b) if can_add_bias_in_place(&y, &b, y.rank().saturating_sub(1)) => {
+            add_bias_in_place(&y, &b, y.rank() - 1)?;
             Ok(y)
         }
         Some(b) => Ok(y.broadcast_add(&b)?),
         None => Ok(y),
-    }
-}
-
-/// Whether `y += b` can run in place: `y` is the matmul's own output (contiguous, owned by no one
-/// else), nothing records a gradient, float32 on the CPU, `b` one value per last-dim column.
-fn can_add_in_place(y: &Tensor, b: &Tensor) -> bool {
-    !y.track_op()
-        && !b.track_op()
-        && y.dtype() == DType::F32
-        && b.dtype() == DType::F32
-        && y.device().is_cpu()
-        && b.device().is_cpu()
-        && y.is_contiguous()
-        && b.is_contiguous()
-        && b.rank() == 1
-        && b.elem_count() > 0
-        && y.dims().last() == Some(&b.elem_count())
-}
-
-/// `y[.., j] += b[j]`, in place, over a contiguous float32 `y` on the CPU.
-struct AddBiasInPlace;
-
-impl candle_core::InplaceOp2 for AddBiasInPlace {
-    fn name(&self) -> &'static str {
-        "add-bias-in-place"
-    }
-
-    fn cpu_fwd(
-        &self,
-        y: &mut candle_core::CpuStorage,
-        y_layout: &candle_core::Layout,
-        b: &candle_core::CpuStorage,
-        b_layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        use candle_core::CpuStorage::F32;
-        let (F32(y), F32(b)) = (y, b) else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: float32 only",
-                self.name()
-            )));
-        };
-        let (Some((y0, y1)), Some((b0, b1))) =
-            (y_layout.contiguous_offsets(), b_layout.contiguous_offsets())
-        else {
-            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
-        };
-        let b = &b[b0..b1];
-        for row in y[y0..y1].chunks_exact_mut(b.len()) {
-            for (v, c) in row.iter_mut().zip(b) {
-                *v += c;
-            }
-        }
-        Ok(())
     }
 }
 
