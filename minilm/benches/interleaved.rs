@@ -18,15 +18,14 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use candle_nn::VarBuilder;
-use candle_transformers::models::bert;
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
 use module_runtime::StateDict;
 
-const BATCH: usize = 32;
-const SEQ: usize = 25;
+#[path = "support/mod.rs"]
+mod support;
+use support::{BATCH, SEQ};
 
 type Run<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
 
@@ -55,17 +54,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         .collect::<Result<_>>()?;
     let frozen = load()?;
     frozen.freeze("**")?;
-    let config: bert::Config =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    // SAFETY: the checkpoint is not modified while mapped.
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
-    let peer = bert::BertModel::load(vb, &config)?;
-
-    let ids: Vec<u32> = (0..BATCH * SEQ)
-        .map(|i| 1000 + (i as u32 * 7919) % 29000)
-        .collect();
-    let ids = Tensor::from_vec(ids, (BATCH, SEQ), &device)?;
-    let mask = Tensor::ones((BATCH, SEQ), DType::U32, &device)?;
+    let peer = support::peer(&dir, &device)?;
+    let (ids, mask) = support::inputs(&device)?;
     let types = ids.zeros_like()?;
 
     let variants: Vec<(&str, Run)> = vec![

@@ -13,6 +13,9 @@
 //! Resident memory counts the pages of the memory-mapped file that were read, as the kernel does.
 
 use candle_nn::VarBuilder;
+
+#[path = "support/mod.rs"]
+mod support;
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
@@ -60,12 +63,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             (model.num_parameters(), rss_model, memory())
         }
         "candle_transformers" => {
-            use candle_transformers::models::bert;
-            let config: bert::Config =
-                serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-            // SAFETY: the checkpoint is not modified while mapped.
-            let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &device)? };
-            let _model = bert::BertModel::load(vb, &config)?;
+            let _model = support::peer(&dir, &device)?;
             (0, rss_before, memory())
         }
         "varbuilder" => {

@@ -19,15 +19,15 @@ use std::path::Path;
 use std::time::Duration;
 
 use candle_nn::VarBuilder;
-use candle_transformers::models::bert;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
 use module_runtime::{no_grad, Hooks};
 
-const BATCH: usize = 32;
-const SEQ: usize = 25;
+#[path = "support/mod.rs"]
+mod support;
+use support::{inputs, peer, BATCH};
 
 /// The same BERT, written directly against candle-nn: the baseline a user would otherwise write.
 mod plain {
@@ -128,15 +128,6 @@ mod plain {
     }
 }
 
-fn inputs(device: &Device) -> Result<(Tensor, Tensor)> {
-    let ids: Vec<u32> = (0..BATCH * SEQ)
-        .map(|i| 1000 + (i as u32 * 7919) % 29000)
-        .collect();
-    let ids = Tensor::from_vec(ids, (BATCH, SEQ), device)?;
-    let mask = Tensor::ones((BATCH, SEQ), DType::U32, device)?;
-    Ok((ids, mask))
-}
-
 /// Our model, loaded strictly and in eval mode (nothing frozen).
 fn ours(dir: &Path, device: &Device) -> Result<BertModel> {
     let model = BertModel::new(&BertConfig::minilm_l6(), device)?;
@@ -150,19 +141,6 @@ fn ours_empty(dir: &Path, device: &Device) -> Result<BertModel> {
     let model = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), device))?;
     model.load_safetensors(dir.join("model.safetensors"))?;
     Ok(model)
-}
-
-/// candle-transformers' BERT, as its examples load it: a memory-mapped `VarBuilder`.
-fn peer(dir: &Path, device: &Device) -> candle_core::Result<bert::BertModel> {
-    let config: bert::Config = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?,
-    )
-    .map_err(candle_core::Error::wrap)?;
-    // SAFETY: the checkpoint is not modified while mapped.
-    let vb = unsafe {
-        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, device)?
-    };
-    bert::BertModel::load(vb, &config)
 }
 
 fn varbuilder(path: &Path, device: &Device) -> candle_core::Result<plain::Bert> {

@@ -1,0 +1,38 @@
+//! What the MiniLM benchmarks share: the batch they run and the peer they compare with. Included
+//! by path (`#[path = "support/mod.rs"] mod support;`), so each bench uses what it needs.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert;
+
+/// Sentences per batch (DESIGN.md §6).
+pub const BATCH: usize = 32;
+/// Tokens per sentence.
+pub const SEQ: usize = 25;
+
+/// The benchmark batch: `[BATCH, SEQ]` token ids spread over the vocabulary, and an all-ones mask.
+pub fn inputs(device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..BATCH * SEQ)
+        .map(|i| 1000 + (i as u32 * 7919) % 29000)
+        .collect();
+    let ids = Tensor::from_vec(ids, (BATCH, SEQ), device)?;
+    let mask = Tensor::ones((BATCH, SEQ), DType::U32, device)?;
+    Ok((ids, mask))
+}
+
+/// candle-transformers' BERT from the checkpoint folder `dir`, as its examples load it: the
+/// `config.json`, and a memory-mapped `VarBuilder`.
+pub fn peer(dir: &Path, device: &Device) -> candle_core::Result<bert::BertModel> {
+    let config: bert::Config = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?,
+    )
+    .map_err(candle_core::Error::wrap)?;
+    // SAFETY: the checkpoint is not modified while mapped.
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, device)?
+    };
+    bert::BertModel::load(vb, &config)
+}
