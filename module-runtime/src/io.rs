@@ -8,9 +8,8 @@ use std::io::Read;
 use std::io::{Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 #[cfg(not(unix))]
-use std::sync::PoisonError;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -191,7 +190,7 @@ pub(crate) struct SafetensorsFile {
     /// Read with positioned reads on Unix (no shared cursor, so concurrent loads need no lock);
     /// other platforms seek under `seek_lock`.
     file: File,
-    #[cfg_attr(unix, allow(dead_code))]
+    #[cfg(not(unix))]
     seek_lock: Mutex<()>,
     /// Where the data section starts (after the 8-byte length and the JSON header).
     data_start: u64,
@@ -262,6 +261,7 @@ impl SafetensorsFile {
         Ok(Self {
             path: path.to_owned(),
             file,
+            #[cfg(not(unix))]
             seek_lock: Mutex::new(()),
             data_start,
             entries,
