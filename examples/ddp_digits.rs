@@ -51,14 +51,6 @@ struct Args {
     out: PathBuf,
 }
 
-fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
-    let _no_grad = module_runtime::no_grad();
-    let (x, y) = data.batch(0..data.len(), device)?;
-    let predicted = model.call(&x)?.argmax(D::Minus1)?;
-    let correct = predicted.eq(&y)?.to_dtype(DType::F32)?.sum_all()?;
-    Ok(correct.to_scalar::<f32>()? as f64 / data.len() as f64)
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let comm = init_from_env()?;
@@ -139,8 +131,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
              {:.2}%; parameters equal on every rank; gradient all-reduce {:.1} µs a step",
             args.epochs,
             train_time.as_secs_f64(),
-            100.0 * accuracy(&model, &train, &device)?,
-            100.0 * accuracy(&model, &test, &device)?,
+            100.0 * model.accuracy(&train, &device)?,
+            100.0 * model.accuracy(&test, &device)?,
             reducing.as_secs_f64() * 1e6 / f64::from(reductions.max(1)),
         );
         model.save_safetensors(&args.out)?; // names as the model's: no `module.` prefix

@@ -38,14 +38,6 @@ struct Args {
     out: PathBuf,
 }
 
-fn accuracy(model: &DigitNet, data: &Digits, device: &Device) -> Result<f64> {
-    let _no_grad = module_runtime::no_grad(); // inference: record no graph
-    let (x, y) = data.batch(0..data.len(), device)?;
-    let predicted = model.call(&x)?.argmax(D::Minus1)?;
-    let correct = predicted.eq(&y)?.to_dtype(DType::F32)?.sum_all()?;
-    Ok(correct.to_scalar::<f32>()? as f64 / data.len() as f64)
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let batch_size = args.batch_size.get();
@@ -87,19 +79,19 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     bar.finish();
     let train_time = start.elapsed();
 
-    let test_acc = accuracy(&model, &test, &device)?;
+    let test_acc = model.accuracy(&test, &device)?;
     println!(
         "trained {} epochs in {:.1}s: train accuracy {:.2}%, test accuracy {:.2}%",
         args.epochs,
         train_time.as_secs_f64(),
-        100.0 * accuracy(&model, &train, &device)?,
+        100.0 * model.accuracy(&train, &device)?,
         100.0 * test_acc
     );
 
     model.save_safetensors(&args.out)?;
     let restored = DigitNet::new(&device)?;
     restored.load_safetensors(&args.out)?;
-    let restored_acc = accuracy(&restored, &test, &device)?;
+    let restored_acc = restored.accuracy(&test, &device)?;
     println!(
         "saved {} and reloaded it into a fresh model: test accuracy {:.2}%{}",
         args.out.display(),

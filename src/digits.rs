@@ -123,6 +123,16 @@ impl DigitNet {
             head: Linear::new(64, 10, device)?,
         })
     }
+
+    /// The fraction of `data` classified correctly, computed under `no_grad` (inference: no graph
+    /// recorded).
+    pub fn accuracy(&self, data: &Digits, device: &Device) -> Result<f64> {
+        let _no_grad = module_runtime::no_grad();
+        let (x, y) = data.batch(0..data.len(), device)?;
+        let predicted = self.call(&x)?.argmax(D::Minus1)?;
+        let correct = predicted.eq(&y)?.to_dtype(DType::F32)?.sum_all()?;
+        Ok(correct.to_scalar::<f32>()? as f64 / data.len() as f64)
+    }
 }
 
 impl Forward<&Tensor> for DigitNet {
