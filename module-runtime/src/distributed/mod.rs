@@ -7,6 +7,8 @@
 //!   [`LocalGroup`] (ranks as threads, for tests), and with the `mpi` feature `Mpi` (CPU
 //!   clusters and tests under `mpiexec`). An NCCL engine for GPUs is planned, not written; the
 //!   plan is in [`Collective`]'s docs.
+//! * [`RendezvousServer`] and [`fetch_blob`]: the TCP rendezvous that hands NCCL's unique id
+//!   from rank 0 to the other ranks.
 //! * [`init_from_env`] and [`DistEnv`]: the process group a launcher (`torchrun`, `mpiexec`,
 //!   `srun`) describes, with half-set variables an error.
 //! * [`DistributedDataParallel`]: checks and syncs the replicas at construction, averages the
@@ -42,6 +44,7 @@ mod error;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod rendezvous;
 mod sampler;
 
 pub use collective::{Collective, ReduceOp, SingleProcess};
@@ -51,4 +54,5 @@ pub use error::DistributedError;
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
+pub use rendezvous::{fetch_blob, rendezvous_port, RendezvousServer, RENDEZVOUS_PORT_VAR};
 pub use sampler::DistributedSampler;
