@@ -5,7 +5,12 @@
 //! cargo run --release --example ddp_digits                       # one process
 //! cargo build --release --features mpi --example ddp_digits      # needs MPICH (see the README)
 //! mpiexec -n 2 target/release/examples/ddp_digits                # two ranks over MPI
+//! cargo build --release --features nccl --example ddp_digits     # CUDA toolkit + libnccl.so
+//! torchrun --nproc-per-node 2 --no-python target/release/examples/ddp_digits  # two GPUs, NCCL
 //! ```
+//!
+//! The model and batches live on `comm.device()`: the CPU for one process and MPI, `cuda:LOCAL_RANK`
+//! under NCCL. The NCCL run is untested: no GPU was available to this project.
 //!
 //! Every rank builds the model with its own random initialization; `DistributedDataParallel`
 //! checks that the ranks built the same parameters and copies rank 0's values to all. Each epoch,
@@ -60,7 +65,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         return Err(format!("--batch-size {batch_size} is not a multiple of {world} ranks").into());
     }
     let local_batch = batch_size / world;
-    let device = Device::Cpu;
+    let device = comm.device(); // cuda:LOCAL_RANK under NCCL, else the CPU
     let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
 
     let model = DigitNet::new(&device)?; // each rank draws its own values...
@@ -145,6 +150,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             ddp.barrier()?; // time the transfer, not a rank arriving late
             let start = Instant::now();
             comm.all_reduce(&values, ReduceOp::Avg)?;
+            device.synchronize()?; // a GPU engine may only have enqueued it
             times.push(start.elapsed().as_secs_f64());
         }
         times.sort_by(f64::total_cmp);

@@ -1,6 +1,6 @@
 //! The collective interface every engine implements, and the single-process engine.
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use super::DistributedError;
 use crate::Result;
@@ -24,19 +24,16 @@ pub enum ReduceOp {
 ///
 /// Engines in this crate: [`SingleProcess`] (world size 1, the default; no dependency),
 /// [`LocalGroup`](super::LocalGroup) (ranks as threads of one process, for tests and examples),
-/// and `Mpi` with the `mpi` feature. The trait is object safe: [`init_from_env`](super::init_from_env)
+/// `Mpi` with the `mpi` feature and `Nccl` with the `nccl` feature. The trait is object safe: [`init_from_env`](super::init_from_env)
 /// returns a `Box<dyn Collective>`.
 ///
-/// # An NCCL engine (not implemented)
+/// # The NCCL engine
 ///
-/// The plan, so that GPU support is one small adapter: with candle's `nccl` feature, an
-/// `Nccl { comm: cudarc::nccl::safe::Comm }` made with `Comm::from_rank` on the candle device's own
-/// stream (`CudaDevice::cuda_stream()`), the 128-byte unique id sent from rank 0 over a TCP
-/// rendezvous at `MASTER_ADDR:MASTER_PORT` (or through MPI). `all_reduce` takes the tensor's
-/// `CudaStorage` through `Tensor::inplace_op1` and calls `comm.all_reduce_in_place(.., Sum|Avg)`;
-/// `broadcast` calls `broadcast_in_place`. `Comm` is `!Send`, so the engine stays on its thread.
-/// NCCL cannot time out a collective (cudarc has no `ncclCommGetAsyncError` wrapper), so a timeout
-/// would be a watchdog thread aborting the communicator. Untested: no GPU was available.
+/// With the `nccl` feature, `Nccl` is the GPU engine: NCCL's communicator on the candle device's
+/// own CUDA stream, the tensor's `CudaStorage` reduced in place through
+/// [`Tensor::inplace_op1`], the 128-byte unique id handed from rank 0 to the others by a TCP
+/// rendezvous ([`RendezvousServer`](super::RendezvousServer), [`fetch_blob`](super::fetch_blob)).
+/// It is compiled in CI but has never run: no GPU was available to this project.
 pub trait Collective {
     /// This process's rank, in `0..world_size()`.
     fn rank(&self) -> usize;
@@ -55,7 +52,14 @@ pub trait Collective {
     /// Returns once every rank has called it (for instance after rank 0 saved a checkpoint).
     fn barrier(&self) -> Result<()>;
 
-    /// The engine's name, for messages (`"single-process"`, `"local"`, `"mpi"`).
+    /// The device this rank's model and tensors belong on: `cuda:LOCAL_RANK` for NCCL, the CPU
+    /// (the default) for engines that stage tensors through host memory and so take any device.
+    /// Build the model on it: `DigitNet::new(&comm.device())`.
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// The engine's name, for messages (`"single-process"`, `"local"`, `"mpi"`, `"nccl"`).
     fn backend(&self) -> &'static str;
 }
 

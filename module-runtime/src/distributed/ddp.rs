@@ -1,7 +1,7 @@
 //! [`DistributedDataParallel`]: gradient averaging over a process group for any derived module.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::{Collective, DistributedError, ReduceOp};
 use crate::{Buffer, Forward, Module, ModuleExt, Param, Result, TensorTree};
@@ -280,7 +280,8 @@ impl<'a, M: ?Sized> DistributedDataParallel<'a, M> {
             .iter()
             .map(|v| f32::from(u8::from(grads.get(v.as_tensor()).is_some())))
             .collect();
-        let present = Tensor::new(present.as_slice(), &Device::Cpu)?;
+        // On the engine's device: NCCL takes only tensors on its GPU.
+        let present = Tensor::new(present.as_slice(), &self.comm.device())?;
         self.comm.all_reduce(&present, ReduceOp::Sum)?;
         let present = present.to_vec1::<f32>()?;
         for bucket in &self.buckets {
@@ -410,12 +411,12 @@ fn verify_across_ranks(
     let mut mine: Vec<f32> = (0..4).map(|i| ((d >> (16 * i)) & 0xffff) as f32).collect();
     mine.push(params.len() as f32);
     mine.push(buffers.len() as f32);
-    let root = Tensor::new(mine.as_slice(), &Device::Cpu)?;
+    let root = Tensor::new(mine.as_slice(), &comm.device())?;
     comm.broadcast(&root, 0)?;
     let root = root.to_vec1::<f32>()?;
     let mut verdict = vec![0f32; comm.world_size()];
     verdict[comm.rank()] = f32::from(u8::from(root != mine));
-    let verdict = Tensor::new(verdict.as_slice(), &Device::Cpu)?;
+    let verdict = Tensor::new(verdict.as_slice(), &comm.device())?;
     comm.all_reduce(&verdict, ReduceOp::Sum)?;
     let mismatched: Vec<usize> = verdict
         .to_vec1::<f32>()?

@@ -205,16 +205,28 @@ impl DistEnv {
 
 /// The process group the launcher's environment asks for.
 ///
-/// * No launcher variables, or a world of 1: [`SingleProcess`].
+/// * A `torchrun`-style launch (`RANK`, `WORLD_SIZE`, …), built with the `nccl` feature: the
+///   NCCL engine on `cuda:LOCAL_RANK`, at any world size, 1 included (so `comm.device()` is the
+///   GPU); see `Nccl::from_env`. This is PyTorch's choice for GPUs, and the only engine here
+///   that bootstraps over TCP.
+/// * No launcher variables, or a world of 1 otherwise: [`SingleProcess`].
 /// * An MPI launcher (`mpiexec`, `mpirun`, `srun`), built with the `mpi` feature: the MPI engine
 ///   (MPI's own rank and size, checked against the variables).
-/// * Anything else with a world larger than 1 is an error that says what is missing (a torchrun
-///   launch needs a TCP-bootstrapped engine such as NCCL, which is not implemented yet), never a
+/// * Anything else with a world larger than 1 is an error that says what is missing, never a
 ///   silent single-process run that would train `world_size` unsynchronized copies.
+///
+/// Each launcher has exactly one engine, so there is no `backend=` switch as in PyTorch's
+/// `init_process_group`: to use another engine, make it directly (`Mpi::init()`,
+/// `Nccl::new(..)`) instead of calling this function.
 ///
 /// Half-set variables are errors; see [`DistEnv::from_vars`].
 pub fn init_from_env() -> Result<Box<dyn Collective>> {
     let env = DistEnv::from_env()?;
+    #[cfg(feature = "nccl")]
+    if env.launcher == Launcher::Torchrun {
+        let nccl = super::Nccl::from_dist_env(&env, |name| std::env::var(name).ok())?;
+        return Ok(Box::new(nccl));
+    }
     if !env.is_distributed() {
         return Ok(Box::new(SingleProcess));
     }
@@ -232,10 +244,14 @@ pub fn init_from_env() -> Result<Box<dyn Collective>> {
         }
         return Ok(Box::new(mpi));
     }
+    let hint = match env.launcher {
+        Launcher::Torchrun => {
+            "build with the `nccl` feature (GPUs), or launch with `mpiexec` and the `mpi` feature"
+        }
+        _ => "build module-runtime with the `mpi` feature",
+    };
     Err(env_error(format!(
-        "a world of {} ranks ({:?} variables) needs a multi-process engine: build \
-         module-runtime with the `mpi` feature and launch with `mpiexec` (torchrun-style \
-         TCP rendezvous is not implemented)",
+        "a world of {} ranks ({:?} variables) needs a multi-process engine: {hint}",
         env.world_size, env.launcher
     )))
 }

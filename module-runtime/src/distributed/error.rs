@@ -105,6 +105,19 @@ pub enum DistributedError {
         what: String,
     },
 
+    /// The TCP rendezvous that hands rank 0's bootstrap data (NCCL's unique id) to the other
+    /// ranks failed: rank 0 was not reachable in time, a rank did not come, or the ranks
+    /// disagree on the world size or their ranks.
+    #[error("rendezvous at {address} failed on rank {rank}: {cause}")]
+    Rendezvous {
+        /// Rank 0's address (`host:port`).
+        address: String,
+        /// This rank.
+        rank: usize,
+        /// What went wrong.
+        cause: String,
+    },
+
     /// The engine itself failed (MPI initialization, …).
     #[error("{backend}: {message}")]
     Backend {

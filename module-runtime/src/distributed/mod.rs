@@ -4,9 +4,11 @@
 //!
 //! * [`Collective`]: a process group (rank, world size, in-place all-reduce and broadcast of a
 //!   candle tensor, barrier). Engines: [`SingleProcess`] (the default, no dependency),
-//!   [`LocalGroup`] (ranks as threads, for tests), and with the `mpi` feature `Mpi` (CPU
-//!   clusters and tests under `mpiexec`). An NCCL engine for GPUs is planned, not written; the
-//!   plan is in [`Collective`]'s docs.
+//!   [`LocalGroup`] (ranks as threads, for tests), with the `mpi` feature `Mpi` (CPU clusters
+//!   and tests under `mpiexec`), and with the `nccl` feature `Nccl` (one GPU per process under
+//!   `torchrun`; compiled in CI, never run: no GPU was available to this project).
+//! * [`RendezvousServer`] and [`fetch_blob`]: the TCP rendezvous that hands NCCL's unique id
+//!   from rank 0 to the other ranks.
 //! * [`init_from_env`] and [`DistEnv`]: the process group a launcher (`torchrun`, `mpiexec`,
 //!   `srun`) describes, with half-set variables an error.
 //! * [`DistributedDataParallel`]: checks and syncs the replicas at construction, averages the
@@ -42,6 +44,9 @@ mod error;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
+mod rendezvous;
 mod sampler;
 
 pub use collective::{Collective, ReduceOp, SingleProcess};
@@ -51,4 +56,7 @@ pub use error::DistributedError;
 pub use local::LocalGroup;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
+#[cfg(feature = "nccl")]
+pub use nccl::{Nccl, DEFAULT_NCCL_TIMEOUT, RENDEZVOUS_TIMEOUT};
+pub use rendezvous::{fetch_blob, rendezvous_port, RendezvousServer, RENDEZVOUS_PORT_VAR};
 pub use sampler::DistributedSampler;
