@@ -212,12 +212,14 @@ impl Nccl {
         if call == Call::AllReduce(ReduceOp::Avg) && integer {
             return Err(unsupported(format!("a mean all-reduce of {dtype:?}")));
         }
-        let comm = self.comm.borrow();
-        let comm = comm.as_ref().expect("a communicator that is not poisoned");
-        tensor
-            .inplace_op1(&NcclCall { comm, call })
-            .map_err(|e| backend(format!("{call:?} of {dtype:?}: {e}")))?;
-        drop(comm);
+        {
+            // The borrow ends before `wait`, which takes the communicator away on a timeout.
+            let comm = self.comm.borrow();
+            let comm = comm.as_ref().expect("a communicator that is not poisoned");
+            tensor
+                .inplace_op1(&NcclCall { comm, call })
+                .map_err(|e| backend(format!("{call:?} of {dtype:?}: {e}")))?;
+        }
         self.wait(call)
     }
 
