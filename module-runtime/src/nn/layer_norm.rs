@@ -145,7 +145,7 @@ fn layer_norm(
     }
     let fused =
         match (&weight, &bias) {
-            (Some(w), Some(b)) if no_gradient_needed(&[x, w, b]) => Some(
+            (Some(w), Some(b)) if fused_kernel_applies(&[x, w, b]) => Some(
                 candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
             ),
             _ => None,
@@ -169,8 +169,15 @@ fn layer_norm(
     Ok(y.reshape(x.shape())?)
 }
 
-fn no_gradient_needed(tensors: &[&Tensor]) -> bool {
-    tensors.iter().all(|t| !t.track_op())
+/// Whether candle's fused norm kernel can run on `tensors` (the input and the parameters): nothing
+/// needs a gradient (the kernel records none), and all share one dtype the kernel takes (`f32`,
+/// `f16`, `bf16`: it rejects `f64`, which then goes through the composed path).
+fn fused_kernel_applies(tensors: &[&Tensor]) -> bool {
+    let dtype = tensors.first().map(|t| t.dtype());
+    matches!(dtype, Some(DType::F32 | DType::F16 | DType::BF16))
+        && tensors
+            .iter()
+            .all(|t| !t.track_op() && Some(t.dtype()) == dtype)
 }
 
 /// Checks that `x` ends with `normalized_shape` and folds those dimensions into one.
@@ -384,7 +391,7 @@ impl Forward<&Tensor> for RmsNorm {
         }
         let eps = self.eps_for(x.dtype());
         let y = match &weight {
-            Some(w) if no_gradient_needed(&[x, w]) => {
+            Some(w) if fused_kernel_applies(&[x, w]) => {
                 candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
             }
             _ => {
@@ -450,6 +457,42 @@ mod tests {
         let fused = (ln.forward(&x)?, rms.forward(&x)?);
         assert!(max_diff(&composed.0, &fused.0) < 1e-5);
         assert!(max_diff(&composed.1, &fused.1) < 1e-5);
+        Ok(())
+    }
+
+    /// candle's fused kernels take no `f64`: under `no_grad` a float64 norm takes the composed
+    /// path, and gives what it gives with gradients on.
+    #[test]
+    fn float64_norms_work_under_no_grad() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f64, 2., (3, 5, 16), &dev)?;
+        let ln = LayerNorm::with_config(
+            16,
+            LayerNormConfig {
+                dtype: DType::F64,
+                ..Default::default()
+            },
+            &dev,
+        )?;
+        ln.bias
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(0f64, 0.5, 16, &dev)?)?;
+        let rms = RmsNorm::with_config(
+            16,
+            RmsNormConfig {
+                dtype: DType::F64,
+                ..Default::default()
+            },
+            &dev,
+        )?;
+        let tracked = (ln.forward(&x)?, rms.forward(&x)?);
+        assert!(tracked.0.track_op() && tracked.1.track_op());
+        let inference =
+            crate::without_grad(|| Ok::<_, crate::Error>((ln.forward(&x)?, rms.forward(&x)?)))?;
+        assert!(!inference.0.track_op() && !inference.1.track_op());
+        assert_eq!(inference.0.to_vec3::<f64>()?, tracked.0.to_vec3::<f64>()?);
+        assert_eq!(inference.1.to_vec3::<f64>()?, tracked.1.to_vec3::<f64>()?);
         Ok(())
     }
 
