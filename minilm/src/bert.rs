@@ -364,8 +364,10 @@ impl Forward<(&Tensor, &Tensor)> for BertAttention {
 impl Forward<&Tensor> for BertIntermediate {
     type Output = Tensor;
 
+    /// `GELU(dense(x))`: during inference on the CPU, the bias and the GELU in one pass over the
+    /// matmul's output (`Linear::call_then`).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.activation.call(&self.dense.call(x)?)
+        self.dense.call_then(x, &self.activation)
     }
 }
 
