@@ -375,9 +375,11 @@ impl Forward<(&Tensor, &Tensor)> for BertOutput {
     type Output = Tensor;
 
     /// `(attention context or intermediate, residual)` → normalized sum.
+    /// During inference on the CPU the residual sum and the norm are one pass
+    /// (`LayerNorm::call_residual`).
     fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
         let h = self.dropout.call(&self.dense.call(x)?)?;
-        self.layer_norm.call(&(h + residual)?)
+        self.layer_norm.call_residual(&h, residual)
     }
 }
 
