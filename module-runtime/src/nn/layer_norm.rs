@@ -137,7 +137,8 @@ impl LayerNorm {
     /// use module_runtime::prelude::*;
     /// use module_runtime::nn::LayerNorm;
     /// let ln = LayerNorm::new(8, &Device::Cpu)?;
-    /// let (x, residual) = (Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?, Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?);
+    /// let x = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
+    /// let residual = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
     /// let y = module_runtime::without_grad(|| ln.call_residual(&x, &residual))?;
     /// let unfused = ln.call(&(&x + &residual)?)?;
     /// assert!((y - unfused)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
@@ -147,19 +148,11 @@ impl LayerNorm {
         if self.normalized_shape.len() == 1 && fusion_applies() {
             let fused = || -> Result<Option<Tensor>> {
                 let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
-                Ok(
-                    can_fuse_residual_norm(x, residual, weight.as_ref(), bias.as_ref())
-                        .then(|| {
-                            residual_layer_norm(
-                                x,
-                                residual,
-                                weight.as_ref(),
-                                bias.as_ref(),
-                                self.eps,
-                            )
-                        })
-                        .transpose()?,
-                )
+                let (weight, bias) = (weight.as_ref(), bias.as_ref());
+                if !can_fuse_residual_norm(x, residual, weight, bias) {
+                    return Ok(None);
+                }
+                residual_layer_norm(x, residual, weight, bias, self.eps).map(Some)
             };
             match fused() {
                 Ok(Some(y)) => return Ok(y),
