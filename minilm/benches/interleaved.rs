@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Variants: candle-transformers' `BertModel` (the peer), ours with `eval()` only, ours with
-//! `eval()` + `no_grad()`, ours with `eval()` + `freeze("**")`, and ours under `no_grad()` through
+//! `eval()` + `no_grad()`, the same with the fused passes off (`nn::without_fusion`: bias + GELU
+//! and residual + LayerNorm as separate passes), ours with `eval()` + `freeze("**")`, and ours under `no_grad()` through
 //! `functional_call` with every parameter substituted (copies of the model's own values; issue 15's
 //! target: within 5% of the plain call); one batch of 32 sentences of 25
 //! tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
@@ -69,6 +70,14 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             Box::new(|| module_runtime::without_grad(|| ours.call((&ids, &mask)))),
         ),
         (
+            "derived_eval_no_grad_unfused",
+            Box::new(|| {
+                module_runtime::without_grad(|| {
+                    module_runtime::nn::without_fusion(|| ours.call((&ids, &mask)))
+                })
+            }),
+        ),
+        (
             "derived_eval_freeze",
             Box::new(|| frozen.call((&ids, &mask))),
         ),
@@ -106,7 +115,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     println!("{rounds} interleaved rounds, batch {BATCH} x {SEQ} tokens");
     for (((name, _), t), median) in variants.iter().zip(&times).zip(&medians) {
         println!(
-            "{name:<26} median {:7.1} ms = {:5.0} sentences/s (min {:6.1} ms, max {:6.1} ms); {:.2} x the peer's throughput",
+            "{name:<30} median {:7.1} ms = {:5.0} sentences/s (min {:6.1} ms, max {:6.1} ms); {:.2} x the peer's throughput",
             median * 1e3,
             BATCH as f64 / median,
             t[0].as_secs_f64() * 1e3,

@@ -364,8 +364,10 @@ impl Forward<(&Tensor, &Tensor)> for BertAttention {
 impl Forward<&Tensor> for BertIntermediate {
     type Output = Tensor;
 
+    /// `GELU(dense(x))`: during inference on the CPU, the bias and the GELU in one pass over the
+    /// matmul's output (`Linear::call_then`).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.activation.call(&self.dense.call(x)?)
+        self.dense.call_then(x, &self.activation)
     }
 }
 
@@ -373,9 +375,11 @@ impl Forward<(&Tensor, &Tensor)> for BertOutput {
     type Output = Tensor;
 
     /// `(attention context or intermediate, residual)` → normalized sum.
+    /// During inference on the CPU the residual sum and the norm are one pass
+    /// (`LayerNorm::call_residual`).
     fn forward(&self, (x, residual): (&Tensor, &Tensor)) -> Result<Tensor> {
         let h = self.dropout.call(&self.dense.call(x)?)?;
-        self.layer_norm.call(&(h + residual)?)
+        self.layer_norm.call_residual(&h, residual)
     }
 }
 

@@ -112,7 +112,8 @@ impl Forward<&Tensor> for GELU {
 /// `generic_fast_erf_float`), and ±1 beyond ±3.9, where float32 rounds `erf` to ±1: multiplies,
 /// adds, one division, a clamp and a select, eight lanes at a time. Its absolute error is below 4e-7 for `erf` and
 /// below 2e-6 for the GELU (a few float32 ulps at |x| ≈ 6, where the GELU is ≈ 6); see the tests.
-fn gelu_erf_vectorized(x: f32) -> f32 {
+#[inline(always)]
+pub(crate) fn gelu_erf_vectorized(x: f32) -> f32 {
     let z = (x * std::f32::consts::FRAC_1_SQRT_2).clamp(-4.0, 4.0);
     let z2 = z * z;
     // Numerator: z times an odd polynomial's coefficients in z², highest degree first.

@@ -11,6 +11,9 @@ use candle_core::Tensor;
 
 use crate::error::{Error, Result};
 use crate::module::{Child, ChildMut, Name};
+use crate::nn::{
+    Activation, ElementwiseActivation, LazyLinear, Linear, ReLU, SiLU, Sigmoid, Tanh, GELU,
+};
 use crate::{Forward, Module, ModuleExt};
 
 /// A module that maps a tensor to a tensor, usable as a trait object: the element type of
@@ -352,11 +355,49 @@ impl Module for Sequential {
 impl Forward<Tensor> for Sequential {
     type Output = Tensor;
 
+    /// Runs the layers in order. A [`Linear`] (or [`LazyLinear`]) followed by an elementwise
+    /// activation runs as [`Linear::call_then`], which fuses the two during CPU float32 inference.
     fn forward(&self, x: Tensor) -> Result<Tensor> {
-        self.layers
-            .iter()
-            .try_fold(x, |x, e| e.layer.forward_tensor(x))
+        let mut x = x;
+        let mut layers = self.layers.iter().map(|e| &*e.layer).peekable();
+        while let Some(layer) = layers.next() {
+            let next = layers.peek().map(|next| next.as_module());
+            x = match next.and_then(|next| linear_then(layer.as_module(), next, &x)) {
+                Some(y) => {
+                    layers.next();
+                    y?
+                }
+                None => layer.forward_tensor(x)?,
+            };
+        }
+        Ok(x)
     }
+}
+
+/// `activation(linear(x))` through [`Linear::call_then`] if `linear` is a [`Linear`] or
+/// [`LazyLinear`] and `activation` an [`ElementwiseActivation`]; `None` otherwise.
+fn linear_then(linear: &dyn Module, activation: &dyn Module, x: &Tensor) -> Option<Result<Tensor>> {
+    fn then<A: ElementwiseActivation>(
+        linear: &dyn Module,
+        activation: &dyn Module,
+        x: &Tensor,
+    ) -> Option<Result<Tensor>> {
+        let activation = activation.downcast_ref::<A>()?;
+        if let Some(linear) = linear.downcast_ref::<Linear>() {
+            return Some(linear.call_then(x, activation));
+        }
+        Some(
+            linear
+                .downcast_ref::<LazyLinear>()?
+                .call_then(x, activation),
+        )
+    }
+    then::<GELU>(linear, activation, x)
+        .or_else(|| then::<ReLU>(linear, activation, x))
+        .or_else(|| then::<SiLU>(linear, activation, x))
+        .or_else(|| then::<Sigmoid>(linear, activation, x))
+        .or_else(|| then::<Tanh>(linear, activation, x))
+        .or_else(|| then::<Activation>(linear, activation, x))
 }
 
 impl Forward<&Tensor> for Sequential {

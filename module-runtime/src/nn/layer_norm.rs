@@ -12,7 +12,8 @@ use crate::nn::common::{
     compute_dtype, forward_by_value, input_shape_error, layer_param, lazy_param, param_tensor,
     standardize_last_dim,
 };
-use crate::{Forward, Init, Module, Param};
+use crate::nn::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
+use crate::{Forward, Init, Module, ModuleExt, Param};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
 /// defaults.
@@ -118,6 +119,49 @@ impl LayerNorm {
             eps: config.eps,
         })
     }
+
+    /// `self(x + residual)`, as `layer_norm.call(&(x + residual)?)` computes it — and during CPU
+    /// float32 inference in one pass and one fresh output, for a norm over one trailing dimension:
+    /// each row's sum is normalized where it is written, instead of the sum being a tensor of its
+    /// own that the norm reads back. This is the "add & norm" after a transformer's attention and
+    /// feed-forward blocks.
+    ///
+    /// The fused pass runs when nothing records a gradient ([`no_grad`](crate::no_grad) or frozen
+    /// parameters), on contiguous float32 CPU tensors of one shape, with no hooks attached and
+    /// fusion not turned off ([`without_fusion`](crate::nn::without_fusion)); it agrees with the
+    /// unfused path within float32 rounding (it takes the variance as the mean of squared
+    /// deviations, as PyTorch does, where candle's kernel takes `E[x²] - E[x]²`). Otherwise this is
+    /// the sum and the call.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::LayerNorm;
+    /// let ln = LayerNorm::new(8, &Device::Cpu)?;
+    /// let x = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
+    /// let residual = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
+    /// let y = module_runtime::without_grad(|| ln.call_residual(&x, &residual))?;
+    /// let unfused = ln.call(&(&x + &residual)?)?;
+    /// assert!((y - unfused)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn call_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if self.normalized_shape.len() == 1 && fusion_applies() {
+            let fused = || -> Result<Option<Tensor>> {
+                let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
+                let (weight, bias) = (weight.as_ref(), bias.as_ref());
+                if !can_fuse_residual_norm(x, residual, weight, bias) {
+                    return Ok(None);
+                }
+                residual_layer_norm(x, residual, weight, bias, self.eps).map(Some)
+            };
+            match fused() {
+                Ok(Some(y)) => return Ok(y),
+                Ok(None) => {}
+                Err(error) => return Err(crate::trace::forward_error(self, error)),
+            }
+        }
+        self.call(&(x + residual)?)
+    }
 }
 
 impl Forward<&Tensor> for LayerNorm {
@@ -145,7 +189,7 @@ fn layer_norm(
     }
     let fused =
         match (&weight, &bias) {
-            (Some(w), Some(b)) if no_gradient_needed(&[x, w, b]) => Some(
+            (Some(w), Some(b)) if fused_kernel_applies(&[x, w, b]) => Some(
                 candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
             ),
             _ => None,
@@ -169,8 +213,15 @@ fn layer_norm(
     Ok(y.reshape(x.shape())?)
 }
 
-fn no_gradient_needed(tensors: &[&Tensor]) -> bool {
-    tensors.iter().all(|t| !t.track_op())
+/// Whether candle's fused norm kernel can run on `tensors` (the input and the parameters): nothing
+/// needs a gradient (the kernel records none), and all share one dtype the kernel takes (`f32`,
+/// `f16`, `bf16`: it rejects `f64`, which then goes through the composed path).
+fn fused_kernel_applies(tensors: &[&Tensor]) -> bool {
+    let dtype = tensors.first().map(|t| t.dtype());
+    matches!(dtype, Some(DType::F32 | DType::F16 | DType::BF16))
+        && tensors
+            .iter()
+            .all(|t| !t.track_op() && Some(t.dtype()) == dtype)
 }
 
 /// Checks that `x` ends with `normalized_shape` and folds those dimensions into one.
@@ -384,7 +435,7 @@ impl Forward<&Tensor> for RmsNorm {
         }
         let eps = self.eps_for(x.dtype());
         let y = match &weight {
-            Some(w) if no_gradient_needed(&[x, w]) => {
+            Some(w) if fused_kernel_applies(&[x, w]) => {
                 candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
             }
             _ => {
@@ -450,6 +501,93 @@ mod tests {
         let fused = (ln.forward(&x)?, rms.forward(&x)?);
         assert!(max_diff(&composed.0, &fused.0) < 1e-5);
         assert!(max_diff(&composed.1, &fused.1) < 1e-5);
+        Ok(())
+    }
+
+    /// candle's fused kernels take no `f64`: under `no_grad` a float64 norm takes the composed
+    /// path, and gives what it gives with gradients on.
+    #[test]
+    fn float64_norms_work_under_no_grad() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f64, 2., (3, 5, 16), &dev)?;
+        let ln = LayerNorm::with_config(
+            16,
+            LayerNormConfig {
+                dtype: DType::F64,
+                ..Default::default()
+            },
+            &dev,
+        )?;
+        ln.bias
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(0f64, 0.5, 16, &dev)?)?;
+        let rms = RmsNorm::with_config(
+            16,
+            RmsNormConfig {
+                dtype: DType::F64,
+                ..Default::default()
+            },
+            &dev,
+        )?;
+        let tracked = (ln.forward(&x)?, rms.forward(&x)?);
+        assert!(tracked.0.track_op() && tracked.1.track_op());
+        let inference =
+            crate::without_grad(|| Ok::<_, crate::Error>((ln.forward(&x)?, rms.forward(&x)?)))?;
+        assert!(!inference.0.track_op() && !inference.1.track_op());
+        assert_eq!(inference.0.to_vec3::<f64>()?, tracked.0.to_vec3::<f64>()?);
+        assert_eq!(inference.1.to_vec3::<f64>()?, tracked.1.to_vec3::<f64>()?);
+        Ok(())
+    }
+
+    /// `call_residual` under `no_grad` against the sum and the call with fusion off (candle's
+    /// fused kernel), within 1e-5, with and without the affine parameters; with a graph it is the
+    /// differentiable sum and call.
+    #[test]
+    fn call_residual_matches_the_unfused_norm() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = (Tensor::randn(0f32, 3., (4, 7, 48), &dev)? + 2.0)?;
+        let residual = Tensor::randn(0f32, 1., (4, 7, 48), &dev)?;
+        let affine = LayerNorm::new(48, &dev)?;
+        affine
+            .weight
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(1f32, 0.5, 48, &dev)?)?;
+        affine
+            .bias
+            .as_ref()
+            .unwrap()
+            .set(&Tensor::randn(0f32, 0.5, 48, &dev)?)?;
+        let plain = LayerNormConfig {
+            elementwise_affine: false,
+            eps: 1e-12,
+            ..Default::default()
+        };
+        let no_bias = LayerNormConfig {
+            bias: false,
+            ..Default::default()
+        };
+        for ln in [
+            affine,
+            LayerNorm::with_config(48, plain, &dev)?,
+            LayerNorm::with_config(48, no_bias, &dev)?,
+        ] {
+            let unfused_with_graph = ln.call(&(&x + &residual)?)?;
+            let tracked = ln.call_residual(&x, &residual)?;
+            assert_eq!(tracked.track_op(), ln.weight.is_some());
+            assert!(max_diff(&tracked, &unfused_with_graph) < 1e-5);
+            let _inference = crate::no_grad();
+            let fused = ln.call_residual(&x, &residual)?;
+            let unfused = crate::nn::without_fusion(|| ln.call_residual(&x, &residual))?;
+            assert_eq!(fused.dims(), x.dims());
+            assert!(max_diff(&fused, &unfused) < 1e-5, "{ln:?}");
+        }
+        // Mismatched shapes are the sum's error, as without fusion.
+        let ln = LayerNorm::new(48, &dev)?;
+        let short = Tensor::zeros((4, 48), DType::F32, &dev)?;
+        let err = crate::without_grad(|| ln.call_residual(&x, &short));
+        assert!(err.is_err());
         Ok(())
     }
 

@@ -6,9 +6,12 @@ use crate::device::check_input_device;
 use crate::error::Result;
 use crate::nn::common::{
     add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, lazy_param,
-    uniform_fan_in,
+    param_tensor, uniform_fan_in,
 };
-use crate::{Forward, Init, Module, Param};
+use crate::nn::fused::{
+    bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
+};
+use crate::{Forward, Init, Module, ModuleExt, Param};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -107,6 +110,56 @@ impl Linear {
     pub fn out_features(&self) -> usize {
         self.weight.shape().dims()[0]
     }
+
+    /// `activation(self(x))`, as `activation.call(&linear.call(x)?)` computes it — and during CPU
+    /// float32 inference in one pass: the bias is added and the activation applied together, in
+    /// place, in the matmul's fresh output, instead of one pass and one fresh output each.
+    ///
+    /// The fused pass runs when nothing records a gradient ([`no_grad`](crate::no_grad) or frozen
+    /// parameters), on float32 CPU tensors, with no hooks attached (hooks see each module's own
+    /// output, so both are called as usual) and fusion not turned off
+    /// ([`without_fusion`](crate::nn::without_fusion)); its result is the unfused one bit for bit.
+    /// Otherwise, and for an activation that is not elementwise (an
+    /// [`Activation`](crate::nn::Activation) holding a softmax), this is the two calls.
+    /// [`Sequential`](crate::nn::Sequential) uses it for a `Linear` followed by an activation.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::{Linear, GELU};
+    /// let fc = Linear::new(4, 8, &Device::Cpu)?;
+    /// let x = Tensor::randn(0f32, 1., (2, 3, 4), &Device::Cpu)?;
+    /// let unfused = GELU::new().call(&fc.call(&x)?)?;
+    /// let y = module_runtime::without_grad(|| fc.call_then(&x, &GELU::new()))?;
+    /// assert_eq!(y.dims(), [2, 3, 8]);
+    /// let diff = (y - unfused)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-5); // the unfused path with a graph takes candle's exact GELU
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn call_then<A: ElementwiseActivation>(
+        &self,
+        x: &Tensor,
+        activation: &A,
+    ) -> Result<Tensor> {
+        let Some(f) = activation.elementwise().filter(|_| fusion_applies()) else {
+            return activation.call(&self.call(x)?);
+        };
+        let fused = || -> Result<(Tensor, bool)> {
+            let w = self.weight.value()?;
+            let bias = param_tensor(&self.bias)?;
+            check_input_device("Linear.weight", &w, x)?;
+            let y = matmul(x, &w)?;
+            if can_fuse_bias_activation(&y, bias.as_ref()) {
+                bias_activation_in_place(&y, bias.as_ref(), f)?;
+                return Ok((y, true));
+            }
+            Ok((add_bias(y, bias)?, false))
+        };
+        match fused() {
+            Ok((y, true)) => Ok(y),
+            Ok((y, false)) => activation.call(&y),
+            Err(error) => Err(crate::trace::forward_error(self, error)),
+        }
+    }
 }
 
 impl Forward<&Tensor> for Linear {
@@ -124,6 +177,11 @@ impl Forward<&Tensor> for Linear {
 /// `x Wᵀ + b`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     check_input_device("Linear.weight", w, x)?;
+    add_bias(matmul(x, w)?, bias)
+}
+
+/// `x Wᵀ`, a fresh output.
+fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
     // reads in place (no transpose copy).
     let y = match x.dims() {
@@ -138,6 +196,11 @@ fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
             y.reshape(out_dims)?
         }
     };
+    Ok(y)
+}
+
+/// `y + b` along the last dimension, for the fresh output `y` of [`matmul`].
+fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
         // Inference on the CPU: add the bias into the matmul's fresh output, in place, instead of
         // allocating (and page-faulting in) a second output of the same size.
@@ -209,6 +272,32 @@ impl LazyLinear {
             None => self.linear.out_features(),
         }
     }
+
+    /// [`Linear::call_then`] for the lazy layer: builds it for `x` if needed, then applies it and
+    /// `activation`, fused during CPU float32 inference.
+    pub fn call_then<A: ElementwiseActivation>(
+        &self,
+        x: &Tensor,
+        activation: &A,
+    ) -> Result<Tensor> {
+        if !fusion_applies() {
+            return activation.call(&self.call(x)?);
+        }
+        self.fit(x)
+            .map_err(|error| crate::trace::forward_error(self, error))?;
+        self.linear.call_then(x, activation)
+    }
+
+    /// Builds the parameters for `x`, or checks that `x` fits them.
+    fn fit(&self, x: &Tensor) -> Result<()> {
+        let in_features = x.dim(D::Minus1)?;
+        let fit = |name, p, set| fit_param("LazyLinear", name, p, set, in_features, x);
+        fit("weight", &self.weight, Some((1, in_features)))?;
+        if let Some(b) = &self.bias {
+            fit("bias", b, None)?;
+        }
+        Ok(())
+    }
 }
 
 impl std::ops::Deref for LazyLinear {
@@ -224,12 +313,7 @@ impl Forward<&Tensor> for LazyLinear {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let in_features = x.dim(D::Minus1)?;
-        let fit = |name, p, set| fit_param("LazyLinear", name, p, set, in_features, x);
-        fit("weight", &self.weight, Some((1, in_features)))?;
-        if let Some(b) = &self.bias {
-            fit("bias", b, None)?;
-        }
+        self.fit(x)?;
         self.linear.forward(x)
     }
 }
@@ -257,6 +341,116 @@ mod tests {
         // No output features: nothing to add, no panic.
         let empty = Linear::new(7, 0, &dev)?;
         assert_eq!(crate::without_grad(|| empty.forward(&x))?.dims(), [2, 5, 0]);
+        Ok(())
+    }
+
+    use crate::nn::{
+        without_fusion, Activation, Elementwise, ElementwiseActivation, ReLU, Sequential, SiLU,
+        Sigmoid, Tanh, GELU,
+    };
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// `call_then` under `no_grad` against the two calls with fusion off, bit for bit, with and
+    /// without a bias, for 2-D and 3-D inputs.
+    fn check_call_then<A: ElementwiseActivation + std::fmt::Debug>(act: &A) -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 3., (2, 5, 7), &dev)?;
+        for fc in [Linear::new(7, 6, &dev)?, Linear::no_bias(7, 6, &dev)?] {
+            for x in [x.clone(), x.reshape((10, 7))?] {
+                let _inference = crate::no_grad();
+                let fused = fc.call_then(&x, act)?;
+                let unfused = without_fusion(|| act.call(&fc.call(&x)?))?;
+                assert_eq!(fused.dims(), unfused.dims());
+                assert_eq!(values(&fused), values(&unfused), "{act:?}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn call_then_matches_the_unfused_calls_bit_for_bit() -> Result<()> {
+        check_call_then(&ReLU::new())?;
+        check_call_then(&GELU::new())?;
+        check_call_then(&GELU::tanh())?;
+        check_call_then(&SiLU::new())?;
+        check_call_then(&Sigmoid::new())?;
+        check_call_then(&Tanh::new())?;
+        for act in [
+            Activation::relu(),
+            Activation::gelu(),
+            Activation::gelu_tanh(),
+            Activation::silu(),
+            Activation::sigmoid(),
+            Activation::tanh(),
+            Activation::softmax(-1),
+        ] {
+            check_call_then(&act)?;
+        }
+        Ok(())
+    }
+
+    /// The fused pass's scalar functions are the layers' CPU float32 inference path, bit for bit,
+    /// over a range that covers each function's saturation.
+    #[test]
+    fn elementwise_functions_match_the_layers() -> Result<()> {
+        let x = Tensor::arange(-2000f32, 2000., &Device::Cpu)?.affine(0.01, 0.003)?;
+        let cases: [(Elementwise, Activation); 6] = [
+            (Elementwise::Relu, Activation::relu()),
+            (Elementwise::GeluErf, Activation::gelu()),
+            (Elementwise::GeluTanh, Activation::gelu_tanh()),
+            (Elementwise::Silu, Activation::silu()),
+            (Elementwise::Sigmoid, Activation::sigmoid()),
+            (Elementwise::Tanh, Activation::tanh()),
+        ];
+        for (f, layer) in cases {
+            assert_eq!(layer.elementwise(), Some(f));
+            let expected = values(&layer.forward(&x)?);
+            let got: Vec<f32> = values(&x).into_iter().map(|v| f.apply_f32(v)).collect();
+            assert_eq!(got, expected, "{f:?}");
+        }
+        assert_eq!(Activation::softmax(-1).elementwise(), None);
+        Ok(())
+    }
+
+    /// With a graph, or with hooks attached, `call_then` is the two calls: gradients flow, and
+    /// hooks see both modules.
+    #[test]
+    fn call_then_records_gradients_and_runs_hooks() -> Result<()> {
+        let dev = Device::Cpu;
+        let fc = Linear::new(3, 4, &dev)?;
+        let x = Tensor::randn(0f32, 1., (5, 3), &dev)?;
+        let y = fc.call_then(&x, &GELU::tanh())?;
+        let grads = y.sum_all()?.backward()?;
+        assert!(grads.get(&fc.weight.tensor()).is_some());
+        let mlp = Sequential::new()
+            .add(Linear::new(3, 4, &dev)?)
+            .add(ReLU::new());
+        let (y, captured) = crate::without_grad(|| mlp.capture(&["*"], |m| m.call(&x)))?;
+        assert_eq!(captured.paths().collect::<Vec<_>>(), ["0", "1"]);
+        assert_eq!(values(captured.get("1").unwrap()), values(&y));
+        Ok(())
+    }
+
+    /// `Sequential` fuses a `Linear` (or `LazyLinear`) followed by an activation, with the unfused
+    /// result's bits, and runs everything else as before.
+    #[test]
+    fn sequential_fuses_linear_then_activation() -> Result<()> {
+        let dev = Device::Cpu;
+        let mlp = Sequential::new()
+            .add(Linear::new(6, 16, &dev)?)
+            .add(GELU::new())
+            .add(LazyLinear::new(8, &dev)?)
+            .add(Activation::silu())
+            .add(Linear::new(8, 3, &dev)?);
+        let x = Tensor::randn(0f32, 1., (4, 6), &dev)?;
+        let _inference = crate::no_grad();
+        let fused = mlp.call(&x)?;
+        let unfused = without_fusion(|| mlp.call(&x))?;
+        assert_eq!(fused.dims(), [4, 3]);
+        assert_eq!(values(&fused), values(&unfused));
         Ok(())
     }
 }

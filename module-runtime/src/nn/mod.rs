@@ -26,8 +26,10 @@
 //! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
 
 mod common;
+mod fused;
 
 pub use common::{PerDim, Size};
+pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};
 
 mod linear;
 

@@ -1,0 +1,413 @@
+//! Fused inference passes: a layer's bias and the activation after it, or a residual sum and the
+//! norm after it, in one pass over memory instead of one pass (and one fresh output) per operation.
+//!
+//! They run only during CPU float32 inference ([`no_grad`](crate::no_grad) or frozen parameters,
+//! so nothing records a gradient), with no hooks attached (hooks must see each module's own output)
+//! and with fusion enabled ([`without_fusion`] turns it off, to compare or to measure). Everywhere
+//! else the layers take their unfused path, which the fused one matches: bit for bit for the bias
+//! and activation ([`Linear::call_then`](crate::nn::Linear::call_then)), within float32 rounding for
+//! the norm ([`LayerNorm::call_residual`](crate::nn::LayerNorm::call_residual)).
+
+use std::cell::Cell;
+
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+
+use crate::error::Result;
+use crate::{Forward, Module};
+
+thread_local! {
+    static FUSION_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether the runtime's layers may fuse passes on this thread (`true` unless inside
+/// [`without_fusion`]).
+pub fn is_fusion_enabled() -> bool {
+    FUSION_ENABLED.with(Cell::get)
+}
+
+/// Runs `f` with fusion off on this thread: every layer takes its unfused path, as it does when a
+/// gradient is needed. For comparing numerics and measuring what fusion gains; the previous mode is
+/// restored when `f` returns or panics.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{without_fusion, Linear, GELU};
+///
+/// let fc = Linear::new(4, 8, &Device::Cpu)?;
+/// let x = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+/// let _inference = module_runtime::no_grad();
+/// let fused = fc.call_then(&x, &GELU::new())?;
+/// let unfused = without_fusion(|| fc.call_then(&x, &GELU::new()))?;
+/// assert_eq!(fused.to_vec2::<f32>()?, unfused.to_vec2::<f32>()?);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn without_fusion<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FUSION_ENABLED.with(|e| e.set(self.0));
+        }
+    }
+    let _restore = Restore(FUSION_ENABLED.with(|e| e.replace(false)));
+    f()
+}
+
+/// Whether a fused pass may replace a layer's calls now: fusion is on and no hook is attached.
+pub(crate) fn fusion_applies() -> bool {
+    is_fusion_enabled() && !crate::hooks::dispatch::active()
+}
+
+/// An elementwise activation function that a fused pass can apply, computed exactly as the
+/// runtime's activation layer computes it during CPU float32 inference.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elementwise {
+    /// [`ReLU`](crate::nn::ReLU): `max(x, 0)`.
+    Relu,
+    /// The exact [`GELU`](crate::nn::GELU), with its vectorized `erf`.
+    GeluErf,
+    /// The tanh-approximated [`GELU`](crate::nn::GELU).
+    GeluTanh,
+    /// [`SiLU`](crate::nn::SiLU): `x / (1 + e⁻ˣ)`.
+    Silu,
+    /// [`Sigmoid`](crate::nn::Sigmoid): `1 / (e⁻ˣ + 1)`.
+    Sigmoid,
+    /// [`Tanh`](crate::nn::Tanh).
+    Tanh,
+}
+
+// The tanh GELU's constant, as candle writes it (`SQRT_TWO_OVER_PI_F32`), so the result is candle's
+// bit for bit.
+#[allow(clippy::excessive_precision)]
+const SQRT_TWO_OVER_PI: f32 = 0.79788456080286535587989211986876373;
+
+impl Elementwise {
+    /// `f(x)` in float32: the same formula, operation for operation, as the layer's CPU float32
+    /// inference path (candle's scalar kernels, or the runtime's vectorized exact GELU), so a fused
+    /// pass gives the unfused pass's bits.
+    ///
+    /// ```
+    /// use module_runtime::nn::Elementwise;
+    /// assert_eq!(Elementwise::Relu.apply_f32(-2.0), 0.0);
+    /// assert_eq!(Elementwise::Sigmoid.apply_f32(0.0), 0.5);
+    /// ```
+    #[inline(always)]
+    pub fn apply_f32(self, x: f32) -> f32 {
+        match self {
+            Self::Relu => x.max(0.0),
+            Self::GeluErf => crate::nn::activation::gelu_erf_vectorized(x),
+            Self::GeluTanh => {
+                0.5 * x * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * x * (1.0 + 0.044715 * x * x)))
+            }
+            Self::Silu => x / (1.0 + (-x).exp()),
+            Self::Sigmoid => ((-x).exp() + 1.0).recip(),
+            Self::Tanh => x.tanh(),
+        }
+    }
+}
+
+mod sealed {
+    /// Keeps [`ElementwiseActivation`](super::ElementwiseActivation) to the runtime's activations,
+    /// whose forward the fused pass is known to reproduce.
+    pub trait Sealed {}
+}
+
+/// An activation layer that [`Linear::call_then`](crate::nn::Linear::call_then) can fuse with the
+/// bias add before it: [`ReLU`](crate::nn::ReLU), [`GELU`](crate::nn::GELU) (exact or tanh),
+/// [`SiLU`](crate::nn::SiLU), [`Sigmoid`](crate::nn::Sigmoid), [`Tanh`](crate::nn::Tanh), and
+/// [`Activation`](crate::nn::Activation) holding one of those (holding a softmax, it runs unfused).
+pub trait ElementwiseActivation:
+    sealed::Sealed + Module + for<'a> Forward<&'a Tensor, Output = Tensor>
+{
+    /// The layer's function, if it is elementwise.
+    fn elementwise(&self) -> Option<Elementwise>;
+}
+
+macro_rules! elementwise_activation {
+    ($($ty:ty => |$s:ident| $f:expr),* $(,)?) => {$(
+        impl sealed::Sealed for $ty {}
+
+        impl ElementwiseActivation for $ty {
+            fn elementwise(&self) -> Option<Elementwise> {
+                let $s = self;
+                $f
+            }
+        }
+    )*};
+}
+
+use crate::nn::{Activation, GeluApproximation, ReLU, SiLU, Sigmoid, Tanh, GELU};
+
+elementwise_activation! {
+    ReLU => |_s| Some(Elementwise::Relu),
+    GELU => |s| Some(match s.approximate {
+        GeluApproximation::None => Elementwise::GeluErf,
+        GeluApproximation::Tanh => Elementwise::GeluTanh,
+    }),
+    SiLU => |_s| Some(Elementwise::Silu),
+    Sigmoid => |_s| Some(Elementwise::Sigmoid),
+    Tanh => |_s| Some(Elementwise::Tanh),
+    Activation => |s| match s {
+        Activation::Relu(m) => m.elementwise(),
+        Activation::Gelu(m) => m.elementwise(),
+        Activation::Silu(m) => m.elementwise(),
+        Activation::Sigmoid(m) => m.elementwise(),
+        Activation::Tanh(m) => m.elementwise(),
+        Activation::Softmax(_) | Activation::LogSoftmax(_) => None,
+    },
+}
+
+/// Whether [`bias_activation_in_place`] can run on a layer's fresh output `y` with `bias` along its
+/// last dimension: nothing records a gradient, float32 on the CPU, contiguous, and the bias (if
+/// any) one value per output feature. The caller guarantees that no one else holds `y`.
+pub(crate) fn can_fuse_bias_activation(y: &Tensor, bias: Option<&Tensor>) -> bool {
+    let plain_f32 = |t: &Tensor| {
+        !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
+    };
+    plain_f32(y)
+        && y.rank() > 0
+        && bias.is_none_or(|b| {
+            plain_f32(b)
+                && b.rank() == 1
+                && b.elem_count() > 0
+                && y.dims().last() == Some(&b.elem_count())
+        })
+}
+
+/// `y = f(y + bias)` in place, in one pass (see [`can_fuse_bias_activation`]).
+pub(crate) fn bias_activation_in_place(
+    y: &Tensor,
+    bias: Option<&Tensor>,
+    f: Elementwise,
+) -> Result<()> {
+    let op = BiasActivation(f);
+    match bias {
+        Some(b) => y.inplace_op2(b, &op)?,
+        None => y.inplace_op1(&op)?,
+    }
+    Ok(())
+}
+
+/// `y = f(y + b)` with the bias along the last dimension, over a contiguous float32 `y`.
+struct BiasActivation(Elementwise);
+
+impl BiasActivation {
+    fn run(&self, y: &mut [f32], bias: Option<&[f32]>) {
+        // One monomorphized loop per function, so each inlines (and ReLU and the exact GELU
+        // vectorize) instead of dispatching per element.
+        match self.0 {
+            Elementwise::Relu => bias_then(y, bias, |v| Elementwise::Relu.apply_f32(v)),
+            Elementwise::GeluErf => bias_then(y, bias, |v| Elementwise::GeluErf.apply_f32(v)),
+            Elementwise::GeluTanh => bias_then(y, bias, |v| Elementwise::GeluTanh.apply_f32(v)),
+            Elementwise::Silu => bias_then(y, bias, |v| Elementwise::Silu.apply_f32(v)),
+            Elementwise::Sigmoid => bias_then(y, bias, |v| Elementwise::Sigmoid.apply_f32(v)),
+            Elementwise::Tanh => bias_then(y, bias, |v| Elementwise::Tanh.apply_f32(v)),
+        }
+    }
+}
+
+fn bias_then(y: &mut [f32], bias: Option<&[f32]>, f: impl Fn(f32) -> f32) {
+    match bias {
+        Some(b) => {
+            for row in y.chunks_exact_mut(b.len()) {
+                for (v, c) in row.iter_mut().zip(b) {
+                    *v = f(*v + c);
+                }
+            }
+        }
+        None => y.iter_mut().for_each(|v| *v = f(*v)),
+    }
+}
+
+/// The contiguous float32 values of `storage` under `layout`.
+fn f32_slice<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        return Err(candle_core::Error::UnsupportedDTypeForOp(
+            candle_core::backend::BackendStorage::dtype(storage),
+            op,
+        ));
+    };
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => Err(candle_core::Error::RequiresContiguous { op }),
+    }
+}
+
+fn f32_slice_mut<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a mut [f32]> {
+    let dtype = candle_core::backend::BackendStorage::dtype(storage);
+    let CpuStorage::F32(data) = storage else {
+        return Err(candle_core::Error::UnsupportedDTypeForOp(dtype, op));
+    };
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&mut data[start..end]),
+        None => Err(candle_core::Error::RequiresContiguous { op }),
+    }
+}
+
+impl candle_core::InplaceOp1 for BiasActivation {
+    fn name(&self) -> &'static str {
+        "activation-in-place"
+    }
+
+    fn cpu_fwd(&self, y: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let name = candle_core::InplaceOp1::name(self);
+        self.run(f32_slice_mut(y, layout, name)?, None);
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp2 for BiasActivation {
+    fn name(&self) -> &'static str {
+        "bias-activation-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &mut CpuStorage,
+        y_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let name = candle_core::InplaceOp2::name(self);
+        let b = f32_slice(b, b_layout, name)?;
+        self.run(f32_slice_mut(y, y_layout, name)?, Some(b));
+        Ok(())
+    }
+}
+
+/// Whether [`residual_layer_norm`] can run: `x` and `residual` of one shape, with a non-empty last
+/// dimension that `weight` and `bias` (if any) have one value for each element of, all float32
+/// contiguous CPU tensors that record no gradient.
+pub(crate) fn can_fuse_residual_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> bool {
+    let plain_f32 = |t: &Tensor| {
+        !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
+    };
+    let width = x.dims().last().copied().unwrap_or(0);
+    let per_feature = |p: Option<&Tensor>| {
+        p.is_none_or(|p| plain_f32(p) && p.rank() == 1 && p.elem_count() == width)
+    };
+    width > 0
+        && x.shape() == residual.shape()
+        && plain_f32(x)
+        && plain_f32(residual)
+        && per_feature(weight)
+        && per_feature(bias)
+}
+
+/// `LayerNorm(x + residual)` over the last dimension, in one pass and one fresh output (see
+/// [`can_fuse_residual_norm`]): each row's sum is written to the output, its mean and biased
+/// variance taken from there (two passes over a row that is in cache, as PyTorch's CPU kernel
+/// does, rather than candle's `E[x²] - E[x]²`), and the row normalized and scaled in place.
+pub(crate) fn residual_layer_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    let values = |p: Option<&Tensor>| p.map(Tensor::to_vec1::<f32>).transpose();
+    let op = ResidualLayerNorm {
+        weight: values(weight)?,
+        bias: values(bias)?,
+        eps: eps as f32,
+    };
+    Ok(x.apply_op2_no_bwd(residual, &op)?)
+}
+
+/// The forward-only candle op of [`residual_layer_norm`], holding the affine parameters' values.
+struct ResidualLayerNorm {
+    weight: Option<Vec<f32>>,
+    bias: Option<Vec<f32>>,
+    eps: f32,
+}
+
+impl ResidualLayerNorm {
+    fn row(&self, x: &[f32], residual: &[f32], out: &mut [f32]) {
+        for ((o, a), b) in out.iter_mut().zip(x).zip(residual) {
+            *o = a + b;
+        }
+        let n = out.len() as f32;
+        let mean = lane_sum(out, |v| v) / n;
+        let var = lane_sum(out, |v| (v - mean) * (v - mean)) / n;
+        let inv_std = (var + self.eps).sqrt().recip();
+        match (&self.weight, &self.bias) {
+            (Some(w), Some(b)) => {
+                for ((o, w), b) in out.iter_mut().zip(w).zip(b) {
+                    *o = (*o - mean) * inv_std * w + b;
+                }
+            }
+            (Some(w), None) => {
+                for (o, w) in out.iter_mut().zip(w) {
+                    *o = (*o - mean) * inv_std * w;
+                }
+            }
+            (None, Some(b)) => {
+                for (o, b) in out.iter_mut().zip(b) {
+                    *o = (*o - mean) * inv_std + b;
+                }
+            }
+            (None, None) => out.iter_mut().for_each(|o| *o = (*o - mean) * inv_std),
+        }
+    }
+}
+
+/// `Σ f(v)` with eight running sums, which the compiler keeps in one vector register (a single
+/// float sum must be added in order and does not vectorize).
+fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane += f(v);
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+impl candle_core::CustomOp2 for ResidualLayerNorm {
+    fn name(&self) -> &'static str {
+        "residual-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        residual: &CpuStorage,
+        residual_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let name = candle_core::CustomOp2::name(self);
+        let x = f32_slice(x, x_layout, name)?;
+        let residual = f32_slice(residual, residual_layout, name)?;
+        let shape = x_layout.shape();
+        let width = shape.dims().last().copied().unwrap_or(0);
+        if width == 0 || residual.len() != x.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "{name}: expects two inputs of one shape with a non-empty last dimension"
+            )));
+        }
+        let mut out = vec![0f32; x.len()];
+        for ((x, r), o) in x
+            .chunks_exact(width)
+            .zip(residual.chunks_exact(width))
+            .zip(out.chunks_exact_mut(width))
+        {
+            self.row(x, r, o);
+        }
+        Ok((CpuStorage::F32(out), shape.clone()))
+    }
+}
