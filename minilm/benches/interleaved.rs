@@ -10,10 +10,10 @@
 //!
 //! Variants: candle-transformers' `BertModel` (the peer), ours with `eval()` only, ours with
 //! `eval()` + `no_grad()`, the same with the fused passes off (`nn::without_fusion`: bias + GELU
-//! and residual + LayerNorm as separate passes), ours with `eval()` + `freeze("**")`, and ours under `no_grad()` through
-//! `functional_call` with every parameter substituted (copies of the model's own values; issue 15's
-//! target: within 5% of the plain call); one batch of 32 sentences of 25
-//! tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
+//! and residual + LayerNorm as separate passes), ours with `eval()` + `freeze("**")`, and ours
+//! under `no_grad()` through `functional_call` with every parameter substituted (copies of the
+//! model's own values; issue 15's target: within 5% of the plain call); one batch of 32 sentences
+//! of 25 tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
 //! `../shared/models/all-MiniLM-L6-v2`.
 
 use std::hint::black_box;
