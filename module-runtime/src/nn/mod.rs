@@ -10,6 +10,11 @@
 //! is a plain tensor and the parameters are frozen, for instance after `model.freeze("**")` for
 //! inference). Otherwise the layer is composed of differentiable candle ops, which match PyTorch
 //! forward and backward. Both paths compute the same values.
+//!
+//! The runtime's own fused inference passes follow the same rule, and run on float32 CPU tensors
+//! with no hooks attached: [`Linear::call_then`] (bias and activation in one pass; [`Sequential`]
+//! uses it for a `Linear` followed by an activation) and [`LayerNorm::call_residual`] (residual sum
+//! and norm in one pass). [`without_fusion`] turns them off on a thread.
 
 //! # Layout and constructors
 //!
