@@ -60,6 +60,25 @@ pub enum Error {
         expected: String,
     },
 
+    /// A typed forward hook ([`Hooks::register_typed_hook`](crate::Hooks::register_typed_hook))
+    /// takes an input type that is not the owned form of what the module was called with (a module
+    /// may implement `Forward` for several inputs), or the input is a
+    /// [`TensorStruct`](crate::TensorStruct) that gives no copy
+    /// ([`clone_tree`](crate::TensorStruct::clone_tree)).
+    #[error(
+        "the typed forward hook on `{path}` takes a `{expected}` input, but the call's input is a \
+         `{found}`, whose owned form is another type (or a `TensorStruct` whose `clone_tree` gives \
+         no copy)"
+    )]
+    HookInputType {
+        /// The module's path.
+        path: String,
+        /// The (owned) input type the hook takes.
+        expected: String,
+        /// The type the module was called with.
+        found: String,
+    },
+
     /// The path leads to a parameter or buffer where a module was expected, or vice versa.
     #[error("`{path}` is a {found}, not a {expected}")]
     WrongKind {
