@@ -630,3 +630,59 @@ fn get_mut_returns_the_concrete_type_mutably_for_every_kind() {
     let shared: &Block = net.get(p().shared_b());
     assert!(std::ptr::eq(shared, &*net.shared_a));
 }
+
+/// A map key is one path segment, so a typed path's string is the runtime's path: keys that are
+/// empty or hold `.` (PyTorch's `add_module` raises `KeyError`) or `*` (a pattern's wildcard) are
+/// refused where they enter, naming the key (and the path, where it is known).
+#[test]
+fn keys_that_are_not_path_segments_are_refused() -> Result<()> {
+    let mut dict = ModuleDict::new();
+    for bad in ["", "a.b", "*", "a*"] {
+        match dict.insert(bad, lin()) {
+            Err(Error::InvalidKey {
+                container: "ModuleDict",
+                key,
+                ..
+            }) => assert_eq!(key, bad),
+            other => panic!("{bad:?}: {:?}", other.map(|_| ())),
+        }
+    }
+    assert!(dict.is_empty());
+
+    // A `BTreeMap`'s keys enter through `std`: the state dict and loads refuse them.
+    let mut net = net();
+    net.map.insert("bad.key".to_owned(), block());
+    let err = net.state_dict().unwrap_err();
+    let Error::InvalidKey {
+        container,
+        path,
+        key,
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (*container, path.as_str(), key.as_str()),
+        ("BTreeMap", "map", "bad.key")
+    );
+    assert!(err.to_string().contains("\"bad.key\" at `map`"), "{err}");
+    let good = net_state()?;
+    assert!(matches!(
+        net.load_state_dict(&good),
+        Err(Error::InvalidKey { .. })
+    ));
+
+    // With valid keys, a key's typed path is the runtime's path, and `key("*")` is no pattern.
+    let net = self::net();
+    let k = Net::path().map().key("k").fc();
+    assert_eq!(k.as_str(), "map.k.fc");
+    assert!(listed(&net, &k));
+    assert!(net.get(Net::path().map().key("*")).is_none());
+    assert!(net.get(Net::path().dict().key("*")).is_none());
+    assert_eq!(net.get(Net::path().map().each()).len(), 1);
+    Ok(())
+}
+
+fn net_state() -> Result<StateDict> {
+    net().state_dict()
+}

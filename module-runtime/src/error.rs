@@ -132,6 +132,21 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// A map key or layer name that is not one path segment: empty, or containing `.` (PyTorch's
+    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard, so a string path
+    /// through it would be a pattern). Refused where it enters: `ModuleDict::insert`,
+    /// `Sequential::add_module`, and, for a `BTreeMap<String, _>` field (whose keys enter through
+    /// `std`), the state dict and loads of the model holding it.
+    #[error("the {container} key {key:?}{} is not a path segment: a key must be non-empty and contain no `.` or `*`", at(path))]
+    InvalidKey {
+        /// The container (`"ModuleDict"`, `"Sequential"`, `"BTreeMap"`).
+        container: &'static str,
+        /// The path of the container in the model; `""` when it is not known (an insert).
+        path: String,
+        /// The key.
+        key: String,
+    },
+
     /// A path pattern (`encoder.*`, `**.bias`) that cannot match anything.
     #[error("invalid path pattern `{pattern}`: {reason}")]
     InvalidPattern {
@@ -712,5 +727,14 @@ fn not_loaded_hint(awaits_load: &bool) -> &'static str {
     } else {
         "it is lazy and not built; call the model once, run `model.build(&sample)`, or load a \
          checkpoint"
+    }
+}
+
+/// ` at `path`` for a path that is known and not the root's.
+fn at(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!(" at `{path}`")
     }
 }

@@ -152,7 +152,7 @@ impl Resolve for Static {
     type Output<'a, T: 'a> = &'a T;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> &'a T {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, false, &mut found);
         found.into_iter().next().unwrap_or_else(|| {
             panic!(
                 "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
@@ -167,7 +167,7 @@ impl Resolve for Checked {
     type Output<'a, T: 'a> = Option<&'a T>;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Option<&'a T> {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, false, &mut found);
         found.into_iter().next()
     }
 }
@@ -176,7 +176,7 @@ impl Resolve for Each {
     type Output<'a, T: 'a> = Vec<&'a T>;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Vec<&'a T> {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, true, &mut found);
         found
     }
 }
@@ -208,7 +208,7 @@ impl ResolveMut for Static {
     type OutputMut<'a, T: 'a> = &'a mut T;
     fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> &'a mut T {
         let mut found = Vec::new();
-        find_mut(root, path, &mut found);
+        find_mut(root, path, false, &mut found);
         found.into_iter().next().unwrap_or_else(|| {
             panic!(
                 "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
@@ -223,7 +223,7 @@ impl ResolveMut for Checked {
     type OutputMut<'a, T: 'a> = Option<&'a mut T>;
     fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> Option<&'a mut T> {
         let mut found = Vec::new();
-        find_mut(root, path, &mut found);
+        find_mut(root, path, false, &mut found);
         found.into_iter().next()
     }
 }
@@ -232,7 +232,7 @@ impl ResolveMut for Each {
     type OutputMut<'a, T: 'a> = Vec<&'a mut T>;
     fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> Vec<&'a mut T> {
         let mut found = Vec::new();
-        find_mut(root, path, &mut found);
+        find_mut(root, path, true, &mut found);
         found
     }
 }
@@ -248,11 +248,21 @@ fn segments(path: &str) -> Vec<&str> {
 /// Every node at `path` that is a `T`, mutably. The mutable walk hands out each child once, so
 /// the matches are disjoint; a module shared through an `Arc` with other owners is no match
 /// (typed paths through an `Arc` have no `get_mut`; this covers a layer of a `Sequential` only).
-fn find_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str, out: &mut Vec<&'a mut T>) {
-    walk_mut(ChildMut::Module(root), &segments(path), out);
+fn find_mut<'a, T: Any>(
+    root: &'a mut dyn Module,
+    path: &str,
+    wildcards: bool,
+    out: &mut Vec<&'a mut T>,
+) {
+    walk_mut(ChildMut::Module(root), &segments(path), wildcards, out);
 }
 
-fn walk_mut<'a, T: Any>(node: ChildMut<'a>, segments: &[&str], out: &mut Vec<&'a mut T>) {
+fn walk_mut<'a, T: Any>(
+    node: ChildMut<'a>,
+    segments: &[&str],
+    wildcards: bool,
+    out: &mut Vec<&'a mut T>,
+) {
     let Some((segment, rest)) = segments.split_first() else {
         let any: Option<&'a mut dyn Any> = match node {
             ChildMut::Module(module) => Some(module as &mut dyn Any),
@@ -265,30 +275,32 @@ fn walk_mut<'a, T: Any>(node: ChildMut<'a>, segments: &[&str], out: &mut Vec<&'a
     };
     if let ChildMut::Module(module) = node {
         let mut first = true;
+        let any = wildcards && *segment == "*";
         module.visit_children_mut(&mut |name, child| {
-            if *segment == "*" || (first && name.matches(segment)) {
-                if *segment != "*" {
-                    first = false;
-                }
-                walk_mut(child, rest, out);
+            if any || (first && name.matches(segment)) {
+                first = any;
+                walk_mut(child, rest, wildcards, out);
             }
         });
     }
 }
 
-/// Every node at `path` (`*` segments match any child) that is a `T`.
-fn find<'a, T: Any>(root: &'a dyn Module, path: &str, out: &mut Vec<&'a T>) {
+/// Every node at `path` that is a `T`. With `wildcards` (a pattern, from `each()`), a `*` segment
+/// matches any child; otherwise it is a name like any other, which no child has (a key with `*`
+/// is refused where it enters), so `key("*")` is not a pattern in disguise.
+fn find<'a, T: Any>(root: &'a dyn Module, path: &str, wildcards: bool, out: &mut Vec<&'a T>) {
     walk(
         Child::Module {
             module: root,
             shared: None,
         },
         &segments(path),
+        wildcards,
         out,
     );
 }
 
-fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], out: &mut Vec<&'a T>) {
+fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], wildcards: bool, out: &mut Vec<&'a T>) {
     let Some((segment, rest)) = segments.split_first() else {
         let any: Option<&'a dyn Any> = match node {
             Child::Module { module, .. } => Some(module as &dyn Any),
@@ -301,12 +313,11 @@ fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], out: &mut Vec<&'a T>) {
     };
     if let Child::Module { module, .. } = node {
         let mut first = true;
+        let any = wildcards && *segment == "*";
         module.visit_children(&mut |name, child| {
-            if *segment == "*" || (first && name.matches(segment)) {
-                if *segment != "*" {
-                    first = false;
-                }
-                walk(child, rest, out);
+            if any || (first && name.matches(segment)) {
+                first = any;
+                walk(child, rest, wildcards, out);
             }
         });
     }
@@ -744,7 +755,10 @@ macro_rules! map_path {
         }
 
         impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
-            /// The entry `key` (checked at run time by [`get`](PathExt::get)).
+            /// The entry `key` (checked at run time by [`get`](PathExt::get)). A key is one path
+            /// segment: maps refuse a key that is empty or holds `.` or `*` where it enters
+            /// ([`Error::InvalidKey`](crate::Error::InvalidKey)), so no entry has such a key: a
+            /// `*` in it is no wildcard here, and a `.` reads as two segments.
             pub fn key(&self, key: &str) -> M::Path<R, Indexed<K>> {
                 self.child::<_, M>(format_args!("{key}"))
             }
