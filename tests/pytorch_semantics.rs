@@ -339,7 +339,7 @@ fn module_dict_rejects_empty_and_dotted_keys() {
     for bad in ["", "a.b", "."] {
         let err = d.insert(bad, Linear::new(2, 2, &dev).unwrap()).unwrap_err();
         assert!(
-            matches!(err, module_runtime::Error::InvalidConfig { .. }),
+            matches!(err, module_runtime::Error::InvalidKey { .. }),
             "{err}"
         );
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use module_runtime::nn::{LayerNorm, ModuleDict, ModuleList, Sequential};
 use module_runtime::prelude::*;
-use module_runtime::typed_path::{Checked, Each, Static, TypedPath};
+use module_runtime::typed_path::{Checked, Each, Shared, Static, TypedPath};
 use module_runtime::PathExt;
 
 #[derive(Module)]
@@ -245,6 +245,11 @@ fn kinds_are_tracked_in_the_types() {
     assert_eq!(kind(&p().head()), std::any::type_name::<Checked>());
     // Past a flattened field, the kind is the parent's again.
     assert_eq!(kind(&p().inner().proj()), std::any::type_name::<Static>());
+    // Through an `Arc`: `Shared` (`get` as the inner kind, no `get_mut`).
+    assert_eq!(
+        kind(&p().shared_a().fc()),
+        std::any::type_name::<Shared<Static>>()
+    );
 }
 
 #[test]
@@ -342,4 +347,342 @@ fn typed_output_hooks_see_and_replace_the_modules_own_output_type() -> Result<()
     assert!(message.contains("`split`"), "{message}");
     assert!(message.contains("Tensor"), "{message}");
     Ok(())
+}
+
+/// A module taking borrowed tensors and a plain value: a typed hook sees their owned form.
+#[derive(Module)]
+#[module(paths)]
+struct Gate {
+    fc: Linear,
+}
+
+impl Forward<(&Tensor, Option<&Tensor>, f64)> for Gate {
+    type Output = Tensor;
+    fn forward(&self, (x, mask, scale): (&Tensor, Option<&Tensor>, f64)) -> Result<Tensor> {
+        let y = (self.fc.call(x)? * scale)?;
+        Ok(match mask {
+            Some(m) => (y * m)?,
+            None => y,
+        })
+    }
+}
+
+/// A struct input of one's own; `Clone`, so typed hooks see it.
+#[derive(TensorStruct, Clone)]
+struct Batch {
+    x: Tensor,
+    #[tensor(skip)]
+    tag: &'static str,
+}
+
+/// The same without `Clone`: a typed hook cannot be given a copy.
+#[derive(TensorStruct)]
+struct Opaque {
+    x: Tensor,
+}
+
+#[derive(Module)]
+#[module(paths)]
+struct Takes {
+    fc: Linear,
+}
+
+impl Forward<Batch> for Takes {
+    type Output = Tensor;
+    fn forward(&self, b: Batch) -> Result<Tensor> {
+        self.fc.call(&b.x)
+    }
+}
+
+impl Forward<Opaque> for Takes {
+    type Output = Tensor;
+    fn forward(&self, b: Opaque) -> Result<Tensor> {
+        self.fc.call(&b.x)
+    }
+}
+
+#[derive(Module)]
+#[module(paths)]
+struct Host {
+    gate: Gate,
+    takes: Takes,
+    attn: module_runtime::nn::MultiheadAttention,
+}
+
+impl Forward<&Tensor> for Host {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mask = x.ones_like()?;
+        let a = self.gate.call((x, Some(&mask), 2.0))?;
+        let b = self.takes.call(Batch {
+            x: x.clone(),
+            tag: "batch",
+        })?;
+        let (c, _) = self
+            .attn
+            .call(module_runtime::nn::AttentionInput::new(x, x, x))?;
+        Ok(((a + b)? + c.sum_keepdim(1)?.broadcast_as((1, 3))?)?)
+    }
+}
+
+fn host() -> Result<Host> {
+    let dev = Device::Cpu;
+    Ok(Host {
+        gate: Gate {
+            fc: Linear::new(3, 3, &dev)?,
+        },
+        takes: Takes {
+            fc: Linear::new(3, 3, &dev)?,
+        },
+        attn: module_runtime::nn::MultiheadAttention::new(3, 1, &dev)?,
+    })
+}
+
+#[test]
+fn typed_hooks_see_the_modules_own_input_type() -> Result<()> {
+    use module_runtime::nn::{MultiheadAttention, OwnedAttentionInput};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let host = host()?;
+    let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
+    let hooks = Hooks::new();
+    let seen = Arc::new(AtomicUsize::new(0));
+    // A module called with `&Tensor`: the hook reads a `&Tensor` (the owned form, borrowed).
+    let count = seen.clone();
+    let want = x.clone();
+    hooks.register_typed_hook(
+        &Host::path().gate().fc(),
+        move |ctx, fc: &Linear, input: &Tensor, out: &Tensor| {
+            assert_eq!(ctx.path(), "gate.fc");
+            assert_eq!(ctx.input_type(), std::any::type_name::<&Tensor>());
+            assert_eq!(input.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+            assert_eq!(out.dim(1)?, fc.out_features());
+            count.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        },
+    )?;
+    // Borrowed tensors inside a tuple are owned; plain values are copied.
+    let count = seen.clone();
+    hooks.register_typed_hook(
+        &Host::path().gate(),
+        move |_, _: &Gate, input: &(Tensor, Option<Tensor>, f64), _: &Tensor| {
+            let (x, mask, scale) = input;
+            assert_eq!(x.dims(), [1, 3]);
+            assert!(mask.is_some());
+            assert_eq!(*scale, 2.0);
+            count.fetch_add(1, Ordering::SeqCst);
+            // Replace the output: zeros.
+            Ok(Some(x.zeros_like()?))
+        },
+    )?;
+    // A `Clone` struct input is given as itself.
+    let count = seen.clone();
+    hooks.register_typed_hook(
+        &Host::path().takes(),
+        move |_, _: &Takes, input: &Batch, _: &Tensor| {
+            assert_eq!(input.tag, "batch");
+            assert_eq!(input.x.dims(), [1, 3]);
+            count.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        },
+    )?;
+    // The runtime's attention input is given as its owned twin.
+    let count = seen.clone();
+    hooks.register_typed_hook(
+        &Host::path().attn(),
+        move |_,
+              _: &MultiheadAttention,
+              input: &OwnedAttentionInput,
+              out: &(Tensor, Option<Tensor>)| {
+            assert_eq!(input.query.dims(), [1, 3]);
+            assert!(input.key_padding_mask.is_none() && input.need_weights);
+            assert_eq!(input.as_input().key.dims(), [1, 3]);
+            assert!(out.1.is_some());
+            count.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        },
+    )?;
+    let hooked = hooks.run(&host, |m| m.call(&x))?;
+    assert_eq!(seen.load(Ordering::SeqCst), 4);
+
+    // The replaced output of `gate` (zeros) is what the model used.
+    let b = host.takes.fc.call(&x)?;
+    let (c, _) = host
+        .attn
+        .call(module_runtime::nn::AttentionInput::new(&x, &x, &x))?;
+    let expected = (b + c.sum_keepdim(1)?.broadcast_as((1, 3))?)?;
+    let diff = (hooked - expected)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-6, "{diff}");
+    Ok(())
+}
+
+#[test]
+fn typed_hooks_see_the_input_a_pre_hook_replaced() -> Result<()> {
+    let host = host()?;
+    let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
+    let hooks = Hooks::new();
+    let fc = Host::path().gate().fc();
+    hooks.register_forward_pre_hook(&fc, |_, input| Ok(Some(vec![input[0].zeros_like()?])))?;
+    hooks.register_typed_hook(&fc, |_, _: &Linear, input: &Tensor, _: &Tensor| {
+        assert_eq!(input.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(None)
+    })?;
+    hooks.run(&host, |m| m.call(&x))?;
+    Ok(())
+}
+
+#[test]
+fn typed_hooks_for_another_input_type_fail_naming_the_types() -> Result<()> {
+    let host = host()?;
+    let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
+    // `gate` is called with a tuple, not a tensor.
+    let hooks = Hooks::new();
+    hooks.register_typed_hook(
+        &Host::path().gate(),
+        |_, _: &Gate, _: &Tensor, _: &Tensor| Ok(None),
+    )?;
+    let err = hooks.run(&host, |m| m.call(&x)).unwrap_err();
+    let Error::Hook { path, source, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(path, "gate");
+    let Error::HookInputType {
+        expected, found, ..
+    } = source.as_ref()
+    else {
+        panic!("{err}")
+    };
+    assert!(expected.contains("Tensor"), "{expected}");
+    assert!(found.starts_with("(&"), "{found}");
+
+    // A struct input that is not `Clone` gives no copy: the same error, naming the struct.
+    let opaque = Hooks::new();
+    opaque.register_typed_hook(&Takes::path(), |_, _: &Takes, _: &Opaque, _: &Tensor| {
+        Ok(None)
+    })?;
+    let input = Opaque { x: x.clone() };
+    let err = opaque.run(&host.takes, |m| m.call(input)).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("Opaque"), "{message}");
+    assert!(message.contains("clone_tree"), "{message}");
+    Ok(())
+}
+
+#[test]
+fn get_mut_returns_the_concrete_type_mutably_for_every_kind() {
+    let mut net = net();
+    let p = Net::path;
+    // Static: `&mut T`, at the module `get` finds.
+    let boxed_fc: *const Linear = &net.boxed.fc;
+    let fc: &mut Linear = net.get_mut(p().boxed().fc());
+    assert!(std::ptr::eq(fc, boxed_fc));
+    fc.bias = None;
+    assert!(net.boxed.fc.bias.is_none());
+    let root: &mut Net = net.get_mut(p());
+    root.width = 3;
+    assert_eq!(net.width, 3);
+    let weight: *const Param = &net.inner.proj.weight;
+    assert!(std::ptr::eq(
+        net.get_mut(p().inner().proj().weight()),
+        weight
+    ));
+    let norm: *const LayerNorm = &net.tuple.1.norm;
+    assert!(std::ptr::eq(net.get_mut(p().tuple()._1().norm()), norm));
+
+    // Checked: `Option<&mut T>`, `None` where the index, key, `Option` or variant is not there.
+    let second: *const Linear = &net.blocks[1].fc;
+    let fc = net
+        .get_mut(p().blocks().at(1).fc())
+        .expect("block 1 exists");
+    assert!(std::ptr::eq(fc, second));
+    fc.bias = None;
+    assert!(net.blocks[1].fc.bias.is_none() && net.blocks[0].fc.bias.is_some());
+    assert!(net.get_mut(p().blocks().at(2).fc()).is_none());
+    assert!(net.get_mut(p().dict().key("a")).is_some());
+    assert!(net.get_mut(p().dict().key("b")).is_none());
+    assert!(net.get_mut(p().map().key("k").norm()).is_some());
+    assert!(net.get_mut(p().head()).is_some());
+    assert!(net.get_mut(p().absent()).is_none());
+    assert!(net
+        .get_mut(p().seq().named("named").of::<Linear>())
+        .is_some());
+    assert!(net.get_mut(p().seq().at(0).of::<LayerNorm>()).is_none());
+    assert!(net.get_mut(p().gated().gated_out()).is_some());
+    assert!(net.get_mut(p().gated().plain()).is_none());
+    assert!(net.get_mut(p().plain().plain()).is_some());
+
+    // Each: every match at once, each a distinct module.
+    let fcs: Vec<&mut Linear> = net.get_mut(p().blocks().each().fc());
+    assert_eq!(fcs.len(), 2);
+    for fc in fcs {
+        fc.bias = None;
+    }
+    assert!(net.blocks.iter().all(|b| b.fc.bias.is_none()));
+    let array: Vec<&mut Linear> = net.get_mut(p().array().each());
+    assert_eq!(array.len(), 2);
+    assert!(!std::ptr::eq(&*array[0], &*array[1]));
+    // Through the generic path types of the runtime's containers, with `PathExt`.
+    let first: *const Linear = &net.list[0];
+    let got = PathExt::get_mut(&mut net, p().list().at(0));
+    assert!(std::ptr::eq(got.expect("element 0 exists"), first));
+    // A path through an `Arc` still has `get` (its kind is `Shared<_>`); `get_mut` does not
+    // compile for it (a UI case in module-derive).
+    let shared: &Block = net.get(p().shared_b());
+    assert!(std::ptr::eq(shared, &*net.shared_a));
+}
+
+/// A map key is one path segment, so a typed path's string is the runtime's path: keys that are
+/// empty or hold `.` (PyTorch's `add_module` raises `KeyError`) or `*` (a pattern's wildcard) are
+/// refused where they enter, naming the key (and the path, where it is known).
+#[test]
+fn keys_that_are_not_path_segments_are_refused() -> Result<()> {
+    let mut dict = ModuleDict::new();
+    for bad in ["", "a.b", "*", "a*"] {
+        match dict.insert(bad, lin()) {
+            Err(Error::InvalidKey {
+                container: "ModuleDict",
+                key,
+                ..
+            }) => assert_eq!(key, bad),
+            other => panic!("{bad:?}: {:?}", other.map(|_| ())),
+        }
+    }
+    assert!(dict.is_empty());
+
+    // A `BTreeMap`'s keys enter through `std`: the state dict and loads refuse them.
+    let mut net = net();
+    net.map.insert("bad.key".to_owned(), block());
+    let err = net.state_dict().unwrap_err();
+    let Error::InvalidKey {
+        container,
+        path,
+        key,
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (*container, path.as_str(), key.as_str()),
+        ("BTreeMap", "map", "bad.key")
+    );
+    assert!(err.to_string().contains("\"bad.key\" at `map`"), "{err}");
+    let good = net_state()?;
+    assert!(matches!(
+        net.load_state_dict(&good),
+        Err(Error::InvalidKey { .. })
+    ));
+
+    // With valid keys, a key's typed path is the runtime's path, and `key("*")` is no pattern.
+    let net = self::net();
+    let k = Net::path().map().key("k").fc();
+    assert_eq!(k.as_str(), "map.k.fc");
+    assert!(listed(&net, &k));
+    assert!(net.get(Net::path().map().key("*")).is_none());
+    assert!(net.get(Net::path().dict().key("*")).is_none());
+    assert_eq!(net.get(Net::path().map().each()).len(), 1);
+    Ok(())
+}
+
+fn net_state() -> Result<StateDict> {
+    net().state_dict()
 }

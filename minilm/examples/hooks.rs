@@ -11,7 +11,8 @@
 //!    the similarity of two related sentences changes.
 //!
 //! The paths are typed (`#[module(paths)]` on the BERT structs): a misspelled segment is a compile
-//! error, and the hook gets the `BertSelfAttention` itself, with no downcast.
+//! error, and the hook gets the `BertSelfAttention` itself, its input and its output as their own
+//! types, with no downcast.
 //!
 //! ```text
 //! cargo run --release -p minilm --example hooks -- [--model DIR] [--layer L]
@@ -130,12 +131,18 @@ fn main() -> AnyResult<()> {
             .map(|i| if i / head_dim == head { 0.0 } else { 1.0 })
             .collect();
         let keep = Tensor::from_vec(keep, config.hidden_size, &device)?;
-        // A typed hook: it is given the module as a `BertSelfAttention`.
-        let handle = hooks.register_typed_forward_hook(
+        // A typed hook: the module is a `BertSelfAttention`, its input the `(hidden, mask)` it
+        // was called with (owned: `(&Tensor, &Tensor)` reads as `(Tensor, Tensor)`), its output
+        // the context tensor, which the hook replaces.
+        let handle = hooks.register_typed_hook(
             &target,
-            move |_ctx, attention: &BertSelfAttention, _input, output| {
+            move |_ctx,
+                  attention: &BertSelfAttention,
+                  (hidden, _mask): &(Tensor, Tensor),
+                  context: &Tensor| {
                 debug_assert_eq!(attention.num_heads, heads);
-                Ok(Some(vec![output[0].broadcast_mul(&keep)?]))
+                debug_assert_eq!(hidden.dims(), context.dims());
+                Ok(Some(context.broadcast_mul(&keep)?))
             },
         )?;
         let patched = hooks.run(&model, embed)?;

@@ -199,6 +199,20 @@ pub fn expand(input: &Input, krate: &syn::Path) -> TokenStream {
             {
                 #tp::PathExt::get(self, path)
             }
+
+            /// [`get`](Self::get), mutably: `&mut T`, `Option<&mut T>` or every match; not
+            /// offered for a path through an `Arc`, which has no `&mut`.
+            #vis fn get_mut<__P>(
+                &mut self,
+                path: __P,
+            ) -> <<__P as #tp::TypedPath>::Kind as #tp::ResolveMut>::OutputMut<'_, <__P as #tp::TypedPath>::Target>
+            where
+                __P: #tp::TypedPath<Root = Self>,
+                <__P as #tp::TypedPath>::Kind: #tp::ResolveMut,
+                Self: #krate::Module + ::core::marker::Sized,
+            {
+                #tp::PathExt::get_mut(self, path)
+            }
         }
 
         #[automatically_derived]

@@ -165,6 +165,12 @@ fn expand(input: &syn::DeriveInput, fields: &[Field]) -> TokenStream {
                 let Self { #(#members: #bindings),* } = self;
                 Self { #(#members: #rebuilt),* }
             }
+
+            fn clone_tree(&self) -> ::core::option::Option<Self> {
+                #[allow(unused_imports)]
+                use #krate::__private::{ViaClone as _, ViaNone as _};
+                (&#krate::__private::CloneProbe(self)).clone_tree()
+            }
         }
     }
 }

@@ -60,6 +60,25 @@ pub enum Error {
         expected: String,
     },
 
+    /// A typed forward hook ([`Hooks::register_typed_hook`](crate::Hooks::register_typed_hook))
+    /// takes an input type that is not the owned form of what the module was called with (a module
+    /// may implement `Forward` for several inputs), or the input is a
+    /// [`TensorStruct`](crate::TensorStruct) that gives no copy
+    /// ([`clone_tree`](crate::TensorStruct::clone_tree)).
+    #[error(
+        "the typed forward hook on `{path}` takes a `{expected}` input, but the call's input is a \
+         `{found}`, whose owned form is another type (or a `TensorStruct` whose `clone_tree` gives \
+         no copy)"
+    )]
+    HookInputType {
+        /// The module's path.
+        path: String,
+        /// The (owned) input type the hook takes.
+        expected: String,
+        /// The type the module was called with.
+        found: String,
+    },
+
     /// The path leads to a parameter or buffer where a module was expected, or vice versa.
     #[error("`{path}` is a {found}, not a {expected}")]
     WrongKind {
@@ -111,6 +130,21 @@ pub enum Error {
         shape: Shape,
         /// The dtype of the new value.
         dtype: DType,
+    },
+
+    /// A map key or layer name that is not one path segment: empty, or containing `.` (PyTorch's
+    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard, so a string path
+    /// through it would be a pattern). Refused where it enters: `ModuleDict::insert`,
+    /// `Sequential::add_module`, and, for a `BTreeMap<String, _>` field (whose keys enter through
+    /// `std`), the state dict and loads of the model holding it.
+    #[error("the {container} key {key:?}{} is not a path segment: a key must be non-empty and contain no `.` or `*`", at(path))]
+    InvalidKey {
+        /// The container (`"ModuleDict"`, `"Sequential"`, `"BTreeMap"`).
+        container: &'static str,
+        /// The path of the container in the model; `""` when it is not known (an insert).
+        path: String,
+        /// The key.
+        key: String,
     },
 
     /// A path pattern (`encoder.*`, `**.bias`) that cannot match anything.
@@ -693,5 +727,14 @@ fn not_loaded_hint(awaits_load: &bool) -> &'static str {
     } else {
         "it is lazy and not built; call the model once, run `model.build(&sample)`, or load a \
          checkpoint"
+    }
+}
+
+/// ` at `path`` for a path that is known and not the root's.
+fn at(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!(" at `{path}`")
     }
 }

@@ -192,4 +192,34 @@ pub mod __private {
     ) -> T {
         crate::hooks::dispatch::map_tree(tree, f)
     }
+
+    /// `#[derive(TensorStruct)]`'s `clone_tree`: `Some(clone)` when the struct is `Clone`, `None`
+    /// otherwise, chosen by method resolution on `(&CloneProbe(value)).clone_tree()` (the
+    /// by-value candidate, [`ViaClone`], needs `Clone`; the auto-referenced one, [`ViaNone`], is
+    /// the fallback).
+    pub struct CloneProbe<'a, T>(pub &'a T);
+
+    /// The `Clone` case of [`CloneProbe`].
+    pub trait ViaClone<T> {
+        /// A clone.
+        fn clone_tree(&self) -> Option<T>;
+    }
+
+    impl<T: Clone> ViaClone<T> for CloneProbe<'_, T> {
+        fn clone_tree(&self) -> Option<T> {
+            Some(self.0.clone())
+        }
+    }
+
+    /// The fallback of [`CloneProbe`].
+    pub trait ViaNone<T> {
+        /// No copy.
+        fn clone_tree(&self) -> Option<T>;
+    }
+
+    impl<T> ViaNone<T> for &CloneProbe<'_, T> {
+        fn clone_tree(&self) -> Option<T> {
+            None
+        }
+    }
 }

@@ -4,6 +4,52 @@
 use crate::error::{Error, Result};
 use crate::module::{Child, ChildMut, Module, Name};
 
+/// Whether `key` can be one segment of a path: non-empty, no `.` (PyTorch's `add_module` rule)
+/// and no `*` (a pattern's wildcard).
+pub(crate) fn is_segment(key: &str) -> bool {
+    !key.is_empty() && !key.contains(['.', '*'])
+}
+
+/// [`Error::InvalidKey`] unless `key` [is a segment](is_segment).
+pub(crate) fn check_key(container: &'static str, path: &str, key: &str) -> Result<()> {
+    if is_segment(key) {
+        return Ok(());
+    }
+    Err(Error::InvalidKey {
+        container,
+        path: path.to_owned(),
+        key: key.to_owned(),
+    })
+}
+
+/// Every name in the tree is a path segment: the keys of a `BTreeMap<String, _>` enter through
+/// `std`, so they are checked here, by what turns them into paths (the state dict and loads).
+/// Struct fields (checked by the derive) and the runtime's containers (checked on insert) pass.
+pub(crate) fn check_keys(root: &dyn Module) -> Result<()> {
+    fn visit(module: &dyn Module, path: &mut String) -> Result<()> {
+        let mut result = Ok(());
+        module.visit_children(&mut |name, child| {
+            if result.is_err() {
+                return;
+            }
+            if let Name::Field(key) = &name {
+                if !is_segment(key) {
+                    result = check_key("BTreeMap", path, key);
+                    return;
+                }
+            }
+            if let Child::Module { module, .. } = child {
+                let len = path.len();
+                name.push_to(path);
+                result = visit(module, path);
+                path.truncate(len);
+            }
+        });
+        result
+    }
+    visit(root, &mut String::new())
+}
+
 /// The segments of a dotted path; the root's path `""` has none.
 fn segments(path: &str) -> impl Iterator<Item = &str> {
     path.split('.').filter(|_| !path.is_empty())

@@ -411,6 +411,7 @@ pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
 /// Every parameter and persistent buffer, and every module's extra state, in PyTorch's order
 /// (each module's own parameters, own buffers, extra state, then submodules).
 pub(crate) fn state_dict(root: &dyn Module) -> Result<StateDict> {
+    crate::path::check_keys(root)?;
     let mut sd = StateDict::new();
     let mut failed = None;
     walk(root, false, &mut |path, v| {
@@ -468,6 +469,7 @@ pub(crate) fn load(
     options: &LoadOptions,
 ) -> Result<LoadReport> {
     crate::views::ensure_cells_built(root, "load a checkpoint into")?;
+    crate::path::check_keys(root)?;
     let targets = slots(root);
     let extras = crate::extra_state::slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();

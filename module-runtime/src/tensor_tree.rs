@@ -42,6 +42,20 @@ pub trait TensorTree: sealed::Sealed {
     where
         Self: Sized;
 
+    /// The tree with every borrowed part owned: `Tensor` for `&Tensor`, `(Tensor, Option<Tensor>)`
+    /// for `(&Tensor, Option<&Tensor>)`, `String` for `&str`,
+    /// [`OwnedAttentionInput`](crate::nn::OwnedAttentionInput) for
+    /// [`AttentionInput`](crate::nn::AttentionInput); a `TensorStruct` and an owned tree are their
+    /// own owned form. It is what a typed forward hook
+    /// ([`register_typed_hook`](crate::Hooks::register_typed_hook)) sees of a module's input,
+    /// which `forward` has consumed by the time the hook runs.
+    type Owned: 'static;
+
+    /// A copy of the tree with every borrowed part owned (tensors are reference counted: no data
+    /// is copied). `None` for a [`TensorStruct`] whose
+    /// [`clone_tree`](TensorStruct::clone_tree) gives none.
+    fn to_owned_tree(&self) -> Option<Self::Owned>;
+
     /// The tree's tensors, in order.
     fn tensors(&self) -> Vec<Tensor> {
         let mut out = Vec::new();
@@ -104,11 +118,30 @@ pub trait TensorStruct: 'static {
 
     /// Rebuilds the value with each tensor replaced by `f` of it, in the same order.
     fn map_tensors(self, f: &mut dyn FnMut(Tensor) -> Tensor) -> Self;
+
+    /// A copy of the value, for the typed forward hooks of a module that takes it as input
+    /// ([`register_typed_hook`](crate::Hooks::register_typed_hook)): by the time such a hook runs,
+    /// `forward` has consumed the input. `#[derive(TensorStruct)]` gives `Some(self.clone())` when
+    /// the struct is `Clone` (for a generic struct: when `Clone` holds for every parameter that
+    /// meets the impl's bounds, so in practice a non-generic struct); the default, `None`, makes
+    /// such a hook fail with [`Error::HookInputType`](crate::Error::HookInputType).
+    fn clone_tree(&self) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
 }
 
 impl<T: TensorStruct> sealed::Sealed for T {}
 
 impl<T: TensorStruct> TensorTree for T {
+    type Owned = T;
+
+    fn to_owned_tree(&self) -> Option<T> {
+        self.clone_tree()
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         TensorStruct::for_each_tensor(self, f)
     }
@@ -121,6 +154,12 @@ impl<T: TensorStruct> TensorTree for T {
 impl sealed::Sealed for Tensor {}
 
 impl TensorTree for Tensor {
+    type Owned = Tensor;
+
+    fn to_owned_tree(&self) -> Option<Tensor> {
+        Some(self.clone())
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         f(self)
     }
@@ -133,6 +172,12 @@ impl TensorTree for Tensor {
 impl sealed::Sealed for &Tensor {}
 
 impl TensorTree for &Tensor {
+    type Owned = Tensor;
+
+    fn to_owned_tree(&self) -> Option<Tensor> {
+        Some((*self).clone())
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         f(self)
     }
@@ -149,6 +194,15 @@ impl TensorTree for &Tensor {
 impl<T: TensorTree> sealed::Sealed for Option<T> {}
 
 impl<T: TensorTree> TensorTree for Option<T> {
+    type Owned = Option<T::Owned>;
+
+    fn to_owned_tree(&self) -> Option<Option<T::Owned>> {
+        match self {
+            Some(t) => t.to_owned_tree().map(Some),
+            None => Some(None),
+        }
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         if let Some(t) = self {
             t.for_each_tensor(f)
@@ -163,6 +217,12 @@ impl<T: TensorTree> TensorTree for Option<T> {
 impl<T: TensorTree> sealed::Sealed for Vec<T> {}
 
 impl<T: TensorTree> TensorTree for Vec<T> {
+    type Owned = Vec<T::Owned>;
+
+    fn to_owned_tree(&self) -> Option<Vec<T::Owned>> {
+        self.iter().map(T::to_owned_tree).collect()
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         self.iter().for_each(|t| t.for_each_tensor(f))
     }
@@ -175,6 +235,13 @@ impl<T: TensorTree> TensorTree for Vec<T> {
 impl<T: TensorTree, const N: usize> sealed::Sealed for [T; N] {}
 
 impl<T: TensorTree, const N: usize> TensorTree for [T; N] {
+    type Owned = [T::Owned; N];
+
+    fn to_owned_tree(&self) -> Option<[T::Owned; N]> {
+        let owned: Vec<T::Owned> = self.iter().map(T::to_owned_tree).collect::<Option<_>>()?;
+        owned.try_into().ok()
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         self.iter().for_each(|t| t.for_each_tensor(f))
     }
@@ -189,6 +256,14 @@ macro_rules! tuple_tree {
         impl<$($name: TensorTree),*> sealed::Sealed for ($($name,)*) {}
 
         impl<$($name: TensorTree),*> TensorTree for ($($name,)*) {
+            type Owned = ($($name::Owned,)*);
+
+            #[allow(non_snake_case, clippy::unused_unit)]
+            fn to_owned_tree(&self) -> Option<Self::Owned> {
+                let ($($name,)*) = self;
+                Some(($($name.to_owned_tree()?,)*))
+            }
+
             #[allow(non_snake_case, unused_variables)]
             fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
                 let ($($name,)*) = self;
@@ -218,6 +293,12 @@ macro_rules! leaf_tree {
 
         /// A leaf without tensors: hooks do not see it, and it is kept as it is.
         impl TensorTree for $ty {
+            type Owned = $ty;
+
+            fn to_owned_tree(&self) -> Option<$ty> {
+                Some(self.clone())
+            }
+
             fn for_each_tensor(&self, _f: &mut dyn FnMut(&Tensor)) {}
 
             fn rebuild(self, _next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {
@@ -233,6 +314,12 @@ impl sealed::Sealed for &str {}
 
 /// A leaf without tensors.
 impl TensorTree for &str {
+    type Owned = String;
+
+    fn to_owned_tree(&self) -> Option<String> {
+        Some((*self).to_owned())
+    }
+
     fn for_each_tensor(&self, _f: &mut dyn FnMut(&Tensor)) {}
 
     fn rebuild(self, _next: &mut dyn FnMut(&Tensor) -> Tensor, _scope: &Scope) -> Self {

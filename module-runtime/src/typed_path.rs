@@ -44,8 +44,19 @@
 //! // A typed path is a `str` wherever one is taken (hooks, `capture`, `freeze`).
 //! assert_eq!(net.freeze(&every_fc)?, 4);
 //! assert!(net.get(Net::path().head()).is_none());
+//! // `get_mut` mirrors `get`: `&mut T`, `Option<&mut T>`, or every match at once.
+//! let mut net = net;
+//! for fc in net.get_mut(Net::path().blocks().each().fc()) {
+//!     fc.bias = None;
+//! }
+//! assert!(net.blocks.iter().all(|b| b.fc.bias.is_none()));
 //! # Ok::<(), module_runtime::Error>(())
 //! ```
+//!
+//! The path types of the runtime's layers are in [`nn`](crate::nn) beside them
+//! ([`nn::LinearPath`](crate::nn::LinearPath), …). The rustdoc of a derived type lists its
+//! `path()` function, whose return type links to the path type (`NetPath`), and the path type's
+//! page lists every segment method: what rust-analyzer completes after `Net::path().`.
 //!
 //! A misspelled field is a compile error naming the path type (`NetPath`) and its methods; an
 //! index into something that is not a list has no `at` method.
@@ -58,7 +69,8 @@
 //! fields are reached through `<variant>_<field>()` (the variant name is no path segment), and a
 //! single-field tuple variant, which is transparent, through `<variant>()`. A module shared
 //! through `Arc` has one state-dict path (its first); a typed path through another alias reaches
-//! the same module.
+//! the same module. A path through an `Arc` is of kind [`Shared`]: `get` works, `get_mut` does not
+//! compile (a shared module has no `&mut`).
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -66,7 +78,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use crate::module::{Child, Module};
+use crate::module::{Child, ChildMut, Module};
 use crate::nn::{ModuleDict, ModuleList, Native, NativeLayer, Sequential, SequentialLayer};
 use crate::{Buffer, Lazy, Param};
 
@@ -94,11 +106,16 @@ pub enum Each {}
 /// The path of a `#[module(flatten)]` field: the same string as its parent's, so it is only a
 /// prefix for the field's children (no [`get`](PathExt::get), which would find the parent).
 pub struct Flat<K>(PhantomData<K>, std::convert::Infallible);
+/// A path of kind `K` that went through an `Arc`: [`get`](PathExt::get) resolves it as `K`, but
+/// [`get_mut`](PathExt::get_mut) is not offered, since a module shared through an `Arc` has no
+/// `&mut` (reach it with `Arc::get_mut` or `Arc::make_mut` on the field instead).
+pub struct Shared<K>(PhantomData<K>, std::convert::Infallible);
 
 impl sealed::Sealed for Static {}
 impl sealed::Sealed for Checked {}
 impl sealed::Sealed for Each {}
 impl<K> sealed::Sealed for Flat<K> {}
+impl<K> sealed::Sealed for Shared<K> {}
 impl PathKind for Static {
     type Field = Static;
     type Checked = Checked;
@@ -114,6 +131,10 @@ impl PathKind for Each {
 impl<K: PathKind> PathKind for Flat<K> {
     type Field = K;
     type Checked = Flat<K::Checked>;
+}
+impl<K: PathKind> PathKind for Shared<K> {
+    type Field = Shared<K::Field>;
+    type Checked = Shared<K::Checked>;
 }
 
 /// The kind of a path after an index or a key.
@@ -131,7 +152,7 @@ impl Resolve for Static {
     type Output<'a, T: 'a> = &'a T;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> &'a T {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, false, &mut found);
         found.into_iter().next().unwrap_or_else(|| {
             panic!(
                 "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
@@ -146,7 +167,7 @@ impl Resolve for Checked {
     type Output<'a, T: 'a> = Option<&'a T>;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Option<&'a T> {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, false, &mut found);
         found.into_iter().next()
     }
 }
@@ -155,29 +176,131 @@ impl Resolve for Each {
     type Output<'a, T: 'a> = Vec<&'a T>;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Vec<&'a T> {
         let mut found = Vec::new();
-        find(root, path, &mut found);
+        find(root, path, true, &mut found);
         found
     }
 }
 
-/// Every node at `path` (`*` segments match any child) that is a `T`.
-fn find<'a, T: Any>(root: &'a dyn Module, path: &str, out: &mut Vec<&'a T>) {
-    let segments: Vec<&str> = if path.is_empty() {
+impl<K: Resolve> Resolve for Shared<K> {
+    type Output<'a, T: 'a> = K::Output<'a, T>;
+    fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Self::Output<'a, T> {
+        K::__resolve::<T>(root, path)
+    }
+}
+
+/// The kinds [`PathExt::get_mut`] resolves, and what it returns for each: all but the paths
+/// through an `Arc` ([`Shared`]) and flattened fields' own paths ([`Flat`]).
+#[diagnostic::on_unimplemented(
+    message = "`get_mut` needs a path that owns its target, and this one is `{Self}`",
+    label = "no `&mut` through this path",
+    note = "a path through an `Arc` (kind `Shared<_>`) has no `&mut`: use `Arc::get_mut` or \
+            `Arc::make_mut` on the `Arc` field; a flattened field's own path (`Flat<_>`) names its \
+            parent: take `get_mut` of a child"
+)]
+pub trait ResolveMut: Resolve {
+    /// `&mut T`, `Option<&mut T>` or `Vec<&mut T>`.
+    type OutputMut<'a, T: 'a>;
+    #[doc(hidden)]
+    fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> Self::OutputMut<'a, T>;
+}
+
+impl ResolveMut for Static {
+    type OutputMut<'a, T: 'a> = &'a mut T;
+    fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> &'a mut T {
+        let mut found = Vec::new();
+        find_mut(root, path, false, &mut found);
+        found.into_iter().next().unwrap_or_else(|| {
+            panic!(
+                "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
+                 bug in module-runtime or in a hand-written `Module` impl on the way",
+                std::any::type_name::<T>()
+            )
+        })
+    }
+}
+
+impl ResolveMut for Checked {
+    type OutputMut<'a, T: 'a> = Option<&'a mut T>;
+    fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> Option<&'a mut T> {
+        let mut found = Vec::new();
+        find_mut(root, path, false, &mut found);
+        found.into_iter().next()
+    }
+}
+
+impl ResolveMut for Each {
+    type OutputMut<'a, T: 'a> = Vec<&'a mut T>;
+    fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> Vec<&'a mut T> {
+        let mut found = Vec::new();
+        find_mut(root, path, true, &mut found);
+        found
+    }
+}
+
+fn segments(path: &str) -> Vec<&str> {
+    if path.is_empty() {
         Vec::new()
     } else {
         path.split('.').collect()
+    }
+}
+
+/// Every node at `path` that is a `T`, mutably. The mutable walk hands out each child once, so
+/// the matches are disjoint; a module shared through an `Arc` with other owners is no match
+/// (typed paths through an `Arc` have no `get_mut`; this covers a layer of a `Sequential` only).
+fn find_mut<'a, T: Any>(
+    root: &'a mut dyn Module,
+    path: &str,
+    wildcards: bool,
+    out: &mut Vec<&'a mut T>,
+) {
+    walk_mut(ChildMut::Module(root), &segments(path), wildcards, out);
+}
+
+fn walk_mut<'a, T: Any>(
+    node: ChildMut<'a>,
+    segments: &[&str],
+    wildcards: bool,
+    out: &mut Vec<&'a mut T>,
+) {
+    let Some((segment, rest)) = segments.split_first() else {
+        let any: Option<&'a mut dyn Any> = match node {
+            ChildMut::Module(module) => Some(module as &mut dyn Any),
+            ChildMut::Param(p) => Some(p as &mut dyn Any),
+            ChildMut::Buffer(b) => Some(b as &mut dyn Any),
+            ChildMut::Shared(_) | ChildMut::Mode(_) | ChildMut::Absent => None,
+        };
+        out.extend(any.and_then(|a| a.downcast_mut::<T>()));
+        return;
     };
+    if let ChildMut::Module(module) = node {
+        let mut first = true;
+        let any = wildcards && *segment == "*";
+        module.visit_children_mut(&mut |name, child| {
+            if any || (first && name.matches(segment)) {
+                first = any;
+                walk_mut(child, rest, wildcards, out);
+            }
+        });
+    }
+}
+
+/// Every node at `path` that is a `T`. With `wildcards` (a pattern, from `each()`), a `*` segment
+/// matches any child; otherwise it is a name like any other, which no child has (a key with `*`
+/// is refused where it enters), so `key("*")` is not a pattern in disguise.
+fn find<'a, T: Any>(root: &'a dyn Module, path: &str, wildcards: bool, out: &mut Vec<&'a T>) {
     walk(
         Child::Module {
             module: root,
             shared: None,
         },
-        &segments,
+        &segments(path),
+        wildcards,
         out,
     );
 }
 
-fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], out: &mut Vec<&'a T>) {
+fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], wildcards: bool, out: &mut Vec<&'a T>) {
     let Some((segment, rest)) = segments.split_first() else {
         let any: Option<&'a dyn Any> = match node {
             Child::Module { module, .. } => Some(module as &dyn Any),
@@ -190,12 +313,11 @@ fn walk<'a, T: Any>(node: Child<'a>, segments: &[&str], out: &mut Vec<&'a T>) {
     };
     if let Child::Module { module, .. } = node {
         let mut first = true;
+        let any = wildcards && *segment == "*";
         module.visit_children(&mut |name, child| {
-            if *segment == "*" || (first && name.matches(segment)) {
-                if *segment != "*" {
-                    first = false;
-                }
-                walk(child, rest, out);
+            if any || (first && name.matches(segment)) {
+                first = any;
+                walk(child, rest, wildcards, out);
             }
         });
     }
@@ -358,6 +480,18 @@ pub trait PathExt: Module + Sized {
     {
         <P::Kind as Resolve>::__resolve::<P::Target>(self, path.as_str())
     }
+
+    /// [`get`](PathExt::get), mutably: `&mut T` for a [`Static`] path, `Option<&mut T>` for a
+    /// [`Checked`] one, and `Vec<&mut T>` for an [`Each`] pattern (every match once: the matches
+    /// are disjoint, so all of them can be held at once). A path through an `Arc`
+    /// ([`Shared`]) has none and does not compile: a shared module has no `&mut`.
+    fn get_mut<P>(&mut self, path: P) -> <P::Kind as ResolveMut>::OutputMut<'_, P::Target>
+    where
+        P: TypedPath<Root = Self>,
+        P::Kind: ResolveMut,
+    {
+        <P::Kind as ResolveMut>::__resolve_mut::<P::Target>(self, path.as_str())
+    }
 }
 
 impl<M: Module> PathExt for M {}
@@ -401,8 +535,7 @@ impl crate::Hooks {
     /// time, since a module may implement `Forward` for several inputs: a call that returns
     /// another type is [`Error::HookOutputType`](crate::Error::HookOutputType).
     ///
-    /// The input is not given typed: inputs may borrow (`&Tensor`), so a hook that runs after
-    /// `forward` sees them as the tensors of [`register_forward_hook`](crate::Hooks::register_forward_hook).
+    /// For the input typed as well, see [`register_typed_hook`](crate::Hooks::register_typed_hook).
     ///
     /// ```
     /// use module_runtime::prelude::*;
@@ -443,15 +576,93 @@ impl crate::Hooks {
         O: crate::TensorTree + 'static,
     {
         self.register_typed_forward_hook(path, move |ctx, module, _input, _output| {
-            let Some(output) = ctx.output::<O>() else {
-                return Err(crate::Error::HookOutputType {
-                    path: ctx.path().to_owned(),
-                    expected: std::any::type_name::<O>().to_owned(),
-                });
-            };
-            Ok(hook(ctx, module, output)?.map(|new| new.tensors()))
+            Ok(hook(ctx, module, typed_output(ctx)?)?.map(|new| new.tensors()))
         })
     }
+
+    /// A forward hook on a typed path that sees the module, *its input* and its output as their
+    /// own types, and may return a replacement output: PyTorch's `register_forward_hook(hook)`
+    /// with `hook(module, args, output)`, typed.
+    ///
+    /// The input is given in its owned form ([`TensorTree::Owned`](crate::TensorTree::Owned)),
+    /// since `forward` has consumed the input by the time the hook runs: a module called with a
+    /// `&Tensor` gives the hook a `&Tensor` to read (the owned form `Tensor`, borrowed), one called
+    /// with `(&Tensor, Option<&Tensor>)` gives `&(Tensor, Option<Tensor>)`, a
+    /// [`MultiheadAttention`](crate::nn::MultiheadAttention) an
+    /// [`OwnedAttentionInput`](crate::nn::OwnedAttentionInput). Making it clones the input's
+    /// tensors' handles (no data) in the calls of hooked modules only; a call without forward
+    /// hooks pays nothing.
+    ///
+    /// The module's type is checked at compile time, and so is that the input type is an owned
+    /// form (a hook taking `&&Tensor` does not compile). Which input and output types a call
+    /// has is known only at run time, since a module may implement `Forward` for several inputs:
+    /// a call whose owned input is another type is [`Error::HookInputType`](crate::Error::HookInputType),
+    /// and one whose output is another type [`Error::HookOutputType`](crate::Error::HookOutputType).
+    /// A [`TensorStruct`](crate::TensorStruct) input is given when the struct is `Clone`
+    /// (see [`clone_tree`](crate::TensorStruct::clone_tree)).
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// #[module(paths)]
+    /// struct Net {
+    ///     fc: Linear,
+    /// }
+    ///
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    ///         self.fc.call(x)
+    ///     }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(3, 2, &Device::Cpu)? };
+    /// let hooks = Hooks::new();
+    /// // `fc` is called with a `&Tensor`: the hook reads it as a `&Tensor` too.
+    /// hooks.register_typed_hook(&Net::path().fc(), |_, fc: &Linear, x: &Tensor, y: &Tensor| {
+    ///     assert_eq!(x.dim(1)?, fc.in_features());
+    ///     Ok(Some((y + x.sum_keepdim(1)?.broadcast_as(y.shape())?)?)) // a residual of sorts
+    /// })?;
+    /// let x = Tensor::ones((1, 3), DType::F32, &Device::Cpu)?;
+    /// let hooked = hooks.run(&net, |m| m.call(&x))?;
+    /// let plain = net.call(&x)?;
+    /// assert_eq!((hooked - plain)?.to_vec2::<f32>()?, [[3.0, 3.0]]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn register_typed_hook<P, I, O>(
+        &self,
+        path: &P,
+        hook: impl Fn(&crate::HookCtx<'_>, &P::Target, &I, &O) -> crate::Result<Option<O>>
+            + Send
+            + Sync
+            + 'static,
+    ) -> crate::Result<crate::HookHandle>
+    where
+        P: TypedPath,
+        I: crate::TensorTree<Owned = I> + 'static,
+        O: crate::TensorTree + 'static,
+    {
+        self.register_typed_forward_hook(path, move |ctx, module, _input, _output| {
+            let Some(input) = ctx.input::<I>() else {
+                return Err(crate::Error::HookInputType {
+                    path: ctx.path().to_owned(),
+                    expected: std::any::type_name::<I>().to_owned(),
+                    found: ctx.input_type().to_owned(),
+                });
+            };
+            Ok(hook(ctx, module, input, typed_output(ctx)?)?.map(|new| new.tensors()))
+        })
+    }
+}
+
+/// The output of the call a typed forward hook runs in, as an `O`.
+fn typed_output<'a, O: 'static>(ctx: &'a crate::HookCtx<'_>) -> crate::Result<&'a O> {
+    ctx.output::<O>()
+        .ok_or_else(|| crate::Error::HookOutputType {
+            path: ctx.path().to_owned(),
+            expected: std::any::type_name::<O>().to_owned(),
+        })
 }
 
 // ---- Path types of the runtime's own types ----
@@ -499,7 +710,7 @@ impl<M: HasPath> HasPath for Box<M> {
     type Path<R: 'static, K: PathKind> = M::Path<R, K>;
 }
 impl<M: HasPath> HasPath for Arc<M> {
-    type Path<R: 'static, K: PathKind> = M::Path<R, K>;
+    type Path<R: 'static, K: PathKind> = M::Path<R, Shared<K>>;
 }
 impl<L: NativeLayer> HasPath for Native<L> {
     type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
@@ -544,7 +755,10 @@ macro_rules! map_path {
         }
 
         impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
-            /// The entry `key` (checked at run time by [`get`](PathExt::get)).
+            /// The entry `key` (checked at run time by [`get`](PathExt::get)). A key is one path
+            /// segment: maps refuse a key that is empty or holds `.` or `*` where it enters
+            /// ([`Error::InvalidKey`](crate::Error::InvalidKey)), so no entry has such a key: a
+            /// `*` in it is no wildcard here, and a `.` reads as two segments.
             pub fn key(&self, key: &str) -> M::Path<R, Indexed<K>> {
                 self.child::<_, M>(format_args!("{key}"))
             }

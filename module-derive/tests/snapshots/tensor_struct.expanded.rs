@@ -24,4 +24,9 @@ where
             lengths: __field2,
         }
     }
+    fn clone_tree(&self) -> ::core::option::Option<Self> {
+        #[allow(unused_imports)]
+        use ::module_runtime::__private::{ViaClone as _, ViaNone as _};
+        (&::module_runtime::__private::CloneProbe(self)).clone_tree()
+    }
 }

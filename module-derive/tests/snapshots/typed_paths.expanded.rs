@@ -92,6 +92,22 @@ where
     {
         ::module_runtime::typed_path::PathExt::get(self, path)
     }
+    /// [`get`](Self::get), mutably: `&mut T`, `Option<&mut T>` or every match; not
+    /// offered for a path through an `Arc`, which has no `&mut`.
+    pub fn get_mut<__P>(
+        &mut self,
+        path: __P,
+    ) -> <<__P as ::module_runtime::typed_path::TypedPath>::Kind as ::module_runtime::typed_path::ResolveMut>::OutputMut<
+        '_,
+        <__P as ::module_runtime::typed_path::TypedPath>::Target,
+    >
+    where
+        __P: ::module_runtime::typed_path::TypedPath<Root = Self>,
+        <__P as ::module_runtime::typed_path::TypedPath>::Kind: ::module_runtime::typed_path::ResolveMut,
+        Self: ::module_runtime::Module + ::core::marker::Sized,
+    {
+        ::module_runtime::typed_path::PathExt::get_mut(self, path)
+    }
 }
 #[automatically_derived]
 #[allow(dead_code, private_interfaces, private_bounds)]

@@ -138,6 +138,8 @@ impl<F: ?Sized> Armed<F> {
             id: self.id,
             error: None,
             output: None,
+            input: None,
+            input_type: "",
         }
     }
 }
@@ -363,10 +365,12 @@ where
             };
         }
     }
-    let input_tensors = if plan.post.is_empty() {
-        Vec::new()
+    // What the forward hooks see of the input, which `forward` consumes: its tensors, and its
+    // owned form for typed hooks (both only reference-count the tensors).
+    let (input_tensors, owned_input) = if plan.post.is_empty() {
+        (Vec::new(), None)
     } else {
-        input.tensors()
+        (input.tensors(), input.to_owned_tree())
     };
     let mut output = match module.forward(input) {
         Ok(output) => output,
@@ -378,6 +382,8 @@ where
             let new = {
                 let mut ctx = hook.ctx(path, as_dyn);
                 ctx.output = Some(&output as &dyn std::any::Any);
+                ctx.input = owned_input.as_ref().map(|i| i as &dyn std::any::Any);
+                ctx.input_type = std::any::type_name::<In>();
                 (hook.f)(&ctx, &input_tensors, &tensors)
             };
             match checked(path, "forward hook", tensors.len(), new) {

@@ -32,6 +32,10 @@ pub struct HookCtx<'a> {
     pub(super) error: Option<&'a Error>,
     /// The output as its own type, in a forward hook of a call that has not failed.
     pub(super) output: Option<&'a dyn std::any::Any>,
+    /// The input in its owned form ([`TensorTree::Owned`](crate::TensorTree::Owned)), in a
+    /// forward hook of a call that has not failed, and the name of the input's type.
+    pub(super) input: Option<&'a dyn std::any::Any>,
+    pub(super) input_type: &'static str,
 }
 
 impl HookCtx<'_> {
@@ -73,6 +77,22 @@ impl HookCtx<'_> {
     /// The tensors the hook is given are this value's, in [`TensorTree`](crate::TensorTree) order.
     pub fn output<O: 'static>(&self) -> Option<&O> {
         self.output?.downcast_ref::<O>()
+    }
+
+    /// In a forward hook, the module's input in its owned form
+    /// ([`TensorTree::Owned`](crate::TensorTree::Owned): a `Tensor` for a `&Tensor` input, a tuple
+    /// of owned trees for a tuple…), as `forward` received it (after any pre-hook's replacement);
+    /// `None` in a pre-hook, after a failure, when `I` is not the input's owned form, or for a
+    /// [`TensorStruct`](crate::TensorStruct) input without a
+    /// [`clone_tree`](crate::TensorStruct::clone_tree).
+    pub fn input<I: 'static>(&self) -> Option<&I> {
+        self.input?.downcast_ref::<I>()
+    }
+
+    /// The name of the type the module was called with (`&candle_core::tensor::Tensor`…), in a
+    /// forward hook; `""` in a pre-hook.
+    pub fn input_type(&self) -> &'static str {
+        self.input_type
     }
 }
 

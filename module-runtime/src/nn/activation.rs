@@ -19,6 +19,8 @@ use crate::{Forward, Mode, Module};
 ///
 /// The gradient at exactly `0` is `1` here (candle's rule) where PyTorch uses `0`; it only matters
 /// for inputs that are exactly zero.
+///
+/// Typed paths into it: [`ReLUPath`], from [`ReLU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
 #[module(paths)]
 pub struct ReLU {
@@ -63,6 +65,8 @@ pub enum GeluApproximation {
 /// assert!((tanh[2] - 0.8412).abs() < 1e-4);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`GELUPath`], from [`GELU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
 #[module(paths)]
 pub struct GELU {
@@ -173,6 +177,8 @@ impl candle_core::CustomOp1 for VectorizedGeluErf {
 }
 
 /// `x σ(x)`, also called swish: PyTorch's `nn.SiLU`. Any shape in, the same shape out.
+///
+/// Typed paths into it: [`SiLUPath`], from [`SiLU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
 #[module(paths)]
 pub struct SiLU {
@@ -196,6 +202,8 @@ impl Forward<&Tensor> for SiLU {
 }
 
 /// `1 / (1 + e⁻ˣ)`: PyTorch's `nn.Sigmoid`. Any shape in, the same shape out.
+///
+/// Typed paths into it: [`SigmoidPath`], from [`Sigmoid::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
 #[module(paths)]
 pub struct Sigmoid {
@@ -220,6 +228,8 @@ impl Forward<&Tensor> for Sigmoid {
 }
 
 /// The hyperbolic tangent: PyTorch's `nn.Tanh`. Any shape in, the same shape out.
+///
+/// Typed paths into it: [`TanhPath`], from [`Tanh::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
 #[module(paths)]
 pub struct Tanh {
@@ -277,6 +287,8 @@ pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
 /// assert_eq!(p.to_vec2::<f32>()?, [[0.5, 0.5], [0.5, 0.5]]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Softmax {
@@ -301,6 +313,8 @@ impl Forward<&Tensor> for Softmax {
 
 /// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
 /// the same shape out; negative `dim` counts from the end.
+///
+/// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LogSoftmax {
@@ -336,6 +350,8 @@ impl Forward<&Tensor> for LogSoftmax {
 /// assert_eq!(y.to_vec1::<f32>()?, [0., 2.]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`ActivationPath`], from [`Activation::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub enum Activation {

@@ -65,6 +65,8 @@ impl Default for MultiheadAttentionConfig {
 /// assert_eq!(weights.unwrap().dims(), [2, 5, 5]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`MultiheadAttentionPath`], from [`MultiheadAttention::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct MultiheadAttention {
@@ -102,6 +104,64 @@ pub struct AttentionInput<'a> {
     /// Whether the returned weights are averaged over heads (`[B, L, S]`) or per head
     /// (`[B, num_heads, L, S]`).
     pub average_attn_weights: bool,
+}
+
+/// An [`AttentionInput`] that owns its tensors: what a typed forward hook
+/// ([`register_typed_hook`](crate::Hooks::register_typed_hook)) on a [`MultiheadAttention`] sees
+/// of the call's input (its [`TensorTree::Owned`](crate::TensorTree::Owned) form).
+#[derive(Clone, Debug)]
+pub struct OwnedAttentionInput {
+    /// See [`AttentionInput::query`].
+    pub query: Tensor,
+    /// See [`AttentionInput::key`].
+    pub key: Tensor,
+    /// See [`AttentionInput::value`].
+    pub value: Tensor,
+    /// See [`AttentionInput::key_padding_mask`].
+    pub key_padding_mask: Option<Tensor>,
+    /// See [`AttentionInput::attn_mask`].
+    pub attn_mask: Option<Tensor>,
+    /// See [`AttentionInput::need_weights`].
+    pub need_weights: bool,
+    /// See [`AttentionInput::average_attn_weights`].
+    pub average_attn_weights: bool,
+}
+
+impl OwnedAttentionInput {
+    /// The input borrowing these tensors, to call a [`MultiheadAttention`] with.
+    pub fn as_input(&self) -> AttentionInput<'_> {
+        AttentionInput {
+            query: &self.query,
+            key: &self.key,
+            value: &self.value,
+            key_padding_mask: self.key_padding_mask.as_ref(),
+            attn_mask: self.attn_mask.as_ref(),
+            need_weights: self.need_weights,
+            average_attn_weights: self.average_attn_weights,
+        }
+    }
+}
+
+/// In the order of [`AttentionInput`]'s tensors: `query`, `key`, `value`, then the masks present.
+impl crate::TensorStruct for OwnedAttentionInput {
+    fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
+        crate::TensorTree::for_each_tensor(&self.as_input(), f)
+    }
+
+    fn map_tensors(self, f: &mut dyn FnMut(Tensor) -> Tensor) -> Self {
+        Self {
+            query: f(self.query),
+            key: f(self.key),
+            value: f(self.value),
+            key_padding_mask: self.key_padding_mask.map(&mut *f),
+            attn_mask: self.attn_mask.map(&mut *f),
+            ..self
+        }
+    }
+
+    fn clone_tree(&self) -> Option<Self> {
+        Some(self.clone())
+    }
 }
 
 impl<'a> AttentionInput<'a> {
@@ -379,6 +439,20 @@ impl crate::tensor_tree::sealed::Sealed for AttentionInput<'_> {}
 
 /// Hooks see `query`, `key`, `value`, then the masks that are present.
 impl crate::TensorTree for AttentionInput<'_> {
+    type Owned = OwnedAttentionInput;
+
+    fn to_owned_tree(&self) -> Option<OwnedAttentionInput> {
+        Some(OwnedAttentionInput {
+            query: self.query.clone(),
+            key: self.key.clone(),
+            value: self.value.clone(),
+            key_padding_mask: self.key_padding_mask.cloned(),
+            attn_mask: self.attn_mask.cloned(),
+            need_weights: self.need_weights,
+            average_attn_weights: self.average_attn_weights,
+        })
+    }
+
     fn for_each_tensor(&self, f: &mut dyn FnMut(&Tensor)) {
         self.query.for_each_tensor(f);
         self.key.for_each_tensor(f);

@@ -67,6 +67,8 @@ impl Default for BatchNormConfig {
 /// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor().to_scalar::<i64>()?, 1);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`BatchNormPath`], from [`BatchNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct BatchNorm<const D: usize> {
@@ -325,6 +327,8 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
 /// assert_eq!(bn.num_features(), Some(3));
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LazyBatchNormPath`], from [`LazyBatchNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LazyBatchNorm<const D: usize> {

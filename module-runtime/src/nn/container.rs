@@ -172,8 +172,9 @@ impl Sequential {
     /// A sequence of named layers, run in the given order: PyTorch's
     /// `nn.Sequential(OrderedDict([("4", conv), ("5", bn)]))`.
     ///
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for an empty name, a name containing
-    /// `.`, or a name given twice.
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a name that is not a path segment (see
+    /// [`add_module`](Self::add_module)), [`Error::InvalidConfig`](crate::Error::InvalidConfig)
+    /// for a name given twice.
     ///
     /// ```
     /// use module_runtime::prelude::*;
@@ -231,9 +232,11 @@ impl Sequential {
     /// Appends `layer` under `name`: PyTorch's `add_module(name, layer)`. The name is the layer's
     /// path segment (`"4"` gives `4.weight`); the layer still runs after the earlier ones.
     ///
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for an empty name, a name containing
-    /// `.`, or a name already in the sequence (PyTorch would replace that entry; here a second
-    /// layer under one name is a mistake reported, not a silent replacement).
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for an empty name or one containing `.`
+    /// (PyTorch's `KeyError`) or `*` (a pattern's wildcard);
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for a name already in the sequence
+    /// (PyTorch would replace that entry; here a second layer under one name is a mistake
+    /// reported, not a silent replacement).
     pub fn add_module(
         &mut self,
         name: impl Into<String>,
@@ -249,13 +252,8 @@ impl Sequential {
         layer: Box<dyn SequentialLayer>,
     ) -> Result<()> {
         let name = name.into();
-        let problem = if name.is_empty() {
-            Some("a layer's name must not be empty".to_owned())
-        } else if name.contains('.') {
-            Some(format!(
-                "a layer's name must be one path segment, without `.`: got `{name}`"
-            ))
-        } else if self.position_of(&name).is_some() {
+        crate::path::check_key("Sequential", "", &name)?;
+        let problem = if self.position_of(&name).is_some() {
             Some(format!("two layers are named `{name}`"))
         } else {
             None
@@ -586,18 +584,12 @@ impl<M> ModuleDict<M> {
     /// Inserts `module` under `key`, returning the module it replaces (which keeps its position).
     ///
     /// As PyTorch's `add_module` (`torch/nn/modules/module.py`), an empty key or one containing `.`
-    /// is refused ([`Error::InvalidConfig`](crate::Error::InvalidConfig)): it would make paths
-    /// ambiguous (`heads.a.b.weight`).
+    /// is refused ([`Error::InvalidKey`](crate::Error::InvalidKey)): it would make paths
+    /// ambiguous (`heads.a.b.weight`). So is a key containing `*`, which a path pattern would
+    /// read as a wildcard.
     pub fn insert(&mut self, key: impl Into<String>, module: M) -> crate::Result<Option<M>> {
         let key = key.into();
-        if key.is_empty() || key.contains('.') {
-            return Err(crate::Error::InvalidConfig {
-                layer: "ModuleDict",
-                message: format!(
-                    "key {key:?} is not a path segment: keys must be non-empty and contain no `.`"
-                ),
-            });
-        }
+        crate::path::check_key("ModuleDict", "", &key)?;
         Ok(match self.entries.iter_mut().find(|(k, _)| *k == key) {
             Some((_, slot)) => Some(std::mem::replace(slot, module)),
             None => {

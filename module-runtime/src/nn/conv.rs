@@ -326,6 +326,8 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 /// assert_eq!(y.dims(), [1, 6, 4, 4]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`ConvPath`], from [`Conv::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Conv<const D: usize> {
@@ -467,6 +469,8 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
 /// assert_eq!(y.dims(), [1, 2, 8, 8]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`ConvTranspose2dPath`], from [`ConvTranspose2d::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct ConvTranspose2d {
@@ -558,6 +562,8 @@ impl Forward<&Tensor> for ConvTranspose2d {
 /// assert_eq!(conv.in_channels(), Some(2));
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LazyConvPath`], from [`LazyConv::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LazyConv<const D: usize> {

@@ -23,6 +23,8 @@ use crate::{Forward, Mode, Module};
 /// assert_eq!(dropout.call(&x)?.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`DropoutPath`], from [`Dropout::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Dropout {

@@ -22,6 +22,8 @@ use crate::{Forward, Module, Param};
 /// assert_eq!(emb.call(&ids)?.dims(), [2, 3, 4]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`EmbeddingPath`], from [`Embedding::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Embedding {

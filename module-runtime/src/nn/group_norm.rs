@@ -47,6 +47,8 @@ impl Default for GroupNormConfig {
 /// assert!(GroupNorm::new(3, 4, &Device::Cpu).is_err()); // 3 groups do not divide 4 channels
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`GroupNormPath`], from [`GroupNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct GroupNorm {

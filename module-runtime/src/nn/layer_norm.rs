@@ -73,6 +73,8 @@ impl LayerNormConfig {
 /// assert_eq!(ln.named_parameters()[0].0, "weight");
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LayerNormPath`], from [`LayerNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LayerNorm {
@@ -271,6 +273,8 @@ fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
 /// assert_eq!(ln.normalized_shape(), Some(vec![5]));
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LazyLayerNormPath`], from [`LazyLayerNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LazyLayerNorm {
@@ -374,6 +378,8 @@ impl Default for RmsNormConfig {
 /// assert!((got[0][0] - expected[0]).abs() < 1e-5 && (got[0][1] - expected[1]).abs() < 1e-5);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`RmsNormPath`], from [`RmsNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct RmsNorm {

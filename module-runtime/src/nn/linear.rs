@@ -26,6 +26,8 @@ use crate::{Forward, Init, Module, ModuleExt, Param};
 /// assert_eq!(y.dims(), [4, 5, 2]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LinearPath`], from [`Linear::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Linear {
@@ -233,6 +235,8 @@ fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 /// assert!(fc.call(&Tensor::zeros((4, 5), DType::F32, &Device::Cpu)?).is_err());
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// Typed paths into it: [`LazyLinearPath`], from [`LazyLinear::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct LazyLinear {

@@ -38,7 +38,7 @@ pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActiv
 
 mod linear;
 
-pub use linear::{LazyLinear, Linear, LinearConfig};
+pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
 
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
@@ -46,12 +46,15 @@ mod container;
 mod native;
 mod rnn;
 
-pub use attention::{AttentionInput, MultiheadAttention, MultiheadAttentionConfig};
+pub use attention::{
+    AttentionInput, MultiheadAttention, MultiheadAttentionConfig, MultiheadAttentionPath,
+    OwnedAttentionInput,
+};
 pub use container::{ModuleDict, ModuleList, Sequential, SequentialLayer};
 pub use native::{Functional, Native, NativeLayer};
 pub use rnn::{
-    Gates, Gru, GruCell, GruGates, Lstm, LstmCell, LstmGates, RnnBase, RnnCellBase, RnnCellConfig,
-    RnnConfig,
+    Gates, Gru, GruCell, GruGates, Lstm, LstmCell, LstmGates, RnnBase, RnnBasePath, RnnCellBase,
+    RnnCellBasePath, RnnCellConfig, RnnConfig,
 };
 
 // Embedding, normalization, dropout, convolution, pooling, activations and losses.
@@ -66,18 +69,22 @@ pub mod loss;
 mod pool;
 
 pub use activation::{
-    Activation, GeluApproximation, LogSoftmax, ReLU, SiLU, Sigmoid, Softmax, Tanh, GELU,
+    Activation, ActivationPath, GELUPath, GeluApproximation, LogSoftmax, LogSoftmaxPath, ReLU,
+    ReLUPath, SiLU, SiLUPath, Sigmoid, SigmoidPath, Softmax, SoftmaxPath, Tanh, TanhPath, GELU,
 };
 pub use batch_norm::{
-    BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, LazyBatchNorm, LazyBatchNorm1d,
-    LazyBatchNorm2d,
+    BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, BatchNormPath, LazyBatchNorm,
+    LazyBatchNorm1d, LazyBatchNorm2d, LazyBatchNormPath,
 };
 pub use conv::{
-    Conv, Conv1d, Conv2d, ConvConfig, ConvTranspose2d, ConvTransposeConfig, LazyConv, LazyConv1d,
-    LazyConv2d,
+    Conv, Conv1d, Conv2d, ConvConfig, ConvPath, ConvTranspose2d, ConvTranspose2dPath,
+    ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
 };
-pub use dropout::Dropout;
-pub use embedding::{Embedding, EmbeddingConfig};
-pub use group_norm::{GroupNorm, GroupNormConfig};
-pub use layer_norm::{LayerNorm, LayerNormConfig, LazyLayerNorm, RmsNorm, RmsNormConfig};
-pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Reduction};
+pub use dropout::{Dropout, DropoutPath};
+pub use embedding::{Embedding, EmbeddingConfig, EmbeddingPath};
+pub use group_norm::{GroupNorm, GroupNormConfig, GroupNormPath};
+pub use layer_norm::{
+    LayerNorm, LayerNormConfig, LayerNormPath, LazyLayerNorm, LazyLayerNormPath, RmsNorm,
+    RmsNormConfig, RmsNormPath,
+};
+pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};

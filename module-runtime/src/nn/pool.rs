@@ -157,6 +157,8 @@ impl Reduction for Avg {
 /// gradients. With padding or an extra `ceil_mode` window, the input is padded explicitly (`-inf`
 /// for max, zeros for avg) to exactly the extent the windows cover, and an average is rescaled by
 /// each window's divisor as PyTorch's CPU kernel computes it (see [`Pool2dConfig`]).
+///
+/// Typed paths into it: [`Pool2dPath`], from [`Pool2d::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct Pool2d<R> {

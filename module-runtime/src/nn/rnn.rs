@@ -360,6 +360,8 @@ fn check_state(
 /// As a [`Recurrent`] module its state is the same value: [`step`](Recurrent::step) takes one
 /// time step `[B, input_size]` and returns `[B, H]` with the next state;
 /// [`scan`](Recurrent::scan) takes `[B, T, input_size]` whatever `batch_first` says.
+///
+/// Typed paths into it: [`RnnBasePath`], from [`RnnBase::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct RnnBase<G> {
@@ -696,6 +698,8 @@ impl<G: Gates> Recurrent for RnnBase<G> {
 ///
 /// Input `[B, input_size]` (or `[input_size]` unbatched); state tensors `[B, H]` (or `[H]`),
 /// which must have exactly that shape; zeros when not given.
+///
+/// Typed paths into it: [`RnnCellBasePath`], from [`RnnCellBase::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(paths)]
 pub struct RnnCellBase<G> {
