@@ -290,6 +290,86 @@ impl SafetensorsFile {
     }
 }
 
+impl SafetensorsFile {
+    /// The `n` values of `T` at `offset` (little-endian, as safetensors stores them), read
+    /// straight into the vector that will become a tensor's storage.
+    ///
+    /// On Linux the vector is not zeroed first: `pread` fills its spare capacity, since a zeroing
+    /// pass over memory the read overwrites next cost a fifth of the MiniLM load (`perf`: memset,
+    /// the allocator recycling the memory of an earlier load). The storage of a large tensor also
+    /// gets transparent huge pages ([`advise_huge_pages`]).
+    #[cfg(target_os = "linux")]
+    fn read_values<T: bytemuck::Pod>(&self, offset: u64, n: usize) -> std::io::Result<Vec<T>> {
+        use std::os::fd::AsRawFd;
+        let mut values: Vec<T> = Vec::with_capacity(n);
+        let len = n * std::mem::size_of::<T>();
+        let base = values.as_mut_ptr().cast::<u8>();
+        advise_huge_pages(base, len);
+        let mut done = 0;
+        while done < len {
+            let at = libc::off_t::try_from(offset + done as u64)
+                .map_err(|_| std::io::Error::other("offset beyond what the OS can address"))?;
+            // SAFETY: `base + done .. base + len` lies inside the vector's allocation (capacity
+            // for `n` values of `T`), which nothing else references; `pread` writes at most
+            // `len - done` bytes there and reads nothing.
+            let got = unsafe {
+                libc::pread(self.file.as_raw_fd(), base.add(done).cast(), len - done, at)
+            };
+            match got {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                got if got > 0 => done += got as usize,
+                _ => {
+                    let error = std::io::Error::last_os_error();
+                    if error.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(error);
+                    }
+                }
+            }
+        }
+        // SAFETY: `pread` wrote all `len` bytes of the first `n` values, and any bytes are a
+        // valid `T` (`Pod`).
+        unsafe { values.set_len(n) };
+        Ok(values)
+    }
+
+    /// The `n` values of `T` at `offset` (little-endian), read into a zeroed vector.
+    #[cfg(not(target_os = "linux"))]
+    fn read_values<T: bytemuck::Pod>(&self, offset: u64, n: usize) -> std::io::Result<Vec<T>> {
+        let mut values = vec![T::zeroed(); n];
+        self.read_at(offset, bytemuck::cast_slice_mut(&mut values))?;
+        Ok(values)
+    }
+
+    /// The tensor `key` of `n` values of `T` at `start` in the data, as a variable on `device`:
+    /// a load that takes it (`assign`, or an empty parameter) copies nothing more on the CPU.
+    fn typed<T: candle_core::WithDType + bytemuck::Pod>(
+        &self,
+        key: &str,
+        start: usize,
+        shape: &Shape,
+        device: &Device,
+    ) -> Result<Tensor> {
+        #[allow(unused_mut)] // mutated on big-endian targets only
+        let mut values = self
+            .read_values::<T>(self.data_start + start as u64, shape.elem_count())
+            .map_err(|e| self.read_error(key, e))?;
+        #[cfg(target_endian = "big")]
+        for v in &mut values {
+            bytemuck::bytes_of_mut(v).reverse();
+        }
+        Ok(candle_core::Var::from_vec(values, shape.clone(), device)?.into_inner())
+    }
+
+    fn read_error(&self, key: &str, e: std::io::Error) -> Error {
+        Error::Checkpoint {
+            path: self.path.clone(),
+            reason: format!(
+                "cannot read tensor `{key}` ({e}): was the file changed while loading?"
+            ),
+        }
+    }
+}
+
 impl Source for SafetensorsFile {
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
         Ok(self
@@ -301,30 +381,21 @@ impl Source for SafetensorsFile {
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
         let (_, shape, dtype, (start, end)) = &self.entries[self.index[key]];
-        let read = |bytes: &mut [u8]| {
-            self.read_at(self.data_start + *start as u64, bytes)
-                .map_err(|e| Error::Checkpoint {
-                    path: self.path.clone(),
-                    reason: format!(
-                        "cannot read tensor `{key}` ({e}): was the file changed while loading?"
-                    ),
-                })
-        };
-        let n = shape.elem_count();
-        // The common dtypes are read straight into the vector that becomes the tensor's storage,
-        // as a candle variable: a load that takes it (`assign`, or an empty parameter) copies
-        // nothing more. The header was validated on open, so `end - start` is `n` values.
+        // The common dtypes are read straight into the vector that becomes the tensor's storage.
+        // The header was validated on open, so `end - start` is the values' size.
+        let start = *start;
         let t = match dtype {
-            DType::F32 => typed::<f32>(n, shape, device, read)?,
-            DType::F16 => typed::<half::f16>(n, shape, device, read)?,
-            DType::BF16 => typed::<half::bf16>(n, shape, device, read)?,
-            DType::F64 => typed::<f64>(n, shape, device, read)?,
-            DType::I64 => typed::<i64>(n, shape, device, read)?,
-            DType::U32 => typed::<u32>(n, shape, device, read)?,
-            DType::U8 => typed::<u8>(n, shape, device, read)?,
+            DType::F32 => self.typed::<f32>(key, start, shape, device)?,
+            DType::F16 => self.typed::<half::f16>(key, start, shape, device)?,
+            DType::BF16 => self.typed::<half::bf16>(key, start, shape, device)?,
+            DType::F64 => self.typed::<f64>(key, start, shape, device)?,
+            DType::I64 => self.typed::<i64>(key, start, shape, device)?,
+            DType::U32 => self.typed::<u32>(key, start, shape, device)?,
+            DType::U8 => self.typed::<u8>(key, start, shape, device)?,
             _ => {
                 let mut bytes = vec![0u8; end - start];
-                read(&mut bytes)?;
+                self.read_at(self.data_start + start as u64, &mut bytes)
+                    .map_err(|e| self.read_error(key, e))?;
                 Tensor::from_raw_buffer(&bytes, *dtype, shape.dims(), &Device::Cpu)?
                     .to_device(device)?
             }
@@ -333,59 +404,36 @@ impl Source for SafetensorsFile {
     }
 }
 
-/// `n` values of `T` read by `read` (little-endian, as safetensors stores them) into a fresh
-/// vector that becomes a variable tensor of `shape` on `device` without another copy on the CPU.
-fn typed<T: candle_core::WithDType + bytemuck::Pod>(
-    n: usize,
-    shape: &Shape,
-    device: &Device,
-    read: impl FnOnce(&mut [u8]) -> Result<()>,
-) -> Result<Tensor> {
-    // Zero-valued `vec!`s of primitives are allocated zeroed (calloc), so no pass writes them.
-    let mut values = vec![T::zeroed(); n];
-    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut values);
-    advise_huge_pages(bytes);
-    read(bytes)?;
-    #[cfg(target_endian = "big")]
-    for v in &mut values {
-        bytemuck::bytes_of_mut(v).reverse();
-    }
-    Ok(candle_core::Var::from_vec(values, shape.clone(), device)?.into_inner())
-}
-
 /// Below this size a tensor's storage gets no huge pages: it would hold at most one.
 #[cfg(target_os = "linux")]
 const HUGE_PAGE_MIN_BYTES: usize = 4 << 20;
 
-/// Asks Linux to back the untouched, freshly allocated `buf` with transparent huge pages (2 MiB)
-/// before the load writes it, where the kernel leaves that to the program
+/// Asks Linux to back the untouched, freshly allocated `len` bytes at `base` with transparent
+/// huge pages (2 MiB) before the load writes them, where the kernel leaves that to the program
 /// (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, the common default).
 ///
 /// A load copies the checkpoint into fresh memory, and faulting that memory in 4 KiB pages costs
-/// as much as the copy itself: one fault per page, each zeroing its page first. With huge pages
-/// the kernel takes 512 times fewer faults. Measured on the MiniLM checkpoint (BENCHMARKS.md,
-/// "The load into fresh memory"). It is advice: where the kernel has no huge page at hand, or
-/// transparent huge pages are off, it falls back to small pages, and an error is ignored.
+/// about as much as the copy itself: one fault per page, each zeroing its page first. With huge
+/// pages the kernel takes 512 times fewer faults (BENCHMARKS.md, "The load alone"). It is advice:
+/// where the kernel has no huge page at hand, or transparent huge pages are off, it falls back
+/// to small pages, and an error is ignored.
 #[cfg(target_os = "linux")]
-fn advise_huge_pages(buf: &mut [u8]) {
-    if buf.len() < HUGE_PAGE_MIN_BYTES {
+fn advise_huge_pages(base: *mut u8, len: usize) {
+    if len < HUGE_PAGE_MIN_BYTES {
         return;
     }
     // madvise wants a page-aligned start; the pages before it keep the default.
     const PAGE: usize = 4096;
-    let start = buf.as_mut_ptr() as usize;
+    let start = base as usize;
     let aligned = start.next_multiple_of(PAGE);
-    let len = (start + buf.len()).saturating_sub(aligned) / PAGE * PAGE;
-    // SAFETY: `[aligned, aligned + len)` lies inside `buf`, memory this function borrows mutably
-    // and whose contents no one reads yet (the load writes all of it next). MADV_HUGEPAGE changes
-    // how the range is backed, never its contents or its validity.
+    let len = (start + len).saturating_sub(aligned) / PAGE * PAGE;
+    // SAFETY: `[aligned, aligned + len)` lies inside the caller's allocation, whose contents
+    // nobody reads yet (the load writes all of it next). MADV_HUGEPAGE changes how the range is
+    // backed, never its contents or its validity.
     unsafe {
         libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
     }
 }
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_buf: &mut [u8]) {}
 
 /// Opens `path` for reading, saying in words what is wrong (a folder, a missing file).
 pub(crate) fn open_for_reading(path: &Path) -> Result<File> {
