@@ -11,6 +11,7 @@
 use std::cell::Cell;
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::{Forward, Module};
@@ -206,17 +207,39 @@ impl BiasActivation {
     }
 }
 
-fn bias_then(y: &mut [f32], bias: Option<&[f32]>, f: impl Fn(f32) -> f32) {
-    match bias {
+fn bias_then(y: &mut [f32], bias: Option<&[f32]>, f: impl Fn(f32) -> f32 + Sync) {
+    let pass = |block: &mut [f32]| match bias {
         Some(b) => {
-            for row in y.chunks_exact_mut(b.len()) {
+            for row in block.chunks_exact_mut(b.len()) {
                 for (v, c) in row.iter_mut().zip(b) {
                     *v = f(*v + c);
                 }
             }
         }
-        None => y.iter_mut().for_each(|v| *v = f(*v)),
+        None => block.iter_mut().for_each(|v| *v = f(*v)),
+    };
+    // Without a bias every value is a row of its own.
+    let width = bias.map_or(1, <[f32]>::len);
+    match block_len(y.len(), width) {
+        Some(block) => y.par_chunks_mut(block).for_each(pass),
+        None => pass(y),
     }
+}
+
+/// Below this many values a pass stays on the calling thread: handing it to the thread pool
+/// would cost more than the second core saves.
+const PARALLEL_MIN_VALUES: usize = 1 << 16;
+
+/// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
+/// split into, one per thread of rayon's pool (the pool candle's CPU kernels use); `None` for a
+/// pass that runs on the calling thread.
+fn block_len(len: usize, width: usize) -> Option<usize> {
+    let threads = rayon::current_num_threads();
+    if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
+        return None;
+    }
+    let rows = len / width;
+    Some(rows.div_ceil(threads).max(1) * width)
 }
 
 /// The contiguous float32 values of `storage` under `layout`.
@@ -401,12 +424,22 @@ impl candle_core::CustomOp2 for ResidualLayerNorm {
             )));
         }
         let mut out = vec![0f32; x.len()];
-        for ((x, r), o) in x
-            .chunks_exact(width)
-            .zip(residual.chunks_exact(width))
-            .zip(out.chunks_exact_mut(width))
-        {
-            self.row(x, r, o);
+        let rows = |x: &[f32], r: &[f32], o: &mut [f32]| {
+            for ((x, r), o) in x
+                .chunks_exact(width)
+                .zip(r.chunks_exact(width))
+                .zip(o.chunks_exact_mut(width))
+            {
+                self.row(x, r, o);
+            }
+        };
+        match block_len(x.len(), width) {
+            Some(block) => out
+                .par_chunks_mut(block)
+                .zip(x.par_chunks(block))
+                .zip(residual.par_chunks(block))
+                .for_each(|((o, x), r)| rows(x, r, o)),
+            None => rows(x, residual, &mut out),
         }
         Ok((CpuStorage::F32(out), shape.clone()))
     }

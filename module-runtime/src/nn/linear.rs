@@ -361,9 +361,15 @@ mod tests {
     /// without a bias, for 2-D and 3-D inputs.
     fn check_call_then<A: ElementwiseActivation + std::fmt::Debug>(act: &A) -> Result<()> {
         let dev = Device::Cpu;
-        let x = Tensor::randn(0f32, 3., (2, 5, 7), &dev)?;
-        for fc in [Linear::new(7, 6, &dev)?, Linear::no_bias(7, 6, &dev)?] {
-            for x in [x.clone(), x.reshape((10, 7))?] {
+        // The last size makes an output of 81,920 values, which the fused pass splits over the
+        // thread pool; the others stay on the calling thread.
+        for (rows, out) in [(5, 6), (160, 256)] {
+            let x = Tensor::randn(0f32, 3., (2, rows, 7), &dev)?;
+            let fcs = [Linear::new(7, out, &dev)?, Linear::no_bias(7, out, &dev)?];
+            for (fc, x) in fcs
+                .iter()
+                .flat_map(|fc| [(fc, x.clone()), (fc, x.reshape((2 * rows, 7)).unwrap())])
+            {
                 let _inference = crate::no_grad();
                 let fused = fc.call_then(&x, act)?;
                 let unfused = without_fusion(|| act.call(&fc.call(&x)?))?;
