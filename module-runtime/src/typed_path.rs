@@ -148,18 +148,24 @@ pub trait Resolve: PathKind {
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> Self::Output<'a, T>;
 }
 
+/// A `Static` path that found nothing: its type proved it exists, so this is a bug.
+fn unresolved<T>(path: &str) -> ! {
+    panic!(
+        "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a bug in \
+         module-runtime or in a hand-written `Module` impl on the way",
+        std::any::type_name::<T>()
+    )
+}
+
 impl Resolve for Static {
     type Output<'a, T: 'a> = &'a T;
     fn __resolve<'a, T: Any>(root: &'a dyn Module, path: &str) -> &'a T {
         let mut found = Vec::new();
         find(root, path, false, &mut found);
-        found.into_iter().next().unwrap_or_else(|| {
-            panic!(
-                "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
-                 bug in module-runtime or in a hand-written `Module` impl on the way",
-                std::any::type_name::<T>()
-            )
-        })
+        found
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| unresolved::<T>(path))
     }
 }
 
@@ -209,13 +215,10 @@ impl ResolveMut for Static {
     fn __resolve_mut<'a, T: Any>(root: &'a mut dyn Module, path: &str) -> &'a mut T {
         let mut found = Vec::new();
         find_mut(root, path, false, &mut found);
-        found.into_iter().next().unwrap_or_else(|| {
-            panic!(
-                "the typed path `{path}` to a `{}` did not resolve, which its type rules out: a \
-                 bug in module-runtime or in a hand-written `Module` impl on the way",
-                std::any::type_name::<T>()
-            )
-        })
+        found
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| unresolved::<T>(path))
     }
 }
 
