@@ -2,7 +2,8 @@
 //! and per-channel helpers, the fan-in initialization, typed shape errors, and the helpers with
 //! which a lazy layer builds its parameters from its first input.
 
-use candle_core::{DType, Device, Shape, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, D};
 
 use crate::error::{Error, Result};
 use crate::{Buffer, Init, LazyShape, Param};
@@ -179,18 +180,18 @@ pub(crate) fn add_channel_bias_to_fresh(y: Tensor, bias: Option<Tensor>) -> Resu
     }
 }
 
-/// Whether `b` can be added to `y` along dimension `dim` in place: `y` contiguous, nothing records
-/// a gradient, float32 on the CPU, `b` one non-empty value per index of `dim`. The caller
+/// Whether `t` is what the runtime's in-place and fused CPU passes work on: float32, on the CPU,
+/// contiguous, and recording no gradient.
+pub(crate) fn is_plain_cpu_f32(t: &Tensor) -> bool {
+    !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
+}
+
+/// Whether `b` can be added to `y` along dimension `dim` in place: both
+/// [plain CPU float32](is_plain_cpu_f32), `b` one non-empty value per index of `dim`. The caller
 /// guarantees that `y` is a kernel's fresh output that no one else holds.
 pub(crate) fn can_add_bias_in_place(y: &Tensor, b: &Tensor, dim: usize) -> bool {
-    !y.track_op()
-        && !b.track_op()
-        && y.dtype() == DType::F32
-        && b.dtype() == DType::F32
-        && y.device().is_cpu()
-        && b.device().is_cpu()
-        && y.is_contiguous()
-        && b.is_contiguous()
+    is_plain_cpu_f32(y)
+        && is_plain_cpu_f32(b)
         && b.rank() == 1
         && b.elem_count() > 0
         && y.dims().get(dim) == Some(&b.elem_count())
@@ -219,20 +220,8 @@ impl candle_core::InplaceOp2 for AddBiasInPlace {
         b: &candle_core::CpuStorage,
         b_layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        use candle_core::CpuStorage::F32;
-        let (F32(y), F32(b)) = (y, b) else {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: float32 only",
-                self.name()
-            )));
-        };
-        let (Some((y0, y1)), Some((b0, b1))) =
-            (y_layout.contiguous_offsets(), b_layout.contiguous_offsets())
-        else {
-            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
-        };
-        let b = &b[b0..b1];
-        let y = &mut y[y0..y1];
+        let b = f32_slice(b, b_layout, self.name())?;
+        let y = f32_slice_mut(y, y_layout, self.name())?;
         if self.inner == 0 || y.is_empty() {
             return Ok(());
         }
@@ -244,6 +233,40 @@ impl candle_core::InplaceOp2 for AddBiasInPlace {
             }
         }
         Ok(())
+    }
+}
+
+/// The contiguous float32 values of `storage` under `layout`, for the CPU op `op`.
+pub(crate) fn f32_slice<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        return Err(candle_core::Error::UnsupportedDTypeForOp(
+            storage.dtype(),
+            op,
+        ));
+    };
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => Err(candle_core::Error::RequiresContiguous { op }),
+    }
+}
+
+/// [`f32_slice`], mutably.
+pub(crate) fn f32_slice_mut<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a mut [f32]> {
+    let dtype = storage.dtype();
+    let CpuStorage::F32(data) = storage else {
+        return Err(candle_core::Error::UnsupportedDTypeForOp(dtype, op));
+    };
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&mut data[start..end]),
+        None => Err(candle_core::Error::RequiresContiguous { op }),
     }
 }
 

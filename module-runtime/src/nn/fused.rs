@@ -10,10 +10,11 @@
 
 use std::cell::Cell;
 
-use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::error::Result;
+use crate::nn::common::{can_add_bias_in_place, f32_slice, f32_slice_mut, is_plain_cpu_f32};
 use crate::{Forward, Module};
 
 thread_local! {
@@ -162,17 +163,11 @@ elementwise_activation! {
 /// last dimension: nothing records a gradient, float32 on the CPU, contiguous, and the bias (if
 /// any) one value per output feature. The caller guarantees that no one else holds `y`.
 pub(crate) fn can_fuse_bias_activation(y: &Tensor, bias: Option<&Tensor>) -> bool {
-    let plain_f32 = |t: &Tensor| {
-        !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
-    };
-    plain_f32(y)
-        && y.rank() > 0
-        && bias.is_none_or(|b| {
-            plain_f32(b)
-                && b.rank() == 1
-                && b.elem_count() > 0
-                && y.dims().last() == Some(&b.elem_count())
-        })
+    y.rank() > 0
+        && match bias {
+            Some(b) => can_add_bias_in_place(y, b, y.rank() - 1),
+            None => is_plain_cpu_f32(y),
+        }
 }
 
 /// `y = f(y + bias)` in place, in one pass (see [`can_fuse_bias_activation`]).
@@ -242,39 +237,6 @@ fn block_len(len: usize, width: usize) -> Option<usize> {
     Some(rows.div_ceil(threads).max(1) * width)
 }
 
-/// The contiguous float32 values of `storage` under `layout`.
-fn f32_slice<'a>(
-    storage: &'a CpuStorage,
-    layout: &Layout,
-    op: &'static str,
-) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(data) = storage else {
-        return Err(candle_core::Error::UnsupportedDTypeForOp(
-            candle_core::backend::BackendStorage::dtype(storage),
-            op,
-        ));
-    };
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op }),
-    }
-}
-
-fn f32_slice_mut<'a>(
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-    op: &'static str,
-) -> candle_core::Result<&'a mut [f32]> {
-    let dtype = candle_core::backend::BackendStorage::dtype(storage);
-    let CpuStorage::F32(data) = storage else {
-        return Err(candle_core::Error::UnsupportedDTypeForOp(dtype, op));
-    };
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&mut data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op }),
-    }
-}
-
 impl candle_core::InplaceOp1 for BiasActivation {
     fn name(&self) -> &'static str {
         "activation-in-place"
@@ -315,17 +277,14 @@ pub(crate) fn can_fuse_residual_norm(
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
 ) -> bool {
-    let plain_f32 = |t: &Tensor| {
-        !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
-    };
     let width = x.dims().last().copied().unwrap_or(0);
     let per_feature = |p: Option<&Tensor>| {
-        p.is_none_or(|p| plain_f32(p) && p.rank() == 1 && p.elem_count() == width)
+        p.is_none_or(|p| is_plain_cpu_f32(p) && p.rank() == 1 && p.elem_count() == width)
     };
     width > 0
         && x.shape() == residual.shape()
-        && plain_f32(x)
-        && plain_f32(residual)
+        && is_plain_cpu_f32(x)
+        && is_plain_cpu_f32(residual)
         && per_feature(weight)
         && per_feature(bias)
 }
