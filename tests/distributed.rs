@@ -10,19 +10,17 @@ use module_runtime::distributed::{
     DistributedSampler, Launcher, LocalGroup, ReduceOp, SingleProcess,
 };
 use module_runtime::prelude::*;
-use module_runtime::Buffer;
 
-/// Deterministic, seed-dependent values (candle's CPU RNG cannot be seeded).
-fn values(seed: u64, shape: &[usize]) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| ((seed as f32 + 1.0) * 0.37 * (i as f32 + 1.0)).sin() * 0.5)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+mod support;
+use module_runtime::Buffer;
+use support::{param_values, values};
 
 fn linear(seed: u64, i: usize, o: usize) -> Linear {
-    Linear::from_tensors(values(seed, &[o, i]), Some(values(seed + 100, &[o]))).unwrap()
+    Linear::from_tensors(
+        values(seed, &[o, i], &Device::Cpu),
+        Some(values(seed + 100, &[o], &Device::Cpu)),
+    )
+    .unwrap()
 }
 
 #[derive(Module)]
@@ -40,7 +38,7 @@ impl Net {
             fc1: linear(seed, 6, 8),
             fc2: linear(seed + 1, 8, 3),
             extra: linear(seed + 2, 6, 3),
-            stats: Buffer::new(values(seed + 3, &[3])),
+            stats: Buffer::new(values(seed + 3, &[3], &Device::Cpu)),
         }
     }
 }
@@ -54,19 +52,14 @@ impl Forward<&Tensor> for Net {
 }
 
 fn batch() -> (Tensor, Tensor) {
-    (values(7, &[8, 6]), values(8, &[8, 3]))
+    (
+        values(7, &[8, 6], &Device::Cpu),
+        values(8, &[8, 3], &Device::Cpu),
+    )
 }
 
 fn mse(out: &Tensor, y: &Tensor) -> Result<Tensor> {
     Ok((out - y)?.sqr()?.mean_all()?)
-}
-
-fn params(model: &Net) -> Vec<(String, Vec<f32>)> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, p)| (n, p.tensor().flatten_all().unwrap().to_vec1().unwrap()))
-        .collect()
 }
 
 /// Runs `f(rank, comm)` on `world` threads and returns the results in rank order.
@@ -113,7 +106,7 @@ fn world_of_one_step_equals_a_plain_step_bit_for_bit() -> Result<()> {
         assert!(g.get(wrapped.extra.weight.var().as_tensor()).is_none());
         opt_ddp.step(&g)?;
     }
-    assert_eq!(params(&plain), params(&wrapped));
+    assert_eq!(param_values(&plain), param_values(&wrapped));
     Ok(())
 }
 
@@ -183,10 +176,10 @@ fn ranks_seeded_differently_agree_after_construction() {
     let out = on_ranks(3, |rank, comm| {
         let model = Net::new(10 + rank as u64);
         let _ddp = DistributedDataParallel::new(&model, comm, DdpConfig::default())?;
-        Ok((params(&model), model.stats.tensor().to_vec1::<f32>()?))
+        Ok((param_values(&model), model.stats.tensor().to_vec1::<f32>()?))
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
-    assert_eq!(out[0].0, params(&Net::new(10)), "rank 0's values win");
+    assert_eq!(out[0].0, param_values(&Net::new(10)), "rank 0's values win");
     assert!(out.iter().all(|o| *o == out[0]));
 }
 
@@ -215,11 +208,11 @@ fn two_ranks_on_half_batches_match_one_process_on_the_full_batch() {
             ddp.reduce_gradients(&mut g)?;
             opt.step(&g)?;
         }
-        Ok(params(&model))
+        Ok(param_values(&model))
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
     assert_eq!(out[0], out[1], "replicas stay bitwise equal");
-    for ((name, a), (_, b)) in params(&single).iter().zip(&out[0]) {
+    for ((name, a), (_, b)) in param_values(&single).iter().zip(&out[0]) {
         let diff = a
             .iter()
             .zip(b)
@@ -329,7 +322,7 @@ fn buffers_follow_rank_0_before_each_forward() {
         model
             .stats
             .set(&Tensor::new(&[rank as f32; 3], &Device::Cpu)?)?;
-        ddp.call(&values(1, &[2, 6]))?;
+        ddp.call(&values(1, &[2, 6], &Device::Cpu))?;
         let synced = model.stats.tensor().to_vec1::<f32>()?;
         // Opted out: the local value stays.
         let ddp = DistributedDataParallel::new(
@@ -340,7 +333,7 @@ fn buffers_follow_rank_0_before_each_forward() {
         model
             .stats
             .set(&Tensor::new(&[rank as f32; 3], &Device::Cpu)?)?;
-        ddp.call(&values(1, &[2, 6]))?;
+        ddp.call(&values(1, &[2, 6], &Device::Cpu))?;
         Ok((synced, model.stats.tensor().to_vec1::<f32>()?))
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();

@@ -16,13 +16,8 @@ use candle_nn::{Optimizer, SGD};
 use module_runtime::distributed::{init_from_env, DdpConfig, DistributedDataParallel, ReduceOp};
 use module_runtime::prelude::*;
 
-fn values(seed: u64, shape: &[usize]) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| ((seed as f32 + 1.0) * 0.37 * (i as f32 + 1.0)).sin() * 0.5)
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+mod support;
+use support::values;
 
 #[derive(Module)]
 struct Net {
@@ -34,7 +29,11 @@ struct Net {
 impl Net {
     fn new(seed: u64) -> Net {
         let lin = |s: u64, i: usize, o: usize| {
-            Linear::from_tensors(values(s, &[o, i]), Some(values(s + 100, &[o]))).unwrap()
+            Linear::from_tensors(
+                values(s, &[o, i], &Device::Cpu),
+                Some(values(s + 100, &[o], &Device::Cpu)),
+            )
+            .unwrap()
         };
         Net {
             fc1: lin(seed, 6, 8),
@@ -119,7 +118,10 @@ fn mpi_rank() -> Result<()> {
     let comm = init_from_env()?;
     assert_eq!((comm.world_size(), comm.backend()), (2, "mpi"));
     let rank = comm.rank();
-    let (x, y) = (values(7, &[8, 6]), values(8, &[8, 3]));
+    let (x, y) = (
+        values(7, &[8, 6], &Device::Cpu),
+        values(8, &[8, 3], &Device::Cpu),
+    );
     let steps = 5;
 
     // The reference: one process on the full batch (each rank computes it alone).
@@ -184,7 +186,7 @@ fn mpi_rank() -> Result<()> {
     // Buffers follow rank 0: at construction, and again before each `ddp.call` (PyTorch's
     // `broadcast_buffers=True`) after a rank changed its own.
     let counted = Counted {
-        fc: Linear::from_tensors(values(1, &[3, 6]), None)?,
+        fc: Linear::from_tensors(values(1, &[3, 6], &Device::Cpu), None)?,
         seen: Buffer::new(Tensor::new(&[rank as f32 * 10.0 + 1.0], &Device::Cpu)?),
     };
     let ddp_b = DistributedDataParallel::new(&counted, &*comm, DdpConfig::default())?;

@@ -17,6 +17,9 @@ use module_runtime::distributed::{
 };
 use module_runtime::prelude::*;
 
+mod support;
+use support::{param_values, values};
+
 /// A one-rank NCCL group on `cuda:0`, or `None` (after a loud message) without a CUDA device.
 fn nccl(test: &str) -> Option<Nccl> {
     let device = match module_runtime::parse_device("cuda:0") {
@@ -27,15 +30,6 @@ fn nccl(test: &str) -> Option<Nccl> {
         }
     };
     Some(Nccl::new(0, 1, &device, Nccl::new_id().unwrap()).unwrap())
-}
-
-/// Deterministic values, on `device`.
-fn values(seed: u64, shape: &[usize], device: &Device) -> Tensor {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| ((seed as f32 + 1.0) * 0.37 * (i as f32 + 1.0)).sin() * 0.5)
-        .collect();
-    Tensor::from_vec(v, shape, device).unwrap()
 }
 
 #[derive(Module)]
@@ -67,14 +61,6 @@ impl Forward<&Tensor> for Net {
     }
 }
 
-fn params(model: &Net) -> Vec<(String, Vec<f32>)> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, p)| (n, p.tensor().flatten_all().unwrap().to_vec1().unwrap()))
-        .collect()
-}
-
 #[test]
 fn world_of_one_step_equals_a_plain_cuda_step_bit_for_bit() -> Result<()> {
     let Some(comm) = nccl("world_of_one_step_equals_a_plain_cuda_step_bit_for_bit") else {
@@ -100,7 +86,7 @@ fn world_of_one_step_equals_a_plain_cuda_step_bit_for_bit() -> Result<()> {
         ddp.reduce_gradients(&mut g)?;
         opt_ddp.step(&g)?;
     }
-    assert_eq!(params(&plain), params(&wrapped));
+    assert_eq!(param_values(&plain), param_values(&wrapped));
     ddp.barrier()?;
     Ok(())
 }
