@@ -1,5 +1,5 @@
-//! PyTorch reference fixtures (`shared/fixtures/pytorch/NAME.safetensors`, see its README) and
-//! comparisons with them, for the parity tests.
+//! PyTorch reference fixtures (`fixtures/pytorch/NAME.safetensors` in this repository, see its
+//! README and the script that makes them) and comparisons with them, for the parity tests.
 //!
 //! Tolerance: `|actual - expected| <= TOL + TOL * |expected|` elementwise. The fixtures are float32
 //! values within 1.5e-6 of a float64 rerun (optimizer traces: 4e-7), so 1e-5 absolute plus relative
@@ -16,12 +16,19 @@ use crate::device_from_env;
 /// Absolute and relative tolerance of [`assert_close`].
 pub const TOL: f64 = 1e-5;
 
-/// Where the fixtures are: `$FIXTURES_DIR`, else `../shared/fixtures/pytorch` beside the workspace.
-fn fixtures_dir() -> PathBuf {
+/// Where the fixtures are: `$FIXTURES_DIR` (to check a regenerated set), else the repository's
+/// `fixtures/pytorch`.
+pub fn fixtures_dir() -> PathBuf {
     match std::env::var_os("FIXTURES_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/pytorch"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/pytorch"),
     }
+}
+
+/// The checkpoint fixtures: one model saved in every format PyTorch users meet
+/// (`fixtures/pytorch/checkpoints/README.md`).
+pub fn checkpoints_dir() -> PathBuf {
+    fixtures_dir().join("checkpoints")
 }
 
 /// One fixture file, on the device under test ([`device_from_env`]); remembers which keys were
@@ -34,35 +41,19 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    /// Loads `NAME.safetensors`. When the fixtures are not there, says so loudly and returns
-    /// `None`, except under `CI=true`, where a missing fixture fails the test.
-    pub fn load(name: &str) -> Option<Fixture> {
+    /// Loads `NAME.safetensors`. The fixtures ship with the repository, so a missing one fails
+    /// the test.
+    pub fn load(name: &str) -> Fixture {
         let path = fixtures_dir().join(format!("{name}.safetensors"));
-        if !path.exists() {
-            let msg = format!(
-                "PyTorch fixture {} not found (set FIXTURES_DIR to shared/fixtures/pytorch); \
-                 SKIPPING the `{name}` parity test",
-                path.display()
-            );
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("{msg}");
-            }
-            // Straight to stderr: the test harness captures `eprintln!` of passing tests.
-            let _ = std::io::Write::write_all(
-                &mut std::io::stderr(),
-                format!("\n!!!!! {msg} !!!!!\n").as_bytes(),
-            );
-            return None;
-        }
         // Onto the device under test, so inputs and expected values are where the model is.
         let device = device_from_env().expect("MODULE_DEVICE names a usable device");
         let tensors = candle_core::safetensors::load(&path, &device)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-        Some(Fixture {
+        Fixture {
             name: name.to_owned(),
             tensors,
             used: RefCell::new(BTreeSet::new()),
-        })
+        }
     }
 
     /// The tensor stored under `key`, marked as used.

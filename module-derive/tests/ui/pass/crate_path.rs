@@ -12,12 +12,13 @@ struct Net {
 }
 
 #[derive(nested::runtime::Module)]
-#[module(crate = crate::nested::runtime)]
+#[module(crate = crate::pass::crate_path::nested::runtime)]
 struct Outer {
     net: Net,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     use mr::ModuleExt;
     let dev = mr::candle_core::Device::Cpu;
     let outer = Outer {

@@ -21,7 +21,8 @@ fn names(net: &Net) -> Vec<String> {
     net.named_parameters().into_iter().map(|(n, _)| n).collect()
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = Device::Cpu;
     let lin = || Linear::no_bias(2, 2, &dev).unwrap();
     let net = Net {

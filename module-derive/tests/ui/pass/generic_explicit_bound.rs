@@ -20,7 +20,8 @@ struct Net<B: Backbone> {
     marker: std::marker::PhantomData<B>,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = module_runtime::candle_core::Device::Cpu;
     let net = Net::<Small> {
         body: Linear::new(2, 2, &dev).unwrap(),

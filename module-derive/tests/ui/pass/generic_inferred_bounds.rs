@@ -11,7 +11,8 @@ struct Wrapper<T, U, S> {
     note: S,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = module_runtime::candle_core::Device::Cpu;
     let w = Wrapper {
         inner: Linear::no_bias(2, 2, &dev).unwrap(),

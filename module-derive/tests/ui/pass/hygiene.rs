@@ -60,7 +60,8 @@ struct Generic<T, const N: usize> {
     net: Net,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     Ok();
     Some();
 }

@@ -15,7 +15,8 @@ struct Tagged<'a, T, const N: usize> {
     sizes: [usize; N],
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = module_runtime::candle_core::Device::Cpu;
     let stack = Stack::<2> {
         layers: [

@@ -18,7 +18,8 @@ struct Net {
     id: Identity,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = module_runtime::candle_core::Device::Cpu;
     let net = Net {
         pair: Pair(

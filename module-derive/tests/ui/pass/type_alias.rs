@@ -15,7 +15,8 @@ struct Net {
     dense: reexport::Dense,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let dev = module_runtime::candle_core::Device::Cpu;
     let net = Net {
         proj: Proj::no_bias(2, 2, &dev).unwrap(),

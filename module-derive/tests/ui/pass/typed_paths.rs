@@ -40,13 +40,14 @@ enum Either<T> {
     Nothing,
 }
 
-fn main() {
+#[test]
+fn compiles_and_runs() {
     let p = Tagged::<'static, Stack<2>, 3>::path();
-    assert_eq!(p.inner().layers().at(1).weight().as_str(), "inner.layers.1.weight");
-    assert_eq!(p.r#type().as_str(), "type");
     assert_eq!(
-        Either::<Linear>::path().right_type().as_str(),
-        "type"
+        p.inner().layers().at(1).weight().as_str(),
+        "inner.layers.1.weight"
     );
+    assert_eq!(p.r#type().as_str(), "type");
+    assert_eq!(Either::<Linear>::path().right_type().as_str(), "type");
     assert_eq!(Either::<Linear>::path().left().bias().as_str(), "bias");
 }

@@ -1,5 +1,5 @@
 //! Numeric parity of the runtime's layers with PyTorch, forward and backward, against the reference
-//! fixtures in `shared/fixtures/pytorch/` (see its README).
+//! fixtures in `fixtures/pytorch/` (see its README).
 //!
 //! Each test builds the layer, loads the fixture's `param.*` by PyTorch name (every key must be
 //! used), runs the forward pass, compares `output`, backpropagates
@@ -59,13 +59,12 @@ fn check_output_and_grads(
     }
 }
 
-/// The whole check for a layer with one input; returns the fixture for extra checks (`None` when
-/// the fixtures are absent).
-fn check_layer<M>(case: &str, layer: &M) -> Option<Fixture>
+/// The whole check for a layer with one input; returns the fixture for extra checks.
+fn check_layer<M>(case: &str, layer: &M) -> Fixture
 where
     M: ModuleExt + for<'a> Forward<&'a Tensor, Output = Tensor>,
 {
-    let fx = Fixture::load(case)?;
+    let fx = Fixture::load(case);
     fx.load_state(layer);
     let input = fx.get("input");
     let output;
@@ -84,7 +83,7 @@ where
         output = layer.call(&input).unwrap();
         check_output_and_grads(&fx, &output, &[], layer.named_parameters());
     }
-    Some(fx)
+    fx
 }
 
 #[test]
@@ -127,9 +126,7 @@ where
     M: ModuleExt + for<'a> Forward<&'a Tensor, Output = Tensor>,
 {
     assert!(bn.is_training());
-    let Some(fx) = check_layer(case, bn) else {
-        return;
-    };
+    let fx = check_layer(case, bn);
     let buffers = bn.named_buffers();
     assert_eq!(buffers.len(), 3);
     for (name, b) in buffers {
@@ -148,9 +145,7 @@ where
     M: ModuleExt + for<'a> Forward<&'a Tensor, Output = Tensor>,
 {
     bn.eval();
-    let Some(fx) = check_layer(case, bn) else {
-        return;
-    };
+    let fx = check_layer(case, bn);
     for (name, b) in bn.named_buffers() {
         assert_equal(
             &format!("{case}: {name} after an eval forward"),
@@ -298,9 +293,7 @@ fn activation_enum_matches_its_layers() {
 
 #[test]
 fn cross_entropy() {
-    let Some(fx) = Fixture::load("cross_entropy") else {
-        return;
-    };
+    let fx = Fixture::load("cross_entropy");
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let output = loss::cross_entropy(x.as_tensor(), &fx.get("target")).unwrap();
     check_output_and_grads(&fx, &output, &[("input", x.as_tensor())], vec![]);
@@ -308,9 +301,7 @@ fn cross_entropy() {
 
 #[test]
 fn mse() {
-    let Some(fx) = Fixture::load("mse") else {
-        return;
-    };
+    let fx = Fixture::load("mse");
     let x = Var::from_tensor(&fx.get("input")).unwrap();
     let target = Var::from_tensor(&fx.get("target")).unwrap();
     let output = loss::mse_loss(x.as_tensor(), target.as_tensor()).unwrap();

@@ -11,7 +11,7 @@ use module_runtime::distributed::{
 };
 use module_runtime::prelude::*;
 
-mod support;
+use crate::support;
 use module_runtime::Buffer;
 use support::{param_values, values};
 

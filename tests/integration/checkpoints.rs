@@ -9,7 +9,7 @@ use module_runtime::prelude::*;
 use module_runtime::StateDict;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/pytorch/checkpoints")
+    candle_module::fixtures::checkpoints_dir()
 }
 
 fn tmp_dir(name: &str) -> PathBuf {

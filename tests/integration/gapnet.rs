@@ -1,11 +1,11 @@
-//! `GapNet` from `../shared/fixtures/pytorch/checkpoints/README.md`, ported the way a PyTorch user
+//! `GapNet` from `fixtures/pytorch/checkpoints/README.md`, ported the way a PyTorch user
 //! would write it: `Sequential`s that keep the original indices (`slice2.4.weight`), tuple
 //! kernel/stride/padding, a padded max pool, a ceil-mode average pool that does not count padding,
 //! a dilated convolution, BatchNorm buffers. No hand-written loops, padding or key fixing: every
 //! checkpoint form of the fixture loads strictly through `load_checkpoint` and reproduces
 //! PyTorch's outputs.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use candle_module::fixtures::max_abs_diff as max_diff;
 use module_runtime::nn::{
@@ -127,7 +127,7 @@ impl GapNet {
 }
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/pytorch/checkpoints")
+    candle_module::fixtures::checkpoints_dir()
 }
 
 /// The largest difference between the model's eval-mode outputs and PyTorch's.

@@ -1,4 +1,4 @@
-//! Every PyTorch pickle checkpoint in the shared fixtures (`shared/fixtures/pytorch/checkpoints`,
+//! Every PyTorch pickle checkpoint in the repository's fixtures (`fixtures/pytorch/checkpoints`,
 //! made by `torch.save` in every way users save a model) reads into the state dict of
 //! `gapnet_zip.pth`: same keys in the same order, shapes and dtypes.
 //!
@@ -15,7 +15,7 @@ use module_runtime::candle_core::{DType, Device, Tensor};
 use module_runtime::{Error, PthErrorKind, StateDict};
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/pytorch/checkpoints")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/pytorch/checkpoints")
 }
 
 fn read(name: &str, key: Option<&str>) -> StateDict {

@@ -81,9 +81,7 @@ fn check_cell_backward(fx: &Fixture, cell: &dyn Module, input: &Var, output: &Te
 
 #[test]
 fn lstm_cell_step_by_step_matches_pytorch_lstm() {
-    let Some(fx) = Fixture::load("lstm") else {
-        return;
-    };
+    let fx = Fixture::load("lstm");
     let cell = LstmCell::new(4, 6, &dev()).unwrap();
     load_cell_from_layer_fixture(&fx, &cell);
     let x = Var::from_tensor(&fx.get("input")).unwrap(); // [2, 5, 4], batch first
@@ -104,9 +102,7 @@ fn lstm_cell_step_by_step_matches_pytorch_lstm() {
 
 #[test]
 fn gru_cell_step_by_step_matches_pytorch_gru() {
-    let Some(fx) = Fixture::load("gru") else {
-        return;
-    };
+    let fx = Fixture::load("gru");
     let cell = GruCell::new(4, 6, &dev()).unwrap();
     load_cell_from_layer_fixture(&fx, &cell);
     let x = Var::from_tensor(&fx.get("input")).unwrap();
@@ -126,9 +122,7 @@ fn gru_cell_step_by_step_matches_pytorch_gru() {
 /// The cells' `Recurrent::scan` (the trait's default loop) against the fixtures, from a zero state.
 #[test]
 fn cell_scan_matches_the_fixtures() {
-    let Some(fx) = Fixture::load("lstm") else {
-        return;
-    };
+    let fx = Fixture::load("lstm");
     let cell = LstmCell::new(4, 6, &dev()).unwrap();
     load_cell_from_layer_fixture(&fx, &cell);
     let (y, (h, c)) = cell
@@ -138,9 +132,7 @@ fn cell_scan_matches_the_fixtures() {
     assert_close("lstm h_n", &h, &fx.get("output.h").squeeze(0).unwrap());
     assert_close("lstm c_n", &c, &fx.get("output.c").squeeze(0).unwrap());
 
-    let Some(fx) = Fixture::load("gru") else {
-        return;
-    };
+    let fx = Fixture::load("gru");
     let cell = GruCell::new(4, 6, &dev()).unwrap();
     load_cell_from_layer_fixture(&fx, &cell);
     let (y, h) = cell

@@ -1,0 +1,9 @@
+//! module-runtime's integration tests, gathered into one test binary (each file was a binary of
+//! its own, and each linked candle again): a file is one area, its tests are named `area::test`.
+
+mod conv_options;
+mod pool_options;
+mod pth_files;
+mod pth_hostile;
+mod sequential_named;
+mod tensor_struct_derive;

@@ -1,0 +1,31 @@
+//! The root package's integration tests, through the public API only, gathered into one test
+//! binary: each file below was a binary of its own, and every one of them linked candle again, which
+//! was most of `cargo test`'s time on a fresh machine. A file is one area; its tests are named
+//! `area::test` (`cargo test --test integration hooks::` runs one area).
+//!
+//! The data-parallel tests that need MPI or NCCL (`distributed_mpi.rs`, `distributed_nccl.rs`) stay
+//! binaries of their own: they are behind features, and the MPI one runs itself under `mpiexec`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod checkpoints;
+mod containers;
+mod dataflow;
+mod devices;
+mod distributed;
+mod functional;
+mod gapnet;
+mod hooks;
+mod inference;
+mod lazy;
+mod load_errors;
+mod module_api;
+mod parity_layers;
+mod parity_seq;
+mod parity_training;
+mod pytorch_semantics;
+mod recurrent;
+mod state_dict;
+mod traversal;
+mod typed_paths;
