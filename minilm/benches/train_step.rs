@@ -1,0 +1,146 @@
+//! One fine-tuning step of all-MiniLM-L6-v2, timed in its three parts (forward, backward,
+//! optimizer step), as issue 28 and DESIGN.md §6 define it: train mode (dropout on), a batch of
+//! 8 sentences of 25 tokens, loss = mean((mean-pooled embedding · v)²) with
+//! v = arange(384) / 384 − 0.5, AdamW with lr 1e-5.
+//!
+//! ```text
+//! cargo bench -p minilm --bench train_step              # 5 rounds of 4 steps
+//! cargo bench -p minilm --bench train_step -- 8         # 8 rounds
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p minilm --bench train_step
+//! ```
+//!
+//! With `PYTORCH` set (a Python with torch and transformers), every round also runs PyTorch's side,
+//! `../shared/perf/pytorch_train_step.py` (or `$PYTORCH_TRAIN_STEP`), once with its default AdamW and
+//! once with `fused=True`, on sentences that tokenize to the same 8 × 25 batch, so the figures of one
+//! run are comparable: the machine's slow and fast moments fall on both sides alike.
+//!
+//! Each round builds nothing: the model, the optimizer and the batch are made once; a round is
+//! `STEPS` steps after one warm-up step (the first round only), and the medians are over every step.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use candle_nn::{Optimizer, ParamsAdamW};
+use minilm::bert::{BertConfig, BertModel};
+use minilm::minilm_dir;
+use module_runtime::prelude::*;
+
+/// Sentences per batch, and tokens per sentence (issue 28).
+const BATCH: usize = 8;
+const SEQ: usize = 25;
+/// Steps per round.
+const STEPS: usize = 4;
+
+/// One step's parts.
+#[derive(Clone, Copy)]
+struct Parts {
+    forward: Duration,
+    backward: Duration,
+    optimizer: Duration,
+}
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    let rounds: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(5);
+    let Some(dir) = minilm_dir() else {
+        eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
+        return Ok(());
+    };
+    let device = Device::Cpu;
+    let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
+    model.load_safetensors(dir.join("model.safetensors"))?;
+    model.train();
+
+    let ids: Vec<u32> = (0..BATCH * SEQ)
+        .map(|i| 1000 + (i as u32 * 7919) % 29000)
+        .collect();
+    let ids = Tensor::from_vec(ids, (BATCH, SEQ), &device)?;
+    let mask = Tensor::ones((BATCH, SEQ), DType::U32, &device)?;
+    let mask_f = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
+    let v = ((Tensor::arange(0u32, 384, &device)?.to_dtype(DType::F32)? / 384.0)? - 0.5)?;
+
+    let params = ParamsAdamW {
+        lr: 1e-5,
+        ..ParamsAdamW::default()
+    };
+    let mut opt = candle_nn::AdamW::new(model.trainable_vars()?, params)?;
+    let mut step = || -> Result<Parts> {
+        let start = Instant::now();
+        let hidden = model.call((&ids, &mask))?;
+        let pooled = (hidden.broadcast_mul(&mask_f)?.sum(1)?
+            / mask_f.sum(1)?.broadcast_as((BATCH, 384))?)?;
+        let loss = pooled.broadcast_mul(&v)?.sum(1)?.sqr()?.mean_all()?;
+        let forward = start.elapsed();
+        let grads = loss.backward()?;
+        let backward = start.elapsed() - forward;
+        opt.step(&grads)?;
+        let optimizer = start.elapsed() - forward - backward;
+        Ok(Parts {
+            forward,
+            backward,
+            optimizer,
+        })
+    };
+
+    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
+    let script = std::env::var_os("PYTORCH_TRAIN_STEP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/perf/pytorch_train_step.py")
+        });
+    let sentences = std::env::temp_dir().join("minilm_train_step_sentences.txt");
+    if pytorch.is_some() {
+        // 23 words each: with [CLS] and [SEP], 25 tokens, so padding=True gives the same batch.
+        let line = vec!["word"; SEQ - 2].join(" ");
+        std::fs::write(&sentences, vec![line; BATCH].join("\n"))?;
+    }
+
+    step()?; // warm-up
+    let mut ours = Vec::new();
+    let mut torch_lines = Vec::new();
+    for round in 0..rounds {
+        for _ in 0..STEPS {
+            ours.push(step()?);
+        }
+        if let Some(python) = &pytorch {
+            for fused in [false, true] {
+                let mut cmd = Command::new(python);
+                cmd.arg(&script)
+                    .arg(&dir)
+                    .arg(&sentences)
+                    .arg(STEPS.to_string());
+                if fused {
+                    cmd.arg("fused");
+                }
+                let out = cmd.output()?;
+                let text = String::from_utf8_lossy(&out.stderr);
+                let line = text
+                    .lines()
+                    .rfind(|l| l.contains("train step"))
+                    .unwrap_or("pytorch: no result (see its stderr)")
+                    .to_owned();
+                torch_lines.push(format!("round {round}: {line}"));
+            }
+        }
+    }
+    let median = |f: fn(&Parts) -> Duration| {
+        let mut t: Vec<Duration> = ours.iter().map(f).collect();
+        t.sort();
+        t[t.len() / 2].as_secs_f64() * 1e3
+    };
+    let total = median(|p| p.forward + p.backward + p.optimizer);
+    println!(
+        "ours (candle-nn AdamW) train step: batch {BATCH} x {SEQ}, {} steps in {rounds} rounds: median {total:.1} ms; forward {:.0} ms, backward {:.0} ms, AdamW {:.0} ms",
+        ours.len(),
+        median(|p| p.forward),
+        median(|p| p.backward),
+        median(|p| p.optimizer),
+    );
+    for line in torch_lines {
+        println!("{line}");
+    }
+    Ok(())
+}
