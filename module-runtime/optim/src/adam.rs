@@ -94,8 +94,8 @@ impl Hyper for AdamOptions {
     const OPTIMIZER: &'static str = "Adam";
     const NAMES: &'static [&'static str] = &[
         "lr",
-        "beta1",
-        "beta2",
+        "betas.0",
+        "betas.1",
         "eps",
         "weight_decay",
         "amsgrad",
@@ -163,8 +163,8 @@ impl Hyper for AdamOptions {
     fn get(&self, name: &str) -> f64 {
         match name {
             "lr" => self.lr,
-            "beta1" => self.betas.0,
-            "beta2" => self.betas.1,
+            "betas.0" => self.betas.0,
+            "betas.1" => self.betas.1,
             "eps" => self.eps,
             "weight_decay" => self.weight_decay,
             "amsgrad" => flag(self.amsgrad),
@@ -177,8 +177,8 @@ impl Hyper for AdamOptions {
     fn set(&mut self, name: &str, value: f64) {
         match name {
             "lr" => self.lr = value,
-            "beta1" => self.betas.0 = value,
-            "beta2" => self.betas.1 = value,
+            "betas.0" => self.betas.0 = value,
+            "betas.1" => self.betas.1 = value,
             "eps" => self.eps = value,
             "weight_decay" => self.weight_decay = value,
             "amsgrad" => self.amsgrad = value != 0.0,

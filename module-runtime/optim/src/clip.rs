@@ -1,12 +1,15 @@
 //! Gradient clipping: PyTorch's `torch.nn.utils.clip_grad_norm_` and `clip_grad_value_`.
 
+use std::borrow::Borrow;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use module_runtime::Param;
 
 use crate::error::{Error, Result};
 
-/// Scales the gradients of `params` in `grads` so that their total norm is at most `max_norm`,
+/// Scales the gradients of `params` (a slice or iterator of parameters or references to them) in
+/// `grads` so that their total norm is at most `max_norm`,
 /// and returns the total norm they had: PyTorch's `clip_grad_norm_`.
 ///
 /// The total norm of order `norm_type` (2 for the Euclidean norm, `f64::INFINITY` for the largest
@@ -32,9 +35,9 @@ use crate::error::{Error, Result};
 /// opt.step(&grads)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn clip_grad_norm(
+pub fn clip_grad_norm<P: Borrow<Param>>(
     grads: &mut GradStore,
-    params: &[Param],
+    params: impl IntoIterator<Item = P>,
     max_norm: f64,
     norm_type: f64,
     error_if_nonfinite: bool,
@@ -48,9 +51,9 @@ pub fn clip_grad_norm(
         });
     }
     let with_grads: Vec<(Tensor, Tensor)> = params
-        .iter()
+        .into_iter()
         .filter_map(|p| {
-            let t = p.var().as_tensor().clone();
+            let t = p.borrow().var().as_tensor().clone();
             let g = grads.get(&t)?.clone();
             Some((t, g))
         })
@@ -78,9 +81,13 @@ pub fn clip_grad_norm(
 
 /// Clamps every gradient of `params` in `grads` to `[-clip_value, clip_value]`: PyTorch's
 /// `clip_grad_value_`. Parameters without a gradient are skipped.
-pub fn clip_grad_value(grads: &mut GradStore, params: &[Param], clip_value: f64) -> Result<()> {
+pub fn clip_grad_value<P: Borrow<Param>>(
+    grads: &mut GradStore,
+    params: impl IntoIterator<Item = P>,
+    clip_value: f64,
+) -> Result<()> {
     for p in params {
-        let t = p.var().as_tensor().clone();
+        let t = p.borrow().var().as_tensor().clone();
         if let Some(g) = grads.get(&t) {
             let clamped = g.clamp(-clip_value, clip_value)?;
             grads.insert(&t, clamped);
