@@ -198,8 +198,15 @@ pub(crate) struct AdamState {
 }
 
 impl AdamState {
-    fn zeros(p: &Tensor, amsgrad: bool) -> Result<Self> {
-        let z = || -> Result<Buf> { Ok(Buf::Tensor(p.zeros_like()?)) };
+    /// Zero state for `p`: host vectors for the fused pass, tensors like `p` otherwise.
+    fn zeros(p: &Tensor, amsgrad: bool, host: bool) -> Result<Self> {
+        let z = || -> Result<Buf> {
+            Ok(if host {
+                Buf::Host(vec![0.0; p.elem_count()])
+            } else {
+                Buf::Tensor(p.zeros_like()?)
+            })
+        };
         Ok(Self {
             step: 0,
             exp_avg: z()?,
@@ -372,8 +379,9 @@ impl Optimizer for Adam {
                 let Some(g) = grads.get(p) else {
                     continue;
                 };
+                let fused = self.fused && fused::is_cpu_f32(p) && fused::is_cpu_f32(g);
                 if state.is_none() {
-                    *state = Some(AdamState::zeros(p, o.amsgrad)?);
+                    *state = Some(AdamState::zeros(p, o.amsgrad, fused)?);
                 }
                 let state = state.as_mut().expect("set above");
                 if o.amsgrad && state.max_exp_avg_sq.is_none() {
@@ -383,7 +391,7 @@ impl Optimizer for Adam {
                 }
                 state.step += 1;
                 let s = Scalars::new(o, state.step);
-                if self.fused && fused::is_cpu_f32(p) && fused::is_cpu_f32(g) {
+                if fused {
                     step_fused(p, g, state, o, &s)?;
                 } else {
                     let new = step_composed(p, g, state, o, &s)?;

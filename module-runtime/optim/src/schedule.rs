@@ -3,6 +3,10 @@
 
 use std::f64::consts::PI;
 
+use candle_core::{DType, Device, Tensor};
+use module_runtime::StateDict;
+
+use crate::error::{Result, StateError};
 use crate::optimizer::Optimizer;
 
 /// A learning-rate schedule over any optimizer: PyTorch's `LRScheduler`.
@@ -20,6 +24,88 @@ pub trait LrScheduler {
 
     /// The number of [`step`](Self::step) calls so far (PyTorch's `last_epoch`).
     fn last_epoch(&self) -> usize;
+
+    /// The schedule's progress: `last_epoch` (a 0-dimensional `f64`), `last_lr` (one `f64` per
+    /// group) and, for [`LambdaLr`], `base_lrs`. The factor function itself is not saved (as
+    /// PyTorch saves no lambdas): resume by making the same schedule and loading this into it.
+    fn state_dict(&self) -> Result<StateDict>;
+
+    /// Loads a [`state_dict`](Self::state_dict), strictly and all or nothing, and sets `opt`'s
+    /// learning rates to the loaded `last_lr`, so the next optimizer step runs at the rate the
+    /// saved run would have used, whichever of the optimizer and the schedule is loaded first.
+    fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()>;
+}
+
+/// Saves a schedule's progress.
+fn save_progress(
+    last_epoch: usize,
+    last_lr: &[f64],
+    base_lrs: Option<&[f64]>,
+) -> Result<StateDict> {
+    let mut sd = StateDict::new();
+    sd.insert("last_epoch", Tensor::new(last_epoch as f64, &Device::Cpu)?);
+    sd.insert("last_lr", Tensor::new(last_lr, &Device::Cpu)?);
+    if let Some(b) = base_lrs {
+        sd.insert("base_lrs", Tensor::new(b, &Device::Cpu)?);
+    }
+    Ok(sd)
+}
+
+/// Reads a schedule's progress: `(last_epoch, last_lr, base_lrs)`, checked against `groups`.
+fn load_progress(
+    sd: &StateDict,
+    groups: usize,
+    with_base: bool,
+) -> Result<(usize, Vec<f64>, Option<Vec<f64>>)> {
+    let mut names = vec!["last_epoch", "last_lr"];
+    if with_base {
+        names.push("base_lrs");
+    }
+    let missing: Vec<String> = names
+        .iter()
+        .filter(|n| !sd.contains_key(n))
+        .map(|n| n.to_string())
+        .collect();
+    if !missing.is_empty() {
+        return Err(StateError::MissingKeys { keys: missing }.into());
+    }
+    let unexpected: Vec<String> = sd
+        .keys()
+        .filter(|k| !names.contains(k))
+        .map(str::to_owned)
+        .collect();
+    if !unexpected.is_empty() {
+        return Err(StateError::UnexpectedKeys { keys: unexpected }.into());
+    }
+    let epoch = crate::state::scalar(sd.get("last_epoch").expect("checked"), "last_epoch")?;
+    if !(epoch >= 0.0 && epoch.fract() == 0.0) {
+        return Err(StateError::InvalidValue {
+            key: "last_epoch".into(),
+            reason: format!("{epoch} is not a step count"),
+        }
+        .into());
+    }
+    let list = |key: &str| -> Result<Vec<f64>> {
+        let t = sd.get(key).expect("checked");
+        if t.dims() != [groups] {
+            return Err(StateError::InvalidValue {
+                key: key.to_owned(),
+                reason: format!(
+                    "shape {:?}, but the optimizer has {groups} parameter groups",
+                    t.dims()
+                ),
+            }
+            .into());
+        }
+        Ok(t.to_dtype(DType::F64)?.to_vec1()?)
+    };
+    let last_lr = list("last_lr")?;
+    let base = if with_base {
+        Some(list("base_lrs")?)
+    } else {
+        None
+    };
+    Ok((epoch as usize, last_lr, base))
 }
 
 fn set_all(opt: &mut dyn Optimizer, lrs: &[f64]) {
@@ -146,6 +232,17 @@ impl LrScheduler for LambdaLr {
     fn last_epoch(&self) -> usize {
         self.last_epoch
     }
+    fn state_dict(&self) -> Result<StateDict> {
+        save_progress(self.last_epoch, &self.last_lr, Some(&self.base_lrs))
+    }
+    fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
+        let (epoch, last_lr, base) = load_progress(state, opt.num_param_groups(), true)?;
+        self.last_epoch = epoch;
+        self.base_lrs = base.expect("asked for");
+        self.last_lr = last_lr;
+        set_all(opt, &self.last_lr);
+        Ok(())
+    }
 }
 
 /// Multiplies every group's learning rate by `gamma` every `step_size` steps: PyTorch's `StepLR`
@@ -186,6 +283,16 @@ impl LrScheduler for StepLr {
     fn last_epoch(&self) -> usize {
         self.last_epoch
     }
+    fn state_dict(&self) -> Result<StateDict> {
+        save_progress(self.last_epoch, &self.last_lr, None)
+    }
+    fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
+        let (epoch, last_lr, _) = load_progress(state, opt.num_param_groups(), false)?;
+        self.last_epoch = epoch;
+        self.last_lr = last_lr;
+        set_all(opt, &self.last_lr);
+        Ok(())
+    }
 }
 
 /// Multiplies every group's learning rate by `gamma` at every step: PyTorch's `ExponentialLR`
@@ -219,5 +326,15 @@ impl LrScheduler for ExponentialLr {
     }
     fn last_epoch(&self) -> usize {
         self.last_epoch
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        save_progress(self.last_epoch, &self.last_lr, None)
+    }
+    fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
+        let (epoch, last_lr, _) = load_progress(state, opt.num_param_groups(), false)?;
+        self.last_epoch = epoch;
+        self.last_lr = last_lr;
+        set_all(opt, &self.last_lr);
+        Ok(())
     }
 }

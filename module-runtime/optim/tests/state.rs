@@ -330,3 +330,69 @@ fn load_takes_the_saved_hyperparameters() {
     assert_eq!(b.lr(0), 0.25);
     assert_eq!(b.step_count("fc1.weight"), 1);
 }
+
+/// A run with a schedule resumes bit for bit too: the optimizer and the schedule are made as at
+/// the start, then both states are loaded (in either order).
+#[test]
+fn resume_with_a_schedule_is_bit_exact() {
+    use module_optim::{LambdaLr, LrScheduler};
+    let run = |model: &Mlp, opt: &mut AdamW, s: &mut LambdaLr, steps: std::ops::Range<usize>| {
+        for k in steps {
+            let loss = model
+                .call(&batch(k))
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            opt.backward_step(&loss).unwrap();
+            s.step(opt);
+        }
+    };
+    let make = |m: &Mlp| {
+        let mut opt = AdamW::with_groups(m, AdamW::options().lr(1e-2), &groups()).unwrap();
+        let s = LambdaLr::cosine_with_warmup(&mut opt, 2, 8);
+        (opt, s)
+    };
+    let straight = mlp();
+    let (mut opt, mut s) = make(&straight);
+    run(&straight, &mut opt, &mut s, 0..6);
+
+    for optimizer_first in [true, false] {
+        let first = mlp();
+        let (mut opt1, mut s1) = make(&first);
+        run(&first, &mut opt1, &mut s1, 0..3);
+        let (opt_state, sched_state) = (opt1.state_dict().unwrap(), s1.state_dict().unwrap());
+
+        let resumed = mlp();
+        for ((_, a), (_, b)) in resumed
+            .named_parameters()
+            .iter()
+            .zip(first.named_parameters())
+        {
+            a.set(&b.tensor()).unwrap();
+        }
+        let (mut opt2, mut s2) = make(&resumed);
+        if optimizer_first {
+            opt2.load_state_dict(&opt_state).unwrap();
+            s2.load_state_dict(&sched_state, &mut opt2).unwrap();
+        } else {
+            s2.load_state_dict(&sched_state, &mut opt2).unwrap();
+            opt2.load_state_dict(&opt_state).unwrap();
+        }
+        assert_eq!(opt2.lrs(), opt1.lrs());
+        assert_eq!(s2.last_epoch(), 3);
+        run(&resumed, &mut opt2, &mut s2, 3..6);
+        assert_eq!(bits(&resumed), bits(&straight));
+        assert_eq!(opt2.lrs(), opt.lrs());
+    }
+
+    // Strict: a schedule state for another number of groups is refused.
+    let m = mlp();
+    let mut one = AdamW::new(&m, AdamW::options()).unwrap();
+    let mut s1 = LambdaLr::constant(&mut one);
+    let (_, s) = make(&m);
+    assert!(s1
+        .load_state_dict(&s.state_dict().unwrap(), &mut one)
+        .is_err());
+}
