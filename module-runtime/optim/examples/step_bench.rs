@@ -1,5 +1,6 @@
 //! Times one AdamW step over parameters of all-MiniLM-L6-v2's shapes (22.7M values, CPU float32):
-//! the fused in-place pass, the composed candle ops, and candle-nn's `AdamW`, interleaved.
+//! the fused in-place pass, the composed candle ops, and candle-nn's `AdamW`, interleaved; then
+//! one SGD step with momentum, fused and composed.
 //!
 //! ```text
 //! cargo run -p module-optim --example step_bench --release
@@ -11,7 +12,7 @@
 
 use std::time::Instant;
 
-use module_optim::{AdamW, Optimizer, ParamList};
+use module_optim::{AdamW, Optimizer, ParamList, SgdOptions, SGD};
 use module_runtime::candle_core::{Device, Tensor};
 use module_runtime::candle_nn::{self, Optimizer as _};
 use module_runtime::Param;
@@ -97,6 +98,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         median(tf),
         median(tc),
         median(tn)
+    );
+    let options = SgdOptions::new(1e-3).momentum(0.9);
+    let mut fused = SGD::new(&list, options.clone())?;
+    let mut composed = SGD::new(&list, options)?;
+    composed.set_fused(false);
+    let (mut tf, mut tc) = (Vec::new(), Vec::new());
+    for _ in 0..7 {
+        let t = Instant::now();
+        fused.step(&grads)?;
+        tf.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        composed.step(&grads)?;
+        tc.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    println!(
+        "SGD (momentum 0.9) step, median of 7 (ms): fused {:.1}, composed {:.1}",
+        median(tf),
+        median(tc)
     );
     Ok(())
 }

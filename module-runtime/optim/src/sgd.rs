@@ -328,53 +328,165 @@ fn step_composed(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -
     Ok((&p + d.affine(-o.lr, 0.0)?)?)
 }
 
+/// The step's constants for the fused pass, each the `f32` the composed path's op uses.
+struct Consts {
+    weight_decay: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    neg_lr: f32,
+}
+
+/// No momentum, the first step with momentum (the buffer starts as the direction), a later one:
+/// the `MOMENTUM` of [`rule`].
+const NONE: u8 = 0;
+const FIRST: u8 = 1;
+const LATER: u8 = 2;
+
+/// The update of one value, as [`step_composed`] computes it; the flags are constants, so each
+/// combination compiles to a loop without branches.
+#[inline(always)]
+fn rule<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut f32,
+    g: f32,
+    b: &mut f32,
+) {
+    let mut d = if MAXIMIZE { -g } else { g };
+    if DECAY {
+        d += *p * k.weight_decay + 0.0;
+    }
+    if MOMENTUM != NONE {
+        *b = if MOMENTUM == FIRST {
+            d
+        } else {
+            (*b * k.momentum + 0.0) + (d * k.one_minus_dampening + 0.0)
+        };
+        d = if NESTEROV {
+            d + (*b * k.momentum + 0.0)
+        } else {
+            *b
+        };
+    }
+    *p += d * k.neg_lr + 0.0;
+}
+
+/// [`rule`] over one chunk (`b` is empty without momentum).
+#[inline(always)]
+fn chunk<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    if MOMENTUM == NONE {
+        let mut unused = 0.0;
+        for (p, &g) in p.iter_mut().zip(g) {
+            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, &mut unused);
+        }
+    } else {
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
+            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+        }
+    }
+}
+
+/// [`chunk`] compiled for AVX2 (same bits: see the Adam pass).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn chunk_avx2<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+}
+
+/// The pass over a whole parameter, split in chunks over rayon's threads, with AVX2 where the
+/// CPU has it.
+fn pass<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    let run = |p: &mut [f32], g: &[f32], b: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for.
+            unsafe { chunk_avx2::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b) };
+            return;
+        }
+        chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+    };
+    if MOMENTUM == NONE {
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|(p, g)| run(p, g, &mut []));
+    } else {
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(b.par_chunks_mut(CHUNK))
+            .for_each(|((p, g), b)| run(p, g, b));
+    }
+}
+
+type Pass = fn(&Consts, &mut [f32], &[f32], &mut [f32]);
+
+/// The [`pass`] for the flags.
+fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
+    macro_rules! pick {
+        ($($mx:literal, $d:literal, $m:ident, $n:literal);* $(;)?) => {
+            match (maximize, decay, momentum, nesterov) {
+                $(($mx, $d, $m, $n) => pass::<$mx, $d, $m, $n>,)*
+                (mx, d, _, _) => pick_plain(mx, d),
+            }
+        };
+    }
+    pick!(
+        false, false, FIRST, false; false, false, LATER, false;
+        false, false, FIRST, true; false, false, LATER, true;
+        false, true, FIRST, false; false, true, LATER, false;
+        false, true, FIRST, true; false, true, LATER, true;
+        true, false, FIRST, false; true, false, LATER, false;
+        true, false, FIRST, true; true, false, LATER, true;
+        true, true, FIRST, false; true, true, LATER, false;
+        true, true, FIRST, true; true, true, LATER, true;
+    )
+}
+
+/// The [`pass`] without momentum.
+fn pick_plain(maximize: bool, decay: bool) -> Pass {
+    match (maximize, decay) {
+        (false, false) => pass::<false, false, NONE, false>,
+        (false, true) => pass::<false, true, NONE, false>,
+        (true, false) => pass::<true, false, NONE, false>,
+        (true, true) => pass::<true, true, NONE, false>,
+    }
+}
+
 /// [`step_composed`] as one in-place pass over CPU float32 values.
 fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> Result<()> {
-    let (wd, mom) = (o.weight_decay as f32, o.momentum as f32);
-    let one_minus_damp = (1.0 - o.dampening) as f32;
-    let neg_lr = -o.lr as f32;
-    let (maximize, nesterov) = (o.maximize, o.nesterov);
-    let has_wd = o.weight_decay != 0.0;
-    let direction = move |p: f32, g: f32| {
-        let d = if maximize { -g } else { g };
-        if has_wd {
-            d + (p * wd + 0.0)
-        } else {
-            d
-        }
+    let k = Consts {
+        weight_decay: o.weight_decay as f32,
+        momentum: o.momentum as f32,
+        one_minus_dampening: (1.0 - o.dampening) as f32,
+        neg_lr: -o.lr as f32,
     };
+    let decay = o.weight_decay != 0.0;
     if o.momentum == 0.0 {
-        return fused::update_in_place(p, g, |p, g| {
-            p.par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(p, g)| {
-                    for (p, &g) in p.iter_mut().zip(g) {
-                        let d = direction(*p, g);
-                        *p += d * neg_lr + 0.0;
-                    }
-                });
-        });
+        let run = pass_for(o.maximize, decay, NONE, false);
+        return fused::update_in_place(p, g, |p, g| run(&k, p, g, &mut []));
     }
-    let first = state.momentum_buffer.is_none();
+    let momentum = if state.momentum_buffer.is_none() {
+        FIRST
+    } else {
+        LATER
+    };
+    let run = pass_for(o.maximize, decay, momentum, o.nesterov);
     let buf = state
         .momentum_buffer
         .get_or_insert_with(|| Buf::Host(vec![0.0; p.elem_count()]))
         .host()?;
-    fused::update_in_place(p, g, |p, g| {
-        p.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(buf.par_chunks_mut(CHUNK))
-            .for_each(|((p, g), b)| {
-                for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
-                    let d = direction(*p, g);
-                    *b = if first {
-                        d
-                    } else {
-                        (*b * mom + 0.0) + (d * one_minus_damp + 0.0)
-                    };
-                    let d = if nesterov { d + (*b * mom + 0.0) } else { *b };
-                    *p += d * neg_lr + 0.0;
-                }
-            });
-    })
+    fused::update_in_place(p, g, |p, g| run(&k, p, g, buf))
 }

@@ -59,7 +59,7 @@ impl Buf {
     /// The buffer as a tensor of `shape` on `device`.
     pub(crate) fn tensor(&self, shape: &Shape, device: &Device) -> Result<Tensor> {
         Ok(match self {
-            Buf::Tensor(t) => t.clone(),
+            Buf::Tensor(t) => t.to_device(device)?,
             Buf::Host(v) => Tensor::from_slice(v, shape, &Device::Cpu)?.to_device(device)?,
         })
     }
