@@ -7,7 +7,8 @@
 //! - parameter groups chosen by path pattern ([`ParamGroups`]): Hugging Face's "no weight decay for
 //!   biases and LayerNorm weights" is
 //!   `ParamGroups::new().group(["**.bias", "**.LayerNorm.weight"], |g| g.weight_decay(0.0))`;
-//! - gradient clipping ([`clip_grad_norm`], [`clip_grad_value`]);
+//! - gradient clipping ([`clip_grad_norm`], [`clip_grad_value`]) and accumulation
+//!   ([`GradAccumulator`]);
 //! - learning-rate schedules ([`LrScheduler`]: [`LambdaLr`] with Hugging Face's warmup shapes,
 //!   [`StepLr`], [`ExponentialLr`]);
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
@@ -44,6 +45,7 @@
 
 #![warn(missing_docs)]
 
+mod accumulate;
 mod adam;
 mod clip;
 mod error;
@@ -54,6 +56,7 @@ mod schedule;
 mod sgd;
 mod state;
 
+pub use accumulate::GradAccumulator;
 pub use adam::{Adam, AdamOptions, AdamW};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use error::{Error, Result, StateError};

@@ -14,8 +14,8 @@ use crate::error::Result;
 /// [`GradStore`]; [`step`](Self::step) reads the gradient of each of the optimizer's parameters
 /// from it (a parameter without one is skipped, as PyTorch skips `p.grad is None`). So there is no
 /// `zero_grad`: dropping the store is zeroing the gradients. To accumulate gradients over several
-/// micro-batches, merge the stores (`grads.extend(more)?` sums the gradients of tensors both hold)
-/// and step once; to clip them, pass the store to [`clip_grad_norm`](crate::clip_grad_norm) first.
+/// micro-batches, sum them in a [`GradAccumulator`](crate::GradAccumulator) and step once; to
+/// clip them, pass the store to [`clip_grad_norm`](crate::clip_grad_norm) first.
 ///
 /// The trait is object-safe, so schedules and training loops can take `&mut dyn Optimizer`. Each
 /// optimizer also has typed `param_groups()` / `param_groups_mut()` for all its hyperparameters.

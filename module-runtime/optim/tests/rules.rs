@@ -345,3 +345,34 @@ fn clip_grad_value_clamps() {
     let got: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
     assert_eq!(got, vec![-0.5, 0.25, 0.5]);
 }
+
+/// Accumulated gradients are the sums of the micro-batches', and one step on them equals one step
+/// on the sum.
+#[test]
+fn accumulation_sums_micro_batches() {
+    use module_optim::GradAccumulator;
+    let (a, b) = (param(&W0), param(&W0));
+    let mut acc = GradAccumulator::new([&a]);
+    for g in &GRADS[..3] {
+        acc.add(&grads(&[&a], g)).unwrap();
+    }
+    assert_eq!(acc.micro_batches(), 3);
+    let sum: Vec<f32> = (0..4)
+        .map(|i| GRADS[0][i] + GRADS[1][i] + GRADS[2][i])
+        .collect();
+    let got: Vec<f32> = acc
+        .grads()
+        .get(a.var().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(got, sum);
+    let mut opt_a = SGD::new(&list(&a), SgdOptions::new(0.1)).unwrap();
+    let mut opt_b = SGD::new(&list(&b), SgdOptions::new(0.1)).unwrap();
+    opt_a.step(acc.grads()).unwrap();
+    opt_b.step(&grads(&[&b], &sum)).unwrap();
+    assert_eq!(values(&a), values(&b));
+    acc.zero_grad();
+    assert_eq!(acc.micro_batches(), 0);
+    assert!(acc.grads().get(a.var().as_tensor()).is_none());
+}
