@@ -44,6 +44,18 @@ pub enum Error {
         second: String,
     },
 
+    /// One parameter is listed under two paths (in a hand-made
+    /// [`ParamList`](crate::ParamList); a model's `named_parameters()` lists a tied weight once).
+    #[error(
+        "parameter `{path}` is the same parameter as `{first}`: an optimizer must see it once"
+    )]
+    DuplicateParam {
+        /// The later path.
+        path: String,
+        /// The first path it was listed under.
+        first: String,
+    },
+
     /// The optimizer would train no parameter at all (PyTorch: "optimizer got an empty parameter
     /// list"): the model has none, or all are frozen.
     #[error("the optimizer got no trainable parameter (the model has none, or all are frozen)")]

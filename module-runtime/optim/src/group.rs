@@ -174,6 +174,15 @@ impl ParamGroups {
         if !unbuilt.is_empty() {
             return Err(Error::Unbuilt { paths: unbuilt });
         }
+        let mut seen = std::collections::HashMap::new();
+        for (path, p) in &named {
+            if let Some(first) = seen.insert(p.id(), path) {
+                return Err(Error::DuplicateParam {
+                    path: path.clone(),
+                    first: first.clone(),
+                });
+            }
+        }
         // For each declared group: its patterns, parsed.
         let mut parsed: Vec<Option<Vec<PathPattern>>> = Vec::new();
         for spec in &self.specs {

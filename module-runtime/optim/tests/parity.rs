@@ -37,6 +37,12 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
     let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
     let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
     assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let max = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{what}: largest difference from PyTorch {max:e}");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let tol = 1e-5 + 1e-5 * w.abs();
         assert!(

@@ -376,3 +376,14 @@ fn accumulation_sums_micro_batches() {
     assert_eq!(acc.micro_batches(), 0);
     assert!(acc.grads().get(a.var().as_tensor()).is_none());
 }
+
+#[test]
+fn a_parameter_listed_twice_is_an_error() {
+    let a = param(&W0);
+    let twice = ParamList(vec![("a".to_owned(), a.clone()), ("b".to_owned(), a)]);
+    let err = SGD::new(&twice, SgdOptions::new(0.1)).err().unwrap();
+    assert!(
+        matches!(&err, module_optim::Error::DuplicateParam { path, first } if path == "b" && first == "a"),
+        "{err}"
+    );
+}
