@@ -16,8 +16,9 @@ use crate::error::{Error, Result};
 /// magnitude) is the norm of the per-gradient norms, taken over every gradient as if they were one
 /// vector. Every gradient is multiplied by `max_norm / (total + 1e-6)` clamped to at most 1 (so
 /// gradients already within the bound are multiplied by 1), with PyTorch's float32 arithmetic for
-/// float32 gradients. Parameters without a gradient in `grads` are skipped; with none, the total is
-/// 0.
+/// the coefficient. Each gradient's norm is computed in `f64` and rounded to `f32`, so it may differ
+/// from PyTorch's float32 reduction in the last bit. Parameters without a gradient in `grads` are
+/// skipped; with none, the total is 0.
 ///
 /// With `error_if_nonfinite`, a `nan` or infinite total is [`Error::NonFiniteNorm`] and nothing is
 /// changed; without, the gradients are scaled anyway (by `nan` or 0), as in PyTorch.
@@ -70,8 +71,9 @@ pub fn clip_grad_norm<P: Borrow<Param>>(
     if error_if_nonfinite && !total.is_finite() {
         return Err(Error::NonFiniteNorm { total, norm_type });
     }
-    // clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, in float32.
-    let coef = (max_norm as f32) / (total as f32 + 1e-6f32);
+    // clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, in float32. `scalar / tensor` is
+    // `tensor.reciprocal() * scalar` in PyTorch (`Tensor.__rtruediv__`), so it is computed so.
+    let coef = (1.0f32 / (total as f32 + 1e-6f32)) * max_norm as f32;
     let coef = if coef > 1.0 { 1.0 } else { coef };
     for (t, g) in with_grads {
         grads.insert(&t, g.affine(f64::from(coef), 0.0)?);

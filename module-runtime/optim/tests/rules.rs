@@ -305,7 +305,7 @@ fn clip_grad_norm_is_pytorchs() {
     let params = [a.clone(), b.clone(), c.clone()];
     let total = clip_grad_norm(&mut g, &params, 1.0, 2.0, true).unwrap();
     assert_eq!(total, 5.0);
-    let coef = 1.0f32 / (5.0f32 + 1e-6);
+    let coef = (1.0f32 / (5.0f32 + 1e-6)) * 1.0;
     let ga: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
     let gb: Vec<f32> = g.get(b.var().as_tensor()).unwrap().to_vec1().unwrap();
     assert_eq!(ga, vec![3.0 * coef, 0.0]);
@@ -324,6 +324,13 @@ fn clip_grad_norm_is_pytorchs() {
     assert_eq!(inf, 3.0);
     let one = clip_grad_norm(&mut g, [&a], 100.0, 1.0, true).unwrap();
     assert_eq!(one, 5.0);
+
+    // A bound other than 1: PyTorch's `max_norm / t` is `t.reciprocal() * max_norm`.
+    let mut g = grads(&[&a], &[3.0, 4.0]);
+    assert_eq!(clip_grad_norm(&mut g, [&a], 3.0, 2.0, true).unwrap(), 5.0);
+    let coef = (1.0f32 / (5.0f32 + 1e-6)) * 3.0;
+    let got: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
+    assert_eq!(got, vec![3.0 * coef, 4.0 * coef]);
 
     // Non-finite: an error with error_if_nonfinite, and nothing is changed.
     let mut g = grads(&[&a], &[f32::NAN, 1.0]);
