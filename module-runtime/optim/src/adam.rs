@@ -532,7 +532,9 @@ impl Scalars {
         Self {
             lerp_weight: 1.0 - o.betas.0,
             step_size: o.lr / bias_correction1,
-            bias_correction2_sqrt: bias_correction2.sqrt(),
+            // Python's `bias_correction2 ** 0.5` is C's `pow(x, 0.5)`, which may round otherwise
+            // than `sqrt`.
+            bias_correction2_sqrt: bias_correction2.powf(0.5),
         }
     }
 }
