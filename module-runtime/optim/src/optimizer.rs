@@ -54,6 +54,15 @@ pub trait Optimizer {
             .collect()
     }
 
+    /// The paths of every parameter the optimizer trains, group by group: PyTorch numbers its
+    /// parameters 0, 1, 2, … in this order in an optimizer state dict, so `param_paths()[i]` is
+    /// the path of PyTorch's parameter `i`.
+    fn param_paths(&self) -> Vec<String> {
+        (0..self.num_param_groups())
+            .flat_map(|g| self.group_params(g).iter().map(|(path, _)| path.clone()))
+            .collect()
+    }
+
     /// The optimizer's state, keyed by parameter path:
     ///
     /// - `state.<path>.<name>` for each parameter that has been stepped (`exp_avg`, `exp_avg_sq`,

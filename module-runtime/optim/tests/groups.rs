@@ -55,6 +55,19 @@ fn hugging_face_no_decay_groups() {
         ]
     );
     assert_eq!(paths(&opt, 1), ["encoder.dense.weight", "head.weight"]);
+    // PyTorch's numbering of the parameters in a state dict: group by group.
+    assert_eq!(
+        opt.param_paths(),
+        [
+            "encoder.dense.bias",
+            "encoder.layer_norm.weight",
+            "encoder.layer_norm.bias",
+            "head.bias",
+            "encoder.dense.weight",
+            "head.weight"
+        ]
+    );
+    assert_eq!(opt.params().len(), 6);
     let g = opt.param_groups();
     assert_eq!(g[0].options.weight_decay, 0.0);
     assert_eq!(g[1].options.weight_decay, 0.01);
