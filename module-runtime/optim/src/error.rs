@@ -1,0 +1,200 @@
+//! The crate's error type.
+
+use candle_core::Shape;
+
+/// Everything that can go wrong in `module-optim`.
+///
+/// Variants about a parameter name its path (PyTorch-style dotted path); those about a parameter
+/// group name the pattern that selected it; those about a state dict name the key.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error from a candle operation.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// An error from `module-runtime` (an invalid pattern, reading a checkpoint, …).
+    #[error(transparent)]
+    Runtime(#[from] module_runtime::Error),
+
+    /// A parameter group's pattern matches no parameter of the model.
+    #[error("the parameter group pattern `{pattern}` matches no parameter{}", list_some(.available))]
+    PatternMatchesNothing {
+        /// The pattern as written.
+        pattern: String,
+        /// A few of the parameter paths there are, to compare with.
+        available: Vec<String>,
+    },
+
+    /// A parameter is selected by the patterns of two parameter groups.
+    #[error(
+        "parameter `{path}` is in two parameter groups: group {first_group} (pattern `{first}`) and \
+         group {second_group} (pattern `{second}`)"
+    )]
+    ParamInTwoGroups {
+        /// The parameter's path.
+        path: String,
+        /// The index of the first group that selects it.
+        first_group: usize,
+        /// The pattern of that group that matches it.
+        first: String,
+        /// The index of the second group that selects it.
+        second_group: usize,
+        /// The pattern of that group that matches it.
+        second: String,
+    },
+
+    /// One parameter is listed under two paths (in a hand-made
+    /// [`ParamList`](crate::ParamList); a model's `named_parameters()` lists a tied weight once).
+    #[error(
+        "parameter `{path}` is the same parameter as `{first}`: an optimizer must see it once"
+    )]
+    DuplicateParam {
+        /// The later path.
+        path: String,
+        /// The first path it was listed under.
+        first: String,
+    },
+
+    /// The optimizer would train no parameter at all (PyTorch: "optimizer got an empty parameter
+    /// list"): the model has none, or all are frozen.
+    #[error("the optimizer got no trainable parameter (the model has none, or all are frozen)")]
+    NoParameters,
+
+    /// The model has parameters that are not built yet (lazy, or made under `empty_weights` and
+    /// not loaded): build or load the model before making its optimizer.
+    #[error("cannot make an optimizer over unbuilt parameters: {}", .paths.join(", "))]
+    Unbuilt {
+        /// The unbuilt parameters' paths.
+        paths: Vec<String>,
+    },
+
+    /// A hyperparameter is out of its range (PyTorch's checks: `lr >= 0`, `0 <= beta < 1`, …).
+    #[error("invalid {name} {value}: {reason}{}", group_note(*.group))]
+    InvalidHyperparameter {
+        /// The hyperparameter (`lr`, `betas.0`, `momentum`, …).
+        name: &'static str,
+        /// The value given.
+        value: f64,
+        /// What it must be.
+        reason: &'static str,
+        /// The parameter group it was given for, if not the optimizer's defaults.
+        group: Option<usize>,
+    },
+
+    /// A parameter group sets an option the optimizer does not have (`betas` on `SGD`).
+    #[error("{optimizer} has no `{option}` option (set in parameter group {group})")]
+    NotApplicable {
+        /// The option.
+        option: &'static str,
+        /// The optimizer.
+        optimizer: &'static str,
+        /// The group that sets it.
+        group: usize,
+    },
+
+    /// `clip_grad_norm` with `error_if_nonfinite`: the total norm of the gradients is `nan` or
+    /// infinite.
+    #[error(
+        "the total norm of order {norm_type} of the gradients is non-finite ({total}), so they \
+         cannot be clipped (pass error_if_nonfinite = false to scale them anyway)"
+    )]
+    NonFiniteNorm {
+        /// The total norm.
+        total: f64,
+        /// The order of the norm.
+        norm_type: f64,
+    },
+
+    /// `load_state_dict`: the state dict does not fit the optimizer. Nothing was changed.
+    #[error("cannot load the optimizer state: {0}")]
+    State(#[from] StateError),
+}
+
+/// Why an optimizer state dict does not fit the optimizer it is loaded into.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// The state dict has keys the optimizer does not know (a parameter it does not train, a
+    /// state entry of another optimizer, a group it does not have).
+    #[error("unexpected keys: {}", list(.keys))]
+    UnexpectedKeys {
+        /// The keys, in the state dict's order.
+        keys: Vec<String>,
+    },
+    /// The state dict lacks keys the optimizer needs.
+    #[error("missing keys: {}", list(.keys))]
+    MissingKeys {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// The state dict has another number of parameter groups.
+    #[error("the state dict has {found} parameter groups, the optimizer {expected}")]
+    GroupCount {
+        /// The optimizer's number of groups.
+        expected: usize,
+        /// The state dict's.
+        found: usize,
+    },
+    /// A parameter is in another group in the state dict than in the optimizer.
+    #[error("parameter `{path}` is in group {found} in the state dict, in group {expected} in the optimizer")]
+    GroupMismatch {
+        /// The parameter's path.
+        path: String,
+        /// Its group in the optimizer.
+        expected: usize,
+        /// Its group in the state dict.
+        found: usize,
+    },
+    /// A state tensor has another shape than its parameter.
+    #[error("`{key}` has shape {found:?}, its parameter {expected:?}")]
+    ShapeMismatch {
+        /// The state dict key.
+        key: String,
+        /// The parameter's shape.
+        expected: Shape,
+        /// The shape in the state dict.
+        found: Shape,
+    },
+    /// A value is not one the optimizer can take (a negative step count, a hyperparameter out of
+    /// range, a scalar that is not 0-dimensional).
+    #[error("`{key}`: {reason}")]
+    InvalidValue {
+        /// The state dict key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn list(keys: &[String]) -> String {
+    const SHOWN: usize = 10;
+    let mut s = keys
+        .iter()
+        .take(SHOWN)
+        .map(|k| format!("`{k}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if keys.len() > SHOWN {
+        s.push_str(&format!(" and {} more", keys.len() - SHOWN));
+    }
+    s
+}
+
+fn list_some(available: &[String]) -> String {
+    if available.is_empty() {
+        String::new()
+    } else {
+        format!(" (the model has {})", list(available))
+    }
+}
+
+fn group_note(group: Option<usize>) -> String {
+    match group {
+        Some(g) => format!(" (parameter group {g})"),
+        None => String::new(),
+    }
+}

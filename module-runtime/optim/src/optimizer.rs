@@ -1,0 +1,96 @@
+//! The [`Optimizer`] trait every optimizer implements.
+
+use std::path::Path;
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use module_runtime::{Param, StateDict};
+
+use crate::error::Result;
+
+/// What every optimizer does: PyTorch's `torch.optim.Optimizer`.
+///
+/// **Gradients are values in candle.** `loss.backward()` returns a fresh
+/// [`GradStore`]; [`step`](Self::step) reads the gradient of each of the optimizer's parameters
+/// from it (a parameter without one is skipped, as PyTorch skips `p.grad is None`). So there is no
+/// `zero_grad`: dropping the store is zeroing the gradients. To accumulate gradients over several
+/// micro-batches, sum them in a [`GradAccumulator`](crate::GradAccumulator) and step once; to
+/// clip them, pass the store to [`clip_grad_norm`](crate::clip_grad_norm) first.
+///
+/// The trait is object-safe, so schedules and training loops can take `&mut dyn Optimizer`. Each
+/// optimizer also has typed `param_groups()` / `param_groups_mut()` for all its hyperparameters.
+pub trait Optimizer {
+    /// Updates every parameter that has a gradient in `grads`, by the optimizer's rule.
+    fn step(&mut self, grads: &GradStore) -> Result<()>;
+
+    /// `loss.backward()`, then [`step`](Self::step).
+    fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        let grads = loss.backward()?;
+        self.step(&grads)
+    }
+
+    /// The number of parameter groups.
+    fn num_param_groups(&self) -> usize;
+
+    /// The learning rate of parameter group `group`. Panics if there is no such group.
+    fn lr(&self, group: usize) -> f64;
+
+    /// Sets the learning rate of parameter group `group` (what a schedule does). Panics if there
+    /// is no such group.
+    fn set_lr(&mut self, group: usize, lr: f64);
+
+    /// The learning rates of all groups, in order.
+    fn lrs(&self) -> Vec<f64> {
+        (0..self.num_param_groups()).map(|g| self.lr(g)).collect()
+    }
+
+    /// The parameters of group `group` with their paths. Panics if there is no such group.
+    fn group_params(&self, group: usize) -> &[(String, Param)];
+
+    /// Every parameter the optimizer trains, group by group.
+    fn params(&self) -> Vec<Param> {
+        (0..self.num_param_groups())
+            .flat_map(|g| self.group_params(g).iter().map(|(_, p)| p.clone()))
+            .collect()
+    }
+
+    /// The paths of every parameter the optimizer trains, group by group: PyTorch numbers its
+    /// parameters 0, 1, 2, … in this order in an optimizer state dict, so `param_paths()[i]` is
+    /// the path of PyTorch's parameter `i`.
+    fn param_paths(&self) -> Vec<String> {
+        (0..self.num_param_groups())
+            .flat_map(|g| self.group_params(g).iter().map(|(path, _)| path.clone()))
+            .collect()
+    }
+
+    /// The optimizer's state, keyed by parameter path:
+    ///
+    /// - `state.<path>.<name>` for each parameter that has been stepped (`exp_avg`, `exp_avg_sq`,
+    ///   `max_exp_avg_sq`, `step` for Adam; `momentum_buffer` for SGD with momentum): PyTorch's
+    ///   per-parameter state, keyed by path instead of by index;
+    /// - `param_groups.<i>.<name>`: each group's hyperparameters (`lr`, `weight_decay`, …) as
+    ///   0-dimensional `f64` tensors (booleans as 0 or 1);
+    /// - `params.<path>`: the group of every parameter the optimizer trains, stepped or not, as a
+    ///   0-dimensional `u32`.
+    fn state_dict(&self) -> Result<StateDict>;
+
+    /// Loads a state dict [`state_dict`](Self::state_dict) gave, strictly and all or nothing: the
+    /// same groups, the same parameters in each, state tensors of their parameters' shapes, no key
+    /// left over and none missing; on any error ([`StateError`](crate::StateError)) the optimizer is
+    /// unchanged. The groups' hyperparameters are taken from the state dict (as PyTorch's
+    /// `load_state_dict` does); state tensors are moved to their parameter's device and dtype.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
+
+    /// Saves [`state_dict`](Self::state_dict) as a safetensors file, through a temporary file
+    /// beside `path` renamed over it, so a failed save leaves an earlier file intact.
+    fn save_state(&self, path: &Path) -> Result<()> {
+        crate::state::save(self.state_dict()?, path)
+    }
+
+    /// Reads a safetensors file [`save_state`](Self::save_state) wrote and
+    /// [loads](Self::load_state_dict) it.
+    fn load_state(&mut self, path: &Path) -> Result<()> {
+        let state = StateDict::read(path)?;
+        self.load_state_dict(&state)
+    }
+}

@@ -1,0 +1,492 @@
+//! Stochastic gradient descent: PyTorch's `torch.optim.SGD`.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Shape, Tensor};
+use module_runtime::{Param, StateDict};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::fused::{self, CHUNK};
+use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::optimizer::Optimizer;
+use crate::state::{non_negative, param_like, Buf, Core, Hyper, ParamState};
+
+/// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SgdOptions {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (default 0: plain SGD, no state).
+    pub momentum: f64,
+    /// Dampening of the momentum (default 0).
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (default 0).
+    pub weight_decay: f64,
+    /// Nesterov momentum (default false; needs `momentum > 0` and `dampening == 0`).
+    pub nesterov: bool,
+    /// Maximize the objective instead of minimizing it (default false).
+    pub maximize: bool,
+}
+
+impl SgdOptions {
+    /// PyTorch's defaults with learning rate `lr`.
+    pub fn new(lr: f64) -> Self {
+        Self {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            maximize: false,
+        }
+    }
+    /// Sets `momentum`.
+    pub fn momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+    /// Sets `dampening`.
+    pub fn dampening(mut self, dampening: f64) -> Self {
+        self.dampening = dampening;
+        self
+    }
+    /// Sets `weight_decay`.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+    /// Sets `nesterov`.
+    pub fn nesterov(mut self, nesterov: bool) -> Self {
+        self.nesterov = nesterov;
+        self
+    }
+    /// Sets `maximize`.
+    pub fn maximize(mut self, maximize: bool) -> Self {
+        self.maximize = maximize;
+        self
+    }
+}
+
+impl Hyper for SgdOptions {
+    const OPTIMIZER: &'static str = "SGD";
+    const NAMES: &'static [&'static str] = &[
+        "lr",
+        "momentum",
+        "dampening",
+        "weight_decay",
+        "nesterov",
+        "maximize",
+    ];
+
+    fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
+        let na = |option| {
+            Err(Error::NotApplicable {
+                option,
+                optimizer: Self::OPTIMIZER,
+                group,
+            })
+        };
+        if o.betas.is_some() {
+            return na("betas");
+        }
+        if o.eps.is_some() {
+            return na("eps");
+        }
+        if o.amsgrad.is_some() {
+            return na("amsgrad");
+        }
+        self.lr = o.lr.unwrap_or(self.lr);
+        self.momentum = o.momentum.unwrap_or(self.momentum);
+        self.dampening = o.dampening.unwrap_or(self.dampening);
+        self.weight_decay = o.weight_decay.unwrap_or(self.weight_decay);
+        self.nesterov = o.nesterov.unwrap_or(self.nesterov);
+        self.maximize = o.maximize.unwrap_or(self.maximize);
+        Ok(())
+    }
+
+    fn validate(&self, group: Option<usize>) -> Result<()> {
+        let bad = |name, value, reason| {
+            Err(Error::InvalidHyperparameter {
+                name,
+                value,
+                reason,
+                group,
+            })
+        };
+        if !non_negative(self.lr) {
+            return bad("lr", self.lr, "the learning rate must be >= 0");
+        }
+        if !non_negative(self.momentum) {
+            return bad("momentum", self.momentum, "momentum must be >= 0");
+        }
+        if !non_negative(self.weight_decay) {
+            return bad(
+                "weight_decay",
+                self.weight_decay,
+                "weight decay must be >= 0",
+            );
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return bad(
+                "momentum",
+                self.momentum,
+                "Nesterov momentum requires a momentum > 0 and zero dampening",
+            );
+        }
+        Ok(())
+    }
+
+    fn get(&self, name: &str) -> f64 {
+        match name {
+            "lr" => self.lr,
+            "momentum" => self.momentum,
+            "dampening" => self.dampening,
+            "weight_decay" => self.weight_decay,
+            "nesterov" => f64::from(u8::from(self.nesterov)),
+            "maximize" => f64::from(u8::from(self.maximize)),
+            _ => unreachable!("not an SGD hyperparameter: {name}"),
+        }
+    }
+
+    fn set(&mut self, name: &str, value: f64) {
+        match name {
+            "lr" => self.lr = value,
+            "momentum" => self.momentum = value,
+            "dampening" => self.dampening = value,
+            "weight_decay" => self.weight_decay = value,
+            "nesterov" => self.nesterov = value != 0.0,
+            "maximize" => self.maximize = value != 0.0,
+            _ => unreachable!("not an SGD hyperparameter: {name}"),
+        }
+    }
+}
+
+/// SGD's state for one parameter: the momentum buffer (none without momentum).
+pub(crate) struct SgdState {
+    momentum_buffer: Option<Buf>,
+}
+
+impl ParamState<SgdOptions> for SgdState {
+    const NAMES: &'static [&'static str] = &["momentum_buffer"];
+
+    fn entries(&self, shape: &Shape, device: &Device) -> Result<Vec<(&'static str, Tensor)>> {
+        Ok(match &self.momentum_buffer {
+            Some(b) => vec![("momentum_buffer", b.tensor(shape, device)?)],
+            None => Vec::new(),
+        })
+    }
+
+    fn from_entries(
+        take: &mut dyn FnMut(&'static str) -> Option<Tensor>,
+        key: &dyn Fn(&str) -> String,
+        _options: &SgdOptions,
+        param: &Param,
+    ) -> Result<Self> {
+        let momentum_buffer = match take("momentum_buffer") {
+            Some(t) => Some(Buf::Tensor(param_like(t, &key("momentum_buffer"), param)?)),
+            None => None,
+        };
+        Ok(Self { momentum_buffer })
+    }
+}
+
+/// Stochastic gradient descent with optional momentum, Nesterov momentum, dampening, weight decay
+/// and maximization: PyTorch's `torch.optim.SGD`, with its update rule (`torch/optim/sgd.py`,
+/// `_single_tensor_sgd`):
+///
+/// ```text
+/// d = g (or -g when maximizing)
+/// d = d + weight_decay * p                       if weight_decay != 0
+/// b = d (first step), else b = momentum * b + (1 - dampening) * d    if momentum != 0
+/// d = d + momentum * b (Nesterov), else d = b                        if momentum != 0
+/// p = p - lr * d
+/// ```
+///
+/// ```
+/// use module_optim::{Optimizer, SgdOptions, SGD};
+/// use module_runtime::prelude::*;
+///
+/// let model = Linear::new(4, 2, &Device::Cpu)?;
+/// let mut opt = SGD::new(&model, SgdOptions::new(0.1).momentum(0.9))?;
+/// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+/// let loss = model.call(&x)?.sqr()?.mean_all()?;
+/// opt.backward_step(&loss)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[allow(clippy::upper_case_acronyms)]
+pub struct SGD {
+    core: Core<SgdOptions, SgdState>,
+    fused: bool,
+}
+
+impl SGD {
+    /// SGD over every trainable parameter of `params` (a model), in one group.
+    pub fn new(params: &(impl NamedParams + ?Sized), options: SgdOptions) -> Result<Self> {
+        Self::with_groups(params, options, &ParamGroups::new())
+    }
+
+    /// SGD over the trainable parameters of `params`, split into `groups`, each with `options`
+    /// overridden by its own.
+    pub fn with_groups(
+        params: &(impl NamedParams + ?Sized),
+        options: SgdOptions,
+        groups: &ParamGroups,
+    ) -> Result<Self> {
+        Ok(Self {
+            core: Core::new(params, options, groups)?,
+            fused: true,
+        })
+    }
+
+    /// Whether contiguous CPU float32 parameters are updated by the fused in-place pass (the
+    /// default) or by composed candle ops. Both compute the same values.
+    pub fn set_fused(&mut self, fused: bool) {
+        self.fused = fused;
+    }
+
+    /// The parameter groups.
+    pub fn param_groups(&self) -> &[ParamGroup<SgdOptions>] {
+        &self.core.groups
+    }
+
+    /// The parameter groups, with their hyperparameters writable.
+    pub fn param_groups_mut(&mut self) -> &mut [ParamGroup<SgdOptions>] {
+        &mut self.core.groups
+    }
+}
+
+impl Optimizer for SGD {
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let core = &mut self.core;
+        for (group, states) in core.groups.iter().zip(core.state.iter_mut()) {
+            let o = &group.options;
+            for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
+                let var = param.var();
+                let Some(g) = grads.get(var.as_tensor()) else {
+                    continue;
+                };
+                let state = state.get_or_insert(SgdState {
+                    momentum_buffer: None,
+                });
+                if self.fused && fused::is_cpu_f32(var.as_tensor()) && fused::is_cpu_f32(g) {
+                    step_fused(var.as_tensor(), g, state, o)?;
+                } else {
+                    let p = var.as_tensor();
+                    let new = step_composed(p, g, state, o)?;
+                    var.set(&new)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn num_param_groups(&self) -> usize {
+        self.core.groups.len()
+    }
+    fn lr(&self, group: usize) -> f64 {
+        self.core.groups[group].options.lr
+    }
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.core.groups[group].options.lr = lr;
+    }
+    fn group_params(&self, group: usize) -> &[(String, Param)] {
+        &self.core.groups[group].params
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        self.core.state_dict()
+    }
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        self.core.load_state_dict(state)
+    }
+}
+
+/// One parameter's update with candle ops, one per PyTorch op; returns the new value.
+fn step_composed(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> Result<Tensor> {
+    let p = p.detach();
+    let mut d = if o.maximize { g.neg()? } else { g.clone() };
+    if o.weight_decay != 0.0 {
+        // grad.add(param, alpha=weight_decay)
+        d = (&d + p.affine(o.weight_decay, 0.0)?)?;
+    }
+    if o.momentum != 0.0 {
+        let b = match &state.momentum_buffer {
+            None => d.clone(),
+            Some(b) => {
+                let b = b.tensor(p.shape(), p.device())?;
+                // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                (b.affine(o.momentum, 0.0)? + d.affine(1.0 - o.dampening, 0.0)?)?
+            }
+        };
+        d = if o.nesterov {
+            (&d + b.affine(o.momentum, 0.0)?)?
+        } else {
+            b.clone()
+        };
+        state.momentum_buffer = Some(Buf::Tensor(b));
+    }
+    // param.add_(grad, alpha=-lr)
+    Ok((&p + d.affine(-o.lr, 0.0)?)?)
+}
+
+/// The step's constants for the fused pass, each the `f32` the composed path's op uses.
+struct Consts {
+    weight_decay: f32,
+    momentum: f32,
+    one_minus_dampening: f32,
+    neg_lr: f32,
+}
+
+/// No momentum, the first step with momentum (the buffer starts as the direction), a later one:
+/// the `MOMENTUM` of [`rule`].
+const NONE: u8 = 0;
+const FIRST: u8 = 1;
+const LATER: u8 = 2;
+
+/// The update of one value, as [`step_composed`] computes it; the flags are constants, so each
+/// combination compiles to a loop without branches.
+#[inline(always)]
+fn rule<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut f32,
+    g: f32,
+    b: &mut f32,
+) {
+    let mut d = if MAXIMIZE { -g } else { g };
+    if DECAY {
+        d += *p * k.weight_decay + 0.0;
+    }
+    if MOMENTUM != NONE {
+        *b = if MOMENTUM == FIRST {
+            d
+        } else {
+            (*b * k.momentum + 0.0) + (d * k.one_minus_dampening + 0.0)
+        };
+        d = if NESTEROV {
+            d + (*b * k.momentum + 0.0)
+        } else {
+            *b
+        };
+    }
+    *p += d * k.neg_lr + 0.0;
+}
+
+/// [`rule`] over one chunk (`b` is empty without momentum).
+#[inline(always)]
+fn chunk<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    if MOMENTUM == NONE {
+        let mut unused = 0.0;
+        for (p, &g) in p.iter_mut().zip(g) {
+            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, &mut unused);
+        }
+    } else {
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
+            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+        }
+    }
+}
+
+/// [`chunk`] compiled for AVX2 (same bits: see the Adam pass).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn chunk_avx2<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+}
+
+/// The pass over a whole parameter, split in chunks over rayon's threads, with AVX2 where the
+/// CPU has it.
+fn pass<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
+    k: &Consts,
+    p: &mut [f32],
+    g: &[f32],
+    b: &mut [f32],
+) {
+    let run = |p: &mut [f32], g: &[f32], b: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for.
+            unsafe { chunk_avx2::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b) };
+            return;
+        }
+        chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+    };
+    if MOMENTUM == NONE {
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|(p, g)| run(p, g, &mut []));
+    } else {
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(b.par_chunks_mut(CHUNK))
+            .for_each(|((p, g), b)| run(p, g, b));
+    }
+}
+
+type Pass = fn(&Consts, &mut [f32], &[f32], &mut [f32]);
+
+/// The [`pass`] for the flags.
+fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
+    macro_rules! pick {
+        ($($mx:literal, $d:literal, $m:ident, $n:literal);* $(;)?) => {
+            match (maximize, decay, momentum, nesterov) {
+                $(($mx, $d, $m, $n) => pass::<$mx, $d, $m, $n>,)*
+                (mx, d, _, _) => pick_plain(mx, d),
+            }
+        };
+    }
+    pick!(
+        false, false, FIRST, false; false, false, LATER, false;
+        false, false, FIRST, true; false, false, LATER, true;
+        false, true, FIRST, false; false, true, LATER, false;
+        false, true, FIRST, true; false, true, LATER, true;
+        true, false, FIRST, false; true, false, LATER, false;
+        true, false, FIRST, true; true, false, LATER, true;
+        true, true, FIRST, false; true, true, LATER, false;
+        true, true, FIRST, true; true, true, LATER, true;
+    )
+}
+
+/// The [`pass`] without momentum.
+fn pick_plain(maximize: bool, decay: bool) -> Pass {
+    match (maximize, decay) {
+        (false, false) => pass::<false, false, NONE, false>,
+        (false, true) => pass::<false, true, NONE, false>,
+        (true, false) => pass::<true, false, NONE, false>,
+        (true, true) => pass::<true, true, NONE, false>,
+    }
+}
+
+/// [`step_composed`] as one in-place pass over CPU float32 values.
+fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> Result<()> {
+    let k = Consts {
+        weight_decay: o.weight_decay as f32,
+        momentum: o.momentum as f32,
+        one_minus_dampening: (1.0 - o.dampening) as f32,
+        neg_lr: -o.lr as f32,
+    };
+    let decay = o.weight_decay != 0.0;
+    if o.momentum == 0.0 {
+        let run = pass_for(o.maximize, decay, NONE, false);
+        return fused::update_in_place(p, g, |p, g| run(&k, p, g, &mut []));
+    }
+    let momentum = if state.momentum_buffer.is_none() {
+        FIRST
+    } else {
+        LATER
+    };
+    let run = pass_for(o.maximize, decay, momentum, o.nesterov);
+    let buf = state
+        .momentum_buffer
+        .get_or_insert_with(|| Buf::Host(vec![0.0; p.elem_count()]))
+        .host()?;
+    fused::update_in_place(p, g, |p, g| run(&k, p, g, buf))
+}

@@ -1,0 +1,292 @@
+//! What every optimizer shares: its groups, its per-parameter state, and the path-keyed state dict.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use module_runtime::{Param, StateDict};
+
+use crate::error::{Error, Result, StateError};
+use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
+
+/// Whether `x >= 0` (`nan` is not).
+pub(crate) fn non_negative(x: f64) -> bool {
+    x >= 0.0
+}
+
+/// An optimizer's per-group hyperparameters.
+pub(crate) trait Hyper: Clone {
+    /// The optimizer's name, for messages.
+    const OPTIMIZER: &'static str;
+    /// The hyperparameters' names in a state dict.
+    const NAMES: &'static [&'static str];
+    /// Applies a group's overrides.
+    fn apply(&mut self, overrides: &GroupOptions, group: usize) -> Result<()>;
+    /// PyTorch's range checks.
+    fn validate(&self, group: Option<usize>) -> Result<()>;
+    /// The value of `NAMES[i]` (booleans as 0 or 1).
+    fn get(&self, name: &str) -> f64;
+    /// Sets `NAMES[i]`.
+    fn set(&mut self, name: &str, value: f64);
+}
+
+/// An optimizer's state for one parameter.
+pub(crate) trait ParamState<O>: Sized {
+    /// Every name a state entry may have.
+    const NAMES: &'static [&'static str];
+    /// The entries to save, as tensors on the parameter's device.
+    fn entries(&self, shape: &Shape, device: &Device) -> Result<Vec<(&'static str, Tensor)>>;
+    /// The state from the entries a state dict has for one parameter (`take(name)` removes one;
+    /// `key(name)` is its state dict key, for messages), moved to `param`'s device and dtype. Fails
+    /// if a needed entry is missing, has the wrong shape, or is invalid.
+    fn from_entries(
+        take: &mut dyn FnMut(&'static str) -> Option<Tensor>,
+        key: &dyn Fn(&str) -> String,
+        options: &O,
+        param: &Param,
+    ) -> Result<Self>;
+}
+
+/// A state buffer the size of its parameter: a tensor on the parameter's device, or, for the
+/// fused CPU float32 update, the values in a plain vector (read and written in place).
+#[derive(Clone, Debug)]
+pub(crate) enum Buf {
+    Tensor(Tensor),
+    Host(Vec<f32>),
+}
+
+impl Buf {
+    /// The buffer as a tensor of `shape` on `device`.
+    pub(crate) fn tensor(&self, shape: &Shape, device: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Buf::Tensor(t) => t.to_device(device)?,
+            Buf::Host(v) => Tensor::from_slice(v, shape, &Device::Cpu)?.to_device(device)?,
+        })
+    }
+
+    /// The buffer's values as a mutable vector (converting a tensor once).
+    pub(crate) fn host(&mut self) -> Result<&mut Vec<f32>> {
+        if let Buf::Tensor(t) = self {
+            *self = Buf::Host(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+        }
+        match self {
+            Buf::Host(v) => Ok(v),
+            Buf::Tensor(_) => unreachable!("converted above"),
+        }
+    }
+}
+
+/// Checks a state tensor against its parameter and moves it to the parameter's device and dtype
+/// (PyTorch's `load_state_dict` casts floating state to the parameter's).
+pub(crate) fn param_like(t: Tensor, key: &str, param: &Param) -> Result<Tensor> {
+    if t.shape() != &param.shape() {
+        return Err(StateError::ShapeMismatch {
+            key: key.to_owned(),
+            expected: param.shape(),
+            found: t.shape().clone(),
+        }
+        .into());
+    }
+    if !t.dtype().is_float() {
+        return Err(StateError::InvalidValue {
+            key: key.to_owned(),
+            reason: format!("a {:?} tensor, not a floating-point one", t.dtype()),
+        }
+        .into());
+    }
+    Ok(t.to_device(&param.device())?.to_dtype(param.dtype())?)
+}
+
+/// The value of a 0-dimensional tensor, as `f64`.
+pub(crate) fn scalar(t: &Tensor, key: &str) -> Result<f64> {
+    if t.rank() != 0 {
+        return Err(StateError::InvalidValue {
+            key: key.to_owned(),
+            reason: format!("a tensor of shape {:?}, not a 0-dimensional one", t.dims()),
+        }
+        .into());
+    }
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// An optimizer's groups and the state of each of their parameters, in the groups' order.
+pub(crate) struct Core<O, S> {
+    pub(crate) groups: Vec<ParamGroup<O>>,
+    pub(crate) state: Vec<Vec<Option<S>>>,
+}
+
+impl<O: Hyper, S: ParamState<O>> Core<O, S> {
+    pub(crate) fn new(
+        params: &(impl NamedParams + ?Sized),
+        defaults: O,
+        groups: &ParamGroups,
+    ) -> Result<Self> {
+        defaults.validate(None)?;
+        let resolved = groups.resolve(params.named_params())?;
+        let mut out = Vec::with_capacity(resolved.len());
+        for (i, g) in resolved.into_iter().enumerate() {
+            let mut options = defaults.clone();
+            options.apply(&g.options, i)?;
+            options.validate(Some(i))?;
+            out.push(ParamGroup {
+                options,
+                params: g.params,
+            });
+        }
+        let state = out
+            .iter()
+            .map(|g| g.params.iter().map(|_| None).collect())
+            .collect();
+        Ok(Self { groups: out, state })
+    }
+
+    pub(crate) fn state_dict(&self) -> Result<StateDict> {
+        let mut sd = StateDict::new();
+        for (g, (group, states)) in self.groups.iter().zip(&self.state).enumerate() {
+            for ((path, param), state) in group.params.iter().zip(states) {
+                let Some(state) = state else { continue };
+                for (name, t) in state.entries(&param.shape(), &param.device())? {
+                    sd.insert(format!("state.{path}.{name}"), t);
+                }
+            }
+            for name in O::NAMES {
+                let value = Tensor::new(group.options.get(name), &Device::Cpu)?;
+                sd.insert(format!("param_groups.{g}.{name}"), value);
+            }
+        }
+        for (g, group) in self.groups.iter().enumerate() {
+            for (path, _) in &group.params {
+                sd.insert(
+                    format!("params.{path}"),
+                    Tensor::new(g as u32, &Device::Cpu)?,
+                );
+            }
+        }
+        Ok(sd)
+    }
+
+    pub(crate) fn load_state_dict(&mut self, sd: &StateDict) -> Result<()> {
+        // Everything is checked and built aside, then swapped in: a failure changes nothing.
+        let mut used: HashSet<String> = HashSet::new();
+        let found_groups = sd
+            .keys()
+            .filter_map(|k| k.strip_prefix("param_groups."))
+            .filter_map(|k| k.split('.').next()?.parse::<usize>().ok())
+            .map(|g| g + 1)
+            .max()
+            .unwrap_or(0);
+        if found_groups != self.groups.len() {
+            return Err(StateError::GroupCount {
+                expected: self.groups.len(),
+                found: found_groups,
+            }
+            .into());
+        }
+        let mut missing = Vec::new();
+        let mut options = Vec::with_capacity(self.groups.len());
+        for (g, group) in self.groups.iter().enumerate() {
+            let mut o = group.options.clone();
+            for name in O::NAMES {
+                let key = format!("param_groups.{g}.{name}");
+                match sd.get(&key) {
+                    Some(t) => {
+                        o.set(name, scalar(t, &key)?);
+                        used.insert(key.clone());
+                    }
+                    None => missing.push(key),
+                }
+            }
+            options.push(o);
+        }
+        for (g, group) in self.groups.iter().enumerate() {
+            for (path, _) in &group.params {
+                let key = format!("params.{path}");
+                match sd.get(&key) {
+                    Some(t) => {
+                        let found = scalar(t, &key)?;
+                        if found != g as f64 {
+                            return Err(StateError::GroupMismatch {
+                                path: path.clone(),
+                                expected: g,
+                                found: found as usize,
+                            }
+                            .into());
+                        }
+                        used.insert(key.clone());
+                    }
+                    None => missing.push(key),
+                }
+            }
+        }
+        if !missing.is_empty() {
+            return Err(StateError::MissingKeys { keys: missing }.into());
+        }
+        for (g, o) in options.iter().enumerate() {
+            o.validate(Some(g)).map_err(|e| match e {
+                Error::InvalidHyperparameter {
+                    name,
+                    value,
+                    reason,
+                    ..
+                } => Error::State(StateError::InvalidValue {
+                    key: format!("param_groups.{g}.{name}"),
+                    reason: format!("{value} is out of range: {reason}"),
+                }),
+                e => e,
+            })?;
+        }
+        let mut state = Vec::with_capacity(self.groups.len());
+        for (group, o) in self.groups.iter().zip(&options) {
+            let mut states = Vec::with_capacity(group.params.len());
+            for (path, param) in &group.params {
+                let key = |name: &str| format!("state.{path}.{name}");
+                if !S::NAMES.iter().any(|name| sd.contains_key(&key(name))) {
+                    states.push(None);
+                    continue;
+                }
+                let mut take = |name: &'static str| {
+                    let k = key(name);
+                    let t = sd.get(&k)?.clone();
+                    used.insert(k);
+                    Some(t)
+                };
+                states.push(Some(S::from_entries(&mut take, &key, o, param)?));
+            }
+            state.push(states);
+        }
+        let unexpected: Vec<String> = sd
+            .keys()
+            .filter(|k| !used.contains(*k))
+            .map(str::to_owned)
+            .collect();
+        if !unexpected.is_empty() {
+            return Err(StateError::UnexpectedKeys { keys: unexpected }.into());
+        }
+        for (group, o) in self.groups.iter_mut().zip(options) {
+            group.options = o;
+        }
+        self.state = state;
+        Ok(())
+    }
+}
+
+/// Saves `state` as safetensors at `path` through a temporary file renamed over it.
+pub(crate) fn save(state: StateDict, path: &Path) -> Result<()> {
+    let name = path.file_name().map_or_else(
+        || std::ffi::OsString::from("optimizer"),
+        |n| n.to_os_string(),
+    );
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(&name);
+    tmp_name.push(format!(".optim-tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let result = candle_core::safetensors::save(&state.into_hash_map(), &tmp)
+        .map_err(Error::from)
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|e| Error::Candle(candle_core::Error::Io(e)))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
