@@ -14,16 +14,19 @@
 //! once with `fused=True`, on sentences that tokenize to the same 8 × 25 batch, so the figures of one
 //! run are comparable: the machine's slow and fast moments fall on both sides alike.
 //!
-//! Each round builds nothing: the model, the optimizer and the batch are made once; a round is
-//! `STEPS` steps after one warm-up step (the first round only), and the medians are over every step.
+//! Two of our variants, each training its own copy of the model: candle-nn's `AdamW` (what users
+//! had before module-optim) and module-optim's `AdamW` (its fused CPU pass). A round is `STEPS`
+//! steps of each in turn, after one warm-up step each; the medians are over every step.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use candle_nn::{Optimizer, ParamsAdamW};
+use candle_core::backprop::GradStore;
+use candle_nn::{Optimizer as _, ParamsAdamW};
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
+use module_optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
 
 /// Sentences per batch, and tokens per sentence (issue 28).
@@ -50,9 +53,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     };
     let device = Device::Cpu;
-    let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
-    model.load_safetensors(dir.join("model.safetensors"))?;
-    model.train();
+    let load = || -> Result<BertModel> {
+        let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
+        model.load_safetensors(dir.join("model.safetensors"))?;
+        model.train();
+        Ok(model)
+    };
 
     let ids: Vec<u32> = (0..BATCH * SEQ)
         .map(|i| 1000 + (i as u32 * 7919) % 29000)
@@ -62,28 +68,38 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mask_f = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
     let v = ((Tensor::arange(0u32, 384, &device)?.to_dtype(DType::F32)? / 384.0)? - 0.5)?;
 
-    let params = ParamsAdamW {
-        lr: 1e-5,
-        ..ParamsAdamW::default()
-    };
-    let mut opt = candle_nn::AdamW::new(model.trainable_vars()?, params)?;
-    let mut step = || -> Result<Parts> {
-        let start = Instant::now();
-        let hidden = model.call((&ids, &mask))?;
-        let pooled = (hidden.broadcast_mul(&mask_f)?.sum(1)?
-            / mask_f.sum(1)?.broadcast_as((BATCH, 384))?)?;
-        let loss = pooled.broadcast_mul(&v)?.sum(1)?.sqr()?.mean_all()?;
-        let forward = start.elapsed();
-        let grads = loss.backward()?;
-        let backward = start.elapsed() - forward;
-        opt.step(&grads)?;
-        let optimizer = start.elapsed() - forward - backward;
-        Ok(Parts {
-            forward,
-            backward,
-            optimizer,
-        })
-    };
+    // Each variant trains its own copy of the model with its own optimizer.
+    let candle_nn_model = load()?;
+    let mut candle_nn_adamw = candle_nn::AdamW::new(
+        candle_nn_model.trainable_vars()?,
+        ParamsAdamW {
+            lr: 1e-5,
+            ..ParamsAdamW::default()
+        },
+    )?;
+    let optim_model = load()?;
+    let mut optim_adamw = module_optim::AdamW::new(&optim_model, AdamW::options().lr(1e-5))?;
+    let step =
+        |model: &BertModel, opt: &mut dyn FnMut(&GradStore) -> Result<()>| -> Result<Parts> {
+            let start = Instant::now();
+            let hidden = model.call((&ids, &mask))?;
+            let pooled = (hidden.broadcast_mul(&mask_f)?.sum(1)?
+                / mask_f.sum(1)?.broadcast_as((BATCH, 384))?)?;
+            let loss = pooled.broadcast_mul(&v)?.sum(1)?.sqr()?.mean_all()?;
+            let forward = start.elapsed();
+            let grads = loss.backward()?;
+            let backward = start.elapsed() - forward;
+            opt(&grads)?;
+            let optimizer = start.elapsed() - forward - backward;
+            Ok(Parts {
+                forward,
+                backward,
+                optimizer,
+            })
+        };
+    let mut candle_nn_step = |g: &GradStore| Ok(candle_nn_adamw.step(g)?);
+    let mut optim_step =
+        |g: &GradStore| Ok(optim_adamw.step(g).map_err(candle_core::Error::wrap)?);
 
     let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
     let script = std::env::var_os("PYTORCH_TRAIN_STEP")
@@ -98,12 +114,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         std::fs::write(&sentences, vec![line; BATCH].join("\n"))?;
     }
 
-    step()?; // warm-up
-    let mut ours = Vec::new();
+    step(&candle_nn_model, &mut candle_nn_step)?; // warm-up
+    step(&optim_model, &mut optim_step)?;
+    let (mut with_candle_nn, mut with_optim) = (Vec::new(), Vec::new());
     let mut torch_lines = Vec::new();
     for round in 0..rounds {
         for _ in 0..STEPS {
-            ours.push(step()?);
+            with_candle_nn.push(step(&candle_nn_model, &mut candle_nn_step)?);
+        }
+        for _ in 0..STEPS {
+            with_optim.push(step(&optim_model, &mut optim_step)?);
         }
         if let Some(python) = &pytorch {
             for fused in [false, true] {
@@ -126,19 +146,24 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    let median = |f: fn(&Parts) -> Duration| {
-        let mut t: Vec<Duration> = ours.iter().map(f).collect();
-        t.sort();
-        t[t.len() / 2].as_secs_f64() * 1e3
-    };
-    let total = median(|p| p.forward + p.backward + p.optimizer);
-    println!(
-        "ours (candle-nn AdamW) train step: batch {BATCH} x {SEQ}, {} steps in {rounds} rounds: median {total:.1} ms; forward {:.0} ms, backward {:.0} ms, AdamW {:.0} ms",
-        ours.len(),
-        median(|p| p.forward),
-        median(|p| p.backward),
-        median(|p| p.optimizer),
-    );
+    for (name, steps) in [
+        ("candle-nn AdamW", &with_candle_nn),
+        ("module-optim AdamW (fused)", &with_optim),
+    ] {
+        let median = |f: fn(&Parts) -> Duration| {
+            let mut t: Vec<Duration> = steps.iter().map(f).collect();
+            t.sort();
+            t[t.len() / 2].as_secs_f64() * 1e3
+        };
+        println!(
+            "ours ({name}) train step: batch {BATCH} x {SEQ}, {} steps in {rounds} rounds: median {:.1} ms; forward {:.0} ms, backward {:.0} ms, optimizer {:.0} ms",
+            steps.len(),
+            median(|p| p.forward + p.backward + p.optimizer),
+            median(|p| p.forward),
+            median(|p| p.backward),
+            median(|p| p.optimizer),
+        );
+    }
     for line in torch_lines {
         println!("{line}");
     }
