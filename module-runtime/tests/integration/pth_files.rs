@@ -2,12 +2,9 @@
 //! made by `torch.save` in every way users save a model) reads into the state dict of
 //! `gapnet_zip.pth`: same keys in the same order, shapes and dtypes.
 //!
-//! Values: the fixtures come in two groups one training step apart (every `num_batches_tracked` is
-//! one higher in the second, and the weights differ by up to 0.2), although their README says they
-//! hold the same values. `gapnet_zip.pth`, `gapnet_legacy.pth` and `gapnet_dataparallel.pth` hold
-//! the first; `gapnet_nested.pt`, `gapnet_f64.pth` and both sharded sets the second. So values are
-//! compared within each group: the first against `gapnet_zip.pth`, the second against the sharded
-//! safetensors read with candle's own safetensors loader.
+//! Values: every file holds the same state dict (`fixtures/make_checkpoint_fixtures.py` saves one
+//! model every way), so each is compared with `gapnet_zip.pth`, directly or through the sharded
+//! safetensors read with candle's own safetensors loader (which equal it, tested below).
 
 use std::path::{Path, PathBuf};
 
@@ -81,7 +78,7 @@ fn dataparallel_keys_are_prefixed() {
     });
 }
 
-/// The second group's values: the sharded safetensors, in `gapnet_zip.pth`'s key order.
+/// The sharded safetensors read with candle's own loader, in `gapnet_zip.pth`'s key order.
 fn sharded_safetensors() -> StateDict {
     let mut all = std::collections::HashMap::new();
     for i in 1..=2 {
@@ -113,6 +110,15 @@ fn assert_same_layout(actual: &StateDict) {
         };
         assert_eq!(dtype, want.dtype(), "{key}");
     }
+}
+
+#[test]
+fn sharded_safetensors_equal_zip() {
+    assert_same(
+        &read("gapnet_zip.pth", None),
+        &sharded_safetensors(),
+        str::to_owned,
+    );
 }
 
 #[test]
