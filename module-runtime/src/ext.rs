@@ -448,7 +448,11 @@ pub trait ModuleExt: Module {
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())
     }
 
-    /// Loads a safetensors checkpoint strictly (memory-mapped; all or nothing).
+    /// Loads a safetensors checkpoint strictly, all or nothing.
+    ///
+    /// The file is not memory-mapped: its header is read and checked on open, and each tensor is
+    /// read with positioned file reads when it is loaded, so a file truncated or rewritten by
+    /// another process during the load is an error, never a SIGBUS.
     fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
         self.load_safetensors_with(path, &LoadOptions::default())
     }
