@@ -180,9 +180,21 @@ pub enum Error {
     },
 
     /// A file could not be read or written.
-    #[error("`{}`: {source}", path.display())]
+    ///
+    /// The runtime's own file operations name the file. A bare [`std::io::Error`] converts into
+    /// this variant too (`From`), so `?` on `std::fs` calls works in a function returning
+    /// [`Result`]; its `path` is then empty and the message is the operating system's alone.
+    ///
+    /// ```
+    /// fn read_config(path: &str) -> module_runtime::Result<String> {
+    ///     Ok(std::fs::read_to_string(path)?)
+    /// }
+    /// let err = read_config("/no/such/config.json").unwrap_err();
+    /// assert!(matches!(&err, module_runtime::Error::Io { path, .. } if path.as_os_str().is_empty()));
+    /// ```
+    #[error("{}{source}", file_prefix(.path))]
     Io {
-        /// The file.
+        /// The file (empty when the error came from a bare [`std::io::Error`]).
         path: std::path::PathBuf,
         /// The operating system's error.
         #[source]
@@ -529,6 +541,25 @@ fn list_children(names: &[String]) -> String {
         String::from(" (it has none)")
     } else {
         format!("; there is: {}", names.join(", "))
+    }
+}
+
+impl From<std::io::Error> for Error {
+    /// An [`Error::Io`] that names no file (the `std::io::Error` does not know it).
+    fn from(source: std::io::Error) -> Self {
+        Error::Io {
+            path: std::path::PathBuf::new(),
+            source,
+        }
+    }
+}
+
+/// `` `path`: `` before an [`Error::Io`]'s message, or nothing when the file is unknown.
+fn file_prefix(path: &std::path::Path) -> String {
+    if path.as_os_str().is_empty() {
+        String::new()
+    } else {
+        format!("`{}`: ", path.display())
     }
 }
 
