@@ -40,3 +40,37 @@ fn question_mark_converts_io_errors() {
     assert_eq!(err.to_string(), source.to_string());
     assert!(std::error::Error::source(&err).is_some());
 }
+
+/// With `RUST_BACKTRACE=1`, candle wraps its errors in `WithBacktrace`, whose `Display` prints the
+/// frames. Through `call`, the message is the error's alone; the backtrace is in `{:?}` only.
+#[test]
+fn forward_errors_print_no_backtrace() {
+    #[derive(Module)]
+    struct Net {
+        fc: Linear,
+    }
+    impl Forward<&Tensor> for Net {
+        type Output = Tensor;
+        fn forward(&self, _: &Tensor) -> Result<Tensor> {
+            // What `candle_core::Error::bt` makes when RUST_BACKTRACE is set; built here so the
+            // test does not depend on the process's environment.
+            Err(candle_core::Error::WithBacktrace {
+                inner: Box::new(candle_core::Error::Msg("shapes do not match".into())),
+                backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+            }
+            .into())
+        }
+    }
+    use module_runtime::candle_core;
+    let net = Net {
+        fc: Linear::new(2, 2, &Device::Cpu).unwrap(),
+    };
+    let x = Tensor::zeros((1, 2), DType::F32, &Device::Cpu).unwrap();
+    let err = net.call(&x).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "forward of Net failed: shapes do not match"
+    );
+    // The frames are in the `Debug` form (candle's `Debug` prints them after the message).
+    assert!(format!("{err:?}").lines().count() > 2);
+}
