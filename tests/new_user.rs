@@ -74,3 +74,94 @@ fn forward_errors_print_no_backtrace() {
     // The frames are in the `Debug` form (candle's `Debug` prints them after the message).
     assert!(format!("{err:?}").lines().count() > 2);
 }
+
+/// Summaries, `Debug` and type errors name the runtime's generic layers as PyTorch does
+/// (`BatchNorm1d`, not `BatchNorm<1>`), wherever they sit in a type.
+#[test]
+fn generic_layers_have_pytorch_class_names() {
+    use module_runtime::nn::*;
+    #[derive(Module)]
+    struct Zoo {
+        bn1: BatchNorm1d,
+        bn2: BatchNorm2d,
+        lbn1: LazyBatchNorm1d,
+        lbn2: LazyBatchNorm2d,
+        conv1: Conv1d,
+        conv2: Conv2d,
+        lconv1: LazyConv1d,
+        lconv2: LazyConv2d,
+        max: MaxPool2d,
+        avg: AvgPool2d,
+        lstm: Lstm,
+        gru: Gru,
+        lstm_cell: LstmCell,
+        gru_cell: GruCell,
+        rms: RmsNorm,
+        convs: Vec<Conv2d>,
+    }
+    let dev = Device::Cpu;
+    let zoo = Zoo {
+        bn1: BatchNorm1d::new(2, &dev).unwrap(),
+        bn2: BatchNorm2d::new(2, &dev).unwrap(),
+        lbn1: LazyBatchNorm1d::new(&dev).unwrap(),
+        lbn2: LazyBatchNorm2d::new(&dev).unwrap(),
+        conv1: Conv1d::new(1, 1, 1, &dev).unwrap(),
+        conv2: Conv2d::new(1, 1, 1, &dev).unwrap(),
+        lconv1: LazyConv1d::new(1, 1, &dev).unwrap(),
+        lconv2: LazyConv2d::new(1, 1, &dev).unwrap(),
+        max: MaxPool2d::new(2),
+        avg: AvgPool2d::new(2),
+        lstm: Lstm::new(2, 2, &dev).unwrap(),
+        gru: Gru::new(2, 2, &dev).unwrap(),
+        lstm_cell: LstmCell::new(2, 2, &dev).unwrap(),
+        gru_cell: GruCell::new(2, 2, &dev).unwrap(),
+        rms: RmsNorm::new(2, &dev).unwrap(),
+        convs: vec![Conv2d::new(1, 1, 1, &dev).unwrap()],
+    };
+    let summary = zoo.summary();
+    let name = |path: &str| {
+        summary
+            .rows
+            .iter()
+            .find(|r| r.path == path)
+            .unwrap_or_else(|| panic!("no row {path}"))
+            .type_name
+            .clone()
+    };
+    for (path, pytorch) in [
+        ("bn1", "BatchNorm1d"),
+        ("bn2", "BatchNorm2d"),
+        ("lbn1", "LazyBatchNorm1d"),
+        ("lbn2", "LazyBatchNorm2d"),
+        ("conv1", "Conv1d"),
+        ("conv2", "Conv2d"),
+        ("lconv1", "LazyConv1d"),
+        ("lconv2", "LazyConv2d"),
+        ("max", "MaxPool2d"),
+        ("avg", "AvgPool2d"),
+        ("lstm", "LSTM"),
+        ("gru", "GRU"),
+        ("lstm_cell", "LSTMCell"),
+        ("gru_cell", "GRUCell"),
+        ("rms", "RMSNorm"),
+        ("convs", "Vec<Conv2d>"),
+        ("convs.0", "Conv2d"),
+    ] {
+        assert_eq!(name(path), pytorch, "{path}");
+    }
+    let table = summary.to_string();
+    assert!(
+        table.contains("MaxPool2d") && !table.contains("Pool2d<"),
+        "{table}"
+    );
+    assert_eq!(
+        format!("{:?}", zoo.get_submodule_dyn("bn1").unwrap()),
+        "BatchNorm1d"
+    );
+    // Type errors too.
+    let err = zoo.get_submodule::<Conv1d>("conv2").err().unwrap();
+    assert_eq!(
+        err.to_string(),
+        "submodule `conv2` is a `Conv2d`, not a `Conv1d`"
+    );
+}

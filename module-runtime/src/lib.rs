@@ -49,7 +49,8 @@
 extern crate self as module_runtime;
 
 // The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
-//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
+//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type (type_name
+//                                                     reads the layers' PyTorch names from nn/)
 //   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, names, convert, device         the one walk and what is built on it
