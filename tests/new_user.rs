@@ -165,3 +165,48 @@ fn generic_layers_have_pytorch_class_names() {
         "submodule `conv2` is a `Conv2d`, not a `Conv1d`"
     );
 }
+
+/// PyTorch: each module has its own `training` flag; `model.drop.eval()` on a new model leaves
+/// `model.training` `True` (`torch/nn/modules/module.py`, `Module.train` sets `self.training` and
+/// recurses into children only).
+#[test]
+fn eval_on_a_child_leaves_the_parent_in_training() {
+    use module_runtime::nn::{Dropout, ReLU};
+    #[derive(Module)]
+    struct Net {
+        drop: Dropout,
+        fc: Linear,
+    }
+    let net = Net {
+        drop: Dropout::new(0.1),
+        fc: Linear::new(2, 2, &Device::Cpu).unwrap(),
+    };
+    net.drop.eval();
+    assert!(net.is_training(), "a child's eval() changed the parent");
+    assert!(!net.drop.is_training() && net.fc.is_training());
+    net.eval();
+    assert!(!net.is_training() && !net.drop.is_training());
+    net.drop.train();
+    assert!(!net.is_training() && net.drop.is_training());
+    net.train();
+    assert!(net.is_training());
+
+    // A module without parameters or buffers keeps its flag in its layers' `Mode`s.
+    #[derive(Module)]
+    struct Head {
+        act: ReLU,
+        drop: Dropout,
+    }
+    let head = Head {
+        act: ReLU::new(),
+        drop: Dropout::new(0.1),
+    };
+    head.drop.eval();
+    assert!(head.is_training());
+    head.eval();
+    assert!(!head.is_training());
+    head.act.train();
+    assert!(!head.is_training() && head.act.is_training());
+    head.train();
+    assert!(head.is_training() && head.drop.is_training());
+}
