@@ -210,3 +210,35 @@ fn eval_on_a_child_leaves_the_parent_in_training() {
     head.train();
     assert!(head.is_training() && head.drop.is_training());
 }
+
+/// PyTorch raises "Attempted to use an uninitialized parameter" when an `UninitializedParameter`
+/// is used; here every read of an unbuilt parameter or buffer is `Error::NotLoaded`, never an
+/// empty `[0]` tensor that arithmetic silently accepts.
+#[test]
+fn reading_an_unbuilt_parameter_is_an_error() -> Result<()> {
+    use module_runtime::nn::{LazyBatchNorm1d, LazyLinear};
+    use module_runtime::{Init, LazyShape};
+    let dev = Device::Cpu;
+    let not_loaded = |r: Result<Tensor>| matches!(r, Err(Error::NotLoaded { .. }));
+
+    // A lazy layer before its first call.
+    let fc = LazyLinear::new(2, &dev)?;
+    assert!(not_loaded(fc.weight.tensor()));
+    assert!(not_loaded(fc.weight.value()));
+    assert!(matches!(fc.weight.var(), Err(Error::NotLoaded { .. })));
+    fc.call(&Tensor::ones((1, 3), DType::F32, &dev)?)?;
+    assert_eq!(fc.weight.tensor()?.dims(), [2, 3]);
+    assert_eq!(fc.weight.var()?.dims(), [2, 3]);
+
+    // A parameter of its own, and a lazy buffer.
+    let p = Param::lazy(LazyShape::new([None]), Init::Zeros, DType::F32, &dev)?;
+    assert!(not_loaded(p.tensor()));
+    let bn = LazyBatchNorm1d::new(&dev)?;
+    assert!(not_loaded(bn.running_mean.as_ref().unwrap().tensor()));
+
+    // A model built only to load.
+    let empty = build_empty(|| Linear::new(3, 2, &dev))?;
+    assert!(not_loaded(empty.weight.tensor()));
+    assert!(not_loaded(empty.bias.as_ref().unwrap().tensor()));
+    Ok(())
+}

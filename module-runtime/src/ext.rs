@@ -319,12 +319,11 @@ pub trait ModuleExt: Module {
     /// ```
     fn trainable_vars(&self) -> Result<Vec<Var>> {
         crate::views::ensure_built(self.as_dyn(), "list the trainable variables of")?;
-        Ok(self
-            .parameters()
+        self.parameters()
             .iter()
             .filter(|p| p.requires_grad())
             .map(Param::var)
-            .collect())
+            .collect()
     }
 
     /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](crate::PathPattern)):
@@ -434,7 +433,7 @@ pub trait ModuleExt: Module {
     /// let a = Linear::new(3, 2, &Device::Cpu)?;
     /// let b = Linear::new(3, 2, &Device::Cpu)?;
     /// b.load_state_dict(&a.state_dict()?)?;
-    /// let diff = (a.weight.tensor() - b.weight.tensor())?.abs()?.sum_all()?;
+    /// let diff = (a.weight.tensor()? - b.weight.tensor()?)?.abs()?.sum_all()?;
     /// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
     ///
     /// let err = Linear::no_bias(3, 2, &Device::Cpu)?.load_state_dict(&a.state_dict()?).unwrap_err();
