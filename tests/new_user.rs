@@ -75,6 +75,65 @@ fn forward_errors_print_no_backtrace() {
     assert!(format!("{err:?}").lines().count() > 2);
 }
 
+/// The same with a real candle error under `RUST_BACKTRACE=1`: this test runs
+/// [`real_shape_error_without_backtrace`] in a child process with the variable set (std reads it
+/// once per process, so it cannot be set for one test of a running binary).
+#[test]
+fn forward_errors_print_no_backtrace_under_rust_backtrace() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "real_shape_error_without_backtrace",
+            "--nocapture",
+        ])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{log}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(log.contains("1 passed"), "{log}");
+}
+
+/// Run by [`forward_errors_print_no_backtrace_under_rust_backtrace`].
+#[test]
+#[ignore = "run in a child process with RUST_BACKTRACE=1"]
+fn real_shape_error_without_backtrace() {
+    #[derive(Module)]
+    struct Net {
+        fc: Linear,
+    }
+    impl Forward<&Tensor> for Net {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.fc.call(x)
+        }
+    }
+    let net = Net {
+        fc: Linear::new(4, 2, &Device::Cpu).unwrap(),
+    };
+    let err = net
+        .call(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.starts_with("forward of `fc` (Linear) failed: "),
+        "{message}"
+    );
+    assert_eq!(message.lines().count(), 1, "{message}");
+    if std::env::var("RUST_BACKTRACE").as_deref() == Ok("1") {
+        let debug = format!("{err:?}");
+        assert!(
+            debug.lines().count() > 3,
+            "candle attached no backtrace: {debug}"
+        );
+    }
+}
+
 /// Summaries, `Debug` and type errors name the runtime's generic layers as PyTorch does
 /// (`BatchNorm1d`, not `BatchNorm<1>`), wherever they sit in a type.
 #[test]
