@@ -121,7 +121,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     // The ranks must hold the same parameters: compare each rank's sum with the mean of all.
     for (path, p) in model.named_parameters() {
-        let mine = p.tensor().to_dtype(DType::F64)?.sum_all()?.reshape(1)?;
+        let mine = p.tensor()?.to_dtype(DType::F64)?.sum_all()?.reshape(1)?;
         let mean = mine.copy()?;
         comm.all_reduce(&mean, ReduceOp::Avg)?;
         let (mine, mean) = (mine.to_vec1::<f64>()?[0], mean.to_vec1::<f64>()?[0]);

@@ -177,9 +177,9 @@ fn adapt(model: &Learner, task: &Task, args: &Args) -> Result<FastWeights> {
             // Classification"): every task's head starts at zero, as its labels are a random
             // order of its classes.
             let start = if path.starts_with("head.") {
-                p.tensor().zeros_like()?
+                p.tensor()?.zeros_like()?
             } else {
-                p.tensor().detach()
+                p.tensor()?.detach()
             };
             Ok((path, Var::from_tensor(&start)?))
         })
@@ -303,12 +303,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         for (i, p) in params.iter().enumerate() {
             let sum = (results.iter().skip(1))
                 .try_fold(results[0].0[i].clone(), |acc, (g, _)| acc + &g[i])?;
-            grads.insert(p.var().as_tensor(), (sum / results.len() as f64)?);
+            grads.insert(p.var()?.as_tensor(), (sum / results.len() as f64)?);
         }
         opt.step(&grads)?;
         for (average, live) in &ema_pairs {
-            let mixed =
-                ((average.tensor() * args.ema_decay)? + (live.tensor() * (1.0 - args.ema_decay))?)?;
+            let mixed = ((average.tensor()? * args.ema_decay)?
+                + (live.tensor()? * (1.0 - args.ema_decay))?)?;
             average.set(&mixed.detach())?;
         }
         recent.extend(results.iter().map(|(_, acc)| *acc));

@@ -51,7 +51,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let ours = load()?;
     // Every parameter substituted: copies of the model's own values, in fresh storage.
     let substitutes: StateDict = (ours.named_parameters().into_iter())
-        .map(|(path, p)| Ok((path, p.tensor().copy()?)))
+        .map(|(path, p)| Ok((path, p.tensor()?.copy()?)))
         .collect::<Result<_>>()?;
     let frozen = load()?;
     frozen.freeze("**")?;

@@ -21,7 +21,7 @@ fn varmap_of(model: &BertModel) -> VarMap {
     {
         let mut data = map.data().lock().unwrap();
         for (name, p) in model.named_parameters() {
-            data.insert(name, p.var());
+            data.insert(name, p.var().unwrap());
         }
     }
     map
@@ -76,7 +76,7 @@ fn to_dtype(c: &mut Criterion) {
                 model
                     .named_parameters()
                     .into_iter()
-                    .map(|(_, p)| p.var())
+                    .map(|(_, p)| p.var().unwrap())
                     .collect::<Vec<_>>()
             },
             |vars| {

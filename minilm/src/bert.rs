@@ -313,11 +313,15 @@ impl Forward<&Tensor> for BertEmbeddings {
     /// `[batch, seq]` ids → `[batch, seq, hidden]`.
     fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (_, seq_len) = input_ids.dims2()?;
-        let positions = self.position_ids.tensor().narrow(1, 0, seq_len)?;
+        let positions = self.position_ids.tensor()?.narrow(1, 0, seq_len)?;
         let words = self.word_embeddings.call(input_ids)?;
         let positions = self.position_embeddings.call(&positions)?;
         // Single-segment input: every token type is 0, so its embedding is row 0 for all tokens.
-        let token_type = self.token_type_embeddings.weight.tensor().narrow(0, 0, 1)?;
+        let token_type = self
+            .token_type_embeddings
+            .weight
+            .tensor()?
+            .narrow(0, 0, 1)?;
         let sum = words
             .broadcast_add(&positions)?
             .broadcast_add(&token_type)?;

@@ -21,9 +21,10 @@ use crate::lazy_shape::LazyShape;
 /// this way). [`to_dtype`](crate::ModuleExt::to_dtype) converts floating-point buffers only, so
 /// integer buffers such as `position_ids` keep their dtype.
 ///
-/// Like a [`Param`](crate::Param), a buffer may be lazy ([`Buffer::lazy`]): unbuilt, reading as an
-/// empty placeholder of shape `[0]`, until it is materialized with the shape the first input
-/// decides or the value a checkpoint holds.
+/// Like a [`Param`](crate::Param), a buffer may be lazy ([`Buffer::lazy`]): unbuilt, until it is
+/// materialized with the shape the first input decides or the value a checkpoint holds. Reading
+/// an unbuilt buffer ([`tensor`](Self::tensor)) is [`Error::NotLoaded`](crate::Error::NotLoaded);
+/// its [`shape`](Self::shape) is `[0]` until then.
 ///
 /// ```
 /// use module_runtime::{Buffer, candle_core::{Device, Tensor, DType}};
@@ -78,7 +79,7 @@ impl Buffer {
     /// struct Counter { steps: Buffer }
     /// let c = Counter { steps: Buffer::new(Tensor::new(7i64, &Device::Cpu)?).allow_missing() };
     /// c.load_state_dict(&StateDict::new())?; // strict, yet accepted
-    /// assert_eq!(c.steps.tensor().to_scalar::<i64>()?, 7);
+    /// assert_eq!(c.steps.tensor()?.to_scalar::<i64>()?, 7);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn allow_missing(self) -> Self {
@@ -144,36 +145,43 @@ impl Buffer {
             }
         }
         self.0.value.materialize(dims, 0)?;
-        check_built_dims(self.tensor(), dims)
+        check_built_dims(self.current(), dims)
     }
 
     /// The current value: a view of the buffer's storage, so it sees later in-place updates
-    /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do.
+    /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do;
+    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
+    /// [`Param::tensor`](crate::Param::tensor)).
     ///
     /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes or
     /// captures this buffer, it reads as the call's copy instead.
-    pub fn tensor(&self) -> Tensor {
-        if crate::functional::scope::active() {
-            if let Some(t) = crate::functional::scope::buffer(self.id()) {
-                return t;
-            }
-        }
-        self.0.value.read().detach()
-    }
-
-    /// The current value, like [`tensor`](Self::tensor), or
-    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
-    /// [`Param::value`](crate::Param::value)).
-    pub fn value(&self) -> Result<Tensor> {
+    pub fn tensor(&self) -> Result<Tensor> {
         if crate::functional::scope::active() {
             if let Some(t) = crate::functional::scope::buffer(self.id()) {
                 return Ok(t);
             }
         }
         match self.0.value.unbuilt_error("buffer") {
-            None => Ok(self.tensor()),
+            None => Ok(self.current()),
             Some(e) => Err(e),
         }
+    }
+
+    /// The same as [`tensor`](Self::tensor) (the name the runtime's layers used while `tensor`
+    /// returned an unbuilt buffer's empty placeholder).
+    pub fn value(&self) -> Result<Tensor> {
+        self.tensor()
+    }
+
+    /// What [`tensor`](Self::tensor) returns, without the unbuilt check (an unbuilt buffer's
+    /// empty `[0]` placeholder): for metadata and the runtime's own walks.
+    pub(crate) fn current(&self) -> Tensor {
+        if crate::functional::scope::active() {
+            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+                return t;
+            }
+        }
+        self.0.value.read().detach()
     }
 
     /// Takes `value` (its dtype included) as the buffer's new value instead of copying into the
@@ -248,17 +256,17 @@ impl Buffer {
 
     /// The buffer's shape.
     pub fn shape(&self) -> Shape {
-        self.tensor().shape().clone()
+        self.current().shape().clone()
     }
 
     /// The buffer's dtype.
     pub fn dtype(&self) -> DType {
-        self.tensor().dtype()
+        self.current().dtype()
     }
 
     /// The device the buffer lives on.
     pub fn device(&self) -> Device {
-        self.tensor().device().clone()
+        self.current().device().clone()
     }
 
     /// Moves the buffer to `device`.
@@ -321,7 +329,7 @@ impl Buffer {
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let lazy_shape = self.lazy_shape();
-        let t = self.tensor();
+        let t = self.current();
         let mut f = f.debug_struct("Buffer");
         match &lazy_shape {
             Some(shape) => f.field("unbuilt", &format_args!("{shape}")),

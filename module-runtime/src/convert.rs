@@ -14,11 +14,11 @@ pub(crate) fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
         root,
         |p| match p.device().same_device(device) {
             true => Ok(None),
-            false => Ok(Some(p.var().as_tensor().to_device(device)?)),
+            false => Ok(Some(p.current_var().as_tensor().to_device(device)?)),
         },
         |b| match b.device().same_device(device) {
             true => Ok(None),
-            false => Ok(Some(b.tensor().to_device(device)?)),
+            false => Ok(Some(b.current().to_device(device)?)),
         },
     )
 }
@@ -32,11 +32,11 @@ pub(crate) fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
         root,
         |p| match p.dtype() == dtype {
             true => Ok(None),
-            false => Ok(Some(p.var().as_tensor().to_dtype(dtype)?)),
+            false => Ok(Some(p.current_var().as_tensor().to_dtype(dtype)?)),
         },
         |b| match !b.dtype().is_float() || b.dtype() == dtype {
             true => Ok(None),
-            false => Ok(Some(b.tensor().to_dtype(dtype)?)),
+            false => Ok(Some(b.current().to_dtype(dtype)?)),
         },
     )
 }

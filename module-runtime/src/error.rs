@@ -16,8 +16,14 @@ use crate::type_name::short_type_name;
 #[non_exhaustive]
 pub enum Error {
     /// An error from a candle operation.
-    #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    ///
+    /// Its message is candle's without the backtrace candle attaches when `RUST_BACKTRACE` (or
+    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`): the backtrace is in
+    /// the `{:?}` (`Debug`) form only, so messages stay one line per frame of the model, as
+    /// PyTorch's exceptions are. [`source`](std::error::Error::source) is `None`: the candle
+    /// error is the field itself.
+    #[error("{}", CandleMessage(.0))]
+    Candle(candle_core::Error),
 
     /// `get_submodule` and friends: a segment of the path names no child.
     #[error(
@@ -180,9 +186,21 @@ pub enum Error {
     },
 
     /// A file could not be read or written.
-    #[error("`{}`: {source}", path.display())]
+    ///
+    /// The runtime's own file operations name the file. A bare [`std::io::Error`] converts into
+    /// this variant too (`From`), so `?` on `std::fs` calls works in a function returning
+    /// [`Result`]; its `path` is then empty and the message is the operating system's alone.
+    ///
+    /// ```
+    /// fn read_config(path: &str) -> module_runtime::Result<String> {
+    ///     Ok(std::fs::read_to_string(path)?)
+    /// }
+    /// let err = read_config("/no/such/config.json").unwrap_err();
+    /// assert!(matches!(&err, module_runtime::Error::Io { path, .. } if path.as_os_str().is_empty()));
+    /// ```
+    #[error("{}{source}", file_prefix(.path))]
     Io {
-        /// The file.
+        /// The file (empty when the error came from a bare [`std::io::Error`]).
         path: std::path::PathBuf,
         /// The operating system's error.
         #[source]
@@ -532,6 +550,48 @@ fn list_children(names: &[String]) -> String {
     }
 }
 
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e)
+    }
+}
+
+/// A candle error's message without its backtraces (`WithBacktrace` anywhere in the chain of
+/// `Context`/`WithPath` wrappers prints its inner error only).
+struct CandleMessage<'a>(&'a candle_core::Error);
+
+impl std::fmt::Display for CandleMessage<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use candle_core::Error as E;
+        // The same texts as candle's own `#[error(..)]` for these variants, minus the backtrace.
+        match self.0 {
+            E::WithBacktrace { inner, .. } => CandleMessage(inner).fmt(f),
+            E::Context { inner, context } => write!(f, "{context}\n{}", CandleMessage(inner)),
+            E::WithPath { inner, path } => write!(f, "path: {path:?} {}", CandleMessage(inner)),
+            other => std::fmt::Display::fmt(other, f),
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    /// An [`Error::Io`] that names no file (the `std::io::Error` does not know it).
+    fn from(source: std::io::Error) -> Self {
+        Error::Io {
+            path: std::path::PathBuf::new(),
+            source,
+        }
+    }
+}
+
+/// `` `path`: `` before an [`Error::Io`]'s message, or nothing when the file is unknown.
+fn file_prefix(path: &std::path::Path) -> String {
+    if path.as_os_str().is_empty() {
+        String::new()
+    } else {
+        format!("`{}`: ", path.display())
+    }
+}
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -736,5 +796,62 @@ fn at(path: &str) -> String {
         String::new()
     } else {
         format!(" at `{path}`")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A candle error as candle builds it with `RUST_BACKTRACE=1` (`Error::bt`), whatever the
+    /// environment of the test process.
+    fn with_backtrace(inner: candle_core::Error) -> candle_core::Error {
+        candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        }
+    }
+
+    #[test]
+    fn display_leaves_candle_backtraces_out_and_debug_keeps_them() {
+        let plain = candle_core::Error::Msg("shape mismatch".into());
+        let cases = [
+            (with_backtrace(plain), "shape mismatch"),
+            (
+                with_backtrace(candle_core::Error::Msg("inner".into())).context("while adding"),
+                "while adding\ninner",
+            ),
+            (
+                with_backtrace(candle_core::Error::Msg("inner".into())).with_path("m.bin"),
+                "path: \"m.bin\" inner",
+            ),
+        ];
+        for (candle, expected) in cases {
+            assert!(
+                candle.to_string().len() > expected.len(),
+                "candle prints a backtrace"
+            );
+            let e = Error::from(candle);
+            assert_eq!(e.to_string(), expected);
+            // candle's `Debug` prints its message with the frames, one or two lines each.
+            let debug = format!("{e:?}");
+            assert!(
+                debug.lines().count() > expected.lines().count() + 1,
+                "{debug}"
+            );
+        }
+        // Nested in a forward frame, too.
+        let forward = Error::Forward {
+            path: "fc".into(),
+            module_type: "my::Linear",
+            source: Box::new(Error::from(with_backtrace(candle_core::Error::Msg(
+                "shape mismatch".into(),
+            )))),
+            frame: crate::identity::CallTarget::of(&()),
+        };
+        assert_eq!(
+            forward.to_string(),
+            "forward of `fc` (Linear) failed: shape mismatch"
+        );
     }
 }

@@ -319,12 +319,11 @@ pub trait ModuleExt: Module {
     /// ```
     fn trainable_vars(&self) -> Result<Vec<Var>> {
         crate::views::ensure_built(self.as_dyn(), "list the trainable variables of")?;
-        Ok(self
-            .parameters()
+        self.parameters()
             .iter()
             .filter(|p| p.requires_grad())
             .map(Param::var)
-            .collect())
+            .collect()
     }
 
     /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](crate::PathPattern)):
@@ -370,21 +369,27 @@ pub trait ModuleExt: Module {
     }
 
     /// Whether the module is in training mode: PyTorch's `module.training`, the flag the last
-    /// [`train`](Self::train)/[`eval`](Self::eval) on this module or on a module above it set.
-    /// After `model.eval()`, `model.is_training()` is `false` even with no mode-dependent layer
-    /// inside, and `model.child.eval()` changes what the child reports, not the parent.
+    /// [`train`](Self::train)/[`eval`](Self::eval) on this module or on a module above it set,
+    /// `true` if there was none (new modules are in training mode). After `model.eval()`,
+    /// `model.is_training()` is `false` even with no mode-dependent layer inside, and
+    /// `model.child.eval()` changes what the child reports, never the parent: on a new model,
+    /// `model.drop.eval()` leaves `model.is_training()` `true`, as in PyTorch.
     ///
-    /// A module that was never put in a mode reports its first [`Mode`](crate::Mode) flag, else
-    /// `true` (PyTorch's default). Rust structs have no hidden field to hold the flag, so it is kept
-    /// by the module's first parameter or buffer (under the path from the module to it): a module
-    /// with neither, and no `Mode` either, behaves the same in both modes and always reports `true`.
+    /// A module holding a [`Mode`](crate::Mode) as a direct field (the runtime's Dropout,
+    /// BatchNorm, activations) reports that flag. Other Rust structs have no hidden field to hold
+    /// a flag, so `train`/`eval` record it in the module's first parameter, buffer or `Mode` (under
+    /// the path from the module to it). A module with none of these behaves the same in both
+    /// modes and always reports `true`.
     ///
     /// ```
     /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Dropout;
     /// #[derive(Module)]
-    /// struct Mlp { fc1: Linear, fc2: Linear }
-    /// let m = Mlp { fc1: Linear::new(4, 8, &Device::Cpu)?, fc2: Linear::new(8, 2, &Device::Cpu)? };
-    /// assert!(m.is_training());
+    /// struct Mlp { drop: Dropout, fc1: Linear, fc2: Linear }
+    /// let dev = Device::Cpu;
+    /// let m = Mlp { drop: Dropout::new(0.1), fc1: Linear::new(4, 8, &dev)?, fc2: Linear::new(8, 2, &dev)? };
+    /// m.drop.eval();
+    /// assert!(m.is_training() && !m.drop.is_training()); // the child's flag only
     /// m.eval();
     /// assert!(!m.is_training() && !m.fc1.is_training());
     /// m.fc1.train();
@@ -428,7 +433,7 @@ pub trait ModuleExt: Module {
     /// let a = Linear::new(3, 2, &Device::Cpu)?;
     /// let b = Linear::new(3, 2, &Device::Cpu)?;
     /// b.load_state_dict(&a.state_dict()?)?;
-    /// let diff = (a.weight.tensor() - b.weight.tensor())?.abs()?.sum_all()?;
+    /// let diff = (a.weight.tensor()? - b.weight.tensor()?)?.abs()?.sum_all()?;
     /// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
     ///
     /// let err = Linear::no_bias(3, 2, &Device::Cpu)?.load_state_dict(&a.state_dict()?).unwrap_err();
@@ -448,7 +453,11 @@ pub trait ModuleExt: Module {
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())
     }
 
-    /// Loads a safetensors checkpoint strictly (memory-mapped; all or nothing).
+    /// Loads a safetensors checkpoint strictly, all or nothing.
+    ///
+    /// The file is not memory-mapped: its header is read and checked on open, and each tensor is
+    /// read with positioned file reads when it is loaded, so a file truncated or rewritten by
+    /// another process during the load is an error, never a SIGBUS.
     fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
         self.load_safetensors_with(path, &LoadOptions::default())
     }

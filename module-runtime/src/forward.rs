@@ -19,7 +19,7 @@ use crate::error::Result;
 /// impl Forward<&Tensor> for Affine {
 ///     type Output = Tensor;
 ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-///         Ok(x.broadcast_mul(&self.scale.tensor())?)
+///         Ok(x.broadcast_mul(&self.scale.tensor()?)?)
 ///     }
 /// }
 ///

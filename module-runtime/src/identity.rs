@@ -10,7 +10,8 @@
 //!
 //! - A module's own train/eval flag (PyTorch's `Module.training`) needs the module's identity
 //!   across moves, without a hidden field in user structs: it is kept by the module's *first leaf*
-//!   (the first parameter or buffer a walk from the module reaches), under the leaf's path relative
+//!   (the first parameter, buffer or [`Mode`](crate::Mode) a walk from the module reaches), under
+//!   the leaf's path relative
 //!   to the module ([`ModeMarks`]). The relative path tells apart a module and its first child,
 //!   which share that leaf (`"0.weight"` from a `Sequential`, `"weight"` from its first `Linear`).
 //!

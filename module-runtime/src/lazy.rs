@@ -71,7 +71,7 @@ use crate::walk::{walk, Visit};
 ///         let scale = self.scale.get_or_build(|| {
 ///             Param::new(Tensor::ones(x.dim(D::Minus1)?, x.dtype(), x.device())?)
 ///         })?;
-///         Ok(x.broadcast_mul(&scale.tensor())?)
+///         Ok(x.broadcast_mul(&scale.tensor()?)?)
 ///     }
 /// }
 ///

@@ -49,7 +49,8 @@
 extern crate self as module_runtime;
 
 // The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
-//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
+//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type (type_name
+//                                                     reads the layers' PyTorch names from nn/)
 //   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
 //   walk, path, views, names, convert, device         the one walk and what is built on it
@@ -170,12 +171,17 @@ pub use candle_nn;
 /// assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
+///
+/// It also brings the inference and loading helpers the README writes bare: [`no_grad`],
+/// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
+/// [`expect_outputs`](crate::FunctionalExt::expect_outputs).
 pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::Recurrent;
+    pub use crate::{build_empty, enable_grad, no_grad, without_grad};
     pub use crate::{
         Buffer, Build, Error, Forward, FunctionalExt, Hooks, Lazy, LazyExt, LoadOptions, Mode,
-        Module, ModuleExt, Param, Result, StateDict, TensorStruct,
+        Module, ModuleExt, Param, Result, StateDict, TensorStruct, Tolerance,
     };
     pub use candle_core::{DType, Device, Tensor, D};
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::buffer::Buffer;
-use crate::identity::{CallTarget, Shared};
+use crate::identity::{CallTarget, ModeMarks, Shared};
 use crate::param::Param;
 
 /// A node of a model's tree: PyTorch's `nn.Module`, reduced to the one thing the rest is built on,
@@ -216,13 +216,31 @@ pub enum ChildMut<'a> {
 /// [`train`](crate::ModuleExt::train) and [`eval`](crate::ModuleExt::eval) set every `Mode` in a
 /// subtree. A user module can hold one too and read it in `forward`. It takes no part in paths or
 /// state dicts. New flags are in training mode, as in PyTorch; a clone copies the current value.
-#[derive(Debug)]
-pub struct Mode(AtomicBool);
+///
+/// A module that holds a `Mode` as a direct field reports it as its own flag
+/// ([`is_training`](crate::ModuleExt::is_training)).
+pub struct Mode {
+    flag: AtomicBool,
+    /// Train/eval flags of the modules this is the first leaf of (like a `Param`'s).
+    marks: ModeMarks,
+}
 
 impl Mode {
     /// A flag in training mode.
     pub fn new() -> Self {
-        Self(AtomicBool::new(true))
+        Self::with(true, ModeMarks::default())
+    }
+
+    fn with(training: bool, marks: ModeMarks) -> Self {
+        Self {
+            flag: AtomicBool::new(training),
+            marks,
+        }
+    }
+
+    /// The flags of the modules whose first leaf this is (see [`ModeMarks`]).
+    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+        &self.marks
     }
 
     /// Whether the module is in training mode.
@@ -235,12 +253,12 @@ impl Mode {
                 return training;
             }
         }
-        self.0.load(Ordering::Relaxed)
+        self.flag.load(Ordering::Relaxed)
     }
 
     /// Sets training (`true`) or evaluation (`false`) mode.
     pub fn set_training(&self, training: bool) {
-        self.0.store(training, Ordering::Relaxed);
+        self.flag.store(training, Ordering::Relaxed);
     }
 
     /// The flag's identity while it is borrowed (functional scopes override flags by it).
@@ -257,7 +275,13 @@ impl Default for Mode {
 
 impl Clone for Mode {
     fn clone(&self) -> Self {
-        Self(AtomicBool::new(self.is_training()))
+        Self::with(self.is_training(), self.marks.snapshot())
+    }
+}
+
+impl std::fmt::Debug for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Mode").field(&self.flag).finish()
     }
 }
 

@@ -29,9 +29,12 @@ use crate::lazy_shape::LazyShape;
 /// A parameter may be *lazy* ([`Param::lazy`]): created *unbuilt*, with a shape some of whose
 /// dimensions are unknown, and materialized once, with the dimensions the first input decides
 /// ([`materialize`](Self::materialize)) or the values a checkpoint holds ([`set`](Self::set)).
-/// An unbuilt parameter holds no values: it reads as an empty placeholder of shape `[0]`
-/// (so [`elem_count`](Self::elem_count) is 0), with the dtype and device it will be built with,
-/// which `to_device`/`to_dtype` change like any other parameter's.
+/// An unbuilt parameter holds no values: reading it ([`tensor`](Self::tensor),
+/// [`var`](Self::var)) is [`Error::NotLoaded`](crate::Error::NotLoaded), as PyTorch raises
+/// "Attempted to use an uninitialized parameter". Its metadata stays readable: it has the dtype and
+/// device it will be built with (which `to_device`/`to_dtype` change like any other parameter's),
+/// [`lazy_shape`](Self::lazy_shape) says its shape, and [`shape`](Self::shape) is `[0]` (so
+/// [`elem_count`](Self::elem_count) is 0) until it is built.
 ///
 /// ```
 /// use module_runtime::{Param, candle_core::{Device, Tensor}};
@@ -39,7 +42,7 @@ use crate::lazy_shape::LazyShape;
 /// let tied = w.clone();
 /// assert!(tied.same_as(&w));
 /// w.set(&Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(tied.tensor().sum_all()?.to_scalar::<f32>()?, 6.0);
+/// assert_eq!(tied.tensor()?.sum_all()?.to_scalar::<f32>()?, 6.0);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Clone)]
@@ -117,7 +120,7 @@ impl Param {
     /// let w = Param::init((3, 4), Init::UniformFanIn, 4, DType::F32, &Device::Cpu)?;
     /// assert!(w.is_built());
     /// let bound = 1.0 / 2.0; // 1/sqrt(fan_in)
-    /// assert!(w.tensor().abs()?.max_all()?.to_scalar::<f32>()? <= bound);
+    /// assert!(w.tensor()?.abs()?.max_all()?.to_scalar::<f32>()? <= bound);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn init(
@@ -168,19 +171,53 @@ impl Param {
             }
         }
         self.0.var.materialize(dims, fan_in)?;
-        check_built_dims(self.tensor(), dims)
+        check_built_dims(self.current(), dims)
     }
 
-    /// The value to compute with in a forward pass.
+    /// The value to compute with in a forward pass, or [`Error::NotLoaded`](crate::Error::NotLoaded)
+    /// when the parameter has no values yet: made under [`empty_weights`](crate::empty_weights)
+    /// and not loaded, or lazy and not built (PyTorch: "Attempted to use an uninitialized
+    /// parameter"). Lazy layers call [`materialize`](Self::materialize) instead, which builds it.
     ///
     /// Gradients flow to the parameter unless it is frozen or read under
     /// [`no_grad`](crate::no_grad), in which case the tensor is detached (it records no operation,
-    /// so layers take their fused inference kernels). An unbuilt lazy parameter reads as its empty placeholder; lazy layers call
-    /// [`materialize`](Self::materialize) instead.
+    /// so layers take their fused inference kernels).
     ///
     /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes this
-    /// parameter, it reads as the substituted tensor instead (detached under `no_grad`).
-    pub fn tensor(&self) -> Tensor {
+    /// parameter, it reads as the substituted tensor instead (detached under `no_grad`), built or
+    /// not.
+    ///
+    /// ```
+    /// use module_runtime::{Error, Init, LazyShape, Param};
+    /// use module_runtime::candle_core::{DType, Device};
+    /// let w = Param::lazy(LazyShape::new([Some(4), None]), Init::UniformFanIn, DType::F32, &Device::Cpu)?;
+    /// assert!(matches!(w.tensor(), Err(Error::NotLoaded { .. })));
+    /// w.materialize(&[4, 3], 3)?;
+    /// assert_eq!(w.tensor()?.dims(), [4, 3]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn tensor(&self) -> Result<Tensor> {
+        if crate::functional::scope::active() {
+            if let Some(t) = self.substituted() {
+                return Ok(t);
+            }
+        }
+        match self.0.var.unbuilt_error("parameter") {
+            None => Ok(self.current()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// The same as [`tensor`](Self::tensor) (the name the runtime's layers used while `tensor`
+    /// returned an unbuilt parameter's empty placeholder).
+    pub fn value(&self) -> Result<Tensor> {
+        self.tensor()
+    }
+
+    /// What [`tensor`](Self::tensor) returns, without the unbuilt check: an unbuilt parameter
+    /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
+    /// checked models), never for computing.
+    pub(crate) fn current(&self) -> Tensor {
         if crate::functional::scope::active() {
             if let Some(t) = self.substituted() {
                 return t;
@@ -191,23 +228,6 @@ impl Param {
             var.as_tensor().clone()
         } else {
             var.as_tensor().detach()
-        }
-    }
-
-    /// The value to compute with, like [`tensor`](Self::tensor), or
-    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the parameter has no values yet (made
-    /// under [`empty_weights`](crate::empty_weights) and not loaded, or lazy and not built). The
-    /// runtime's layers read their parameters this way, so calling a model before loading it is a
-    /// clear error rather than a shape mismatch against an empty placeholder.
-    pub fn value(&self) -> Result<Tensor> {
-        if crate::functional::scope::active() {
-            if let Some(t) = self.substituted() {
-                return Ok(t);
-            }
-        }
-        match self.0.var.unbuilt_error("parameter") {
-            None => Ok(self.tensor()),
-            Some(e) => Err(e),
         }
     }
 
@@ -224,8 +244,19 @@ impl Param {
         })
     }
 
-    /// The candle `Var` behind the parameter (whether frozen or not).
-    pub fn var(&self) -> Var {
+    /// The candle `Var` behind the parameter (whether frozen or not), for candle's optimizers
+    /// and `GradStore` lookups; [`Error::NotLoaded`](crate::Error::NotLoaded) when the parameter
+    /// is not built (see [`tensor`](Self::tensor)).
+    pub fn var(&self) -> Result<Var> {
+        match self.0.var.unbuilt_error("parameter") {
+            None => Ok(self.current_var()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// The `Var` behind the parameter, an unbuilt one's empty placeholder included (see
+    /// [`current`](Self::current)).
+    pub(crate) fn current_var(&self) -> Var {
         self.read().clone()
     }
 

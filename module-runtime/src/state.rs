@@ -289,7 +289,7 @@ impl LoadOptions {
     ///
     /// let full = Linear::new(3, 2, &Device::Cpu)?;
     /// let mut sd = StateDict::new();
-    /// sd.insert("weight", full.weight.tensor()); // no "bias"
+    /// sd.insert("weight", full.weight.tensor()?); // no "bias"
     /// let model = Linear::new(3, 2, &Device::Cpu)?;
     /// assert!(model.load_state_dict(&sd).is_err());
     /// // A hook that accepts a missing bias makes the strict load succeed.
@@ -385,8 +385,8 @@ impl Slot {
 
     fn tensor(&self) -> Tensor {
         match self {
-            Slot::Param(p) => p.var().as_tensor().detach(),
-            Slot::Buffer(b) => b.tensor(),
+            Slot::Param(p) => p.current_var().as_tensor().detach(),
+            Slot::Buffer(b) => b.current(),
         }
     }
 }

@@ -119,7 +119,7 @@ pub(crate) fn set_training(root: &dyn Module, training: bool) {
             }
             Visit::Mode(m) => {
                 m.set_training(training);
-                return true;
+                m.mode_marks()
             }
             Visit::Extra(_) => return true,
             Visit::Param(p) => p.mode_marks(),
@@ -132,23 +132,43 @@ pub(crate) fn set_training(root: &dyn Module, training: bool) {
     });
 }
 
-/// `root`'s own flag: the one `train`/`eval` last recorded for it (see [`set_training`]), else the
-/// first [`Mode`](crate::Mode) flag under it, else `true` (PyTorch's default).
+/// `root`'s own flag, as PyTorch's `module.training`, which only `train`/`eval` on the module or
+/// on a module above it change (never `eval` on a child):
+///
+/// 1. a [`Mode`](crate::Mode) that is a direct field of `root` (the runtime's Dropout, BatchNorm,
+///    activations, or a user module's own flag) is its flag;
+/// 2. otherwise the flag [`set_training`] last recorded for `root` in its first leaf (parameter,
+///    buffer or `Mode`, in walk order);
+/// 3. otherwise `true`: nothing was recorded for `root` itself since it was built, and new
+///    modules are in training mode, whatever mode its children were put in.
 pub(crate) fn is_training(root: &dyn Module) -> bool {
+    let mut own = None;
+    root.visit_children(&mut |_, child| {
+        if let (None, Child::Mode(m)) = (own, child) {
+            own = Some(m.is_training());
+        }
+    });
+    if let Some(training) = own {
+        return training;
+    }
     let mut recorded = None;
-    let mut first_mode = None;
     let mut leaf_seen = false;
     walk(root, false, &mut |path, v| {
-        match v {
-            Visit::Param(p) if !leaf_seen => recorded = p.mode_marks().get(path),
-            Visit::Buffer(b) if !leaf_seen => recorded = b.mode_marks().get(path),
-            Visit::Mode(m) if first_mode.is_none() => first_mode = Some(m.is_training()),
-            _ => {}
+        if leaf_seen {
+            return false;
         }
-        leaf_seen |= matches!(v, Visit::Param(_) | Visit::Buffer(_));
-        !(leaf_seen && (recorded.is_some() || first_mode.is_some()))
+        let marks = match v {
+            Visit::Param(p) => p.mode_marks(),
+            Visit::Buffer(b) => b.mode_marks(),
+            Visit::Mode(m) => m.mode_marks(),
+            Visit::Module(_) => return true,
+            Visit::Extra(_) => return true,
+        };
+        leaf_seen = true;
+        recorded = marks.get(path);
+        false
     });
-    recorded.or(first_mode).unwrap_or(true)
+    recorded.unwrap_or(true)
 }
 
 /// The path of every unbuilt parameter, buffer and [`Lazy`](crate::Lazy) cell, each once.

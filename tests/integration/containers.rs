@@ -190,7 +190,14 @@ fn wrapped_candle_nn_layers_are_listed_and_train() {
     let before: Vec<Vec<f32>> = net
         .parameters()
         .iter()
-        .map(|p| p.tensor().flatten_all().unwrap().to_vec1().unwrap())
+        .map(|p| {
+            p.tensor()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
         .collect();
     let mut opt = candle_nn::SGD::new(net.trainable_vars().unwrap(), 0.5).unwrap();
     let ids = Tensor::new(&[[1u32, 2, 3, 4, 5]], &dev()).unwrap();
@@ -205,12 +212,18 @@ fn wrapped_candle_nn_layers_are_listed_and_train() {
     let loss = (y - target).unwrap().sqr().unwrap().sum_all().unwrap();
     opt.backward_step(&loss).unwrap();
     for ((name, p), before) in net.named_parameters().into_iter().zip(before) {
-        let after: Vec<f32> = p.tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let after: Vec<f32> = p
+            .tensor()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_ne!(after, before, "{name} did not change after a step");
     }
     // The VarMap and the wrapper share storage.
     let fc_in_varmap = varmap.data().lock().unwrap()["fc.weight"].clone();
-    let fc_param = net.get_parameter("fc.weight").unwrap().tensor();
+    let fc_param = net.get_parameter("fc.weight").unwrap().tensor().unwrap();
     assert_eq!(
         fc_in_varmap
             .flatten_all()

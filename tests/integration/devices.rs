@@ -120,9 +120,9 @@ fn assert_tied(model: &TiedLm) -> Result<()> {
     // embed.weight (= head.weight), head.bias, norm.weight, norm.bias.
     assert_eq!(model.parameters().len(), 4);
     assert_eq!(model.trainable_vars()?.len(), 4);
-    let original = model.embed.weight.tensor().copy()?;
+    let original = model.embed.weight.tensor()?.copy()?;
     model.head.weight.set(&(&original + 1.0)?)?;
-    let seen = (model.embed.weight.tensor() - &original)?.to_dtype(DType::F32)?;
+    let seen = (model.embed.weight.tensor()? - &original)?.to_dtype(DType::F32)?;
     assert_eq!(seen.min_all()?.to_scalar::<f32>()?, 1.0);
     assert_eq!(seen.max_all()?.to_scalar::<f32>()?, 1.0);
     model.embed.weight.set(&original)?;
@@ -162,7 +162,7 @@ fn a_model_moves_to_the_device_and_back_with_ties_dtypes_and_values() -> Result<
     model.train();
     model.call(&ids)?;
     assert_all_on(&model, &target);
-    let tracked = model.norm.num_batches_tracked.as_ref().unwrap().tensor();
+    let tracked = model.norm.num_batches_tracked.as_ref().unwrap().tensor()?;
     assert_eq!(tracked.to_scalar::<i64>()?, 1);
     let trained = snapshot(&model);
 
@@ -220,7 +220,7 @@ fn a_checkpoint_loads_onto_the_device_of_the_model() -> Result<()> {
     model
         .embed
         .weight
-        .set(&model.embed.weight.tensor().zeros_like()?)?;
+        .set(&model.embed.weight.tensor()?.zeros_like()?)?;
     let report = model.load_safetensors(&path)?;
     assert_eq!(
         report.loaded, 9,
@@ -316,7 +316,7 @@ impl Forward<&Tensor> for LazyTied {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.decoder.call(&self.encoder.call(x)?)?;
-        self.lazy.call(&h.broadcast_mul(&self.scale.tensor())?)
+        self.lazy.call(&h.broadcast_mul(&self.scale.tensor()?)?)
     }
 }
 
@@ -342,7 +342,7 @@ fn a_lazy_parameter_a_buffer_and_a_tie_survive_a_round_trip() -> Result<()> {
     let before: Vec<f32> = model
         .encoder
         .weight
-        .tensor()
+        .tensor()?
         .to_dtype(DType::F16)?
         .to_dtype(DType::F32)?
         .flatten_all()?
@@ -366,7 +366,7 @@ fn a_lazy_parameter_a_buffer_and_a_tie_survive_a_round_trip() -> Result<()> {
     let lazy_values: Vec<f32> = model
         .lazy
         .weight
-        .tensor()
+        .tensor()?
         .to_dtype(DType::F32)?
         .to_device(&cpu)?
         .flatten_all()?
@@ -380,12 +380,17 @@ fn a_lazy_parameter_a_buffer_and_a_tie_survive_a_round_trip() -> Result<()> {
         "encoder.weight/bias, lazy.weight/bias"
     );
     assert!(model.encoder.weight.device().is_cpu());
-    assert_eq!(model.scale.tensor().to_vec1::<f32>()?, [0.5, 1.0, 2.0]);
+    assert_eq!(model.scale.tensor()?.to_vec1::<f32>()?, [0.5, 1.0, 2.0]);
     assert_eq!(
-        model.lazy.weight.tensor().flatten_all()?.to_vec1::<f32>()?,
+        model
+            .lazy
+            .weight
+            .tensor()?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
         lazy_values
     );
-    let after: Vec<f32> = model.encoder.weight.tensor().flatten_all()?.to_vec1()?;
+    let after: Vec<f32> = model.encoder.weight.tensor()?.flatten_all()?.to_vec1()?;
     assert_eq!(after, before);
     Ok(())
 }

@@ -47,7 +47,7 @@ impl Forward<&Tensor> for Net {
     type Output = Tensor;
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.fc1.call(x)?.tanh()?;
-        Ok(self.fc2.call(&h)?.broadcast_add(&self.stats.tensor())?)
+        Ok(self.fc2.call(&h)?.broadcast_add(&self.stats.tensor()?)?)
     }
 }
 
@@ -103,7 +103,7 @@ fn world_of_one_step_equals_a_plain_step_bit_for_bit() -> Result<()> {
         let mut g = mse(&ddp.call(&x)?, &y)?.backward()?;
         ddp.reduce_gradients(&mut g)?;
         // `extra` takes no part: it must stay without a gradient.
-        assert!(g.get(wrapped.extra.weight.var().as_tensor()).is_none());
+        assert!(g.get(wrapped.extra.weight.var()?.as_tensor()).is_none());
         opt_ddp.step(&g)?;
     }
     assert_eq!(param_values(&plain), param_values(&wrapped));
@@ -176,7 +176,10 @@ fn ranks_seeded_differently_agree_after_construction() {
     let out = on_ranks(3, |rank, comm| {
         let model = Net::new(10 + rank as u64);
         let _ddp = DistributedDataParallel::new(&model, comm, DdpConfig::default())?;
-        Ok((param_values(&model), model.stats.tensor().to_vec1::<f32>()?))
+        Ok((
+            param_values(&model),
+            model.stats.tensor().unwrap().to_vec1::<f32>()?,
+        ))
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
     assert_eq!(out[0].0, param_values(&Net::new(10)), "rank 0's values win");
@@ -234,11 +237,11 @@ fn a_parameter_unused_on_one_rank_counts_as_zeros_there() {
         }
         let mut g = mse(&out, &y)?.backward()?;
         let local = g
-            .get(model.extra.weight.var().as_tensor())
+            .get(model.extra.weight.var().unwrap().as_tensor())
             .map(|t| t.to_vec2::<f32>().unwrap());
         ddp.reduce_gradients(&mut g)?;
         let reduced = g
-            .get(model.extra.weight.var().as_tensor())
+            .get(model.extra.weight.var().unwrap().as_tensor())
             .unwrap()
             .to_vec2::<f32>()?;
         Ok((local, reduced))
@@ -263,8 +266,9 @@ fn a_parameter_unused_on_every_rank_keeps_no_gradient() {
         let mut g = mse(&ddp.call(&x)?, &y)?.backward()?;
         ddp.reduce_gradients(&mut g)?;
         Ok((
-            g.get(model.extra.weight.var().as_tensor()).is_none(),
-            g.get(model.fc1.weight.var().as_tensor()).is_some(),
+            g.get(model.extra.weight.var().unwrap().as_tensor())
+                .is_none(),
+            g.get(model.fc1.weight.var().unwrap().as_tensor()).is_some(),
         ))
     });
     for r in out {
@@ -283,7 +287,7 @@ fn bf16_models_reduce_in_their_own_buckets() {
         let ys = y.narrow(0, rank * 4, 4)?.to_dtype(DType::BF16)?;
         let mut g = mse(&ddp.call(&xs)?, &ys)?.backward()?;
         ddp.reduce_gradients(&mut g)?;
-        let w = g.get(model.fc1.weight.var().as_tensor()).unwrap();
+        let w = g.get(model.fc1.weight.var().unwrap().as_tensor()).unwrap();
         assert_eq!(w.dtype(), DType::BF16);
         Ok(w.to_dtype(DType::F32)?.to_vec2::<f32>()?)
     });
@@ -323,7 +327,7 @@ fn buffers_follow_rank_0_before_each_forward() {
             .stats
             .set(&Tensor::new(&[rank as f32; 3], &Device::Cpu)?)?;
         ddp.call(&values(1, &[2, 6], &Device::Cpu))?;
-        let synced = model.stats.tensor().to_vec1::<f32>()?;
+        let synced = model.stats.tensor().unwrap().to_vec1::<f32>()?;
         // Opted out: the local value stays.
         let ddp = DistributedDataParallel::new(
             &model,
@@ -334,7 +338,7 @@ fn buffers_follow_rank_0_before_each_forward() {
             .stats
             .set(&Tensor::new(&[rank as f32; 3], &Device::Cpu)?)?;
         ddp.call(&values(1, &[2, 6], &Device::Cpu))?;
-        Ok((synced, model.stats.tensor().to_vec1::<f32>()?))
+        Ok((synced, model.stats.tensor().unwrap().to_vec1::<f32>()?))
     });
     let out: Vec<_> = out.into_iter().map(Result::unwrap).collect();
     assert_eq!(out[1].0, [0.0; 3]);

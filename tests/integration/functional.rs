@@ -100,8 +100,8 @@ fn functional_call_uses_the_given_tensors_and_leaves_the_model_unchanged() -> Re
     }
     let plain = model.call(&x)?;
     let expected = x
-        .matmul(&model.weight.tensor().t()?)?
-        .broadcast_add(&model.bias.as_ref().unwrap().tensor())?;
+        .matmul(&model.weight.tensor()?.t()?)?
+        .broadcast_add(&model.bias.as_ref().unwrap().tensor()?)?;
     assert_eq!(vec2(&plain), vec2(&expected));
     Ok(())
 }
@@ -281,8 +281,10 @@ fn gradients_flow_into_substituted_variables() -> Result<()> {
         .get(&w)
         .expect("a gradient for the substituted weight");
     assert_eq!(vec2(gw), [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]);
-    assert!(grads.get(&model.weight.var()).is_none());
-    assert!(grads.get(&model.bias.as_ref().unwrap().var()).is_some()); // not replaced: still trained
+    assert!(grads.get(model.weight.var()?.as_tensor()).is_none());
+    assert!(grads
+        .get(model.bias.as_ref().unwrap().var()?.as_tensor())
+        .is_some()); // not replaced: still trained
     Ok(())
 }
 
@@ -353,15 +355,19 @@ fn buffers_can_be_substituted_and_writes_stay_in_the_call() -> Result<()> {
         bn.running_mean
             .as_ref()
             .unwrap()
-            .tensor()
+            .tensor()?
             .to_vec1::<f32>()?,
         [0.0, 0.0]
     );
     assert_eq!(
-        bn.running_var.as_ref().unwrap().tensor().to_vec1::<f32>()?,
+        bn.running_var
+            .as_ref()
+            .unwrap()
+            .tensor()?
+            .to_vec1::<f32>()?,
         [1.0, 1.0]
     );
-    let nbt = bn.num_batches_tracked.as_ref().unwrap().tensor();
+    let nbt = bn.num_batches_tracked.as_ref().unwrap().tensor()?;
     assert_eq!(nbt.to_scalar::<i64>()?, 0);
     assert_eq!(given.to_vec1::<f32>()?, [5.0, 5.0]);
     Ok(())
@@ -466,12 +472,12 @@ fn deep_clone_is_independent_and_keeps_ties() -> Result<()> {
     assert!(!copy.is_training());
     // Same values, independent storage.
     assert_eq!(
-        vec2(&copy.fc1.weight.tensor()),
-        vec2(&model.fc1.weight.tensor())
+        vec2(&copy.fc1.weight.tensor()?),
+        vec2(&model.fc1.weight.tensor()?)
     );
     copy.fc2.weight.set(&full(7.0, &[2, 2]))?;
-    assert_eq!(vec2(&copy.fc1.weight.tensor()), [[7.0, 7.0], [7.0, 7.0]]);
-    assert_ne!(vec2(&model.fc1.weight.tensor()), [[7.0, 7.0], [7.0, 7.0]]);
+    assert_eq!(vec2(&copy.fc1.weight.tensor()?), [[7.0, 7.0], [7.0, 7.0]]);
+    assert_ne!(vec2(&model.fc1.weight.tensor()?), [[7.0, 7.0], [7.0, 7.0]]);
     Ok(())
 }
 
@@ -486,7 +492,7 @@ fn deep_clone_copies_buffers() -> Result<()> {
             .num_batches_tracked
             .as_ref()
             .unwrap()
-            .tensor()
+            .tensor()?
             .to_scalar::<i64>()?)
     };
     assert_eq!(nbt(&copy)?, 1);
@@ -561,7 +567,7 @@ fn expect_outputs_names_the_first_diverging_call() -> Result<()> {
     let mut sd = StateDict::new();
     sd.insert(
         "block.1.bias",
-        (model.get_parameter("block.1.bias")?.tensor() + 0.25)?,
+        (model.get_parameter("block.1.bias")?.tensor()? + 0.25)?,
     );
     let err = model
         .expect_outputs(&reference, Tolerance::default(), |m| {

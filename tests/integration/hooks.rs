@@ -369,7 +369,7 @@ fn trees_of_tensors_in_and_out() -> Result<()> {
     impl Forward<(&Tensor, Option<&Tensor>, usize)> for Split {
         type Output = Pair;
         fn forward(&self, (a, b, n): (&Tensor, Option<&Tensor>, usize)) -> Result<Pair> {
-            let s = self.scale.tensor();
+            let s = self.scale.tensor()?;
             Ok(Pair {
                 left: (a.broadcast_mul(&s)? * n as f64)?,
                 right: b.map(|b| b.broadcast_mul(&s)).transpose()?,
@@ -566,7 +566,7 @@ fn a_tensor_struct_that_maps_more_than_it_lists_is_an_error() -> Result<()> {
     impl Forward<&Tensor> for Make {
         type Output = Lopsided;
         fn forward(&self, x: &Tensor) -> Result<Lopsided> {
-            let y = x.broadcast_mul(&self.scale.tensor())?;
+            let y = x.broadcast_mul(&self.scale.tensor()?)?;
             Ok(Lopsided { a: y.clone(), b: y })
         }
     }

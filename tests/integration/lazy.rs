@@ -107,7 +107,7 @@ fn eight_threads_making_the_first_call_materialize_each_parameter_once() -> Resu
                     let y = fc.call(&x).unwrap();
                     let c = counted.materialize(&[3, 6], 6).unwrap();
                     (
-                        fc.weight.var().as_tensor().id(),
+                        fc.weight.var().unwrap().as_tensor().id(),
                         y.to_vec2::<f32>().unwrap(),
                         c.to_vec2::<f32>().unwrap(),
                     )
@@ -122,7 +122,7 @@ fn eight_threads_making_the_first_call_materialize_each_parameter_once() -> Resu
         assert_eq!(*y, seen[0].1, "the same values for every thread");
         assert_eq!(*c, seen[0].2);
     }
-    assert_eq!(fc.weight.var().as_tensor().id(), seen[0].0);
+    assert_eq!(fc.weight.var()?.as_tensor().id(), seen[0].0);
     Ok(())
 }
 
@@ -298,9 +298,9 @@ fn build_on_a_sample_records_no_gradient_and_changes_no_state() -> Result<()> {
     assert!(!net.head.weight.requires_grad());
     assert!(net.is_training());
     // Evaluation mode during the run: BatchNorm's statistics did not move.
-    let nbt = net.bn.num_batches_tracked.as_ref().unwrap().tensor();
+    let nbt = net.bn.num_batches_tracked.as_ref().unwrap().tensor()?;
     assert_eq!(nbt.to_scalar::<i64>()?, 0);
-    let mean = net.bn.running_mean.as_ref().unwrap().tensor();
+    let mean = net.bn.running_mean.as_ref().unwrap().tensor()?;
     assert_eq!(mean.to_vec1::<f32>()?, [0f32; 6]);
     // And a real call after it does train.
     assert!(net.call(&x)?.track_op());
@@ -345,8 +345,8 @@ impl Forward<&Tensor> for Adaptive {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let s = self.built(x)?;
         let y = x
-            .broadcast_mul(&s.scale.tensor())?
-            .broadcast_add(&s.shift.tensor())?;
+            .broadcast_mul(&s.scale.tensor()?)?
+            .broadcast_add(&s.shift.tensor()?)?;
         s.proj.call(&y)
     }
 }
@@ -467,7 +467,7 @@ fn lazy_layers_follow_pytorch_init_bounds() -> Result<()> {
     let bound = 1.0 / 4.0;
     for p in fc.parameters() {
         let max = p
-            .tensor()
+            .tensor()?
             .abs()?
             .flatten_all()?
             .max(0)?
@@ -476,7 +476,7 @@ fn lazy_layers_follow_pytorch_init_bounds() -> Result<()> {
     }
     let bn = LazyBatchNorm2d::new(&dev())?;
     bn.call(&randn(&[2, 3, 2, 2]))?;
-    let w = bn.weight.as_ref().unwrap().tensor().to_vec1::<f32>()?;
+    let w = bn.weight.as_ref().unwrap().tensor()?.to_vec1::<f32>()?;
     assert_eq!(w, [1., 1., 1.]);
     assert_eq!(bn.num_features(), Some(3));
     Ok(())

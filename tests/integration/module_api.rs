@@ -371,7 +371,7 @@ fn always_call_hooks_run_when_a_pre_hook_fails() {
 // ---------------------------------------------------------------------------------------------
 
 fn weight_of(m: &Block) -> Vec<Vec<f32>> {
-    m.fc.weight.tensor().to_vec2::<f32>().unwrap()
+    m.fc.weight.tensor().unwrap().to_vec2::<f32>().unwrap()
 }
 
 /// A state dict for `Block` with `fc.bias` left out and an extra `old.scale`.
@@ -651,7 +651,7 @@ fn extra_state_round_trips_through_safetensors() {
 }
 
 fn weight_of_fc(fc: &Linear) -> Vec<Vec<f32>> {
-    fc.weight.tensor().to_vec2::<f32>().unwrap()
+    fc.weight.tensor().unwrap().to_vec2::<f32>().unwrap()
 }
 
 /// `Module._load_from_state_dict`: a module that implements `set_extra_state` and finds no
@@ -731,12 +731,12 @@ fn gradients_by_name_come_from_the_grad_store() {
     let grads = loss.backward().unwrap();
     for (name, p) in m.named_parameters() {
         let g = grads
-            .get(&p.var())
+            .get(&p.var().unwrap())
             .unwrap_or_else(|| panic!("no gradient for {name}"));
         assert_eq!(g.dims(), p.shape().dims(), "{name}");
     }
     // d(sum(x W^T + b))/db = 1 for each output.
-    let bias = m.picky.fc.bias.as_ref().unwrap().var();
+    let bias = m.picky.fc.bias.as_ref().unwrap().var().unwrap();
     assert_eq!(
         grads.get(&bias).unwrap().to_vec1::<f32>().unwrap(),
         [1.0, 1.0]

@@ -49,7 +49,7 @@ fn check_output_and_grads(
     );
     for (name, p) in params {
         let got = grads
-            .get(&p.tensor())
+            .get(&p.tensor().unwrap())
             .unwrap_or_else(|| panic!("{}: no gradient for parameter `{name}`", fx.name));
         assert_close(
             &format!("{}: grad.param.{name}", fx.name),
@@ -132,9 +132,17 @@ where
     for (name, b) in buffers {
         let expected = fx.get(&format!("after.{name}"));
         if expected.dtype().is_float() {
-            assert_close(&format!("{case}: after.{name}"), &b.tensor(), &expected);
+            assert_close(
+                &format!("{case}: after.{name}"),
+                &b.tensor().unwrap(),
+                &expected,
+            );
         } else {
-            assert_equal(&format!("{case}: after.{name}"), &b.tensor(), &expected);
+            assert_equal(
+                &format!("{case}: after.{name}"),
+                &b.tensor().unwrap(),
+                &expected,
+            );
         }
     }
 }
@@ -149,7 +157,7 @@ where
     for (name, b) in bn.named_buffers() {
         assert_equal(
             &format!("{case}: {name} after an eval forward"),
-            &b.tensor(),
+            &b.tensor().unwrap(),
             &fx.get(&format!("param.{name}")),
         );
     }
@@ -333,15 +341,27 @@ fn linear_then_layer_norm_learns() {
     // What this guards against: through candle's fused kernel, the Linear gets no gradient.
     let h = block.fc.call(&x).unwrap();
     let (w, b) = (block.norm.weight.as_ref(), block.norm.bias.as_ref());
-    let fused =
-        candle_nn::ops::layer_norm(&h, &w.unwrap().tensor(), &b.unwrap().tensor(), 1e-5).unwrap();
+    let fused = candle_nn::ops::layer_norm(
+        &h,
+        &w.unwrap().tensor().unwrap(),
+        &b.unwrap().tensor().unwrap(),
+        1e-5,
+    )
+    .unwrap();
     let grads = loss::mse_loss(&fused, &target).unwrap().backward().unwrap();
-    assert!(grads.get(&block.fc.weight.tensor()).is_none());
+    assert!(grads.get(&block.fc.weight.tensor().unwrap()).is_none());
 
     let before: Vec<Vec<f32>> = block
         .parameters()
         .iter()
-        .map(|p| p.tensor().flatten_all().unwrap().to_vec1().unwrap())
+        .map(|p| {
+            p.tensor()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
         .collect();
     let mut sgd = candle_nn::SGD::new(block.trainable_vars().unwrap(), 0.1).unwrap();
     let y = block.norm.call(&block.fc.call(&x).unwrap()).unwrap();
@@ -352,7 +372,13 @@ fn linear_then_layer_norm_learns() {
         if name == "fc.bias" {
             continue;
         }
-        let new: Vec<f32> = p.tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let new: Vec<f32> = p
+            .tensor()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert!(new != old, "`{name}` did not change after an SGD step");
     }
 }

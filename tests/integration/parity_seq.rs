@@ -33,7 +33,7 @@ fn check_backward(fx: &Fixture, model: &dyn Module, input: &Var, output: &Tensor
     assert_eq!(keys.len(), params.len(), "a gradient for every parameter");
     for (name, p) in params {
         let grad = grads
-            .get(p.var().as_tensor())
+            .get(p.var().unwrap().as_tensor())
             .unwrap_or_else(|| panic!("no gradient for {name}"));
         assert_close(
             &format!("grad.{name}"),
@@ -153,7 +153,7 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     for (single, k) in [(&l0, 0), (&l1, 1)] {
         for (name, p) in single.named_parameters() {
             let src = lstm.get_parameter(&name.replace("l0", &format!("l{k}")));
-            p.set(&src.unwrap().tensor()).unwrap();
+            p.set(&src.unwrap().tensor().unwrap()).unwrap();
         }
     }
     let (y, (h, c)) = lstm.call(&x).unwrap();
@@ -172,7 +172,7 @@ fn multi_layer_rnn_is_stacked_single_layers() {
     for (single, k) in [(&g0, 0), (&g1, 1)] {
         for (name, p) in single.named_parameters() {
             let src = gru.get_parameter(&name.replace("l0", &format!("l{k}")));
-            p.set(&src.unwrap().tensor()).unwrap();
+            p.set(&src.unwrap().tensor().unwrap()).unwrap();
         }
     }
     let (y, h) = gru.call(&x).unwrap();

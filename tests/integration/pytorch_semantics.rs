@@ -99,21 +99,27 @@ fn load_converts_dtypes_like_copy_unless_exact_dtype_is_asked() {
     );
     sd.insert("bias", Tensor::new(&[5i64, -6], &dev).unwrap());
 
-    let before = m.weight.tensor().to_vec2::<f32>().unwrap();
+    let before = m.weight.tensor().unwrap().to_vec2::<f32>().unwrap();
     let err = m
         .load_state_dict_with(&sd, &LoadOptions::default().exact_dtype())
         .unwrap_err();
     assert!(err.to_string().contains("F64"), "{err}");
-    assert_eq!(m.weight.tensor().to_vec2::<f32>().unwrap(), before);
+    assert_eq!(m.weight.tensor().unwrap().to_vec2::<f32>().unwrap(), before);
 
     m.load_state_dict(&sd).unwrap();
     assert_eq!(m.weight.dtype(), DType::F32);
     assert_eq!(
-        m.weight.tensor().to_vec2::<f32>().unwrap(),
+        m.weight.tensor().unwrap().to_vec2::<f32>().unwrap(),
         [[1., 2.], [3., 4.]]
     );
     assert_eq!(
-        m.bias.as_ref().unwrap().tensor().to_vec1::<f32>().unwrap(),
+        m.bias
+            .as_ref()
+            .unwrap()
+            .tensor()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
         [5., -6.]
     );
 
@@ -143,7 +149,7 @@ fn batch_norm_loads_a_checkpoint_without_num_batches_tracked() {
         .collect();
     let report = bn.load_state_dict(&old).unwrap();
     assert!(report.missing.is_empty());
-    let count = bn.num_batches_tracked.as_ref().unwrap().tensor();
+    let count = bn.num_batches_tracked.as_ref().unwrap().tensor().unwrap();
     assert_eq!(count.to_scalar::<i64>().unwrap(), 2);
     // The rule is for that buffer only.
     old = old
@@ -175,7 +181,7 @@ fn buffers_update_in_place_so_earlier_state_dicts_see_new_values() {
     let other = BatchNorm1d::new(2, &dev).unwrap();
     let mut sd = other.state_dict().unwrap();
     sd.insert("running_var", Tensor::new(&[7f32, 8.], &dev).unwrap());
-    let before_load = bn.named_buffers()[1].1.tensor();
+    let before_load = bn.named_buffers()[1].1.tensor().unwrap();
     bn.load_state_dict(&sd).unwrap();
     assert_eq!(before_load.to_vec1::<f32>().unwrap(), [7., 8.]);
 }

@@ -69,7 +69,7 @@ fn check_cell_backward(fx: &Fixture, cell: &dyn Module, input: &Var, output: &Te
     );
     for (name, p) in cell.named_parameters() {
         let grad = grads
-            .get(p.var().as_tensor())
+            .get(p.var().unwrap().as_tensor())
             .unwrap_or_else(|| panic!("no gradient for {name}"));
         assert_close(
             &format!("grad.{name}"),
@@ -165,6 +165,7 @@ fn cell_parameters_have_pytorch_names_shapes_and_init() {
     for (name, p) in lstm.named_parameters() {
         let max = p
             .tensor()
+            .unwrap()
             .abs()
             .unwrap()
             .flatten_all()
@@ -226,8 +227,14 @@ fn a_one_layer_rnn_is_its_cell_looped() {
     let lstm = Lstm::with_config(4, 6, batch_first, &dev).unwrap();
     let cell = LstmCell::new(4, 6, &dev).unwrap();
     for (name, p) in cell.named_parameters() {
-        p.set(&lstm.get_parameter(&format!("{name}_l0")).unwrap().tensor())
-            .unwrap();
+        p.set(
+            &lstm
+                .get_parameter(&format!("{name}_l0"))
+                .unwrap()
+                .tensor()
+                .unwrap(),
+        )
+        .unwrap();
     }
     let (y, (h, c)) = lstm.call(&xs).unwrap();
     let (y_cell, (h_cell, c_cell)) = step_through(&cell, &xs, cell.initial_state(3).unwrap());
@@ -238,8 +245,13 @@ fn a_one_layer_rnn_is_its_cell_looped() {
     let gru = Gru::with_config(4, 6, batch_first, &dev).unwrap();
     let cell = GruCell::new(4, 6, &dev).unwrap();
     for (name, p) in cell.named_parameters() {
-        p.set(&gru.get_parameter(&format!("{name}_l0")).unwrap().tensor())
-            .unwrap();
+        p.set(
+            &gru.get_parameter(&format!("{name}_l0"))
+                .unwrap()
+                .tensor()
+                .unwrap(),
+        )
+        .unwrap();
     }
     let (y, h) = gru.call(&xs).unwrap();
     let (y_cell, h_cell) = step_through(&cell, &xs, cell.initial_state(3).unwrap());

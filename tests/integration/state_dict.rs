@@ -183,7 +183,13 @@ fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
     m.load_state_dict(&sd).unwrap();
     assert_eq!(m.bias.as_ref().unwrap().dtype(), DType::F32);
     assert_eq!(
-        m.bias.as_ref().unwrap().tensor().to_vec1::<f32>().unwrap(),
+        m.bias
+            .as_ref()
+            .unwrap()
+            .tensor()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
         [1.0, 1.0]
     );
 }
@@ -232,7 +238,12 @@ fn optimizer_built_before_a_load_trains_the_loaded_values() {
         .unwrap();
     opt.backward_step(&loss).unwrap();
     assert_eq!(
-        m.weight.var().as_tensor().to_vec2::<f32>().unwrap(),
+        m.weight
+            .var()
+            .unwrap()
+            .as_tensor()
+            .to_vec2::<f32>()
+            .unwrap(),
         [[5., 7.]]
     );
 }

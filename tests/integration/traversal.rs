@@ -118,7 +118,7 @@ fn shared_parameters_are_listed_once() {
         .weight
         .set(&Tensor::ones((2, 2), DType::F32, &dev()).unwrap())
         .unwrap();
-    let b = tied.b.weight.tensor().sum_all().unwrap();
+    let b = tied.b.weight.tensor().unwrap().sum_all().unwrap();
     assert_eq!(b.to_scalar::<f32>().unwrap(), 4.0);
 }
 
@@ -219,6 +219,7 @@ fn freeze_by_pattern_and_train() {
         .iter()
         .map(|p| {
             p.var()
+                .unwrap()
                 .as_tensor()
                 .flatten_all()
                 .unwrap()
@@ -246,6 +247,7 @@ fn freeze_by_pattern_and_train() {
         .iter()
         .map(|p| {
             p.var()
+                .unwrap()
                 .as_tensor()
                 .flatten_all()
                 .unwrap()

@@ -272,7 +272,7 @@ fn typed_paths_are_accepted_where_strings_are() -> Result<()> {
     let _t = hooks.register_typed_forward_hook(&first, move |ctx, fc: &Linear, _, _| {
         log.lock()
             .unwrap()
-            .push((ctx.path().to_owned(), fc.weight.tensor().dims().to_vec()));
+            .push((ctx.path().to_owned(), fc.weight.tensor()?.dims().to_vec()));
         Ok(None)
     })?;
     hooks.run(&net, |n| n.blocks[0].fc.call(&x))?;

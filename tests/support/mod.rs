@@ -19,6 +19,16 @@ pub fn param_values<M: Module>(model: &M) -> Vec<(String, Vec<f32>)> {
     model
         .named_parameters()
         .into_iter()
-        .map(|(n, p)| (n, p.tensor().flatten_all().unwrap().to_vec1().unwrap()))
+        .map(|(n, p)| {
+            (
+                n,
+                p.tensor()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap(),
+            )
+        })
         .collect()
 }

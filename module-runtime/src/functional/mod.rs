@@ -156,7 +156,7 @@ pub trait FunctionalExt: Module + Sized {
     /// // Strict: every parameter must be given, as in a strict load.
     /// let err = model
     ///     .functional_call_with(&tensors, &FunctionalOptions::default().strict(), |m| {
-    ///         Ok(m.weight.tensor())
+    ///         m.weight.tensor()
     ///     })
     ///     .unwrap_err();
     /// assert!(matches!(&err, Error::Load(report) if report.missing == ["bias"]));
@@ -194,7 +194,7 @@ pub trait FunctionalExt: Module + Sized {
     /// assert_eq!(state.get("num_batches_tracked").unwrap().to_scalar::<i64>()?, 1);
     /// assert_eq!(state.get("running_mean").unwrap().to_vec1::<f32>()?, [0.1, 1.5]);
     /// // The model's own buffers are untouched; thread the state into the next step.
-    /// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor().to_scalar::<i64>()?, 0);
+    /// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor()?.to_scalar::<i64>()?, 0);
     /// let (_, state) = bn.call_and_update(&state, &x)?;
     /// assert_eq!(state.get("num_batches_tracked").unwrap().to_scalar::<i64>()?, 2);
     /// # Ok::<(), module_runtime::Error>(())
@@ -277,7 +277,7 @@ pub trait FunctionalExt: Module + Sized {
     /// let target = online.deep_clone()?;
     /// assert!(!target.weight.same_as(&online.weight));
     /// online.weight.set(&Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?)?;
-    /// assert_ne!(target.weight.tensor().abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    /// assert_ne!(target.weight.tensor()?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     #[doc(alias = "deepcopy")]
@@ -356,8 +356,12 @@ pub(crate) fn write_buffer(buffer: &Buffer, value: &Tensor) -> Result<bool> {
 fn capture_buffers(root: &dyn Module, frame: &mut Frame, copy: bool) -> Result<()> {
     for (_, b) in crate::views::named_buffers(root) {
         if let std::collections::hash_map::Entry::Vacant(slot) = frame.buffers.entry(b.id()) {
-            // `tensor`, not the buffer's own value: inside an outer scope, that scope's value.
-            slot.insert(if copy { b.tensor().copy()? } else { b.tensor() });
+            // `current`, not the buffer's own value: inside an outer scope, that scope's value.
+            slot.insert(if copy {
+                b.current().copy()?
+            } else {
+                b.current()
+            });
         }
     }
     Ok(())
@@ -390,7 +394,7 @@ impl Leaf {
     /// leaf's is its empty placeholder, with the dtype and device it will have.
     fn value(&self) -> Tensor {
         match self {
-            Leaf::Param(p) => p.var().as_tensor().detach(),
+            Leaf::Param(p) => p.current_var().as_tensor().detach(),
             Leaf::Buffer(b) => b.own_tensor(),
         }
     }

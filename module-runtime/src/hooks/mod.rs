@@ -32,7 +32,7 @@
 //! })?;
 //! let y = hooks.run(&net, |net| net.call(&x))?;
 //! // With fc1 zeroed, the output is fc2's bias on every row.
-//! let bias = net.fc2.bias.as_ref().unwrap().tensor();
+//! let bias = net.fc2.bias.as_ref().unwrap().tensor()?;
 //! assert_eq!(y.to_vec2::<f32>()?[1], bias.to_vec1::<f32>()?);
 //!
 //! handle.remove();

@@ -112,7 +112,7 @@ impl HookCtx<'_> {
 ///   deprecated `register_backward_hook`, `Tensor.register_hook`): candle's autograd builds no
 ///   graph object that code can attach to, and `Tensor::backward` runs to the end and returns a
 ///   [`GradStore`](candle_core::backprop::GradStore). To see gradients by name, call `backward`
-///   and look each parameter up: `grads.get(&param.var())` for every `(name, param)` of
+///   and look each parameter up: `grads.get(&param.var()?)` for every `(name, param)` of
 ///   [`named_parameters`](crate::ModuleExt::named_parameters). To see an activation's gradient,
 ///   keep the activation (a forward hook, or [`capture`](crate::ModuleExt::capture)) and look it
 ///   up in the same store. Gradients cannot be changed in flight; change them in the store

@@ -61,10 +61,10 @@ impl Default for BatchNormConfig {
 /// let x = Tensor::randn(0f32, 1., (2, 3, 4, 4), &Device::Cpu)?;
 /// let y = bn.call(&x)?;
 /// assert_eq!(y.dims(), x.dims());
-/// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor().to_scalar::<i64>()?, 1);
+/// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor()?.to_scalar::<i64>()?, 1);
 /// bn.eval();
 /// bn.call(&x)?; // eval: statistics unchanged
-/// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor().to_scalar::<i64>()?, 1);
+/// assert_eq!(bn.num_batches_tracked.as_ref().unwrap().tensor()?.to_scalar::<i64>()?, 1);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 ///

@@ -360,7 +360,7 @@ pub(crate) fn layer_param(
     input: &Tensor,
 ) -> Result<Tensor> {
     let t = if param.is_built() {
-        param.tensor()
+        param.tensor()?
     } else {
         param.materialize(dims, fan_in)?
     };
@@ -377,7 +377,7 @@ pub(crate) fn layer_buffer(
     input: &Tensor,
 ) -> Result<Tensor> {
     let t = if buffer.is_built() {
-        buffer.tensor()
+        buffer.tensor()?
     } else {
         buffer.materialize(dims)?
     };

@@ -26,8 +26,10 @@
 //! A family that PyTorch spells once per spatial rank or per cell is one generic type here, with
 //! PyTorch's names as aliases: [`BatchNorm1d`] is `BatchNorm<1>`, [`Conv2d`] is `Conv<2>`,
 //! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `RnnBase<LstmGates>`, [`LstmCell`] is
-//! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Summaries
-//! and type errors show the generic name. A lazy layer is its eager twin with unbuilt parameters, which it
+//! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Summaries,
+//! `Debug` and type errors show PyTorch's class name (`BatchNorm1d`, `Conv2d`, `MaxPool2d`, `LSTM`,
+//! `GRUCell`, …), not the generic one; [`Module::type_name`](crate::Module::type_name) is still the
+//! Rust name. A lazy layer is its eager twin with unbuilt parameters, which it
 //! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
 
 mod common;
@@ -88,3 +90,27 @@ pub use layer_norm::{
     RmsNormConfig, RmsNormPath,
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
+
+/// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
+/// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,
+/// type errors). Also `RmsNorm`, which PyTorch spells `RMSNorm`.
+pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 15] {
+    use std::any::type_name;
+    [
+        (type_name::<BatchNorm1d>(), "BatchNorm1d"),
+        (type_name::<BatchNorm2d>(), "BatchNorm2d"),
+        (type_name::<LazyBatchNorm1d>(), "LazyBatchNorm1d"),
+        (type_name::<LazyBatchNorm2d>(), "LazyBatchNorm2d"),
+        (type_name::<Conv1d>(), "Conv1d"),
+        (type_name::<Conv2d>(), "Conv2d"),
+        (type_name::<LazyConv1d>(), "LazyConv1d"),
+        (type_name::<LazyConv2d>(), "LazyConv2d"),
+        (type_name::<MaxPool2d>(), "MaxPool2d"),
+        (type_name::<AvgPool2d>(), "AvgPool2d"),
+        (type_name::<Lstm>(), "LSTM"),
+        (type_name::<Gru>(), "GRU"),
+        (type_name::<LstmCell>(), "LSTMCell"),
+        (type_name::<GruCell>(), "GRUCell"),
+        (type_name::<RmsNorm>(), "RMSNorm"),
+    ]
+}

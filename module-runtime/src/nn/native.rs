@@ -240,10 +240,10 @@ impl NativeLayer for candle_nn::Conv2d {
 /// assert_eq!(names, ["weight", "bias"]);
 ///
 /// let mut sgd = candle_nn::SGD::new(fc.trainable_vars()?, 0.1)?;
-/// let before = fc.get_parameter("weight")?.tensor().sum_all()?.to_scalar::<f32>()?;
+/// let before = fc.get_parameter("weight")?.tensor()?.sum_all()?.to_scalar::<f32>()?;
 /// let loss = fc.call(&Tensor::ones((3, 4), DType::F32, &dev)?)?.sum_all()?;
 /// sgd.backward_step(&loss)?;
-/// let after = fc.get_parameter("weight")?.tensor().sum_all()?.to_scalar::<f32>()?;
+/// let after = fc.get_parameter("weight")?.tensor()?.sum_all()?.to_scalar::<f32>()?;
 /// assert!(after < before);
 /// // The VarMap sees the update too: one storage.
 /// let in_varmap = varmap.data().lock().unwrap()["fc.weight"].sum_all()?.to_scalar::<f32>()?;
@@ -265,7 +265,7 @@ impl<L: NativeLayer> Native<L> {
             .collect::<Result<Vec<_>>>()?;
         let tensors: Vec<Tensor> = params
             .iter()
-            .map(|(_, p)| p.var().as_tensor().clone())
+            .map(|(_, p)| p.current_var().as_tensor().clone())
             .collect();
         Ok(Self {
             layer: layer.with_weights(&tensors),
@@ -280,7 +280,7 @@ impl<L: NativeLayer> Native<L> {
 
     /// The parameter tensors as a forward pass reads them.
     fn current(&self) -> Vec<Tensor> {
-        self.params.iter().map(|(_, p)| p.tensor()).collect()
+        self.params.iter().map(|(_, p)| p.current()).collect()
     }
 }
 

@@ -120,7 +120,7 @@ impl Forward<Batch> for Scale {
     type Output = WithMeta;
 
     fn forward(&self, b: Batch) -> Result<WithMeta> {
-        let s = self.scale.tensor();
+        let s = self.scale.tensor()?;
         let mut x = b.images.broadcast_mul(&s)?;
         if let Some(m) = &b.mask {
             x = x.broadcast_add(m)?;
