@@ -21,6 +21,7 @@ mod inference;
 mod lazy;
 mod load_errors;
 mod module_api;
+mod new_user;
 mod parity_layers;
 mod parity_seq;
 mod parity_training;

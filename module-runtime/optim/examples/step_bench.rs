@@ -65,14 +65,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut loss = Tensor::new(0f32, &dev)?;
     for (_, p) in &params {
         let c = Tensor::randn(0f32, 1.0, p.shape(), &dev)?;
-        loss = (loss + (p.tensor() * c)?.sum_all()?)?;
+        loss = (loss + (p.tensor().unwrap() * c)?.sum_all()?)?;
     }
     let grads = loss.backward()?;
     let list = ParamList(params.clone());
     let mut fused = AdamW::new(&list, AdamW::options().lr(1e-4))?;
     let mut composed = AdamW::new(&list, AdamW::options().lr(1e-4))?;
     composed.set_fused(false);
-    let vars = params.iter().map(|(_, p)| p.var()).collect();
+    let vars = params.iter().map(|(_, p)| p.var().unwrap()).collect();
     let mut candle = candle_nn::AdamW::new(
         vars,
         candle_nn::ParamsAdamW {

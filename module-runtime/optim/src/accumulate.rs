@@ -52,7 +52,7 @@ impl GradAccumulator {
     /// without a gradient there is left as it is.
     pub fn add(&mut self, grads: &GradStore) -> Result<()> {
         for p in &self.params {
-            let var = p.var();
+            let var = p.var()?;
             let t = var.as_tensor();
             let Some(g) = grads.get(t) else { continue };
             let sum = match self.sums.get(t) {

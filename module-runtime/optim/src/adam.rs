@@ -374,7 +374,7 @@ impl Optimizer for Adam {
         for (group, states) in core.groups.iter().zip(core.state.iter_mut()) {
             let o = &group.options;
             for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
-                let var = param.var();
+                let var = param.var()?;
                 let p = var.as_tensor();
                 let Some(g) = grads.get(p) else {
                     continue;

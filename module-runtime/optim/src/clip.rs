@@ -54,7 +54,7 @@ pub fn clip_grad_norm<P: Borrow<Param>>(
     let with_grads: Vec<(Tensor, Tensor)> = params
         .into_iter()
         .filter_map(|p| {
-            let t = p.borrow().var().as_tensor().clone();
+            let t = p.borrow().var().ok()?.as_tensor().clone();
             let g = grads.get(&t)?.clone();
             Some((t, g))
         })
@@ -89,7 +89,7 @@ pub fn clip_grad_value<P: Borrow<Param>>(
     clip_value: f64,
 ) -> Result<()> {
     for p in params {
-        let t = p.borrow().var().as_tensor().clone();
+        let t = p.borrow().var()?.as_tensor().clone();
         if let Some(g) = grads.get(&t) {
             let clamped = g.clamp(-clip_value, clip_value)?;
             grads.insert(&t, clamped);

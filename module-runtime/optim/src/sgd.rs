@@ -261,7 +261,7 @@ impl Optimizer for SGD {
         for (group, states) in core.groups.iter().zip(core.state.iter_mut()) {
             let o = &group.options;
             for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
-                let var = param.var();
+                let var = param.var()?;
                 let Some(g) = grads.get(var.as_tensor()) else {
                     continue;
                 };

@@ -214,11 +214,26 @@ fn lr_set_on_a_group_is_used_by_the_next_step() {
     let model = net();
     let mut opt = SGD::new(&model, SgdOptions::new(0.1)).unwrap();
     opt.param_groups_mut()[0].options.lr = 0.0;
-    let before = model.head.weight.tensor().to_vec2::<f32>().unwrap();
+    let before = model
+        .head
+        .weight
+        .tensor()
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu).unwrap();
     let loss = model.head.call(&x).unwrap().sum_all().unwrap();
     opt.backward_step(&loss).unwrap();
-    assert_eq!(model.head.weight.tensor().to_vec2::<f32>().unwrap(), before);
+    assert_eq!(
+        model
+            .head
+            .weight
+            .tensor()
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap(),
+        before
+    );
 }
 
 // Hugging Face's lambdas (transformers/optimization.py), written out independently.

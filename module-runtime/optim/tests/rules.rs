@@ -38,13 +38,13 @@ fn grads(ps: &[&Param], c: &[f32]) -> GradStore {
     let c = Tensor::new(c, &Device::Cpu).unwrap();
     let mut loss = Tensor::new(0f32, &Device::Cpu).unwrap();
     for p in ps {
-        loss = (loss + (p.tensor() * &c).unwrap().sum_all().unwrap()).unwrap();
+        loss = (loss + (p.tensor().unwrap() * &c).unwrap().sum_all().unwrap()).unwrap();
     }
     loss.backward().unwrap()
 }
 
 fn values(p: &Param) -> Vec<f32> {
-    p.tensor().to_vec1().unwrap()
+    p.tensor().unwrap().to_vec1().unwrap()
 }
 
 fn assert_near(what: &str, got: &[f32], want: &[f64], tol: f64) {
@@ -297,8 +297,8 @@ fn clip_grad_norm_is_pytorchs() {
     let mut g = {
         let ta = Tensor::new(&[3f32, 0.0], &Device::Cpu).unwrap();
         let tb = Tensor::new(&[0f32, 0.0, 4.0], &Device::Cpu).unwrap();
-        let loss = ((a.tensor() * ta).unwrap().sum_all().unwrap()
-            + (b.tensor() * tb).unwrap().sum_all().unwrap())
+        let loss = ((a.tensor().unwrap() * ta).unwrap().sum_all().unwrap()
+            + (b.tensor().unwrap() * tb).unwrap().sum_all().unwrap())
         .unwrap();
         loss.backward().unwrap()
     };
@@ -306,16 +306,28 @@ fn clip_grad_norm_is_pytorchs() {
     let total = clip_grad_norm(&mut g, &params, 1.0, 2.0, true).unwrap();
     assert_eq!(total, 5.0);
     let coef = (1.0f32 / (5.0f32 + 1e-6)) * 1.0;
-    let ga: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
-    let gb: Vec<f32> = g.get(b.var().as_tensor()).unwrap().to_vec1().unwrap();
+    let ga: Vec<f32> = g
+        .get(a.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let gb: Vec<f32> = g
+        .get(b.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(ga, vec![3.0 * coef, 0.0]);
     assert_eq!(gb, vec![0.0, 0.0, 4.0 * coef]);
-    assert!(g.get(c.var().as_tensor()).is_none());
+    assert!(g.get(c.var().unwrap().as_tensor()).is_none());
 
     // Within the bound: multiplied by 1, unchanged; the total is returned.
     let total = clip_grad_norm(&mut g, &params, 10.0, 2.0, true).unwrap();
     assert!((total - 1.0).abs() < 1e-6);
-    let ga2: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
+    let ga2: Vec<f32> = g
+        .get(a.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(ga2, ga);
 
     // The infinity norm is the largest magnitude; order 1 the sum of magnitudes.
@@ -329,14 +341,22 @@ fn clip_grad_norm_is_pytorchs() {
     let mut g = grads(&[&a], &[3.0, 4.0]);
     assert_eq!(clip_grad_norm(&mut g, [&a], 3.0, 2.0, true).unwrap(), 5.0);
     let coef = (1.0f32 / (5.0f32 + 1e-6)) * 3.0;
-    let got: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
+    let got: Vec<f32> = g
+        .get(a.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(got, vec![3.0 * coef, 4.0 * coef]);
 
     // Non-finite: an error with error_if_nonfinite, and nothing is changed.
     let mut g = grads(&[&a], &[f32::NAN, 1.0]);
     let err = clip_grad_norm(&mut g, [&a], 1.0, 2.0, true).unwrap_err();
     assert!(err.to_string().contains("non-finite"), "{err}");
-    let kept: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
+    let kept: Vec<f32> = g
+        .get(a.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(kept[1], 1.0);
     assert!(clip_grad_norm(&mut g, [&a], 1.0, 2.0, false)
         .unwrap()
@@ -349,7 +369,11 @@ fn clip_grad_value_clamps() {
     let a = param(&[0.0, 0.0, 0.0]);
     let mut g = grads(&[&a], &[-3.0, 0.25, 2.0]);
     clip_grad_value(&mut g, [&a], 0.5).unwrap();
-    let got: Vec<f32> = g.get(a.var().as_tensor()).unwrap().to_vec1().unwrap();
+    let got: Vec<f32> = g
+        .get(a.var().unwrap().as_tensor())
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(got, vec![-0.5, 0.25, 0.5]);
 }
 
@@ -369,7 +393,7 @@ fn accumulation_sums_micro_batches() {
         .collect();
     let got: Vec<f32> = acc
         .grads()
-        .get(a.var().as_tensor())
+        .get(a.var().unwrap().as_tensor())
         .unwrap()
         .to_vec1()
         .unwrap();
@@ -381,7 +405,7 @@ fn accumulation_sums_micro_batches() {
     assert_eq!(values(&a), values(&b));
     acc.zero_grad();
     assert_eq!(acc.micro_batches(), 0);
-    assert!(acc.grads().get(a.var().as_tensor()).is_none());
+    assert!(acc.grads().get(a.var().unwrap().as_tensor()).is_none());
 }
 
 #[test]

@@ -62,6 +62,7 @@ fn bits(model: &Mlp) -> Vec<Vec<u32>> {
         .into_iter()
         .map(|(_, p)| {
             p.tensor()
+                .unwrap()
                 .flatten_all()
                 .unwrap()
                 .to_vec1::<f32>()
@@ -370,7 +371,7 @@ fn resume_with_a_schedule_is_bit_exact() {
             .iter()
             .zip(first.named_parameters())
         {
-            a.set(&b.tensor()).unwrap();
+            a.set(&b.tensor().unwrap()).unwrap();
         }
         let (mut opt2, mut s2) = make(&resumed);
         if optimizer_first {

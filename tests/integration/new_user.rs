@@ -84,7 +84,7 @@ fn forward_errors_print_no_backtrace_under_rust_backtrace() {
         .args([
             "--ignored",
             "--exact",
-            "real_shape_error_without_backtrace",
+            "new_user::real_shape_error_without_backtrace",
             "--nocapture",
         ])
         .env("RUST_BACKTRACE", "1")
