@@ -142,14 +142,19 @@ pub use typed_path::{HasPath, PathExt, TypedPath};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///
-/// See the crate's README for the attributes: `#[module(skip)]`, `#[module(rename = "…")]`,
-/// `#[module(flatten)]`, and on the type `#[module(bound = "…")]` and `#[module(crate = path)]`.
+/// The documentation below (`module_derive`'s, whose examples are its doctests) shows what the
+/// derive lists and how it names it, then each attribute with a runnable example: on fields
+/// `#[module(skip)]`, `#[module(rename = "…")]` and `#[module(flatten)]`; on the type
+/// `#[module(extra_state)]` (with [`ExtraState`]), `#[module(paths)]` ([`typed_path`]),
+/// `#[module(bound = "…")]` and `#[module(crate = path)]`; then tuple structs, enums and generics.
+/// The examples read the names through [`ModuleExt`] (`named_parameters`, `named_modules`,
+/// `state_dict`).
 pub use module_derive::Module;
 
 /// `#[derive(TensorStruct)]`: implements [`TensorStruct`](trait@TensorStruct) for a struct whose
-/// fields are tensors or [`TensorTree`]s, so it can be a module's input or output with hooks seeing
-/// its tensors. Fields marked `#[tensor(skip)]` are plain values carried over unchanged; see the
-/// trait for an example.
+/// fields are tensors or [`TensorTree`]s, so it can be a module's input or output with [`Hooks`]
+/// seeing its tensors. The documentation below (`module_derive`'s) has runnable examples: the
+/// field order, `#[tensor(skip)]`, and hooks replacing a derived input's tensors.
 pub use module_derive::TensorStruct;
 
 pub use candle_core;
