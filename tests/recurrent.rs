@@ -213,7 +213,9 @@ fn cell_parameters_have_pytorch_names_shapes_and_init() {
         &dev,
     )
     .unwrap();
-    other.load_state_dict(&gru.state_dict().unwrap()).unwrap();
+    other
+        .load_state_dict(&gru.state_dict().unwrap(), &LoadOptions::default())
+        .unwrap();
     let x = Tensor::randn(0f64, 1., (2, 3), &dev).unwrap();
     assert_within(
         "reloaded cell",

@@ -668,7 +668,7 @@ fn keys_that_are_not_path_segments_are_refused() -> Result<()> {
     assert!(err.to_string().contains("\"bad.key\" at `map`"), "{err}");
     let good = net_state()?;
     assert!(matches!(
-        net.load_state_dict(&good),
+        net.load_state_dict(&good, &LoadOptions::default()),
         Err(Error::InvalidKey { .. })
     ));
 

@@ -102,6 +102,7 @@ mod views;
 mod walk;
 
 pub use buffer::Buffer;
+pub use checkpoint::Checkpoint;
 pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
