@@ -609,7 +609,11 @@ mod forward {
         let model = model(Some(1));
         let hooks = Hooks::new();
         hooks
-            .register_forward_hook("encoder.layer.*", |_, _, _| Ok(None))
+            .register_forward_hook(
+                "encoder.layer.*",
+                |_, _, _| Ok(None),
+                HookOptions::default(),
+            )
             .unwrap();
         let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
         assert_eq!(
@@ -620,11 +624,15 @@ mod forward {
         let model = super::forward::model(None);
         let hooks = Hooks::new();
         hooks
-            .register_forward_hook("encoder.layer.2.intermediate", |_, _, _| {
-                Err(Error::InvalidDevice {
-                    name: "refused".into(),
-                })
-            })
+            .register_forward_hook(
+                "encoder.layer.2.intermediate",
+                |_, _, _| {
+                    Err(Error::InvalidDevice {
+                        name: "refused".into(),
+                    })
+                },
+                HookOptions::default(),
+            )
             .unwrap();
         let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
         match &err {

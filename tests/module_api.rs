@@ -263,15 +263,23 @@ fn always_call_hooks_run_when_forward_fails() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "plain", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "plain", false),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "always", false),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
-    hooks
-        .always_call()
-        .register_global_forward_hook(logging_hook(&log, "global", false));
+    hooks.register_global_forward_hook(
+        logging_hook(&log, "global", false),
+        HookOptions::default().always_call(),
+    );
 
     let err = hooks.run(&m, |m| m.call(&x(-1.0))).unwrap_err();
     // The error is forward's own, not wrapped as a hook error.
@@ -309,18 +317,32 @@ fn always_call_hooks_after_a_failing_forward_hook_run_once_with_the_output() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "first", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "first", false),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "bad", true))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "bad", true),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "skipped", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "skipped", false),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "last", true))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "last", true),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
 
     let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
@@ -346,14 +368,18 @@ fn always_call_hooks_run_when_a_pre_hook_fails() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .register_forward_pre_hook("picky", |_, _| {
-            Err(Error::Candle(candle_core::Error::Msg("pre failed".into())))
-        })
+        .register_forward_pre_hook(
+            "picky",
+            |_, _| Err(Error::Candle(candle_core::Error::Msg("pre failed".into()))),
+            PreHookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .prepend()
-        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "always", false),
+            HookOptions::default().prepend().always_call(),
+        )
         .unwrap();
     let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
     assert!(matches!(

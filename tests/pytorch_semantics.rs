@@ -288,10 +288,14 @@ fn hooks_attach_to_the_module_not_to_the_path_string() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = seen.clone();
     hooks
-        .register_forward_hook("a", move |ctx, _, _| {
-            sink.lock().unwrap().push(ctx.path().to_owned());
-            Ok(None)
-        })
+        .register_forward_hook(
+            "a",
+            move |ctx, _, _| {
+                sink.lock().unwrap().push(ctx.path().to_owned());
+                Ok(None)
+            },
+            HookOptions::default(),
+        )
         .unwrap();
     let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
     hooks.run(&m, |m| m.call(&x)).unwrap();
@@ -307,7 +311,7 @@ fn hook_and_capture_patterns_that_match_nothing_are_errors() {
     let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
     let hooks = Hooks::new();
     hooks
-        .register_forward_hook("spar", |_, _, _| Ok(None))
+        .register_forward_hook("spar", |_, _, _| Ok(None), HookOptions::default())
         .unwrap();
     let err = hooks.run(&m, |m| m.call(&x)).unwrap_err();
     assert!(

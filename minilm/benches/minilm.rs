@@ -173,7 +173,7 @@ fn forward(c: &mut Criterion) {
     }
 
     let hooks = Hooks::new();
-    hooks.register_global_forward_hook(|_, _, _| Ok(None));
+    hooks.register_global_forward_hook(|_, _, _| Ok(None), HookOptions::default());
 
     let mut group = c.benchmark_group("minilm_forward_32x25");
     group.throughput(Throughput::Elements(BATCH as u64));

@@ -144,6 +144,7 @@ fn main() -> AnyResult<()> {
                 debug_assert_eq!(hidden.dims(), context.dims());
                 Ok(Some(context.broadcast_mul(&keep)?))
             },
+            HookOptions::default(),
         )?;
         let patched = hooks.run(&model, embed)?;
         handle.remove();

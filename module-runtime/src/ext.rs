@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Var};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::forward::Forward;
-use crate::hooks::{Captures, Hooks};
+use crate::hooks::Captures;
 use crate::module::{Child, Module};
 use crate::names::Names;
 use crate::param::Param;
@@ -86,19 +86,6 @@ pub trait ModuleExt: Module {
             // Cold: names the failing submodule by path (see `Error::Forward`).
             Err(error) => Err(crate::trace::forward_error(self, error)),
         }
-    }
-
-    /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for
-    /// [`hooks.run(self, run)`](Hooks::run).
-    fn with_hooks<R, E: From<crate::Error>>(
-        &self,
-        hooks: &Hooks,
-        run: impl FnOnce(&Self) -> std::result::Result<R, E>,
-    ) -> std::result::Result<R, E>
-    where
-        Self: Sized,
-    {
-        hooks.run(self, run)
     }
 
     /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path

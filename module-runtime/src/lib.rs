@@ -116,7 +116,7 @@ pub use grad_mode::{
     enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
 };
 pub use hooks::{
-    AlwaysCall, Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend,
+    Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
 };
 #[doc(hidden)]
 pub use identity::CallTarget;
@@ -175,8 +175,9 @@ pub mod prelude {
     pub use crate::nn::Linear;
     pub use crate::Recurrent;
     pub use crate::{
-        Buffer, Build, Error, Forward, FunctionalExt, Hooks, Lazy, LazyExt, LoadOptions, Mode,
-        Module, ModuleExt, Param, Result, StateDict, TensorStruct,
+        Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
+        LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,
+        TensorStruct,
     };
     pub use candle_core::{DType, Device, Tensor, D};
 }
