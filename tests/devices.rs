@@ -97,7 +97,7 @@ fn snapshot(model: &TiedLm) -> Vec<(String, DType, Vec<f64>)> {
 }
 
 fn assert_all_on(model: &TiedLm, device: &Device) {
-    let params = model.named_parameters_with_aliases();
+    let params = model.named_parameters_with(&module_runtime::Names::new().keep_duplicates());
     let buffers = model.named_buffers();
     let devices = params
         .iter()

@@ -114,7 +114,7 @@ fn listed(net: &Net, path: &str) -> bool {
         .iter()
         .any(|(p, _)| p == path)
         || net
-            .named_parameters_with_aliases()
+            .named_parameters_with(&module_runtime::Names::new().keep_duplicates())
             .iter()
             .any(|(p, _)| p == path)
 }

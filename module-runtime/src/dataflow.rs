@@ -665,7 +665,7 @@ impl Recorder {
                 None => self.untracked(t, scope),
             })
             .collect();
-        let params = crate::views::named_parameters(module, true)
+        let params = crate::names::named_parameters(module, &crate::names::Names::new())
             .iter()
             .map(|(_, p)| Param::elem_count(p))
             .sum();

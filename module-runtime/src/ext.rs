@@ -28,7 +28,7 @@ use crate::{path, views};
 /// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
 /// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
 /// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
-/// first path that reaches it, unless their name says `with_aliases`.
+/// first path that reaches it, unless [`Names::keep_duplicates`] says otherwise.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -171,19 +171,14 @@ pub trait ModuleExt: Module {
     /// Every parameter with its path, each once (the first path that reaches it), in PyTorch's
     /// order: a module's own parameters before its submodules', whatever the field order.
     fn named_parameters(&self) -> Vec<(String, Param)> {
-        views::named_parameters(self.as_dyn(), true)
-    }
-
-    /// Every parameter under every path that reaches it: a tied weight appears once per alias
-    /// (PyTorch's `named_parameters(remove_duplicate=False)`).
-    fn named_parameters_with_aliases(&self) -> Vec<(String, Param)> {
-        views::named_parameters(self.as_dyn(), false)
+        crate::names::named_parameters(self.as_dyn(), &Names::new())
     }
 
     /// [`named_parameters`](Self::named_parameters) with PyTorch's `prefix`, `recurse` and
     /// `remove_duplicate` arguments (see [`Names`]): `named_parameters_with(&Names::new().prefix("model"))`
     /// is PyTorch's `named_parameters(prefix="model")`, `Names::new().recurse(false)` lists only the
-    /// module's own parameters, `Names::new().keep_duplicates()` every alias of a tied one.
+    /// module's own parameters, `Names::new().keep_duplicates()` (PyTorch's `remove_duplicate=False`)
+    /// every alias of a tied one.
     fn named_parameters_with(&self, names: &Names) -> Vec<(String, Param)> {
         crate::names::named_parameters(self.as_dyn(), names)
     }
@@ -198,7 +193,7 @@ pub trait ModuleExt: Module {
 
     /// Every buffer (persistent or not) with its path, each once.
     fn named_buffers(&self) -> Vec<(String, Buffer)> {
-        views::named_buffers(self.as_dyn())
+        crate::names::named_buffers(self.as_dyn(), &Names::new())
     }
 
     /// [`named_buffers`](Self::named_buffers) with PyTorch's `prefix`, `recurse` and
@@ -217,7 +212,7 @@ pub trait ModuleExt: Module {
     /// `Arc` once, under its first path. Lists (`Vec`, arrays, tuples) and maps are modules here, as
     /// `ModuleList` and `ModuleDict` are in PyTorch; `Option` and `Box` are transparent.
     fn named_modules(&self) -> Vec<(String, &dyn Module)> {
-        views::named_modules(self.as_dyn(), false)
+        crate::names::named_modules(self.as_dyn(), &Names::new())
     }
 
     /// [`named_modules`](Self::named_modules) with PyTorch's `prefix` and `remove_duplicate`
@@ -231,7 +226,7 @@ pub trait ModuleExt: Module {
 
     /// The direct submodules, each once.
     fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        views::named_modules(self.as_dyn(), true)
+        crate::names::named_children(self.as_dyn())
     }
 
     /// The submodule at `path` (`""` is `self`) as a trait object.

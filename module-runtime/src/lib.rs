@@ -52,7 +52,7 @@ extern crate self as module_runtime;
 //   type_name, lazy_shape, report, error, pattern    names, shapes, the error type
 //   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
-//   walk, path, views, names, convert, device         the one walk and what is built on it
+//   walk, path, names, views, convert, device         the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
