@@ -182,11 +182,6 @@ impl Default for LoadOptions {
 }
 
 impl LoadOptions {
-    /// Strict loading (the default).
-    pub fn strict() -> Self {
-        Self::default()
-    }
-
     /// Tolerates missing and unexpected keys (they are still reported). Shape and dtype mismatches
     /// stay errors, as in PyTorch.
     pub fn non_strict(mut self) -> Self {
