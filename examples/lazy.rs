@@ -133,7 +133,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     model.save_safetensors(&args.out)?;
     let restored = LazyCnn::new(&device)?;
     assert!(!restored.is_built());
-    restored.load_safetensors(&args.out)?;
+    restored.load_state_dict(&args.out, &LoadOptions::default())?;
     let restored_acc = accuracy(&restored, &test, &device)?;
     println!(
         "saved {} and loaded it into a fresh unbuilt model (built from the checkpoint's shapes): \

@@ -90,7 +90,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     model.save_safetensors(&args.out)?;
     let restored = DigitNet::new(&device)?;
-    restored.load_safetensors(&args.out)?;
+    restored.load_state_dict(&args.out, &LoadOptions::default())?;
     let restored_acc = restored.accuracy(&test, &device)?;
     println!(
         "saved {} and reloaded it into a fresh model: test accuracy {:.2}%{}",

@@ -44,7 +44,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let load = || -> Result<BertModel> {
         let model =
             module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
-        model.load_safetensors(&path)?;
+        model.load_state_dict(&path, &LoadOptions::default())?;
         model.eval();
         Ok(model)
     };

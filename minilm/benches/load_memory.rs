@@ -52,14 +52,14 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         "derived" => {
             let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
             let (rss_model, _) = memory();
-            model.load_safetensors(&path)?;
+            model.load_state_dict(&path, &LoadOptions::default())?;
             (model.num_parameters(), rss_model, memory())
         }
         "empty" => {
             let model =
                 module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
             let (rss_model, _) = memory();
-            model.load_safetensors(&path)?;
+            model.load_state_dict(&path, &LoadOptions::default())?;
             (model.num_parameters(), rss_model, memory())
         }
         "candle_transformers" => {

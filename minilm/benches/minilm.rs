@@ -131,7 +131,7 @@ mod plain {
 /// Our model, loaded strictly and in eval mode (nothing frozen).
 fn ours(dir: &Path, device: &Device) -> Result<BertModel> {
     let model = BertModel::new(&BertConfig::minilm_l6(), device)?;
-    model.load_safetensors(dir.join("model.safetensors"))?;
+    model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     model.eval();
     Ok(model)
 }
@@ -139,7 +139,7 @@ fn ours(dir: &Path, device: &Device) -> Result<BertModel> {
 /// Ours, built only to be loaded (`build_empty`), then loaded strictly: the time to a ready model.
 fn ours_empty(dir: &Path, device: &Device) -> Result<BertModel> {
     let model = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), device))?;
-    model.load_safetensors(dir.join("model.safetensors"))?;
+    model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     Ok(model)
 }
 
@@ -173,7 +173,7 @@ fn forward(c: &mut Criterion) {
     }
 
     let hooks = Hooks::new();
-    hooks.register_global_forward_hook(|_, _, _| Ok(None));
+    hooks.register_global_forward_hook(|_, _, _| Ok(None), HookOptions::default());
 
     let mut group = c.benchmark_group("minilm_forward_32x25");
     group.throughput(Throughput::Elements(BATCH as u64));
@@ -211,7 +211,13 @@ fn load(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("minilm_load");
     group.bench_function("derived_strict_load_into_built_model", |bench| {
-        bench.iter(|| black_box(model.load_safetensors(&path).unwrap()))
+        bench.iter(|| {
+            black_box(
+                model
+                    .load_state_dict(&path, &LoadOptions::default())
+                    .unwrap(),
+            )
+        })
     });
     // The load alone into a model built only to load: building is outside the timing.
     group.bench_function("derived_strict_load_into_empty_model", |bench| {
@@ -220,7 +226,13 @@ fn load(c: &mut Criterion) {
                 module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))
                     .unwrap()
             },
-            |empty| black_box(empty.load_safetensors(&path).unwrap()),
+            |empty| {
+                black_box(
+                    empty
+                        .load_state_dict(&path, &LoadOptions::default())
+                        .unwrap(),
+                )
+            },
             criterion::BatchSize::PerIteration,
         )
     });

@@ -55,7 +55,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let device = Device::Cpu;
     let load = || -> Result<BertModel> {
         let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
-        model.load_safetensors(dir.join("model.safetensors"))?;
+        model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
         model.train();
         Ok(model)
     };

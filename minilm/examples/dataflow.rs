@@ -46,7 +46,7 @@ fn main() -> AnyResult<()> {
     let device = Device::Cpu;
     let config = BertConfig::from_json_file(&dir.join("config.json"))?;
     let model = module_runtime::build_empty(|| BertModel::new(&config, &device))?;
-    model.load_safetensors(dir.join("model.safetensors"))?;
+    model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     model.eval();
     let _no_grad = module_runtime::no_grad();
     let tokenizer = load_tokenizer(&dir)?;

@@ -67,7 +67,7 @@ fn main() -> AnyResult<()> {
         .into());
     }
     let model = module_runtime::build_empty(|| BertModel::new(&config, &device))?;
-    model.load_safetensors(dir.join("model.safetensors"))?;
+    model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     model.eval();
     let _no_grad = module_runtime::no_grad();
     let tokenizer = load_tokenizer(&dir)?;
@@ -144,6 +144,7 @@ fn main() -> AnyResult<()> {
                 debug_assert_eq!(hidden.dims(), context.dims());
                 Ok(Some(context.broadcast_mul(&keep)?))
             },
+            HookOptions::default(),
         )?;
         let patched = hooks.run(&model, embed)?;
         handle.remove();

@@ -52,7 +52,7 @@ fn main() -> AnyResult<()> {
     let config = BertConfig::from_json_file(&model_dir.join("config.json"))?;
     // Build only to load: no random init of weights the checkpoint is about to replace.
     let model = module_runtime::build_empty(|| BertModel::new(&config, &device))?;
-    model.load_safetensors(model_dir.join("model.safetensors"))?;
+    model.load_state_dict(model_dir.join("model.safetensors"), &LoadOptions::default())?;
     // Inference, as in PyTorch: `model.eval()` (dropout off) and `torch.no_grad()` (no parameter
     // records a gradient, so the fused kernels run).
     model.eval();

@@ -238,7 +238,7 @@ fn dropout(p: f64) -> Result<Dropout> {
 
 impl BertModel {
     /// A randomly initialized model (PyTorch's default initializations of each layer), in training
-    /// mode. Load a checkpoint into it with `load_safetensors`.
+    /// mode. Load a checkpoint into it with `load_state_dict(path, ..)`.
     pub fn new(cfg: &BertConfig, device: &Device) -> Result<Self> {
         let h = cfg.hidden_size;
         if cfg.num_attention_heads == 0 || h % cfg.num_attention_heads != 0 {

@@ -71,7 +71,7 @@ fn reference(dir: &std::path::Path) -> Reference {
 /// eval mode; the embeddings are computed under `no_grad` (see `embed`).
 fn load_model(dir: &std::path::Path, device: &Device) -> Result<BertModel> {
     let model = module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), device))?;
-    let report = model.load_safetensors(dir.join("model.safetensors"))?;
+    let report = model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     assert!(report.is_complete(), "{report}");
     // 104 tensors: 96 in the six layers, 5 embedding tensors + `position_ids`, 2 in the pooler.
     assert_eq!(
@@ -218,7 +218,7 @@ fn a_misnamed_field_gets_a_report_and_changes_nothing() -> Result<()> {
     let before = model.state_dict()?;
 
     let err = model
-        .load_safetensors(dir.join("model.safetensors"))
+        .load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())
         .unwrap_err();
     let Error::Load(report) = &err else {
         panic!("expected a load report, got {err}");
@@ -302,10 +302,11 @@ fn a_module_prefixed_checkpoint_loads_with_strip_prefix() -> Result<()> {
     candle_core::safetensors::save(&prefixed.into_hash_map(), &path)?;
 
     let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
-    let err = model.load_safetensors(&path).unwrap_err();
+    let err = model
+        .load_state_dict(&path, &LoadOptions::default())
+        .unwrap_err();
     assert!(matches!(&err, Error::Load(r) if r.missing.len() == 104 && r.unexpected.len() == 104));
-    let report =
-        model.load_safetensors_with(&path, &LoadOptions::default().strip_prefix("module"))?;
+    let report = model.load_state_dict(&path, &LoadOptions::default().strip_prefix("module"))?;
     std::fs::remove_file(&path).ok();
     assert!(report.is_complete(), "{report}");
     assert_eq!(report.loaded, 104);
@@ -344,7 +345,7 @@ fn an_empty_model_loads_to_the_same_embeddings_as_an_eager_one() -> Result<()> {
     );
 
     let eager = BertModel::new(&BertConfig::minilm_l6(), &device)?;
-    eager.load_safetensors(dir.join("model.safetensors"))?;
+    eager.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
     eager.eval();
     let loaded = load_model(&dir, &device)?;
     assert_eq!(

@@ -73,12 +73,12 @@ impl Buffer {
     /// Applies to every alias of the buffer.
     ///
     /// ```
-    /// use module_runtime::{Buffer, ModuleExt, StateDict};
+    /// use module_runtime::{Buffer, LoadOptions, ModuleExt, StateDict};
     /// use module_runtime::candle_core::{Device, Tensor};
     /// #[derive(module_runtime::Module)]
     /// struct Counter { steps: Buffer }
     /// let c = Counter { steps: Buffer::new(Tensor::new(7i64, &Device::Cpu)?).allow_missing() };
-    /// c.load_state_dict(&StateDict::new())?; // strict, yet accepted
+    /// c.load_state_dict(&StateDict::new(), &LoadOptions::default())?; // strict, yet accepted
     /// assert_eq!(c.steps.tensor()?.to_scalar::<i64>()?, 7);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```

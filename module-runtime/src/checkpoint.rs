@@ -10,6 +10,7 @@
 //! | sharded (`model.safetensors.index.json`, `pytorch_model.bin.index.json`) | JSON with a `weight_map` |
 //! | a folder | holds one of Hugging Face's file names, sharded or not |
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -18,7 +19,10 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::io::{open_for_reading, SafetensorsFile};
-use crate::state::{Source, StateDict};
+use crate::module::Module;
+use crate::pth::PthFile;
+use crate::report::LoadReport;
+use crate::state::{LoadOptions, Source, StateDict};
 
 /// The file names Hugging Face gives a checkpoint in a model folder, in the order they are
 /// preferred (safetensors before pickles, as `transformers` does).
@@ -95,33 +99,127 @@ pub(crate) fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>>
     }
     Ok(match sniff(path)? {
         Format::Safetensors => Box::new(SafetensorsFile::open(path)?),
-        Format::PthZip | Format::PthLegacy => Box::new(crate::io::read_pth(path, nested)?),
+        Format::PthZip | Format::PthLegacy => Box::new(PthFile::open(path, nested)?),
         Format::Index => Box::new(Sharded::open(path, nested)?),
     })
 }
 
+/// What [`load_state_dict`](crate::ModuleExt::load_state_dict) loads: a [`StateDict`] in memory
+/// (`&sd`), or the path of a checkpoint file or model folder (`"model.safetensors"`,
+/// `Path::new(..)`, a `PathBuf`), read lazily.
+///
+/// A path is opened as [`StateDict::read`] opens it (the format told from the file's first bytes;
+/// [`LoadOptions::nested_in`](crate::LoadOptions::nested_in) picks a nested state dict), but
+/// every key is checked against the model before any value is read, and values are read one
+/// at a time, straight to the parameter's device: a load that fails reads no tensor, and a load to
+/// a GPU never holds the whole checkpoint in host memory.
+#[derive(Clone, Debug)]
+pub enum Checkpoint<'a> {
+    /// A state dict in memory (PyTorch's `model.load_state_dict(sd)`).
+    StateDict(&'a StateDict),
+    /// A checkpoint file or model folder (PyTorch's `model.load_state_dict(torch.load(path))`).
+    Path(Cow<'a, Path>),
+}
+
+impl<'a> From<&'a StateDict> for Checkpoint<'a> {
+    fn from(state: &'a StateDict) -> Self {
+        Checkpoint::StateDict(state)
+    }
+}
+
+impl<'a> From<&'a Path> for Checkpoint<'a> {
+    fn from(path: &'a Path) -> Self {
+        Checkpoint::Path(Cow::Borrowed(path))
+    }
+}
+
+impl<'a> From<&'a PathBuf> for Checkpoint<'a> {
+    fn from(path: &'a PathBuf) -> Self {
+        Checkpoint::Path(Cow::Borrowed(path))
+    }
+}
+
+impl From<PathBuf> for Checkpoint<'_> {
+    fn from(path: PathBuf) -> Self {
+        Checkpoint::Path(Cow::Owned(path))
+    }
+}
+
+impl<'a> From<&'a str> for Checkpoint<'a> {
+    fn from(path: &'a str) -> Self {
+        Checkpoint::Path(Cow::Borrowed(Path::new(path)))
+    }
+}
+
+impl<'a> From<&'a String> for Checkpoint<'a> {
+    fn from(path: &'a String) -> Self {
+        Checkpoint::Path(Cow::Borrowed(Path::new(path)))
+    }
+}
+
+impl From<String> for Checkpoint<'_> {
+    fn from(path: String) -> Self {
+        Checkpoint::Path(Cow::Owned(path.into()))
+    }
+}
+
+/// Loads `checkpoint` into `root` with `options` (see [`crate::state::load`]).
+pub(crate) fn load(
+    root: &dyn Module,
+    checkpoint: Checkpoint<'_>,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    match checkpoint {
+        Checkpoint::StateDict(state) => crate::state::load(root, state, options),
+        Checkpoint::Path(path) => {
+            let source = open(&path, options.nested_key())?;
+            crate::state::load(root, source.as_ref(), options)
+        }
+    }
+}
+
 impl StateDict {
-    /// Reads every tensor of a checkpoint into a state dict, on the CPU, in the file's order: a
-    /// safetensors file, a PyTorch `.pth`/`.pt`/`.bin` (zip or legacy), a Hugging Face shard
-    /// index, or a model folder (see [`ModuleExt::load_checkpoint`](crate::ModuleExt::load_checkpoint)).
-    /// For inspecting a checkpoint without a model.
+    /// Reads every tensor of a checkpoint into a state dict, on the CPU, in the file's order:
+    /// PyTorch's `torch.load(path)`. Any format
+    /// [`load_state_dict`](crate::ModuleExt::load_state_dict) takes, told from the file's first
+    /// bytes (not its extension):
+    ///
+    /// | what | example |
+    /// |---|---|
+    /// | safetensors | `model.safetensors` |
+    /// | PyTorch zip (`torch.save` since 1.6) | `model.pth`, `model.pt`, `pytorch_model.bin` |
+    /// | PyTorch legacy (before 1.6, `_use_new_zipfile_serialization=False`) | `resnet18-5c106cde.pth` |
+    /// | Hugging Face shards, through their index | `model.safetensors.index.json`, `pytorch_model.bin.index.json` |
+    /// | a model folder holding any of those | `all-MiniLM-L6-v2/` |
+    ///
+    /// Of `options`, reading uses only [`nested_in`](crate::LoadOptions::nested_in): the state
+    /// dict under that key of a pickled training checkpoint (`"model"` in
+    /// `{"epoch": 3, "model": ..., "optimizer": ...}`; dotted keys such as `"model.ema"` descend
+    /// further). Without it, a pickle whose top level is not a state dict is an
+    /// [`Error::Pth`](crate::Error::Pth) listing the top-level keys that hold one. Key rules and
+    /// strictness apply when the state dict is loaded into a model.
+    ///
+    /// Shards are read as one state dict: a missing shard, or a key the index maps to a shard that
+    /// lacks it, fails the read. Pickles are read by a bounded reader: a truncated, corrupt or
+    /// hostile file is an [`Error::Pth`](crate::Error::Pth) that says what is wrong, and Python
+    /// globals outside PyTorch's tensor types are refused, never executed.
+    ///
+    /// For inspecting or rewriting a checkpoint without a model; to load one into a model, give
+    /// the path to [`load_state_dict`](crate::ModuleExt::load_state_dict) itself, which checks
+    /// every key before reading any value.
     ///
     /// ```no_run
-    /// use module_runtime::StateDict;
-    /// let sd = StateDict::read("pytorch_model.bin")?;
+    /// use module_runtime::{LoadOptions, StateDict};
+    /// let sd = StateDict::read("pytorch_model.bin", &LoadOptions::default())?;
     /// for (key, t) in sd.iter() {
     ///     println!("{key}: {:?} {:?}", t.dims(), t.dtype());
     /// }
+    /// let model_only = StateDict::read("checkpoint.pt", &LoadOptions::default().nested_in("model"))?;
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
-    pub fn read(path: impl AsRef<Path>) -> Result<StateDict> {
-        Self::read_nested(path, None)
-    }
-
-    /// [`read`](Self::read), taking the state dict under `nested` in a pickled training
-    /// checkpoint (`"model"` in `{"epoch": 3, "model": ..., "optimizer": ...}`).
-    pub fn read_nested(path: impl AsRef<Path>, nested: Option<&str>) -> Result<StateDict> {
-        let source = open(path.as_ref(), nested)?;
+    #[doc(alias = "torch.load")]
+    pub fn read(path: impl AsRef<Path>, options: &LoadOptions) -> Result<StateDict> {
+        let source = open(path.as_ref(), options.nested_key())?;
         let mut out = StateDict::new();
         for (key, _, _) in source.entries()? {
             let value = source.load(&key, &Device::Cpu)?;

@@ -5,8 +5,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::module::Module;
+use crate::names::{named_buffers, named_parameters, Names};
 use crate::param::Param;
-use crate::views::{named_buffers, named_parameters};
 
 /// Moves every parameter and buffer under `root` to `device`.
 pub(crate) fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
@@ -47,11 +47,14 @@ fn convert(
     param: impl Fn(&Param) -> Result<Option<Tensor>>,
     buffer: impl Fn(&Buffer) -> Result<Option<Tensor>>,
 ) -> Result<()> {
-    let params: Vec<Param> = named_parameters(root, true)
+    let params: Vec<Param> = named_parameters(root, &Names::new())
         .into_iter()
         .map(|(_, p)| p)
         .collect();
-    let buffers: Vec<Buffer> = named_buffers(root).into_iter().map(|(_, b)| b).collect();
+    let buffers: Vec<Buffer> = named_buffers(root, &Names::new())
+        .into_iter()
+        .map(|(_, b)| b)
+        .collect();
     let new_params = params.iter().map(&param).collect::<Result<Vec<_>>>()?;
     let new_buffers = buffers.iter().map(&buffer).collect::<Result<Vec<_>>>()?;
     let new_vars = new_params

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::{Tensor, TensorId, Var};
 
 use crate::error::{Error, Result};
-use crate::hooks::Hooks;
+use crate::hooks::{HookOptions, Hooks, PreHookOptions};
 use crate::module::Module;
 use crate::param::Param;
 use crate::type_name::short_type_name;
@@ -665,7 +665,7 @@ impl Recorder {
                 None => self.untracked(t, scope),
             })
             .collect();
-        let params = crate::views::named_parameters(module, true)
+        let params = crate::names::named_parameters(module, &crate::names::Names::new())
             .iter()
             .map(|(_, p)| Param::elem_count(p))
             .sum();
@@ -769,15 +769,21 @@ pub(crate) fn dataflow<M: Module, R>(
     let hooks = Hooks::new();
     let recorder = Arc::new(Mutex::new(Recorder::default()));
     let pre = recorder.clone();
-    hooks.register_global_forward_pre_hook(move |ctx, input| {
-        let mut rec = pre.lock().unwrap_or_else(PoisonError::into_inner);
-        rec.pre(ctx.module(), ctx.path(), input).map(Some)
-    });
+    hooks.register_global_forward_pre_hook(
+        move |ctx, input| {
+            let mut rec = pre.lock().unwrap_or_else(PoisonError::into_inner);
+            rec.pre(ctx.module(), ctx.path(), input).map(Some)
+        },
+        PreHookOptions::default(),
+    );
     let post = recorder.clone();
-    hooks.register_global_forward_hook(move |_ctx, _input, output| {
-        let mut rec = post.lock().unwrap_or_else(PoisonError::into_inner);
-        rec.post(output).map(Some)
-    });
+    hooks.register_global_forward_hook(
+        move |_ctx, _input, output| {
+            let mut rec = post.lock().unwrap_or_else(PoisonError::into_inner);
+            rec.post(output).map(Some)
+        },
+        HookOptions::default(),
+    );
     hooks.run(root, run)?;
     drop(hooks);
     let recorder = std::mem::take(&mut *recorder.lock().unwrap_or_else(PoisonError::into_inner));

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Var};
 use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::forward::Forward;
-use crate::hooks::{Captures, Hooks};
+use crate::hooks::Captures;
 use crate::module::{Child, Module};
 use crate::names::Names;
 use crate::param::Param;
@@ -28,7 +28,7 @@ use crate::{path, views};
 /// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
 /// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
 /// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
-/// first path that reaches it, unless their name says `with_aliases`.
+/// first path that reaches it, unless [`Names::keep_duplicates`] says otherwise.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -86,19 +86,6 @@ pub trait ModuleExt: Module {
             // Cold: names the failing submodule by path (see `Error::Forward`).
             Err(error) => Err(crate::trace::forward_error(self, error)),
         }
-    }
-
-    /// Runs `run` with `hooks` attached to this module (the root of the paths): shorthand for
-    /// [`hooks.run(self, run)`](Hooks::run).
-    fn with_hooks<R, E: From<crate::Error>>(
-        &self,
-        hooks: &Hooks,
-        run: impl FnOnce(&Self) -> std::result::Result<R, E>,
-    ) -> std::result::Result<R, E>
-    where
-        Self: Sized,
-    {
-        hooks.run(self, run)
     }
 
     /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path
@@ -184,19 +171,14 @@ pub trait ModuleExt: Module {
     /// Every parameter with its path, each once (the first path that reaches it), in PyTorch's
     /// order: a module's own parameters before its submodules', whatever the field order.
     fn named_parameters(&self) -> Vec<(String, Param)> {
-        views::named_parameters(self.as_dyn(), true)
-    }
-
-    /// Every parameter under every path that reaches it: a tied weight appears once per alias
-    /// (PyTorch's `named_parameters(remove_duplicate=False)`).
-    fn named_parameters_with_aliases(&self) -> Vec<(String, Param)> {
-        views::named_parameters(self.as_dyn(), false)
+        crate::names::named_parameters(self.as_dyn(), &Names::new())
     }
 
     /// [`named_parameters`](Self::named_parameters) with PyTorch's `prefix`, `recurse` and
     /// `remove_duplicate` arguments (see [`Names`]): `named_parameters_with(&Names::new().prefix("model"))`
     /// is PyTorch's `named_parameters(prefix="model")`, `Names::new().recurse(false)` lists only the
-    /// module's own parameters, `Names::new().keep_duplicates()` every alias of a tied one.
+    /// module's own parameters, `Names::new().keep_duplicates()` (PyTorch's `remove_duplicate=False`)
+    /// every alias of a tied one.
     fn named_parameters_with(&self, names: &Names) -> Vec<(String, Param)> {
         crate::names::named_parameters(self.as_dyn(), names)
     }
@@ -211,7 +193,7 @@ pub trait ModuleExt: Module {
 
     /// Every buffer (persistent or not) with its path, each once.
     fn named_buffers(&self) -> Vec<(String, Buffer)> {
-        views::named_buffers(self.as_dyn())
+        crate::names::named_buffers(self.as_dyn(), &Names::new())
     }
 
     /// [`named_buffers`](Self::named_buffers) with PyTorch's `prefix`, `recurse` and
@@ -230,7 +212,7 @@ pub trait ModuleExt: Module {
     /// `Arc` once, under its first path. Lists (`Vec`, arrays, tuples) and maps are modules here, as
     /// `ModuleList` and `ModuleDict` are in PyTorch; `Option` and `Box` are transparent.
     fn named_modules(&self) -> Vec<(String, &dyn Module)> {
-        views::named_modules(self.as_dyn(), false)
+        crate::names::named_modules(self.as_dyn(), &Names::new())
     }
 
     /// [`named_modules`](Self::named_modules) with PyTorch's `prefix` and `remove_duplicate`
@@ -244,7 +226,7 @@ pub trait ModuleExt: Module {
 
     /// The direct submodules, each once.
     fn named_children(&self) -> Vec<(String, &dyn Module)> {
-        views::named_modules(self.as_dyn(), true)
+        crate::names::named_children(self.as_dyn())
     }
 
     /// The submodule at `path` (`""` is `self`) as a trait object.
@@ -410,18 +392,26 @@ pub trait ModuleExt: Module {
         crate::state::state_dict(self.as_dyn())
     }
 
-    /// Loads `state` strictly: every path of the model must be present, with its shape and dtype,
-    /// and nothing else. See [`load_state_dict_with`](Self::load_state_dict_with).
-    fn load_state_dict(&self, state: &StateDict) -> Result<LoadReport> {
-        self.load_state_dict_with(state, &LoadOptions::default())
-    }
-
-    /// Loads `state` with `options` (non-strict, key rules, dtype casting).
+    /// Loads a state dict, PyTorch's `load_state_dict(state_dict, strict=True, assign=False)`:
+    /// `state` is a [`StateDict`] (`&sd`) or the path of a checkpoint file or model folder (see
+    /// [`Checkpoint`](crate::Checkpoint)), `options` says how ([`LoadOptions::default()`]: strict,
+    /// as PyTorch's default; [`non_strict`](LoadOptions::non_strict), key rules,
+    /// [`assign`](LoadOptions::assign), [`nested_in`](LoadOptions::nested_in) for a training
+    /// checkpoint, post-hooks).
     ///
     /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
     /// was and [`Error::Load`](crate::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
     /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
     /// weights stay tied and optimizers built before the load keep working.
+    ///
+    /// A path is read in any format [`StateDict::read`] reads (safetensors, a PyTorch `.pth`/`.pt`/
+    /// `.bin` in the zip or the legacy format, a Hugging Face shard index, a model folder), told
+    /// from the file's first bytes. Every key is checked before any value is read, and values are
+    /// read one at a time, straight to each parameter's device; shards load as one state dict,
+    /// every shard opened and checked before anything is copied.
+    /// Files are not memory-mapped: a header is checked when its file is opened and each value is
+    /// read with positioned reads, so a file truncated or rewritten by another process during the
+    /// load is an error, never a SIGBUS.
     ///
     /// Unbuilt lazy parameters and buffers are built from the checkpoint's values, whose shapes
     /// must fit their known dimensions (a failed load leaves them unbuilt). A model holding an
@@ -432,16 +422,36 @@ pub trait ModuleExt: Module {
     /// use module_runtime::prelude::*;
     /// let a = Linear::new(3, 2, &Device::Cpu)?;
     /// let b = Linear::new(3, 2, &Device::Cpu)?;
-    /// b.load_state_dict(&a.state_dict()?)?;
+    /// b.load_state_dict(&a.state_dict()?, &LoadOptions::default())?;
     /// let diff = (a.weight.tensor()? - b.weight.tensor()?)?.abs()?.sum_all()?;
     /// assert_eq!(diff.to_scalar::<f32>()?, 0.0);
     ///
-    /// let err = Linear::no_bias(3, 2, &Device::Cpu)?.load_state_dict(&a.state_dict()?).unwrap_err();
+    /// let err = Linear::no_bias(3, 2, &Device::Cpu)?
+    ///     .load_state_dict(&a.state_dict()?, &LoadOptions::default())
+    ///     .unwrap_err();
     /// assert!(err.to_string().contains("unexpected key(s): \"bias\""));
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
-    fn load_state_dict_with(&self, state: &StateDict, options: &LoadOptions) -> Result<LoadReport> {
-        crate::state::load(self.as_dyn(), state, options)
+    ///
+    /// From a file:
+    ///
+    /// ```no_run
+    /// # use module_runtime::prelude::*;
+    /// # let model = Linear::new(2, 2, &Device::Cpu)?;
+    /// model.load_state_dict("model.safetensors", &LoadOptions::default())?;
+    /// // torch.save({"epoch": 3, "model": model.module.state_dict(), ...}) from DataParallel:
+    /// model.load_state_dict(
+    ///     "checkpoint.pt",
+    ///     &LoadOptions::default().nested_in("model").strip_prefix("module"),
+    /// )?;
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn load_state_dict<'a>(
+        &self,
+        state: impl Into<crate::Checkpoint<'a>>,
+        options: &LoadOptions,
+    ) -> Result<LoadReport> {
+        crate::checkpoint::load(self.as_dyn(), state.into(), options)
     }
 
     /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
@@ -451,96 +461,6 @@ pub trait ModuleExt: Module {
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         crate::views::ensure_built(self.as_dyn(), "save")?;
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())
-    }
-
-    /// Loads a safetensors checkpoint strictly, all or nothing.
-    ///
-    /// The file is not memory-mapped: its header is read and checked on open, and each tensor is
-    /// read with positioned file reads when it is loaded, so a file truncated or rewritten by
-    /// another process during the load is an error, never a SIGBUS.
-    fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
-        self.load_safetensors_with(path, &LoadOptions::default())
-    }
-
-    /// Loads a safetensors checkpoint with `options`; see
-    /// [`load_state_dict_with`](Self::load_state_dict_with).
-    fn load_safetensors_with(
-        &self,
-        path: impl AsRef<std::path::Path>,
-        options: &LoadOptions,
-    ) -> Result<LoadReport> {
-        let file = crate::io::SafetensorsFile::open(path.as_ref())?;
-        crate::state::load(self.as_dyn(), &file, options)
-    }
-
-    /// Loads any checkpoint strictly, all or nothing, telling its format from its first bytes:
-    ///
-    /// | what | example |
-    /// |---|---|
-    /// | safetensors | `model.safetensors` |
-    /// | PyTorch zip (`torch.save` since 1.6) | `model.pth`, `model.pt`, `pytorch_model.bin` |
-    /// | PyTorch legacy (before 1.6, `_use_new_zipfile_serialization=False`) | `resnet18-5c106cde.pth` |
-    /// | Hugging Face shards, through their index | `model.safetensors.index.json`, `pytorch_model.bin.index.json` |
-    /// | a model folder holding any of those | `all-MiniLM-L6-v2/` |
-    ///
-    /// Shards load as one state dict: every shard is opened and checked before anything is copied,
-    /// so a missing shard or a key the index maps to a shard that lacks it fails the whole load.
-    /// See [`load_checkpoint_with`](Self::load_checkpoint_with) for options (a nested training
-    /// checkpoint, key rules, non-strict loading).
-    fn load_checkpoint(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
-        self.load_checkpoint_with(path, &LoadOptions::default())
-    }
-
-    /// [`load_checkpoint`](Self::load_checkpoint) with `options`; see
-    /// [`load_state_dict_with`](Self::load_state_dict_with) and
-    /// [`LoadOptions::nested_in`](crate::LoadOptions::nested_in).
-    ///
-    /// ```no_run
-    /// # use module_runtime::prelude::*;
-    /// # use module_runtime::LoadOptions;
-    /// # let model = module_runtime::nn::Linear::new(2, 2, &Device::Cpu)?;
-    /// // torch.save({"epoch": 3, "model": model.module.state_dict(), ...}) from DataParallel:
-    /// model.load_checkpoint_with(
-    ///     "checkpoint.pt",
-    ///     &LoadOptions::default().nested_in("model").strip_prefix("module"),
-    /// )?;
-    /// # Ok::<(), module_runtime::Error>(())
-    /// ```
-    fn load_checkpoint_with(
-        &self,
-        path: impl AsRef<std::path::Path>,
-        options: &LoadOptions,
-    ) -> Result<LoadReport> {
-        let source = crate::checkpoint::open(path.as_ref(), options.nested_key())?;
-        crate::state::load(self.as_dyn(), source.as_ref(), options)
-    }
-
-    /// Loads a PyTorch pickle checkpoint strictly (all or nothing): `torch.save(model.state_dict(),
-    /// "x.pth")`, or a Hugging Face `pytorch_model.bin`.
-    ///
-    /// Accepted: both formats `torch.load` reads (the zip format of PyTorch ≥ 1.6 and the legacy
-    /// format before it), holding a state dict at the top level, every value a tensor of a dtype
-    /// candle has (F16, BF16, F32, F64, U8, I16, I32, I64), strided views included. The reader is
-    /// bounded: a truncated, corrupt or hostile file is an [`Error::Pth`](crate::Error::Pth) that
-    /// says what is wrong, and Python globals outside PyTorch's tensor types are refused, never
-    /// executed. For a training checkpoint (`{"epoch": .., "model": .., ..}`) or key rewriting, use
-    /// [`load_pth_with`](Self::load_pth_with).
-    fn load_pth(&self, path: impl AsRef<std::path::Path>) -> Result<LoadReport> {
-        self.load_pth_with(path, None, &LoadOptions::default())
-    }
-
-    /// Loads a PyTorch pickle checkpoint (see [`load_pth`](Self::load_pth)) with `options`.
-    /// `key` selects a nested state dict such as `"model"` or `"state_dict"` (dotted keys such as
-    /// `"model.ema"` descend further); without one, the top level must be a state dict, and the
-    /// error lists the top-level keys that hold one. Values are read one tensor at a time.
-    fn load_pth_with(
-        &self,
-        path: impl AsRef<std::path::Path>,
-        key: Option<&str>,
-        options: &LoadOptions,
-    ) -> Result<LoadReport> {
-        let file = crate::io::read_pth(path.as_ref(), key)?;
-        crate::state::load(self.as_dyn(), &file, options)
     }
 
     /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.

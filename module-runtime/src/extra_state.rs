@@ -62,7 +62,7 @@ pub const EXTRA_STATE_KEY: &str = "_extra_state";
 /// let sd = a.state_dict()?;
 /// assert_eq!(sd.keys().collect::<Vec<_>>(), ["_extra_state", "fc.weight", "fc.bias"]);
 /// let b = Counter { fc: Linear::new(2, 2, &Device::Cpu)?, steps: AtomicI64::new(0) };
-/// b.load_state_dict(&sd)?;
+/// b.load_state_dict(&sd, &LoadOptions::default())?;
 /// assert_eq!(b.steps.load(Ordering::Relaxed), 7);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```

@@ -1,5 +1,4 @@
-//! Checkpoint files: safetensors (written atomically, read with plain reads) and PyTorch
-//! `.pth`/`.bin`.
+//! Safetensors files: written atomically, read with plain reads.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -14,7 +13,6 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::pth::PthFile;
 use crate::state::{Source, StateDict};
 
 /// The marker in the names of the temporary files a save writes beside its target
@@ -445,13 +443,6 @@ pub(crate) fn open_for_reading(path: &Path) -> Result<File> {
         Ok(_) => File::open(path).map_err(|e| io_error(path, e)),
         Err(e) => Err(io_error(path, e)),
     }
-}
-
-/// Opens a PyTorch pickle checkpoint (`torch.save(model.state_dict())`, `.pth`/`.bin`, zip or
-/// legacy format) with the bounded reader. `key` selects a nested dict (e.g. `"state_dict"` or
-/// `"model"`).
-pub(crate) fn read_pth(path: &Path, key: Option<&str>) -> Result<PthFile> {
-    PthFile::open(path, key)
 }
 
 #[cfg(test)]

@@ -416,7 +416,7 @@ pub(crate) fn deferring() -> bool {
 /// let x = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
 /// let err = model.call(&x).unwrap_err();
 /// assert!(matches!(err.inner(), Error::NotLoaded { .. }), "{err}");
-/// model.load_state_dict(&state)?; // strict: every key must be there
+/// model.load_state_dict(&state, &LoadOptions::default())?; // strict: every key must be there
 /// assert_eq!(model.call(&x)?.to_vec2::<f32>()?, trained.call(&x)?.to_vec2::<f32>()?);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```

@@ -53,7 +53,7 @@ extern crate self as module_runtime;
 //                                                     reads the layers' PyTorch names from nn/)
 //   grad_mode                                         whether parameter reads record gradients
 //   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
-//   walk, path, views, names, convert, device         the one walk and what is built on it
+//   walk, path, names, views, convert, device         the one walk and what is built on it
 //   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
 //   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
 //   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
@@ -103,6 +103,7 @@ mod views;
 mod walk;
 
 pub use buffer::Buffer;
+pub use checkpoint::Checkpoint;
 pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use device::{device_name, parse_device};
 pub use error::{Error, PthErrorKind, Result};
@@ -116,7 +117,7 @@ pub use grad_mode::{
     enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
 };
 pub use hooks::{
-    AlwaysCall, Captures, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend,
+    Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
 };
 #[doc(hidden)]
 pub use identity::CallTarget;
@@ -185,8 +186,9 @@ pub mod prelude {
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, no_grad, without_grad};
     pub use crate::{
-        Buffer, Build, Error, Forward, FunctionalExt, Hooks, Lazy, LazyExt, LoadOptions, Mode,
-        Module, ModuleExt, Param, Result, StateDict, TensorStruct, Tolerance,
+        Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
+        LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,
+        TensorStruct, Tolerance,
     };
     pub use candle_core::{DType, Device, Tensor, D};
 }

@@ -1,5 +1,7 @@
 //! [`Names`]: the `prefix`, `recurse` and `remove_duplicate` arguments of PyTorch's
-//! `named_parameters`, `named_buffers` and `named_modules`, as one options value.
+//! `named_parameters`, `named_buffers` and `named_modules`, as one options value, and the one
+//! implementation of those listings (and `named_children`): with and without aliases, with and
+//! without a prefix.
 
 use crate::buffer::Buffer;
 use crate::module::Module;
@@ -162,6 +164,19 @@ pub(crate) fn named_modules<'a>(
     names.walk(root, &mut |path, v| {
         if let Visit::Module(m) = v {
             out.push((names.join(path), m));
+        }
+    });
+    out
+}
+
+/// The direct submodules, each once (PyTorch's `named_children`).
+pub(crate) fn named_children(root: &dyn Module) -> Vec<(String, &dyn Module)> {
+    let mut out = Vec::new();
+    Names::new().recurse(false).walk(root, &mut |path, v| {
+        if let Visit::Module(m) = v {
+            if !path.is_empty() {
+                out.push((path.to_owned(), m));
+            }
         }
     });
     out

@@ -16,7 +16,8 @@ use crate::report::{LoadReport, Mismatch};
 use crate::walk::{walk, Visit};
 
 /// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](crate::ModuleExt::state_dict)
-/// returns and [`load_state_dict`](crate::ModuleExt::load_state_dict) takes.
+/// returns, [`read`](StateDict::read) reads from a file, and
+/// [`load_state_dict`](crate::ModuleExt::load_state_dict) takes.
 ///
 /// Order is PyTorch's (each module's own parameters, own buffers, then submodules; insertion order
 /// when built by hand), so a saved checkpoint lists its tensors the way
@@ -143,7 +144,8 @@ impl KeyRule {
     }
 }
 
-/// Options for [`load_state_dict`](crate::ModuleExt::load_state_dict) and the file loaders.
+/// Options for [`load_state_dict`](crate::ModuleExt::load_state_dict) (and, for
+/// [`nested_in`](Self::nested_in), [`StateDict::read`]).
 ///
 /// The default is PyTorch's: strict (every key of the model present in the checkpoint and nothing
 /// else), no key rewriting, shapes must match exactly, and a value of another dtype is converted
@@ -180,11 +182,6 @@ impl Default for LoadOptions {
 }
 
 impl LoadOptions {
-    /// Strict loading (the default).
-    pub fn strict() -> Self {
-        Self::default()
-    }
-
     /// Tolerates missing and unexpected keys (they are still reported). Shape and dtype mismatches
     /// stay errors, as in PyTorch.
     pub fn non_strict(mut self) -> Self {
@@ -252,7 +249,7 @@ impl LoadOptions {
     /// let source = Linear::new(3, 2, &Device::Cpu)?;
     /// source.to_dtype(DType::F16)?;
     /// let model = Linear::new(3, 2, &Device::Cpu)?;
-    /// model.load_state_dict_with(&source.state_dict()?, &LoadOptions::default().assign())?;
+    /// model.load_state_dict(&source.state_dict()?, &LoadOptions::default().assign())?;
     /// assert_eq!(model.weight.dtype(), DType::F16); // the checkpoint's dtype
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
@@ -267,9 +264,13 @@ impl LoadOptions {
     }
 
     /// Takes the state dict stored under `key` in a pickled training checkpoint
-    /// (`torch.save({"epoch": 3, "model": model.state_dict(), "optimizer": ...})`), for the file
-    /// loaders. Without it, a file whose top level is not a state dict is an error that lists the
-    /// keys holding one.
+    /// (`torch.save({"epoch": 3, "model": model.state_dict(), "optimizer": ...})`) when
+    /// [`load_state_dict`](crate::ModuleExt::load_state_dict) or [`StateDict::read`] reads a file:
+    /// a `.pth`/`.pt`/`.bin` in either pickle format, directly, through a shard index or in a model
+    /// folder. Dotted keys (`"model.ema"`) descend further. Without it, a pickle whose top level is
+    /// not a state dict is an error that lists the keys holding one. A safetensors file holds one
+    /// flat state dict, and a [`StateDict`] given to `load_state_dict` is already one: neither
+    /// has anything to pick, and the key is not used.
     pub fn nested_in(mut self, key: impl Into<String>) -> Self {
         self.nested = Some(key.into());
         self
@@ -291,13 +292,13 @@ impl LoadOptions {
     /// let mut sd = StateDict::new();
     /// sd.insert("weight", full.weight.tensor()?); // no "bias"
     /// let model = Linear::new(3, 2, &Device::Cpu)?;
-    /// assert!(model.load_state_dict(&sd).is_err());
+    /// assert!(model.load_state_dict(&sd, &LoadOptions::default()).is_err());
     /// // A hook that accepts a missing bias makes the strict load succeed.
     /// let opts = LoadOptions::default().post_hook(|_module, keys| {
     ///     keys.missing_keys.retain(|k| k != "bias");
     ///     Ok(())
     /// });
-    /// let report = model.load_state_dict_with(&sd, &opts)?;
+    /// let report = model.load_state_dict(&sd, &opts)?;
     /// assert!(report.missing.is_empty() && report.loaded == 1);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```

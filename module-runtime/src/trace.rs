@@ -9,7 +9,8 @@
 
 use crate::error::Error;
 use crate::identity::CallTarget;
-use crate::module::{Child, Module};
+use crate::module::Module;
+use crate::walk::find_call_target;
 
 /// `call`'s cold path: `error` came out of `module`'s forward (or hook dispatch).
 #[cold]
@@ -35,8 +36,8 @@ fn wrap(module: &dyn Module, target: CallTarget, error: Error) -> Error {
                     frame,
                 };
             }
-            match find(module, frame, &mut String::new()) {
-                Some(mut prefix) => {
+            match find_call_target(module, frame, String::new()) {
+                Some((_, mut prefix)) => {
                     if !path.is_empty() {
                         prefix.push('.');
                         prefix.push_str(&path);
@@ -74,33 +75,4 @@ fn wrap(module: &dyn Module, target: CallTarget, error: Error) -> Error {
             frame: target,
         },
     }
-}
-
-/// The path from `parent` to the module called as `target`: direct children first, since that is
-/// where nearly every call goes, then depth first.
-fn find(parent: &dyn Module, target: CallTarget, path: &mut String) -> Option<String> {
-    let mut found = None;
-    let mut submodules = Vec::new();
-    parent.visit_children(&mut |name, child| {
-        if found.is_some() {
-            return;
-        }
-        if let Child::Module { module, shared } = child {
-            let len = path.len();
-            name.push_to(path);
-            let any: &dyn std::any::Any = module;
-            if CallTarget::of_dyn(any) == target || shared.is_some_and(|s| s.holder == target) {
-                found = Some(path.clone());
-            } else {
-                submodules.push((module, path.clone()));
-            }
-            path.truncate(len);
-        }
-    });
-    if found.is_some() {
-        return found;
-    }
-    submodules
-        .into_iter()
-        .find_map(|(module, mut path)| find(module, target, &mut path))
 }

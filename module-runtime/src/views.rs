@@ -1,52 +1,13 @@
-//! The views PyTorch users know, each one walk: `named_parameters`, `named_buffers`,
-//! `named_modules`, `named_children`, `apply`, freezing by pattern, train/eval modes, and what is
-//! still unbuilt.
+//! The views PyTorch users know, each one walk: `apply`, freezing by pattern, train/eval modes,
+//! and what is still unbuilt. The `named_*` listings are in `names.rs`.
 
-use crate::buffer::Buffer;
 use crate::error::{Error, Result};
 use crate::identity::IdentitySet;
 use crate::module::{Child, Module};
+use crate::names::Names;
 use crate::param::Param;
 use crate::pattern::PathPattern;
 use crate::walk::{walk, Visit};
-
-/// Every parameter with its path; with `dedup`, each once under its first path.
-pub(crate) fn named_parameters(root: &dyn Module, dedup: bool) -> Vec<(String, Param)> {
-    let mut out = Vec::new();
-    walk(root, dedup, &mut |path, v| {
-        if let Visit::Param(p) = v {
-            out.push((path.to_owned(), p.clone()));
-        }
-        true
-    });
-    out
-}
-
-/// Every buffer with its path, each once.
-pub(crate) fn named_buffers(root: &dyn Module) -> Vec<(String, Buffer)> {
-    let mut out = Vec::new();
-    walk(root, true, &mut |path, v| {
-        if let Visit::Buffer(b) = v {
-            out.push((path.to_owned(), b.clone()));
-        }
-        true
-    });
-    out
-}
-
-/// Every module with its path, `root` first as `""`; with `children_only`, the direct children.
-pub(crate) fn named_modules(root: &dyn Module, children_only: bool) -> Vec<(String, &dyn Module)> {
-    let mut out = Vec::new();
-    walk(root, true, &mut |path, v| {
-        let Visit::Module(m) = v else { return false };
-        if path.is_empty() && children_only {
-            return true;
-        }
-        out.push((path.to_owned(), m));
-        !children_only
-    });
-    out
-}
 
 /// Calls `f` on every module, children before their parent, as PyTorch's `Module.apply` recurses:
 /// `for module in self.children(): module.apply(fn)`, then `fn(self)`. `children()` drops
@@ -74,7 +35,8 @@ pub(crate) fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> R
     let pattern = PathPattern::new(pattern)?;
     let mut matched: Vec<Param> = Vec::new();
     let mut available = Vec::new();
-    for (path, p) in named_parameters(root, false) {
+    let every_alias = Names::new().keep_duplicates();
+    for (path, p) in crate::names::named_parameters(root, &every_alias) {
         if pattern.matches_at_or_above(&path) {
             if !matched.iter().any(|m| m.same_as(&p)) {
                 matched.push(p);

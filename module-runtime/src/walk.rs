@@ -3,7 +3,7 @@
 //! PyTorch's memo set to list shared things once.
 
 use crate::buffer::Buffer;
-use crate::identity::IdentitySet;
+use crate::identity::{CallTarget, IdentitySet};
 use crate::module::{Child, Mode, Module, Name};
 use crate::param::Param;
 
@@ -118,4 +118,40 @@ impl<'a> Walker<'a, '_> {
         }
         self.path.truncate(len);
     }
+}
+
+/// The module called as `target` (a [`CallTarget`]: the module itself, or the `Arc` holding it)
+/// among the descendants of `parent`, with its path (`base` joined with the path from `parent`).
+/// Breadth of one level, then depth: the direct children of `parent` are checked before any of
+/// their own children, since that is where nearly every call goes. Hook dispatch finds a called
+/// module's path with it, and a forward error the path of the module that failed.
+pub(crate) fn find_call_target(
+    parent: &dyn Module,
+    target: CallTarget,
+    base: String,
+) -> Option<(&dyn Module, String)> {
+    let mut found: Option<(&dyn Module, String)> = None;
+    let mut submodules: Vec<(&dyn Module, String)> = Vec::new();
+    parent.visit_children(&mut |name, child| {
+        if found.is_some() {
+            return;
+        }
+        if let Child::Module { module, shared } = child {
+            let mut path = base.clone();
+            name.push_to(&mut path);
+            let hit =
+                CallTarget::of_dyn(module) == target || shared.is_some_and(|s| s.holder == target);
+            if hit {
+                found = Some((module, path));
+            } else {
+                submodules.push((module, path));
+            }
+        }
+    });
+    if found.is_some() {
+        return found;
+    }
+    submodules
+        .into_iter()
+        .find_map(|(module, path)| find_call_target(module, target, path))
 }

@@ -40,6 +40,7 @@ fn sharded_checkpoints_read_as_one_state_dict_through_index_or_folder() {
         values(
             &StateDict::read(
                 fixtures().join("gapnet_sharded_safetensors/model-00001-of-00002.safetensors"),
+                &LoadOptions::default(),
             )
             .unwrap(),
         )
@@ -47,6 +48,7 @@ fn sharded_checkpoints_read_as_one_state_dict_through_index_or_folder() {
         .chain(values(
             &StateDict::read(
                 fixtures().join("gapnet_sharded_safetensors/model-00002-of-00002.safetensors"),
+                &LoadOptions::default(),
             )
             .unwrap(),
         ))
@@ -59,7 +61,7 @@ fn sharded_checkpoints_read_as_one_state_dict_through_index_or_folder() {
         fixtures().join("gapnet_sharded_bin/pytorch_model.bin.index.json"),
         fixtures().join("gapnet_sharded_bin"),
     ] {
-        let sd = StateDict::read(&path).unwrap();
+        let sd = StateDict::read(&path, &LoadOptions::default()).unwrap();
         // The index's order, which is the model's.
         assert_eq!(
             sd.keys().next(),
@@ -131,7 +133,7 @@ fn sharded_loads_are_all_or_nothing_with_clear_errors() {
     let dir = tmp_dir("shards");
     let saved = write_shards(&dir);
     let m = Linear::new(3, 2, &Device::Cpu).unwrap();
-    m.load_checkpoint(&dir).unwrap();
+    m.load_state_dict(&dir, &LoadOptions::default()).unwrap();
     assert_eq!(weights(&m), weights(&saved));
 
     let fresh = Linear::new(3, 2, &Device::Cpu).unwrap();
@@ -156,12 +158,17 @@ fn sharded_loads_are_all_or_nothing_with_clear_errors() {
     ];
     for (map, expected) in cases {
         write_index(&dir, map);
-        let err = fresh.load_checkpoint(&index).unwrap_err().to_string();
+        let err = fresh
+            .load_state_dict(&index, &LoadOptions::default())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(expected), "{map}: {err}");
         assert_eq!(weights(&fresh), before, "{map}: the model changed");
     }
     std::fs::write(&index, "{ not json").unwrap();
-    let err = fresh.load_checkpoint(&index).unwrap_err();
+    let err = fresh
+        .load_state_dict(&index, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("invalid JSON"), "{err}");
     assert_eq!(weights(&fresh), before);
 }
@@ -173,16 +180,22 @@ fn the_format_comes_from_the_bytes_not_the_extension() {
     // A safetensors file named like a pickle.
     m.save_safetensors(dir.join("weights.bin")).unwrap();
     let other = Linear::new(3, 2, &Device::Cpu).unwrap();
-    other.load_checkpoint(dir.join("weights.bin")).unwrap();
+    other
+        .load_state_dict(dir.join("weights.bin"), &LoadOptions::default())
+        .unwrap();
     assert_eq!(weights(&other), weights(&m));
 
     std::fs::write(dir.join("notes.pth"), "hello, these are not weights").unwrap();
-    let err = other.load_checkpoint(dir.join("notes.pth")).unwrap_err();
+    let err = other
+        .load_state_dict(dir.join("notes.pth"), &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("not a checkpoint format"), "{err}");
-    let err = other.load_checkpoint(&dir).unwrap_err();
+    let err = other
+        .load_state_dict(&dir, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("none of Hugging Face's"), "{err}");
     let err = other
-        .load_checkpoint(dir.join("absent.safetensors"))
+        .load_state_dict(dir.join("absent.safetensors"), &LoadOptions::default())
         .unwrap_err();
     assert!(err.to_string().contains("absent.safetensors"), "{err}");
 }
@@ -247,7 +260,9 @@ fn saves_follow_the_umask_keep_modes_and_write_through_symlinks() {
         .file_type()
         .is_symlink());
     let other = Linear::new(3, 2, &Device::Cpu).unwrap();
-    other.load_checkpoint(&target).unwrap();
+    other
+        .load_state_dict(&target, &LoadOptions::default())
+        .unwrap();
     assert_eq!(weights(&other), weights(&m));
 }
 
@@ -277,11 +292,13 @@ fn a_truncated_safetensors_file_is_an_error_at_every_length() {
     let before = weights(&m);
     for cut in (0..bytes.len()).step_by(7) {
         std::fs::write(&path, &bytes[..cut]).unwrap();
-        let err = m.load_checkpoint(&path).unwrap_err();
+        let err = m
+            .load_state_dict(&path, &LoadOptions::default())
+            .unwrap_err();
         assert!(!err.to_string().is_empty());
         assert_eq!(weights(&m), before, "cut at {cut}");
     }
     std::fs::write(&path, &bytes).unwrap();
-    m.load_checkpoint(&path).unwrap();
+    m.load_state_dict(&path, &LoadOptions::default()).unwrap();
     assert_eq!(weights(&m), weights(&saved));
 }

@@ -97,7 +97,7 @@ fn snapshot(model: &TiedLm) -> Vec<(String, DType, Vec<f64>)> {
 }
 
 fn assert_all_on(model: &TiedLm, device: &Device) {
-    let params = model.named_parameters_with_aliases();
+    let params = model.named_parameters_with(&module_runtime::Names::new().keep_duplicates());
     let buffers = model.named_buffers();
     let devices = params
         .iter()
@@ -221,7 +221,7 @@ fn a_checkpoint_loads_onto_the_device_of_the_model() -> Result<()> {
         .embed
         .weight
         .set(&model.embed.weight.tensor()?.zeros_like()?)?;
-    let report = model.load_safetensors(&path)?;
+    let report = model.load_state_dict(&path, &LoadOptions::default())?;
     assert_eq!(
         report.loaded, 9,
         "both aliases of the tied weight are in the file"

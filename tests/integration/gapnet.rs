@@ -2,7 +2,7 @@
 //! would write it: `Sequential`s that keep the original indices (`slice2.4.weight`), tuple
 //! kernel/stride/padding, a padded max pool, a ceil-mode average pool that does not count padding,
 //! a dilated convolution, BatchNorm buffers. No hand-written loops, padding or key fixing: every
-//! checkpoint form of the fixture loads strictly through `load_checkpoint` and reproduces
+//! checkpoint form of the fixture loads strictly through `load_state_dict(path, ..)` and reproduces
 //! PyTorch's outputs.
 
 use std::path::PathBuf;
@@ -132,7 +132,11 @@ fn fixtures() -> PathBuf {
 
 /// The largest difference between the model's eval-mode outputs and PyTorch's.
 fn output_error(net: &GapNet) -> f32 {
-    let reference = StateDict::read(fixtures().join("gapnet_reference.safetensors")).unwrap();
+    let reference = StateDict::read(
+        fixtures().join("gapnet_reference.safetensors"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     net.eval();
     let (a, b, y) = net.call(reference.get("input").unwrap()).unwrap();
     [
@@ -153,11 +157,12 @@ fn the_port_has_pytorchs_state_dict_keys_in_pytorchs_order() {
         .keys()
         .map(str::to_owned)
         .collect();
-    let theirs: Vec<String> = StateDict::read(fixtures().join("gapnet_zip.pth"))
-        .unwrap()
-        .keys()
-        .map(str::to_owned)
-        .collect();
+    let theirs: Vec<String> =
+        StateDict::read(fixtures().join("gapnet_zip.pth"), &LoadOptions::default())
+            .unwrap()
+            .keys()
+            .map(str::to_owned)
+            .collect();
     assert_eq!(ours, theirs);
 }
 
@@ -190,7 +195,7 @@ fn every_checkpoint_form_loads_strictly_and_reproduces_pytorch() {
     for (file, options) in forms {
         let net = GapNet::new(&Device::Cpu).unwrap();
         let report = net
-            .load_checkpoint_with(fixtures().join(file), &options)
+            .load_state_dict(fixtures().join(file), &options)
             .unwrap();
         assert_eq!(report.loaded, 18, "{file}");
         // Every file holds the same state dict, so every one reproduces PyTorch's outputs.
@@ -203,7 +208,7 @@ fn every_checkpoint_form_loads_strictly_and_reproduces_pytorch() {
 fn a_nested_checkpoint_without_a_key_says_which_key_holds_the_state_dict() {
     let net = GapNet::new(&Device::Cpu).unwrap();
     let err = net
-        .load_checkpoint(fixtures().join("gapnet_nested.pt"))
+        .load_state_dict(fixtures().join("gapnet_nested.pt"), &LoadOptions::default())
         .unwrap_err();
     assert!(err.to_string().contains("model"), "{err}");
 }

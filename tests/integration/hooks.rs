@@ -96,9 +96,9 @@ fn forward_hooks_fire_in_prepend_then_registration_order() -> Result<()> {
             Ok(None)
         };
         if i == 1 || i == 4 {
-            hooks.prepend().register_forward_hook("fc", hook)?;
+            hooks.register_forward_hook("fc", hook, HookOptions::default().prepend())?;
         } else {
-            hooks.register_forward_hook("fc", hook)?;
+            hooks.register_forward_hook("fc", hook, HookOptions::default())?;
         }
     }
     for _ in 0..2 {
@@ -120,11 +120,13 @@ fn pre_hooks_fire_in_prepend_then_registration_order() -> Result<()> {
             Ok(None)
         };
         if i == 0 || i == 4 {
-            hooks
-                .prepend()
-                .register_forward_pre_hook("blocks.1", hook)?;
+            hooks.register_forward_pre_hook(
+                "blocks.1",
+                hook,
+                PreHookOptions::default().prepend(),
+            )?;
         } else {
-            hooks.register_forward_pre_hook("blocks.1", hook)?;
+            hooks.register_forward_pre_hook("blocks.1", hook, PreHookOptions::default())?;
         }
     }
     for _ in 0..2 {
@@ -153,22 +155,36 @@ fn global_and_targeted_hooks_interleave_around_forward() -> Result<()> {
         push("local pre"),
         push("global pre"),
     );
-    hooks.register_forward_hook("fc", move |ctx, _, _| {
-        a(ctx);
-        Ok(None)
-    })?;
-    hooks.register_global_forward_hook(move |ctx, _, _| {
-        b(ctx);
-        Ok(None)
-    });
-    hooks.register_forward_pre_hook("fc", move |ctx, _| {
-        c(ctx);
-        Ok(None)
-    })?;
-    hooks.register_global_forward_pre_hook(move |ctx, _| {
-        d(ctx);
-        Ok(None)
-    });
+    hooks.register_forward_hook(
+        "fc",
+        move |ctx, _, _| {
+            a(ctx);
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
+    hooks.register_global_forward_hook(
+        move |ctx, _, _| {
+            b(ctx);
+            Ok(None)
+        },
+        HookOptions::default(),
+    );
+    hooks.register_forward_pre_hook(
+        "fc",
+        move |ctx, _| {
+            c(ctx);
+            Ok(None)
+        },
+        PreHookOptions::default(),
+    )?;
+    hooks.register_global_forward_pre_hook(
+        move |ctx, _| {
+            d(ctx);
+            Ok(None)
+        },
+        PreHookOptions::default(),
+    );
     hooks.run(&net, |m| m.call(&input()?))?;
     assert_eq!(
         take(&fired),
@@ -182,10 +198,16 @@ fn replacing_input_and_output_and_undoing_each() -> Result<()> {
     let fc = Linear::new(4, 3, &dev())?;
     let x = input()?;
     let hooks = Hooks::new();
-    let double =
-        hooks.register_forward_pre_hook("", |_, input| Ok(Some(vec![(&input[0] * 2.)?])))?;
-    let negate =
-        hooks.register_forward_hook("", |_, _, output| Ok(Some(vec![output[0].neg()?])))?;
+    let double = hooks.register_forward_pre_hook(
+        "",
+        |_, input| Ok(Some(vec![(&input[0] * 2.)?])),
+        PreHookOptions::default(),
+    )?;
+    let negate = hooks.register_forward_hook(
+        "",
+        |_, _, output| Ok(Some(vec![output[0].neg()?])),
+        HookOptions::default(),
+    )?;
 
     let f = |x: &Tensor| fc.call(x);
     let both = hooks.run(&fc, |m| m.call(&x))?;
@@ -210,11 +232,15 @@ fn hooks_that_remove_themselves_fire_once() -> Result<()> {
     let fired = log();
     for name in ["first", "second"] {
         let fired = fired.clone();
-        hooks.register_forward_hook("blocks.0", move |ctx, _, _| {
-            fired.lock().unwrap().push(name.to_owned());
-            ctx.remove_this_hook();
-            Ok(None)
-        })?;
+        hooks.register_forward_hook(
+            "blocks.0",
+            move |ctx, _, _| {
+                fired.lock().unwrap().push(name.to_owned());
+                ctx.remove_this_hook();
+                Ok(None)
+            },
+            HookOptions::default(),
+        )?;
     }
     hooks.run(&net, |m| m.call(&input()?))?;
     assert_eq!(take(&fired), ["first", "second"]);
@@ -251,17 +277,25 @@ fn a_submodule_called_three_times_fires_three_times() -> Result<()> {
 fn a_hook_error_names_the_path_and_aborts_the_call() -> Result<()> {
     let net = Net::new()?;
     let hooks = Hooks::new();
-    hooks.register_forward_hook("blocks.*", |ctx, _, _| {
-        Err(Error::InvalidDevice {
-            name: format!("refused by {}", ctx.path()),
-        })
-    })?;
+    hooks.register_forward_hook(
+        "blocks.*",
+        |ctx, _, _| {
+            Err(Error::InvalidDevice {
+                name: format!("refused by {}", ctx.path()),
+            })
+        },
+        HookOptions::default(),
+    )?;
     let after = log();
     let sink = after.clone();
-    hooks.register_forward_pre_hook("boxed", move |_, _| {
-        sink.lock().unwrap().push("boxed ran".into());
-        Ok(None)
-    })?;
+    hooks.register_forward_pre_hook(
+        "boxed",
+        move |_, _| {
+            sink.lock().unwrap().push("boxed ran".into());
+            Ok(None)
+        },
+        PreHookOptions::default(),
+    )?;
     let err = hooks.run(&net, |m| m.call(&input()?)).unwrap_err();
     match &err {
         Error::Hook { path, hook, .. } => {
@@ -279,9 +313,11 @@ fn a_hook_error_names_the_path_and_aborts_the_call() -> Result<()> {
 fn a_hook_returning_the_wrong_number_of_tensors_is_an_error() -> Result<()> {
     let net = Net::new()?;
     let hooks = Hooks::new();
-    hooks.register_forward_pre_hook("act", |_, input| {
-        Ok(Some(vec![input[0].clone(), input[0].clone()]))
-    })?;
+    hooks.register_forward_pre_hook(
+        "act",
+        |_, input| Ok(Some(vec![input[0].clone(), input[0].clone()])),
+        PreHookOptions::default(),
+    )?;
     let err = hooks.run(&net, |m| m.call(&input()?)).unwrap_err();
     assert!(
         matches!(&err, Error::HookTensorCount { path, expected: 1, got: 2, .. } if path == "act"),
@@ -295,7 +331,11 @@ fn a_panicking_hook_leaves_no_stale_state() -> Result<()> {
     let net = Net::new()?;
     let x = input()?;
     let panicking = Hooks::new();
-    panicking.register_forward_hook("blocks.1", |_, _, _| panic!("hook panics"))?;
+    panicking.register_forward_hook(
+        "blocks.1",
+        |_, _, _| panic!("hook panics"),
+        HookOptions::default(),
+    )?;
     let result = catch_unwind(AssertUnwindSafe(|| panicking.run(&net, |m| m.call(&x))));
     assert!(result.is_err());
 
@@ -386,16 +426,24 @@ fn trees_of_tensors_in_and_out() -> Result<()> {
     let hooks = Hooks::new();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink = seen.clone();
-    hooks.register_forward_pre_hook("", move |_, input| {
-        sink.lock().unwrap().push(input.len());
-        // Replace the optional tensor only.
-        Ok(Some(vec![input[0].clone(), (&input[1] + 1.)?]))
-    })?;
+    hooks.register_forward_pre_hook(
+        "",
+        move |_, input| {
+            sink.lock().unwrap().push(input.len());
+            // Replace the optional tensor only.
+            Ok(Some(vec![input[0].clone(), (&input[1] + 1.)?]))
+        },
+        PreHookOptions::default(),
+    )?;
     let sink = seen.clone();
-    hooks.register_forward_hook("", move |_, input, output| {
-        sink.lock().unwrap().push(input.len() * 10 + output.len());
-        Ok(Some(vec![output[0].clone(), output[1].neg()?]))
-    })?;
+    hooks.register_forward_hook(
+        "",
+        move |_, input, output| {
+            sink.lock().unwrap().push(input.len() * 10 + output.len());
+            Ok(Some(vec![output[0].clone(), output[1].neg()?]))
+        },
+        HookOptions::default(),
+    )?;
     let out = hooks.run(&m, |m| m.call((&a, Some(&b), 2)))?;
     assert_eq!(*seen.lock().unwrap(), [2, 22]);
     assert_eq!(out.left.to_vec1::<f32>()?, [6., 12.]);
@@ -428,12 +476,15 @@ fn threads_see_their_own_calls_and_share_hooks() -> Result<()> {
     let hooks = Hooks::new();
     let seen: Arc<Mutex<Vec<(std::thread::ThreadId, String)>>> = Arc::default();
     let sink = seen.clone();
-    hooks.register_global_forward_pre_hook(move |ctx, _| {
-        sink.lock()
-            .unwrap()
-            .push((std::thread::current().id(), ctx.path().to_owned()));
-        Ok(None)
-    });
+    hooks.register_global_forward_pre_hook(
+        move |ctx, _| {
+            sink.lock()
+                .unwrap()
+                .push((std::thread::current().id(), ctx.path().to_owned()));
+            Ok(None)
+        },
+        PreHookOptions::default(),
+    );
     let barrier = Arc::new(Barrier::new(2));
     let handles: Vec<_> = [1usize, 3]
         .into_iter()
@@ -468,10 +519,14 @@ fn nested_runs_on_one_root_combine_registries() -> Result<()> {
     let outer = Hooks::new();
     let fired = log();
     let sink = fired.clone();
-    outer.register_forward_hook("fc", move |_, _, _| {
-        sink.lock().unwrap().push("outer".into());
-        Ok(None)
-    })?;
+    outer.register_forward_hook(
+        "fc",
+        move |_, _, _| {
+            sink.lock().unwrap().push("outer".into());
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
     let (_, captured): (Tensor, Captures) = outer.run(&net, |m| {
         m.capture(&["fc", "blocks.*"], |m| m.call(&input()?))
     })?;
@@ -489,14 +544,18 @@ fn hooks_see_the_module_and_can_downcast_it() -> Result<()> {
     let hooks = Hooks::new();
     let widths = log();
     let sink = widths.clone();
-    hooks.register_forward_hook("**", move |ctx, _, _| {
-        if let Some(linear) = ctx.module().downcast_ref::<Linear>() {
-            sink.lock()
-                .unwrap()
-                .push(format!("{}:{}", ctx.path(), linear.out_features()));
-        }
-        Ok(None)
-    })?;
+    hooks.register_forward_hook(
+        "**",
+        move |ctx, _, _| {
+            if let Some(linear) = ctx.module().downcast_ref::<Linear>() {
+                sink.lock()
+                    .unwrap()
+                    .push(format!("{}:{}", ctx.path(), linear.out_features()));
+            }
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
     hooks.run(&net, |m| m.call(&input()?))?;
     assert_eq!(take(&widths).len(), 6);
     Ok(())
@@ -575,7 +634,11 @@ fn a_tensor_struct_that_maps_more_than_it_lists_is_an_error() -> Result<()> {
         scale: Param::new(Tensor::new(&[2f32], &dev())?)?,
     };
     let hooks = Hooks::new();
-    hooks.register_forward_hook("", |_, _, output| Ok(Some(vec![output[0].neg()?])))?;
+    hooks.register_forward_hook(
+        "",
+        |_, _, output| Ok(Some(vec![output[0].neg()?])),
+        HookOptions::default(),
+    )?;
     let x = Tensor::new(&[1f32], &dev())?;
     let err = match hooks.run(&m, |m| m.call(&x)) {
         Ok(_) => panic!("the mismatch went unnoticed"),

@@ -201,7 +201,7 @@ fn an_empty_model_holds_nothing_until_loaded() -> Result<()> {
     assert!(message.contains("`fc1` (Linear)"), "{message}");
     assert!(message.contains("load a checkpoint"), "{message}");
 
-    model.load_state_dict(&trained.state_dict()?)?;
+    model.load_state_dict(&trained.state_dict()?, &LoadOptions::default())?;
     assert!(model.parameters().iter().all(|p| p.is_built()));
     assert_eq!(max_diff(&model.call(&x)?, &trained.call(&x)?), 0.0);
     Ok(())
@@ -218,13 +218,17 @@ fn a_failed_load_leaves_the_empty_model_empty() -> Result<()> {
         .into_iter()
         .filter(|(k, _)| k != "fc2.bias")
         .collect();
-    let err = model.load_state_dict(&partial).unwrap_err();
+    let err = model
+        .load_state_dict(&partial, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("fc2.bias"), "{err}");
     assert!(model.parameters().iter().all(|p| !p.is_built()));
     // A value of the wrong shape is reported as for any model.
     let mut wrong = trained.state_dict()?;
     wrong.insert("fc1.weight", Tensor::zeros((6, 16), DType::F32, &dev)?);
-    let err = model.load_state_dict(&wrong).unwrap_err();
+    let err = model
+        .load_state_dict(&wrong, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("fc1.weight"), "{err}");
     assert!(model.parameters().iter().all(|p| !p.is_built()));
     Ok(())
@@ -240,7 +244,7 @@ fn an_empty_model_loads_from_a_file_and_matches_an_eager_one() -> Result<()> {
     trained.save_safetensors(&path)?;
     for options in [LoadOptions::default(), LoadOptions::default().assign()] {
         let model = build_empty(|| mlp(&dev))?;
-        let report = model.load_safetensors_with(&path, &options)?;
+        let report = model.load_state_dict(&path, &options)?;
         assert_eq!(report.loaded, 6);
         let x = input(&dev)?;
         assert_eq!(max_diff(&model.call(&x)?, &trained.call(&x)?), 0.0);
@@ -274,7 +278,7 @@ fn lazy_layers_under_empty_weights_wait_for_the_load() -> Result<()> {
         ),
         "{err:?}"
     );
-    lazy.load_state_dict(&source.state_dict()?)?;
+    lazy.load_state_dict(&source.state_dict()?, &LoadOptions::default())?;
     assert_eq!(max_diff(&lazy.call(&x)?, &source.call(&x)?), 0.0);
     Ok(())
 }
@@ -326,8 +330,7 @@ fn assign_takes_the_checkpoints_dtype_and_keeps_requires_grad() -> Result<()> {
     source.to_dtype(DType::F64)?;
     let model = mlp(&dev)?;
     model.freeze("fc1")?;
-    let report =
-        model.load_state_dict_with(&source.state_dict()?, &LoadOptions::default().assign())?;
+    let report = model.load_state_dict(&source.state_dict()?, &LoadOptions::default().assign())?;
     assert_eq!(report.loaded, 6);
     for (name, p) in model.named_parameters() {
         assert_eq!(p.dtype(), DType::F64, "{name}");
@@ -341,7 +344,7 @@ fn assign_takes_the_checkpoints_dtype_and_keeps_requires_grad() -> Result<()> {
     assert_eq!(diff, 0.0);
     // Without `assign`, the model keeps its dtype and converts (`Tensor.copy_`).
     let plain = mlp(&dev)?;
-    plain.load_state_dict(&source.state_dict()?)?;
+    plain.load_state_dict(&source.state_dict()?, &LoadOptions::default())?;
     assert!(plain.parameters().iter().all(|p| p.dtype() == DType::F32));
     Ok(())
 }
@@ -354,11 +357,11 @@ fn assign_still_checks_shapes_and_float_parameters() -> Result<()> {
     let mut wrong = model.state_dict()?;
     wrong.insert("fc2.weight", Tensor::zeros((3, 15), DType::F32, &dev)?);
     let assign = LoadOptions::default().assign();
-    let err = model.load_state_dict_with(&wrong, &assign).unwrap_err();
+    let err = model.load_state_dict(&wrong, &assign).unwrap_err();
     assert!(err.to_string().contains("fc2.weight"), "{err}");
     let mut integer = model.state_dict()?;
     integer.insert("fc2.bias", Tensor::zeros(3, DType::I64, &dev)?);
-    let err = model.load_state_dict_with(&integer, &assign).unwrap_err();
+    let err = model.load_state_dict(&integer, &assign).unwrap_err();
     assert!(err.to_string().contains("fc2.bias"), "{err}");
     // Nothing changed.
     for (key, value) in before.iter() {
@@ -385,7 +388,7 @@ fn assign_keeps_tied_weights_tied() -> Result<()> {
     };
     let source = make()?;
     let model = build_empty(make)?;
-    model.load_state_dict_with(&source.state_dict()?, &LoadOptions::default().assign())?;
+    model.load_state_dict(&source.state_dict()?, &LoadOptions::default().assign())?;
     assert!(model.head.weight.same_as(&model.embed.weight));
     assert_eq!(
         max_diff(&model.head.weight.tensor()?, &source.embed.weight.tensor()?),

@@ -130,7 +130,7 @@ fn eight_threads_making_the_first_call_materialize_each_parameter_once() -> Resu
 fn loading_a_linear_checkpoint_materializes_a_lazy_linear() -> Result<()> {
     let eager = Linear::new(5, 10, &dev())?;
     let lazy = LazyLinear::new(10, &dev())?;
-    let report = lazy.load_state_dict(&eager.state_dict()?)?;
+    let report = lazy.load_state_dict(&eager.state_dict()?, &LoadOptions::default())?;
     assert_eq!(report.loaded, 2);
     assert!(lazy.is_built());
     assert_eq!(dims(&lazy.weight), [10, 5]);
@@ -220,7 +220,7 @@ fn state_dict_and_save_on_an_unbuilt_model_are_errors() -> Result<()> {
     chain.call(&randn(&[2, 3]))?;
     chain.save_safetensors(&path)?;
     let fresh = Chain::new()?;
-    fresh.load_safetensors(&path)?;
+    fresh.load_state_dict(&path, &LoadOptions::default())?;
     let x = randn(&[4, 3]);
     assert_eq!(max_diff(&chain.call(&x)?, &fresh.call(&x)?), 0.0);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -235,7 +235,9 @@ fn a_failed_load_into_an_unbuilt_model_leaves_it_unbuilt() -> Result<()> {
     // fc2 has 10 outputs: a checkpoint with 11 does not fit its known dimension.
     state.insert("fc2.weight", randn(&[11, 15]));
     let fresh = Chain::new()?;
-    let err = fresh.load_state_dict(&state).unwrap_err();
+    let err = fresh
+        .load_state_dict(&state, &LoadOptions::default())
+        .unwrap_err();
     let Error::Load(report) = &err else {
         panic!("{err:?}")
     };
@@ -255,7 +257,9 @@ fn a_failed_load_into_an_unbuilt_model_leaves_it_unbuilt() -> Result<()> {
         .filter(|(k, _)| *k != "fc1.bias")
         .map(|(k, t)| (k, t.clone()))
         .collect();
-    assert!(fresh.load_state_dict(&partial).is_err());
+    assert!(fresh
+        .load_state_dict(&partial, &LoadOptions::default())
+        .is_err());
     assert_eq!(fresh.unbuilt_paths().len(), 4);
     Ok(())
 }
@@ -359,7 +363,9 @@ fn a_user_module_builds_its_own_state_on_the_first_call() -> Result<()> {
     };
     assert_eq!(m.unbuilt_paths(), ["state"]);
     assert!(matches!(m.trainable_vars(), Err(Error::Unbuilt { .. })));
-    let err = m.load_state_dict(&StateDict::new()).unwrap_err();
+    let err = m
+        .load_state_dict(&StateDict::new(), &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("state"), "{err}");
 
     m.call(&randn(&[2, 4]))?;
@@ -407,21 +413,21 @@ fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
     // Each lazy layer loads its eager twin's state dict (same names), then both run one input.
     let conv1 = Conv1d::with_config(4, 6, 3, cfg, &dev())?;
     let lazy_conv1 = LazyConv1d::with_config(6, 3, cfg, &dev())?;
-    lazy_conv1.load_state_dict(&conv1.state_dict()?)?;
+    lazy_conv1.load_state_dict(&conv1.state_dict()?, &LoadOptions::default())?;
     let x = randn(&[2, 4, 9]);
     assert!(max_diff(&conv1.call(&x)?, &lazy_conv1.call(&x)?) < 1e-6);
     assert_eq!(lazy_conv1.in_channels(), Some(4));
 
     let conv2 = Conv2d::with_config(4, 6, 3, cfg, &dev())?;
     let lazy_conv2 = LazyConv2d::with_config(6, 3, cfg, &dev())?;
-    lazy_conv2.load_state_dict(&conv2.state_dict()?)?;
+    lazy_conv2.load_state_dict(&conv2.state_dict()?, &LoadOptions::default())?;
     let x = randn(&[2, 4, 7, 7]);
     assert!(max_diff(&conv2.call(&x)?, &lazy_conv2.call(&x)?) < 1e-6);
 
     let ln = LayerNorm::new(5, &dev())?;
     ln.weight.as_ref().unwrap().set(&randn(&[5]))?;
     let lazy_ln = LazyLayerNorm::new(1, &dev())?;
-    lazy_ln.load_state_dict(&ln.state_dict()?)?;
+    lazy_ln.load_state_dict(&ln.state_dict()?, &LoadOptions::default())?;
     let x = randn(&[3, 5]);
     assert!(max_diff(&ln.call(&x)?, &lazy_ln.call(&x)?) < 1e-6);
 
@@ -429,7 +435,7 @@ fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
     let lazy_bn1 = LazyBatchNorm1d::new(&dev())?;
     let x = randn(&[8, 3]);
     bn1.call(&x)?; // moves its running statistics away from the defaults
-    lazy_bn1.load_state_dict(&bn1.state_dict()?)?;
+    lazy_bn1.load_state_dict(&bn1.state_dict()?, &LoadOptions::default())?;
     let y = randn(&[8, 3]);
     assert!(max_diff(&bn1.call(&y)?, &lazy_bn1.call(&y)?) < 1e-6);
     bn1.eval();
@@ -441,7 +447,7 @@ fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
     let x = randn(&[2, 3, 4, 4]);
     let lazy_y = lazy_bn2.call(&x)?;
     let bn2 = BatchNorm2d::new(3, &dev())?;
-    bn2.load_state_dict(&lazy_bn2.state_dict()?)?;
+    bn2.load_state_dict(&lazy_bn2.state_dict()?, &LoadOptions::default())?;
     assert_eq!(
         bn2.state_dict()?.keys().collect::<Vec<_>>(),
         lazy_bn2.state_dict()?.keys().collect::<Vec<_>>()
@@ -454,7 +460,7 @@ fn lazy_layers_match_their_eager_twins_given_the_same_weights() -> Result<()> {
     let fc = Linear::new(7, 3, &dev())?;
     let lazy_fc = LazyLinear::new(3, &dev())?;
     lazy_fc.call(&randn(&[1, 7]))?;
-    fc.load_state_dict(&lazy_fc.state_dict()?)?;
+    fc.load_state_dict(&lazy_fc.state_dict()?, &LoadOptions::default())?;
     let x = randn(&[4, 2, 7]);
     assert_eq!(max_diff(&fc.call(&x)?, &lazy_fc.call(&x)?), 0.0);
     Ok(())

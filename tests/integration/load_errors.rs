@@ -66,7 +66,7 @@ fn load_error(
     options: &LoadOptions,
 ) -> (String, Box<module_runtime::LoadReport>) {
     let before = values(model);
-    let err = model.load_state_dict_with(sd, options).unwrap_err();
+    let err = model.load_state_dict(sd, options).unwrap_err();
     assert_eq!(values(model), before, "a failed load changes nothing");
     let message = err.to_string();
     match err {
@@ -106,7 +106,7 @@ fn a_data_parallel_checkpoint_says_strip_prefix_in_one_line() {
     for prefix in ["module", "module."] {
         let model = bert(12, 4);
         let loaded = model
-            .load_state_dict_with(&sd, &LoadOptions::default().strip_prefix(prefix))
+            .load_state_dict(&sd, &LoadOptions::default().strip_prefix(prefix))
             .unwrap();
         assert_eq!(loaded.loaded, 50);
         assert_eq!(values(&model), values(&source));
@@ -142,7 +142,7 @@ fn a_bare_checkpoint_for_a_wrapped_model_says_add_prefix() {
     );
     // With the fix, what is left is what the message said: the head.
     let report = model
-        .load_state_dict_with(
+        .load_state_dict(
             &sd,
             &LoadOptions::default().add_prefix("bert.").non_strict(),
         )
@@ -171,7 +171,7 @@ fn a_task_checkpoint_with_extra_heads_says_strip_prefix_and_lists_the_rest() {
     );
     // Non-strict with the fix: everything loads, the head is reported.
     let report = model
-        .load_state_dict_with(
+        .load_state_dict(
             &sd,
             &LoadOptions::default().strip_prefix("bert").non_strict(),
         )
@@ -609,7 +609,11 @@ mod forward {
         let model = model(Some(1));
         let hooks = Hooks::new();
         hooks
-            .register_forward_hook("encoder.layer.*", |_, _, _| Ok(None))
+            .register_forward_hook(
+                "encoder.layer.*",
+                |_, _, _| Ok(None),
+                HookOptions::default(),
+            )
             .unwrap();
         let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
         assert_eq!(
@@ -620,11 +624,15 @@ mod forward {
         let model = super::forward::model(None);
         let hooks = Hooks::new();
         hooks
-            .register_forward_hook("encoder.layer.2.intermediate", |_, _, _| {
-                Err(Error::InvalidDevice {
-                    name: "refused".into(),
-                })
-            })
+            .register_forward_hook(
+                "encoder.layer.2.intermediate",
+                |_, _, _| {
+                    Err(Error::InvalidDevice {
+                        name: "refused".into(),
+                    })
+                },
+                HookOptions::default(),
+            )
             .unwrap();
         let err = hooks.run(&model, |m| m.call(&input())).unwrap_err();
         match &err {

@@ -135,7 +135,7 @@ fn keep_duplicates_lists_every_alias() {
     );
     // The older spelling stays.
     assert_eq!(
-        names(s.named_parameters_with_aliases()),
+        names(s.named_parameters_with(&module_runtime::Names::new().keep_duplicates())),
         names(s.named_parameters_with(&Names::new().keep_duplicates()))
     );
     assert_eq!(names(s.named_buffers()), ["a.steps"]);
@@ -263,15 +263,23 @@ fn always_call_hooks_run_when_forward_fails() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "plain", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "plain", false),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "always", false),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
-    hooks
-        .always_call()
-        .register_global_forward_hook(logging_hook(&log, "global", false));
+    hooks.register_global_forward_hook(
+        logging_hook(&log, "global", false),
+        HookOptions::default().always_call(),
+    );
 
     let err = hooks.run(&m, |m| m.call(&x(-1.0))).unwrap_err();
     // The error is forward's own, not wrapped as a hook error.
@@ -309,18 +317,32 @@ fn always_call_hooks_after_a_failing_forward_hook_run_once_with_the_output() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "first", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "first", false),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "bad", true))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "bad", true),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .register_forward_hook("picky", logging_hook(&log, "skipped", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "skipped", false),
+            HookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .register_forward_hook("picky", logging_hook(&log, "last", true))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "last", true),
+            HookOptions::default().always_call(),
+        )
         .unwrap();
 
     let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
@@ -346,14 +368,18 @@ fn always_call_hooks_run_when_a_pre_hook_fails() {
     let hooks = Hooks::new();
     let log: Log = Default::default();
     hooks
-        .register_forward_pre_hook("picky", |_, _| {
-            Err(Error::Candle(candle_core::Error::Msg("pre failed".into())))
-        })
+        .register_forward_pre_hook(
+            "picky",
+            |_, _| Err(Error::Candle(candle_core::Error::Msg("pre failed".into()))),
+            PreHookOptions::default(),
+        )
         .unwrap();
     hooks
-        .always_call()
-        .prepend()
-        .register_forward_hook("picky", logging_hook(&log, "always", false))
+        .register_forward_hook(
+            "picky",
+            logging_hook(&log, "always", false),
+            HookOptions::default().prepend().always_call(),
+        )
         .unwrap();
     let err = hooks.run(&m, |m| m.call(&x(1.0))).unwrap_err();
     assert!(matches!(
@@ -398,7 +424,9 @@ fn post_hook_that_clears_the_keys_makes_a_strict_load_succeed() {
     let source = block();
     let model = block();
     let sd = partial_state(&source);
-    let err = model.load_state_dict(&sd).unwrap_err();
+    let err = model
+        .load_state_dict(&sd, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("fc.bias"), "{err}");
 
     let seen: Log = Default::default();
@@ -413,7 +441,7 @@ fn post_hook_that_clears_the_keys_makes_a_strict_load_succeed() {
         assert!(keys.is_empty());
         Ok(())
     });
-    let report = model.load_state_dict_with(&sd, &opts).unwrap();
+    let report = model.load_state_dict(&sd, &opts).unwrap();
     // The hook saw full paths, after the key rules.
     assert_eq!(
         entries(&seen),
@@ -437,7 +465,7 @@ fn post_hook_that_adds_a_key_makes_a_strict_load_fail_and_change_nothing() {
         Ok(())
     });
     let err = model
-        .load_state_dict_with(&source.state_dict().unwrap(), &opts)
+        .load_state_dict(&source.state_dict().unwrap(), &opts)
         .unwrap_err();
     match &err {
         Error::Load(report) => assert_eq!(report.unexpected, ["made.up"]),
@@ -457,7 +485,7 @@ fn post_hooks_run_on_non_strict_loads_and_the_report_shows_their_edits() {
         Ok(())
     });
     let report = model
-        .load_state_dict_with(&partial_state(&source), &opts)
+        .load_state_dict(&partial_state(&source), &opts)
         .unwrap();
     assert_eq!(report.missing, ["fc.bias"]);
     assert!(report.unexpected.is_empty());
@@ -484,8 +512,7 @@ fn post_hooks_run_children_first_with_their_module() {
         .post_hook_at("picky", hook("picky"))
         .post_hook_at("picky.fc", hook("fc"))
         .post_hook(hook("root2"));
-    m.load_state_dict_with(&m.state_dict().unwrap(), &opts)
-        .unwrap();
+    m.load_state_dict(&m.state_dict().unwrap(), &opts).unwrap();
     assert_eq!(
         entries(&log),
         ["fc:true", "picky:false", "root:false", "root2:false"]
@@ -504,7 +531,7 @@ fn post_hook_errors_and_mismatches_fail_the_load() {
         Err(Error::Candle(candle_core::Error::Msg("refused".into())))
     });
     let err = model
-        .load_state_dict_with(&source.state_dict().unwrap(), &opts)
+        .load_state_dict(&source.state_dict().unwrap(), &opts)
         .unwrap_err();
     match &err {
         Error::Hook { path, hook, .. } => {
@@ -523,13 +550,13 @@ fn post_hook_errors_and_mismatches_fail_the_load() {
         Ok(())
     });
     assert!(matches!(
-        model.load_state_dict_with(&sd, &clear),
+        model.load_state_dict(&sd, &clear),
         Err(Error::Load(_))
     ));
 
     let nowhere = LoadOptions::default().post_hook_at("fcc", |_, _| Ok(()));
     assert!(matches!(
-        model.load_state_dict_with(&source.state_dict().unwrap(), &nowhere),
+        model.load_state_dict(&source.state_dict().unwrap(), &nowhere),
         Err(Error::NoSubmodule { .. })
     ));
 }
@@ -638,7 +665,9 @@ fn extra_state_round_trips_through_safetensors() {
     saved.save_safetensors(&file).unwrap();
 
     let loaded = tagger(&[], &[]);
-    let report = loaded.load_safetensors(&file).unwrap();
+    let report = loaded
+        .load_state_dict(&file, &LoadOptions::default())
+        .unwrap();
     assert!(report.is_complete());
     assert_eq!(report.loaded, 9);
     assert_eq!(words(&loaded.first), ["the", "cat"]);
@@ -668,7 +697,10 @@ fn a_missing_extra_state_key_is_missing_and_a_stray_one_unexpected() {
         .map(|(k, t)| (k.to_owned(), t.clone()))
         .collect();
     let model = tagger(&["old"], &["old"]);
-    match model.load_state_dict(&sd).unwrap_err() {
+    match model
+        .load_state_dict(&sd, &LoadOptions::default())
+        .unwrap_err()
+    {
         Error::Load(report) => {
             assert_eq!(report.missing, ["second._extra_state"]);
             assert!(report.unexpected.is_empty());
@@ -679,7 +711,7 @@ fn a_missing_extra_state_key_is_missing_and_a_stray_one_unexpected() {
     assert_eq!(words(&model.first), ["old"]);
     // Non-strict: loaded where present, reported where not.
     let report = model
-        .load_state_dict_with(&sd, &LoadOptions::default().non_strict())
+        .load_state_dict(&sd, &LoadOptions::default().non_strict())
         .unwrap();
     assert_eq!(report.missing, ["second._extra_state"]);
     assert_eq!(words(&model.first), ["a"]);
@@ -690,7 +722,10 @@ fn a_missing_extra_state_key_is_missing_and_a_stray_one_unexpected() {
         "fc._extra_state",
         module_runtime::extra_state_from_bytes(b"x").unwrap(),
     );
-    match block().load_state_dict(&stray).unwrap_err() {
+    match block()
+        .load_state_dict(&stray, &LoadOptions::default())
+        .unwrap_err()
+    {
         Error::Load(report) => assert_eq!(report.unexpected, ["fc._extra_state"]),
         other => panic!("expected a load report, got {other}"),
     }
@@ -705,7 +740,7 @@ fn a_refused_extra_state_changes_nothing() {
     let model = tagger(&["old1"], &["old2"]);
     let before = weight_of_fc(&model.first.fc);
     let err = model
-        .load_state_dict(&saved.state_dict().unwrap())
+        .load_state_dict(&saved.state_dict().unwrap(), &LoadOptions::default())
         .unwrap_err();
     match &err {
         Error::ExtraState { path, .. } => assert_eq!(path, "second._extra_state"),

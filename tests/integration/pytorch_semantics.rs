@@ -101,12 +101,12 @@ fn load_converts_dtypes_like_copy_unless_exact_dtype_is_asked() {
 
     let before = m.weight.tensor().unwrap().to_vec2::<f32>().unwrap();
     let err = m
-        .load_state_dict_with(&sd, &LoadOptions::default().exact_dtype())
+        .load_state_dict(&sd, &LoadOptions::default().exact_dtype())
         .unwrap_err();
     assert!(err.to_string().contains("F64"), "{err}");
     assert_eq!(m.weight.tensor().unwrap().to_vec2::<f32>().unwrap(), before);
 
-    m.load_state_dict(&sd).unwrap();
+    m.load_state_dict(&sd, &LoadOptions::default()).unwrap();
     assert_eq!(m.weight.dtype(), DType::F32);
     assert_eq!(
         m.weight.tensor().unwrap().to_vec2::<f32>().unwrap(),
@@ -126,7 +126,7 @@ fn load_converts_dtypes_like_copy_unless_exact_dtype_is_asked() {
     // Shapes stay strict.
     let mut sd = m.state_dict().unwrap();
     sd.insert("bias", Tensor::zeros(3, DType::F64, &dev).unwrap());
-    assert!(m.load_state_dict(&sd).is_err());
+    assert!(m.load_state_dict(&sd, &LoadOptions::default()).is_err());
 }
 
 /// `_NormBase._load_from_state_dict` (`torch/nn/modules/batchnorm.py`): a checkpoint without
@@ -147,7 +147,7 @@ fn batch_norm_loads_a_checkpoint_without_num_batches_tracked() {
         .filter(|(k, _)| *k != "num_batches_tracked")
         .map(|(k, t)| (k, t.clone()))
         .collect();
-    let report = bn.load_state_dict(&old).unwrap();
+    let report = bn.load_state_dict(&old, &LoadOptions::default()).unwrap();
     assert!(report.missing.is_empty());
     let count = bn.num_batches_tracked.as_ref().unwrap().tensor().unwrap();
     assert_eq!(count.to_scalar::<i64>().unwrap(), 2);
@@ -157,7 +157,9 @@ fn batch_norm_loads_a_checkpoint_without_num_batches_tracked() {
         .filter(|(k, _)| *k != "running_var")
         .map(|(k, t)| (k, t.clone()))
         .collect();
-    let err = bn.load_state_dict(&old).unwrap_err();
+    let err = bn
+        .load_state_dict(&old, &LoadOptions::default())
+        .unwrap_err();
     assert!(err.to_string().contains("running_var"), "{err}");
 }
 
@@ -182,7 +184,7 @@ fn buffers_update_in_place_so_earlier_state_dicts_see_new_values() {
     let mut sd = other.state_dict().unwrap();
     sd.insert("running_var", Tensor::new(&[7f32, 8.], &dev).unwrap());
     let before_load = bn.named_buffers()[1].1.tensor().unwrap();
-    bn.load_state_dict(&sd).unwrap();
+    bn.load_state_dict(&sd, &LoadOptions::default()).unwrap();
     assert_eq!(before_load.to_vec1::<f32>().unwrap(), [7., 8.]);
 }
 
@@ -292,10 +294,14 @@ fn hooks_attach_to_the_module_not_to_the_path_string() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = seen.clone();
     hooks
-        .register_forward_hook("a", move |ctx, _, _| {
-            sink.lock().unwrap().push(ctx.path().to_owned());
-            Ok(None)
-        })
+        .register_forward_hook(
+            "a",
+            move |ctx, _, _| {
+                sink.lock().unwrap().push(ctx.path().to_owned());
+                Ok(None)
+            },
+            HookOptions::default(),
+        )
         .unwrap();
     let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
     hooks.run(&m, |m| m.call(&x)).unwrap();
@@ -311,7 +317,7 @@ fn hook_and_capture_patterns_that_match_nothing_are_errors() {
     let x = Tensor::ones((1, 2), DType::F32, &dev).unwrap();
     let hooks = Hooks::new();
     hooks
-        .register_forward_hook("spar", |_, _, _| Ok(None))
+        .register_forward_hook("spar", |_, _, _| Ok(None), HookOptions::default())
         .unwrap();
     let err = hooks.run(&m, |m| m.call(&x)).unwrap_err();
     assert!(

@@ -206,7 +206,9 @@ fn cell_parameters_have_pytorch_names_shapes_and_init() {
         &dev,
     )
     .unwrap();
-    other.load_state_dict(&gru.state_dict().unwrap()).unwrap();
+    other
+        .load_state_dict(&gru.state_dict().unwrap(), &LoadOptions::default())
+        .unwrap();
     let x = Tensor::randn(0f64, 1., (2, 3), &dev).unwrap();
     assert_within(
         "reloaded cell",
@@ -525,10 +527,13 @@ fn cell_calls_fire_hooks() {
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = seen.clone();
     let hooks = Hooks::new();
-    hooks.register_global_forward_hook(move |_ctx, input, output| {
-        log.lock().unwrap().push((input.len(), output.len()));
-        Ok(None)
-    });
+    hooks.register_global_forward_hook(
+        move |_ctx, input, output| {
+            log.lock().unwrap().push((input.len(), output.len()));
+            Ok(None)
+        },
+        HookOptions::default(),
+    );
     let x = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
     let (h, c) = cell.initial_state(2).unwrap();
     hooks.run(&cell, |m| m.call((&x, (&h, &c)))).unwrap();

@@ -72,7 +72,7 @@ fn safetensors_round_trip() {
     let path = tmp("round_trip.safetensors");
     a.save_safetensors(&path).unwrap();
     let b = embeddings();
-    let report = b.load_safetensors(&path).unwrap();
+    let report = b.load_state_dict(&path, &LoadOptions::default()).unwrap();
     assert_eq!(report.loaded, 5);
     assert!(report.is_complete());
     assert_eq!(values(&a), values(&b));
@@ -103,7 +103,7 @@ fn tied_parameters_stay_tied_after_a_load() {
         embed: shared.clone(),
         head: shared,
     };
-    b.load_state_dict(&sd).unwrap();
+    b.load_state_dict(&sd, &LoadOptions::default()).unwrap();
     assert!(b.embed.weight.same_as(&b.head.weight));
     assert_eq!(values(&a), values(&b));
 }
@@ -127,7 +127,9 @@ fn strict_report_lists_everything_and_changes_nothing() {
         position_ids: Buffer::new(Tensor::arange(0i64, 6, &dev).unwrap()),
     };
     let before = values(&target);
-    let err = target.load_state_dict(&sd).unwrap_err();
+    let err = target
+        .load_state_dict(&sd, &LoadOptions::default())
+        .unwrap_err();
     let Error::Load(report) = &err else {
         panic!("unexpected {err:?}")
     };
@@ -150,7 +152,7 @@ fn strict_report_lists_everything_and_changes_nothing() {
 
     // Non-strict: the matching entries load, the rest is reported.
     let report = target
-        .load_state_dict_with(&sd, &LoadOptions::default().non_strict())
+        .load_state_dict(&sd, &LoadOptions::default().non_strict())
         .unwrap();
     assert_eq!(report.loaded, 3);
     assert_eq!(report.missing.len(), 2);
@@ -165,7 +167,7 @@ fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
     sd.insert("weight", Tensor::zeros((2, 4), DType::F32, &dev).unwrap());
     sd.insert("bias", Tensor::zeros(2, DType::F64, &dev).unwrap());
     let err = m
-        .load_state_dict_with(&sd, &LoadOptions::default().non_strict().exact_dtype())
+        .load_state_dict(&sd, &LoadOptions::default().non_strict().exact_dtype())
         .unwrap_err();
     let Error::Load(report) = &err else {
         panic!("unexpected {err:?}")
@@ -180,7 +182,7 @@ fn shape_and_dtype_mismatches_fail_even_when_not_strict() {
     // By default (PyTorch's `copy_`), the F64 bias is converted once the shape is right.
     let mut sd = m.state_dict().unwrap();
     sd.insert("bias", Tensor::ones(2, DType::F64, &dev).unwrap());
-    m.load_state_dict(&sd).unwrap();
+    m.load_state_dict(&sd, &LoadOptions::default()).unwrap();
     assert_eq!(m.bias.as_ref().unwrap().dtype(), DType::F32);
     assert_eq!(
         m.bias
@@ -204,8 +206,10 @@ fn key_rules() {
         .map(|(k, t)| (format!("module.{k}"), t.clone()))
         .collect();
     let b = embeddings();
-    assert!(b.load_state_dict(&prefixed).is_err());
-    b.load_state_dict_with(&prefixed, &LoadOptions::default().strip_prefix("module"))
+    assert!(b
+        .load_state_dict(&prefixed, &LoadOptions::default())
+        .is_err());
+    b.load_state_dict(&prefixed, &LoadOptions::default().strip_prefix("module"))
         .unwrap();
     assert_eq!(values(&a), values(&b));
 
@@ -230,7 +234,7 @@ fn optimizer_built_before_a_load_trains_the_loaded_values() {
     let mut opt = candle_nn::SGD::new(m.trainable_vars().unwrap(), 0.0).unwrap();
     let mut sd = module_runtime::StateDict::new();
     sd.insert("weight", Tensor::new(&[[5f32, 7.]], &dev).unwrap());
-    m.load_state_dict(&sd).unwrap();
+    m.load_state_dict(&sd, &LoadOptions::default()).unwrap();
     let loss = m
         .call(&Tensor::ones((1, 2), DType::F32, &dev).unwrap())
         .unwrap()
@@ -298,7 +302,7 @@ fn save_into_a_read_only_directory_keeps_the_previous_checkpoint() {
         assert_eq!(std::fs::read(&path).unwrap(), before);
     }
     let b = embeddings();
-    b.load_safetensors(&path).unwrap();
+    b.load_state_dict(&path, &LoadOptions::default()).unwrap();
 }
 
 /// A valid file to corrupt: header length (8 bytes LE) + JSON header + data.
@@ -425,8 +429,9 @@ fn malformed_files_are_typed_errors_and_change_nothing() {
     for (i, (what, bytes)) in cases.into_iter().enumerate() {
         let path = tmp(&format!("malformed-{i}.safetensors"));
         std::fs::write(&path, bytes).unwrap();
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.load_safetensors(&path)));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            m.load_state_dict(&path, &LoadOptions::default())
+        }));
         let result = result.unwrap_or_else(|_| panic!("{what}: the load panicked"));
         match result {
             Err(Error::Checkpoint { path: p, .. }) => assert_eq!(p, path, "{what}"),
@@ -437,7 +442,10 @@ fn malformed_files_are_typed_errors_and_change_nothing() {
         assert_eq!(values(&m), before, "{what}: the model changed");
     }
     assert!(matches!(
-        m.load_safetensors(Path::new("/no/such/file.safetensors")),
+        m.load_state_dict(
+            Path::new("/no/such/file.safetensors"),
+            &LoadOptions::default()
+        ),
         Err(Error::Io { .. })
     ));
 }
@@ -445,14 +453,28 @@ fn malformed_files_are_typed_errors_and_change_nothing() {
 #[test]
 fn pth_errors_are_typed() {
     let m = Linear::new(2, 2, &dev()).unwrap();
+    // A zip that is no checkpoint: read as a PyTorch file, and refused by the pickle reader.
     let path = tmp("not_a_pickle.pth");
-    std::fs::write(&path, b"definitely not a zip of pickles").unwrap();
+    std::fs::write(&path, b"PK\x03\x04definitely not a zip of pickles").unwrap();
     let err = m
-        .load_pth_with(&path, None, &LoadOptions::default())
+        .load_state_dict(&path, &LoadOptions::default())
         .unwrap_err();
     assert!(
         matches!(&err, Error::Pth { path: p, .. } if *p == path),
         "{err:?}"
     );
-    assert!(matches!(m.load_pth(&path), Err(Error::Pth { .. })));
+    assert!(matches!(
+        StateDict::read(&path, &LoadOptions::default()),
+        Err(Error::Pth { .. })
+    ));
+    // Bytes of no format at all: the error names the file and the formats read.
+    let path = tmp("no_format.pth");
+    std::fs::write(&path, b"definitely not a zip of pickles").unwrap();
+    let err = m
+        .load_state_dict(&path, &LoadOptions::default())
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Checkpoint { path: p, .. } if *p == path),
+        "{err:?}"
+    );
 }

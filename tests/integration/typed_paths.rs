@@ -114,7 +114,7 @@ fn listed(net: &Net, path: &str) -> bool {
         .iter()
         .any(|(p, _)| p == path)
         || net
-            .named_parameters_with_aliases()
+            .named_parameters_with(&module_runtime::Names::new().keep_duplicates())
             .iter()
             .any(|(p, _)| p == path)
 }
@@ -268,13 +268,17 @@ fn typed_paths_are_accepted_where_strings_are() -> Result<()> {
     let hooks = Hooks::new();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = seen.clone();
-    let _h = hooks.register_forward_hook(&every_fc, |_, _, _| Ok(None))?;
-    let _t = hooks.register_typed_forward_hook(&first, move |ctx, fc: &Linear, _, _| {
-        log.lock()
-            .unwrap()
-            .push((ctx.path().to_owned(), fc.weight.tensor()?.dims().to_vec()));
-        Ok(None)
-    })?;
+    let _h = hooks.register_forward_hook(&every_fc, |_, _, _| Ok(None), HookOptions::default())?;
+    let _t = hooks.register_typed_forward_hook(
+        &first,
+        move |ctx, fc: &Linear, _, _| {
+            log.lock()
+                .unwrap()
+                .push((ctx.path().to_owned(), fc.weight.tensor()?.dims().to_vec()));
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
     hooks.run(&net, |n| n.blocks[0].fc.call(&x))?;
     assert_eq!(
         *seen.lock().unwrap(),
@@ -324,24 +328,35 @@ fn typed_output_hooks_see_and_replace_the_modules_own_output_type() -> Result<()
     let hooks = Hooks::new();
     let path = Outer::path().split();
     // The first hook replaces the second tensor of the tuple by zeros...
-    hooks.register_typed_output_hook(&path, |ctx, split: &Split, out: &(Tensor, Tensor)| {
-        assert_eq!(ctx.path(), "split");
-        assert_eq!(out.0.dim(1)?, split.fc.out_features());
-        Ok(Some((out.0.clone(), out.1.zeros_like()?)))
-    })?;
+    hooks.register_typed_output_hook(
+        &path,
+        |ctx, split: &Split, out: &(Tensor, Tensor)| {
+            assert_eq!(ctx.path(), "split");
+            assert_eq!(out.0.dim(1)?, split.fc.out_features());
+            Ok(Some((out.0.clone(), out.1.zeros_like()?)))
+        },
+        HookOptions::default(),
+    )?;
     // ...and the next one sees that replacement as a typed value.
-    hooks.register_typed_output_hook(&path, |_, _: &Split, out: &(Tensor, Tensor)| {
-        assert_eq!(out.1.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
-        Ok(None)
-    })?;
+    hooks.register_typed_output_hook(
+        &path,
+        |_, _: &Split, out: &(Tensor, Tensor)| {
+            assert_eq!(out.1.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
     let y = hooks.run(&outer, |m| m.call(&x))?;
     let first = outer.split.fc.call(&x)?;
     assert_eq!(y.to_vec2::<f32>()?, first.to_vec2::<f32>()?);
 
     // A hook for another output type is an error naming the path and the type it takes.
     let wrong = Hooks::new();
-    wrong
-        .register_typed_output_hook(&Outer::path().split(), |_, _: &Split, _: &Tensor| Ok(None))?;
+    wrong.register_typed_output_hook(
+        &Outer::path().split(),
+        |_, _: &Split, _: &Tensor| Ok(None),
+        HookOptions::default(),
+    )?;
     let err = wrong.run(&outer, |m| m.call(&x)).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("`split`"), "{message}");
@@ -460,6 +475,7 @@ fn typed_hooks_see_the_modules_own_input_type() -> Result<()> {
             count.fetch_add(1, Ordering::SeqCst);
             Ok(None)
         },
+        HookOptions::default(),
     )?;
     // Borrowed tensors inside a tuple are owned; plain values are copied.
     let count = seen.clone();
@@ -474,6 +490,7 @@ fn typed_hooks_see_the_modules_own_input_type() -> Result<()> {
             // Replace the output: zeros.
             Ok(Some(x.zeros_like()?))
         },
+        HookOptions::default(),
     )?;
     // A `Clone` struct input is given as itself.
     let count = seen.clone();
@@ -485,6 +502,7 @@ fn typed_hooks_see_the_modules_own_input_type() -> Result<()> {
             count.fetch_add(1, Ordering::SeqCst);
             Ok(None)
         },
+        HookOptions::default(),
     )?;
     // The runtime's attention input is given as its owned twin.
     let count = seen.clone();
@@ -501,6 +519,7 @@ fn typed_hooks_see_the_modules_own_input_type() -> Result<()> {
             count.fetch_add(1, Ordering::SeqCst);
             Ok(None)
         },
+        HookOptions::default(),
     )?;
     let hooked = hooks.run(&host, |m| m.call(&x))?;
     assert_eq!(seen.load(Ordering::SeqCst), 4);
@@ -522,11 +541,19 @@ fn typed_hooks_see_the_input_a_pre_hook_replaced() -> Result<()> {
     let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
     let hooks = Hooks::new();
     let fc = Host::path().gate().fc();
-    hooks.register_forward_pre_hook(&fc, |_, input| Ok(Some(vec![input[0].zeros_like()?])))?;
-    hooks.register_typed_hook(&fc, |_, _: &Linear, input: &Tensor, _: &Tensor| {
-        assert_eq!(input.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
-        Ok(None)
-    })?;
+    hooks.register_forward_pre_hook(
+        &fc,
+        |_, input| Ok(Some(vec![input[0].zeros_like()?])),
+        PreHookOptions::default(),
+    )?;
+    hooks.register_typed_hook(
+        &fc,
+        |_, _: &Linear, input: &Tensor, _: &Tensor| {
+            assert_eq!(input.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+            Ok(None)
+        },
+        HookOptions::default(),
+    )?;
     hooks.run(&host, |m| m.call(&x))?;
     Ok(())
 }
@@ -540,6 +567,7 @@ fn typed_hooks_for_another_input_type_fail_naming_the_types() -> Result<()> {
     hooks.register_typed_hook(
         &Host::path().gate(),
         |_, _: &Gate, _: &Tensor, _: &Tensor| Ok(None),
+        HookOptions::default(),
     )?;
     let err = hooks.run(&host, |m| m.call(&x)).unwrap_err();
     let Error::Hook { path, source, .. } = &err else {
@@ -557,9 +585,11 @@ fn typed_hooks_for_another_input_type_fail_naming_the_types() -> Result<()> {
 
     // A struct input that is not `Clone` gives no copy: the same error, naming the struct.
     let opaque = Hooks::new();
-    opaque.register_typed_hook(&Takes::path(), |_, _: &Takes, _: &Opaque, _: &Tensor| {
-        Ok(None)
-    })?;
+    opaque.register_typed_hook(
+        &Takes::path(),
+        |_, _: &Takes, _: &Opaque, _: &Tensor| Ok(None),
+        HookOptions::default(),
+    )?;
     let input = Opaque { x: x.clone() };
     let err = opaque.run(&host.takes, |m| m.call(input)).unwrap_err();
     let message = err.to_string();
@@ -668,7 +698,7 @@ fn keys_that_are_not_path_segments_are_refused() -> Result<()> {
     assert!(err.to_string().contains("\"bad.key\" at `map`"), "{err}");
     let good = net_state()?;
     assert!(matches!(
-        net.load_state_dict(&good),
+        net.load_state_dict(&good, &LoadOptions::default()),
         Err(Error::InvalidKey { .. })
     ));
 

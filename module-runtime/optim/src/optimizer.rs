@@ -90,7 +90,7 @@ pub trait Optimizer {
     /// Reads a safetensors file [`save_state`](Self::save_state) wrote and
     /// [loads](Self::load_state_dict) it.
     fn load_state(&mut self, path: &Path) -> Result<()> {
-        let state = StateDict::read(path)?;
+        let state = StateDict::read(path, &module_runtime::LoadOptions::default())?;
         self.load_state_dict(&state)
     }
 }

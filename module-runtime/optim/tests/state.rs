@@ -123,7 +123,9 @@ fn resume_is_bit_exact() {
         drop((first, opt1));
 
         let resumed = mlp();
-        resumed.load_safetensors(&weights).unwrap();
+        resumed
+            .load_state_dict(&weights, &module_runtime::LoadOptions::default())
+            .unwrap();
         let mut opt2 = make(&resumed);
         opt2.load_state(&path).unwrap();
         train(&resumed, opt2.as_mut(), 3..6);

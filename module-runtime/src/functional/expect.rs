@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::{DType, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::hooks::{Captures, Hooks};
+use crate::hooks::{Captures, HookOptions, Hooks, PreHookOptions};
 use crate::module::Module;
 
 /// How close an output must be to the expected one: `|output - expected| <= atol + rtol *
@@ -140,43 +140,51 @@ pub(crate) fn expect_outputs<M: Module, R>(
     let hooks = Hooks::new();
     for path in &order {
         let pre_state = state.clone();
-        hooks.register_forward_pre_hook(path, move |ctx, _| {
-            let mut s = pre_state.lock().unwrap_or_else(PoisonError::into_inner);
-            let start = s.next_start;
-            s.next_start += 1;
-            let entry = s.started.entry(ctx.path().to_owned()).or_default();
-            entry.1.push((start, entry.0));
-            entry.0 += 1;
-            Ok(None)
-        })?;
-        let (state, by_path) = (state.clone(), by_path.clone());
-        hooks.register_forward_hook(path, move |ctx, _, outputs| {
-            let (start, call) = {
-                let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+        hooks.register_forward_pre_hook(
+            path,
+            move |ctx, _| {
+                let mut s = pre_state.lock().unwrap_or_else(PoisonError::into_inner);
+                let start = s.next_start;
+                s.next_start += 1;
                 let entry = s.started.entry(ctx.path().to_owned()).or_default();
-                entry.1.pop().unwrap_or((usize::MAX, entry.0))
-            };
-            let Some(wanted) = by_path.get(ctx.path()).and_then(|calls| calls.get(call)) else {
-                return Ok(None);
-            };
-            if let Some(d) = compare(wanted, outputs, tolerance)? {
-                let (output, max_diff, expected_shape, shape) = d;
-                state
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .divergences
-                    .push(Divergence {
-                        start,
-                        path: ctx.path().to_owned(),
-                        call,
-                        output,
-                        max_diff,
-                        expected_shape,
-                        shape,
-                    });
-            }
-            Ok(None)
-        })?;
+                entry.1.push((start, entry.0));
+                entry.0 += 1;
+                Ok(None)
+            },
+            PreHookOptions::default(),
+        )?;
+        let (state, by_path) = (state.clone(), by_path.clone());
+        hooks.register_forward_hook(
+            path,
+            move |ctx, _, outputs| {
+                let (start, call) = {
+                    let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
+                    let entry = s.started.entry(ctx.path().to_owned()).or_default();
+                    entry.1.pop().unwrap_or((usize::MAX, entry.0))
+                };
+                let Some(wanted) = by_path.get(ctx.path()).and_then(|calls| calls.get(call)) else {
+                    return Ok(None);
+                };
+                if let Some(d) = compare(wanted, outputs, tolerance)? {
+                    let (output, max_diff, expected_shape, shape) = d;
+                    state
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .divergences
+                        .push(Divergence {
+                            start,
+                            path: ctx.path().to_owned(),
+                            call,
+                            output,
+                            max_diff,
+                            expected_shape,
+                            shape,
+                        });
+                }
+                Ok(None)
+            },
+            HookOptions::default(),
+        )?;
     }
     let out = hooks.run(root, run)?;
     let mut state = std::mem::take(&mut *state.lock().unwrap_or_else(PoisonError::into_inner));

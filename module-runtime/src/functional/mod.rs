@@ -354,7 +354,7 @@ pub(crate) fn write_buffer(buffer: &Buffer, value: &Tensor) -> Result<bool> {
 /// its value, or with `copy` a copy), so that writes during the call go to the frame and never to
 /// the model.
 fn capture_buffers(root: &dyn Module, frame: &mut Frame, copy: bool) -> Result<()> {
-    for (_, b) in crate::views::named_buffers(root) {
+    for (_, b) in crate::names::named_buffers(root, &crate::names::Names::new()) {
         if let std::collections::hash_map::Entry::Vacant(slot) = frame.buffers.entry(b.id()) {
             // `current`, not the buffer's own value: inside an outer scope, that scope's value.
             slot.insert(if copy {

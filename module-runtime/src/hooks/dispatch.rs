@@ -25,8 +25,9 @@ use super::registry::{Entry, ForwardHookFn, HookCtx, PreHookFn, Registry};
 use crate::error::{Error, Result};
 use crate::forward::Forward;
 use crate::identity::CallTarget;
-use crate::module::{Child, Module};
+use crate::module::Module;
 use crate::tensor_tree::TensorTree;
+use crate::walk::find_call_target;
 
 thread_local! {
     /// How many sessions are active on this thread: the one thing `call` reads when none is.
@@ -272,46 +273,17 @@ unsafe fn locate(
         if session.root_target == target {
             return Some(found((root, String::new())));
         }
-        return find(root, target, String::new()).map(found);
+        return find_call_target(root, target, String::new()).map(found);
     };
     // SAFETY: per the function's contract.
     let running = unsafe { &*frame.module };
-    if let Some(hit) = find(running, target, frame.path.to_string()) {
+    if let Some(hit) = find_call_target(running, target, frame.path.to_string()) {
         return Some(found(hit));
     }
     if session.root_target == target {
         return Some(found((root, String::new())));
     }
-    find(root, target, String::new()).map(found)
-}
-
-/// Breadth of one level, then depth: the direct children of `parent` are checked before any of
-/// their own children, since that is where nearly every call goes.
-fn find(parent: &dyn Module, target: CallTarget, base: String) -> Option<(&dyn Module, String)> {
-    let mut found: Option<(&dyn Module, String)> = None;
-    let mut submodules: Vec<(&dyn Module, String)> = Vec::new();
-    parent.visit_children(&mut |name, child| {
-        if found.is_some() {
-            return;
-        }
-        if let Child::Module { module, shared } = child {
-            let mut path = base.clone();
-            name.push_to(&mut path);
-            let hit =
-                CallTarget::of_dyn(module) == target || shared.is_some_and(|s| s.holder == target);
-            if hit {
-                found = Some((module, path));
-            } else {
-                submodules.push((module, path));
-            }
-        }
-    });
-    if found.is_some() {
-        return found;
-    }
-    submodules
-        .into_iter()
-        .find_map(|(module, path)| find(module, target, path))
+    find_call_target(root, target, String::new()).map(found)
 }
 
 /// `call` with hooks attached: see the module docs.

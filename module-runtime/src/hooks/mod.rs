@@ -5,7 +5,7 @@
 //!
 //! ```
 //! use module_runtime::prelude::*;
-//! use module_runtime::Hooks;
+//! use module_runtime::{HookCtx, HookOptions, Hooks};
 //!
 //! #[derive(Module)]
 //! struct Net {
@@ -27,9 +27,10 @@
 //!
 //! let hooks = Hooks::new();
 //! // Zero the output of `fc1` (PyTorch's `register_forward_hook` returning a new output).
-//! let handle = hooks.register_forward_hook("fc1", |_ctx, _input, output| {
+//! let zero = |_: &HookCtx<'_>, _input: &[Tensor], output: &[Tensor]| {
 //!     Ok(Some(vec![output[0].zeros_like()?]))
-//! })?;
+//! };
+//! let handle = hooks.register_forward_hook("fc1", zero, HookOptions::default())?;
 //! let y = hooks.run(&net, |net| net.call(&x))?;
 //! // With fc1 zeroed, the output is fc2's bias on every row.
 //! let bias = net.fc2.bias.as_ref().unwrap().tensor()?;
@@ -62,8 +63,10 @@
 //!
 //! # Files
 //!
-//! - `registry.rs`: [`Hooks`], what a hook is given ([`HookCtx`]) and how it is removed
-//!   ([`HookHandle`]);
+//! - `registry.rs`: [`Hooks`], how a hook is registered ([`HookOptions`], [`PreHookOptions`]),
+//!   what it is given ([`HookCtx`]) and how it is removed ([`HookHandle`]);
+//! - `typed.rs`: typed forward hooks, on a [`TypedPath`](crate::TypedPath), given the module and its
+//!   input and output as their own types;
 //! - `dispatch.rs`: the per-thread call stack that finds a called module's path and fires its hooks
 //!   (all of the hook machinery's `unsafe`, each block with its reasoning);
 //! - `observe.rs`: what is built on hooks: [`capture`](crate::ModuleExt::capture),
@@ -73,6 +76,9 @@
 pub(crate) mod dispatch;
 pub(crate) mod observe;
 mod registry;
+mod typed;
 
 pub use observe::Captures;
-pub use registry::{AlwaysCall, ForwardHookFn, HookCtx, HookHandle, Hooks, PreHookFn, Prepend};
+pub use registry::{
+    ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
+};

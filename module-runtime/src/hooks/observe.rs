@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::Tensor;
 
-use super::Hooks;
+use super::{HookOptions, Hooks, PreHookOptions};
 use crate::error::{Error, Result};
 use crate::module::Module;
 
@@ -89,14 +89,18 @@ pub(crate) fn capture<M: Module, R>(
     for (i, pattern) in patterns.iter().enumerate() {
         let store = store.clone();
         let ran = ran.clone();
-        hooks.register_forward_hook(pattern, move |ctx, _input, output| {
-            ran[i].store(true, Ordering::Relaxed);
-            store
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push((ctx.path().to_owned(), output.to_vec()));
-            Ok(None)
-        })?;
+        hooks.register_forward_hook(
+            pattern,
+            move |ctx, _input, output| {
+                ran[i].store(true, Ordering::Relaxed);
+                store
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((ctx.path().to_owned(), output.to_vec()));
+                Ok(None)
+            },
+            HookOptions::default(),
+        )?;
     }
     let out = hooks.run(root, run)?;
     let entries = std::mem::take(&mut *store.lock().unwrap_or_else(PoisonError::into_inner));
@@ -122,12 +126,15 @@ pub(crate) fn call_order<M: Module, R>(
     let hooks = Hooks::new();
     let order = Arc::new(Mutex::new(Vec::new()));
     let sink = order.clone();
-    hooks.register_global_forward_pre_hook(move |ctx, _| {
-        sink.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(ctx.path().to_owned());
-        Ok(None)
-    });
+    hooks.register_global_forward_pre_hook(
+        move |ctx, _| {
+            sink.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(ctx.path().to_owned());
+            Ok(None)
+        },
+        PreHookOptions::default(),
+    );
     let out = hooks.run(root, run)?;
     let order = std::mem::take(&mut *order.lock().unwrap_or_else(PoisonError::into_inner));
     Ok((out, order))
@@ -143,13 +150,16 @@ pub(crate) fn record_shapes<M: Module, R>(
     let hooks = Hooks::new();
     let rows: Arc<Mutex<Rows>> = Arc::default();
     let sink = rows.clone();
-    hooks.register_global_forward_hook(move |ctx, input, output| {
-        let mut rows = sink.lock().unwrap_or_else(PoisonError::into_inner);
-        if !rows.iter().any(|(p, _, _)| p == ctx.path()) {
-            rows.push((ctx.path().to_owned(), shapes(input), shapes(output)));
-        }
-        Ok(None)
-    });
+    hooks.register_global_forward_hook(
+        move |ctx, input, output| {
+            let mut rows = sink.lock().unwrap_or_else(PoisonError::into_inner);
+            if !rows.iter().any(|(p, _, _)| p == ctx.path()) {
+                rows.push((ctx.path().to_owned(), shapes(input), shapes(output)));
+            }
+            Ok(None)
+        },
+        HookOptions::default(),
+    );
     hooks.run(root, run)?;
     let rows = std::mem::take(&mut *rows.lock().unwrap_or_else(PoisonError::into_inner));
     Ok(rows)

@@ -56,7 +56,7 @@ impl HookCtx<'_> {
         self.registry.remove(self.id);
     }
 
-    /// The error the call failed with, when this is an [`always_call`](Hooks::always_call)
+    /// The error the call failed with, when this is an [`always_call`](HookOptions::always_call)
     /// forward hook running because the call failed (a pre-hook, `forward` or an earlier forward
     /// hook returned an error); `None` in a call that has not failed.
     ///
@@ -101,7 +101,7 @@ impl HookCtx<'_> {
 /// Cloning gives another handle to the same registry; it is `Send + Sync`, so one registry can
 /// serve several threads. Hooks fire in this order on every call of a module they target: global
 /// pre-hooks, pre-hooks, `forward`, global forward hooks, forward hooks — each group in registration
-/// order, hooks registered through [`prepend`](Hooks::prepend) first (the latest first).
+/// order, hooks registered with [`prepend`](HookOptions::prepend) first (the latest first).
 ///
 /// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook) naming the module's path. A
 /// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
@@ -142,7 +142,7 @@ pub(super) struct Entry<F: ?Sized> {
     pub(super) id: u64,
     target: Target,
     pub(super) f: Arc<F>,
-    /// Runs when the call fails too (forward hooks registered through [`Hooks::always_call`]).
+    /// Runs when the call fails too (forward hooks registered with [`HookOptions::always_call`]).
     pub(super) always_call: bool,
 }
 
@@ -234,7 +234,7 @@ impl Registry {
         self: &Arc<Self>,
         list: impl FnOnce(&mut Lists) -> &mut Vec<Entry<F>>,
         target: Target,
-        how: How,
+        how: HookOptions,
         f: Arc<F>,
     ) -> HookHandle {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -317,67 +317,29 @@ impl std::fmt::Debug for Hooks {
     }
 }
 
-/// Registers hooks in front of the others: see [`Hooks::prepend`].
-pub struct Prepend<'a>(&'a Hooks);
+/// How a forward hook is registered: PyTorch's `prepend=` and `always_call=` keyword arguments of
+/// `register_forward_hook`, as a value (`HookOptions::default()`: neither).
+///
+/// ```
+/// use module_runtime::HookOptions;
+/// let options = HookOptions::default().prepend().always_call();
+/// assert!(options.is_prepend() && options.is_always_call());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HookOptions {
+    prepend: bool,
+    always_call: bool,
+}
 
-impl Hooks {
-    /// An empty registry.
-    pub fn new() -> Self {
-        Self::default()
+impl HookOptions {
+    /// Puts the hook first in its group, before the hooks registered earlier (PyTorch's
+    /// `prepend=True`).
+    pub fn prepend(mut self) -> Self {
+        self.prepend = true;
+        self
     }
 
-    /// Registers a forward pre-hook on the modules whose path matches `pattern`: a path (`""` for
-    /// the root), or a [`PathPattern`] with `*` for one segment and `**` for any number.
-    pub fn register_forward_pre_hook(
-        &self,
-        pattern: &str,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
-    ) -> Result<HookHandle> {
-        self.pre_hook(false, pattern, Arc::new(hook))
-    }
-
-    /// Registers a forward hook on the modules whose path matches `pattern`.
-    pub fn register_forward_hook(
-        &self,
-        pattern: &str,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> Result<HookHandle> {
-        self.forward_hook(How::default(), pattern, Arc::new(hook))
-    }
-
-    /// Registers a pre-hook that sees every module call (PyTorch's
-    /// `register_module_forward_pre_hook`), before the targeted pre-hooks.
-    pub fn register_global_forward_pre_hook(
-        &self,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
-    ) -> HookHandle {
-        self.global_pre_hook(false, Arc::new(hook))
-    }
-
-    /// Registers a forward hook that sees every module call (PyTorch's
-    /// `register_module_forward_hook`), before the targeted forward hooks.
-    pub fn register_global_forward_hook(
-        &self,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> HookHandle {
-        self.global_forward_hook(How::default(), Arc::new(hook))
-    }
-
-    /// Registration that puts the hook first in its group (PyTorch's `prepend=True`):
-    /// `hooks.prepend().register_forward_hook("fc", f)`.
-    pub fn prepend(&self) -> Prepend<'_> {
-        Prepend(self)
-    }
-
-    /// Registration of forward hooks that also run when the call fails (PyTorch 2's
-    /// `register_forward_hook(hook, always_call=True)`):
-    /// `hooks.always_call().register_forward_hook("encoder", f)`.
+    /// Runs the hook when the call fails too (PyTorch 2's `always_call=True`).
     ///
     /// When a pre-hook, `forward` or a forward hook of the call returns an error, every
     /// always-call forward hook of the call that has not run yet runs, in the usual order, as
@@ -393,6 +355,7 @@ impl Hooks {
     /// ```
     /// use std::sync::{Arc, Mutex};
     /// use module_runtime::prelude::*;
+    /// use module_runtime::HookOptions;
     ///
     /// #[derive(Module)]
     /// struct Net { fc: Linear }
@@ -405,10 +368,11 @@ impl Hooks {
     /// let hooks = Hooks::new();
     /// let seen = Arc::new(Mutex::new(Vec::new()));
     /// let log = seen.clone();
-    /// hooks.always_call().register_forward_hook("fc", move |ctx, _input, output| {
+    /// let always = HookOptions::default().always_call();
+    /// hooks.register_forward_hook("fc", move |ctx, _input, output| {
     ///     log.lock().unwrap().push((ctx.failed(), output.len()));
     ///     Ok(None)
-    /// })?;
+    /// }, always)?;
     /// let bad = Tensor::ones((1, 3), DType::F32, &Device::Cpu)?; // 3 features, not 4
     /// assert!(hooks.run(&net, |net| net.call(&bad)).is_err());
     /// let good = Tensor::ones((1, 4), DType::F32, &Device::Cpu)?;
@@ -416,42 +380,114 @@ impl Hooks {
     /// assert_eq!(*seen.lock().unwrap(), [(true, 0), (false, 1)]);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
-    pub fn always_call(&self) -> AlwaysCall<'_> {
-        AlwaysCall {
-            hooks: self,
-            prepend: false,
+    pub fn always_call(mut self) -> Self {
+        self.always_call = true;
+        self
+    }
+
+    /// Whether the hook goes first in its group.
+    pub fn is_prepend(&self) -> bool {
+        self.prepend
+    }
+
+    /// Whether the hook runs when the call fails too.
+    pub fn is_always_call(&self) -> bool {
+        self.always_call
+    }
+}
+
+/// How a forward pre-hook is registered: PyTorch's `prepend=` keyword argument of
+/// `register_forward_pre_hook` (`PreHookOptions::default()`: last in its group). Pre-hooks have no
+/// `always_call`, as in PyTorch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PreHookOptions {
+    prepend: bool,
+}
+
+impl PreHookOptions {
+    /// Puts the hook first in its group, before the hooks registered earlier (PyTorch's
+    /// `prepend=True`).
+    pub fn prepend(mut self) -> Self {
+        self.prepend = true;
+        self
+    }
+
+    /// Whether the hook goes first in its group.
+    pub fn is_prepend(&self) -> bool {
+        self.prepend
+    }
+}
+
+impl From<PreHookOptions> for HookOptions {
+    fn from(options: PreHookOptions) -> Self {
+        HookOptions {
+            prepend: options.prepend,
+            always_call: false,
         }
     }
+}
 
-    fn pre_hook(&self, prepend: bool, pattern: &str, hook: Arc<PreHookFn>) -> Result<HookHandle> {
-        let target = Target::parse(pattern)?;
-        let how = How {
-            prepend,
-            always_call: false,
-        };
-        Ok(self.0.add(|l| &mut l.pre, target, how, hook))
+impl Hooks {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    fn forward_hook(
+    /// Registers a forward pre-hook on the modules whose path matches `pattern` (PyTorch's
+    /// `register_forward_pre_hook(hook, prepend=…)`): a path (`""` for the root), or a
+    /// [`PathPattern`] with `*` for one segment and `**` for any number.
+    pub fn register_forward_pre_hook(
         &self,
-        how: How,
         pattern: &str,
-        hook: Arc<ForwardHookFn>,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+        options: PreHookOptions,
     ) -> Result<HookHandle> {
         let target = Target::parse(pattern)?;
-        Ok(self.0.add(|l| &mut l.post, target, how, hook))
+        let hook: Arc<PreHookFn> = Arc::new(hook);
+        Ok(self.0.add(|l| &mut l.pre, target, options.into(), hook))
     }
 
-    fn global_pre_hook(&self, prepend: bool, hook: Arc<PreHookFn>) -> HookHandle {
-        let how = How {
-            prepend,
-            always_call: false,
-        };
-        self.0.add(|l| &mut l.global_pre, Target::All, how, hook)
+    /// Registers a forward hook on the modules whose path matches `pattern` (PyTorch's
+    /// `register_forward_hook(hook, prepend=…, always_call=…)`; see [`HookOptions`]).
+    pub fn register_forward_hook(
+        &self,
+        pattern: &str,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+        options: HookOptions,
+    ) -> Result<HookHandle> {
+        let target = Target::parse(pattern)?;
+        let hook: Arc<ForwardHookFn> = Arc::new(hook);
+        Ok(self.0.add(|l| &mut l.post, target, options, hook))
     }
 
-    fn global_forward_hook(&self, how: How, hook: Arc<ForwardHookFn>) -> HookHandle {
-        self.0.add(|l| &mut l.global_post, Target::All, how, hook)
+    /// Registers a pre-hook that sees every module call (PyTorch's
+    /// `register_module_forward_pre_hook`), before the targeted pre-hooks.
+    pub fn register_global_forward_pre_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
+        options: PreHookOptions,
+    ) -> HookHandle {
+        let hook: Arc<PreHookFn> = Arc::new(hook);
+        self.0
+            .add(|l| &mut l.global_pre, Target::All, options.into(), hook)
+    }
+
+    /// Registers a forward hook that sees every module call (PyTorch's
+    /// `register_module_forward_hook(hook, always_call=…)`), before the targeted forward hooks.
+    pub fn register_global_forward_hook(
+        &self,
+        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
+            + Send
+            + Sync
+            + 'static,
+        options: HookOptions,
+    ) -> HookHandle {
+        let hook: Arc<ForwardHookFn> = Arc::new(hook);
+        self.0
+            .add(|l| &mut l.global_post, Target::All, options, hook)
     }
 
     /// How many hooks are registered.
@@ -500,116 +536,5 @@ impl Hooks {
         };
         let _session = SessionGuard::enter(root, root.__call_target(), self.0.clone(), aliases);
         f(root)
-    }
-}
-
-impl<'a> Prepend<'a> {
-    /// Always-call forward hooks (see [`Hooks::always_call`]), first in their group.
-    pub fn always_call(&self) -> AlwaysCall<'a> {
-        AlwaysCall {
-            hooks: self.0,
-            prepend: true,
-        }
-    }
-
-    /// [`Hooks::register_forward_pre_hook`], first in its group.
-    pub fn register_forward_pre_hook(
-        &self,
-        pattern: &str,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
-    ) -> Result<HookHandle> {
-        self.0.pre_hook(true, pattern, Arc::new(hook))
-    }
-
-    /// [`Hooks::register_forward_hook`], first in its group.
-    pub fn register_forward_hook(
-        &self,
-        pattern: &str,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> Result<HookHandle> {
-        self.0.forward_hook(How::PREPEND, pattern, Arc::new(hook))
-    }
-
-    /// [`Hooks::register_global_forward_pre_hook`], first in its group.
-    pub fn register_global_forward_pre_hook(
-        &self,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync + 'static,
-    ) -> HookHandle {
-        self.0.global_pre_hook(true, Arc::new(hook))
-    }
-
-    /// [`Hooks::register_global_forward_hook`], first in its group.
-    pub fn register_global_forward_hook(
-        &self,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> HookHandle {
-        self.0.global_forward_hook(How::PREPEND, Arc::new(hook))
-    }
-}
-
-/// How a hook is registered: first in its group or last, and whether it runs when the call fails.
-#[derive(Clone, Copy, Default)]
-pub(super) struct How {
-    prepend: bool,
-    always_call: bool,
-}
-
-impl How {
-    const PREPEND: How = How {
-        prepend: true,
-        always_call: false,
-    };
-}
-
-/// Registers forward hooks that run even when the call fails: see [`Hooks::always_call`].
-pub struct AlwaysCall<'a> {
-    hooks: &'a Hooks,
-    prepend: bool,
-}
-
-impl AlwaysCall<'_> {
-    /// Puts the hooks registered through this value first in their group (PyTorch's
-    /// `prepend=True`).
-    pub fn prepend(mut self) -> Self {
-        self.prepend = true;
-        self
-    }
-
-    fn how(&self) -> How {
-        How {
-            prepend: self.prepend,
-            always_call: true,
-        }
-    }
-
-    /// [`Hooks::register_forward_hook`], run when the call fails too (PyTorch's
-    /// `register_forward_hook(hook, always_call=True)`).
-    pub fn register_forward_hook(
-        &self,
-        pattern: &str,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> Result<HookHandle> {
-        self.hooks.forward_hook(self.how(), pattern, Arc::new(hook))
-    }
-
-    /// [`Hooks::register_global_forward_hook`], run when the call fails too (PyTorch's
-    /// `register_module_forward_hook(hook, always_call=True)`).
-    pub fn register_global_forward_hook(
-        &self,
-        hook: impl Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>>
-            + Send
-            + Sync
-            + 'static,
-    ) -> HookHandle {
-        self.hooks.global_forward_hook(self.how(), Arc::new(hook))
     }
 }

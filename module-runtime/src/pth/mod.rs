@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use self::container::{storage_info, Container};
 use self::pickle::{Fail, Object, Pickle, TensorRef, Value};
 use crate::error::{Error, PthErrorKind, Result};
-use crate::state::{Source, StateDict};
+use crate::state::Source;
 
 /// One tensor of the state dict: its validated layout and where its storage lies in the file.
 struct Entry {
@@ -78,15 +78,6 @@ impl PthFile {
         })
     }
 
-    /// Every tensor, on `device`, in the file's order.
-    pub(crate) fn into_state_dict(self, device: &Device) -> Result<StateDict> {
-        let mut state = StateDict::new();
-        for e in &self.entries {
-            state.insert(e.key.clone(), self.build(e, device)?);
-        }
-        Ok(state)
-    }
-
     fn build(&self, e: &Entry, device: &Device) -> Result<Tensor> {
         let elem = e.dtype.size_in_bytes();
         let storage = &self.bytes[e.storage.clone()];
@@ -125,22 +116,6 @@ impl Source for PthFile {
             });
         };
         self.build(&self.entries[i], device)
-    }
-}
-
-impl StateDict {
-    /// Reads a PyTorch checkpoint (`torch.save`: `.pth`, `.pt`, `pytorch_model.bin`; the zip
-    /// format and the legacy pre-1.6 format) into a state dict on the CPU, in the file's order,
-    /// without a model: to inspect a checkpoint, or to rewrite it.
-    ///
-    /// `key` selects a nested state dict in a training checkpoint (`Some("model")` for
-    /// `{"epoch": 3, "model": ..., "optimizer": ...}`; dotted keys such as `"model.ema"` descend
-    /// further). With `None` the top level must be a state dict; if it is not, the
-    /// [`Error::Pth`](crate::Error::Pth) lists the top-level keys that hold one. Every value must
-    /// be a tensor. Reading is bounded: a malformed, truncated or hostile file is an error (Python
-    /// globals outside PyTorch's tensor types are refused, never executed).
-    pub fn read_pth(path: impl AsRef<Path>, key: Option<&str>) -> Result<StateDict> {
-        PthFile::open(path.as_ref(), key)?.into_state_dict(&Device::Cpu)
     }
 }
 

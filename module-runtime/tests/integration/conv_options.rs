@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor, Var};
 use module_runtime::nn::{Conv1d, Conv2d, ConvConfig, LazyConv2d, PerDim};
-use module_runtime::{Error, Forward, ModuleExt, Result};
+use module_runtime::{Error, Forward, LoadOptions, ModuleExt, Result};
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -115,7 +115,7 @@ fn check(case: Case) -> Result<()> {
 
     // No gradient: candle's convolution (equal values) or the per-dimension path.
     let frozen = Conv2d::with_config(cin, cout, case.k, cfg, &dev)?;
-    frozen.load_state_dict(&conv.state_dict()?)?;
+    frozen.load_state_dict(&conv.state_dict()?, &LoadOptions::default())?;
     frozen.freeze("**")?;
     let y = frozen.forward(&x)?;
     assert_eq!(y.dims(), [2, cout, ho, wo], "{case:?}");

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use module_runtime::candle_core::{DType, Device, Tensor};
-use module_runtime::{Error, PthErrorKind, StateDict};
+use module_runtime::{Error, LoadOptions, PthErrorKind, StateDict};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/pytorch/checkpoints")
@@ -17,7 +17,11 @@ fn fixtures() -> PathBuf {
 
 fn read(name: &str, key: Option<&str>) -> StateDict {
     let path = fixtures().join(name);
-    StateDict::read_pth(&path, key).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    let options = match key {
+        Some(key) => LoadOptions::default().nested_in(key),
+        None => LoadOptions::default(),
+    };
+    StateDict::read(&path, &options).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn values(t: &Tensor) -> Vec<f64> {
@@ -131,7 +135,7 @@ fn nested_checkpoint_by_key() {
 #[test]
 fn nested_checkpoint_without_key_lists_candidates() {
     let path = fixtures().join("gapnet_nested.pt");
-    let err = StateDict::read_pth(&path, None).unwrap_err();
+    let err = StateDict::read(&path, &LoadOptions::default()).unwrap_err();
     let message = err.to_string();
     match err {
         Error::Pth { kind, .. } => match *kind {
@@ -143,7 +147,7 @@ fn nested_checkpoint_without_key_lists_candidates() {
     assert!(message.contains("model"), "{message}");
     assert!(message.contains("gapnet_nested.pt"), "{message}");
 
-    let err = StateDict::read_pth(&path, Some("modle")).unwrap_err();
+    let err = StateDict::read(&path, &LoadOptions::default().nested_in("modle")).unwrap_err();
     assert!(
         matches!(&err, Error::Pth { kind, .. }
             if matches!(&**kind, PthErrorKind::NoSuchKey { available, .. } if available.iter().any(|k| k == "model") && available.iter().any(|k| k == "epoch"))),

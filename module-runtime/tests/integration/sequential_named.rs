@@ -76,7 +76,7 @@ fn sequential_from_ordered_dict_pairs_names_children_by_key() -> Result<()> {
         ("act", Box::new(relu())),
         ("0", Box::new(Linear::new(4, 1, &dev)?)),
     ])?;
-    copy.load_state_dict(&seq.state_dict()?)?;
+    copy.load_state_dict(&seq.state_dict()?, &LoadOptions::default())?;
     let x = Tensor::randn(0f32, 1., (3, 2), &dev)?;
     assert_eq!(
         seq.call(&x)?.to_vec2::<f32>()?,

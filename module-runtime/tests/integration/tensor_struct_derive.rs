@@ -146,22 +146,30 @@ fn derived_structs_flow_through_call_and_hooks_replace_their_tensors() -> Result
     let hooks = Hooks::new();
     let seen: Arc<Mutex<Vec<Vec<Vec<f32>>>>> = Arc::default();
     let sink = seen.clone();
-    hooks.register_forward_pre_hook("", move |_, input| {
-        sink.lock()
-            .unwrap()
-            .push(input.iter().map(|t| t.to_vec1::<f32>().unwrap()).collect());
-        // Replace the mask (the second tensor) and keep the rest.
-        let mut new = input.to_vec();
-        new[1] = t(&[100.]);
-        Ok(Some(new))
-    })?;
+    hooks.register_forward_pre_hook(
+        "",
+        move |_, input| {
+            sink.lock()
+                .unwrap()
+                .push(input.iter().map(|t| t.to_vec1::<f32>().unwrap()).collect());
+            // Replace the mask (the second tensor) and keep the rest.
+            let mut new = input.to_vec();
+            new[1] = t(&[100.]);
+            Ok(Some(new))
+        },
+        PreHookOptions::default(),
+    )?;
     let sink = seen.clone();
-    hooks.register_forward_hook("", move |_, input, output| {
-        sink.lock()
-            .unwrap()
-            .push(vec![vec![input.len() as f32, output.len() as f32]]);
-        Ok(Some(vec![output[0].neg()?]))
-    })?;
+    hooks.register_forward_hook(
+        "",
+        move |_, input, output| {
+            sink.lock()
+                .unwrap()
+                .push(vec![vec![input.len() as f32, output.len() as f32]]);
+            Ok(Some(vec![output[0].neg()?]))
+        },
+        HookOptions::default(),
+    )?;
     let out = hooks.run(&model, |m| m.call(batch()))?;
     let seen = seen.lock().unwrap();
     assert_eq!(seen[0][0], [1., 2.]);
@@ -184,7 +192,11 @@ fn hook_returning_too_few_tensors_for_a_derived_struct_is_an_error() -> Result<(
         scale: Param::new(t(&[1.]))?,
     };
     let hooks = Hooks::new();
-    hooks.register_forward_pre_hook("", |_, input| Ok(Some(input[..2].to_vec())))?;
+    hooks.register_forward_pre_hook(
+        "",
+        |_, input| Ok(Some(input[..2].to_vec())),
+        PreHookOptions::default(),
+    )?;
     let result = hooks.run(&model, |m| m.call(batch()));
     assert!(
         matches!(result, Err(Error::HookTensorCount { .. })),
