@@ -5,5 +5,6 @@
 
 mod groups;
 mod parity;
+mod readme;
 mod rules;
 mod state;
