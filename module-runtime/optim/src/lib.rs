@@ -14,33 +14,91 @@
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
+//! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
+//! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
+//!
 //! ```
-//! use module_optim::{AdamW, LambdaLr, LrScheduler, Optimizer, ParamGroups, clip_grad_norm};
+//! use module_optim::{
+//!     clip_grad_norm, AdamW, GradAccumulator, LambdaLr, LrScheduler, Optimizer, ParamGroups,
+//! };
+//! use module_runtime::candle_nn::loss::cross_entropy;
+//! use module_runtime::nn::LayerNorm;
 //! use module_runtime::prelude::*;
+//! use module_runtime::StateDict;
 //!
 //! #[derive(Module)]
-//! struct Mlp {
-//!     fc1: Linear,
-//!     fc2: Linear,
+//! struct Classifier {
+//!     dense: Linear,
+//!     #[module(rename = "LayerNorm")]
+//!     layer_norm: LayerNorm,
+//!     head: Linear,
 //! }
 //!
-//! let dev = Device::Cpu;
-//! let model = Mlp { fc1: Linear::new(8, 16, &dev)?, fc2: Linear::new(16, 1, &dev)? };
-//! let groups = ParamGroups::new().group("**.bias", |g| g.weight_decay(0.0));
-//! let mut opt = AdamW::with_groups(&model, AdamW::options().lr(1e-3), &groups)?;
-//! let mut schedule = LambdaLr::linear_with_warmup(&mut opt, 10, 100);
-//!
-//! let x = Tensor::randn(0f32, 1.0, (4, 8), &dev)?;
-//! for _ in 0..3 {
-//!     let loss = model.fc2.call(&model.fc1.call(&x)?.relu()?)?.sqr()?.mean_all()?;
-//!     let mut grads = loss.backward()?;
-//!     clip_grad_norm(&mut grads, &opt.params(), 1.0, 2.0, false)?;
-//!     opt.step(&grads)?;
-//!     schedule.step(&mut opt);
+//! impl Forward<&Tensor> for Classifier {
+//!     type Output = Tensor;
+//!     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+//!         let h = self.layer_norm.call(&self.dense.call(x)?.gelu()?)?;
+//!         self.head.call(&h)
+//!     }
 //! }
-//! let state = opt.state_dict()?;
-//! assert!(state.contains_key("state.fc1.weight.exp_avg"));
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//!
+//! fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+//!     let dev = Device::Cpu;
+//!     let model = Classifier {
+//!         dense: Linear::new(16, 32, &dev)?,
+//!         layer_norm: LayerNorm::new(32, &dev)?,
+//!         head: Linear::new(32, 4, &dev)?,
+//!     };
+//!     // no_decay = ["bias", "LayerNorm.weight"]
+//!     // optimizer = AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=5e-5)
+//!     let no_decay = ["**.bias", "**.LayerNorm.weight"];
+//!     let groups = ParamGroups::new().group(no_decay, |g| g.weight_decay(0.0));
+//!     let mut optimizer = AdamW::with_groups(&model, AdamW::options().lr(5e-5), &groups)?;
+//!     // scheduler = get_linear_schedule_with_warmup(optimizer, 10, 100)
+//!     let mut scheduler = LambdaLr::linear_with_warmup(&mut optimizer, 10, 100);
+//!     // Gradient accumulation: loss.backward() on 4 micro-batches, then one step.
+//!     let mut acc = GradAccumulator::new(optimizer.params());
+//!
+//!     let x = Tensor::randn(0f32, 1.0, (8, 16), &dev)?;
+//!     let y = Tensor::new(&[0u32, 1, 2, 3, 0, 1, 2, 3], &dev)?;
+//!     for _ in 0..8 {
+//!         let loss = cross_entropy(&model.call(&x)?, &y)?;
+//!         acc.add(&(loss / 4.0)?.backward()?)?; // (loss / 4).backward()
+//!         if acc.micro_batches() == 4 {
+//!             // torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+//!             clip_grad_norm(acc.grads_mut(), optimizer.params(), 1.0, 2.0, false)?;
+//!             optimizer.step(acc.grads())?;
+//!             scheduler.step(&mut optimizer);
+//!             acc.zero_grad(); // optimizer.zero_grad()
+//!         }
+//!     }
+//!
+//!     // torch.save({"model": ..., "optimizer": optimizer.state_dict(), "scheduler": ...}, path):
+//!     // the optimizer's state is keyed by parameter path (state.dense.weight.exp_avg, ...).
+//!     let dir = std::env::temp_dir().join(format!("training-{}", std::process::id()));
+//!     std::fs::create_dir_all(&dir)?;
+//!     model.save_safetensors(dir.join("model.safetensors"))?;
+//!     optimizer.save_state(&dir.join("optimizer.safetensors"))?;
+//!     let sched = scheduler.state_dict()?.into_hash_map();
+//!     candle_core::safetensors::save(&sched, dir.join("scheduler.safetensors"))?;
+//!
+//!     // Resume: make everything as at the start, then load_state_dict each part.
+//!     let resumed = Classifier {
+//!         dense: Linear::new(16, 32, &dev)?,
+//!         layer_norm: LayerNorm::new(32, &dev)?,
+//!         head: Linear::new(32, 4, &dev)?,
+//!     };
+//!     resumed.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
+//!     let mut opt2 = AdamW::with_groups(&resumed, AdamW::options().lr(5e-5), &groups)?;
+//!     let mut sched2 = LambdaLr::linear_with_warmup(&mut opt2, 10, 100);
+//!     opt2.load_state(&dir.join("optimizer.safetensors"))?;
+//!     let saved = StateDict::read(dir.join("scheduler.safetensors"), &LoadOptions::default())?;
+//!     sched2.load_state_dict(&saved, &mut opt2)?;
+//!     assert_eq!(opt2.lrs(), optimizer.lrs()); // 2 steps into the warmup: 5e-5 * 2 / 10
+//!     assert_eq!(opt2.state_dict()?.len(), optimizer.state_dict()?.len());
+//!     std::fs::remove_dir_all(&dir)?;
+//!     Ok(())
+//! }
 //! ```
 
 #![warn(missing_docs)]

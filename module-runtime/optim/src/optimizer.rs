@@ -94,3 +94,30 @@ pub trait Optimizer {
         self.load_state_dict(&state)
     }
 }
+
+/// The [`Optimizer`] methods that only read or write the groups and the state, forwarded to
+/// `self.$field`: a `Core` (whose inherent methods have the same names), or an optimizer another
+/// one wraps (`AdamW` over `Adam`).
+macro_rules! forward_to {
+    ($field:tt) => {
+        fn num_param_groups(&self) -> usize {
+            self.$field.num_param_groups()
+        }
+        fn lr(&self, group: usize) -> f64 {
+            self.$field.lr(group)
+        }
+        fn set_lr(&mut self, group: usize, lr: f64) {
+            self.$field.set_lr(group, lr);
+        }
+        fn group_params(&self, group: usize) -> &[(String, Param)] {
+            self.$field.group_params(group)
+        }
+        fn state_dict(&self) -> Result<StateDict> {
+            self.$field.state_dict()
+        }
+        fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+            self.$field.load_state_dict(state)
+        }
+    };
+}
+pub(crate) use forward_to;

@@ -248,17 +248,38 @@ impl LrScheduler for LambdaLr {
 /// Multiplies every group's learning rate by `gamma` every `step_size` steps: PyTorch's `StepLR`
 /// (in its recursive form, so a rate changed by hand between steps is decayed from there, and the
 /// values are PyTorch's to the last bit).
-pub struct StepLr {
+pub struct StepLr(Decay);
+
+impl StepLr {
+    /// The schedule; the optimizer's rates are those of step 0. Panics if `step_size` is 0.
+    pub fn new(opt: &mut dyn Optimizer, step_size: usize, gamma: f64) -> Self {
+        assert!(step_size > 0, "StepLR's step_size must be at least 1");
+        Self(Decay::new(opt, step_size, gamma))
+    }
+}
+
+/// Multiplies every group's learning rate by `gamma` at every step: PyTorch's `ExponentialLR`
+/// (recursive, as [`StepLr`]).
+pub struct ExponentialLr(Decay);
+
+impl ExponentialLr {
+    /// The schedule; the optimizer's rates are those of step 0.
+    pub fn new(opt: &mut dyn Optimizer, gamma: f64) -> Self {
+        Self(Decay::new(opt, 1, gamma))
+    }
+}
+
+/// `StepLR`'s recursive decay, which `ExponentialLR` is with a step size of 1: every `step_size`
+/// steps, each group's current rate times `gamma`.
+struct Decay {
     step_size: usize,
     gamma: f64,
     last_lr: Vec<f64>,
     last_epoch: usize,
 }
 
-impl StepLr {
-    /// The schedule; the optimizer's rates are those of step 0. Panics if `step_size` is 0.
-    pub fn new(opt: &mut dyn Optimizer, step_size: usize, gamma: f64) -> Self {
-        assert!(step_size > 0, "StepLR's step_size must be at least 1");
+impl Decay {
+    fn new(opt: &mut dyn Optimizer, step_size: usize, gamma: f64) -> Self {
         Self {
             step_size,
             gamma,
@@ -268,7 +289,7 @@ impl StepLr {
     }
 }
 
-impl LrScheduler for StepLr {
+impl LrScheduler for Decay {
     fn step(&mut self, opt: &mut dyn Optimizer) {
         self.last_epoch += 1;
         if self.last_epoch % self.step_size == 0 {
@@ -295,46 +316,26 @@ impl LrScheduler for StepLr {
     }
 }
 
-/// Multiplies every group's learning rate by `gamma` at every step: PyTorch's `ExponentialLR`
-/// (recursive, as [`StepLr`]).
-pub struct ExponentialLr {
-    gamma: f64,
-    last_lr: Vec<f64>,
-    last_epoch: usize,
-}
-
-impl ExponentialLr {
-    /// The schedule; the optimizer's rates are those of step 0.
-    pub fn new(opt: &mut dyn Optimizer, gamma: f64) -> Self {
-        Self {
-            gamma,
-            last_lr: opt.lrs(),
-            last_epoch: 0,
+/// The [`LrScheduler`] of a schedule that wraps a [`Decay`].
+macro_rules! forward_to_decay {
+    ($($t:ty),*) => {$(
+        impl LrScheduler for $t {
+            fn step(&mut self, opt: &mut dyn Optimizer) {
+                self.0.step(opt);
+            }
+            fn get_last_lr(&self) -> &[f64] {
+                self.0.get_last_lr()
+            }
+            fn last_epoch(&self) -> usize {
+                self.0.last_epoch()
+            }
+            fn state_dict(&self) -> Result<StateDict> {
+                self.0.state_dict()
+            }
+            fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
+                self.0.load_state_dict(state, opt)
+            }
         }
-    }
+    )*};
 }
-
-impl LrScheduler for ExponentialLr {
-    fn step(&mut self, opt: &mut dyn Optimizer) {
-        self.last_epoch += 1;
-        let lrs: Vec<f64> = opt.lrs().iter().map(|lr| lr * self.gamma).collect();
-        set_all(opt, &lrs);
-        self.last_lr = lrs;
-    }
-    fn get_last_lr(&self) -> &[f64] {
-        &self.last_lr
-    }
-    fn last_epoch(&self) -> usize {
-        self.last_epoch
-    }
-    fn state_dict(&self) -> Result<StateDict> {
-        save_progress(self.last_epoch, &self.last_lr, None)
-    }
-    fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
-        let (epoch, last_lr, _) = load_progress(state, opt.num_param_groups(), false)?;
-        self.last_epoch = epoch;
-        self.last_lr = last_lr;
-        set_all(opt, &self.last_lr);
-        Ok(())
-    }
-}
+forward_to_decay!(StepLr, ExponentialLr);

@@ -5,11 +5,11 @@ use candle_core::{Device, Shape, Tensor};
 use module_runtime::{Param, StateDict};
 use rayon::prelude::*;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fused::{self, CHUNK};
 use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
-use crate::optimizer::Optimizer;
-use crate::state::{non_negative, param_like, Buf, Core, Hyper, ParamState};
+use crate::optimizer::{forward_to, Optimizer};
+use crate::state::{check, flag, non_negative, param_like, reject, Buf, Core, Hyper, ParamState};
 
 /// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
 #[derive(Clone, Debug, PartialEq)]
@@ -79,22 +79,14 @@ impl Hyper for SgdOptions {
     ];
 
     fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
-        let na = |option| {
-            Err(Error::NotApplicable {
-                option,
-                optimizer: Self::OPTIMIZER,
-                group,
-            })
-        };
-        if o.betas.is_some() {
-            return na("betas");
-        }
-        if o.eps.is_some() {
-            return na("eps");
-        }
-        if o.amsgrad.is_some() {
-            return na("amsgrad");
-        }
+        reject::<Self>(
+            &[
+                ("betas", o.betas.is_some()),
+                ("eps", o.eps.is_some()),
+                ("amsgrad", o.amsgrad.is_some()),
+            ],
+            group,
+        )?;
         self.lr = o.lr.unwrap_or(self.lr);
         self.momentum = o.momentum.unwrap_or(self.momentum);
         self.dampening = o.dampening.unwrap_or(self.dampening);
@@ -105,35 +97,16 @@ impl Hyper for SgdOptions {
     }
 
     fn validate(&self, group: Option<usize>) -> Result<()> {
-        let bad = |name, value, reason| {
-            Err(Error::InvalidHyperparameter {
-                name,
-                value,
-                reason,
-                group,
-            })
-        };
-        if !non_negative(self.lr) {
-            return bad("lr", self.lr, "the learning rate must be >= 0");
-        }
-        if !non_negative(self.momentum) {
-            return bad("momentum", self.momentum, "momentum must be >= 0");
-        }
-        if !non_negative(self.weight_decay) {
-            return bad(
-                "weight_decay",
-                self.weight_decay,
-                "weight decay must be >= 0",
-            );
-        }
-        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
-            return bad(
-                "momentum",
-                self.momentum,
-                "Nesterov momentum requires a momentum > 0 and zero dampening",
-            );
-        }
-        Ok(())
+        let (lr, momentum, wd) = (self.lr, self.momentum, self.weight_decay);
+        let reason = "the learning rate must be >= 0";
+        check(non_negative(lr), "lr", lr, reason, group)?;
+        let reason = "momentum must be >= 0";
+        check(non_negative(momentum), "momentum", momentum, reason, group)?;
+        let reason = "weight decay must be >= 0";
+        check(non_negative(wd), "weight_decay", wd, reason, group)?;
+        let nesterov_ok = !self.nesterov || (momentum > 0.0 && self.dampening == 0.0);
+        let reason = "Nesterov momentum requires a momentum > 0 and zero dampening";
+        check(nesterov_ok, "momentum", momentum, reason, group)
     }
 
     fn get(&self, name: &str) -> f64 {
@@ -142,8 +115,8 @@ impl Hyper for SgdOptions {
             "momentum" => self.momentum,
             "dampening" => self.dampening,
             "weight_decay" => self.weight_decay,
-            "nesterov" => f64::from(u8::from(self.nesterov)),
-            "maximize" => f64::from(u8::from(self.maximize)),
+            "nesterov" => flag(self.nesterov),
+            "maximize" => flag(self.maximize),
             _ => unreachable!("not an SGD hyperparameter: {name}"),
         }
     }
@@ -280,24 +253,7 @@ impl Optimizer for SGD {
         Ok(())
     }
 
-    fn num_param_groups(&self) -> usize {
-        self.core.groups.len()
-    }
-    fn lr(&self, group: usize) -> f64 {
-        self.core.groups[group].options.lr
-    }
-    fn set_lr(&mut self, group: usize, lr: f64) {
-        self.core.groups[group].options.lr = lr;
-    }
-    fn group_params(&self, group: usize) -> &[(String, Param)] {
-        &self.core.groups[group].params
-    }
-    fn state_dict(&self) -> Result<StateDict> {
-        self.core.state_dict()
-    }
-    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        self.core.load_state_dict(state)
-    }
+    forward_to!(core);
 }
 
 /// One parameter's update with candle ops, one per PyTorch op; returns the new value.

@@ -14,6 +14,44 @@ pub(crate) fn non_negative(x: f64) -> bool {
     x >= 0.0
 }
 
+/// [`Error::NotApplicable`] for the first of `options` (name, whether the group sets it) that the
+/// group sets: options optimizer `O` does not have.
+pub(crate) fn reject<O: Hyper>(options: &[(&'static str, bool)], group: usize) -> Result<()> {
+    match options.iter().find(|(_, set)| *set) {
+        Some(&(option, _)) => Err(Error::NotApplicable {
+            option,
+            optimizer: O::OPTIMIZER,
+            group,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// [`Error::InvalidHyperparameter`] unless `ok`: one of PyTorch's range checks.
+pub(crate) fn check(
+    ok: bool,
+    name: &'static str,
+    value: f64,
+    reason: &'static str,
+    group: Option<usize>,
+) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidHyperparameter {
+            name,
+            value,
+            reason,
+            group,
+        })
+    }
+}
+
+/// A boolean hyperparameter as a state dict value, 0 or 1.
+pub(crate) fn flag(b: bool) -> f64 {
+    f64::from(u8::from(b))
+}
+
 /// An optimizer's per-group hyperparameters.
 pub(crate) trait Hyper: Clone {
     /// The optimizer's name, for messages.
@@ -138,6 +176,22 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
             .map(|g| g.params.iter().map(|_| None).collect())
             .collect();
         Ok(Self { groups: out, state })
+    }
+
+    pub(crate) fn num_param_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub(crate) fn lr(&self, group: usize) -> f64 {
+        self.groups[group].options.get("lr")
+    }
+
+    pub(crate) fn set_lr(&mut self, group: usize, lr: f64) {
+        self.groups[group].options.set("lr", lr);
+    }
+
+    pub(crate) fn group_params(&self, group: usize) -> &[(String, Param)] {
+        &self.groups[group].params
     }
 
     pub(crate) fn state_dict(&self) -> Result<StateDict> {

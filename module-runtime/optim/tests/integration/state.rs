@@ -43,16 +43,20 @@ fn batch(k: usize) -> Tensor {
     Tensor::from_vec(v, (4, 6), &Device::Cpu).unwrap()
 }
 
+/// The loss of step `k`.
+fn loss(model: &Mlp, k: usize) -> Tensor {
+    model
+        .call(&batch(k))
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+}
+
 fn train(model: &Mlp, opt: &mut dyn Optimizer, steps: std::ops::Range<usize>) {
     for k in steps {
-        let loss = model
-            .call(&batch(k))
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap();
-        opt.backward_step(&loss).unwrap();
+        opt.backward_step(&loss(model, k)).unwrap();
     }
 }
 
@@ -341,14 +345,7 @@ fn resume_with_a_schedule_is_bit_exact() {
     use module_optim::{LambdaLr, LrScheduler};
     let run = |model: &Mlp, opt: &mut AdamW, s: &mut LambdaLr, steps: std::ops::Range<usize>| {
         for k in steps {
-            let loss = model
-                .call(&batch(k))
-                .unwrap()
-                .sqr()
-                .unwrap()
-                .mean_all()
-                .unwrap();
-            opt.backward_step(&loss).unwrap();
+            opt.backward_step(&loss(model, k)).unwrap();
             s.step(opt);
         }
     };

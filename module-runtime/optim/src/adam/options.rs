@@ -1,0 +1,154 @@
+//! `AdamOptions`: Adam's and AdamW's hyperparameters, their defaults, overrides and range checks.
+
+use crate::error::Result;
+use crate::group::GroupOptions;
+use crate::state::{check, flag, non_negative, reject, Hyper};
+
+/// `Adam`'s and `AdamW`'s hyperparameters (PyTorch's names).
+/// [`Adam::options`](crate::Adam::options) and [`AdamW::options`](crate::AdamW::options) give
+/// each optimizer's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamOptions {
+    /// Learning rate (default 1e-3).
+    pub lr: f64,
+    /// Decay rates of the running averages of the gradient and of its square (default
+    /// `(0.9, 0.999)`).
+    pub betas: (f64, f64),
+    /// Added to the denominator for numerical stability (default 1e-8).
+    pub eps: f64,
+    /// Weight decay (Adam: 0, an L2 penalty added to the gradient; AdamW: 1e-2, decoupled).
+    pub weight_decay: f64,
+    /// The AMSGrad variant: divide by the running maximum of the second moment (default false).
+    pub amsgrad: bool,
+    /// Maximize the objective instead of minimizing it (default false).
+    pub maximize: bool,
+    /// Decoupled weight decay, `p *= 1 - lr * weight_decay` before the update (AdamW), instead of
+    /// an L2 penalty added to the gradient (Adam). [`AdamW`](crate::AdamW) always sets it.
+    pub decoupled_weight_decay: bool,
+}
+
+impl Default for AdamOptions {
+    /// `torch.optim.Adam`'s defaults.
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+            maximize: false,
+            decoupled_weight_decay: false,
+        }
+    }
+}
+
+impl AdamOptions {
+    /// Sets `lr`.
+    pub fn lr(mut self, lr: f64) -> Self {
+        self.lr = lr;
+        self
+    }
+    /// Sets `betas`.
+    pub fn betas(mut self, beta1: f64, beta2: f64) -> Self {
+        self.betas = (beta1, beta2);
+        self
+    }
+    /// Sets `eps`.
+    pub fn eps(mut self, eps: f64) -> Self {
+        self.eps = eps;
+        self
+    }
+    /// Sets `weight_decay`.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+    /// Sets `amsgrad`.
+    pub fn amsgrad(mut self, amsgrad: bool) -> Self {
+        self.amsgrad = amsgrad;
+        self
+    }
+    /// Sets `maximize`.
+    pub fn maximize(mut self, maximize: bool) -> Self {
+        self.maximize = maximize;
+        self
+    }
+    /// Sets `decoupled_weight_decay`.
+    pub fn decoupled_weight_decay(mut self, decoupled: bool) -> Self {
+        self.decoupled_weight_decay = decoupled;
+        self
+    }
+}
+
+impl Hyper for AdamOptions {
+    const OPTIMIZER: &'static str = "Adam";
+    const NAMES: &'static [&'static str] = &[
+        "lr",
+        "betas.0",
+        "betas.1",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "maximize",
+        "decoupled_weight_decay",
+    ];
+
+    fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
+        reject::<Self>(
+            &[
+                ("momentum", o.momentum.is_some()),
+                ("dampening", o.dampening.is_some()),
+                ("nesterov", o.nesterov.is_some()),
+            ],
+            group,
+        )?;
+        self.lr = o.lr.unwrap_or(self.lr);
+        self.betas = o.betas.unwrap_or(self.betas);
+        self.eps = o.eps.unwrap_or(self.eps);
+        self.weight_decay = o.weight_decay.unwrap_or(self.weight_decay);
+        self.amsgrad = o.amsgrad.unwrap_or(self.amsgrad);
+        self.maximize = o.maximize.unwrap_or(self.maximize);
+        Ok(())
+    }
+
+    fn validate(&self, group: Option<usize>) -> Result<()> {
+        let (lr, eps, (beta1, beta2), wd) = (self.lr, self.eps, self.betas, self.weight_decay);
+        let reason = "the learning rate must be >= 0";
+        check(non_negative(lr), "lr", lr, reason, group)?;
+        check(non_negative(eps), "eps", eps, "epsilon must be >= 0", group)?;
+        let reason = "beta1 must be in [0, 1)";
+        check((0.0..1.0).contains(&beta1), "betas.0", beta1, reason, group)?;
+        let reason = "beta2 must be in [0, 1)";
+        check((0.0..1.0).contains(&beta2), "betas.1", beta2, reason, group)?;
+        let reason = "weight decay must be >= 0";
+        check(non_negative(wd), "weight_decay", wd, reason, group)
+    }
+
+    fn get(&self, name: &str) -> f64 {
+        match name {
+            "lr" => self.lr,
+            "betas.0" => self.betas.0,
+            "betas.1" => self.betas.1,
+            "eps" => self.eps,
+            "weight_decay" => self.weight_decay,
+            "amsgrad" => flag(self.amsgrad),
+            "maximize" => flag(self.maximize),
+            "decoupled_weight_decay" => flag(self.decoupled_weight_decay),
+            _ => unreachable!("not an Adam hyperparameter: {name}"),
+        }
+    }
+
+    fn set(&mut self, name: &str, value: f64) {
+        match name {
+            "lr" => self.lr = value,
+            "betas.0" => self.betas.0 = value,
+            "betas.1" => self.betas.1 = value,
+            "eps" => self.eps = value,
+            "weight_decay" => self.weight_decay = value,
+            "amsgrad" => self.amsgrad = value != 0.0,
+            "maximize" => self.maximize = value != 0.0,
+            "decoupled_weight_decay" => self.decoupled_weight_decay = value != 0.0,
+            _ => unreachable!("not an Adam hyperparameter: {name}"),
+        }
+    }
+}
