@@ -48,7 +48,11 @@
 // The runtime's own layers use the derive, whose expansion names `::module_runtime`.
 extern crate self as module_runtime;
 
-// The files, bottom up: each uses only those before it (rustfmt sorts the `mod` list itself).
+// The files by layer, bottom up (rustfmt sorts the `mod` list itself). This is the direction the
+// layers are meant to have, NOT one the compiler holds: the files import each other in one cycle
+// (29 of the top-level modules), through upward uses such as error -> report/functional/
+// distributed, param/buffer/module -> functional::scope, tensor_tree -> hooks, and every layer
+// -> ext. Issue 27 moves the layers into crates, where an upward use cannot compile.
 //   type_name, lazy_shape, report, error, pattern    names, shapes, the error type (type_name
 //                                                     reads the layers' PyTorch names from nn/)
 //   grad_mode                                         whether parameter reads record gradients
