@@ -56,6 +56,12 @@ fn a_name_clash_through_flatten_is_a_typed_error() {
         other => panic!("expected DuplicateName, got {other:?}"),
     }
     let message = err.to_string();
+    assert_eq!(
+        message,
+        "two children of `Clash` are at `weight` (a parameter, then a parameter): the \
+         `#[module(flatten)]`ed field `inner` lifts its children and extra state to `Clash`'s \
+         level; `rename` the clashing field, or do not flatten"
+    );
     assert!(message.contains("`Clash`"), "{message}");
     assert!(message.contains("`weight`"), "{message}");
     assert!(message.contains("`inner`"), "{message}");
@@ -214,6 +220,7 @@ enum Either {
     Plain {
         head: Linear,
     },
+    Pair(#[module(flatten)] Counter, Linear),
 }
 
 #[test]
@@ -227,6 +234,11 @@ fn an_enum_variants_flattened_field_keeps_its_extra_state() {
     assert_eq!(
         other.state_dict().unwrap().keys().collect::<Vec<_>>(),
         ["head.weight", "head.bias"]
+    );
+    let pair = Either::Pair(counter(5), linear());
+    assert_eq!(
+        pair.state_dict().unwrap().keys().collect::<Vec<_>>(),
+        ["scale", "_extra_state", "1.weight", "1.bias"]
     );
 }
 
