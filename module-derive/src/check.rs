@@ -34,27 +34,45 @@ fn check_field(cx: &Ctxt, field: &Field) {
                 "`skip` and `flatten` contradict each other; keep one",
             ));
         }
-        if let Some(leaf) = runtime_leaf(field.ty) {
+        if let Some(leaf) = held_leaf(field.ty) {
+            let what = if is_leaf(field.ty).is_some() {
+                format!("a `{leaf}`")
+            } else {
+                format!("a field that holds a `{leaf}`")
+            };
             cx.syn_error(syn::Error::new(
                 skip,
                 format!(
-                    "`#[module(skip)]` on a `{leaf}` would leave it out of training and checkpoints \
+                    "`#[module(skip)]` on {what} would leave it out of training and checkpoints \
                      without a word; remove `skip` (to freeze it, call `freeze` on its path)"
                 ),
             ));
         }
-    } else if let (Some(span), Some(_)) = (attrs.flatten, &attrs.rename) {
-        cx.syn_error(syn::Error::new(
-            span,
-            "a `flatten`ed field has no name of its own, so it cannot be `rename`d",
-        ));
+    } else if let Some(span) = attrs.flatten {
+        if attrs.rename.is_some() {
+            cx.syn_error(syn::Error::new(
+                span,
+                "a `flatten`ed field has no name of its own, so it cannot be `rename`d",
+            ));
+        }
+        if let Some(leaf) = flattened_leaf(field.ty) {
+            cx.syn_error(syn::Error::new(
+                span,
+                format!(
+                    "a `{leaf}` has no children to lift, so `flatten` would leave it out of \
+                     training and checkpoints without a word; remove `flatten` (the field is then \
+                     listed under its own name)"
+                ),
+            ));
+        }
     }
 }
 
 /// `Param` and `Buffer`, recognized by their last path segment. This is a lint for the common
-/// mistake, not a classification: everything else is classified by trait.
-fn runtime_leaf(ty: &syn::Type) -> Option<&'static str> {
-    let syn::Type::Path(path) = ty else {
+/// mistake, not a classification: everything else is classified by trait. The derive only sees
+/// tokens, so a type alias of `Param` (or of `Option<Param>`) is not recognized.
+fn is_leaf(ty: &syn::Type) -> Option<&'static str> {
+    let syn::Type::Path(path) = ungroup(ty) else {
         return None;
     };
     let last = path.path.segments.last()?;
@@ -64,6 +82,79 @@ fn runtime_leaf(ty: &syn::Type) -> Option<&'static str> {
     ["Param", "Buffer"]
         .into_iter()
         .find(|name| last.ident == name)
+}
+
+fn ungroup(mut ty: &syn::Type) -> &syn::Type {
+    loop {
+        match ty {
+            syn::Type::Group(g) => ty = &g.elem,
+            syn::Type::Paren(p) => ty = &p.elem,
+            _ => return ty,
+        }
+    }
+}
+
+/// A `Param` or `Buffer` anywhere in the type: the type itself, or a generic argument, array,
+/// slice or tuple element at any depth (`Option<Param>`, `Vec<Buffer>`, `[Param; 2]`,
+/// `Arc<Mutex<Param>>`, `(usize, Buffer)`), recognized by the last segment of a path, as
+/// [`is_leaf`] does. `PhantomData<…>` holds nothing, and function pointer types are not looked
+/// into.
+fn held_leaf(ty: &syn::Type) -> Option<&'static str> {
+    if let Some(leaf) = is_leaf(ty) {
+        return Some(leaf);
+    }
+    match ungroup(ty) {
+        syn::Type::Path(path) => {
+            if path.path.segments.last()?.ident == "PhantomData" {
+                return None;
+            }
+            let qself = path.qself.as_ref().and_then(|q| held_leaf(&q.ty));
+            qself.or_else(|| {
+                path.path
+                    .segments
+                    .iter()
+                    .find_map(|segment| match &segment.arguments {
+                        syn::PathArguments::AngleBracketed(args) => {
+                            args.args.iter().find_map(|arg| match arg {
+                                syn::GenericArgument::Type(ty) => held_leaf(ty),
+                                syn::GenericArgument::AssocType(assoc) => held_leaf(&assoc.ty),
+                                _ => None,
+                            })
+                        }
+                        _ => None,
+                    })
+            })
+        }
+        syn::Type::Array(a) => held_leaf(&a.elem),
+        syn::Type::Slice(s) => held_leaf(&s.elem),
+        syn::Type::Tuple(t) => t.elems.iter().find_map(held_leaf),
+        syn::Type::Reference(r) => held_leaf(&r.elem),
+        syn::Type::Ptr(p) => held_leaf(&p.elem),
+        _ => None,
+    }
+}
+
+/// A `Param` or `Buffer`, possibly in `Option`, `Box` or `Arc` (which are transparent: they walk
+/// what they hold as that value's own children, and a leaf has none). Containers that name their
+/// elements (`Vec<Param>`, arrays, tuples) flatten fine: their elements are lifted as `0`, `1`, ….
+fn flattened_leaf(ty: &syn::Type) -> Option<&'static str> {
+    if let Some(leaf) = is_leaf(ty) {
+        return Some(leaf);
+    }
+    let syn::Type::Path(path) = ungroup(ty) else {
+        return None;
+    };
+    let last = path.path.segments.last()?;
+    if !["Option", "Box", "Arc"].iter().any(|w| last.ident == w) {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(inner) if args.args.len() == 1 => flattened_leaf(inner),
+        _ => None,
+    }
 }
 
 /// Two fields may not end up with one path name.

@@ -2,6 +2,7 @@
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
+use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 
 use crate::ast::{Data, Field, Input, Style, Variant};
@@ -76,6 +77,8 @@ fn expand(input: &Input) -> TokenStream {
         }
     });
 
+    let flattened = flattened(input, &krate);
+
     let paths = match input.attrs.paths {
         Some(_) => crate::paths::expand(input, &krate),
         None => TokenStream::new(),
@@ -104,6 +107,75 @@ fn expand(input: &Input) -> TokenStream {
             #as_child
 
             #extra_state
+
+            #flattened
+        }
+    }
+}
+
+/// `__flattened`, for a type with `#[module(flatten)]`ed fields: each one with its Rust name, so
+/// that the runtime lifts their extra state and reports names that collide through them. Nothing
+/// for the others (the trait's default lists none).
+fn flattened(input: &Input, krate: &syn::Path) -> TokenStream {
+    let name = |f: &Field| match &f.member {
+        syn::Member::Named(ident) => ident.unraw().to_string(),
+        syn::Member::Unnamed(index) => index.index.to_string(),
+    };
+    let is_flat = |f: &&Field| f.attrs.flatten.is_some();
+    let body = match &input.data {
+        Data::Struct(fields) => {
+            let calls = fields.iter().filter(is_flat).map(|f| {
+                let (member, name, ty) = (&f.member, name(f), f.ty);
+                let value =
+                    quote_spanned!(ty.span()=> <#ty as #krate::Module>::__as_dyn(&self.#member));
+                quote!(__f(#name, #value);)
+            });
+            let calls: Vec<_> = calls.collect();
+            if calls.is_empty() {
+                return TokenStream::new();
+            }
+            quote!(#(#calls)*)
+        }
+        Data::Enum(variants) => {
+            let arms: Vec<_> = variants
+                .iter()
+                .filter(|v| v.fields.iter().any(|f| is_flat(&f)))
+                .map(|v| {
+                    let ident = v.ident;
+                    let flat: Vec<_> = v.fields.iter().filter(is_flat).collect();
+                    let members = flat.iter().map(|f| &f.member);
+                    let bindings: Vec<_> = (0..flat.len())
+                        .map(|i| format_ident!("__field{}", i, span = Span::mixed_site()))
+                        .collect();
+                    let calls = flat.iter().zip(&bindings).map(|(f, b)| {
+                        let (name, ty) = (name(f), f.ty);
+                        let value =
+                            quote_spanned!(ty.span()=> <#ty as #krate::Module>::__as_dyn(#b));
+                        quote!(__f(#name, #value);)
+                    });
+                    quote! {
+                        Self::#ident { #(#members: #bindings,)* .. } => { #(#calls)* }
+                    }
+                })
+                .collect();
+            if arms.is_empty() {
+                return TokenStream::new();
+            }
+            quote! {
+                #[allow(unreachable_patterns)]
+                match self {
+                    #(#arms)*
+                    _ => {}
+                }
+            }
+        }
+    };
+    quote! {
+        fn __flattened<'__module>(
+            &'__module self,
+            __f: &mut dyn ::core::ops::FnMut(&'static str, &'__module dyn #krate::Module),
+        ) {
+            #body
         }
     }
 }

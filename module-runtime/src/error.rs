@@ -153,6 +153,34 @@ pub enum Error {
         key: String,
     },
 
+    /// Two children of one module have one name, so a state dict would keep one of them and a
+    /// path would reach one: a `#[module(flatten)]`ed field lifts its children (and its extra
+    /// state) to its parent's level, where one has the name of another field, or of a child of
+    /// another flattened field (`struct C { weight: Param, #[module(flatten)] inner: Linear }`).
+    /// The derive cannot see a flattened type's children, so the state dict and loads check it
+    /// (as PyTorch's `add_module` refuses a name that already exists).
+    #[error(
+        "two children of `{}` are at `{path}` ({}, then {}): {}; `rename` the clashing field, or do \
+         not flatten",
+        short_type_name(.parent_type),
+        with_article(.first),
+        with_article(.second),
+        flattened_fields(.fields, .parent_type)
+    )]
+    DuplicateName {
+        /// The path both have (`"weight"`, `"enc.weight"`, `"enc._extra_state"`).
+        path: String,
+        /// The type of the module holding both (its full Rust name; messages show it without
+        /// module paths).
+        parent_type: &'static str,
+        /// What the first is: `"parameter"`, `"buffer"`, `"module"` or `"extra state"`.
+        first: &'static str,
+        /// What the second is.
+        second: &'static str,
+        /// The flattened fields of that module (Rust field names) through which the clash comes.
+        fields: Vec<&'static str>,
+    },
+
     /// A path pattern (`encoder.*`, `**.bias`) that cannot match anything.
     #[error("invalid path pattern `{pattern}`: {reason}")]
     InvalidPattern {
@@ -791,6 +819,33 @@ fn not_loaded_hint(awaits_load: &bool) -> &'static str {
 }
 
 /// ` at `path`` for a path that is known and not the root's.
+fn with_article(kind: &str) -> String {
+    let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {kind}")
+}
+
+fn flattened_fields(fields: &[&str], parent_type: &str) -> String {
+    let list = fields
+        .iter()
+        .map(|f| format!("`{f}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (s, verb, its) = if fields.len() == 1 {
+        ("", "lifts", "its")
+    } else {
+        ("s", "lift", "their")
+    };
+    format!(
+        "the `#[module(flatten)]`ed field{s} {list} {verb} {its} children and extra state to \
+         `{}`'s level",
+        short_type_name(parent_type)
+    )
+}
+
 fn at(path: &str) -> String {
     if path.is_empty() {
         String::new()

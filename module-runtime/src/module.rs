@@ -91,6 +91,22 @@ pub trait Module: Any + Send + Sync {
         None
     }
 
+    /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive
+    /// lists them, so that the runtime can lift their extra state and report names that collide
+    /// through them. Not public API.
+    #[doc(hidden)]
+    fn __flattened<'a>(&'a self, _f: &mut dyn FnMut(&'static str, &'a dyn Module)) {}
+
+    /// `self` as a `dyn Module`, named through the trait so that the derive's use of it on a field
+    /// whose type is not a module adds no second error. Not public API.
+    #[doc(hidden)]
+    fn __as_dyn(&self) -> &dyn Module
+    where
+        Self: Sized,
+    {
+        self
+    }
+
     /// Whether this node is an unbuilt [`Lazy`](crate::Lazy) cell (which has no children yet).
     /// Not public API: ask [`LazyExt::unbuilt_paths`](crate::LazyExt::unbuilt_paths).
     #[doc(hidden)]
@@ -394,6 +410,11 @@ impl<M: Module> Module for Option<M> {
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         self.as_ref().and_then(M::extra_state)
     }
+    fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
+        if let Some(m) = self {
+            m.__flattened(f);
+        }
+    }
     fn as_child(&self) -> Child<'_> {
         self.as_ref().map_or(Child::Absent, M::as_child)
     }
@@ -432,6 +453,9 @@ impl<M: Module> Module for Box<M> {
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         (**self).extra_state()
     }
+    fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
+        (**self).__flattened(f);
+    }
 }
 
 /// Shared ownership is identity: every `Arc` clone of one module is that one module, listed once,
@@ -451,6 +475,9 @@ impl<M: Module> Module for Arc<M> {
     }
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         (**self).extra_state()
+    }
+    fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
+        (**self).__flattened(f);
     }
     fn as_child(&self) -> Child<'_> {
         match (**self).as_child() {

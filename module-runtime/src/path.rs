@@ -22,11 +22,14 @@ pub(crate) fn check_key(container: &'static str, path: &str, key: &str) -> Resul
     })
 }
 
-/// Every name in the tree is a path segment: the keys of a `BTreeMap<String, _>` enter through
-/// `std`, so they are checked here, by what turns them into paths (the state dict and loads).
-/// Struct fields (checked by the derive) and the runtime's containers (checked on insert) pass.
+/// Every name in the tree is a path segment, and no module has two children of one name: the
+/// keys of a `BTreeMap<String, _>` enter through `std`, and the children of a
+/// `#[module(flatten)]`ed field share its parent's names, which the derive cannot see, so both
+/// are checked here, by what turns them into paths (the state dict and loads). Struct fields
+/// (checked by the derive) and the runtime's containers (checked on insert) pass.
 pub(crate) fn check_keys(root: &dyn Module) -> Result<()> {
     fn visit(module: &dyn Module, path: &mut String) -> Result<()> {
+        check_flattened(module, path)?;
         let mut result = Ok(());
         module.visit_children(&mut |name, child| {
             if result.is_err() {
@@ -48,6 +51,67 @@ pub(crate) fn check_keys(root: &dyn Module) -> Result<()> {
         result
     }
     visit(root, &mut String::new())
+}
+
+/// [`Error::DuplicateName`] if two of `module`'s children (parameters, buffers, submodules) have
+/// one name, or it has two extra states: only a module with `#[module(flatten)]`ed fields can
+/// (the derive refuses two fields of one name; containers have distinct keys), so the others cost
+/// one call. Absent children (`None`, configuration) and train/eval flags hold nothing a state
+/// dict or a path lookup would lose, and are not counted.
+fn check_flattened(module: &dyn Module, path: &str) -> Result<()> {
+    let mut fields: Vec<&'static str> = Vec::new();
+    module.__flattened(&mut |field, _| fields.push(field));
+    if fields.is_empty() {
+        return Ok(());
+    }
+    let duplicate = |name: &str, first: &'static str, second: &'static str, fields| {
+        let mut full = path.to_owned();
+        Name::Field(name).push_to(&mut full);
+        Err(Error::DuplicateName {
+            path: full,
+            parent_type: module.type_name(),
+            first,
+            second,
+            fields,
+        })
+    };
+    let mut seen: std::collections::HashMap<String, &'static str> = Default::default();
+    let mut clash = None;
+    module.visit_children(&mut |name, child| {
+        let kind = match child {
+            Child::Module { .. } => "module",
+            Child::Param(_) => "parameter",
+            Child::Buffer(_) => "buffer",
+            Child::Mode(_) | Child::Absent => return,
+        };
+        if clash.is_some() {
+            return;
+        }
+        let name = name.to_string();
+        match seen.get(&name) {
+            Some(first) => clash = Some((name, *first, kind)),
+            None => {
+                seen.insert(name, kind);
+            }
+        }
+    });
+    if let Some((name, first, second)) = clash {
+        return duplicate(&name, first, second, fields);
+    }
+    // Extra state: the module's own, and each flattened field's (its own or lifted in turn).
+    let mut owners: Vec<&'static str> = Vec::new();
+    module.__flattened(&mut |field, value| {
+        if crate::walk::extra_state(value).is_some() {
+            owners.push(field);
+        }
+    });
+    let own = module.extra_state().is_some();
+    if owners.len() + usize::from(own) > 1 {
+        owners.truncate(if own { 1 } else { 2 });
+        let key = crate::extra_state::EXTRA_STATE_KEY;
+        return duplicate(key, "extra state", "extra state", owners);
+    }
+    Ok(())
 }
 
 /// The segments of a dotted path; the root's path `""` has none.

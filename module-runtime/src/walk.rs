@@ -7,6 +7,22 @@ use crate::identity::{CallTarget, IdentitySet};
 use crate::module::{Child, Mode, Module, Name};
 use crate::param::Param;
 
+/// The extra state saved at a module's `_extra_state` key: its own, or else the first one its
+/// `#[module(flatten)]`ed fields lift to its level (a flattened field's children are listed as
+/// the parent's own, and so is its extra state). Two of them at one module are refused by the
+/// state dict and loads ([`check_keys`](crate::path::check_keys)).
+pub(crate) fn extra_state(module: &dyn Module) -> Option<&dyn crate::ExtraState> {
+    let mut found = module.extra_state();
+    if found.is_none() {
+        module.__flattened(&mut |_, field| {
+            if found.is_none() {
+                found = extra_state(field);
+            }
+        });
+    }
+    found
+}
+
 /// What a walk reaches.
 pub(crate) enum Visit<'a> {
     Module(&'a dyn Module),
@@ -81,7 +97,7 @@ impl<'a> Walker<'a, '_> {
                 }
             });
             if kind == Kind::Buffer {
-                if let Some(extra) = module.extra_state() {
+                if let Some(extra) = extra_state(module) {
                     let len = self.path.len();
                     Name::Field(crate::extra_state::EXTRA_STATE_KEY).push_to(&mut self.path);
                     (self.f)(&self.path, Visit::Extra(extra));

@@ -12,6 +12,7 @@ mod support;
 mod checkpoints;
 mod containers;
 mod dataflow;
+mod derive_holes;
 mod devices;
 mod distributed;
 mod functional;

@@ -38,4 +38,16 @@ impl ::module_runtime::Module for Block {
             <Linear as ::module_runtime::Module>::as_child_mut(&mut self.r#type),
         );
     }
+    fn __flattened<'__module>(
+        &'__module self,
+        __f: &mut dyn ::core::ops::FnMut(
+            &'static str,
+            &'__module dyn ::module_runtime::Module,
+        ),
+    ) {
+        __f(
+            "attention",
+            <Attention as ::module_runtime::Module>::__as_dyn(&self.attention),
+        );
+    }
 }

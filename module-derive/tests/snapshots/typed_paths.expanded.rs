@@ -199,4 +199,13 @@ impl ::module_runtime::Module for Block {
         );
         <Inner as ::module_runtime::Module>::visit_children_mut(&mut self.inner, __f);
     }
+    fn __flattened<'__module>(
+        &'__module self,
+        __f: &mut dyn ::core::ops::FnMut(
+            &'static str,
+            &'__module dyn ::module_runtime::Module,
+        ),
+    ) {
+        __f("inner", <Inner as ::module_runtime::Module>::__as_dyn(&self.inner));
+    }
 }

@@ -7,6 +7,7 @@
 
 mod crate_path;
 mod enums;
+mod flatten_and_skip_limits;
 mod generic_explicit_bound;
 mod generic_inferred_bounds;
 mod hygiene;
