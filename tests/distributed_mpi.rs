@@ -72,7 +72,7 @@ fn flat(model: &Net) -> Tensor {
     let ps: Vec<Tensor> = model
         .parameters()
         .iter()
-        .map(|p| p.tensor().flatten_all().unwrap())
+        .map(|p| p.tensor().unwrap().flatten_all().unwrap())
         .collect();
     Tensor::cat(&ps, 0).unwrap()
 }
