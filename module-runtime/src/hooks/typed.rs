@@ -138,7 +138,9 @@ impl Hooks {
     /// let x = Tensor::ones((1, 3), DType::F32, &Device::Cpu)?;
     /// let hooked = hooks.run(&net, |m| m.call(&x))?;
     /// let plain = net.call(&x)?;
-    /// assert_eq!((hooked - plain)?.to_vec2::<f32>()?, [[3.0, 3.0]]);
+    /// // (y + 3) - y is 3 up to rounding, as y is random.
+    /// let diff = (hooked - plain)?.to_vec2::<f32>()?;
+    /// assert!(diff[0].iter().all(|d| (d - 3.0).abs() < 1e-5), "{diff:?}");
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn register_typed_hook<P, I, O>(

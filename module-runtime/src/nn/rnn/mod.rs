@@ -1,0 +1,15 @@
+//! Recurrent layers: [`Lstm`] and [`Gru`] (PyTorch's `nn.LSTM`/`nn.GRU`, one generic type,
+//! [`RnnBase`]) and the one-step cells [`LstmCell`] and [`GruCell`] (PyTorch's
+//! `nn.LSTMCell`/`nn.GRUCell`, one generic type, [`RnnCellBase`]), with the gate math
+//! ([`LstmGates`], [`GruGates`]) as their type parameter. All four implement
+//! [`Recurrent`]: `initial_state(batch)`, a one-step call that takes and returns the state, and a
+//! whole-sequence call from a state.
+
+mod cell;
+mod gates;
+mod sequence;
+mod weights;
+
+pub use cell::{GruCell, LstmCell, RnnCellBase, RnnCellBasePath, RnnCellConfig};
+pub use gates::{Gates, GruGates, LstmGates};
+pub use sequence::{Gru, Lstm, RnnBase, RnnBasePath, RnnConfig};
