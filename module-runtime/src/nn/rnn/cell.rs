@@ -38,7 +38,7 @@ impl Default for RnnCellConfig {
 /// Parameters, with PyTorch's names, layouts and init (uniform on `±1/sqrt(hidden_size)`):
 /// `weight_ih` `[G·H, input_size]`, `weight_hh` `[G·H, H]`, `bias_ih` and `bias_hh` `[G·H]`
 /// (absent without `bias`), with `G` gate blocks ([`Gates::GATES`]). The math is the layer's:
-/// a one-layer [`Lstm`] or [`Gru`] with these weights computes, step by step, what the cell does.
+/// a one-layer [`Lstm`](super::Lstm) or [`Gru`](super::Gru) with these weights computes, step by step, what the cell does.
 ///
 /// Input `[B, input_size]` (or `[input_size]` unbatched); state tensors `[B, H]` (or `[H]`),
 /// which must have exactly that shape; zeros when not given.

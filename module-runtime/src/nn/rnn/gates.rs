@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::TensorTree;
 
 /// The gate math of a recurrent layer or cell, the one thing that tells an LSTM from a GRU: the
-/// type parameter of [`RnnBase`] and [`RnnCellBase`].
+/// type parameter of [`RnnBase`](super::RnnBase) and [`RnnCellBase`](super::RnnCellBase).
 pub trait Gates: Clone + Copy + Debug + Send + Sync + 'static {
     /// The layer's name in error messages (`"Lstm"`).
     const NAME: &'static str;
