@@ -29,6 +29,9 @@ use minilm::minilm_dir;
 use module_optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
 
+#[path = "support/mod.rs"]
+mod support;
+
 /// Sentences per batch, and tokens per sentence (issue 28).
 const BATCH: usize = 8;
 const SEQ: usize = 25;
@@ -60,11 +63,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         Ok(model)
     };
 
-    let ids: Vec<u32> = (0..BATCH * SEQ)
-        .map(|i| 1000 + (i as u32 * 7919) % 29000)
-        .collect();
-    let ids = Tensor::from_vec(ids, (BATCH, SEQ), &device)?;
-    let mask = Tensor::ones((BATCH, SEQ), DType::U32, &device)?;
+    let (ids, mask) = support::batch(BATCH, SEQ, &device)?;
     let mask_f = mask.to_dtype(DType::F32)?.unsqueeze(2)?;
     let v = ((Tensor::arange(0u32, 384, &device)?.to_dtype(DType::F32)? / 384.0)? - 0.5)?;
 

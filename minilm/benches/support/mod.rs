@@ -15,11 +15,16 @@ pub const SEQ: usize = 25;
 
 /// The benchmark batch: `[BATCH, SEQ]` token ids spread over the vocabulary, and an all-ones mask.
 pub fn inputs(device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
-    let ids: Vec<u32> = (0..BATCH * SEQ)
+    batch(BATCH, SEQ, device)
+}
+
+/// A `[batch, seq]` batch of token ids spread over the vocabulary, and an all-ones mask.
+pub fn batch(batch: usize, seq: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..batch * seq)
         .map(|i| 1000 + (i as u32 * 7919) % 29000)
         .collect();
-    let ids = Tensor::from_vec(ids, (BATCH, SEQ), device)?;
-    let mask = Tensor::ones((BATCH, SEQ), DType::U32, device)?;
+    let ids = Tensor::from_vec(ids, (batch, seq), device)?;
+    let mask = Tensor::ones((batch, seq), DType::U32, device)?;
     Ok((ids, mask))
 }
 

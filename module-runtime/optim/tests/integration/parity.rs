@@ -1,5 +1,5 @@
-//! Optimizer traces against PyTorch (`tests/fixtures/`, copied from the project's PyTorch
-//! fixtures): an MLP trained for 20 steps with `SGD(lr=0.1)` and
+//! Optimizer traces against PyTorch (the repository's `fixtures/pytorch/`, the same files the root
+//! package's parity tests read): an MLP trained for 20 steps with `SGD(lr=0.1)` and
 //! `AdamW(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)` must follow PyTorch's losses
 //! step by step and end at PyTorch's weights, through the fused and the composed update alike.
 //!
@@ -28,7 +28,7 @@ impl Forward<&Tensor> for Mlp {
 
 fn fixture(name: &str) -> HashMap<String, Tensor> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+        .join("../../fixtures/pytorch")
         .join(format!("{name}.safetensors"));
     candle_core::safetensors::load(&path, &Device::Cpu).expect("the fixture reads")
 }
