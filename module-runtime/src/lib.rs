@@ -48,101 +48,75 @@
 // The runtime's own layers use the derive, whose expansion names `::module_runtime`.
 extern crate self as module_runtime;
 
-// The files by layer, bottom up (rustfmt sorts the `mod` list itself). This is the direction the
-// layers are meant to have, NOT one the compiler holds: the files import each other in one cycle
-// (29 of the top-level modules), through upward uses such as error -> report/functional/
-// distributed, param/buffer/module -> functional::scope, tensor_tree -> hooks, and every layer
-// -> ext. Issue 27 moves the layers into crates, where an upward use cannot compile.
-//   type_name, lazy_shape, report, error, pattern    names, shapes, the error type (type_name
-//                                                     reads the layers' PyTorch names from nn/)
-//   grad_mode                                         whether parameter reads record gradients
-//   identity, lazy_cell, param, buffer, module        leaves, identity, the `Module` trait
-//   walk, path, names, views, convert, device         the one walk and what is built on it
-//   tensor_tree, forward, hooks/                      calls: inputs/outputs and hooks*
-//   load_hooks, state, pth/, io, checkpoint, summary  state dicts, files, summaries
-//   ext, lazy, nn/                                    `ModuleExt`, lazy modules, layers
-//   dataflow                                          a run's graph, built on hooks (+ DOT)
-//   distributed/                                      data-parallel training (on ext, views;
-//                                                     error names `DistributedError`)
-//   functional/                                       functional calls. Upward uses: param, buffer
-//                                                     and `Mode` read `functional::scope`; error
-//                                                     names `OutputDivergence`
-// *`TensorTree::rebuild` names `hooks::dispatch::Scope`, the one type it takes from below.
-mod buffer;
+// The layers, bottom up. The core (Module, Param/Buffer, the walk, names, paths, patterns,
+// identity, the functional scope, errors with all their payloads) is the crate `module-core`,
+// which cannot name anything here. The files still in this crate are the layers above it, moving
+// into crates of their own (issue 27):
+//   tensor_tree, hooks/, dataflow                     calls: inputs/outputs, hooks, a run's graph
+//   load_hooks, suggest, state, pth/, io, checkpoint  state dicts and files
+//   ext, lazy, nn/, recurrent, typed_path             `ModuleExt`, lazy modules, layers, paths
+//   functional/, distributed/                         functional calls, data-parallel training
 mod checkpoint;
-mod convert;
 mod dataflow;
-mod device;
+// The core's modules, under the names the files above it use (`crate::param::Param`).
+use module_core::{
+    buffer, convert, device, error, extra_state, forward, identity, key_groups, lazy_shape, module,
+    names, param, path, pattern, report, scope, summary, trace, type_name, views, walk,
+};
 pub mod distributed;
-mod error;
 mod ext;
-mod extra_state;
-mod forward;
 mod functional;
-mod grad_mode;
 mod hooks;
-mod identity;
 mod io;
 mod lazy;
-mod lazy_cell;
-mod lazy_shape;
 mod load_hooks;
-mod module;
-mod names;
 pub mod nn;
-mod param;
-mod path;
-mod pattern;
 mod pth;
 mod recurrent;
-mod report;
 mod state;
 mod suggest;
-mod summary;
 mod tensor_tree;
-mod trace;
-mod type_name;
 pub mod typed_path;
-mod views;
-mod walk;
 
-pub use buffer::Buffer;
 pub use checkpoint::Checkpoint;
 pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
-pub use device::{device_name, parse_device};
-pub use error::{Error, PthErrorKind, Result};
 pub use ext::ModuleExt;
-pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
-pub use forward::Forward;
-pub use functional::{
-    FlatSpec, FunctionalExt, FunctionalOptions, OutputDivergence, TensorSpec, Tolerance,
-};
-pub use grad_mode::{
-    enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
-};
+pub use functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 pub use hooks::{
     Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
 };
-#[doc(hidden)]
-pub use identity::CallTarget;
-pub use identity::Shared;
 pub use lazy::{Build, Lazy, LazyExt};
-pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
-pub use lazy_shape::LazyShape;
 pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
-pub use module::{Child, ChildMut, Mode, Module, Name};
-pub use names::Names;
-pub use param::Param;
-pub use pattern::PathPattern;
+pub use module_core::buffer::Buffer;
+pub use module_core::device::{device_name, parse_device};
+pub use module_core::error::{Error, Result};
+pub use module_core::extra_state::{
+    extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY,
+};
+pub use module_core::forward::Forward;
+pub use module_core::grad_mode::{
+    enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
+};
+#[doc(hidden)]
+pub use module_core::identity::CallTarget;
+pub use module_core::identity::Shared;
+pub use module_core::lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
+pub use module_core::lazy_shape::LazyShape;
+pub use module_core::module::{Child, ChildMut, Mode, Module, Name};
+pub use module_core::names::Names;
+pub use module_core::param::Param;
+pub use module_core::pattern::PathPattern;
+pub use module_core::report::{LoadReport, Mismatch};
+pub use module_core::summary::{Summary, SummaryRow};
+pub use module_core::type_name::short_type_name;
+pub use module_core::{
+    DistributedError, KeyFix, KeyRule, OutputDivergence, PthErrorKind, Tolerance,
+};
 pub use recurrent::Recurrent;
-pub use report::{LoadReport, Mismatch};
-pub use state::{KeyRule, LoadOptions, StateDict};
-pub use suggest::KeyFix;
-pub use summary::{Summary, SummaryRow};
+pub use state::{LoadOptions, StateDict};
 #[doc(hidden)]
 pub use tensor_tree::Scope;
 pub use tensor_tree::{TensorStruct, TensorTree};
-pub use type_name::short_type_name;
 pub use typed_path::{HasPath, PathExt, TypedPath};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.

@@ -14,6 +14,7 @@ use crate::module::Module;
 use crate::param::Param;
 use crate::report::{LoadReport, Mismatch};
 use crate::walk::{walk, Visit};
+use crate::KeyRule;
 
 /// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](crate::ModuleExt::state_dict)
 /// returns, [`read`](StateDict::read) reads from a file, and
@@ -98,49 +99,6 @@ impl From<HashMap<String, Tensor>> for StateDict {
         let mut entries: Vec<_> = map.into_iter().collect();
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries.into_iter().collect()
-    }
-}
-
-/// How a checkpoint's keys are rewritten before they are matched against the model's paths.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum KeyRule {
-    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`); the
-    /// prefix may be given with or without its trailing dot.
-    StripPrefix(String),
-    /// Puts `prefix.` in front of every key; the prefix may be given with or without its
-    /// trailing dot.
-    AddPrefix(String),
-    /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
-    /// `ln.weight`, and leaves `ln.gammas` alone.
-    Rename(String, String),
-}
-
-impl KeyRule {
-    fn apply(&self, key: &str) -> String {
-        match self {
-            // `module` and `module.` are one prefix: PyTorch's
-            // `consume_prefix_in_state_dict_if_present(sd, "module.")` is spelled with the dot.
-            KeyRule::StripPrefix(prefix) => key
-                .strip_prefix(prefix.trim_end_matches('.'))
-                .and_then(|rest| rest.strip_prefix('.'))
-                .unwrap_or(key)
-                .to_owned(),
-            KeyRule::AddPrefix(prefix) => match prefix.trim_end_matches('.') {
-                "" => key.to_owned(),
-                prefix => format!("{prefix}.{key}"),
-            },
-            KeyRule::Rename(from, to) => {
-                let padded = format!(".{key}.");
-                match padded.find(&format!(".{from}.")) {
-                    Some(at) => {
-                        let mut out = padded.clone();
-                        out.replace_range(at + 1..at + 1 + from.len(), to);
-                        out[1..out.len() - 1].to_owned()
-                    }
-                    None => key.to_owned(),
-                }
-            }
-        }
     }
 }
 

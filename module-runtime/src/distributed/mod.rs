@@ -40,7 +40,6 @@
 mod collective;
 mod ddp;
 mod env;
-mod error;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -52,8 +51,8 @@ mod sampler;
 pub use collective::{Collective, ReduceOp, SingleProcess};
 pub use ddp::{plan_buckets, DdpConfig, DistributedDataParallel, DEFAULT_BUCKET_CAP_BYTES};
 pub use env::{init_from_env, DistEnv, Launcher};
-pub use error::DistributedError;
 pub use local::LocalGroup;
+pub use module_core::DistributedError;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]

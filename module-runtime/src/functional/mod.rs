@@ -3,8 +3,6 @@
 //! `flatten`), independent copies (`copy.deepcopy`), and checking submodule outputs against
 //! expected ones (Ivy's `expected_submod_rets`).
 
-pub(crate) mod scope;
-
 mod deep_clone;
 mod expect;
 mod flat;
@@ -25,10 +23,10 @@ use crate::state::StateDict;
 use crate::tensor_tree::TensorTree;
 use crate::walk::{walk, Visit};
 use crate::Captures;
+use crate::Tolerance;
 
-pub use expect::{OutputDivergence, Tolerance};
+use crate::scope::{Frame, ScopeGuard};
 pub use flat::{FlatSpec, TensorSpec};
-use scope::{Frame, ScopeGuard};
 
 /// Options for [`FunctionalExt::functional_call_with`].
 ///
@@ -328,27 +326,6 @@ pub trait FunctionalExt: Module + Sized {
 }
 
 impl<M: Module> FunctionalExt for M {}
-
-/// A write to `buffer` inside a scope: goes to the innermost scope's copy when one holds it
-/// (`Ok(true)`), after the checks [`Buffer::set`] makes.
-#[cold]
-pub(crate) fn write_buffer(buffer: &Buffer, value: &Tensor) -> Result<bool> {
-    let Some(current) = scope::buffer(buffer.id()) else {
-        return Ok(false);
-    };
-    if value.shape() != current.shape() || value.dtype() != current.dtype() {
-        return Err(Error::ValueMismatch {
-            expected_shape: current.shape().clone(),
-            expected_dtype: current.dtype(),
-            shape: value.shape().clone(),
-            dtype: value.dtype(),
-        });
-    }
-    // Buffers take no part in autograd (PyTorch updates running statistics under `no_grad`).
-    let value = value.to_device(current.device())?.detach();
-    let _ = scope::write_buffer(buffer.id(), value);
-    Ok(true)
-}
 
 /// Gives every buffer of `root` that `frame` does not substitute a copy in the frame (a view of
 /// its value, or with `copy` a copy), so that writes during the call go to the frame and never to

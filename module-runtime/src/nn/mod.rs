@@ -90,27 +90,3 @@ pub use layer_norm::{
     RmsNormConfig, RmsNormPath,
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
-
-/// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
-/// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,
-/// type errors). Also `RmsNorm`, which PyTorch spells `RMSNorm`.
-pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 15] {
-    use std::any::type_name;
-    [
-        (type_name::<BatchNorm1d>(), "BatchNorm1d"),
-        (type_name::<BatchNorm2d>(), "BatchNorm2d"),
-        (type_name::<LazyBatchNorm1d>(), "LazyBatchNorm1d"),
-        (type_name::<LazyBatchNorm2d>(), "LazyBatchNorm2d"),
-        (type_name::<Conv1d>(), "Conv1d"),
-        (type_name::<Conv2d>(), "Conv2d"),
-        (type_name::<LazyConv1d>(), "LazyConv1d"),
-        (type_name::<LazyConv2d>(), "LazyConv2d"),
-        (type_name::<MaxPool2d>(), "MaxPool2d"),
-        (type_name::<AvgPool2d>(), "AvgPool2d"),
-        (type_name::<Lstm>(), "LSTM"),
-        (type_name::<Gru>(), "GRU"),
-        (type_name::<LstmCell>(), "LSTMCell"),
-        (type_name::<GruCell>(), "GRUCell"),
-        (type_name::<RmsNorm>(), "RMSNorm"),
-    ]
-}

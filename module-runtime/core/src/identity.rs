@@ -23,25 +23,25 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The identity of a shared allocation: equal for every clone of `arc`, distinct otherwise.
-pub(crate) fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
+pub fn arc_id<T: ?Sized>(arc: &Arc<T>) -> usize {
     Arc::as_ptr(arc) as *const () as usize
 }
 
 /// Whether another handle to `arc`'s allocation exists. A parameter or buffer with one handle is
 /// held by one field, so a walk can reach it twice only through a shared (`Arc`) module, which the
 /// walk dedups itself: such leaves skip the memo set.
-pub(crate) fn has_aliases<T: ?Sized>(arc: &Arc<T>) -> bool {
+pub fn has_aliases<T: ?Sized>(arc: &Arc<T>) -> bool {
     Arc::strong_count(arc) > 1
 }
 
 /// The train/eval flags of the modules whose first leaf holds this set, by the leaf's path relative
 /// to each module. Set by `train`/`eval`, read by `is_training`.
 #[derive(Default)]
-pub(crate) struct ModeMarks(Mutex<Vec<(Box<str>, bool)>>);
+pub struct ModeMarks(Mutex<Vec<(Box<str>, bool)>>);
 
 impl ModeMarks {
     /// Records the flag of the module from which this leaf is at `relative_path`.
-    pub(crate) fn set(&self, relative_path: &str, training: bool) {
+    pub fn set(&self, relative_path: &str, training: bool) {
         let mut marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         match marks.iter_mut().find(|(p, _)| &**p == relative_path) {
             Some((_, flag)) => *flag = training,
@@ -50,13 +50,13 @@ impl ModeMarks {
     }
 
     /// An independent copy of the flags (for a deep copy of the leaf).
-    pub(crate) fn snapshot(&self) -> Self {
+    pub fn snapshot(&self) -> Self {
         let marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         Self(Mutex::new(marks.clone()))
     }
 
     /// The flag of the module from which this leaf is at `relative_path`, if one was set.
-    pub(crate) fn get(&self, relative_path: &str) -> Option<bool> {
+    pub fn get(&self, relative_path: &str) -> Option<bool> {
         let marks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         marks
             .iter()
@@ -68,12 +68,12 @@ impl ModeMarks {
 /// A set of identities (addresses of shared allocations). SipHash, the standard hasher, resists
 /// adversarial keys, which addresses are not; a multiplicative hash makes the memo set of a walk
 /// several times cheaper (`named_parameters` on BERT-base: see BENCHMARKS.md).
-pub(crate) type IdentitySet = HashSet<usize, BuildHasherDefault<AddressHasher>>;
+pub type IdentitySet = HashSet<usize, BuildHasherDefault<AddressHasher>>;
 
 /// Fibonacci hashing of one `usize`: a multiply by 2^64/φ spreads aligned addresses (whose low bits
 /// are zero) over the whole table.
 #[derive(Default)]
-pub(crate) struct AddressHasher(u64);
+pub struct AddressHasher(u64);
 
 impl Hasher for AddressHasher {
     fn finish(&self) -> u64 {
@@ -110,7 +110,7 @@ impl CallTarget {
     }
 
     /// The target of a value seen through a trait object (`&dyn Module` upcasts to it).
-    pub(crate) fn of_dyn(value: &dyn Any) -> Self {
+    pub fn of_dyn(value: &dyn Any) -> Self {
         Self {
             addr: value as *const dyn Any as *const () as usize,
             ty: value.type_id(),
@@ -131,7 +131,7 @@ pub struct Shared {
 
 impl Shared {
     /// The identity of the module behind `arc`, reached through that `Arc` value.
-    pub(crate) fn of<M: Any>(arc: &Arc<M>) -> Self {
+    pub fn of<M: Any>(arc: &Arc<M>) -> Self {
         Self {
             id: arc_id(arc),
             holder: CallTarget::of(arc),

@@ -16,7 +16,7 @@ use crate::param::Param;
 ///
 /// Derive it (`#[derive(Module)]`) rather than implementing it: the derive lists every field in
 /// declaration order, and every traversal, state dict, hook and conversion in
-/// [`ModuleExt`](crate::ModuleExt) is built on that walk.
+/// [`ModuleExt`](../module_runtime/trait.ModuleExt.html) is built on that walk.
 ///
 /// Every field of a derived module must itself implement `Module`: other derived modules, the
 /// runtime's layers, the leaves [`Param`] and [`Buffer`], the containers `Option`, `Vec`, arrays,
@@ -168,7 +168,7 @@ impl std::fmt::Display for Name<'_> {
 }
 
 impl Name<'_> {
-    pub(crate) fn push_to(&self, path: &mut String) {
+    pub fn push_to(&self, path: &mut String) {
         use std::fmt::Write;
         if !path.is_empty() {
             path.push('.');
@@ -181,7 +181,7 @@ impl Name<'_> {
         }
     }
 
-    pub(crate) fn matches(&self, segment: &str) -> bool {
+    pub fn matches(&self, segment: &str) -> bool {
         match self {
             Name::Field(s) => *s == segment,
             Name::Index(i) => segment.parse::<usize>().ok() == Some(*i),
@@ -229,12 +229,12 @@ pub enum ChildMut<'a> {
 /// The train/eval flag of a module whose behaviour depends on it (PyTorch's `Module.training`).
 ///
 /// Layers that behave differently in training (Dropout, BatchNorm) hold a `Mode` field;
-/// [`train`](crate::ModuleExt::train) and [`eval`](crate::ModuleExt::eval) set every `Mode` in a
+/// [`train`](../module_runtime/trait.ModuleExt.html#method.train) and [`eval`](../module_runtime/trait.ModuleExt.html#method.eval) set every `Mode` in a
 /// subtree. A user module can hold one too and read it in `forward`. It takes no part in paths or
 /// state dicts. New flags are in training mode, as in PyTorch; a clone copies the current value.
 ///
 /// A module that holds a `Mode` as a direct field reports it as its own flag
-/// ([`is_training`](crate::ModuleExt::is_training)).
+/// ([`is_training`](../module_runtime/trait.ModuleExt.html#method.is_training)).
 pub struct Mode {
     flag: AtomicBool,
     /// Train/eval flags of the modules this is the first leaf of (like a `Param`'s).
@@ -255,17 +255,17 @@ impl Mode {
     }
 
     /// The flags of the modules whose first leaf this is (see [`ModeMarks`]).
-    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+    pub fn mode_marks(&self) -> &ModeMarks {
         &self.marks
     }
 
     /// Whether the module is in training mode.
     ///
-    /// Inside [`call_and_update`](crate::FunctionalExt::call_and_update), the flags of the called
+    /// Inside [`call_and_update`](../module_runtime/trait.FunctionalExt.html#method.call_and_update), the flags of the called
     /// model read as training on the calling thread only (the flag itself is not changed).
     pub fn is_training(&self) -> bool {
-        if crate::functional::scope::active() {
-            if let Some(training) = crate::functional::scope::training(self.addr()) {
+        if crate::scope::active() {
+            if let Some(training) = crate::scope::training(self.addr()) {
                 return training;
             }
         }
@@ -278,7 +278,7 @@ impl Mode {
     }
 
     /// The flag's identity while it is borrowed (functional scopes override flags by it).
-    pub(crate) fn addr(&self) -> usize {
+    pub fn addr(&self) -> usize {
         self as *const Self as usize
     }
 }
@@ -341,7 +341,9 @@ macro_rules! config {
 /// Calls `$m!` with every plain value type a derived struct may hold as configuration (numbers,
 /// strings, dtypes, devices, shapes): one list for the `Module` impls here and the path types in
 /// `typed_path`.
-macro_rules! for_config_types {
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __for_config_types {
     ($m:ident) => {
         $m!(
             (),
@@ -369,7 +371,8 @@ macro_rules! for_config_types {
         );
     };
 }
-pub(crate) use for_config_types;
+#[doc(hidden)]
+pub use __for_config_types as for_config_types;
 
 for_config_types!(config);
 

@@ -5,7 +5,7 @@
 //! unfrozen model records every operation — and the runtime's layers must then take the
 //! differentiable (unfused) path. Under [`no_grad`], parameters read as tensors that record
 //! nothing, exactly as frozen ones do, so inference runs the fused kernels and keeps no graph,
-//! without freezing anything: [`freeze`](crate::ModuleExt::freeze) stays the tool for fine-tuning.
+//! without freezing anything: [`freeze`](../module_runtime/trait.ModuleExt.html#method.freeze) stays the tool for fine-tuning.
 //!
 //! The mode is per thread, like PyTorch's: a guard on one thread changes nothing on another, and a
 //! thread starts with gradients enabled. Guards nest: each restores, when dropped, the mode that
@@ -66,7 +66,7 @@ impl std::fmt::Debug for GradModeGuard {
 }
 
 /// Turns gradient recording off on this thread until the guard is dropped: PyTorch's
-/// `with torch.no_grad():`. Use it with [`eval`](crate::ModuleExt::eval) for inference.
+/// `with torch.no_grad():`. Use it with [`eval`](../module_runtime/trait.ModuleExt.html#method.eval) for inference.
 ///
 /// ```
 /// use module_runtime::prelude::*;

@@ -15,7 +15,7 @@ use crate::lazy_shape::LazyShape;
 /// A `Param` is a shared handle to a cell holding a candle [`Var`], so:
 ///
 /// - **a clone is the same parameter**: this is how weights are tied. Traversal lists it once, under
-///   the first path it is reached by, and [`trainable_vars`](crate::ModuleExt::trainable_vars) holds it
+///   the first path it is reached by, and [`trainable_vars`](../module_runtime/trait.ModuleExt.html#method.trainable_vars) holds it
 ///   once;
 /// - moving it ([`to_device`](Self::to_device), [`to_dtype`](Self::to_dtype)) replaces the `Var` in
 ///   the cell, and every alias sees the new one. Optimizers hold `Var`s, so build them *after* moving
@@ -58,7 +58,7 @@ struct ParamInner {
 impl Param {
     /// A trainable parameter holding `value` (copied into a fresh `Var`).
     ///
-    /// Fails with [`Error::NonFloatParam`](crate::Error::NonFloatParam) for integer tensors: only floating-point values have
+    /// Fails with [`Error::NonFloatParam`] for integer tensors: only floating-point values have
     /// gradients.
     pub fn new(value: Tensor) -> Result<Self> {
         check_float(&value)?;
@@ -160,12 +160,12 @@ impl Param {
     /// the value to compute with, like [`tensor`](Self::tensor).
     ///
     /// On a built parameter (eager, or lazy and built already) this only checks that `dims` is its
-    /// shape. Fails with [`Error::LazyShape`](crate::Error::LazyShape) when `dims` does not fit.
+    /// shape. Fails with [`Error::LazyShape`] when `dims` does not fit.
     ///
     /// Inside a functional call that substitutes this parameter, nothing is built: the substituted
     /// tensor is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
-        if crate::functional::scope::active() {
+        if crate::scope::active() {
             if let Some(t) = self.substituted() {
                 return check_built_dims(t, dims);
             }
@@ -174,7 +174,7 @@ impl Param {
         check_built_dims(self.current(), dims)
     }
 
-    /// The value to compute with in a forward pass, or [`Error::NotLoaded`](crate::Error::NotLoaded)
+    /// The value to compute with in a forward pass, or [`Error::NotLoaded`]
     /// when the parameter has no values yet: made under [`empty_weights`](crate::empty_weights)
     /// and not loaded, or lazy and not built (PyTorch: "Attempted to use an uninitialized
     /// parameter"). Lazy layers call [`materialize`](Self::materialize) instead, which builds it.
@@ -183,7 +183,7 @@ impl Param {
     /// [`no_grad`](crate::no_grad), in which case the tensor is detached (it records no operation,
     /// so layers take their fused inference kernels).
     ///
-    /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes this
+    /// Inside a functional call ([`FunctionalExt`](../module_runtime/trait.FunctionalExt.html)) that substitutes this
     /// parameter, it reads as the substituted tensor instead (detached under `no_grad`), built or
     /// not.
     ///
@@ -197,7 +197,7 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::functional::scope::active() {
+        if crate::scope::active() {
             if let Some(t) = self.substituted() {
                 return Ok(t);
             }
@@ -217,8 +217,8 @@ impl Param {
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check: an unbuilt parameter
     /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
     /// checked models), never for computing.
-    pub(crate) fn current(&self) -> Tensor {
-        if crate::functional::scope::active() {
+    pub fn current(&self) -> Tensor {
+        if crate::scope::active() {
             if let Some(t) = self.substituted() {
                 return t;
             }
@@ -236,7 +236,7 @@ impl Param {
     /// gradients flow (as in PyTorch, where the swapped-in tensor's `requires_grad` is its own).
     #[cold]
     fn substituted(&self) -> Option<Tensor> {
-        let t = crate::functional::scope::param(self.id())?;
+        let t = crate::scope::param(self.id())?;
         Some(if crate::grad_mode::is_grad_enabled() {
             t
         } else {
@@ -245,7 +245,7 @@ impl Param {
     }
 
     /// The candle `Var` behind the parameter (whether frozen or not), for candle's optimizers
-    /// and `GradStore` lookups; [`Error::NotLoaded`](crate::Error::NotLoaded) when the parameter
+    /// and `GradStore` lookups; [`Error::NotLoaded`] when the parameter
     /// is not built (see [`tensor`](Self::tensor)).
     pub fn var(&self) -> Result<Var> {
         match self.0.var.unbuilt_error("parameter") {
@@ -256,7 +256,7 @@ impl Param {
 
     /// The `Var` behind the parameter, an unbuilt one's empty placeholder included (see
     /// [`current`](Self::current)).
-    pub(crate) fn current_var(&self) -> Var {
+    pub fn current_var(&self) -> Var {
         self.read().clone()
     }
 
@@ -318,7 +318,7 @@ impl Param {
     }
 
     /// Takes `value` as the parameter's new value instead of copying into the current one (a load
-    /// with [`LoadOptions::assign`](crate::LoadOptions::assign), PyTorch's
+    /// with [`LoadOptions::assign`](../module_runtime/struct.LoadOptions.html#method.assign), PyTorch's
     /// `load_state_dict(assign=True)`): the parameter gets `value`'s dtype, keeps its device, and
     /// shares `value`'s storage when `value` is a candle variable (as a checkpoint read from a file
     /// is), so nothing is copied. An unbuilt parameter is built from it. Every alias sees the new
@@ -369,13 +369,13 @@ impl Param {
     }
 
     /// Swaps in a converted `Var` (a move or dtype change), for every alias at once.
-    pub(crate) fn replace_var(&self, var: Var) {
+    pub fn replace_var(&self, var: Var) {
         self.0.var.replace(var);
     }
 
     /// A new parameter holding a copy of this one's value, with its `requires_grad` (a deep copy:
     /// not an alias). Built parameters only.
-    pub(crate) fn deep_copy(&self) -> Result<Self> {
+    pub fn deep_copy(&self) -> Result<Self> {
         // `Var::from_tensor` copies a tensor that is not a variable (a detached view is not).
         let value = self.read().as_tensor().detach();
         Ok(Self(Arc::new(ParamInner {
@@ -398,11 +398,11 @@ impl Param {
     /// Whether another handle to this parameter exists. A parameter with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such parameters.
-    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+    pub fn mode_marks(&self) -> &ModeMarks {
         &self.0.modes
     }
 
-    pub(crate) fn has_aliases(&self) -> bool {
+    pub fn has_aliases(&self) -> bool {
         identity::has_aliases(&self.0)
     }
 

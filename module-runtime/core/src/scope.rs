@@ -19,6 +19,8 @@ use std::marker::PhantomData;
 
 use candle_core::Tensor;
 
+use crate::buffer::Buffer;
+use crate::error::{Error, Result};
 use crate::identity::{AddressHasher, IdentitySet};
 
 type IdMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
@@ -32,24 +34,24 @@ thread_local! {
 
 /// One scope's substitutions.
 #[derive(Default)]
-pub(crate) struct Frame {
+pub struct Frame {
     /// Parameter id -> the tensor to compute with.
-    pub(crate) params: IdMap<Tensor>,
+    pub params: IdMap<Tensor>,
     /// Buffer id -> the scope's copy of the buffer (reads and writes go here).
-    pub(crate) buffers: IdMap<Tensor>,
+    pub buffers: IdMap<Tensor>,
     /// The train/eval flag the model's [`Mode`](crate::Mode)s read (by address), if overridden.
-    pub(crate) training: Option<(bool, IdentitySet)>,
+    pub training: Option<(bool, IdentitySet)>,
 }
 
 /// Whether a functional scope is open on this thread.
 #[inline]
-pub(crate) fn active() -> bool {
+pub fn active() -> bool {
     ACTIVE.with(Cell::get)
 }
 
 /// The tensor a scope substitutes for the parameter `id`, innermost scope first.
 #[cold]
-pub(crate) fn param(id: usize) -> Option<Tensor> {
+pub fn param(id: usize) -> Option<Tensor> {
     FRAMES.with(|f| {
         f.borrow()
             .iter()
@@ -60,7 +62,7 @@ pub(crate) fn param(id: usize) -> Option<Tensor> {
 
 /// The scope's copy of the buffer `id`, innermost scope first.
 #[cold]
-pub(crate) fn buffer(id: usize) -> Option<Tensor> {
+pub fn buffer(id: usize) -> Option<Tensor> {
     FRAMES.with(|f| {
         f.borrow()
             .iter()
@@ -72,7 +74,7 @@ pub(crate) fn buffer(id: usize) -> Option<Tensor> {
 /// Writes `value` as the buffer `id`'s value in the innermost scope that holds it; `Err(value)`
 /// when no scope does (the write goes to the buffer itself).
 #[cold]
-pub(crate) fn write_buffer(id: usize, value: Tensor) -> Result<(), Tensor> {
+pub fn write_buffer(id: usize, value: Tensor) -> Result<(), Tensor> {
     FRAMES.with(|f| {
         let mut frames = f.borrow_mut();
         match frames
@@ -91,7 +93,7 @@ pub(crate) fn write_buffer(id: usize, value: Tensor) -> Result<(), Tensor> {
 
 /// The train/eval flag a scope gives the [`Mode`](crate::Mode) at address `addr`.
 #[cold]
-pub(crate) fn training(addr: usize) -> Option<bool> {
+pub fn training(addr: usize) -> Option<bool> {
     FRAMES.with(|f| {
         f.borrow().iter().rev().find_map(|fr| match &fr.training {
             Some((flag, modes)) if modes.contains(&addr) => Some(*flag),
@@ -101,14 +103,14 @@ pub(crate) fn training(addr: usize) -> Option<bool> {
 }
 
 /// Keeps a scope open on this thread; dropping it closes the scope and hands back its frame.
-pub(crate) struct ScopeGuard {
+pub struct ScopeGuard {
     depth: usize,
     _thread_bound: PhantomData<*const ()>,
 }
 
 impl ScopeGuard {
     /// Opens a scope with `frame`'s substitutions.
-    pub(crate) fn enter(frame: Frame) -> Self {
+    pub fn enter(frame: Frame) -> Self {
         let depth = FRAMES.with(|f| {
             let mut frames = f.borrow_mut();
             frames.push(frame);
@@ -122,7 +124,7 @@ impl ScopeGuard {
     }
 
     /// The buffers' values as the scope leaves them (it stays open).
-    pub(crate) fn buffer(&self, id: usize) -> Option<Tensor> {
+    pub fn buffer(&self, id: usize) -> Option<Tensor> {
         FRAMES.with(|f| f.borrow().get(self.depth - 1)?.buffers.get(&id).cloned())
     }
 }
@@ -137,6 +139,27 @@ impl Drop for ScopeGuard {
             ACTIVE.with(|a| a.set(!frames.is_empty()));
         });
     }
+}
+
+/// A write to `target` inside a scope: goes to the innermost scope's copy when one holds it
+/// (`Ok(true)`), after the checks [`Buffer::set`] makes.
+#[cold]
+pub fn assign_buffer(target: &Buffer, value: &Tensor) -> Result<bool> {
+    let Some(current) = buffer(target.id()) else {
+        return Ok(false);
+    };
+    if value.shape() != current.shape() || value.dtype() != current.dtype() {
+        return Err(Error::ValueMismatch {
+            expected_shape: current.shape().clone(),
+            expected_dtype: current.dtype(),
+            shape: value.shape().clone(),
+            dtype: value.dtype(),
+        });
+    }
+    // Buffers take no part in autograd (PyTorch updates running statistics under `no_grad`).
+    let value = value.to_device(current.device())?.detach();
+    let _ = write_buffer(target.id(), value);
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use crate::lazy_shape::LazyShape;
 ///
 /// Like [`Param`](crate::Param), a `Buffer` is a shared handle: a clone is the same buffer, and it
 /// can be replaced through `&self` during a forward pass (BatchNorm updates its running statistics
-/// this way). [`to_dtype`](crate::ModuleExt::to_dtype) converts floating-point buffers only, so
+/// this way). [`to_dtype`](../module_runtime/trait.ModuleExt.html#method.to_dtype) converts floating-point buffers only, so
 /// integer buffers such as `position_ids` keep their dtype.
 ///
 /// Like a [`Param`](crate::Param), a buffer may be lazy ([`Buffer::lazy`]): unbuilt, until it is
@@ -139,8 +139,8 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, nothing is built: the
     /// call's value is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
-        if crate::functional::scope::active() {
-            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+        if crate::scope::active() {
+            if let Some(t) = crate::scope::buffer(self.id()) {
                 return check_built_dims(t, dims);
             }
         }
@@ -150,14 +150,14 @@ impl Buffer {
 
     /// The current value: a view of the buffer's storage, so it sees later in-place updates
     /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do;
-    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
+    /// [`Error::NotLoaded`] when the buffer has none yet (see
     /// [`Param::tensor`](crate::Param::tensor)).
     ///
-    /// Inside a functional call ([`FunctionalExt`](crate::FunctionalExt)) that substitutes or
+    /// Inside a functional call ([`FunctionalExt`](../module_runtime/trait.FunctionalExt.html)) that substitutes or
     /// captures this buffer, it reads as the call's copy instead.
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::functional::scope::active() {
-            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+        if crate::scope::active() {
+            if let Some(t) = crate::scope::buffer(self.id()) {
                 return Ok(t);
             }
         }
@@ -175,9 +175,9 @@ impl Buffer {
 
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check (an unbuilt buffer's
     /// empty `[0]` placeholder): for metadata and the runtime's own walks.
-    pub(crate) fn current(&self) -> Tensor {
-        if crate::functional::scope::active() {
-            if let Some(t) = crate::functional::scope::buffer(self.id()) {
+    pub fn current(&self) -> Tensor {
+        if crate::scope::active() {
+            if let Some(t) = crate::scope::buffer(self.id()) {
                 return t;
             }
         }
@@ -185,7 +185,7 @@ impl Buffer {
     }
 
     /// Takes `value` (its dtype included) as the buffer's new value instead of copying into the
-    /// current one: a load with [`LoadOptions::assign`](crate::LoadOptions::assign). The shape
+    /// current one: a load with [`LoadOptions::assign`](../module_runtime/struct.LoadOptions.html#method.assign). The shape
     /// must be the buffer's, or one an unbuilt buffer accepts.
     pub fn assign(&self, value: &Tensor) -> Result<()> {
         let value = value.to_device(&self.0.value.device())?;
@@ -208,7 +208,7 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, the write goes to the
     /// call's copy and the buffer itself is left unchanged.
     pub fn set(&self, value: &Tensor) -> Result<()> {
-        if crate::functional::scope::active() && crate::functional::write_buffer(self, value)? {
+        if crate::scope::active() && crate::scope::assign_buffer(self, value)? {
             return Ok(());
         }
         if self.0.value.build_from(value)? {
@@ -243,8 +243,8 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, the call's copy is
     /// replaced and the buffer itself is left unchanged.
     pub fn replace(&self, value: Tensor) {
-        let value = if crate::functional::scope::active() {
-            match crate::functional::scope::write_buffer(self.id(), value.detach()) {
+        let value = if crate::scope::active() {
+            match crate::scope::write_buffer(self.id(), value.detach()) {
                 Ok(()) => return,
                 Err(value) => value,
             }
@@ -289,13 +289,13 @@ impl Buffer {
     }
 
     /// The buffer's own value, whatever a functional scope substitutes.
-    pub(crate) fn own_tensor(&self) -> Tensor {
+    pub fn own_tensor(&self) -> Tensor {
         self.0.value.read().detach()
     }
 
     /// A new buffer holding a copy of this one's value, with its persistence and
     /// [`allow_missing`](Self::allow_missing) (a deep copy: not an alias). Built buffers only.
-    pub(crate) fn deep_copy(&self) -> Result<Self> {
+    pub fn deep_copy(&self) -> Result<Self> {
         Ok(Self(Arc::new(BufferInner {
             modes: self.0.modes.snapshot(),
             value: LazyCell::eager(own_storage(&self.own_tensor().copy()?)),
@@ -317,11 +317,11 @@ impl Buffer {
     /// Whether another handle to this buffer exists. A buffer with one handle is held by one
     /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
     /// dedups itself: traversal skips its memo set for such buffers.
-    pub(crate) fn mode_marks(&self) -> &ModeMarks {
+    pub fn mode_marks(&self) -> &ModeMarks {
         &self.0.modes
     }
 
-    pub(crate) fn has_aliases(&self) -> bool {
+    pub fn has_aliases(&self) -> bool {
         identity::has_aliases(&self.0)
     }
 }

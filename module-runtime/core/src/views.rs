@@ -13,7 +13,7 @@ use crate::walk::{walk, Visit};
 /// `for module in self.children(): module.apply(fn)`, then `fn(self)`. `children()` drops
 /// duplicates among one module's children only, so a module shared at two depths is visited at
 /// each (`torch/nn/modules/module.py`, `Module.apply` and `Module.named_children`).
-pub(crate) fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
+pub fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
     let mut children: Vec<&dyn Module> = Vec::new();
     let mut seen = IdentitySet::default();
     root.visit_children(&mut |_, child| {
@@ -31,7 +31,7 @@ pub(crate) fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
 
 /// Sets `requires_grad` on every parameter at or under a path matching `pattern`; returns how many
 /// parameters matched, or [`Error::NoMatch`](crate::Error::NoMatch) naming some that exist.
-pub(crate) fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> Result<usize> {
+pub fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> Result<usize> {
     let pattern = PathPattern::new(pattern)?;
     let mut matched: Vec<Param> = Vec::new();
     let mut available = Vec::new();
@@ -60,7 +60,7 @@ pub(crate) fn set_requires_grad(root: &dyn Module, pattern: &str, on: bool) -> R
 /// Sets every [`Mode`](crate::Mode) flag under `root`, and records the flag of `root` and of every
 /// module under it with its first leaf (see [`ModeMarks`](crate::identity::ModeMarks)), as
 /// PyTorch's `train(mode)` sets `training` on every module of the subtree.
-pub(crate) fn set_training(root: &dyn Module, training: bool) {
+pub fn set_training(root: &dyn Module, training: bool) {
     // Modules (by path) whose first leaf the walk has not reached yet, outermost first.
     let mut pending: Vec<String> = Vec::new();
     walk(root, false, &mut |path, v| {
@@ -103,7 +103,7 @@ pub(crate) fn set_training(root: &dyn Module, training: bool) {
 ///    buffer or `Mode`, in walk order);
 /// 3. otherwise `true`: nothing was recorded for `root` itself since it was built, and new
 ///    modules are in training mode, whatever mode its children were put in.
-pub(crate) fn is_training(root: &dyn Module) -> bool {
+pub fn is_training(root: &dyn Module) -> bool {
     let mut own = None;
     root.visit_children(&mut |_, child| {
         if let (None, Child::Mode(m)) = (own, child) {
@@ -133,8 +133,8 @@ pub(crate) fn is_training(root: &dyn Module) -> bool {
     recorded.unwrap_or(true)
 }
 
-/// The path of every unbuilt parameter, buffer and [`Lazy`](crate::Lazy) cell, each once.
-pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
+/// The path of every unbuilt parameter, buffer and [`Lazy`](../module_runtime/struct.Lazy.html) cell, each once.
+pub fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
     let mut out = Vec::new();
     walk(root, true, &mut |path, v| {
         let unbuilt = match v {
@@ -152,7 +152,7 @@ pub(crate) fn unbuilt_paths(root: &dyn Module) -> Vec<String> {
 }
 
 /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) (`"cannot {action} …"`) if anything in `root` is unbuilt.
-pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
+pub fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
     let paths = unbuilt_paths(root);
     if paths.is_empty() {
         Ok(())
@@ -161,8 +161,8 @@ pub(crate) fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()
     }
 }
 
-/// Fails if `root` holds an unbuilt [`Lazy`] cell: a checkpoint cannot say what it would hold.
-pub(crate) fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
+/// Fails if `root` holds an unbuilt [`Lazy`](../module_runtime/struct.Lazy.html) cell: a checkpoint cannot say what it would hold.
+pub fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
     let mut paths = Vec::new();
     walk(root, true, &mut |path, v| {
         if let Visit::Module(m) = v {

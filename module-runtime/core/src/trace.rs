@@ -15,7 +15,7 @@ use crate::walk::find_call_target;
 /// `call`'s cold path: `error` came out of `module`'s forward (or hook dispatch).
 #[cold]
 #[inline(never)]
-pub(crate) fn forward_error<M: Module>(module: &M, error: Error) -> Error {
+pub fn forward_error<M: Module>(module: &M, error: Error) -> Error {
     wrap(module, module.__call_target(), error)
 }
 

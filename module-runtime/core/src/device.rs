@@ -72,7 +72,7 @@ pub fn device_name(device: &Device) -> String {
 /// another fails with [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) naming both, rather than with candle's error from
 /// inside whichever op first combines them. It costs one comparison (a discriminant for the CPU, a
 /// handle id for CUDA and Metal).
-pub(crate) fn check_input_device(path: &'static str, param: &Tensor, input: &Tensor) -> Result<()> {
+pub fn check_input_device(path: &'static str, param: &Tensor, input: &Tensor) -> Result<()> {
     if input.device().same_device(param.device()) {
         return Ok(());
     }

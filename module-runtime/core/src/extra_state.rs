@@ -17,7 +17,7 @@ pub const EXTRA_STATE_KEY: &str = "_extra_state";
 /// `Module.get_extra_state` / `Module.set_extra_state`.
 ///
 /// Implement it for a module type and mark the type `#[module(extra_state)]`: the module's
-/// [`state_dict`](crate::ModuleExt::state_dict) then holds `get_extra_state()` under
+/// [`state_dict`](../module_runtime/trait.ModuleExt.html#method.state_dict) then holds `get_extra_state()` under
 /// `<path>._extra_state`, after the module's own parameters and buffers and before its
 /// submodules' (`Module._save_to_state_dict`), and a load calls `set_extra_state` with the value
 /// found there. In a load, a missing `_extra_state` key is reported as missing (a strict load
@@ -97,7 +97,7 @@ pub fn extra_state_to_bytes(state: &Tensor) -> Result<Vec<u8>> {
 
 /// Every module's extra state under its key, each alias of a shared module under each path (as
 /// `state_dict` saves it).
-pub(crate) fn slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
+pub fn slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
     let mut out = Vec::new();
     walk(root, false, &mut |path, v| {
         if let Visit::Extra(e) = v {
@@ -110,7 +110,7 @@ pub(crate) fn slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
 
 /// Sets each module's extra state; if one fails, puts back the earlier ones' previous state and
 /// returns the error ([`Error::ExtraState`]) naming the path.
-pub(crate) fn commit(staged: &[(&str, &dyn ExtraState, Tensor)]) -> Result<()> {
+pub fn commit(staged: &[(&str, &dyn ExtraState, Tensor)]) -> Result<()> {
     let mut done: Vec<(&dyn ExtraState, Tensor)> = Vec::with_capacity(staged.len());
     for &(path, module, ref value) in staged {
         let failed = match module.get_extra_state() {

@@ -9,7 +9,7 @@ use crate::names::{named_buffers, named_parameters, Names};
 use crate::param::Param;
 
 /// Moves every parameter and buffer under `root` to `device`.
-pub(crate) fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
+pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
     convert(
         root,
         |p| match p.device().same_device(device) {
@@ -24,7 +24,7 @@ pub(crate) fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
 }
 
 /// Converts every floating-point parameter and buffer under `root` to the floating-point `dtype`.
-pub(crate) fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
+pub fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
     if !dtype.is_float() {
         return Err(Error::NonFloatDType { dtype });
     }

@@ -6,12 +6,12 @@ use crate::module::{Child, ChildMut, Module, Name};
 
 /// Whether `key` can be one segment of a path: non-empty, no `.` (PyTorch's `add_module` rule)
 /// and no `*` (a pattern's wildcard).
-pub(crate) fn is_segment(key: &str) -> bool {
+pub fn is_segment(key: &str) -> bool {
     !key.is_empty() && !key.contains(['.', '*'])
 }
 
 /// [`Error::InvalidKey`] unless `key` [is a segment](is_segment).
-pub(crate) fn check_key(container: &'static str, path: &str, key: &str) -> Result<()> {
+pub fn check_key(container: &'static str, path: &str, key: &str) -> Result<()> {
     if is_segment(key) {
         return Ok(());
     }
@@ -27,7 +27,7 @@ pub(crate) fn check_key(container: &'static str, path: &str, key: &str) -> Resul
 /// `#[module(flatten)]`ed field share its parent's names, which the derive cannot see, so both
 /// are checked here, by what turns them into paths (the state dict and loads). Struct fields
 /// (checked by the derive) and the runtime's containers (checked on insert) pass.
-pub(crate) fn check_keys(root: &dyn Module) -> Result<()> {
+pub fn check_keys(root: &dyn Module) -> Result<()> {
     fn visit(module: &dyn Module, path: &mut String) -> Result<()> {
         check_flattened(module, path)?;
         let mut result = Ok(());
@@ -172,7 +172,7 @@ fn find_child<C: Kind>(
 }
 
 /// The submodule at `path` (`""` is `root`).
-pub(crate) fn submodule<'a>(root: &'a dyn Module, path: &str) -> Result<&'a dyn Module> {
+pub fn submodule<'a>(root: &'a dyn Module, path: &str) -> Result<&'a dyn Module> {
     let mut current = root;
     let mut walked = String::new();
     for segment in segments(path) {
@@ -190,10 +190,7 @@ pub(crate) fn submodule<'a>(root: &'a dyn Module, path: &str) -> Result<&'a dyn 
 
 /// The submodule at `path`, mutably. A module shared through an `Arc` with other owners cannot be
 /// borrowed mutably.
-pub(crate) fn submodule_mut<'a>(
-    root: &'a mut dyn Module,
-    path: &str,
-) -> Result<&'a mut dyn Module> {
+pub fn submodule_mut<'a>(root: &'a mut dyn Module, path: &str) -> Result<&'a mut dyn Module> {
     let mut current = root;
     let mut walked = String::new();
     for segment in segments(path) {
@@ -221,11 +218,7 @@ pub(crate) fn submodule_mut<'a>(
 }
 
 /// The leaf (parameter or buffer) at `path`, checked to be the `expected` kind.
-pub(crate) fn leaf<'a>(
-    root: &'a dyn Module,
-    path: &str,
-    expected: &'static str,
-) -> Result<Child<'a>> {
+pub fn leaf<'a>(root: &'a dyn Module, path: &str, expected: &'static str) -> Result<Child<'a>> {
     let (parent_path, last) = path.rsplit_once('.').unwrap_or(("", path));
     let parent = submodule(root, parent_path)?;
     match find_child(|f| parent.visit_children(f), last) {
@@ -242,17 +235,14 @@ pub(crate) fn leaf<'a>(
 }
 
 /// The module at `path` downcast to `T`, or the error naming the type that is there.
-pub(crate) fn downcast<'a, T: Module>(path: &str, module: &'a dyn Module) -> Result<&'a T> {
+pub fn downcast<'a, T: Module>(path: &str, module: &'a dyn Module) -> Result<&'a T> {
     module
         .downcast_ref::<T>()
         .ok_or_else(|| wrong_type::<T>(path, module))
 }
 
 /// Like [`downcast`], mutably.
-pub(crate) fn downcast_mut<'a, T: Module>(
-    path: &str,
-    module: &'a mut dyn Module,
-) -> Result<&'a mut T> {
+pub fn downcast_mut<'a, T: Module>(path: &str, module: &'a mut dyn Module) -> Result<&'a mut T> {
     if !module.is::<T>() {
         return Err(wrong_type::<T>(path, module));
     }

@@ -8,9 +8,9 @@ use crate::module::Module;
 use crate::param::Param;
 use crate::walk::{walk, Visit};
 
-/// How [`named_parameters_with`](crate::ModuleExt::named_parameters_with),
-/// [`named_buffers_with`](crate::ModuleExt::named_buffers_with) and
-/// [`named_modules_with`](crate::ModuleExt::named_modules_with) name and select what they list:
+/// How [`named_parameters_with`](../module_runtime/trait.ModuleExt.html#method.named_parameters_with),
+/// [`named_buffers_with`](../module_runtime/trait.ModuleExt.html#method.named_buffers_with) and
+/// [`named_modules_with`](../module_runtime/trait.ModuleExt.html#method.named_modules_with) name and select what they list:
 /// PyTorch's `prefix`, `recurse` and `remove_duplicate` arguments
 /// (`torch/nn/modules/module.py`, `Module.named_parameters`, `Module._named_members`,
 /// `Module.named_modules`).
@@ -132,7 +132,7 @@ impl Names {
     }
 }
 
-pub(crate) fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String, Param)> {
+pub fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String, Param)> {
     let mut out = Vec::new();
     names.walk(root, &mut |path, v| {
         if let Visit::Param(p) = v {
@@ -142,7 +142,7 @@ pub(crate) fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String,
     out
 }
 
-pub(crate) fn named_buffers(root: &dyn Module, names: &Names) -> Vec<(String, Buffer)> {
+pub fn named_buffers(root: &dyn Module, names: &Names) -> Vec<(String, Buffer)> {
     let mut out = Vec::new();
     names.walk(root, &mut |path, v| {
         if let Visit::Buffer(b) = v {
@@ -152,10 +152,7 @@ pub(crate) fn named_buffers(root: &dyn Module, names: &Names) -> Vec<(String, Bu
     out
 }
 
-pub(crate) fn named_modules<'a>(
-    root: &'a dyn Module,
-    names: &Names,
-) -> Vec<(String, &'a dyn Module)> {
+pub fn named_modules<'a>(root: &'a dyn Module, names: &Names) -> Vec<(String, &'a dyn Module)> {
     let names = Names {
         recurse: true,
         ..names.clone()
@@ -170,7 +167,7 @@ pub(crate) fn named_modules<'a>(
 }
 
 /// The direct submodules, each once (PyTorch's `named_children`).
-pub(crate) fn named_children(root: &dyn Module) -> Vec<(String, &dyn Module)> {
+pub fn named_children(root: &dyn Module) -> Vec<(String, &dyn Module)> {
     let mut out = Vec::new();
     Names::new().recurse(false).walk(root, &mut |path, v| {
         if let Visit::Module(m) = v {

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::lazy_shape::LazyShape;
 
 /// What a cell holds: a `Var` (parameters) or a `Tensor` (buffers).
-pub(crate) trait CellValue: Sized {
+pub trait CellValue: Sized {
     /// The value as a tensor.
     fn as_tensor(&self) -> &Tensor;
     /// A new value holding `t`.
@@ -41,7 +41,7 @@ impl CellValue for Tensor {
 }
 
 /// A value behind a lock, with the lazy state of an unbuilt one.
-pub(crate) struct LazyCell<T> {
+pub struct LazyCell<T> {
     value: RwLock<T>,
     /// Present for lazy values only, so reading an eager one costs nothing more.
     lazy: Option<Box<LazyState>>,
@@ -49,7 +49,7 @@ pub(crate) struct LazyCell<T> {
 
 impl<T: CellValue> LazyCell<T> {
     /// A built cell holding `value`.
-    pub(crate) fn eager(value: T) -> Self {
+    pub fn eager(value: T) -> Self {
         Self {
             value: RwLock::new(value),
             lazy: None,
@@ -58,7 +58,7 @@ impl<T: CellValue> LazyCell<T> {
 
     /// A cell of shape `shape` holding `init`'s value (given the layer's `fan_in`) — or, under
     /// [`empty_weights`], an unbuilt cell of that exact shape that only a load can fill.
-    pub(crate) fn init(
+    pub fn init(
         shape: &Shape,
         init: Init,
         fan_in: usize,
@@ -81,46 +81,41 @@ impl<T: CellValue> LazyCell<T> {
     /// An unbuilt cell: an empty `[0]` placeholder of `dtype` on `device` until it is built with a
     /// shape `shape` accepts. Made under [`empty_weights`], it awaits a load: materializing it from
     /// its recipe is an error ([`Error::NotLoaded`]).
-    pub(crate) fn lazy(
-        shape: LazyShape,
-        init: Init,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
+    pub fn lazy(shape: LazyShape, init: Init, dtype: DType, device: &Device) -> Result<Self> {
         Ok(Self {
             value: RwLock::new(T::from_tensor(Tensor::zeros(0, dtype, device)?)?),
             lazy: Some(LazyState::new(shape, init, deferring())),
         })
     }
 
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, T> {
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
         // A panic while holding the lock cannot leave a half-written value (assignment is the last
         // step of every write), so a poisoned lock is safe to use.
         self.value.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn write(&self) -> RwLockWriteGuard<'_, T> {
+    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
         self.value.write().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Swaps in a new value, for every alias at once.
-    pub(crate) fn replace(&self, value: T) {
+    pub fn replace(&self, value: T) {
         *self.write() = value;
     }
 
-    pub(crate) fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> DType {
         self.read().as_tensor().dtype()
     }
 
-    pub(crate) fn device(&self) -> Device {
+    pub fn device(&self) -> Device {
         self.read().as_tensor().device().clone()
     }
 
-    pub(crate) fn is_built(&self) -> bool {
+    pub fn is_built(&self) -> bool {
         self.lazy.as_ref().is_none_or(|l| l.is_built())
     }
 
-    pub(crate) fn lazy_shape(&self) -> Option<LazyShape> {
+    pub fn lazy_shape(&self) -> Option<LazyShape> {
         self.lazy.as_ref().and_then(|l| l.shape())
     }
 
@@ -130,7 +125,7 @@ impl<T: CellValue> LazyCell<T> {
 
     /// The error for reading the values of an unbuilt cell (`what` is `"parameter"` or
     /// `"buffer"`), or `None` when it is built.
-    pub(crate) fn unbuilt_error(&self, what: &'static str) -> Option<Error> {
+    pub fn unbuilt_error(&self, what: &'static str) -> Option<Error> {
         let lazy = self.unbuilt()?;
         Some(Error::NotLoaded {
             what,
@@ -142,7 +137,7 @@ impl<T: CellValue> LazyCell<T> {
     /// Takes `value` as the cell's new value (a load with `assign`): an unbuilt cell is built from
     /// it if its layout accepts the shape; a built one must have the shape already. The dtype is
     /// `value`'s, whatever the cell held.
-    pub(crate) fn assign(&self, value: Tensor) -> Result<()> {
+    pub fn assign(&self, value: Tensor) -> Result<()> {
         if let Some(lazy) = self.unbuilt() {
             let built = lazy.build_once(|recipe| {
                 check_accepts(&recipe.shape, value.dims())?;
@@ -166,7 +161,7 @@ impl<T: CellValue> LazyCell<T> {
 
     /// Builds an unbuilt cell with shape `dims` from its recipe (given the layer's `fan_in`), once.
     /// A built cell is left alone: the caller checks its dims.
-    pub(crate) fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<()> {
+    pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<()> {
         if let Some(lazy) = self.unbuilt() {
             if lazy.awaits_load {
                 return Err(Error::NotLoaded {
@@ -190,7 +185,7 @@ impl<T: CellValue> LazyCell<T> {
 
     /// Builds an unbuilt cell from `value` (its recipe unused): the shape must be one it accepts and
     /// the dtype its own. Returns whether this call built it; `false` for a built cell.
-    pub(crate) fn build_from(&self, value: &Tensor) -> Result<bool> {
+    pub fn build_from(&self, value: &Tensor) -> Result<bool> {
         let Some(lazy) = self.unbuilt() else {
             return Ok(false);
         };
@@ -222,7 +217,7 @@ fn check_accepts(shape: &LazyShape, dims: &[usize]) -> Result<()> {
 
 /// `t`, the value of a parameter or buffer that is now built, if it has the `dims` an input asked
 /// for; otherwise the error that says it was built with other ones.
-pub(crate) fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {
+pub fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {
     if t.dims() != dims {
         return Err(Error::LazyShape {
             expected: format!("{:?}", t.dims()),
@@ -338,7 +333,7 @@ struct Recipe {
 }
 
 impl LazyState {
-    pub(crate) fn new(shape: LazyShape, init: Init, awaits_load: bool) -> Box<Self> {
+    pub fn new(shape: LazyShape, init: Init, awaits_load: bool) -> Box<Self> {
         Box::new(Self {
             built: AtomicBool::new(false),
             awaits_load,
@@ -346,12 +341,12 @@ impl LazyState {
         })
     }
 
-    pub(crate) fn is_built(&self) -> bool {
+    pub fn is_built(&self) -> bool {
         self.built.load(Ordering::Acquire)
     }
 
     /// The shape it will have, while unbuilt.
-    pub(crate) fn shape(&self) -> Option<LazyShape> {
+    pub fn shape(&self) -> Option<LazyShape> {
         if self.is_built() {
             return None;
         }
@@ -361,7 +356,7 @@ impl LazyState {
 
     /// Runs `build` (which commits the first value) unless another thread built it first, then
     /// marks it built. Returns whether this call built it. An error leaves it unbuilt.
-    pub(crate) fn build_once(&self, build: impl FnOnce(&Recipe) -> Result<()>) -> Result<bool> {
+    pub fn build_once(&self, build: impl FnOnce(&Recipe) -> Result<()>) -> Result<bool> {
         let recipe = self.lock();
         if self.is_built() {
             return Ok(false);
@@ -382,7 +377,7 @@ thread_local! {
 }
 
 /// Whether parameters and buffers made now on this thread are left empty for a load.
-pub(crate) fn deferring() -> bool {
+pub fn deferring() -> bool {
     DEFERRING.with(Cell::get)
 }
 
@@ -463,7 +458,7 @@ impl fmt::Debug for EmptyWeightsGuard {
 /// A copy of `value` in storage of its own, held as a candle variable so that `Buffer::set` can
 /// write into it in place. Falls back to the value itself (detached) if the copy cannot be
 /// allocated; `set` then takes a copy at the next write.
-pub(crate) fn own_storage(value: &Tensor) -> Tensor {
+pub fn own_storage(value: &Tensor) -> Tensor {
     match Var::from_tensor(&value.detach()) {
         Ok(var) => var.into_inner(),
         Err(_) => value.detach(),
@@ -471,7 +466,7 @@ pub(crate) fn own_storage(value: &Tensor) -> Tensor {
 }
 
 /// Whether `e` is candle's refusal to set a variable (e.g. from a view of itself).
-pub(crate) fn is_cannot_set(e: &candle_core::Error) -> bool {
+pub fn is_cannot_set(e: &candle_core::Error) -> bool {
     match e {
         candle_core::Error::CannotSetVar { .. } => true,
         candle_core::Error::WithBacktrace { inner, .. } => is_cannot_set(inner),

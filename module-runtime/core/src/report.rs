@@ -4,9 +4,9 @@ use std::fmt;
 
 use candle_core::{DType, Shape};
 
+use crate::key_groups::{common_prefix, group_keys, group_pairs, Group};
+use crate::key_rule::{KeyFix, KeyRule};
 use crate::lazy_shape::LazyShape;
-use crate::state::KeyRule;
-use crate::suggest::{common_prefix, group_keys, group_pairs, Group, KeyFix};
 
 /// One entry whose value does not fit the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,7 +75,7 @@ impl fmt::Display for LoadReport {
         if let Some(fix) = &self.key_fix {
             writeln!(f, "  {}", fix_line(fix, self.missing.len()))?;
             // The rest: what the rule leaves unexplained.
-            let options = fix.options();
+            let options = fix;
             let filled: std::collections::HashSet<String> =
                 unexpected.iter().map(|u| options.map_key(u)).collect();
             let wanted: std::collections::HashSet<&str> = missing.iter().copied().collect();

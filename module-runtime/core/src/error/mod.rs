@@ -3,6 +3,14 @@
 
 use candle_core::{DType, DeviceLocation, Shape};
 
+mod distributed;
+mod divergence;
+mod pth;
+
+pub use distributed::DistributedError;
+pub use divergence::{OutputDivergence, Tolerance};
+pub use pth::PthErrorKind;
+
 use crate::report::LoadReport;
 use crate::type_name::short_type_name;
 
@@ -55,7 +63,7 @@ pub enum Error {
         found: String,
     },
 
-    /// A typed forward hook ([`Hooks::register_typed_output_hook`](crate::Hooks::register_typed_output_hook))
+    /// A typed forward hook ([`Hooks::register_typed_output_hook`](../module_runtime/struct.Hooks.html#method.register_typed_output_hook))
     /// was registered for an output type the module's call did not return (a module with several
     /// `Forward` impls returns the type of the one called).
     #[error("the typed forward hook on `{path}` takes a `{expected}` output, but the call returned another type")]
@@ -66,11 +74,11 @@ pub enum Error {
         expected: String,
     },
 
-    /// A typed forward hook ([`Hooks::register_typed_hook`](crate::Hooks::register_typed_hook))
+    /// A typed forward hook ([`Hooks::register_typed_hook`](../module_runtime/struct.Hooks.html#method.register_typed_hook))
     /// takes an input type that is not the owned form of what the module was called with (a module
     /// may implement `Forward` for several inputs), or the input is a
-    /// [`TensorStruct`](crate::TensorStruct) that gives no copy
-    /// ([`clone_tree`](crate::TensorStruct::clone_tree)).
+    /// [`TensorStruct`](../module_runtime/trait.TensorStruct.html) that gives no copy
+    /// ([`clone_tree`](../module_runtime/trait.TensorStruct.html#method.clone_tree)).
     #[error(
         "the typed forward hook on `{path}` takes a `{expected}` input, but the call's input is a \
          `{found}`, whose owned form is another type (or a `TensorStruct` whose `clone_tree` gives \
@@ -236,9 +244,9 @@ pub enum Error {
     },
 
     /// Data-parallel training: a collective failed, the environment is half set, or the ranks
-    /// built different models; see [`DistributedError`](crate::distributed::DistributedError).
+    /// built different models; see [`DistributedError`](DistributedError).
     #[error(transparent)]
-    Distributed(#[from] crate::distributed::DistributedError),
+    Distributed(#[from] DistributedError),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
@@ -283,7 +291,7 @@ pub enum Error {
     /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source)
     /// (or [`Error::inner`]).
     ///
-    /// `path` is relative to the module whose [`call`](crate::ModuleExt::call) returned the
+    /// `path` is relative to the module whose [`call`](../module_runtime/trait.ModuleExt.html#method.call) returned the
     /// error (`""` for that module itself). Submodules called through `call` are named exactly;
     /// an error from a submodule whose `forward` is called directly is reported at the nearest
     /// module called through `call`. Errors that name their module already (hook errors) are not
@@ -319,8 +327,8 @@ pub enum Error {
     },
 
     /// The model, or part of it, is not built yet: its lazy parameters, buffers or
-    /// [`Lazy`](crate::Lazy) cells have no shape until a first call, a
-    /// [`build`](crate::LazyExt::build) dry run or a checkpoint load.
+    /// [`Lazy`](../module_runtime/struct.Lazy.html) cells have no shape until a first call, a
+    /// [`build`](../module_runtime/trait.LazyExt.html#method.build) dry run or a checkpoint load.
     #[error(
         "cannot {action}: the model is not built yet; unbuilt: {}. Build it first: call it once, \
          run `model.build(&sample)`, or load a checkpoint",
@@ -378,7 +386,7 @@ pub enum Error {
         built: Shape,
     },
 
-    /// A [`TensorStruct`](crate::TensorStruct) used as a module's input or output maps another
+    /// A [`TensorStruct`](../module_runtime/trait.TensorStruct.html) used as a module's input or output maps another
     /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's
     /// replacement cannot be put back.
     #[error(
@@ -481,13 +489,13 @@ pub enum Error {
         keys: Vec<String>,
     },
 
-    /// [`expect_outputs`](crate::FunctionalExt::expect_outputs): a submodule's output differs
+    /// [`expect_outputs`](../module_runtime/trait.FunctionalExt.html#method.expect_outputs): a submodule's output differs
     /// from the expected one beyond the tolerance. Names the first diverging call in call order.
     #[error("{0}")]
-    OutputMismatch(Box<crate::OutputDivergence>),
+    OutputMismatch(Box<OutputDivergence>),
 
-    /// [`Dataflow::render`](crate::Dataflow::render): Graphviz's `dot` (or the program given to
-    /// [`render_with`](crate::Dataflow::render_with)) is not on `PATH`.
+    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): Graphviz's `dot` (or the program given to
+    /// [`render_with`](../module_runtime/struct.Dataflow.html#method.render_with)) is not on `PATH`.
     #[error(
         "cannot render `{}`: Graphviz's `{command}` was not found on PATH; install Graphviz \
          (`apt install graphviz`, `brew install graphviz`, https://graphviz.org/download/) or write \
@@ -501,7 +509,7 @@ pub enum Error {
         path: std::path::PathBuf,
     },
 
-    /// [`Dataflow::render`](crate::Dataflow::render): `dot` ran and failed, or the output path
+    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path
     /// names no format.
     #[error("cannot render `{}`: {reason}", path.display())]
     Render {
@@ -511,7 +519,7 @@ pub enum Error {
         reason: String,
     },
 
-    /// [`FlatSpec::unflatten`](crate::FlatSpec::unflatten) was given another number of tensors
+    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors
     /// than the spec describes.
     #[error("expected {expected} tensors (one per entry of the spec), got {got}")]
     FlatLength {
@@ -634,7 +642,7 @@ impl From<Error> for candle_core::Error {
 }
 
 /// The name of a device's location: `cpu`, `cuda:0`, `metal:0`.
-pub(crate) fn location_name(location: &DeviceLocation) -> String {
+pub fn location_name(location: &DeviceLocation) -> String {
     match location {
         DeviceLocation::Cpu => "cpu".to_owned(),
         DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
@@ -656,155 +664,6 @@ fn at_offset(offset: &Option<u64>) -> String {
         Some(offset) => format!(" (at byte {offset})"),
         None => String::new(),
     }
-}
-
-fn list_or_none(names: &[String]) -> String {
-    if names.is_empty() {
-        String::from("none")
-    } else {
-        names.join(", ")
-    }
-}
-
-/// What is wrong with a PyTorch checkpoint: the `kind` of [`Error::Pth`].
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PthErrorKind {
-    /// The data ends before the structure it declares (a truncated file or member).
-    #[error("the data ends early: the file is truncated or corrupt")]
-    Truncated,
-
-    /// A pickle opcode the reader does not know or does not accept.
-    #[error("unknown or unsupported pickle opcode 0x{opcode:02x}")]
-    UnknownOpcode {
-        /// The opcode byte.
-        opcode: u8,
-    },
-
-    /// The pickle names a Python global outside the allow-list (PyTorch's tensor rebuild
-    /// functions and storage types, `collections.OrderedDict`, `_codecs.encode`, `torch.Size`).
-    #[error(
-        "the pickle names the Python global `{module}.{name}`, which is not allowed in a state \
-         dict (only PyTorch's tensor and storage types and `collections.OrderedDict` are; \
-         nothing in the file is executed)"
-    )]
-    ForbiddenGlobal {
-        /// The global's module (`os`).
-        module: String,
-        /// The global's name (`system`).
-        name: String,
-    },
-
-    /// The pickle nests deeper (values or marks on its stack) than the reader's limit.
-    #[error("the pickle nests deeper than the limit of {limit}")]
-    TooDeep {
-        /// The limit that was reached.
-        limit: usize,
-    },
-
-    /// The pickle uses a memo index beyond the reader's limit.
-    #[error("the pickle uses memo index {index}, beyond the limit of {limit}")]
-    MemoTooLarge {
-        /// The index asked for.
-        index: u64,
-        /// The largest index accepted.
-        limit: u64,
-    },
-
-    /// A tensor's shape, strides and storage offset reach past the end of its storage, or
-    /// overflow.
-    #[error(
-        "tensor `{key}` of shape {shape:?} with stride {stride:?} at storage offset {offset} \
-         does not fit in its storage of {storage_bytes} bytes"
-    )]
-    StorageOutOfBounds {
-        /// The tensor's key (`""` when it is not in the state dict being read).
-        key: String,
-        /// The declared shape.
-        shape: Vec<i64>,
-        /// The declared strides, in elements.
-        stride: Vec<i64>,
-        /// The declared storage offset, in elements.
-        offset: i64,
-        /// The storage's length in bytes.
-        storage_bytes: u64,
-    },
-
-    /// A zip member the reader needs is compressed; PyTorch stores every member uncompressed.
-    #[error("zip member `{member}` is compressed ({method}); PyTorch writes members uncompressed")]
-    Compressed {
-        /// The member's name.
-        member: String,
-        /// The compression method.
-        method: String,
-    },
-
-    /// The zip archive names a member twice, so which one is meant is ambiguous.
-    #[error("the zip archive holds two members of one name (or two `data.pkl`)")]
-    DuplicateMember,
-
-    /// A member the checkpoint refers to is not in the zip archive (or a storage is missing from
-    /// a legacy file).
-    #[error("the checkpoint has no `{member}`")]
-    MissingMember {
-        /// The member or storage key.
-        member: String,
-    },
-
-    /// The storages are not little-endian.
-    #[error("the storages are {found}-endian; only little-endian checkpoints can be read")]
-    ByteOrder {
-        /// What the file declares.
-        found: String,
-    },
-
-    /// A tensor's storage type has no candle dtype.
-    #[error("tensor `{key}` has storage type `{storage_type}`, which candle cannot represent")]
-    UnsupportedDType {
-        /// The tensor's key.
-        key: String,
-        /// The storage type (`torch.ComplexFloatStorage`).
-        storage_type: String,
-    },
-
-    /// No state dict was selected and the top level is not one (or the key selects something
-    /// that is not one); `candidates` are the keys there that hold a state dict, and dotted
-    /// `key.inner` ones a level further down (pass one as the key).
-    #[error(
-        "found {found} where a state dict was expected; keys holding a state dict: {}",
-        list_or_none(.candidates)
-    )]
-    NotAStateDict {
-        /// The top-level keys whose values are state dicts (`model`).
-        candidates: Vec<String>,
-        /// What the top level is, in words.
-        found: String,
-    },
-
-    /// The key asked for names nothing, or something that is not a state dict.
-    #[error("no state dict at key `{key}`; the keys there are: {}", list_or_none(.available))]
-    NoSuchKey {
-        /// The key asked for.
-        key: String,
-        /// The keys of the dict where the search stopped.
-        available: Vec<String>,
-    },
-
-    /// A state dict entry is not a tensor (PyTorch's `load_state_dict` would fail on it too).
-    #[error("state dict entry `{key}` is {found}, not a tensor")]
-    NotATensor {
-        /// The entry's key.
-        key: String,
-        /// What it is, in words.
-        found: String,
-    },
-
-    /// Anything else that makes the file unreadable as a checkpoint.
-    #[error("{reason}")]
-    Malformed {
-        /// What is wrong, in words.
-        reason: String,
-    },
 }
 
 /// What to do about [`Error::NotLoaded`].

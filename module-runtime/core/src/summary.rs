@@ -1,4 +1,4 @@
-//! A static, torchinfo-style summary of a module tree: [`ModuleExt::summary`](crate::ModuleExt::summary).
+//! A static, torchinfo-style summary of a module tree: [`ModuleExt::summary`](../module_runtime/trait.ModuleExt.html#method.summary).
 
 use std::fmt;
 
@@ -21,7 +21,7 @@ pub struct SummaryRow {
     /// How many of them are trained (not frozen).
     pub trainable_params: usize,
     /// The shapes of the module's input tensors at its first call, from
-    /// [`summary_with`](crate::ModuleExt::summary_with) (`[32, 64]`, comma-separated for several).
+    /// [`summary_with`](../module_runtime/trait.ModuleExt.html#method.summary_with) (`[32, 64]`, comma-separated for several).
     pub input_shape: Option<String>,
     /// The shapes of its output tensors at that call.
     pub output_shape: Option<String>,
@@ -67,7 +67,7 @@ pub struct Summary {
 
 impl Summary {
     /// Adds the input and output shapes recorded by a run (`(path, input, output)` rows).
-    pub(crate) fn with_shapes(mut self, shapes: &[(String, String, String)]) -> Self {
+    pub fn with_shapes(mut self, shapes: &[(String, String, String)]) -> Self {
         for row in &mut self.rows {
             if let Some((_, input, output)) = shapes.iter().find(|(p, _, _)| *p == row.path) {
                 row.input_shape = Some(input.clone());
@@ -78,7 +78,7 @@ impl Summary {
     }
 
     /// Summarizes `root`.
-    pub(crate) fn of(root: &dyn Module) -> Self {
+    pub fn of(root: &dyn Module) -> Self {
         let mut rows: Vec<SummaryRow> = Vec::new();
         // Indices into `rows` of the modules on the path to the current node.
         let mut ancestors: Vec<usize> = Vec::new();

@@ -11,7 +11,7 @@ use crate::param::Param;
 /// `#[module(flatten)]`ed fields lift to its level (a flattened field's children are listed as
 /// the parent's own, and so is its extra state). Two of them at one module are refused by the
 /// state dict and loads ([`check_keys`](crate::path::check_keys)).
-pub(crate) fn extra_state(module: &dyn Module) -> Option<&dyn crate::ExtraState> {
+pub fn extra_state(module: &dyn Module) -> Option<&dyn crate::ExtraState> {
     let mut found = module.extra_state();
     if found.is_none() {
         module.__flattened(&mut |_, field| {
@@ -24,7 +24,7 @@ pub(crate) fn extra_state(module: &dyn Module) -> Option<&dyn crate::ExtraState>
 }
 
 /// What a walk reaches.
-pub(crate) enum Visit<'a> {
+pub enum Visit<'a> {
     Module(&'a dyn Module),
     Param(&'a Param),
     Buffer(&'a Buffer),
@@ -38,11 +38,7 @@ pub(crate) enum Visit<'a> {
 /// (`""` for the root). `f` returns whether to descend into a module. With `dedup`, a module shared
 /// through `Arc`, a parameter or a buffer reached a second time is skipped with everything under it
 /// (PyTorch's memo set: the first path wins).
-pub(crate) fn walk<'a>(
-    root: &'a dyn Module,
-    dedup: bool,
-    f: &mut dyn FnMut(&str, Visit<'a>) -> bool,
-) {
+pub fn walk<'a>(root: &'a dyn Module, dedup: bool, f: &mut dyn FnMut(&str, Visit<'a>) -> bool) {
     let mut walker = Walker {
         path: String::new(),
         dedup,
@@ -141,7 +137,7 @@ impl<'a> Walker<'a, '_> {
 /// Breadth of one level, then depth: the direct children of `parent` are checked before any of
 /// their own children, since that is where nearly every call goes. Hook dispatch finds a called
 /// module's path with it, and a forward error the path of the module that failed.
-pub(crate) fn find_call_target(
+pub fn find_call_target(
     parent: &dyn Module,
     target: CallTarget,
     base: String,

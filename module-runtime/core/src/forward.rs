@@ -4,7 +4,7 @@ use crate::error::Result;
 
 /// A module's computation on an input of type `In`: PyTorch's `forward`.
 ///
-/// Implement `forward`; run a module with [`call`](crate::ModuleExt::call), which is where hooks
+/// Implement `forward`; run a module with [`call`](../module_runtime/trait.ModuleExt.html#method.call), which is where hooks
 /// are dispatched. A module may implement `Forward` for several input types (a tensor, a tuple of
 /// tensors and a mask, a user struct).
 ///

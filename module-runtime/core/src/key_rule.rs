@@ -1,0 +1,96 @@
+//! Key rewrites: [`KeyRule`], applied to a checkpoint's keys before they are matched to the
+//! model's paths, and [`KeyFix`], the rules a failed load suggests.
+
+/// How a checkpoint's keys are rewritten before they are matched against the model's paths.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyRule {
+    /// Removes a leading `prefix.` where present (`module.` from `DataParallel`, `bert.`); the
+    /// prefix may be given with or without its trailing dot.
+    StripPrefix(String),
+    /// Puts `prefix.` in front of every key; the prefix may be given with or without its
+    /// trailing dot.
+    AddPrefix(String),
+    /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
+    /// `ln.weight`, and leaves `ln.gammas` alone.
+    Rename(String, String),
+}
+
+impl KeyRule {
+    /// The key this rule makes of `key` (`key` itself where the rule does not apply).
+    pub fn apply(&self, key: &str) -> String {
+        match self {
+            // `module` and `module.` are one prefix: PyTorch's
+            // `consume_prefix_in_state_dict_if_present(sd, "module.")` is spelled with the dot.
+            KeyRule::StripPrefix(prefix) => key
+                .strip_prefix(prefix.trim_end_matches('.'))
+                .and_then(|rest| rest.strip_prefix('.'))
+                .unwrap_or(key)
+                .to_owned(),
+            KeyRule::AddPrefix(prefix) => match prefix.trim_end_matches('.') {
+                "" => key.to_owned(),
+                prefix => format!("{prefix}.{key}"),
+            },
+            KeyRule::Rename(from, to) => {
+                let padded = format!(".{key}.");
+                match padded.find(&format!(".{from}.")) {
+                    Some(at) => {
+                        let mut out = padded.clone();
+                        out.replace_range(at + 1..at + 1 + from.len(), to);
+                        out[1..out.len() - 1].to_owned()
+                    }
+                    None => key.to_owned(),
+                }
+            }
+        }
+    }
+}
+
+/// A key rewrite that would make most keys of a failed load match: a checkpoint saved from
+/// `nn.DataParallel` (`module.` on every key), a task model's checkpoint (`bert.`) loaded into the
+/// bare model, or the other way round.
+///
+/// PyTorch reports such a checkpoint as every key missing and every key unexpected, and leaves
+/// the fix (`torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")`) to the
+/// user; here the report names the load options that load it (`LoadOptions::from(&fix)`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyFix {
+    /// The rules to add to the load's options, in order (a strip, an add, or a strip then an add).
+    pub rules: Vec<KeyRule>,
+    /// How many of the missing model keys the rules would fill.
+    pub fixes: usize,
+    /// The rules the load already had (they come first in [`options_code`](Self::options_code)).
+    given: Vec<KeyRule>,
+}
+
+impl KeyFix {
+    /// The options that load the checkpoint, as code: the load's own key rules, then the fix
+    /// (`LoadOptions::default().strip_prefix("module")`).
+    pub fn options_code(&self) -> String {
+        let mut code = String::from("LoadOptions::default()");
+        for rule in self.given.iter().chain(&self.rules) {
+            match rule {
+                KeyRule::StripPrefix(p) => code.push_str(&format!(".strip_prefix({p:?})")),
+                KeyRule::AddPrefix(p) => code.push_str(&format!(".add_prefix({p:?})")),
+                KeyRule::Rename(a, b) => code.push_str(&format!(".rename({a:?}, {b:?})")),
+            }
+        }
+        code
+    }
+
+    /// A fix of `rules` that fills `fixes` missing keys, for a load that had the rules `given`.
+    #[doc(hidden)]
+    pub fn new(rules: Vec<KeyRule>, fixes: usize, given: Vec<KeyRule>) -> Self {
+        Self {
+            rules,
+            fixes,
+            given,
+        }
+    }
+
+    /// `key` rewritten by the fix's own rules, in order (without the load's rules).
+    pub fn map_key(&self, key: &str) -> String {
+        self.rules
+            .iter()
+            .fold(key.to_owned(), |key, rule| rule.apply(&key))
+    }
+}

@@ -1,0 +1,99 @@
+//! The core of [`module-runtime`](https://docs.rs/module-runtime): what every other part of the
+//! runtime is built on. Users depend on `module-runtime`, which re-exports all of it at the same
+//! paths; this crate exists so that the layers above cannot be imported from below (the compiler
+//! holds the direction).
+//!
+//! It holds the [`Module`] trait and its leaves ([`Param`], [`Buffer`], [`Mode`]), identity and
+//! sharing, lazy shapes, the one walk over a module tree and what is built on it (names, paths,
+//! views, device and dtype moves, summaries), path patterns, grad mode, the functional scope that
+//! parameter reads consult, the [`Forward`] trait, and [`Error`] with every payload it carries.
+//!
+//! The files, bottom up (each uses only those above it):
+//!
+//! | file | what |
+//! |---|---|
+//! | `type_name`, `lazy_shape`, `pattern` | names, lazy shapes, path patterns |
+//! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`) |
+//! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
+//! | `param`, `buffer`, `scope`, `module` | leaves, the functional scope, the `Module` trait |
+//! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
+//! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
+//! | `trace` | forward errors named by module path, as they travel up the calls |
+#![warn(missing_docs)]
+
+// The derive's expansion names `::module_runtime`; inside this crate that is the crate itself.
+extern crate self as module_runtime;
+
+#[doc(hidden)]
+pub mod buffer;
+#[doc(hidden)]
+pub mod convert;
+#[doc(hidden)]
+pub mod device;
+#[doc(hidden)]
+pub mod error;
+#[doc(hidden)]
+pub mod extra_state;
+#[doc(hidden)]
+pub mod forward;
+#[doc(hidden)]
+pub mod grad_mode;
+#[doc(hidden)]
+pub mod identity;
+#[doc(hidden)]
+pub mod key_groups;
+#[doc(hidden)]
+pub mod key_rule;
+#[doc(hidden)]
+pub mod lazy_cell;
+#[doc(hidden)]
+pub mod lazy_shape;
+#[doc(hidden)]
+pub mod module;
+#[doc(hidden)]
+pub mod names;
+#[doc(hidden)]
+pub mod param;
+#[doc(hidden)]
+pub mod path;
+#[doc(hidden)]
+pub mod pattern;
+#[doc(hidden)]
+pub mod report;
+#[doc(hidden)]
+pub mod scope;
+#[doc(hidden)]
+pub mod summary;
+#[doc(hidden)]
+pub mod trace;
+#[doc(hidden)]
+pub mod type_name;
+#[doc(hidden)]
+pub mod views;
+#[doc(hidden)]
+pub mod walk;
+
+pub use buffer::Buffer;
+pub use device::{device_name, parse_device};
+pub use error::{DistributedError, Error, OutputDivergence, PthErrorKind, Result, Tolerance};
+pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
+pub use forward::Forward;
+pub use grad_mode::{
+    enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
+};
+#[doc(hidden)]
+pub use identity::CallTarget;
+pub use identity::Shared;
+pub use key_rule::{KeyFix, KeyRule};
+pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
+pub use lazy_shape::LazyShape;
+pub use module::{Child, ChildMut, Mode, Module, Name};
+pub use names::Names;
+pub use param::Param;
+pub use pattern::PathPattern;
+pub use report::{LoadReport, Mismatch};
+pub use summary::{Summary, SummaryRow};
+pub use type_name::short_type_name;
+
+pub use candle_core;
