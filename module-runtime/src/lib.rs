@@ -49,36 +49,31 @@
 extern crate self as module_runtime;
 
 // The layers, bottom up. The core (Module, Param/Buffer, the walk, names, paths, patterns,
-// identity, the functional scope, errors with all their payloads) is the crate `module-core`,
-// which cannot name anything here. The files still in this crate are the layers above it, moving
+// identity, the functional scope, errors with all their payloads) is the crate `module-core`;
+// state dicts and files (StateDict, LoadOptions, .pth and safetensors, checkpoints) are
+// `module-state`, on the core. Neither can name anything here. The files still in this crate are the layers above it, moving
 // into crates of their own (issue 27):
 //   tensor_tree, hooks/, dataflow                     calls: inputs/outputs, hooks, a run's graph
-//   load_hooks, suggest, state, pth/, io, checkpoint  state dicts and files
 //   ext, lazy, nn/, recurrent, typed_path             `ModuleExt`, lazy modules, layers, paths
 //   functional/, distributed/                         functional calls, data-parallel training
-mod checkpoint;
 mod dataflow;
 // The core's modules, under the names the files above it use (`crate::param::Param`).
 use module_core::{
-    buffer, convert, device, error, extra_state, forward, identity, key_groups, lazy_shape, module,
-    names, param, path, pattern, report, scope, summary, trace, type_name, views, walk,
+    buffer, convert, device, error, forward, identity, module, names, param, path, pattern, report,
+    scope, summary, trace, type_name, views, walk,
 };
+// The state layer's modules (`module-state`), likewise.
+use module_state::{checkpoint, io, state, suggest};
 pub mod distributed;
 mod ext;
 mod functional;
 mod hooks;
-mod io;
 mod lazy;
-mod load_hooks;
 pub mod nn;
-mod pth;
 mod recurrent;
-mod state;
-mod suggest;
 mod tensor_tree;
 pub mod typed_path;
 
-pub use checkpoint::Checkpoint;
 pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use ext::ModuleExt;
 pub use functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
@@ -86,7 +81,6 @@ pub use hooks::{
     Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
 };
 pub use lazy::{Build, Lazy, LazyExt};
-pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
 pub use module_core::buffer::Buffer;
 pub use module_core::device::{device_name, parse_device};
 pub use module_core::error::{Error, Result};
@@ -112,8 +106,10 @@ pub use module_core::type_name::short_type_name;
 pub use module_core::{
     DistributedError, KeyFix, KeyRule, OutputDivergence, PthErrorKind, Tolerance,
 };
+pub use module_state::Checkpoint;
+pub use module_state::{IncompatibleKeys, LoadPostHookFn};
+pub use module_state::{LoadOptions, StateDict};
 pub use recurrent::Recurrent;
-pub use state::{LoadOptions, StateDict};
 #[doc(hidden)]
 pub use tensor_tree::Scope;
 pub use tensor_tree::{TensorStruct, TensorTree};

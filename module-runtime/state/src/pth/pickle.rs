@@ -18,27 +18,27 @@ use crate::error::PthErrorKind;
 
 /// The most values the pickle stack holds at once (all marks included). `torch.save` batches
 /// dict items by 1000, so a state dict needs about 2000.
-pub(crate) const MAX_STACK: usize = 10_000;
+pub const MAX_STACK: usize = 10_000;
 /// The most marks open at once: the nesting depth of tuples, lists and dicts being built.
-pub(crate) const MAX_MARKS: usize = 1000;
+pub const MAX_MARKS: usize = 1000;
 /// The largest memo index accepted.
-pub(crate) const MAX_MEMO: u64 = 1 << 20;
+pub const MAX_MEMO: u64 = 1 << 20;
 
 /// A reader error: what is wrong and where (an absolute offset in the file, when known).
 #[derive(Debug)]
-pub(crate) struct Fail {
-    pub(crate) offset: Option<u64>,
-    pub(crate) kind: PthErrorKind,
+pub struct Fail {
+    pub offset: Option<u64>,
+    pub kind: PthErrorKind,
 }
 
 impl Fail {
     /// An error with no position.
-    pub(crate) fn new(kind: PthErrorKind) -> Self {
+    pub fn new(kind: PthErrorKind) -> Self {
         Self { offset: None, kind }
     }
 
     /// An error at `offset`.
-    pub(crate) fn at(offset: u64, kind: PthErrorKind) -> Self {
+    pub fn at(offset: u64, kind: PthErrorKind) -> Self {
         Self {
             offset: Some(offset),
             kind,
@@ -46,7 +46,7 @@ impl Fail {
     }
 
     /// [`PthErrorKind::Malformed`] with no position.
-    pub(crate) fn malformed(reason: impl Into<String>) -> Self {
+    pub fn malformed(reason: impl Into<String>) -> Self {
         Self::new(PthErrorKind::Malformed {
             reason: reason.into(),
         })
@@ -55,7 +55,7 @@ impl Fail {
 
 /// A pickled value. Containers are [`Value::Obj`] handles into [`Pickle::objects`].
 #[derive(Clone, Debug)]
-pub(crate) enum Value {
+pub enum Value {
     None,
     Bool(bool),
     Int(i64),
@@ -69,7 +69,7 @@ pub(crate) enum Value {
 
 /// An allowed Python global.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Global {
+pub enum Global {
     OrderedDict,
     /// `builtins.set` / `builtins.frozenset`: read as a list.
     Set,
@@ -129,30 +129,30 @@ impl Global {
 
 /// A storage named by a persistent id: `('storage', storage_type, key, location, numel[, view])`.
 #[derive(Clone, Debug)]
-pub(crate) struct StorageRef {
+pub struct StorageRef {
     /// The storage type's name (`FloatStorage`).
-    pub(crate) storage_type: &'static str,
+    pub storage_type: &'static str,
     /// The storage's key (zip member `data/<key>`, or legacy root key).
-    pub(crate) key: Rc<str>,
+    pub key: Rc<str>,
     /// The declared number of elements.
-    pub(crate) numel: i64,
+    pub numel: i64,
     /// Legacy views of a root storage: `(offset, size)` in elements.
-    pub(crate) view: Option<(i64, i64)>,
+    pub view: Option<(i64, i64)>,
 }
 
 /// A tensor rebuilt by `_rebuild_tensor_v2`: raw declared values, checked by the caller against
 /// the storage's real length.
 #[derive(Clone, Debug)]
-pub(crate) struct TensorRef {
-    pub(crate) storage: StorageRef,
-    pub(crate) offset: i64,
-    pub(crate) size: Vec<i64>,
-    pub(crate) stride: Vec<i64>,
+pub struct TensorRef {
+    pub storage: StorageRef,
+    pub offset: i64,
+    pub size: Vec<i64>,
+    pub stride: Vec<i64>,
 }
 
 /// A container or torch object in the arena.
 #[derive(Debug)]
-pub(crate) enum Object {
+pub enum Object {
     List(Vec<Value>),
     Tuple(Vec<Value>),
     /// Items in insertion order; a repeated key is kept (the reader resolves it: last value wins).
@@ -163,16 +163,16 @@ pub(crate) enum Object {
 }
 
 /// One decoded pickle.
-pub(crate) struct Pickle {
-    pub(crate) objects: Vec<Object>,
-    pub(crate) root: Value,
+pub struct Pickle {
+    pub objects: Vec<Object>,
+    pub root: Value,
     /// The offset just after `STOP`, within the input slice.
-    pub(crate) end: usize,
+    pub end: usize,
 }
 
 impl Pickle {
     /// The object `value` refers to, if it is a container.
-    pub(crate) fn object(&self, value: &Value) -> Option<&Object> {
+    pub fn object(&self, value: &Value) -> Option<&Object> {
         match value {
             Value::Obj(i) => self.objects.get(*i),
             _ => None,
@@ -180,7 +180,7 @@ impl Pickle {
     }
 
     /// A short description of `value` for messages (`a dict with keys epoch, model`).
-    pub(crate) fn describe(&self, value: &Value) -> String {
+    pub fn describe(&self, value: &Value) -> String {
         match value {
             Value::None => "None".into(),
             Value::Bool(_) => "a bool".into(),
@@ -221,7 +221,7 @@ impl Pickle {
 }
 
 /// Decodes one pickle starting at `data[start..]`. Offsets in errors are `base + position`.
-pub(crate) fn read(data: &[u8], start: usize, base: u64) -> Result<Pickle, Fail> {
+pub fn read(data: &[u8], start: usize, base: u64) -> Result<Pickle, Fail> {
     let mut vm = Vm {
         data,
         pos: start,

@@ -25,7 +25,7 @@ const TMP_MARK: &str = ".module-tmp-";
 ///
 /// As `torch.save`: a symlink is written through (its target is replaced, the link stays), a new
 /// file's permissions follow the umask and an existing file keeps its own.
-pub(crate) fn save_safetensors(state: StateDict, path: &Path) -> Result<()> {
+pub fn save_safetensors(state: StateDict, path: &Path) -> Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let target = save_target(path)?;
     let file_name = target
@@ -183,7 +183,7 @@ fn io_error(path: &Path, source: std::io::Error) -> Error {
 /// Reading instead of mapping means a file truncated or rewritten by another process while it is
 /// open gives an error (a short read), never a SIGBUS that would bring the process down; reading
 /// from the page cache costs about what copying out of a mapping does.
-pub(crate) struct SafetensorsFile {
+pub struct SafetensorsFile {
     path: PathBuf,
     /// Read with positioned reads on Unix (no shared cursor, so concurrent loads need no lock);
     /// other platforms seek under `seek_lock`.
@@ -201,7 +201,7 @@ pub(crate) struct SafetensorsFile {
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 impl SafetensorsFile {
-    pub(crate) fn open(path: &Path) -> Result<Self> {
+    pub fn open(path: &Path) -> Result<Self> {
         let corrupt = |reason: String| Error::Checkpoint {
             path: path.to_owned(),
             reason,
@@ -434,7 +434,7 @@ fn advise_huge_pages(base: *mut u8, len: usize) {
 }
 
 /// Opens `path` for reading, saying in words what is wrong (a folder, a missing file).
-pub(crate) fn open_for_reading(path: &Path) -> Result<File> {
+pub fn open_for_reading(path: &Path) -> Result<File> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => Err(io_error(
             path,

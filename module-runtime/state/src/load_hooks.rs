@@ -46,7 +46,7 @@ impl IncompatibleKeys<'_> {
 /// The post-hooks of a [`LoadOptions`](crate::LoadOptions), each with the path of the module it
 /// is registered on.
 #[derive(Clone, Default)]
-pub(crate) struct PostHooks(Vec<(String, Arc<LoadPostHookFn>)>);
+pub struct PostHooks(Vec<(String, Arc<LoadPostHookFn>)>);
 
 impl std::fmt::Debug for PostHooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -57,7 +57,7 @@ impl std::fmt::Debug for PostHooks {
 }
 
 impl PostHooks {
-    pub(crate) fn push(&mut self, path: String, hook: Arc<LoadPostHookFn>) {
+    pub fn push(&mut self, path: String, hook: Arc<LoadPostHookFn>) {
         self.0.push((path, hook));
     }
 
@@ -65,7 +65,7 @@ impl PostHooks {
     /// runs a module's hooks after its children's), each module's in registration order. Fails
     /// with [`Error::NoSubmodule`] if a hook's path names no module (before any hook runs), or
     /// with [`Error::Hook`] if a hook fails.
-    pub(crate) fn run(&self, root: &dyn Module, report: &mut LoadReport) -> Result<()> {
+    pub fn run(&self, root: &dyn Module, report: &mut LoadReport) -> Result<()> {
         if self.0.is_empty() {
             return Ok(());
         }

@@ -80,7 +80,7 @@ fn sniff(path: &Path) -> Result<Format> {
 /// Opens the checkpoint at `path` (a file of any supported format, an index, or a model folder).
 /// `nested` selects the state dict inside a pickled training checkpoint (`"model"` in
 /// `{"epoch": 3, "model": ...}`).
-pub(crate) fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>> {
+pub fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>> {
     if path.is_dir() {
         let Some(file) = FOLDER_FILES
             .iter()
@@ -104,7 +104,7 @@ pub(crate) fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>>
     })
 }
 
-/// What [`load_state_dict`](crate::ModuleExt::load_state_dict) loads: a [`StateDict`] in memory
+/// What [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) loads: a [`StateDict`] in memory
 /// (`&sd`), or the path of a checkpoint file or model folder (`"model.safetensors"`,
 /// `Path::new(..)`, a `PathBuf`), read lazily.
 ///
@@ -164,7 +164,7 @@ impl From<String> for Checkpoint<'_> {
 }
 
 /// Loads `checkpoint` into `root` with `options` (see [`crate::state::load`]).
-pub(crate) fn load(
+pub fn load(
     root: &dyn Module,
     checkpoint: Checkpoint<'_>,
     options: &LoadOptions,
@@ -181,7 +181,7 @@ pub(crate) fn load(
 impl StateDict {
     /// Reads every tensor of a checkpoint into a state dict, on the CPU, in the file's order:
     /// PyTorch's `torch.load(path)`. Any format
-    /// [`load_state_dict`](crate::ModuleExt::load_state_dict) takes, told from the file's first
+    /// [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) takes, told from the file's first
     /// bytes (not its extension):
     ///
     /// | what | example |
@@ -196,16 +196,16 @@ impl StateDict {
     /// dict under that key of a pickled training checkpoint (`"model"` in
     /// `{"epoch": 3, "model": ..., "optimizer": ...}`; dotted keys such as `"model.ema"` descend
     /// further). Without it, a pickle whose top level is not a state dict is an
-    /// [`Error::Pth`](crate::Error::Pth) listing the top-level keys that hold one. Key rules and
+    /// [`Error::Pth`](../module_runtime/enum.Error.html#variant.Pth) listing the top-level keys that hold one. Key rules and
     /// strictness apply when the state dict is loaded into a model.
     ///
     /// Shards are read as one state dict: a missing shard, or a key the index maps to a shard that
     /// lacks it, fails the read. Pickles are read by a bounded reader: a truncated, corrupt or
-    /// hostile file is an [`Error::Pth`](crate::Error::Pth) that says what is wrong, and Python
+    /// hostile file is an [`Error::Pth`](../module_runtime/enum.Error.html#variant.Pth) that says what is wrong, and Python
     /// globals outside PyTorch's tensor types are refused, never executed.
     ///
     /// For inspecting or rewriting a checkpoint without a model; to load one into a model, give
-    /// the path to [`load_state_dict`](crate::ModuleExt::load_state_dict) itself, which checks
+    /// the path to [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) itself, which checks
     /// every key before reading any value.
     ///
     /// ```no_run

@@ -10,8 +10,8 @@
 //! one tensor at a time, when loaded. The file is read into memory (not memory-mapped), so a file
 //! truncated while it is read is an error, not a crash.
 
-mod container;
-mod pickle;
+pub mod container;
+pub mod pickle;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -38,7 +38,7 @@ struct Entry {
 
 /// A PyTorch checkpoint read into memory, its state dict selected and validated: a [`Source`]
 /// that lists entries without building tensors and builds one tensor per `load`.
-pub(crate) struct PthFile {
+pub struct PthFile {
     path: PathBuf,
     bytes: Vec<u8>,
     entries: Vec<Entry>,
@@ -48,7 +48,7 @@ pub(crate) struct PthFile {
 impl PthFile {
     /// Reads and validates `path`. `key` selects a nested state dict (`"model"`, or dotted,
     /// `"model.ema"`); without one, the top level must be a state dict.
-    pub(crate) fn open(path: &Path, key: Option<&str>) -> Result<Self> {
+    pub fn open(path: &Path, key: Option<&str>) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|source| Error::Io {
             path: path.to_owned(),
             source,

@@ -14,11 +14,11 @@ use crate::module::Module;
 use crate::param::Param;
 use crate::report::{LoadReport, Mismatch};
 use crate::walk::{walk, Visit};
-use crate::KeyRule;
+use crate::{KeyFix, KeyRule};
 
-/// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](crate::ModuleExt::state_dict)
+/// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](../module_runtime/trait.ModuleExt.html#method.state_dict)
 /// returns, [`read`](StateDict::read) reads from a file, and
-/// [`load_state_dict`](crate::ModuleExt::load_state_dict) takes.
+/// [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) takes.
 ///
 /// Order is PyTorch's (each module's own parameters, own buffers, then submodules; insertion order
 /// when built by hand), so a saved checkpoint lists its tensors the way
@@ -102,7 +102,7 @@ impl From<HashMap<String, Tensor>> for StateDict {
     }
 }
 
-/// Options for [`load_state_dict`](crate::ModuleExt::load_state_dict) (and, for
+/// Options for [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) (and, for
 /// [`nested_in`](Self::nested_in), [`StateDict::read`]).
 ///
 /// The default is PyTorch's: strict (every key of the model present in the checkpoint and nothing
@@ -136,6 +136,15 @@ impl Default for LoadOptions {
             nested: None,
             post_hooks: PostHooks::default(),
         }
+    }
+}
+
+impl From<&KeyFix> for LoadOptions {
+    /// The options a load report's [`KeyFix`] names (its own rules, without the load's).
+    fn from(fix: &KeyFix) -> Self {
+        fix.rules
+            .iter()
+            .fold(Self::default(), |options, rule| options.rule(rule.clone()))
     }
 }
 
@@ -191,7 +200,7 @@ impl LoadOptions {
 
     /// Makes the checkpoint's tensors the model's values instead of copying them into the current
     /// ones: PyTorch's `load_state_dict(sd, assign=True)`, the zero-copy path for a model built
-    /// only to be loaded ([`empty_weights`](crate::empty_weights)).
+    /// only to be loaded ([`empty_weights`](module_core::empty_weights)).
     ///
     /// As in PyTorch, the values keep the checkpoint's dtype (a float16 checkpoint makes a float16
     /// model; a parameter still needs a floating-point value), shapes must still match, and whether
@@ -223,7 +232,7 @@ impl LoadOptions {
 
     /// Takes the state dict stored under `key` in a pickled training checkpoint
     /// (`torch.save({"epoch": 3, "model": model.state_dict(), "optimizer": ...})`) when
-    /// [`load_state_dict`](crate::ModuleExt::load_state_dict) or [`StateDict::read`] reads a file:
+    /// [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) or [`StateDict::read`] reads a file:
     /// a `.pth`/`.pt`/`.bin` in either pickle format, directly, through a shard index or in a model
     /// folder. Dotted keys (`"model.ema"`) descend further. Without it, a pickle whose top level is
     /// not a state dict is an error that lists the keys holding one. A safetensors file holds one
@@ -278,14 +287,14 @@ impl LoadOptions {
     /// key makes it fail. Hooks on submodules run before the hooks on the modules above them
     /// (PyTorch runs a module's hooks after loading its children), hooks on one module in the
     /// order they were added. They run on strict and non-strict loads, and the returned
-    /// [`LoadReport`](crate::LoadReport) (or the error's) shows their edits.
+    /// [`LoadReport`] (or the error's) shows their edits.
     ///
     /// **Deviation, from all-or-nothing loading:** PyTorch runs the hooks after the values are
     /// copied; here they run after every key is checked and *before* anything is copied, since
     /// whether anything is copied depends on them. So a hook sees the model's old values, and an
-    /// error from a hook ([`Error::Hook`](crate::Error::Hook)) fails the load with the model
+    /// error from a hook ([`Error::Hook`](../module_runtime/enum.Error.html#variant.Hook)) fails the load with the model
     /// unchanged. To act on the loaded values, do it after the load returns. A `path` that
-    /// names no submodule fails the load ([`Error::NoSubmodule`](crate::Error::NoSubmodule)).
+    /// names no submodule fails the load ([`Error::NoSubmodule`](../module_runtime/enum.Error.html#variant.NoSubmodule)).
     /// Modules have no hidden field to hold hooks, so they belong to the options, not to the
     /// module: pass the same options to every load that needs them.
     #[doc(alias = "register_load_state_dict_post_hook")]
@@ -308,7 +317,7 @@ impl LoadOptions {
 
 /// A parameter or persistent buffer a checkpoint can fill.
 #[derive(Clone)]
-pub(crate) enum Slot {
+pub enum Slot {
     Param(Param),
     Buffer(Buffer),
 }
@@ -352,7 +361,7 @@ impl Slot {
 
 /// Every parameter and persistent buffer under every path (tied weights appear once per alias, as
 /// in PyTorch's `state_dict`).
-pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
+pub fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
     let mut out = Vec::new();
     walk(root, false, &mut |path, v| {
         match v {
@@ -369,7 +378,7 @@ pub(crate) fn slots(root: &dyn Module) -> Vec<(String, Slot)> {
 
 /// Every parameter and persistent buffer, and every module's extra state, in PyTorch's order
 /// (each module's own parameters, own buffers, extra state, then submodules).
-pub(crate) fn state_dict(root: &dyn Module) -> Result<StateDict> {
+pub fn state_dict(root: &dyn Module) -> Result<StateDict> {
     crate::path::check_keys(root)?;
     let mut sd = StateDict::new();
     let mut failed = None;
@@ -399,7 +408,7 @@ pub(crate) fn state_dict(root: &dyn Module) -> Result<StateDict> {
 }
 
 /// Where checkpoint values come from: an in-memory state dict or a file read lazily.
-pub(crate) trait Source {
+pub trait Source {
     /// Every key with its shape and dtype, without reading values.
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>>;
     /// The value of `key` on `device`.
@@ -422,11 +431,7 @@ impl Source for StateDict {
 
 /// Validates everything, then stages every new value, then commits: a load that fails changes
 /// nothing. Unbuilt lazy slots take any shape their layout accepts, and are built by the commit.
-pub(crate) fn load(
-    root: &dyn Module,
-    source: &dyn Source,
-    options: &LoadOptions,
-) -> Result<LoadReport> {
+pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Result<LoadReport> {
     crate::views::ensure_cells_built(root, "load a checkpoint into")?;
     crate::path::check_keys(root)?;
     let targets = slots(root);

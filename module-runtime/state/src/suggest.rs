@@ -13,13 +13,13 @@ use crate::lazy_shape::LazyShape;
 use crate::{KeyFix, KeyRule};
 
 /// What a model slot takes: its shape, or for an unbuilt lazy slot the shapes its layout accepts.
-pub(crate) enum Expected {
+pub enum Expected {
     Shape(Shape),
     Lazy(LazyShape),
 }
 
 /// What a slot takes, from its lazy shape (when unbuilt) or its shape.
-pub(crate) fn expected(lazy: Option<LazyShape>, shape: Shape) -> Expected {
+pub fn expected(lazy: Option<LazyShape>, shape: Shape) -> Expected {
     match lazy {
         Some(lazy) => Expected::Lazy(lazy),
         None => Expected::Shape(shape),
@@ -36,16 +36,16 @@ impl Expected {
 }
 
 /// Everything a failed or partial load suggests.
-pub(crate) struct Suggestions {
-    pub(crate) fix: Option<KeyFix>,
-    pub(crate) pairs: Vec<(String, String)>,
+pub struct Suggestions {
+    pub fix: Option<KeyFix>,
+    pub pairs: Vec<(String, String)>,
 }
 
 /// Finds a prefix fix, then pairs the keys it does not explain.
 ///
 /// `model_keys` are every model path; `missing` and `unexpected` are in report order.
 /// `given` are the load's own key rules, already applied to `unexpected`.
-pub(crate) fn suggest(
+pub fn suggest(
     model_keys: &[&str],
     missing: &[(String, Expected)],
     unexpected: &[(String, Shape)],

@@ -20,7 +20,7 @@ use super::pickle::{self, Fail, Object, Pickle, StorageRef, Value};
 use crate::error::PthErrorKind;
 
 /// What a storage type holds: its candle dtype, if any, and its element size in bytes.
-pub(crate) fn storage_info(storage_type: &str) -> (Option<candle_core::DType>, usize) {
+pub fn storage_info(storage_type: &str) -> (Option<candle_core::DType>, usize) {
     use candle_core::DType;
     match storage_type {
         "FloatStorage" => (Some(DType::F32), 4),
@@ -54,8 +54,8 @@ enum Storages {
 }
 
 /// A parsed checkpoint: the main pickle and where its storages lie.
-pub(crate) struct Container {
-    pub(crate) pickle: Pickle,
+pub struct Container {
+    pub pickle: Pickle,
     storages: Storages,
 }
 
@@ -65,7 +65,7 @@ const LEGACY_MAGIC: [u8; 10] = [0x6c, 0xfc, 0x9c, 0x46, 0xf9, 0x20, 0x6a, 0xa8, 
 
 impl Container {
     /// Parses `bytes` as either container.
-    pub(crate) fn parse(bytes: &[u8]) -> Result<Self, Fail> {
+    pub fn parse(bytes: &[u8]) -> Result<Self, Fail> {
         if bytes.starts_with(ZIP_MAGIC) {
             Self::zip(bytes)
         } else if bytes.first() == Some(&0x80) {
@@ -290,7 +290,7 @@ impl Container {
     }
 
     /// The bytes of `storage` in the file (a legacy view's slice of its root), bounds-checked.
-    pub(crate) fn storage_range(&self, storage: &StorageRef) -> Result<Range<usize>, Fail> {
+    pub fn storage_range(&self, storage: &StorageRef) -> Result<Range<usize>, Fail> {
         let root = match &self.storages {
             Storages::Zip { prefix, members } => {
                 let name = format!("{prefix}/data/{}", storage.key);

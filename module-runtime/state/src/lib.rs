@@ -1,0 +1,39 @@
+//! The state dicts and files of [`module-runtime`](https://docs.rs/module-runtime): what a model
+//! saves and loads. Users depend on `module-runtime`, which re-exports all of it at the same
+//! paths; this crate exists so the direction between the runtime's layers is the compiler's.
+//! It builds on `module-core` only.
+//!
+//! The files, bottom up (each uses only those above it):
+//!
+//! | file | what |
+//! |---|---|
+//! | `load_hooks` | post-load hooks and [`IncompatibleKeys`] |
+//! | `suggest` | what a load that does not fit suggests (a prefix rule, "did you mean" pairs) |
+//! | `state` | [`StateDict`], [`LoadOptions`], the all-or-nothing load |
+//! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler |
+//! | `io` | safetensors reading and writing, sharded Hugging Face checkpoints |
+//! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
+#![warn(missing_docs)]
+
+// The core's modules and items, under the names this crate's files use (`crate::param::Param`).
+use module_core::{
+    buffer, error, extra_state, key_groups, lazy_shape, module, param, path, report, views, walk,
+};
+use module_core::{KeyFix, KeyRule};
+
+#[doc(hidden)]
+pub mod checkpoint;
+#[doc(hidden)]
+pub mod io;
+#[doc(hidden)]
+pub mod load_hooks;
+#[doc(hidden)]
+pub mod pth;
+#[doc(hidden)]
+pub mod state;
+#[doc(hidden)]
+pub mod suggest;
+
+pub use checkpoint::Checkpoint;
+pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
+pub use state::{LoadOptions, StateDict};
