@@ -51,35 +51,27 @@ extern crate self as module_runtime;
 // The layers, bottom up. The core (Module, Param/Buffer, the walk, names, paths, patterns,
 // identity, the functional scope, errors with all their payloads) is the crate `module-core`;
 // state dicts and files (StateDict, LoadOptions, .pth and safetensors, checkpoints) are
-// `module-state`, on the core. Neither can name anything here. The files still in this crate are the layers above it, moving
+// `module-state`, on the core; calls and hooks (TensorTree, Hooks, Captures, Dataflow) and
+// ModuleExt are `module-hooks`, on both. None of them can name anything here. The files still in this crate are the layers above it, moving
 // into crates of their own (issue 27):
-//   tensor_tree, hooks/, dataflow                     calls: inputs/outputs, hooks, a run's graph
-//   ext, lazy, nn/, recurrent, typed_path             `ModuleExt`, lazy modules, layers, paths
+//   lazy, nn/, recurrent                              lazy modules, layers
 //   functional/, distributed/                         functional calls, data-parallel training
-mod dataflow;
 // The core's modules, under the names the files above it use (`crate::param::Param`).
 use module_core::{
-    buffer, convert, device, error, forward, identity, module, names, param, path, pattern, report,
-    scope, summary, trace, type_name, views, walk,
+    buffer, device, error, forward, identity, module, names, param, path, report, scope, trace,
+    views, walk,
 };
 // The state layer's modules (`module-state`), likewise.
-use module_state::{checkpoint, io, state, suggest};
+use module_state::{state, suggest};
+// The hooks layer's modules (`module-hooks`), likewise.
+use module_hooks::{ext, hooks, tensor_tree};
 pub mod distributed;
-mod ext;
 mod functional;
-mod hooks;
 mod lazy;
 pub mod nn;
 mod recurrent;
-mod tensor_tree;
-pub mod typed_path;
 
-pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
-pub use ext::ModuleExt;
 pub use functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
-pub use hooks::{
-    Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
-};
 pub use lazy::{Build, Lazy, LazyExt};
 pub use module_core::buffer::Buffer;
 pub use module_core::device::{device_name, parse_device};
@@ -103,17 +95,23 @@ pub use module_core::pattern::PathPattern;
 pub use module_core::report::{LoadReport, Mismatch};
 pub use module_core::summary::{Summary, SummaryRow};
 pub use module_core::type_name::short_type_name;
+pub use module_core::typed_path;
+pub use module_core::typed_path::{HasPath, PathExt, TypedPath};
 pub use module_core::{
     DistributedError, KeyFix, KeyRule, OutputDivergence, PthErrorKind, Tolerance,
 };
+pub use module_hooks::ModuleExt;
+#[doc(hidden)]
+pub use module_hooks::Scope;
+pub use module_hooks::{
+    Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
+};
+pub use module_hooks::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
+pub use module_hooks::{TensorStruct, TensorTree};
 pub use module_state::Checkpoint;
 pub use module_state::{IncompatibleKeys, LoadPostHookFn};
 pub use module_state::{LoadOptions, StateDict};
 pub use recurrent::Recurrent;
-#[doc(hidden)]
-pub use tensor_tree::Scope;
-pub use tensor_tree::{TensorStruct, TensorTree};
-pub use typed_path::{HasPath, PathExt, TypedPath};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///

@@ -19,6 +19,7 @@
 //! | `param`, `buffer`, `scope`, `module` | leaves, the functional scope, the `Module` trait |
 //! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
+//! | `typed_path` | typed paths: module paths the compiler checks |
 //! | `trace` | forward errors named by module path, as they travel up the calls |
 #![warn(missing_docs)]
 
@@ -69,6 +70,7 @@ pub mod summary;
 pub mod trace;
 #[doc(hidden)]
 pub mod type_name;
+pub mod typed_path;
 #[doc(hidden)]
 pub mod views;
 #[doc(hidden)]
@@ -95,5 +97,6 @@ pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::short_type_name;
+pub use typed_path::{HasPath, PathExt, TypedPath};
 
 pub use candle_core;

@@ -341,9 +341,7 @@ macro_rules! config {
 /// Calls `$m!` with every plain value type a derived struct may hold as configuration (numbers,
 /// strings, dtypes, devices, shapes): one list for the `Module` impls here and the path types in
 /// `typed_path`.
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __for_config_types {
+macro_rules! for_config_types {
     ($m:ident) => {
         $m!(
             (),
@@ -371,8 +369,7 @@ macro_rules! __for_config_types {
         );
     };
 }
-#[doc(hidden)]
-pub use __for_config_types as for_config_types;
+pub(crate) use for_config_types;
 
 for_config_types!(config);
 

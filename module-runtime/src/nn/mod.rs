@@ -46,6 +46,7 @@ pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
 mod attention;
 mod container;
 mod native;
+mod paths;
 mod rnn;
 
 pub use attention::{

@@ -57,7 +57,7 @@ impl Captures {
     }
 }
 
-/// Expected outputs built by hand (for [`expect_outputs`](crate::FunctionalExt::expect_outputs)),
+/// Expected outputs built by hand (for [`expect_outputs`](../module_runtime/trait.FunctionalExt.html#method.expect_outputs)),
 /// for instance from a reference implementation's tensors saved by path: each `(path, tensor)` is
 /// one call of the module at `path` with one output, in order.
 ///
@@ -77,7 +77,7 @@ impl<K: Into<String>> FromIterator<(K, Tensor)> for Captures {
     }
 }
 
-pub(crate) fn capture<M: Module, R>(
+pub fn capture<M: Module, R>(
     root: &M,
     patterns: &[&str],
     run: impl FnOnce(&M) -> Result<R>,
@@ -119,7 +119,7 @@ pub(crate) fn capture<M: Module, R>(
     Ok((out, Captures { entries }))
 }
 
-pub(crate) fn call_order<M: Module, R>(
+pub fn call_order<M: Module, R>(
     root: &M,
     run: impl FnOnce(&M) -> Result<R>,
 ) -> Result<(R, Vec<String>)> {
@@ -142,7 +142,7 @@ pub(crate) fn call_order<M: Module, R>(
 
 /// Input and output shapes of every module call, for [`ModuleExt::summary_with`](crate::ModuleExt::summary_with):
 /// `path -> (input shapes, output shapes)` of the first call.
-pub(crate) fn record_shapes<M: Module, R>(
+pub fn record_shapes<M: Module, R>(
     root: &M,
     run: impl FnOnce(&M) -> Result<R>,
 ) -> Result<Vec<(String, String, String)>> {

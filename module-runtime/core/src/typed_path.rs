@@ -53,8 +53,8 @@
 //! # Ok::<(), module_runtime::Error>(())
 //! ```
 //!
-//! The path types of the runtime's layers are in [`nn`](crate::nn) beside them
-//! ([`nn::LinearPath`](crate::nn::LinearPath), …). The rustdoc of a derived type lists its
+//! The path types of the runtime's layers are in [`nn`](../module_runtime/nn/index.html) beside them
+//! ([`nn::LinearPath`](../module_runtime/nn/struct.LinearPath.html), …). The rustdoc of a derived type lists its
 //! `path()` function, whose return type links to the path type (`NetPath`), and the path type's
 //! page lists every segment method: what rust-analyzer completes after `Net::path().`.
 //!
@@ -79,8 +79,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::module::{Child, ChildMut, Module};
-use crate::nn::{ModuleDict, ModuleList, Native, NativeLayer, Sequential, SequentialLayer};
-use crate::{Buffer, Lazy, Param};
+use crate::{Buffer, Param};
 
 mod sealed {
     pub trait Sealed {}
@@ -532,12 +531,9 @@ macro_rules! node_path {
         }
     )*};
 }
-node_path!(Param, Buffer, Sequential, Box<dyn SequentialLayer>);
+node_path!(Param, Buffer);
 
 impl<M: HasPath> HasPath for Option<M> {
-    type Path<R: 'static, K: PathKind> = M::Path<R, K::Checked>;
-}
-impl<M: HasPath> HasPath for Lazy<M> {
     type Path<R: 'static, K: PathKind> = M::Path<R, K::Checked>;
 }
 impl<M: HasPath> HasPath for Box<M> {
@@ -546,11 +542,72 @@ impl<M: HasPath> HasPath for Box<M> {
 impl<M: HasPath> HasPath for Arc<M> {
     type Path<R: 'static, K: PathKind> = M::Path<R, Shared<K>>;
 }
-impl<L: NativeLayer> HasPath for Native<L> {
-    type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
+
+/// A module whose children are all of one type, [`Item`](Container::Item): lists, maps,
+/// `Sequential`. Its path has [`each`](Path::each), the pattern segment `*`, and by how the
+/// children are found, `at` ([`ByIndex`]), `key` ([`ByKey`]) or `named` ([`ByName`]).
+pub trait Container: HasPath {
+    /// The children's type.
+    type Item: HasPath;
 }
 
-impl<R: 'static, K: PathKind, L: NativeLayer> Path<R, K, Native<L>> {
+/// A [`Container`] whose children are found by position: its path has [`at`](Path::at).
+pub trait ByIndex: Container {}
+
+/// A [`Container`] whose children are found by key: its path has [`key`](Path::key).
+pub trait ByKey: Container {}
+
+/// A [`Container`] whose children may have names (`Sequential::push_named`): its path has
+/// [`named`](Path::named).
+pub trait ByName: Container {}
+
+/// A module whose type is known only at run time (a `Sequential` layer): its path has
+/// [`of`](Path::of), which names the type.
+pub trait Dynamic: HasPath {}
+
+/// A module whose parameters are named only at run time (`Native`): its path has
+/// [`param`](Path::param).
+pub trait NamedParams: HasPath {}
+
+impl<R: 'static, K: PathKind, T: Container> Path<R, K, T> {
+    /// Every child: the pattern segment `*`.
+    pub fn each(&self) -> <T::Item as HasPath>::Path<R, Each> {
+        self.child::<_, T::Item>(format_args!("*"))
+    }
+}
+
+impl<R: 'static, K: PathKind, T: ByIndex> Path<R, K, T> {
+    /// Child `index` (checked at run time by [`get`](PathExt::get)).
+    pub fn at(&self, index: usize) -> <T::Item as HasPath>::Path<R, Indexed<K>> {
+        self.child::<_, T::Item>(format_args!("{index}"))
+    }
+}
+
+impl<R: 'static, K: PathKind, T: ByKey> Path<R, K, T> {
+    /// The entry `key` (checked at run time by [`get`](PathExt::get)). A key is one path
+    /// segment: maps refuse a key that is empty or holds `.` or `*` where it enters
+    /// ([`Error::InvalidKey`](crate::Error::InvalidKey)), so no entry has such a key: a
+    /// `*` in it is no wildcard here, and a `.` reads as two segments.
+    pub fn key(&self, key: &str) -> <T::Item as HasPath>::Path<R, Indexed<K>> {
+        self.child::<_, T::Item>(format_args!("{key}"))
+    }
+}
+
+impl<R: 'static, K: PathKind, T: ByName> Path<R, K, T> {
+    /// The child called `name` (a layer added by `push_named`).
+    pub fn named(&self, name: &str) -> <T::Item as HasPath>::Path<R, Indexed<K>> {
+        self.child::<_, T::Item>(format_args!("{name}"))
+    }
+}
+
+impl<R: 'static, K: PathKind, T: Dynamic> Path<R, K, T> {
+    /// The module as a `U`: checked at run time by [`get`](PathExt::get) (and by a typed hook).
+    pub fn of<U: HasPath>(&self) -> U::Path<R, K::Checked> {
+        U::Path::<R, K::Checked>::__from_path_string(self.path.clone())
+    }
+}
+
+impl<R: 'static, K: PathKind, T: NamedParams> Path<R, K, T> {
     /// The parameter called `name` (`weight`, `bias`, …).
     pub fn param(&self, name: &str) -> Path<R, Indexed<K>, Param> {
         self.child::<_, Param>(format_args!("{name}"))
@@ -562,73 +619,19 @@ macro_rules! list_path {
         impl<$($g)*> HasPath for $ty {
             type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
         }
-
-        impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
-            /// Element `index` (checked at run time by [`get`](PathExt::get)).
-            pub fn at(&self, index: usize) -> M::Path<R, Indexed<K>> {
-                self.child::<_, M>(format_args!("{index}"))
-            }
-
-            /// Every element: the pattern segment `*`.
-            pub fn each(&self) -> M::Path<R, Each> {
-                self.child::<_, M>(format_args!("*"))
-            }
+        impl<$($g)*> Container for $ty {
+            type Item = M;
         }
     )*};
 }
 list_path!(
     [M: HasPath] Vec<M>,
     [M: HasPath, const N: usize] [M; N],
-    [M: HasPath] ModuleList<M>,
+    [M: HasPath] BTreeMap<String, M>,
 );
-
-macro_rules! map_path {
-    ($([$($g:tt)*] $ty:ty),* $(,)?) => {$(
-        impl<$($g)*> HasPath for $ty {
-            type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
-        }
-
-        impl<R: 'static, K: PathKind, $($g)*> Path<R, K, $ty> {
-            /// The entry `key` (checked at run time by [`get`](PathExt::get)). A key is one path
-            /// segment: maps refuse a key that is empty or holds `.` or `*` where it enters
-            /// ([`Error::InvalidKey`](crate::Error::InvalidKey)), so no entry has such a key: a
-            /// `*` in it is no wildcard here, and a `.` reads as two segments.
-            pub fn key(&self, key: &str) -> M::Path<R, Indexed<K>> {
-                self.child::<_, M>(format_args!("{key}"))
-            }
-
-            /// Every entry: the pattern segment `*`.
-            pub fn each(&self) -> M::Path<R, Each> {
-                self.child::<_, M>(format_args!("*"))
-            }
-        }
-    )*};
-}
-map_path!([M: HasPath] BTreeMap<String, M>, [M: HasPath] ModuleDict<M>);
-
-impl<R: 'static, K: PathKind> Path<R, K, Sequential> {
-    /// Layer `index` (a layer added by `push`); [`of`](Path::of) says its type.
-    pub fn at(&self, index: usize) -> Path<R, Indexed<K>, Box<dyn SequentialLayer>> {
-        self.child::<_, Box<dyn SequentialLayer>>(format_args!("{index}"))
-    }
-
-    /// The layer called `name` (added by `push_named`).
-    pub fn named(&self, name: &str) -> Path<R, Indexed<K>, Box<dyn SequentialLayer>> {
-        self.child::<_, Box<dyn SequentialLayer>>(format_args!("{name}"))
-    }
-
-    /// Every layer: the pattern segment `*`.
-    pub fn each(&self) -> Path<R, Each, Box<dyn SequentialLayer>> {
-        self.child::<_, Box<dyn SequentialLayer>>(format_args!("*"))
-    }
-}
-
-impl<R: 'static, K: PathKind> Path<R, K, Box<dyn SequentialLayer>> {
-    /// The layer as a `T`: checked at run time by [`get`](PathExt::get) (and by a typed hook).
-    pub fn of<T: HasPath>(&self) -> T::Path<R, K::Checked> {
-        T::Path::<R, K::Checked>::__from_path_string(self.path.clone())
-    }
-}
+impl<M: HasPath> ByIndex for Vec<M> {}
+impl<M: HasPath, const N: usize> ByIndex for [M; N] {}
+impl<M: HasPath> ByKey for BTreeMap<String, M> {}
 
 macro_rules! tuple_path {
     ($($t:ident $i:tt $m:ident),+) => {

@@ -762,10 +762,7 @@ fn fresh_var(t: &Tensor) -> Result<Tensor> {
     Ok(Var::from_tensor(&t.detach())?.as_tensor().clone())
 }
 
-pub(crate) fn dataflow<M: Module, R>(
-    root: &M,
-    run: impl FnOnce(&M) -> Result<R>,
-) -> Result<Dataflow> {
+pub fn dataflow<M: Module, R>(root: &M, run: impl FnOnce(&M) -> Result<R>) -> Result<Dataflow> {
     let hooks = Hooks::new();
     let recorder = Arc::new(Mutex::new(Recorder::default()));
     let pre = recorder.clone();

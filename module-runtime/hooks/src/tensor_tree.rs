@@ -1,12 +1,12 @@
 //! Inputs and outputs as trees of tensors (JAX's pytrees), so hooks can see and replace what flows
 //! through a module whatever its `Forward` input type. This is the tree of *tensors* a call takes
-//! and returns; the tree of *modules* is [`Module`](crate::Module)'s.
+//! and returns; the tree of *modules* is [`Module`](module_core::Module)'s.
 
 use candle_core::{DType, Tensor};
 
 pub use crate::hooks::dispatch::Scope;
 
-pub(crate) mod sealed {
+pub mod sealed {
     pub trait Sealed {}
 }
 
@@ -16,7 +16,7 @@ pub(crate) mod sealed {
 /// [`call`](crate::ModuleExt::call) needs its input and output to be tensor trees. Implemented for
 /// [`Tensor`] and `&Tensor`, tuples of up to six trees, `Vec`, `Option`, arrays, `()`, numbers,
 /// `bool`, strings and [`DType`] (leaves without tensors), the runtime's own input types (such as
-/// [`AttentionInput`](crate::nn::AttentionInput)), and every type implementing [`TensorStruct`] — that is how a struct of your
+/// [`AttentionInput`](../module_runtime/nn/struct.AttentionInput.html)), and every type implementing [`TensorStruct`] — that is how a struct of your
 /// own becomes an input or output. The trait itself is sealed.
 ///
 /// Hooks see a tree as the list of its tensors, depth first in field order, and may hand back a list
@@ -44,8 +44,8 @@ pub trait TensorTree: sealed::Sealed {
 
     /// The tree with every borrowed part owned: `Tensor` for `&Tensor`, `(Tensor, Option<Tensor>)`
     /// for `(&Tensor, Option<&Tensor>)`, `String` for `&str`,
-    /// [`OwnedAttentionInput`](crate::nn::OwnedAttentionInput) for
-    /// [`AttentionInput`](crate::nn::AttentionInput); a `TensorStruct` and an owned tree are their
+    /// [`OwnedAttentionInput`](../module_runtime/nn/struct.OwnedAttentionInput.html) for
+    /// [`AttentionInput`](../module_runtime/nn/struct.AttentionInput.html); a `TensorStruct` and an owned tree are their
     /// own owned form. It is what a typed forward hook
     /// ([`register_typed_hook`](crate::Hooks::register_typed_hook)) sees of a module's input,
     /// which `forward` has consumed by the time the hook runs.
@@ -124,7 +124,7 @@ pub trait TensorStruct: 'static {
     /// `forward` has consumed the input. `#[derive(TensorStruct)]` gives `Some(self.clone())` when
     /// the struct is `Clone` (for a generic struct: when `Clone` holds for every parameter that
     /// meets the impl's bounds, so in practice a non-generic struct); the default, `None`, makes
-    /// such a hook fail with [`Error::HookInputType`](crate::Error::HookInputType).
+    /// such a hook fail with [`Error::HookInputType`](module_core::Error::HookInputType).
     fn clone_tree(&self) -> Option<Self>
     where
         Self: Sized,

@@ -103,7 +103,7 @@ impl HookCtx<'_> {
 /// pre-hooks, pre-hooks, `forward`, global forward hooks, forward hooks — each group in registration
 /// order, hooks registered with [`prepend`](HookOptions::prepend) first (the latest first).
 ///
-/// A hook's error aborts the call and comes back as [`Error::Hook`](crate::Error::Hook) naming the module's path. A
+/// A hook's error aborts the call and comes back as [`Error::Hook`](module_core::Error::Hook) naming the module's path. A
 /// panic in a hook or a `forward` unwinds through the call and leaves no per-call state behind.
 ///
 /// # What PyTorch has that candle makes impossible

@@ -37,7 +37,7 @@ thread_local! {
 
 /// Whether any hook registry is attached on this thread.
 #[inline]
-pub(crate) fn active() -> bool {
+pub fn active() -> bool {
     ACTIVE.with(Cell::get) != 0
 }
 
@@ -287,7 +287,7 @@ unsafe fn locate(
 }
 
 /// `call` with hooks attached: see the module docs.
-pub(crate) fn dispatch<M, In>(module: &M, input: In) -> Result<M::Output>
+pub fn dispatch<M, In>(module: &M, input: In) -> Result<M::Output>
 where
     M: Module + Forward<In>,
     In: TensorTree,
@@ -434,7 +434,7 @@ impl Scope {
     }
 
     /// Keeps `t` alive as long as the scope and returns a reference to it.
-    pub(crate) fn keep<'a>(&self, t: Tensor) -> &'a Tensor {
+    pub fn keep<'a>(&self, t: Tensor) -> &'a Tensor {
         let boxed = Box::new(t);
         let ptr: *const Tensor = &*boxed;
         // The heap allocation does not move when the box is moved into the vector, and boxes are
@@ -486,7 +486,7 @@ fn check_count(path: &str, hook: &'static str, expected: usize, got: usize) -> R
 /// A borrowed `&'static Tensor` leaf that `f` replaces needs a home that lives forever: the scope
 /// that holds it is then leaked (a field type no derived struct has in practice); otherwise nothing
 /// references the scope and it is dropped.
-pub(crate) fn map_tree<T: TensorTree>(tree: T, f: &mut dyn FnMut(Tensor) -> Tensor) -> T {
+pub fn map_tree<T: TensorTree>(tree: T, f: &mut dyn FnMut(Tensor) -> Tensor) -> T {
     // SAFETY: the scope outlives every value rebuilt with it: when `keep` handed out a reference
     // the scope is leaked, and when it did not, no value refers to it.
     let scope = unsafe { Scope::new() };

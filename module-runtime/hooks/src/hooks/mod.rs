@@ -65,7 +65,7 @@
 //!
 //! - `registry.rs`: [`Hooks`], how a hook is registered ([`HookOptions`], [`PreHookOptions`]),
 //!   what it is given ([`HookCtx`]) and how it is removed ([`HookHandle`]);
-//! - `typed.rs`: typed forward hooks, on a [`TypedPath`](crate::TypedPath), given the module and its
+//! - `typed.rs`: typed forward hooks, on a [`TypedPath`](module_core::TypedPath), given the module and its
 //!   input and output as their own types;
 //! - `dispatch.rs`: the per-thread call stack that finds a called module's path and fires its hooks
 //!   (all of the hook machinery's `unsafe`, each block with its reasoning);
@@ -73,10 +73,10 @@
 //!   [`call_order`](crate::ModuleExt::call_order) and the shapes of
 //!   [`summary_with`](crate::ModuleExt::summary_with).
 
-pub(crate) mod dispatch;
-pub(crate) mod observe;
-mod registry;
-mod typed;
+pub mod dispatch;
+pub mod observe;
+pub mod registry;
+pub mod typed;
 
 pub use observe::Captures;
 pub use registry::{

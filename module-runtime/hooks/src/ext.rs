@@ -59,7 +59,7 @@ pub trait ModuleExt: Module {
     /// (PyTorch's `module(x)`). Call submodules through `call`, not `forward`, so that hooks see
     /// them. With no hooks attached on this thread, `call` is `forward` plus one thread-local read.
     ///
-    /// An error from `forward` comes back as [`Error::Forward`](crate::Error::Forward), naming the
+    /// An error from `forward` comes back as [`Error::Forward`](module_core::Error::Forward), naming the
     /// submodule that failed by its path from `self` and its type
     /// (`forward of `encoder.layer.3.intermediate.dense` (Linear) failed: …`); the path is worked
     /// out only when an error passes, so a successful call pays nothing for it.
@@ -90,8 +90,8 @@ pub trait ModuleExt: Module {
 
     /// Runs `run` and returns, beside its result, the outputs of every call of a module whose path
     /// matches one of `patterns`, in call order (like torchvision's `create_feature_extractor`).
-    /// A pattern that matches no module ([`Error::NoModuleMatch`](crate::Error::NoModuleMatch)),
-    /// or whose modules none ran ([`Error::NotRun`](crate::Error::NotRun)), is an error rather
+    /// A pattern that matches no module ([`Error::NoModuleMatch`](module_core::Error::NoModuleMatch)),
+    /// or whose modules none ran ([`Error::NotRun`](module_core::Error::NotRun)), is an error rather
     /// than an empty capture.
     ///
     /// ```
@@ -143,12 +143,12 @@ pub trait ModuleExt: Module {
 
     /// [`summary`](Self::summary) with each module's input and output shapes, from running `run`
     /// (torchinfo's `summary(model, input_size)`). Modules that `run` does not call have no shapes.
-    fn summary_with<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<crate::Summary>
+    fn summary_with<R>(&self, run: impl FnOnce(&Self) -> Result<R>) -> Result<module_core::Summary>
     where
         Self: Sized,
     {
         let shapes = crate::hooks::observe::record_shapes(self, run)?;
-        Ok(crate::Summary::of(self.as_dyn()).with_shapes(&shapes))
+        Ok(module_core::Summary::of(self.as_dyn()).with_shapes(&shapes))
     }
 
     /// The dataflow graph of `run` (Ivy's `show_graph`, PyTorch's torchview): a node per module
@@ -236,14 +236,14 @@ pub trait ModuleExt: Module {
 
     /// The submodule at `path`, downcast to `T`.
     ///
-    /// Fails with [`Error::NoSubmodule`](crate::Error::NoSubmodule) naming the first segment that is missing (and what is
-    /// there instead), or [`Error::WrongModuleType`](crate::Error::WrongModuleType) naming the type that is there.
+    /// Fails with [`Error::NoSubmodule`](module_core::Error::NoSubmodule) naming the first segment that is missing (and what is
+    /// there instead), or [`Error::WrongModuleType`](module_core::Error::WrongModuleType) naming the type that is there.
     fn get_submodule<T: Module>(&self, path: &str) -> Result<&T> {
         path::downcast(path, self.get_submodule_dyn(path)?)
     }
 
     /// The submodule at `path` as a mutable trait object. A module shared through an `Arc` with other
-    /// owners cannot be borrowed mutably ([`Error::SharedModule`](crate::Error::SharedModule)).
+    /// owners cannot be borrowed mutably ([`Error::SharedModule`](module_core::Error::SharedModule)).
     fn get_submodule_dyn_mut(&mut self, path: &str) -> Result<&mut dyn Module> {
         path::submodule_mut(self.as_dyn_mut(), path)
     }
@@ -285,7 +285,7 @@ pub trait ModuleExt: Module {
 
     /// The `Var`s to hand to a candle optimizer: every parameter that is not frozen, once each.
     ///
-    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt), listing every unbuilt path, if the model is not built: an
+    /// Fails with [`Error::Unbuilt`](module_core::Error::Unbuilt), listing every unbuilt path, if the model is not built: an
     /// optimizer holding a lazy parameter's placeholder would never train the real one.
     ///
     /// ```
@@ -308,10 +308,10 @@ pub trait ModuleExt: Module {
             .collect()
     }
 
-    /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](crate::PathPattern)):
+    /// Freezes every parameter at or under a path matching `pattern` (see [`PathPattern`](module_core::PathPattern)):
     /// `freeze("encoder")` and `freeze("encoder.*")` freeze the whole encoder, `freeze("**.bias")`
     /// every bias. Returns how many parameters matched. A pattern that matches nothing is an error
-    /// ([`Error::NoMatch`](crate::Error::NoMatch)), since it is almost always a typo.
+    /// ([`Error::NoMatch`](module_core::Error::NoMatch)), since it is almost always a typo.
     fn freeze(&self, pattern: &str) -> Result<usize> {
         views::set_requires_grad(self.as_dyn(), pattern, false)
     }
@@ -330,12 +330,12 @@ pub trait ModuleExt: Module {
     }
 
     /// A static, torchinfo-style summary: every module with its path, type and parameter count, and
-    /// the totals (see [`Summary`](crate::Summary)).
-    fn summary(&self) -> crate::Summary {
+    /// the totals (see [`Summary`](module_core::Summary)).
+    fn summary(&self) -> module_core::Summary {
         crate::summary::Summary::of(self.as_dyn())
     }
 
-    /// Puts every module of the tree in training mode (sets every [`Mode`](crate::Mode) flag).
+    /// Puts every module of the tree in training mode (sets every [`Mode`](module_core::Mode) flag).
     fn train(&self) {
         self.set_training(true);
     }
@@ -357,7 +357,7 @@ pub trait ModuleExt: Module {
     /// `model.child.eval()` changes what the child reports, never the parent: on a new model,
     /// `model.drop.eval()` leaves `model.is_training()` `true`, as in PyTorch.
     ///
-    /// A module holding a [`Mode`](crate::Mode) as a direct field (the runtime's Dropout,
+    /// A module holding a [`Mode`](module_core::Mode) as a direct field (the runtime's Dropout,
     /// BatchNorm, activations) reports that flag. Other Rust structs have no hidden field to hold
     /// a flag, so `train`/`eval` record it in the module's first parameter, buffer or `Mode` (under
     /// the path from the module to it). A module with none of these behaves the same in both
@@ -385,7 +385,7 @@ pub trait ModuleExt: Module {
     /// Every parameter and persistent buffer by path, in PyTorch's `state_dict()` order: each
     /// module's own parameters, then its own buffers, then its submodules' (field order within each
     /// group, whatever the order of the fields of different kinds). A tied weight appears under each of its paths, non-persistent buffers not
-    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model
+    /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](module_core::Error::Unbuilt) if the model
     /// is not built.
     fn state_dict(&self) -> Result<StateDict> {
         crate::views::ensure_built(self.as_dyn(), "take the state dict of")?;
@@ -394,13 +394,13 @@ pub trait ModuleExt: Module {
 
     /// Loads a state dict, PyTorch's `load_state_dict(state_dict, strict=True, assign=False)`:
     /// `state` is a [`StateDict`] (`&sd`) or the path of a checkpoint file or model folder (see
-    /// [`Checkpoint`](crate::Checkpoint)), `options` says how ([`LoadOptions::default()`]: strict,
+    /// [`Checkpoint`](module_state::Checkpoint)), `options` says how ([`LoadOptions::default()`]: strict,
     /// as PyTorch's default; [`non_strict`](LoadOptions::non_strict), key rules,
     /// [`assign`](LoadOptions::assign), [`nested_in`](LoadOptions::nested_in) for a training
     /// checkpoint, post-hooks).
     ///
     /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
-    /// was and [`Error::Load`](crate::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
+    /// was and [`Error::Load`](module_core::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at
     /// once, with "did you mean" pairs. Values are copied into the existing parameters, so tied
     /// weights stay tied and optimizers built before the load keep working.
     ///
@@ -415,7 +415,7 @@ pub trait ModuleExt: Module {
     ///
     /// Unbuilt lazy parameters and buffers are built from the checkpoint's values, whose shapes
     /// must fit their known dimensions (a failed load leaves them unbuilt). A model holding an
-    /// unbuilt [`Lazy`](crate::Lazy) cell cannot be loaded ([`Error::Unbuilt`](crate::Error::Unbuilt)): what the cell
+    /// unbuilt [`Lazy`](../module_runtime/struct.Lazy.html) cell cannot be loaded ([`Error::Unbuilt`](module_core::Error::Unbuilt)): what the cell
     /// would hold is only known once it is built.
     ///
     /// ```
@@ -448,7 +448,7 @@ pub trait ModuleExt: Module {
     /// ```
     fn load_state_dict<'a>(
         &self,
-        state: impl Into<crate::Checkpoint<'a>>,
+        state: impl Into<module_state::Checkpoint<'a>>,
         options: &LoadOptions,
     ) -> Result<LoadReport> {
         crate::checkpoint::load(self.as_dyn(), state.into(), options)
@@ -457,7 +457,7 @@ pub trait ModuleExt: Module {
     /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
     /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
     ///
-    /// Fails with [`Error::Unbuilt`](crate::Error::Unbuilt) if the model is not built.
+    /// Fails with [`Error::Unbuilt`](module_core::Error::Unbuilt) if the model is not built.
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         crate::views::ensure_built(self.as_dyn(), "save")?;
         crate::io::save_safetensors(self.state_dict()?, path.as_ref())

@@ -43,7 +43,7 @@ impl Hooks {
     /// [`TensorStruct`](crate::TensorStruct) — and may return a replacement output of that type
     /// (`Ok(Some(new))`). The module's type is checked at compile time; the output type at run
     /// time, since a module may implement `Forward` for several inputs: a call that returns
-    /// another type is [`Error::HookOutputType`](Error::HookOutputType).
+    /// another type is [`Error::HookOutputType`].
     ///
     /// For the input typed as well, see [`register_typed_hook`](Hooks::register_typed_hook).
     ///
@@ -94,20 +94,20 @@ impl Hooks {
     /// own types, and may return a replacement output: PyTorch's `register_forward_hook(hook)`
     /// with `hook(module, args, output)`, typed.
     ///
-    /// The input is given in its owned form ([`TensorTree::Owned`](crate::TensorTree::Owned)),
+    /// The input is given in its owned form ([`TensorTree::Owned`]),
     /// since `forward` has consumed the input by the time the hook runs: a module called with a
     /// `&Tensor` gives the hook a `&Tensor` to read (the owned form `Tensor`, borrowed), one called
     /// with `(&Tensor, Option<&Tensor>)` gives `&(Tensor, Option<Tensor>)`, a
-    /// [`MultiheadAttention`](crate::nn::MultiheadAttention) an
-    /// [`OwnedAttentionInput`](crate::nn::OwnedAttentionInput). Making it clones the input's
+    /// [`MultiheadAttention`](../module_runtime/nn/struct.MultiheadAttention.html) an
+    /// [`OwnedAttentionInput`](../module_runtime/nn/struct.OwnedAttentionInput.html). Making it clones the input's
     /// tensors' handles (no data) in the calls of hooked modules only; a call without forward
     /// hooks pays nothing.
     ///
     /// The module's type is checked at compile time, and so is that the input type is an owned
     /// form (a hook taking `&&Tensor` does not compile). Which input and output types a call
     /// has is known only at run time, since a module may implement `Forward` for several inputs:
-    /// a call whose owned input is another type is [`Error::HookInputType`](Error::HookInputType),
-    /// and one whose output is another type [`Error::HookOutputType`](Error::HookOutputType).
+    /// a call whose owned input is another type is [`Error::HookInputType`],
+    /// and one whose output is another type [`Error::HookOutputType`].
     /// A [`TensorStruct`](crate::TensorStruct) input is given when the struct is `Clone`
     /// (see [`clone_tree`](crate::TensorStruct::clone_tree)).
     ///
