@@ -54,25 +54,22 @@ extern crate self as module_runtime;
 // `module-state`, on the core; calls and hooks (TensorTree, Hooks, Captures, Dataflow) and
 // ModuleExt are `module-hooks`, on both. None of them can name anything here. The files still in this crate are the layers above it, moving
 // into crates of their own (issue 27):
-//   lazy, nn/, recurrent                              lazy modules, layers
 //   functional/, distributed/                         functional calls, data-parallel training
 // The core's modules, under the names the files above it use (`crate::param::Param`).
 use module_core::{
-    buffer, device, error, forward, identity, module, names, param, path, report, scope, trace,
-    views, walk,
+    buffer, error, forward, identity, module, names, param, report, scope, views, walk,
 };
 // The state layer's modules (`module-state`), likewise.
 use module_state::{state, suggest};
 // The hooks layer's modules (`module-hooks`), likewise.
 use module_hooks::{ext, hooks, tensor_tree};
+/// Layers, written with `#[derive(Module)]`, with PyTorch's names, parameters and defaults (the
+/// crate `module-nn`).
+pub use module_nn as nn;
 pub mod distributed;
 mod functional;
-mod lazy;
-pub mod nn;
-mod recurrent;
 
 pub use functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
-pub use lazy::{Build, Lazy, LazyExt};
 pub use module_core::buffer::Buffer;
 pub use module_core::device::{device_name, parse_device};
 pub use module_core::error::{Error, Result};
@@ -108,10 +105,11 @@ pub use module_hooks::{
 };
 pub use module_hooks::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use module_hooks::{TensorStruct, TensorTree};
+pub use module_nn::Recurrent;
+pub use module_nn::{Build, Lazy, LazyExt};
 pub use module_state::Checkpoint;
 pub use module_state::{IncompatibleKeys, LoadPostHookFn};
 pub use module_state::{LoadOptions, StateDict};
-pub use recurrent::Recurrent;
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///

@@ -27,7 +27,7 @@ pub fn short_type_name(full: &str) -> String {
 /// The layer crate's path, as `std::any::type_name` spells the layers' names.
 macro_rules! nn {
     ($($path:literal),+) => {
-        concat!($("module_runtime::nn::", $path),+)
+        concat!($("module_nn::", $path),+)
     };
 }
 

@@ -17,9 +17,9 @@ use crate::TensorTree;
 /// that part. Nothing is hidden in the module: the same model can serve many streams at once,
 /// each with its own state.
 ///
-/// Implemented by [`Lstm`](crate::nn::Lstm) and [`Gru`](crate::nn::Gru) (state tensors
-/// `[num_layers, batch, hidden]`, like their `h_n`/`c_n`) and by [`LstmCell`](crate::nn::LstmCell)
-/// and [`GruCell`](crate::nn::GruCell) (state tensors `[batch, hidden]`). An LSTM's state is
+/// Implemented by [`Lstm`](crate::Lstm) and [`Gru`](crate::Gru) (state tensors
+/// `[num_layers, batch, hidden]`, like their `h_n`/`c_n`) and by [`LstmCell`](crate::LstmCell)
+/// and [`GruCell`](crate::GruCell) (state tensors `[batch, hidden]`). An LSTM's state is
 /// `(h, c)`, a GRU's `h`.
 ///
 /// A composite of two recurrent parts (its `scan` comes for free):

@@ -4,9 +4,9 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
-use crate::nn::{Linear, LinearConfig};
 use crate::Init;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
+use crate::{Linear, LinearConfig};
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -46,7 +46,7 @@ impl Default for MultiheadAttentionConfig {
 ///
 /// Call it with an [`AttentionInput`] to get `(output, Option<weights>)` and to pass masks, or with a
 /// plain tensor for unmasked self-attention returning only the output (so it fits in a
-/// [`Sequential`](crate::nn::Sequential)).
+/// [`Sequential`](crate::Sequential)).
 ///
 /// Not supported: `kdim`/`vdim` different from `embed_dim`, `add_bias_kv`, `add_zero_attn`.
 ///
@@ -68,6 +68,7 @@ impl Default for MultiheadAttentionConfig {
 ///
 /// Typed paths into it: [`MultiheadAttentionPath`], from [`MultiheadAttention::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct MultiheadAttention {
     /// `[3 * embed_dim, embed_dim]`: query, key and value projections, stacked.
@@ -107,7 +108,7 @@ pub struct AttentionInput<'a> {
 }
 
 /// An [`AttentionInput`] that owns its tensors: what a typed forward hook
-/// ([`register_typed_hook`](crate::Hooks::register_typed_hook)) on a [`MultiheadAttention`] sees
+/// ([`register_typed_hook`](module_hooks::Hooks::register_typed_hook)) on a [`MultiheadAttention`] sees
 /// of the call's input (its [`TensorTree::Owned`](crate::TensorTree::Owned) form).
 #[derive(Clone, Debug)]
 pub struct OwnedAttentionInput {

@@ -45,6 +45,7 @@ impl Default for RnnCellConfig {
 ///
 /// Typed paths into it: [`RnnCellBasePath`], from [`RnnCellBase::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct RnnCellBase<G> {
     #[module(flatten)]

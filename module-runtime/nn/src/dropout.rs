@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::common::forward_by_value;
 use crate::error::Result;
-use crate::nn::common::forward_by_value;
 use crate::{Forward, Mode, Module};
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
@@ -26,6 +26,7 @@ use crate::{Forward, Mode, Module};
 ///
 /// Typed paths into it: [`DropoutPath`], from [`Dropout::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Dropout {
     /// Probability of zeroing an element, in `[0, 1]`.

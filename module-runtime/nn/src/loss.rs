@@ -3,9 +3,9 @@
 
 use candle_core::Tensor;
 
+use crate::activation::log_softmax;
+use crate::common::input_shape_error;
 use crate::error::Result;
-use crate::nn::activation::log_softmax;
-use crate::nn::common::input_shape_error;
 
 /// The mean cross-entropy between `logits` `[N, C]` and integer class ids `target` `[N]` (`u8`,
 /// `u32` or `i64`): PyTorch's `F.cross_entropy(logits, target)` with its defaults (mean reduction,

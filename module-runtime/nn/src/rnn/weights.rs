@@ -4,14 +4,15 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::sequence::RnnConfig;
+use crate::common::uniform_fan_in;
 use crate::error::Result;
 use crate::module::{Child, ChildMut, Name};
-use crate::nn::common::uniform_fan_in;
 use crate::{Module, Param};
 
 /// One layer's weights, `gates` blocks of `hidden_size` rows each, under PyTorch's cell names
 /// (`weight_ih`, `weight_hh`, `bias_ih`, `bias_hh`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub(super) struct LayerWeights {
     pub(super) weight_ih: Param,

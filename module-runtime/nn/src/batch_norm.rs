@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::common::{fit_buffer, fit_param, forward_by_value, input_shape_error, per_channel};
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::nn::common::{fit_buffer, fit_param, forward_by_value, input_shape_error, per_channel};
 use crate::{Buffer, Forward, Init, LazyShape, Mode, Module, Param};
 
 /// How a batch norm is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -70,6 +70,7 @@ impl Default for BatchNormConfig {
 ///
 /// Typed paths into it: [`BatchNormPath`], from [`BatchNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct BatchNorm<const D: usize> {
     /// `[C]`, if affine.
@@ -315,7 +316,7 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
 /// it): same parameters, buffers, names, init and computation. `weight`, `bias`, `running_mean`
 /// and `running_var` are built once, at the first call, a [`build`](crate::LazyExt::build) dry
 /// run or a checkpoint load (`num_batches_tracked`, a scalar, exists from the start). After that,
-/// an input with another number of channels is an [`Error::LazyInput`](crate::Error::LazyInput)
+/// an input with another number of channels is an [`Error::LazyInput`](module_core::Error::LazyInput)
 /// naming the layer and both shapes.
 ///
 /// ```
@@ -330,6 +331,7 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
 ///
 /// Typed paths into it: [`LazyBatchNormPath`], from [`LazyBatchNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LazyBatchNorm<const D: usize> {
     #[module(flatten)]

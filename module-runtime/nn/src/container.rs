@@ -11,7 +11,7 @@ use candle_core::Tensor;
 
 use crate::error::{Error, Result};
 use crate::module::{Child, ChildMut, Name};
-use crate::nn::{
+use crate::{
     Activation, ElementwiseActivation, LazyLinear, Linear, ReLU, SiLU, Sigmoid, Tanh, GELU,
 };
 use crate::{Forward, Module, ModuleExt};
@@ -21,7 +21,7 @@ use crate::{Forward, Module, ModuleExt};
 ///
 /// Implemented for every [`Module`] with `Forward<Tensor, Output = Tensor>` (every runtime layer
 /// with a single-tensor forward, your derived modules once they implement it, [`Sequential`] itself,
-/// and [`Functional`](crate::nn::Functional) for closures and candle-nn layers). A
+/// and [`Functional`](crate::Functional) for closures and candle-nn layers). A
 /// `Box<dyn SequentialLayer>` is itself a module: traversal sees the layer inside, with its own type
 /// name and children, exactly as if it were stored directly.
 ///
@@ -172,8 +172,8 @@ impl Sequential {
     /// A sequence of named layers, run in the given order: PyTorch's
     /// `nn.Sequential(OrderedDict([("4", conv), ("5", bn)]))`.
     ///
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for a name that is not a path segment (see
-    /// [`add_module`](Self::add_module)), [`Error::InvalidConfig`](crate::Error::InvalidConfig)
+    /// [`Error::InvalidKey`](module_core::Error::InvalidKey) for a name that is not a path segment (see
+    /// [`add_module`](Self::add_module)), [`Error::InvalidConfig`](module_core::Error::InvalidConfig)
     /// for a name given twice.
     ///
     /// ```
@@ -232,9 +232,9 @@ impl Sequential {
     /// Appends `layer` under `name`: PyTorch's `add_module(name, layer)`. The name is the layer's
     /// path segment (`"4"` gives `4.weight`); the layer still runs after the earlier ones.
     ///
-    /// [`Error::InvalidKey`](crate::Error::InvalidKey) for an empty name or one containing `.`
+    /// [`Error::InvalidKey`](module_core::Error::InvalidKey) for an empty name or one containing `.`
     /// (PyTorch's `KeyError`) or `*` (a pattern's wildcard);
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for a name already in the sequence
+    /// [`Error::InvalidConfig`](module_core::Error::InvalidConfig) for a name already in the sequence
     /// (PyTorch would replace that entry; here a second layer under one name is a mistake
     /// reported, not a silent replacement).
     pub fn add_module(
@@ -584,7 +584,7 @@ impl<M> ModuleDict<M> {
     /// Inserts `module` under `key`, returning the module it replaces (which keeps its position).
     ///
     /// As PyTorch's `add_module` (`torch/nn/modules/module.py`), an empty key or one containing `.`
-    /// is refused ([`Error::InvalidKey`](crate::Error::InvalidKey)): it would make paths
+    /// is refused ([`Error::InvalidKey`](module_core::Error::InvalidKey)): it would make paths
     /// ambiguous (`heads.a.b.weight`). So is a key containing `*`, which a path pattern would
     /// read as a wildcard.
     pub fn insert(&mut self, key: impl Into<String>, module: M) -> crate::Result<Option<M>> {

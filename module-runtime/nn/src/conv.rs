@@ -24,12 +24,12 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::device::check_input_device;
-use crate::error::{Error, Result};
-use crate::nn::common::{
+use crate::common::{
     add_channel_bias, add_channel_bias_to_fresh, fit_param, forward_by_value, input_shape_error,
     lazy_param, param_tensor, uniform_fan_in, PerDim, Size,
 };
+use crate::device::check_input_device;
+use crate::error::{Error, Result};
 use crate::{Forward, Init, Module, Param};
 
 /// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
@@ -329,6 +329,7 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 ///
 /// Typed paths into it: [`ConvPath`], from [`Conv::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Conv<const D: usize> {
     /// `[out_channels, in_channels / groups, *kernel_size]`.
@@ -472,6 +473,7 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
 ///
 /// Typed paths into it: [`ConvTranspose2dPath`], from [`ConvTranspose2d::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct ConvTranspose2d {
     /// `[in_channels, out_channels / groups, kH, kW]`.
@@ -551,7 +553,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
 /// It *is* a `Conv` whose parameters are unbuilt (it dereferences to it): same parameters, names,
 /// init and computation, built once, at the first call, a [`build`](crate::LazyExt::build) dry run
 /// or a checkpoint load. After that, an input with another number of channels is an
-/// [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both shapes.
+/// [`Error::LazyInput`](module_core::Error::LazyInput) naming the layer and both shapes.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -565,6 +567,7 @@ impl Forward<&Tensor> for ConvTranspose2d {
 ///
 /// Typed paths into it: [`LazyConvPath`], from [`LazyConv::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LazyConv<const D: usize> {
     #[module(flatten)]

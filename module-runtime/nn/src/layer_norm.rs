@@ -1,18 +1,18 @@
 //! Normalization over the last dimensions: `LayerNorm`, its lazy twin `LazyLayerNorm`, and
 //! `RmsNorm`.
 //!
-//! See the [`nn`](crate::nn) docs for when candle's fused kernels run. Half-precision inputs (`f16`,
+//! See the [`nn`](crate) docs for when candle's fused kernels run. Half-precision inputs (`f16`,
 //! `bf16`) are normalized in `f32` and converted back, as PyTorch does.
 
 use candle_core::{DType, Device, Shape, Tensor, D};
 
-use crate::device::check_input_device;
-use crate::error::Result;
-use crate::nn::common::{
+use crate::common::{
     compute_dtype, forward_by_value, input_shape_error, layer_param, lazy_param, param_tensor,
     standardize_last_dim,
 };
-use crate::nn::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
+use crate::device::check_input_device;
+use crate::error::Result;
+use crate::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
 use crate::{Forward, Init, Module, ModuleExt, Param};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -61,7 +61,7 @@ impl LayerNormConfig {
 /// `weight` (ones) and `bias` (zeros), each of shape `normalized_shape`, when the layer is
 /// elementwise-affine. The input is `[…, *normalized_shape]`; the output has its shape.
 ///
-/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs for when candle's fused
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate) docs for when candle's fused
 /// kernel is used.
 ///
 /// ```
@@ -76,6 +76,7 @@ impl LayerNormConfig {
 ///
 /// Typed paths into it: [`LayerNormPath`], from [`LayerNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LayerNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
@@ -128,9 +129,9 @@ impl LayerNorm {
     /// own that the norm reads back. This is the "add & norm" after a transformer's attention and
     /// feed-forward blocks.
     ///
-    /// The fused pass runs when nothing records a gradient ([`no_grad`](crate::no_grad) or frozen
+    /// The fused pass runs when nothing records a gradient ([`no_grad`](module_core::no_grad) or frozen
     /// parameters), on contiguous float32 CPU tensors of one shape, with no hooks attached and
-    /// fusion not turned off ([`without_fusion`](crate::nn::without_fusion)); it agrees with the
+    /// fusion not turned off ([`without_fusion`](crate::without_fusion)); it agrees with the
     /// unfused path within float32 rounding (it takes the variance as the mean of squared
     /// deviations, as PyTorch does, where candle's kernel takes `E[x²] - E[x]²`). Otherwise this is
     /// the sum and the call.
@@ -259,7 +260,7 @@ fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
 /// Same parameters, names, init and computation as `LayerNorm`: `weight` (ones) and `bias`
 /// (zeros) of the normalized shape, built once, at the first call, a
 /// [`build`](crate::LazyExt::build) dry run or a checkpoint load. After that, an input whose last
-/// dimensions differ is an [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and both
+/// dimensions differ is an [`Error::LazyInput`](module_core::Error::LazyInput) naming the layer and both
 /// shapes. Without the affine parameters there is nothing to build, and any input is normalized
 /// over its last `num_dims` dimensions. (Unlike the other lazy layers it is not a `LayerNorm` with
 /// unbuilt parameters: a `LayerNorm` knows its normalized shape, which this layer learns from each
@@ -276,6 +277,7 @@ fn flat(p: Option<Tensor>) -> Result<Option<Tensor>> {
 ///
 /// Typed paths into it: [`LazyLayerNormPath`], from [`LazyLayerNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LazyLayerNorm {
     /// The normalized shape, if the layer is elementwise-affine; unbuilt until it is known.
@@ -365,7 +367,7 @@ impl Default for RmsNormConfig {
 /// ([`RmsNorm::DEFAULT_EPS_F32`] for float32). The input is `[…, *normalized_shape]`; the output has
 /// its shape.
 ///
-/// Differentiable whenever a gradient is needed; see the [`nn`](crate::nn) docs.
+/// Differentiable whenever a gradient is needed; see the [`nn`](crate) docs.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -381,6 +383,7 @@ impl Default for RmsNormConfig {
 ///
 /// Typed paths into it: [`RmsNormPath`], from [`RmsNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct RmsNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
@@ -591,7 +594,7 @@ mod tests {
             assert!(max_diff(&tracked, &unfused_with_graph) < 1e-5);
             let _inference = crate::no_grad();
             let fused = ln.call_residual(&x, &residual)?;
-            let unfused = crate::nn::without_fusion(|| ln.call_residual(&x, &residual))?;
+            let unfused = crate::without_fusion(|| ln.call_residual(&x, &residual))?;
             assert_eq!(fused.dims(), x.dims());
             assert!(max_diff(&fused, &unfused) < 1e-5, "{ln:?}");
         }

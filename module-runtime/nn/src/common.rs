@@ -30,7 +30,7 @@ pub(crate) use forward_by_value;
 
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
 /// (`[3, 5]`), or for two dimensions as `(height, width)`: PyTorch's "int or tuple" arguments
-/// (`kernel_size` of [`Conv2d`](crate::nn::Conv2d), [`MaxPool2d`](crate::nn::MaxPool2d), …).
+/// (`kernel_size` of [`Conv2d`](crate::Conv2d), [`MaxPool2d`](crate::MaxPool2d), …).
 pub trait Size<const N: usize> {
     /// The size along each dimension.
     fn dims(self) -> [usize; N];

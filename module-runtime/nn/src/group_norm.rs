@@ -2,11 +2,11 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::device::check_input_device;
-use crate::error::{Error, Result};
-use crate::nn::common::{
+use crate::common::{
     compute_dtype, forward_by_value, input_shape_error, per_channel, standardize_last_dim,
 };
+use crate::device::check_input_device;
+use crate::error::{Error, Result};
 use crate::Init;
 use crate::{Forward, Module, Param};
 
@@ -50,6 +50,7 @@ impl Default for GroupNormConfig {
 ///
 /// Typed paths into it: [`GroupNormPath`], from [`GroupNorm::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct GroupNorm {
     /// `[num_channels]`, if affine.

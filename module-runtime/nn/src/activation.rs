@@ -11,8 +11,8 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::common::{forward_by_value, resolve_dim};
 use crate::error::Result;
-use crate::nn::common::{forward_by_value, resolve_dim};
 use crate::{Forward, Mode, Module};
 
 /// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
@@ -22,6 +22,7 @@ use crate::{Forward, Mode, Module};
 ///
 /// Typed paths into it: [`ReLUPath`], from [`ReLU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct ReLU {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
@@ -68,6 +69,7 @@ pub enum GeluApproximation {
 ///
 /// Typed paths into it: [`GELUPath`], from [`GELU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct GELU {
     /// Which formula to use.
@@ -180,6 +182,7 @@ impl candle_core::CustomOp1 for VectorizedGeluErf {
 ///
 /// Typed paths into it: [`SiLUPath`], from [`SiLU::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct SiLU {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
@@ -205,6 +208,7 @@ impl Forward<&Tensor> for SiLU {
 ///
 /// Typed paths into it: [`SigmoidPath`], from [`Sigmoid::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Sigmoid {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
@@ -231,6 +235,7 @@ impl Forward<&Tensor> for Sigmoid {
 ///
 /// Typed paths into it: [`TanhPath`], from [`Tanh::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Tanh {
     /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
@@ -290,6 +295,7 @@ pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
 ///
 /// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Softmax {
     /// The dimension the probabilities sum to one along (negative counts from the end).
@@ -316,6 +322,7 @@ impl Forward<&Tensor> for Softmax {
 ///
 /// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LogSoftmax {
     /// The dimension to normalize along (negative counts from the end).
@@ -353,6 +360,7 @@ impl Forward<&Tensor> for LogSoftmax {
 ///
 /// Typed paths into it: [`ActivationPath`], from [`Activation::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub enum Activation {
     /// [`ReLU`].

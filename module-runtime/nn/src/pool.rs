@@ -18,8 +18,8 @@ use std::marker::PhantomData;
 
 use candle_core::{Tensor, D};
 
+use crate::common::{forward_by_value, input_shape_error, PerDim, Size};
 use crate::error::{Error, Result};
-use crate::nn::common::{forward_by_value, input_shape_error, PerDim, Size};
 use crate::{Forward, Module};
 
 /// How a [`MaxPool2d`] or [`AvgPool2d`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -48,7 +48,7 @@ pub struct Pool2dConfig {
     pub padding: PerDim,
     /// Spacing between the elements of a window (default 1). `MaxPool2d` only: PyTorch's
     /// `AvgPool2d` has no dilation, and an `AvgPool2d` with one is an
-    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig).
+    /// [`Error::InvalidConfig`](module_core::Error::InvalidConfig).
     pub dilation: PerDim,
     /// Whether the output size rounds up (default `false`): a last, partial window is added when
     /// it starts inside the input or its left padding.
@@ -160,6 +160,7 @@ impl Reduction for Avg {
 ///
 /// Typed paths into it: [`Pool2dPath`], from [`Pool2d::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Pool2d<R> {
     /// Window size `(kH, kW)`.

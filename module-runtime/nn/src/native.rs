@@ -2,7 +2,7 @@
 //!
 //! - [`Functional`] turns any function of a tensor, or any parameterless `candle_core::Module`
 //!   (`candle_nn::Activation`, a closure), into a leaf module, so it can sit in a
-//!   [`Sequential`](crate::nn::Sequential) or a derived struct.
+//!   [`Sequential`](crate::Sequential) or a derived struct.
 //! - [`Native`] wraps one of candle-nn's own layers with weights (`Linear`, `Embedding`,
 //!   `LayerNorm`, `Conv1d`, `Conv2d`) so that its weights appear in traversal, state dicts and
 //!   `trainable_vars` as [`Param`]s, under PyTorch's names.

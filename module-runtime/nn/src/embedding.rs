@@ -2,9 +2,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::common::forward_by_value;
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::nn::common::forward_by_value;
 use crate::Init;
 use crate::{Forward, Module, Param};
 
@@ -25,6 +25,7 @@ use crate::{Forward, Module, Param};
 ///
 /// Typed paths into it: [`EmbeddingPath`], from [`Embedding::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.

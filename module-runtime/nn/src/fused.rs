@@ -5,16 +5,16 @@
 //! so nothing records a gradient), with no hooks attached (hooks must see each module's own output)
 //! and with fusion enabled ([`without_fusion`] turns it off, to compare or to measure). Everywhere
 //! else the layers take their unfused path, which the fused one matches: bit for bit for the bias
-//! and activation ([`Linear::call_then`](crate::nn::Linear::call_then)), within float32 rounding for
-//! the norm ([`LayerNorm::call_residual`](crate::nn::LayerNorm::call_residual)).
+//! and activation ([`Linear::call_then`](crate::Linear::call_then)), within float32 rounding for
+//! the norm ([`LayerNorm::call_residual`](crate::LayerNorm::call_residual)).
 
 use std::cell::Cell;
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::common::{can_add_bias_in_place, f32_slice, f32_slice_mut, is_plain_cpu_f32};
 use crate::error::Result;
-use crate::nn::common::{can_add_bias_in_place, f32_slice, f32_slice_mut, is_plain_cpu_f32};
 use crate::{Forward, Module};
 
 thread_local! {
@@ -64,17 +64,17 @@ pub(crate) fn fusion_applies() -> bool {
 #[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elementwise {
-    /// [`ReLU`](crate::nn::ReLU): `max(x, 0)`.
+    /// [`ReLU`](crate::ReLU): `max(x, 0)`.
     Relu,
-    /// The exact [`GELU`](crate::nn::GELU), with its vectorized `erf`.
+    /// The exact [`GELU`](crate::GELU), with its vectorized `erf`.
     GeluErf,
-    /// The tanh-approximated [`GELU`](crate::nn::GELU).
+    /// The tanh-approximated [`GELU`](crate::GELU).
     GeluTanh,
-    /// [`SiLU`](crate::nn::SiLU): `x / (1 + e⁻ˣ)`.
+    /// [`SiLU`](crate::SiLU): `x / (1 + e⁻ˣ)`.
     Silu,
-    /// [`Sigmoid`](crate::nn::Sigmoid): `1 / (e⁻ˣ + 1)`.
+    /// [`Sigmoid`](crate::Sigmoid): `1 / (e⁻ˣ + 1)`.
     Sigmoid,
-    /// [`Tanh`](crate::nn::Tanh).
+    /// [`Tanh`](crate::Tanh).
     Tanh,
 }
 
@@ -97,7 +97,7 @@ impl Elementwise {
     pub fn apply_f32(self, x: f32) -> f32 {
         match self {
             Self::Relu => x.max(0.0),
-            Self::GeluErf => crate::nn::activation::gelu_erf_vectorized(x),
+            Self::GeluErf => crate::activation::gelu_erf_vectorized(x),
             Self::GeluTanh => {
                 0.5 * x * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * x * (1.0 + 0.044715 * x * x)))
             }
@@ -114,10 +114,10 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// An activation layer that [`Linear::call_then`](crate::nn::Linear::call_then) can fuse with the
-/// bias add before it: [`ReLU`](crate::nn::ReLU), [`GELU`](crate::nn::GELU) (exact or tanh),
-/// [`SiLU`](crate::nn::SiLU), [`Sigmoid`](crate::nn::Sigmoid), [`Tanh`](crate::nn::Tanh), and
-/// [`Activation`](crate::nn::Activation) holding one of those (holding a softmax, it runs unfused).
+/// An activation layer that [`Linear::call_then`](crate::Linear::call_then) can fuse with the
+/// bias add before it: [`ReLU`](crate::ReLU), [`GELU`](crate::GELU) (exact or tanh),
+/// [`SiLU`](crate::SiLU), [`Sigmoid`](crate::Sigmoid), [`Tanh`](crate::Tanh), and
+/// [`Activation`](crate::Activation) holding one of those (holding a softmax, it runs unfused).
 pub trait ElementwiseActivation:
     sealed::Sealed + Module + for<'a> Forward<&'a Tensor, Output = Tensor>
 {
@@ -138,7 +138,7 @@ macro_rules! elementwise_activation {
     )*};
 }
 
-use crate::nn::{Activation, GeluApproximation, ReLU, SiLU, Sigmoid, Tanh, GELU};
+use crate::{Activation, GeluApproximation, ReLU, SiLU, Sigmoid, Tanh, GELU};
 
 elementwise_activation! {
     ReLU => |_s| Some(Elementwise::Relu),

@@ -3,14 +3,14 @@
 //!
 //! Three pieces, from the bottom up:
 //!
-//! - **Lazy parameters and buffers** ([`Param::lazy`], [`Buffer::lazy`]): a [`LazyShape`] with
-//!   unknown dimensions and an [`Init`] recipe, materialized exactly once
+//! - **Lazy parameters and buffers** ([`Param::lazy`], [`Buffer::lazy`](module_core::Buffer::lazy)): a [`LazyShape`](module_core::LazyShape) with
+//!   unknown dimensions and an [`Init`](module_core::Init) recipe, materialized exactly once
 //!   ([`Param::materialize`]) by whichever thread gets there first. Until then they are *unbuilt*:
 //!   traversal lists them ([`Param::is_built`] says which), `to_device`/`to_dtype` record the
 //!   target, loading a checkpoint materializes them from its shapes, and
 //!   [`trainable_vars`](crate::ModuleExt::trainable_vars), [`state_dict`](crate::ModuleExt::state_dict)
-//!   and saving fail with [`Error::Unbuilt`](crate::Error::Unbuilt), listing every unbuilt path. The lazy layers of
-//!   [`nn`](crate::nn) (`LazyLinear`, `LazyConv2d`, …) are built on them.
+//!   and saving fail with [`Error::Unbuilt`](module_core::Error::Unbuilt), listing every unbuilt path. The lazy layers of
+//!   [`nn`](crate) (`LazyLinear`, `LazyConv2d`, …) are built on them.
 //! - **[`Lazy<M>`]**: a field holding a submodule that a module of your own builds from its first
 //!   input, once, with no interior mutability in your code; [`Build`] is the Keras-style way to
 //!   write that build next to `forward`.

@@ -28,9 +28,43 @@
 //! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `RnnBase<LstmGates>`, [`LstmCell`] is
 //! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Summaries,
 //! `Debug` and type errors show PyTorch's class name (`BatchNorm1d`, `Conv2d`, `MaxPool2d`, `LSTM`,
-//! `GRUCell`, …), not the generic one; [`Module::type_name`](crate::Module::type_name) is still the
+//! `GRUCell`, …), not the generic one; [`Module::type_name`] is still the
 //! Rust name. A lazy layer is its eager twin with unbuilt parameters, which it
 //! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
+
+//! # This crate
+//!
+//! `module-nn` is the layer crate of [`module-runtime`](https://docs.rs/module-runtime), which
+//! re-exports it as `module_runtime::nn` (and its lazy modules and [`Recurrent`] at
+//! `module_runtime`'s root). It builds on `module-core`, `module-state` and `module-hooks`,
+//! which cannot name it.
+#![warn(missing_docs)]
+
+// The lower crates' modules and items, under the names this crate's files use
+// (`crate::module::Module`, `crate::Param`).
+use module_core::{
+    device, error, forward, identity, module, param, path, trace, typed_path, views, walk,
+};
+use module_core::{
+    is_grad_enabled, short_type_name, Buffer, Forward, Init, LazyShape, Mode, Module, Param, Result,
+};
+use module_hooks::{ext, hooks, tensor_tree};
+use module_hooks::{ModuleExt, TensorStruct, TensorTree};
+// What the unit tests name by `crate::`.
+#[cfg(test)]
+use module_core::{no_grad, without_grad, Error};
+// The derive, beside the trait of the same name (the layers write `#[derive(Module)]`).
+use module_derive::Module;
+
+#[doc(hidden)]
+pub mod lazy;
+#[doc(hidden)]
+pub mod recurrent;
+
+#[doc(hidden)]
+pub use lazy::{Build, Lazy, LazyExt};
+#[doc(hidden)]
+pub use recurrent::Recurrent;
 
 mod common;
 mod fused;

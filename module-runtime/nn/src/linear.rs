@@ -2,13 +2,13 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::device::check_input_device;
-use crate::error::Result;
-use crate::nn::common::{
+use crate::common::{
     add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, lazy_param,
     param_tensor, uniform_fan_in,
 };
-use crate::nn::fused::{
+use crate::device::check_input_device;
+use crate::error::Result;
+use crate::fused::{
     bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
 };
 use crate::{Forward, Init, Module, ModuleExt, Param};
@@ -29,6 +29,7 @@ use crate::{Forward, Init, Module, ModuleExt, Param};
 ///
 /// Typed paths into it: [`LinearPath`], from [`Linear::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct Linear {
     /// `[out_features, in_features]`.
@@ -117,13 +118,13 @@ impl Linear {
     /// float32 inference in one pass: the bias is added and the activation applied together, in
     /// place, in the matmul's fresh output, instead of one pass and one fresh output each.
     ///
-    /// The fused pass runs when nothing records a gradient ([`no_grad`](crate::no_grad) or frozen
+    /// The fused pass runs when nothing records a gradient ([`no_grad`](module_core::no_grad) or frozen
     /// parameters), on float32 CPU tensors, with no hooks attached (hooks see each module's own
     /// output, so both are called as usual) and fusion not turned off
-    /// ([`without_fusion`](crate::nn::without_fusion)); its result is the unfused one bit for bit.
+    /// ([`without_fusion`](crate::without_fusion)); its result is the unfused one bit for bit.
     /// Otherwise, and for an activation that is not elementwise (an
-    /// [`Activation`](crate::nn::Activation) holding a softmax), this is the two calls.
-    /// [`Sequential`](crate::nn::Sequential) uses it for a `Linear` followed by an activation.
+    /// [`Activation`](crate::Activation) holding a softmax), this is the two calls.
+    /// [`Sequential`](crate::Sequential) uses it for a `Linear` followed by an activation.
     ///
     /// ```
     /// use module_runtime::prelude::*;
@@ -222,7 +223,7 @@ fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 /// names, init and computation (`weight` `[out_features, in_features]`, `bias`
 /// `[out_features]`), built once, at the first call, a [`build`](crate::LazyExt::build) dry run
 /// or a checkpoint load (which takes `in_features` from the checkpoint). After that, an input with
-/// another last dimension is an [`Error::LazyInput`](crate::Error::LazyInput) naming the layer and
+/// another last dimension is an [`Error::LazyInput`](module_core::Error::LazyInput) naming the layer and
 /// both shapes.
 ///
 /// ```
@@ -238,6 +239,7 @@ fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
 ///
 /// Typed paths into it: [`LazyLinearPath`], from [`LazyLinear::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct LazyLinear {
     #[module(flatten)]
@@ -348,7 +350,7 @@ mod tests {
         Ok(())
     }
 
-    use crate::nn::{
+    use crate::{
         without_fusion, Activation, Elementwise, ElementwiseActivation, ReLU, Sequential, SiLU,
         Sigmoid, Tanh, GELU,
     };

@@ -60,6 +60,7 @@ impl Default for RnnConfig {
 ///
 /// Typed paths into it: [`RnnBasePath`], from [`RnnBase::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
 #[module(paths)]
 pub struct RnnBase<G> {
     #[module(flatten)]
