@@ -45,71 +45,51 @@
 //! candle's.
 #![warn(missing_docs)]
 
-// The runtime's own layers use the derive, whose expansion names `::module_runtime`.
-extern crate self as module_runtime;
-
-// The layers, bottom up. The core (Module, Param/Buffer, the walk, names, paths, patterns,
-// identity, the functional scope, errors with all their payloads) is the crate `module-core`;
-// state dicts and files (StateDict, LoadOptions, .pth and safetensors, checkpoints) are
-// `module-state`, on the core; calls and hooks (TensorTree, Hooks, Captures, Dataflow) and
-// ModuleExt are `module-hooks`, on both. None of them can name anything here. The files still in this crate are the layers above it, moving
-// into crates of their own (issue 27):
-//   functional/, distributed/                         functional calls, data-parallel training
-// The core's modules, under the names the files above it use (`crate::param::Param`).
-use module_core::{
-    buffer, error, forward, identity, module, names, param, report, scope, views, walk,
-};
-// The state layer's modules (`module-state`), likewise.
-use module_state::{state, suggest};
-// The hooks layer's modules (`module-hooks`), likewise.
-use module_hooks::{ext, hooks, tensor_tree};
+// This crate is the façade: the runtime is seven crates, one per layer, and the compiler holds
+// their direction (a crate cannot name one above it). Bottom up:
+//
+//   module-core        Module, Param/Buffer/Mode, identity, lazy cells, the walk, names, paths,
+//                      patterns, typed paths, the functional scope, grad mode, Forward, summaries,
+//                      and Error with every payload it carries (load reports, key rules, ...)
+//   module-state       StateDict, LoadOptions, the all-or-nothing load, .pth and safetensors
+//                      files, Checkpoint                                         (on core)
+//   module-hooks       TensorTree, Hooks, Captures, Dataflow, and ModuleExt, the methods every
+//                      module has                                         (on core, state)
+//   module-nn          the layers, Lazy, Recurrent                   (on core, state, hooks)
+//   module-functional  FunctionalExt: functional_call, call_and_update, deep_clone, flatten,
+//                      expect_outputs                                (on core, state, hooks)
+//   module-distributed DistributedDataParallel, collectives, DistributedSampler
+//                                                                           (on core, hooks)
+//   module-optim       optimizers, schedules, clipping (on this façade; not re-exported here)
+//
+// Every public item keeps the path it had before the split (`module_runtime::Param`,
+// `module_runtime::nn::Linear`, `module_runtime::distributed::Mpi`).
+pub use module_core::typed_path;
+/// Data-parallel training (the crate `module-distributed`).
+pub use module_distributed as distributed;
 /// Layers, written with `#[derive(Module)]`, with PyTorch's names, parameters and defaults (the
 /// crate `module-nn`).
 pub use module_nn as nn;
-pub mod distributed;
-mod functional;
 
-pub use functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
-pub use module_core::buffer::Buffer;
-pub use module_core::device::{device_name, parse_device};
-pub use module_core::error::{Error, Result};
-pub use module_core::extra_state::{
-    extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY,
-};
-pub use module_core::forward::Forward;
-pub use module_core::grad_mode::{
-    enable_grad, inference_mode, is_grad_enabled, no_grad, without_grad, GradModeGuard,
-};
 #[doc(hidden)]
-pub use module_core::identity::CallTarget;
-pub use module_core::identity::Shared;
-pub use module_core::lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
-pub use module_core::lazy_shape::LazyShape;
-pub use module_core::module::{Child, ChildMut, Mode, Module, Name};
-pub use module_core::names::Names;
-pub use module_core::param::Param;
-pub use module_core::pattern::PathPattern;
-pub use module_core::report::{LoadReport, Mismatch};
-pub use module_core::summary::{Summary, SummaryRow};
-pub use module_core::type_name::short_type_name;
-pub use module_core::typed_path;
-pub use module_core::typed_path::{HasPath, PathExt, TypedPath};
+pub use module_core::CallTarget;
 pub use module_core::{
-    DistributedError, KeyFix, KeyRule, OutputDivergence, PthErrorKind, Tolerance,
+    build_empty, device_name, empty_weights, enable_grad, extra_state_from_bytes,
+    extra_state_to_bytes, inference_mode, is_grad_enabled, no_grad, parse_device, short_type_name,
+    without_grad, Buffer, Child, ChildMut, EmptyWeightsGuard, Error, ExtraState, Forward,
+    GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode,
+    Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind, Result,
+    Shared, Summary, SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
-pub use module_hooks::ModuleExt;
+pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
 pub use module_hooks::Scope;
 pub use module_hooks::{
-    Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
+    Captures, Dataflow, DataflowEdge, DataflowNode, ForwardHookFn, HookCtx, HookHandle,
+    HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
 };
-pub use module_hooks::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
-pub use module_hooks::{TensorStruct, TensorTree};
-pub use module_nn::Recurrent;
-pub use module_nn::{Build, Lazy, LazyExt};
-pub use module_state::Checkpoint;
-pub use module_state::{IncompatibleKeys, LoadPostHookFn};
-pub use module_state::{LoadOptions, StateDict};
+pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
+pub use module_state::{Checkpoint, IncompatibleKeys, LoadOptions, LoadPostHookFn, StateDict};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///
@@ -173,7 +153,7 @@ pub mod __private {
         tree: T,
         f: &mut dyn FnMut(crate::candle_core::Tensor) -> crate::candle_core::Tensor,
     ) -> T {
-        crate::hooks::dispatch::map_tree(tree, f)
+        module_hooks::hooks::dispatch::map_tree(tree, f)
     }
 
     /// `#[derive(TensorStruct)]`'s `clone_tree`: `Some(clone)` when the struct is `Clone`, `None`

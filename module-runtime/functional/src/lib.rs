@@ -2,6 +2,7 @@
 //! (`torch.func.functional_call`), state as a value (Oryx's `call_and_update`, JAX-style
 //! `flatten`), independent copies (`copy.deepcopy`), and checking submodule outputs against
 //! expected ones (Ivy's `expected_submod_rets`).
+#![warn(missing_docs)]
 
 mod deep_clone;
 mod expect;
@@ -10,6 +11,12 @@ mod flat;
 use std::collections::HashMap;
 
 use candle_core::Tensor;
+
+use module_core::{
+    buffer, error, forward, identity, module, names, param, report, scope, views, walk,
+};
+use module_hooks::{ext, hooks, tensor_tree};
+use module_state::{state, suggest};
 
 use crate::buffer::Buffer;
 use crate::error::{Error, Result};
@@ -22,8 +29,8 @@ use crate::report::{LoadReport, Mismatch};
 use crate::state::StateDict;
 use crate::tensor_tree::TensorTree;
 use crate::walk::{walk, Visit};
-use crate::Captures;
-use crate::Tolerance;
+use module_core::Tolerance;
+use module_hooks::Captures;
 
 use crate::scope::{Frame, ScopeGuard};
 pub use flat::{FlatSpec, TensorSpec};
@@ -68,7 +75,7 @@ impl FunctionalOptions {
 }
 
 /// Functional calls and state as a value, on every [`Module`](trait@Module). In the
-/// [prelude](crate::prelude).
+/// [prelude](../module_runtime/prelude/index.html).
 ///
 /// # How a functional call works
 ///
@@ -93,7 +100,7 @@ pub trait FunctionalExt: Module + Sized {
     /// gradients reach the given tensors): otherwise [`Error::Load`] lists every mismatch, as a
     /// load does, and [`Error::DeviceMismatch`] names a value on another device.
     ///
-    /// A model made under [`empty_weights`](crate::empty_weights), or with unbuilt lazy
+    /// A model made under [`empty_weights`](module_core::empty_weights), or with unbuilt lazy
     /// parameters, can be called when every unbuilt parameter and buffer is given (any shape its
     /// lazy shape accepts), and stays unbuilt (PyTorch's `functional_call` on a model on the
     /// `meta` device); an unbuilt one left out is [`Error::Unbuilt`]. A value given for
@@ -103,7 +110,7 @@ pub trait FunctionalExt: Module + Sized {
     ///
     /// Gradients flow into the given tensors that are candle variables: a backward pass from the
     /// output gives their gradients (the model's own parameters get none where replaced). Under
-    /// [`no_grad`](crate::no_grad) the given tensors are read detached, as parameters are.
+    /// [`no_grad`](module_core::no_grad) the given tensors are read detached, as parameters are.
     ///
     /// ```
     /// use module_runtime::prelude::*;
@@ -261,7 +268,7 @@ pub trait FunctionalExt: Module + Sized {
     /// networks). Every parameter and buffer is copied into a fresh one (a clone of a `Param`
     /// would be the same parameter); weights tied inside the model stay tied in the copy, and
     /// `requires_grad`, persistence and train/eval flags are kept. Hooks, which belong to
-    /// [`Hooks`](crate::Hooks) registries and not to modules, are not copied.
+    /// [`Hooks`](module_hooks::Hooks) registries and not to modules, are not copied.
     ///
     /// Needs `Clone` on the model (derive it next to `Module`). Fails with
     /// [`Error::Unbuilt`] on an unbuilt model, and with [`Error::SharedModule`] when a module
@@ -377,7 +384,7 @@ impl Leaf {
     }
 
     /// The shapes an unbuilt leaf takes; `None` once built.
-    fn lazy_shape(&self) -> Option<crate::LazyShape> {
+    fn lazy_shape(&self) -> Option<module_core::LazyShape> {
         match self {
             Leaf::Param(p) => p.lazy_shape(),
             Leaf::Buffer(b) => b.lazy_shape(),

@@ -144,7 +144,7 @@ pub fn plan_buckets(tensors: &[(DType, usize)], cap_bytes: usize) -> Vec<Vec<usi
 ///   so `model.state_dict()` keys are the model's own (`fc1.weight`), not PyTorch's
 ///   `module.fc1.weight`. Checkpoints saved from a data-parallel run load into a plain model and
 ///   the other way round with no key remapping. A PyTorch DDP checkpoint needs its `module.`
-///   prefix stripped (a key rule in [`LoadOptions`](crate::LoadOptions)).
+///   prefix stripped (a key rule in [`LoadOptions`](../module_runtime/struct.LoadOptions.html)).
 /// * **No overlap with backward**: candle's `backward` returns all gradients at once and has no
 ///   per-gradient hooks, so the all-reduce runs after it. Buckets keep the model order (PyTorch
 ///   reverses it to follow backward, and has a small first bucket, both for overlap only).

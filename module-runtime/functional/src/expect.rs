@@ -9,7 +9,7 @@ use candle_core::{DType, Shape, Tensor};
 use crate::error::{Error, Result};
 use crate::hooks::{Captures, HookOptions, Hooks, PreHookOptions};
 use crate::module::Module;
-use crate::{OutputDivergence, Tolerance};
+use module_core::{OutputDivergence, Tolerance};
 
 /// A diverging call, with when it started among the checked calls.
 struct Divergence {

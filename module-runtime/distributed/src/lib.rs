@@ -36,6 +36,15 @@
 //!
 //! With a mean loss, the averaged gradient of `world` ranks on equal parts of a batch is the
 //! gradient of the whole batch, so the run matches a single process on the full batch.
+#![warn(missing_docs)]
+
+// The lower crates' modules and items, under the names this crate's files use
+// (`crate::views::ensure_built`, `crate::Param`).
+#[cfg(feature = "nccl")]
+use module_core::parse_device;
+use module_core::views;
+use module_core::{Buffer, Error, Forward, Module, Param, Result};
+use module_hooks::{ModuleExt, TensorTree};
 
 mod collective;
 mod ddp;
