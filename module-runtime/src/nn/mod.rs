@@ -91,6 +91,24 @@ pub use layer_norm::{
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
 
+// The rest of PyTorch's activations (issue 29).
+mod activation_param;
+mod activation_piecewise;
+mod activation_smooth;
+
+pub use activation_param::{
+    GLUPath, PReLU, PReLUConfig, PReLUPath, Softmax2d, Softmax2dPath, Softmin, SoftminPath, GLU,
+};
+pub use activation_piecewise::{
+    CELUPath, ELUPath, Hardsigmoid, HardsigmoidPath, Hardswish, HardswishPath, Hardtanh,
+    HardtanhPath, LeakyReLU, LeakyReLUPath, ReLU6, ReLU6Path, SELUPath, Threshold, ThresholdPath,
+    CELU, ELU, SELU,
+};
+pub use activation_smooth::{
+    LogSigmoid, LogSigmoidPath, Mish, MishPath, Softplus, SoftplusPath, Softsign, SoftsignPath,
+    Tanhshrink, TanhshrinkPath,
+};
+
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,
 /// type errors). Also `RmsNorm`, which PyTorch spells `RMSNorm`.

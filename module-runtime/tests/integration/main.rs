@@ -2,6 +2,8 @@
 //! its own, and each linked candle again): a file is one area, its tests are named `area::test`.
 
 mod conv_options;
+mod nn_activations;
+mod nn_fixture;
 mod pool_options;
 mod pth_files;
 mod pth_hostile;
