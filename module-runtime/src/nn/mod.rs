@@ -109,12 +109,27 @@ pub use activation_smooth::{
     Tanhshrink, TanhshrinkPath,
 };
 
+// Shape, padding and resampling layers (issue 29).
+mod padding;
+mod shape;
+
+pub use padding::{
+    Circular, CircularPad1d, CircularPad2d, CircularPad3d, Constant, ConstantPad1d, ConstantPad2d,
+    ConstantPad3d, Pad, PadMode, PadPath, Padding, Reflect, ReflectionPad1d, ReflectionPad2d,
+    ReflectionPad3d, Replicate, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, ZeroPad1d,
+    ZeroPad2d, ZeroPad3d, Zeros,
+};
+pub use shape::{
+    Flatten, FlattenPath, Identity, IdentityPath, PixelShuffle, PixelShufflePath, PixelUnshuffle,
+    PixelUnshufflePath, Unflatten, UnflattenPath,
+};
+
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,
 /// type errors). Also `RmsNorm`, which PyTorch spells `RMSNorm`.
-pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 15] {
+pub(crate) fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
     use std::any::type_name;
-    [
+    let layers = [
         (type_name::<BatchNorm1d>(), "BatchNorm1d"),
         (type_name::<BatchNorm2d>(), "BatchNorm2d"),
         (type_name::<LazyBatchNorm1d>(), "LazyBatchNorm1d"),
@@ -130,5 +145,6 @@ pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 15] {
         (type_name::<LstmCell>(), "LSTMCell"),
         (type_name::<GruCell>(), "GRUCell"),
         (type_name::<RmsNorm>(), "RMSNorm"),
-    ]
+    ];
+    layers.into_iter().chain(padding::pytorch_names())
 }

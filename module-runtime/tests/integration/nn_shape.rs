@@ -1,0 +1,95 @@
+//! PyTorch's shape and padding layers (issue 29), forward and input gradients against the
+//! fixtures of `fixtures/make_nn_fixtures.py`, their names in summaries, and their errors.
+
+use candle_core::{DType, Device, Tensor};
+use module_runtime::nn::{
+    CircularPad1d, CircularPad2d, ConstantPad1d, ConstantPad2d, ConstantPad3d, Flatten, Identity,
+    PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d, ReflectionPad3d,
+    ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, Unflatten, ZeroPad2d,
+};
+use module_runtime::{short_type_name, Error, ModuleExt};
+
+use crate::nn_fixture::check_unary;
+
+#[test]
+fn shape_layers_match_pytorch() {
+    check_unary("flatten", &Flatten::new());
+    check_unary("flatten_range", &Flatten::with_dims(0, 2));
+    check_unary("unflatten", &Unflatten::new(1, [2, 3]));
+    check_unary("identity", &Identity::new());
+    check_unary("pixel_shuffle", &PixelShuffle::new(2));
+    check_unary("pixel_unshuffle", &PixelUnshuffle::new(2));
+}
+
+#[test]
+fn padding_layers_match_pytorch() {
+    check_unary("zero_pad2d", &ZeroPad2d::new((1, 2, 0, 3)));
+    check_unary("constant_pad1d", &ConstantPad1d::new(2, 3.5));
+    check_unary("constant_pad2d", &ConstantPad2d::new((1, 0, 2, 1), -1.0));
+    check_unary("constant_pad3d", &ConstantPad3d::new(1, 0.5));
+    check_unary("reflection_pad1d", &ReflectionPad1d::new((2, 1)));
+    check_unary("reflection_pad2d", &ReflectionPad2d::new([1, 3, 2, 0]));
+    check_unary("reflection_pad3d", &ReflectionPad3d::new(1));
+    check_unary("replication_pad1d", &ReplicationPad1d::new((3, 1)));
+    check_unary("replication_pad2d", &ReplicationPad2d::new((2, 1, 0, 3)));
+    check_unary(
+        "replication_pad3d",
+        &ReplicationPad3d::new((1, 0, 2, 1, 0, 2)),
+    );
+    check_unary("circular_pad1d", &CircularPad1d::new((2, 1)));
+    check_unary("circular_pad2d", &CircularPad2d::new((1, 2, 2, 0)));
+}
+
+#[test]
+fn padding_layers_have_pytorch_names() {
+    let name = |n: &str| short_type_name(n);
+    assert_eq!(name(std::any::type_name::<ZeroPad2d>()), "ZeroPad2d");
+    assert_eq!(
+        name(std::any::type_name::<ReflectionPad1d>()),
+        "ReflectionPad1d"
+    );
+    assert_eq!(
+        name(std::any::type_name::<Vec<ReplicationPad3d>>()),
+        "Vec<ReplicationPad3d>"
+    );
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_naming_the_shapes() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((1, 2, 3), DType::F32, &dev).unwrap();
+    // Reflection needs each padding smaller than the dimension.
+    let err = ReflectionPad1d::new(3).call(&x).unwrap_err();
+    assert!(
+        matches!(
+            err.inner(),
+            Error::InputShape {
+                layer: "ReflectionPad1d",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[1, 2, 3]"), "{err}");
+    // A 2-D reflection pad takes [C, H, W] or [N, C, H, W].
+    let flat = Tensor::zeros(5, DType::F32, &dev).unwrap();
+    let err = ReflectionPad2d::new(1).call(&flat).unwrap_err();
+    assert!(err.to_string().contains("[N, C, H, W]"), "{err}");
+    // Constant padding takes any rank of at least N.
+    assert_eq!(
+        ConstantPad2d::new(1, 0.0)
+            .call(&x.squeeze(0).unwrap())
+            .unwrap()
+            .dims(),
+        [4, 5]
+    );
+
+    let err = PixelShuffle::new(2).call(&x).unwrap_err();
+    assert!(err.to_string().contains("[1, 2, 3]"), "{err}");
+    let err = PixelUnshuffle::new(2).call(&x).unwrap_err();
+    assert!(err.to_string().contains("divisible by 2"), "{err}");
+    let err = Unflatten::new(1, [3, -1]).call(&x).unwrap_err();
+    assert!(err.to_string().contains("Unflatten"), "{err}");
+    assert!(Flatten::with_dims(2, 1).call(&x).is_err());
+    assert!(Flatten::with_dims(0, 5).call(&x).is_err());
+}
