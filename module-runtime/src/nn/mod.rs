@@ -112,6 +112,7 @@ pub use activation_smooth::{
 // Shape, padding and resampling layers (issue 29).
 mod padding;
 mod shape;
+mod upsample;
 
 pub use padding::{
     Circular, CircularPad1d, CircularPad2d, CircularPad3d, Constant, ConstantPad1d, ConstantPad2d,
@@ -123,6 +124,7 @@ pub use shape::{
     Flatten, FlattenPath, Identity, IdentityPath, PixelShuffle, PixelShufflePath, PixelUnshuffle,
     PixelUnshufflePath, Unflatten, UnflattenPath,
 };
+pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,

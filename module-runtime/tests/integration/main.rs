@@ -5,6 +5,7 @@ mod conv_options;
 mod nn_activations;
 mod nn_fixture;
 mod nn_shape;
+mod nn_upsample;
 mod pool_options;
 mod pth_files;
 mod pth_hostile;

@@ -1,0 +1,81 @@
+//! `Upsample` (issue 29): nearest, nearest to a fractional scale, bilinear with and without
+//! `align_corners`, to a `size` or by a `scale_factor`, forward and input gradients against the
+//! fixtures of `fixtures/make_nn_fixtures.py`; and its errors.
+
+use candle_core::{DType, Device, Tensor};
+use module_runtime::nn::{Upsample, UpsampleMode, UpsampleTarget};
+use module_runtime::{Error, ModuleExt};
+
+use crate::nn_fixture::check_unary;
+
+const BILINEAR: UpsampleMode = UpsampleMode::Bilinear {
+    align_corners: false,
+};
+const BILINEAR_ALIGNED: UpsampleMode = UpsampleMode::Bilinear {
+    align_corners: true,
+};
+
+#[test]
+fn nearest_matches_pytorch() {
+    use UpsampleMode::Nearest;
+    check_unary(
+        "upsample_nearest_scale",
+        &Upsample::scale_factor(2.0, Nearest),
+    );
+    check_unary("upsample_nearest_size", &Upsample::size([5, 7], Nearest));
+    check_unary(
+        "upsample_nearest_frac",
+        &Upsample::scale_factor(1.5, Nearest),
+    );
+    let legacy = Upsample::upsampling_nearest2d(UpsampleTarget::ScaleFactor(vec![3.0]));
+    check_unary("upsampling_nearest2d", &legacy);
+}
+
+#[test]
+fn bilinear_matches_pytorch() {
+    check_unary(
+        "upsample_bilinear_scale",
+        &Upsample::scale_factor(2.0, BILINEAR),
+    );
+    check_unary("upsample_bilinear_size", &Upsample::size([5, 7], BILINEAR));
+    check_unary(
+        "upsample_bilinear_align",
+        &Upsample::size([5, 7], BILINEAR_ALIGNED),
+    );
+    check_unary(
+        "upsample_bilinear_align_scale",
+        &Upsample::scale_factor(2.0, BILINEAR_ALIGNED),
+    );
+    let legacy = Upsample::upsampling_bilinear2d(UpsampleTarget::Size(vec![4, 5]));
+    check_unary("upsampling_bilinear2d", &legacy);
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_naming_the_shapes() {
+    let dev = Device::Cpu;
+    let flat = Tensor::zeros((2, 3), DType::F32, &dev).unwrap();
+    let err = Upsample::scale_factor(2.0, UpsampleMode::Nearest)
+        .call(&flat)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.inner(),
+            Error::InputShape {
+                layer: "Upsample",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[2, 3]"), "{err}");
+    // Bilinear takes 4-D inputs only; a size per dimension must match the spatial rank.
+    let seq = Tensor::zeros((1, 2, 5), DType::F32, &dev).unwrap();
+    assert!(Upsample::scale_factor(2.0, BILINEAR).call(&seq).is_err());
+    let image = Tensor::zeros((1, 2, 3, 4), DType::F32, &dev).unwrap();
+    assert!(Upsample::size([2, 3, 4], UpsampleMode::Nearest)
+        .call(&image)
+        .is_err());
+    assert!(Upsample::scale_factor(0.1, UpsampleMode::Nearest)
+        .call(&image)
+        .is_err());
+}
