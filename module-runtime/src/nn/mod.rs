@@ -126,6 +126,27 @@ pub use shape::{
 };
 pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 
+// Losses and distances as modules (issue 29); `loss` holds the functional forms.
+mod distance;
+mod loss_classification;
+mod loss_reduction;
+mod loss_regression;
+
+pub use distance::{
+    CosineEmbeddingLoss, CosineEmbeddingLossPath, CosineSimilarity, CosineSimilarityPath,
+    MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,
+    TripletMarginLoss, TripletMarginLossPath,
+};
+pub use loss_classification::{
+    BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,
+    CrossEntropyLoss, CrossEntropyLossPath, NLLLoss, NLLLossPath,
+};
+pub use loss_reduction::LossReduction;
+pub use loss_regression::{
+    HuberLoss, HuberLossPath, KLDivLoss, KLDivLossPath, KLDivReduction, L1Loss, L1LossPath,
+    MSELoss, MSELossPath, SmoothL1Loss, SmoothL1LossPath,
+};
+
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is, for [`short_type_name`](crate::short_type_name) (summaries, `Debug`,
 /// type errors). Also `RmsNorm`, which PyTorch spells `RMSNorm`.

@@ -4,6 +4,7 @@
 mod conv_options;
 mod nn_activations;
 mod nn_fixture;
+mod nn_losses;
 mod nn_shape;
 mod nn_upsample;
 mod pool_options;

@@ -98,3 +98,10 @@ fn bad_inputs_are_typed_errors_naming_the_shapes() {
     assert!(err.to_string().contains("[N, C, H, W]"), "{err}");
     assert!(Softmin::new(2).call(&odd).is_err());
 }
+
+/// The harness does compare: an `ELU` with another `alpha` than the fixture's fails it.
+#[test]
+#[should_panic(expected = "elu: output")]
+fn the_fixture_check_catches_a_wrong_layer() {
+    check_unary("elu", &ELU::new());
+}

@@ -1,0 +1,234 @@
+//! PyTorch's losses and distances as modules (issue 29), with their options, forward and input
+//! gradients against the fixtures of `fixtures/make_nn_fixtures.py` (class weights and
+//! `pos_weight` load from the fixtures' state dicts by PyTorch's names); and their errors.
+
+use candle_core::{DType, Device, Tensor};
+use module_runtime::nn::{
+    BCELoss, BCEWithLogitsLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
+    CrossEntropyLoss, HuberLoss, KLDivLoss, KLDivReduction, L1Loss, LossReduction, MSELoss,
+    MarginRankingLoss, NLLLoss, PairwiseDistance, SmoothL1Loss, TripletMarginLoss,
+};
+use module_runtime::{Error, Module, ModuleExt, Result};
+
+use crate::nn_fixture::check;
+
+/// Checks a loss of `(input, target)`.
+fn check_pair<L>(case: &str, loss: &L)
+where
+    L: Module + for<'a> module_runtime::Forward<(&'a Tensor, &'a Tensor), Output = Tensor>,
+{
+    check(case, loss, &["input", "target"], |t| {
+        loss.call((&t[0], &t[1]))
+    });
+}
+
+/// A `[5]` placeholder for class weights; the fixture's values replace it.
+fn five() -> Option<Tensor> {
+    Some(Tensor::ones(5, DType::F32, &Device::Cpu).unwrap())
+}
+
+#[test]
+fn cross_entropy_matches_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check_pair("cross_entropy", &CrossEntropyLoss::new());
+    let options = ClassLossConfig {
+        weight: five(),
+        ignore_index: 2,
+        label_smoothing: 0.1,
+        ..Default::default()
+    };
+    check_pair(
+        "cross_entropy_options",
+        &CrossEntropyLoss::with_config(options, &dev)?,
+    );
+    let none = ClassLossConfig {
+        reduction: LossReduction::None,
+        ..Default::default()
+    };
+    check_pair(
+        "cross_entropy_none",
+        &CrossEntropyLoss::with_config(none, &dev)?,
+    );
+    let probs = ClassLossConfig {
+        reduction: LossReduction::Sum,
+        label_smoothing: 0.2,
+        ..Default::default()
+    };
+    check_pair(
+        "cross_entropy_probs",
+        &CrossEntropyLoss::with_config(probs, &dev)?,
+    );
+    Ok(())
+}
+
+#[test]
+fn nll_and_binary_losses_match_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check_pair("nll", &NLLLoss::new());
+    let options = ClassLossConfig {
+        weight: five(),
+        ignore_index: 1,
+        ..Default::default()
+    };
+    check_pair("nll_options", &NLLLoss::with_config(options, &dev)?);
+    check_pair("bce", &BCELoss::new());
+    check_pair(
+        "bce_weight_sum",
+        &BCELoss::with_config(five(), LossReduction::Sum),
+    );
+    check_pair("bce_with_logits", &BCEWithLogitsLoss::new());
+    let options = BCEWithLogitsLoss::with_config(five(), five(), LossReduction::None);
+    check_pair("bce_with_logits_options", &options);
+    Ok(())
+}
+
+#[test]
+fn regression_losses_match_pytorch() {
+    check_pair("mse", &MSELoss::new());
+    check_pair("mse_none", &MSELoss::with_reduction(LossReduction::None));
+    check_pair("l1_sum", &L1Loss::with_reduction(LossReduction::Sum));
+    check_pair(
+        "smooth_l1",
+        &SmoothL1Loss::with_beta(0.5, LossReduction::Mean),
+    );
+    check_pair("huber", &HuberLoss::with_delta(1.5, LossReduction::Mean));
+    let batchmean = KLDivLoss::with_config(KLDivReduction::BatchMean, false);
+    check_pair("kl_div", &batchmean);
+    check_pair(
+        "kl_div_log_target",
+        &KLDivLoss::with_config(KLDivReduction::None, true),
+    );
+}
+
+#[test]
+fn distances_and_margin_losses_match_pytorch() {
+    let cos = CosineSimilarity::new();
+    check("cosine_similarity", &cos, &["x1", "x2"], |t| {
+        cos.call((&t[0], &t[1]))
+    });
+    let dist = PairwiseDistance::new();
+    check("pairwise_distance", &dist, &["x1", "x2"], |t| {
+        dist.call((&t[0], &t[1]))
+    });
+    let p1 = PairwiseDistance::with_config(1.0, 1e-6, true);
+    check("pairwise_distance_p1_keepdim", &p1, &["x1", "x2"], |t| {
+        p1.call((&t[0], &t[1]))
+    });
+
+    let names = ["input1", "input2", "target"];
+    let emb = CosineEmbeddingLoss::with_config(0.2, LossReduction::Mean);
+    check("cosine_embedding", &emb, &names, |t| {
+        emb.call((&t[0], &t[1], &t[2]))
+    });
+    let rank = MarginRankingLoss::with_config(0.3, LossReduction::Mean);
+    check("margin_ranking", &rank, &names, |t| {
+        rank.call((&t[0], &t[1], &t[2]))
+    });
+
+    let names = ["anchor", "positive", "negative"];
+    let triplet = TripletMarginLoss::new();
+    check("triplet_margin", &triplet, &names, |t| {
+        triplet.call((&t[0], &t[1], &t[2]))
+    });
+    let swap = TripletMarginLoss {
+        margin: 2.0,
+        norm: 1.0,
+        swap: true,
+        reduction: LossReduction::None,
+        ..Default::default()
+    };
+    check("triplet_margin_swap", &swap, &names, |t| {
+        swap.call((&t[0], &t[1], &t[2]))
+    });
+}
+
+#[test]
+fn weights_are_buffers_under_pytorch_names() -> Result<()> {
+    let loss = BCEWithLogitsLoss::with_config(five(), five(), LossReduction::Mean);
+    let names: Vec<String> = loss.named_buffers().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["weight", "pos_weight"]);
+    assert!(loss.named_parameters().is_empty());
+    let ce = CrossEntropyLoss::with_config(
+        ClassLossConfig {
+            weight: five(),
+            ..Default::default()
+        },
+        &Device::Cpu,
+    )?;
+    assert_eq!(
+        ce.state_dict()?.keys().collect::<Vec<_>>(),
+        ["weight"]
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_naming_the_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let logits = Tensor::zeros((4, 5), DType::F32, &dev)?;
+    let err = CrossEntropyLoss::new()
+        .call((&logits, &Tensor::zeros(3, DType::I64, &dev)?))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.inner(),
+            Error::InputShape {
+                layer: "CrossEntropyLoss",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("[4]") && err.to_string().contains("[3]"),
+        "{err}"
+    );
+    // Class ids as floats of the wrong shape are not probabilities either.
+    let err = CrossEntropyLoss::new()
+        .call((&logits, &Tensor::zeros(4, DType::F32, &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("[4, 5]"), "{err}");
+    // Class weights of another length than the classes.
+    let three = Some(Tensor::ones(3, DType::F32, &dev)?);
+    let weighted = NLLLoss::with_config(
+        ClassLossConfig {
+            weight: three,
+            ..Default::default()
+        },
+        &dev,
+    )?;
+    let err = weighted
+        .call((&logits, &Tensor::zeros(4, DType::I64, &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("[3]"), "{err}");
+    let smoothing = ClassLossConfig {
+        label_smoothing: 0.1,
+        ..Default::default()
+    };
+    assert!(matches!(
+        NLLLoss::with_config(smoothing, &dev),
+        Err(Error::InvalidConfig { .. })
+    ));
+
+    let other = Tensor::zeros((4, 6), DType::F32, &dev)?;
+    let err = MSELoss::new().call((&logits, &other)).unwrap_err();
+    assert!(
+        err.to_string().contains("[4, 5]") && err.to_string().contains("[4, 6]"),
+        "{err}"
+    );
+    assert!(BCEWithLogitsLoss::new().call((&logits, &other)).is_err());
+    assert!(CosineSimilarity::new().call((&logits, &other)).is_err());
+    assert!(PairwiseDistance::new().call((&logits, &other)).is_err());
+    let targets = Tensor::ones(3, DType::F32, &dev)?;
+    let err = CosineEmbeddingLoss::new()
+        .call((&logits, &logits, &targets))
+        .unwrap_err();
+    assert!(err.to_string().contains("[3]"), "{err}");
+    assert!(TripletMarginLoss::new()
+        .call((&logits, &logits, &other))
+        .is_err());
+    assert!(MarginRankingLoss::new()
+        .call((&logits, &logits, &other))
+        .is_err());
+    Ok(())
+}
