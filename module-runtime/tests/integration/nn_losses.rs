@@ -155,10 +155,7 @@ fn weights_are_buffers_under_pytorch_names() -> Result<()> {
         },
         &Device::Cpu,
     )?;
-    assert_eq!(
-        ce.state_dict()?.keys().collect::<Vec<_>>(),
-        ["weight"]
-    );
+    assert_eq!(ce.state_dict()?.keys().collect::<Vec<_>>(), ["weight"]);
     Ok(())
 }
 

@@ -3,9 +3,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    CircularPad1d, CircularPad2d, ConstantPad1d, ConstantPad2d, ConstantPad3d, Flatten, Identity,
-    PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d, ReflectionPad3d,
-    ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, Unflatten, ZeroPad2d,
+    CircularPad1d, CircularPad2d, CircularPad3d, ConstantPad1d, ConstantPad2d, ConstantPad3d,
+    Flatten, Identity, PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d,
+    ReflectionPad3d, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, Unflatten, ZeroPad1d,
+    ZeroPad2d, ZeroPad3d,
 };
 use module_runtime::{short_type_name, Error, ModuleExt};
 
@@ -23,7 +24,9 @@ fn shape_layers_match_pytorch() {
 
 #[test]
 fn padding_layers_match_pytorch() {
+    check_unary("zero_pad1d", &ZeroPad1d::new((0, 2)));
     check_unary("zero_pad2d", &ZeroPad2d::new((1, 2, 0, 3)));
+    check_unary("zero_pad3d", &ZeroPad3d::new((1, 0, 0, 2, 1, 1)));
     check_unary("constant_pad1d", &ConstantPad1d::new(2, 3.5));
     check_unary("constant_pad2d", &ConstantPad2d::new((1, 0, 2, 1), -1.0));
     check_unary("constant_pad3d", &ConstantPad3d::new(1, 0.5));
@@ -38,6 +41,7 @@ fn padding_layers_match_pytorch() {
     );
     check_unary("circular_pad1d", &CircularPad1d::new((2, 1)));
     check_unary("circular_pad2d", &CircularPad2d::new((1, 2, 2, 0)));
+    check_unary("circular_pad3d", &CircularPad3d::new((1, 0, 2, 1, 0, 2)));
 }
 
 #[test]
