@@ -1,5 +1,6 @@
-//! Piecewise activations: `LeakyReLU`, `ELU`, `SELU`, `CELU`, `Hardtanh`, `ReLU6`, `Threshold`,
-//! `Hardswish` and `Hardsigmoid`, PyTorch's `torch.nn` layers of those names.
+//! Piecewise activations: `LeakyReLU`, `RReLU`, `ELU`, `SELU`, `CELU`, `Hardtanh`, `ReLU6`,
+//! `Threshold`, `Hardshrink`, `Softshrink`, `Hardswish` and `Hardsigmoid`, PyTorch's `torch.nn`
+//! layers of those names.
 //!
 //! Each is a selection between branches by a mask of the input (`Tensor::where_cond`), so both
 //! values and gradients follow PyTorch's definitions exactly, boundaries included: the gradient of a
@@ -358,7 +359,141 @@ impl Forward<&Tensor> for Hardsigmoid {
     }
 }
 
+/// `x` where `|x| > lambd`, 0 elsewhere: PyTorch's `nn.Hardshrink(lambd=0.5)`.
+///
+/// Typed paths into it: [`HardshrinkPath`], from [`Hardshrink::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(paths)]
+pub struct Hardshrink {
+    /// The half-width of the zeroed band (PyTorch's default 0.5).
+    pub lambd: f64,
+}
+
+impl Default for Hardshrink {
+    fn default() -> Self {
+        Self { lambd: 0.5 }
+    }
+}
+
+impl Hardshrink {
+    /// PyTorch's default, `lambd = 0.5`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With `lambd`.
+    pub fn with_lambda(lambd: f64) -> Self {
+        Self { lambd }
+    }
+}
+
+impl Forward<&Tensor> for Hardshrink {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.abs()?.gt(self.lambd)?.where_cond(x, &x.zeros_like()?)?)
+    }
+}
+
+/// `x - lambd` above `lambd`, `x + lambd` below `-lambd`, 0 between: PyTorch's
+/// `nn.Softshrink(lambd=0.5)`.
+///
+/// Typed paths into it: [`SoftshrinkPath`], from [`Softshrink::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(paths)]
+pub struct Softshrink {
+    /// The half-width of the zeroed band, and the shift outside it (PyTorch's default 0.5).
+    pub lambd: f64,
+}
+
+impl Default for Softshrink {
+    fn default() -> Self {
+        Self { lambd: 0.5 }
+    }
+}
+
+impl Softshrink {
+    /// PyTorch's default, `lambd = 0.5`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With `lambd`.
+    pub fn with_lambda(lambd: f64) -> Self {
+        Self { lambd }
+    }
+}
+
+impl Forward<&Tensor> for Softshrink {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let below = x
+            .lt(-self.lambd)?
+            .where_cond(&(x + self.lambd)?, &x.zeros_like()?)?;
+        Ok(x.gt(self.lambd)?.where_cond(&(x - self.lambd)?, &below)?)
+    }
+}
+
+/// The randomized leaky ReLU: `x` where `x > 0`, `a · x` elsewhere, with `a` drawn uniformly from
+/// `[lower, upper]` for each element in training mode and `(lower + upper) / 2` in evaluation mode.
+/// PyTorch's `nn.RReLU(lower=1/8, upper=1/3)`. The slopes drawn are constants of the graph: the
+/// gradient of a negative input is its slope, as in PyTorch.
+///
+/// Typed paths into it: [`RReLUPath`], from [`RReLU::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(paths)]
+pub struct RReLU {
+    /// The smallest slope (PyTorch's default 1/8).
+    pub lower: f64,
+    /// The largest slope (PyTorch's default 1/3).
+    pub upper: f64,
+    /// Training (random slopes) or evaluation (their mean).
+    pub mode: Mode,
+}
+
+impl Default for RReLU {
+    fn default() -> Self {
+        Self::with_range(1.0 / 8.0, 1.0 / 3.0)
+    }
+}
+
+impl RReLU {
+    /// PyTorch's defaults, slopes in `[1/8, 1/3]`, in training mode.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Slopes in `[lower, upper]`, in training mode.
+    pub fn with_range(lower: f64, upper: f64) -> Self {
+        Self {
+            lower,
+            upper,
+            mode: Mode::new(),
+        }
+    }
+}
+
+impl Forward<&Tensor> for RReLU {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let positive = x.gt(0f64)?;
+        if !self.mode.is_training() {
+            let slope = (self.lower + self.upper) / 2.0;
+            return Ok(positive.where_cond(x, &x.affine(slope, 0.0)?)?);
+        }
+        let slopes =
+            Tensor::rand(self.lower, self.upper, x.shape(), x.device())?.to_dtype(x.dtype())?;
+        let noise = positive.where_cond(&x.ones_like()?, &slopes)?;
+        Ok((x * noise)?)
+    }
+}
+
 forward_by_value!(
+    Hardshrink,
+    Softshrink,
+    RReLU,
     LeakyReLU,
     ELU,
     SELU,

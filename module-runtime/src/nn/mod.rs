@@ -100,9 +100,9 @@ pub use activation_param::{
     GLUPath, PReLU, PReLUConfig, PReLUPath, Softmax2d, Softmax2dPath, Softmin, SoftminPath, GLU,
 };
 pub use activation_piecewise::{
-    CELUPath, ELUPath, Hardsigmoid, HardsigmoidPath, Hardswish, HardswishPath, Hardtanh,
-    HardtanhPath, LeakyReLU, LeakyReLUPath, ReLU6, ReLU6Path, SELUPath, Threshold, ThresholdPath,
-    CELU, ELU, SELU,
+    CELUPath, ELUPath, Hardshrink, HardshrinkPath, Hardsigmoid, HardsigmoidPath, Hardswish,
+    HardswishPath, Hardtanh, HardtanhPath, LeakyReLU, LeakyReLUPath, RReLU, RReLUPath, ReLU6,
+    ReLU6Path, SELUPath, Softshrink, SoftshrinkPath, Threshold, ThresholdPath, CELU, ELU, SELU,
 };
 pub use activation_smooth::{
     LogSigmoid, LogSigmoidPath, Mish, MishPath, Softplus, SoftplusPath, Softsign, SoftsignPath,
@@ -121,8 +121,8 @@ pub use padding::{
     ZeroPad2d, ZeroPad3d, Zeros,
 };
 pub use shape::{
-    Flatten, FlattenPath, Identity, IdentityPath, PixelShuffle, PixelShufflePath, PixelUnshuffle,
-    PixelUnshufflePath, Unflatten, UnflattenPath,
+    ChannelShuffle, ChannelShufflePath, Flatten, FlattenPath, Identity, IdentityPath, PixelShuffle,
+    PixelShufflePath, PixelUnshuffle, PixelUnshufflePath, Unflatten, UnflattenPath,
 };
 pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 

@@ -1,5 +1,5 @@
-//! Layers that only rearrange their input: `Identity`, `Flatten`, `Unflatten`, `PixelShuffle` and
-//! `PixelUnshuffle`, PyTorch's `torch.nn` layers of those names. Each is differentiable (the
+//! Layers that only rearrange their input: `Identity`, `Flatten`, `Unflatten`, `PixelShuffle`,
+//! `PixelUnshuffle` and `ChannelShuffle`, PyTorch's `torch.nn` layers of those names. Each is differentiable (the
 //! gradient is rearranged back), and an input they cannot rearrange is an
 //! [`Error::InputShape`](crate::Error::InputShape) naming its shape.
 
@@ -279,4 +279,45 @@ impl Forward<&Tensor> for PixelUnshuffle {
     }
 }
 
-forward_by_value!(Identity, Flatten, Unflatten, PixelShuffle, PixelUnshuffle);
+/// Interleaves the channels of `groups` groups: `[N, C, *]` viewed as `[N, groups, C / groups, *]`,
+/// transposed to `[N, C / groups, groups, *]`, and flattened back (ShuffleNet's shuffle):
+/// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
+///
+/// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(paths)]
+pub struct ChannelShuffle {
+    /// The number of groups the channels are split into.
+    pub groups: usize,
+}
+
+impl ChannelShuffle {
+    /// Shuffles `groups` groups of channels.
+    pub fn new(groups: usize) -> Self {
+        Self { groups }
+    }
+}
+
+impl Forward<&Tensor> for ChannelShuffle {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.groups;
+        let dims = x.dims();
+        if dims.len() < 3 || g == 0 || dims[1] % g != 0 {
+            let expected = format!("[N, C, *] with C divisible by groups = {g}");
+            return Err(input_shape_error("ChannelShuffle", expected, x));
+        }
+        let grouped: Vec<usize> = [&dims[..1], &[g, dims[1] / g], &dims[2..]].concat();
+        Ok(x.reshape(grouped)?.transpose(1, 2)?.reshape(dims)?)
+    }
+}
+
+forward_by_value!(
+    Identity,
+    Flatten,
+    Unflatten,
+    PixelShuffle,
+    PixelUnshuffle,
+    ChannelShuffle
+);

@@ -3,8 +3,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LogSigmoid, Mish, PReLU, PReLUConfig, ReLU6,
-    Softmax2d, Softmin, Softplus, Softsign, Tanhshrink, Threshold, CELU, ELU, GLU, SELU,
+    Hardshrink, Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LogSigmoid, Mish, PReLU, PReLUConfig,
+    RReLU, ReLU6, Softmax2d, Softmin, Softplus, Softshrink, Softsign, Tanhshrink, Threshold, CELU,
+    ELU, GLU, SELU,
 };
 use module_runtime::{Error, ModuleExt};
 
@@ -39,6 +40,31 @@ fn piecewise_activations_match_pytorch() {
     check_unary("hardtanh", &Hardtanh::with_range(-0.5, 1.5));
     check_unary("relu6", &ReLU6::new());
     check_unary("threshold", &Threshold::new(0.5, -1.0));
+    check_unary("hardshrink", &Hardshrink::with_lambda(0.7));
+    check_unary("softshrink", &Softshrink::new());
+    let rrelu = RReLU::with_range(0.1, 0.3);
+    rrelu.eval();
+    check_unary("rrelu_eval", &rrelu);
+}
+
+/// In training mode each negative input gets its own slope in `[lower, upper]`, and its gradient
+/// is that slope.
+#[test]
+fn rrelu_draws_a_slope_per_negative_element_in_training() {
+    let x =
+        candle_core::Var::from_tensor(&Tensor::full(-1f32, 1000, &Device::Cpu).unwrap()).unwrap();
+    let rrelu = RReLU::new();
+    let y = rrelu.call(x.as_tensor()).unwrap();
+    let slopes: Vec<f32> = y.neg().unwrap().to_vec1().unwrap();
+    assert!(slopes
+        .iter()
+        .all(|&a| (0.125..=1.0 / 3.0 + 1e-6).contains(&a)));
+    let spread = slopes.iter().cloned().fold(f32::MIN, f32::max)
+        - slopes.iter().cloned().fold(f32::MAX, f32::min);
+    assert!(spread > 0.1, "{spread}");
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let g: Vec<f32> = grads.get(x.as_tensor()).unwrap().to_vec1().unwrap();
+    assert_eq!(g, slopes);
 }
 
 #[test]

@@ -3,10 +3,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    CircularPad1d, CircularPad2d, CircularPad3d, ConstantPad1d, ConstantPad2d, ConstantPad3d,
-    Flatten, Identity, PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d,
-    ReflectionPad3d, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, Unflatten, ZeroPad1d,
-    ZeroPad2d, ZeroPad3d,
+    ChannelShuffle, CircularPad1d, CircularPad2d, CircularPad3d, ConstantPad1d, ConstantPad2d,
+    ConstantPad3d, Flatten, Identity, PixelShuffle, PixelUnshuffle, ReflectionPad1d,
+    ReflectionPad2d, ReflectionPad3d, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d,
+    Unflatten, ZeroPad1d, ZeroPad2d, ZeroPad3d,
 };
 use module_runtime::{short_type_name, Error, ModuleExt};
 
@@ -20,6 +20,7 @@ fn shape_layers_match_pytorch() {
     check_unary("identity", &Identity::new());
     check_unary("pixel_shuffle", &PixelShuffle::new(2));
     check_unary("pixel_unshuffle", &PixelUnshuffle::new(2));
+    check_unary("channel_shuffle", &ChannelShuffle::new(3));
 }
 
 #[test]
@@ -96,4 +97,6 @@ fn bad_inputs_are_typed_errors_naming_the_shapes() {
     assert!(err.to_string().contains("Unflatten"), "{err}");
     assert!(Flatten::with_dims(2, 1).call(&x).is_err());
     assert!(Flatten::with_dims(0, 5).call(&x).is_err());
+    let err = ChannelShuffle::new(4).call(&x).unwrap_err();
+    assert!(err.to_string().contains("groups = 4"), "{err}");
 }
