@@ -129,6 +129,8 @@ pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 // Losses and distances as modules (issue 29); `loss` holds the functional forms.
 mod distance;
 mod loss_classification;
+mod loss_likelihood;
+mod loss_margin;
 mod loss_reduction;
 mod loss_regression;
 
@@ -140,6 +142,14 @@ pub use distance::{
 pub use loss_classification::{
     BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,
     CrossEntropyLoss, CrossEntropyLossPath, NLLLoss, NLLLossPath,
+};
+pub use loss_likelihood::{
+    GaussianNLLLoss, GaussianNLLLossPath, PoissonNLLLoss, PoissonNLLLossPath,
+};
+pub use loss_margin::{
+    HingeEmbeddingLoss, HingeEmbeddingLossPath, MultiLabelSoftMarginLoss,
+    MultiLabelSoftMarginLossPath, MultiMarginLoss, MultiMarginLossPath, SoftMarginLoss,
+    SoftMarginLossPath,
 };
 pub use loss_reduction::LossReduction;
 pub use loss_regression::{

@@ -5,8 +5,9 @@
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
     BCELoss, BCEWithLogitsLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
-    CrossEntropyLoss, HuberLoss, KLDivLoss, KLDivReduction, L1Loss, LossReduction, MSELoss,
-    MarginRankingLoss, NLLLoss, PairwiseDistance, SmoothL1Loss, TripletMarginLoss,
+    CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction,
+    L1Loss, LossReduction, MSELoss, MarginRankingLoss, MultiLabelSoftMarginLoss, MultiMarginLoss,
+    NLLLoss, PairwiseDistance, PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss,
 };
 use module_runtime::{Error, Module, ModuleExt, Result};
 
@@ -140,6 +141,46 @@ fn distances_and_margin_losses_match_pytorch() {
     check("triplet_margin_swap", &swap, &names, |t| {
         swap.call((&t[0], &t[1], &t[2]))
     });
+}
+
+#[test]
+fn margin_and_likelihood_losses_match_pytorch() -> Result<()> {
+    check_pair(
+        "hinge_embedding",
+        &HingeEmbeddingLoss::with_config(0.5, LossReduction::Mean),
+    );
+    check_pair(
+        "soft_margin",
+        &SoftMarginLoss::with_reduction(LossReduction::Sum),
+    );
+    let weighted = MultiLabelSoftMarginLoss::with_config(five(), LossReduction::Mean);
+    check_pair("multilabel_soft_margin", &weighted);
+    check_pair("multi_margin", &MultiMarginLoss::new());
+    let options = MultiMarginLoss::with_config(2, 0.5, five(), LossReduction::None)?;
+    check_pair("multi_margin_options", &options);
+    check_pair("poisson_nll", &PoissonNLLLoss::new());
+    let full = PoissonNLLLoss {
+        log_input: false,
+        full: true,
+        reduction: LossReduction::Sum,
+        ..Default::default()
+    };
+    check_pair("poisson_nll_full", &full);
+    let names = ["input", "target", "var"];
+    let gauss = GaussianNLLLoss::new();
+    check("gaussian_nll", &gauss, &names, |t| {
+        gauss.call((&t[0], &t[1], &t[2]))
+    });
+    let per_sample = GaussianNLLLoss {
+        full: true,
+        reduction: LossReduction::None,
+        ..Default::default()
+    };
+    check("gaussian_nll_per_sample", &per_sample, &names, |t| {
+        per_sample.call((&t[0], &t[1], &t[2]))
+    });
+    assert!(MultiMarginLoss::with_config(3, 1.0, None, LossReduction::Mean).is_err());
+    Ok(())
 }
 
 #[test]
