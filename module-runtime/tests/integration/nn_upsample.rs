@@ -1,6 +1,7 @@
-//! `Upsample` (issue 29): nearest, nearest to a fractional scale, bilinear with and without
-//! `align_corners`, to a `size` or by a `scale_factor`, forward and input gradients against the
-//! fixtures of `fixtures/make_nn_fixtures.py`; and its errors.
+//! `Upsample` (issue 29): nearest (also to a fractional scale and in 3-D), nearest-exact, linear,
+//! bilinear and trilinear, with and without `align_corners`, to a `size` or by a `scale_factor`:
+//! forward and input gradients against the fixtures of `fixtures/make_nn_fixtures.py`; and its
+//! errors.
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{Upsample, UpsampleMode, UpsampleTarget};
@@ -48,6 +49,29 @@ fn bilinear_matches_pytorch() {
     );
     let legacy = Upsample::upsampling_bilinear2d(UpsampleTarget::Size(vec![4, 5]));
     check_unary("upsampling_bilinear2d", &legacy);
+}
+
+#[test]
+fn nearest_exact_linear_and_trilinear_match_pytorch() {
+    use UpsampleMode::{Linear, Nearest, NearestExact, Trilinear};
+    check_unary(
+        "upsample_nearest_exact",
+        &Upsample::size([5, 7], NearestExact),
+    );
+    let linear = Linear {
+        align_corners: false,
+    };
+    check_unary("upsample_linear", &Upsample::scale_factor(2.5, linear));
+    let aligned = Linear {
+        align_corners: true,
+    };
+    check_unary("upsample_linear_align", &Upsample::size([7], aligned));
+    let trilinear = Trilinear {
+        align_corners: false,
+    };
+    check_unary("upsample_trilinear", &Upsample::size([3, 5, 4], trilinear));
+    let per_dim = UpsampleTarget::ScaleFactor(vec![2.0, 1.0, 3.0]);
+    check_unary("upsample_nearest_3d", &Upsample::new(per_dim, Nearest));
 }
 
 #[test]
