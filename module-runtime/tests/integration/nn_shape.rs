@@ -100,3 +100,32 @@ fn bad_inputs_are_typed_errors_naming_the_shapes() {
     let err = ChannelShuffle::new(4).call(&x).unwrap_err();
     assert!(err.to_string().contains("groups = 4"), "{err}");
 }
+
+/// The new layers are `Sequential` layers, with PyTorch's state-dict names and, in summaries,
+/// PyTorch's class names (the generic padding type included).
+#[test]
+fn new_layers_compose_in_a_sequential_under_pytorch_names() {
+    use module_runtime::nn::{PReLU, Sequential, Upsample, UpsampleMode};
+    let dev = Device::Cpu;
+    let seq = Sequential::new()
+        .add(ReflectionPad2d::new(1))
+        .add(PReLU::new(2, &dev).unwrap())
+        .add(Upsample::scale_factor(2.0, UpsampleMode::Nearest))
+        .add(Flatten::new());
+    let x = Tensor::randn(0f32, 1., (1, 2, 3, 3), &dev).unwrap();
+    assert_eq!(seq.call(&x).unwrap().dims(), [1, 2 * 10 * 10]);
+    let names: Vec<String> = seq.named_parameters().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["1.weight"]);
+    let summary = seq.summary();
+    let types: Vec<&str> = summary.rows.iter().map(|r| r.type_name.as_str()).collect();
+    assert_eq!(
+        types,
+        [
+            "Sequential",
+            "ReflectionPad2d",
+            "PReLU",
+            "Upsample",
+            "Flatten"
+        ]
+    );
+}
