@@ -1,8 +1,12 @@
 //! Distances and the losses built on them: `CosineSimilarity`, `PairwiseDistance`,
-//! `CosineEmbeddingLoss`, `TripletMarginLoss` and `MarginRankingLoss`, PyTorch's `torch.nn`
+//! `CosineEmbeddingLoss`, `TripletMarginLoss`, `TripletMarginWithDistanceLoss` and
+//! `MarginRankingLoss`, PyTorch's `torch.nn`
 //! classes of those names with their options. All are differentiable with respect to their
 //! floating-point inputs, which must have one shape (else an
 //! [`Error::InputShape`](crate::Error::InputShape) naming both).
+
+use std::fmt;
+use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 
@@ -257,14 +261,121 @@ impl Forward<(&Tensor, &Tensor, &Tensor)> for TripletMarginLoss {
         if !matches!(a.rank(), 1 | 2) {
             return Err(input_shape_error(LAYER, "[N, D] or [D]", a));
         }
-        let d_pos = pairwise(a, p, self.norm, self.eps, false)?;
-        let mut d_neg = pairwise(a, n, self.norm, self.eps, false)?;
-        if self.swap {
-            let d_swap = pairwise(p, n, self.norm, self.eps, false)?;
-            d_neg = d_swap.lt(&d_neg)?.where_cond(&d_swap, &d_neg)?;
+        let distance = |x: &Tensor, y: &Tensor| pairwise(x, y, self.norm, self.eps, false);
+        triplet_hinge((a, p, n), &distance, self.margin, self.swap, self.reduction)
+    }
+}
+
+/// `max(0, margin + d(a, p) - d(a, n))` reduced, `d(a, n)` swapped for a smaller `d(p, n)` when
+/// `swap` (ATen's `triplet_margin_loss`, and `F.triplet_margin_with_distance_loss`).
+fn triplet_hinge(
+    (a, p, n): (&Tensor, &Tensor, &Tensor),
+    distance: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    margin: f64,
+    swap: bool,
+    reduction: LossReduction,
+) -> Result<Tensor> {
+    let d_pos = distance(a, p)?;
+    let mut d_neg = distance(a, n)?;
+    if swap {
+        let d_swap = distance(p, n)?;
+        d_neg = d_swap.lt(&d_neg)?.where_cond(&d_swap, &d_neg)?;
+    }
+    let hinge = clamp_min_zero(&((d_pos - d_neg)? + margin)?)?;
+    reduction.apply(hinge)
+}
+
+/// A distance between two batches of vectors, for [`TripletMarginWithDistanceLoss`]: one
+/// non-negative value per pair.
+pub type DistanceFn = Arc<dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// [`TripletMarginLoss`] with any distance: `max(0, margin + d(a, p) - d(a, n))`, reduced.
+/// PyTorch's `nn.TripletMarginWithDistanceLoss(distance_function=None, margin=1.0, swap=False,
+/// reduction='mean')`; no distance function is the Euclidean [`PairwiseDistance`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{CosineSimilarity, TripletMarginWithDistanceLoss};
+/// // 1 - cosine similarity as the distance.
+/// let cosine = CosineSimilarity::new();
+/// let loss = TripletMarginWithDistanceLoss {
+///     distance_function: Some(Arc::new(move |x: &Tensor, y: &Tensor| {
+///         Ok(cosine.call((x, y))?.affine(-1.0, 1.0)?)
+///     })),
+///     ..Default::default()
+/// };
+/// let a = Tensor::new(&[[1f32, 0.]], &Device::Cpu)?;
+/// let p = Tensor::new(&[[2f32, 0.]], &Device::Cpu)?;
+/// let n = Tensor::new(&[[0f32, 1.]], &Device::Cpu)?;
+/// assert_eq!(loss.call((&a, &p, &n))?.to_scalar::<f32>()?, 0.); // d(a, n) - d(a, p) = 1 >= margin
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+///
+/// Typed paths into it: [`TripletMarginWithDistanceLossPath`], from
+/// [`TripletMarginWithDistanceLoss::path`] (`#[module(paths)]`).
+#[derive(Module, Clone)]
+#[module(paths)]
+pub struct TripletMarginWithDistanceLoss {
+    /// The distance; `None` (the default) is [`PairwiseDistance::new`]'s.
+    #[module(skip)]
+    pub distance_function: Option<DistanceFn>,
+    /// The margin between positive and negative distances (PyTorch's default 1.0).
+    pub margin: f64,
+    /// Whether to use the distance swap (PyTorch's default `false`).
+    pub swap: bool,
+    /// How the per-triplet losses are reduced.
+    #[module(skip)]
+    pub reduction: LossReduction,
+}
+
+impl Default for TripletMarginWithDistanceLoss {
+    fn default() -> Self {
+        Self {
+            distance_function: None,
+            margin: 1.0,
+            swap: false,
+            reduction: LossReduction::Mean,
         }
-        let hinge = clamp_min_zero(&((d_pos - d_neg)? + self.margin)?)?;
-        self.reduction.apply(hinge)
+    }
+}
+
+impl fmt::Debug for TripletMarginWithDistanceLoss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let distance = if self.distance_function.is_some() {
+            "custom"
+        } else {
+            "PairwiseDistance"
+        };
+        f.debug_struct("TripletMarginWithDistanceLoss")
+            .field("distance_function", &distance)
+            .field("margin", &self.margin)
+            .field("swap", &self.swap)
+            .field("reduction", &self.reduction)
+            .finish()
+    }
+}
+
+impl TripletMarginWithDistanceLoss {
+    /// PyTorch's defaults: the Euclidean distance, margin 1, no swap, mean.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Forward<(&Tensor, &Tensor, &Tensor)> for TripletMarginWithDistanceLoss {
+    type Output = Tensor;
+
+    fn forward(&self, (a, p, n): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
+        const LAYER: &str = "TripletMarginWithDistanceLoss";
+        check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
+        check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
+        let euclidean = |x: &Tensor, y: &Tensor| pairwise(x, y, 2.0, 1e-6, false);
+        let distance: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor> = match &self.distance_function {
+            Some(f) => f.as_ref(),
+            None => &euclidean,
+        };
+        triplet_hinge((a, p, n), distance, self.margin, self.swap, self.reduction)
     }
 }
 

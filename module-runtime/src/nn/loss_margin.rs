@@ -269,3 +269,85 @@ impl Forward<(&Tensor, &Tensor)> for MultiMarginLoss {
         self.reduction.apply(per_sample)
     }
 }
+
+/// The multi-label hinge loss of scores `[N, C]` (or `[C]`) and target class lists of the same
+/// shape (integer class ids, the list of each sample ending at its first `-1`):
+/// `Σ_{j ∈ targets} Σ_{k ∉ targets} max(0, 1 - (x_j - x_k)) / C` per sample, reduced. PyTorch's
+/// `nn.MultiLabelMarginLoss(reduction='mean')`.
+///
+/// The lists are read back to the host to find where each ends (PyTorch's CPU kernel reads them
+/// too); the scores stay where they are and are differentiable.
+///
+/// Typed paths into it: [`MultiLabelMarginLossPath`], from [`MultiLabelMarginLoss::path`]
+/// (`#[module(paths)]`).
+#[derive(Module, Clone, Debug, Default)]
+#[module(paths)]
+pub struct MultiLabelMarginLoss {
+    /// How the per-sample losses are reduced.
+    #[module(skip)]
+    pub reduction: LossReduction,
+}
+
+impl MultiLabelMarginLoss {
+    /// PyTorch's default: mean.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With `reduction`.
+    pub fn with_reduction(reduction: LossReduction) -> Self {
+        Self { reduction }
+    }
+}
+
+impl Forward<(&Tensor, &Tensor)> for MultiLabelMarginLoss {
+    type Output = Tensor;
+
+    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
+        const LAYER: &str = "MultiLabelMarginLoss";
+        let unbatched = input.rank() == 1;
+        let x = if unbatched {
+            input.unsqueeze(0)?
+        } else {
+            input.clone()
+        };
+        if !matches!(x.rank(), 2) {
+            return Err(input_shape_error(LAYER, "[N, C] or [C]", input));
+        }
+        if target.dtype().is_float() || target.dims() != input.dims() {
+            let expected = format!("{:?} integer class lists (the input's shape)", input.dims());
+            return Err(input_shape_error(LAYER, expected, target));
+        }
+        let (n, classes) = x.dims2()?;
+        let lists = target
+            .reshape((n, classes))?
+            .to_dtype(DType::I64)?
+            .to_vec2::<i64>()?;
+        // How often each class is listed (PyTorch counts a repeated class again), and whether it is.
+        let mut listed = vec![0f32; n * classes];
+        for (row, list) in lists.iter().enumerate() {
+            for &class in list.iter().take_while(|&&c| c >= 0) {
+                let Some(slot) = usize::try_from(class).ok().filter(|&c| c < classes) else {
+                    let expected = format!("class ids below {classes} (or -1 to end a list)");
+                    return Err(input_shape_error(LAYER, expected, target));
+                };
+                listed[row * classes + slot] += 1.0;
+            }
+        }
+        let listed = Tensor::from_vec(listed, (n, classes), x.device())?.to_dtype(x.dtype())?;
+        let not_target = listed.eq(0f64)?.to_dtype(x.dtype())?;
+        // pairs[i, j, k]: how often j is listed for sample i, where k is not listed.
+        let pairs = listed
+            .unsqueeze(2)?
+            .broadcast_mul(&not_target.unsqueeze(1)?)?;
+        let diff = x.unsqueeze(2)?.broadcast_sub(&x.unsqueeze(1)?)?;
+        let hinge = clamp_min_zero(&diff.affine(-1.0, 1.0)?)?;
+        let per_sample = ((hinge * pairs)?.sum((1, 2))? / classes as f64)?;
+        let per_sample = if unbatched {
+            per_sample.squeeze(0)?
+        } else {
+            per_sample
+        };
+        self.reduction.apply(per_sample)
+    }
+}

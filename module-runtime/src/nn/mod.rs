@@ -136,8 +136,9 @@ mod loss_regression;
 
 pub use distance::{
     CosineEmbeddingLoss, CosineEmbeddingLossPath, CosineSimilarity, CosineSimilarityPath,
-    MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,
-    TripletMarginLoss, TripletMarginLossPath,
+    DistanceFn, MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,
+    TripletMarginLoss, TripletMarginLossPath, TripletMarginWithDistanceLoss,
+    TripletMarginWithDistanceLossPath,
 };
 pub use loss_classification::{
     BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,
@@ -147,9 +148,9 @@ pub use loss_likelihood::{
     GaussianNLLLoss, GaussianNLLLossPath, PoissonNLLLoss, PoissonNLLLossPath,
 };
 pub use loss_margin::{
-    HingeEmbeddingLoss, HingeEmbeddingLossPath, MultiLabelSoftMarginLoss,
-    MultiLabelSoftMarginLossPath, MultiMarginLoss, MultiMarginLossPath, SoftMarginLoss,
-    SoftMarginLossPath,
+    HingeEmbeddingLoss, HingeEmbeddingLossPath, MultiLabelMarginLoss, MultiLabelMarginLossPath,
+    MultiLabelSoftMarginLoss, MultiLabelSoftMarginLossPath, MultiMarginLoss, MultiMarginLossPath,
+    SoftMarginLoss, SoftMarginLossPath,
 };
 pub use loss_reduction::LossReduction;
 pub use loss_regression::{

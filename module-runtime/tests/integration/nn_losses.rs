@@ -2,12 +2,15 @@
 //! gradients against the fixtures of `fixtures/make_nn_fixtures.py` (class weights and
 //! `pos_weight` load from the fixtures' state dicts by PyTorch's names); and their errors.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
     BCELoss, BCEWithLogitsLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
     CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction,
-    L1Loss, LossReduction, MSELoss, MarginRankingLoss, MultiLabelSoftMarginLoss, MultiMarginLoss,
-    NLLLoss, PairwiseDistance, PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss,
+    L1Loss, LossReduction, MSELoss, MarginRankingLoss, MultiLabelMarginLoss,
+    MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss, PairwiseDistance, PoissonNLLLoss,
+    SmoothL1Loss, SoftMarginLoss, TripletMarginLoss, TripletMarginWithDistanceLoss,
 };
 use module_runtime::{Error, Module, ModuleExt, Result};
 
@@ -131,6 +134,28 @@ fn distances_and_margin_losses_match_pytorch() {
     check("triplet_margin", &triplet, &names, |t| {
         triplet.call((&t[0], &t[1], &t[2]))
     });
+    let with_distance = TripletMarginWithDistanceLoss::new();
+    check(
+        "triplet_margin_with_distance",
+        &with_distance,
+        &names,
+        |t| with_distance.call((&t[0], &t[1], &t[2])),
+    );
+    let cosine = CosineSimilarity::new();
+    let cosine_distance = TripletMarginWithDistanceLoss {
+        distance_function: Some(Arc::new(move |x: &Tensor, y: &Tensor| {
+            Ok(cosine.call((x, y))?.affine(-1.0, 1.0)?)
+        })),
+        margin: 0.5,
+        swap: true,
+        reduction: LossReduction::Sum,
+    };
+    check(
+        "triplet_margin_with_cosine_distance",
+        &cosine_distance,
+        &names,
+        |t| cosine_distance.call((&t[0], &t[1], &t[2])),
+    );
     let swap = TripletMarginLoss {
         margin: 2.0,
         norm: 1.0,
@@ -156,6 +181,7 @@ fn margin_and_likelihood_losses_match_pytorch() -> Result<()> {
     let weighted = MultiLabelSoftMarginLoss::with_config(five(), LossReduction::Mean);
     check_pair("multilabel_soft_margin", &weighted);
     check_pair("multi_margin", &MultiMarginLoss::new());
+    check_pair("multilabel_margin", &MultiLabelMarginLoss::new());
     let options = MultiMarginLoss::with_config(2, 0.5, five(), LossReduction::None)?;
     check_pair("multi_margin_options", &options);
     check_pair("poisson_nll", &PoissonNLLLoss::new());
