@@ -206,37 +206,52 @@ impl Forward<(&Tensor, &Tensor)> for CrossEntropyLoss {
     type Output = Tensor;
 
     fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "CrossEntropyLoss";
-        let class_dim = usize::from(input.rank() > 1);
-        let classes = input.dims().get(class_dim).copied().unwrap_or(0);
-        let weight = class_weights(LAYER, &self.weight, classes, input)?;
-        let log_p = log_softmax(input, class_dim)?;
-        if !target.dtype().is_float() {
-            let config = (self.ignore_index, self.reduction, self.label_smoothing);
-            return nll(LAYER, &log_p, target, weight, config);
-        }
-        // Probabilities (ATen's `cross_entropy_loss_prob_target`).
-        check_same_shape(
-            LAYER,
-            target,
-            input,
-            "probability targets (the input's shape)",
-        )?;
-        let eps = self.label_smoothing;
-        let target = if eps > 0.0 {
-            target.affine(1.0 - eps, eps / classes as f64)?
-        } else {
-            target.clone()
-        };
-        let mut terms = (log_p * target)?;
-        if let Some(w) = weight {
-            let mut dims = vec![1; input.rank()];
-            dims[class_dim] = classes;
-            terms = terms.broadcast_mul(&w.reshape(dims)?)?;
-        }
-        let per_sample = terms.sum(class_dim)?.neg()?;
-        self.reduction.apply(per_sample)
+        let options = (self.ignore_index, self.reduction, self.label_smoothing);
+        cross_entropy("CrossEntropyLoss", input, target, &self.weight, options)
     }
+}
+
+/// [`CrossEntropyLoss`]'s computation, for `layer`: class-id or probability targets, with the
+/// class weights and `(ignore_index, reduction, label_smoothing)`.
+pub(crate) fn cross_entropy(
+    layer: &'static str,
+    input: &Tensor,
+    target: &Tensor,
+    weight: &Option<Buffer>,
+    (ignore_index, reduction, smoothing): (i64, LossReduction, f64),
+) -> Result<Tensor> {
+    let class_dim = usize::from(input.rank() > 1);
+    let classes = input.dims().get(class_dim).copied().unwrap_or(0);
+    let weight = class_weights(layer, weight, classes, input)?;
+    let log_p = log_softmax(input, class_dim)?;
+    if !target.dtype().is_float() {
+        return nll(
+            layer,
+            &log_p,
+            target,
+            weight,
+            (ignore_index, reduction, smoothing),
+        );
+    }
+    // Probabilities (ATen's `cross_entropy_loss_prob_target`).
+    check_same_shape(
+        layer,
+        target,
+        input,
+        "probability targets (the input's shape)",
+    )?;
+    let target = if smoothing > 0.0 {
+        target.affine(1.0 - smoothing, smoothing / classes as f64)?
+    } else {
+        target.clone()
+    };
+    let mut terms = (log_p * target)?;
+    if let Some(w) = weight {
+        let mut dims = vec![1; input.rank()];
+        dims[class_dim] = classes;
+        terms = terms.broadcast_mul(&w.reshape(dims)?)?;
+    }
+    reduction.apply(terms.sum(class_dim)?.neg()?)
 }
 
 /// The negative log-likelihood of class ids under log-probabilities: PyTorch's

@@ -128,6 +128,7 @@ pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 
 // Losses and distances as modules (issue 29); `loss` holds the functional forms.
 mod distance;
+mod linear_cross_entropy;
 mod loss_classification;
 mod loss_likelihood;
 mod loss_margin;
@@ -139,6 +140,9 @@ pub use distance::{
     DistanceFn, MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,
     TripletMarginLoss, TripletMarginLossPath, TripletMarginWithDistanceLoss,
     TripletMarginWithDistanceLossPath,
+};
+pub use linear_cross_entropy::{
+    LinearCrossEntropyConfig, LinearCrossEntropyLoss, LinearCrossEntropyLossPath,
 };
 pub use loss_classification::{
     BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,

@@ -8,9 +8,10 @@ use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
     BCELoss, BCEWithLogitsLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
     CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction,
-    L1Loss, LossReduction, MSELoss, MarginRankingLoss, MultiLabelMarginLoss,
-    MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss, PairwiseDistance, PoissonNLLLoss,
-    SmoothL1Loss, SoftMarginLoss, TripletMarginLoss, TripletMarginWithDistanceLoss,
+    L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss, LossReduction, MSELoss,
+    MarginRankingLoss, MultiLabelMarginLoss, MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss,
+    PairwiseDistance, PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss,
+    TripletMarginWithDistanceLoss,
 };
 use module_runtime::{Error, Module, ModuleExt, Result};
 
@@ -62,6 +63,35 @@ fn cross_entropy_matches_pytorch() -> Result<()> {
         "cross_entropy_probs",
         &CrossEntropyLoss::with_config(probs, &dev)?,
     );
+    Ok(())
+}
+
+#[test]
+fn linear_cross_entropy_matches_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check_pair(
+        "linear_cross_entropy",
+        &LinearCrossEntropyLoss::new(6, 5, &dev)?,
+    );
+    let options = LinearCrossEntropyConfig {
+        out_features: vec![3],
+        bias: true,
+        weight: five(),
+        ignore_index: Some(2),
+        label_smoothing: 0.1,
+        reduction: LossReduction::Sum,
+    };
+    let head = LinearCrossEntropyLoss::with_config(6, 5, options, &dev)?;
+    let state = head.state_dict()?;
+    let keys: Vec<&str> = state.keys().collect();
+    assert_eq!(keys, ["weight", "linear.weight", "linear.bias"]);
+    check_pair("linear_cross_entropy_options", &head);
+    let bad = LinearCrossEntropyConfig {
+        label_smoothing: 1.5,
+        ..Default::default()
+    };
+    let err = LinearCrossEntropyLoss::with_config(6, 5, bad, &dev).unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
     Ok(())
 }
 
