@@ -1,12 +1,14 @@
-//! Resampling: PyTorch's `nn.Upsample` (`nearest`, `nearest-exact`, `linear`, `bilinear` and
-//! `trilinear`, to a `size` or by a `scale_factor`, with or without `align_corners`), and the
+//! Resampling: PyTorch's `nn.Upsample` (`nearest`, `nearest-exact`, `linear`, `bilinear`,
+//! `bicubic` and `trilinear`, to a `size` or by a `scale_factor`, with or without
+//! `align_corners`), and the
 //! older `UpsamplingNearest2d` / `UpsamplingBilinear2d` as constructors of it.
 //!
 //! # How it runs
 //!
 //! Every mode is separable, so the layer resamples one spatial dimension at a time. Nearest
-//! neighbours are a gather of input positions (`index_select`); linear interpolation is a product
-//! with a `[in, out]` matrix holding each output's two weights. Both are ordinary differentiable
+//! neighbours are a gather of input positions (`index_select`); linear and cubic interpolation are
+//! a product with a `[in, out]` matrix holding each output's two (or four) weights. Both are
+//! ordinary differentiable
 //! candle ops on any device, so the gradient is PyTorch's (the sum of each input position's shares).
 //! Source positions and weights are computed as PyTorch's CPU kernels compute them
 //! (`aten/src/ATen/native/UpSample.h`: `nearest_idx`, `area_pixel_compute_scale`,
@@ -42,16 +44,25 @@ pub enum UpsampleMode {
         /// Whether the corner pixels of input and output are aligned (PyTorch's `align_corners`).
         align_corners: bool,
     },
+    /// Bicubic interpolation of a `[N, C, H, W]` input (PyTorch's `'bicubic'`: Keys' cubic
+    /// convolution with `A = -0.75`, edge pixels repeated). Values may overshoot the input's range,
+    /// as in PyTorch.
+    Bicubic {
+        /// Whether the corner pixels of input and output are aligned (PyTorch's `align_corners`).
+        align_corners: bool,
+    },
 }
 
 impl UpsampleMode {
-    /// The input rank a linear mode takes (`None` for the nearest modes, which take 3 to 5), and
-    /// its `align_corners`.
+    /// The input rank an interpolating mode takes (`None` for the nearest modes, which take 3 to
+    /// 5), and its `align_corners`.
     fn linear(self) -> Option<(usize, bool)> {
         match self {
             Self::Nearest | Self::NearestExact => None,
             Self::Linear { align_corners } => Some((3, align_corners)),
-            Self::Bilinear { align_corners } => Some((4, align_corners)),
+            Self::Bilinear { align_corners } | Self::Bicubic { align_corners } => {
+                Some((4, align_corners))
+            }
             Self::Trilinear { align_corners } => Some((5, align_corners)),
         }
     }
@@ -181,6 +192,40 @@ fn nearest_sources(input: usize, output: usize, scale: Option<f64>, exact: bool)
         .collect()
 }
 
+/// The `[input, output]` matrix of bicubic interpolation weights (ATen's
+/// `upsample_bicubic2d`: `area_pixel_compute_source_index` without the clamp at 0, then
+/// `get_cubic_upsample_coefficients` with `A = -0.75` over four taps, clamped to the input).
+fn cubic_weights(input: usize, output: usize, scale: Option<f64>, align_corners: bool) -> Vec<f32> {
+    const A: f32 = -0.75;
+    let near = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
+    let far = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
+    let ratio = if align_corners {
+        if output > 1 {
+            (input - 1) as f32 / (output - 1) as f32
+        } else {
+            0.0
+        }
+    } else {
+        scale_value(scale, input, output)
+    };
+    let mut m = vec![0f32; input * output];
+    for dst in 0..output {
+        let real = if align_corners {
+            ratio * dst as f32
+        } else {
+            ratio * (dst as f32 + 0.5) - 0.5
+        };
+        let start = real.floor();
+        let t = real - start;
+        let coefficients = [far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)];
+        for (k, c) in coefficients.into_iter().enumerate() {
+            let src = (start as isize - 1 + k as isize).clamp(0, input as isize - 1) as usize;
+            m[src * output + dst] += c;
+        }
+    }
+    m
+}
+
 /// The `[input, output]` matrix of linear interpolation weights (PyTorch's
 /// `compute_source_index_and_lambda`).
 fn linear_weights(
@@ -250,7 +295,11 @@ impl Forward<&Tensor> for Upsample {
                     y.index_select(&Tensor::new(ids, y.device())?, dim)?
                 }
                 Some((_, align_corners)) => {
-                    let w = linear_weights(input, output, scale, align_corners);
+                    let w = if matches!(self.mode, UpsampleMode::Bicubic { .. }) {
+                        cubic_weights(input, output, scale, align_corners)
+                    } else {
+                        linear_weights(input, output, scale, align_corners)
+                    };
                     let w = Tensor::from_vec(w, (input, output), y.device())?;
                     let w = if y.dtype() == DType::F32 {
                         w

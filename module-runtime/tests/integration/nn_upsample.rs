@@ -1,5 +1,5 @@
 //! `Upsample` (issue 29): nearest (also to a fractional scale and in 3-D), nearest-exact, linear,
-//! bilinear and trilinear, with and without `align_corners`, to a `size` or by a `scale_factor`:
+//! bilinear, bicubic and trilinear, with and without `align_corners`, to a `size` or by a `scale_factor`:
 //! forward and input gradients against the fixtures of `fixtures/make_nn_fixtures.py`; and its
 //! errors.
 
@@ -33,7 +33,7 @@ fn nearest_matches_pytorch() {
 }
 
 #[test]
-fn bilinear_matches_pytorch() {
+fn bilinear_and_bicubic_match_pytorch() {
     check_unary(
         "upsample_bilinear_scale",
         &Upsample::scale_factor(2.0, BILINEAR),
@@ -46,6 +46,20 @@ fn bilinear_matches_pytorch() {
     check_unary(
         "upsample_bilinear_align_scale",
         &Upsample::scale_factor(2.0, BILINEAR_ALIGNED),
+    );
+    let bicubic = UpsampleMode::Bicubic {
+        align_corners: false,
+    };
+    check_unary(
+        "upsample_bicubic_scale",
+        &Upsample::scale_factor(2.0, bicubic),
+    );
+    let bicubic_aligned = UpsampleMode::Bicubic {
+        align_corners: true,
+    };
+    check_unary(
+        "upsample_bicubic_align",
+        &Upsample::size([5, 7], bicubic_aligned),
     );
     let legacy = Upsample::upsampling_bilinear2d(UpsampleTarget::Size(vec![4, 5]));
     check_unary("upsampling_bilinear2d", &legacy);
