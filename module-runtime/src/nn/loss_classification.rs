@@ -108,9 +108,12 @@ fn nll(
     let valid = ids.ne(ignore_index)?;
     let safe_ids = valid.where_cond(&ids, &ids.zeros_like()?)?;
     let valid = valid.to_dtype(rows.dtype())?;
-    let picked = rows.gather(&safe_ids.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let picked = rows
+        .contiguous()?
+        .gather(&safe_ids.unsqueeze(1)?, 1)?
+        .squeeze(1)?;
     let used = match &weight {
-        Some(w) => (w.index_select(&safe_ids, 0)? * &valid)?,
+        Some(w) => (w.contiguous()?.index_select(&safe_ids, 0)? * &valid)?,
         None => valid.clone(),
     };
     let mut loss = (picked * &used)?.neg()?;

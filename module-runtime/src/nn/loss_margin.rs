@@ -247,13 +247,17 @@ impl Forward<(&Tensor, &Tensor)> for MultiMarginLoss {
             return Err(input_shape_error(LAYER, expected, target));
         }
         let ids = target.reshape(n)?.to_dtype(DType::U32)?;
-        let own = x.gather(&ids.unsqueeze(1)?, 1)?;
+        let own = x.contiguous()?.gather(&ids.unsqueeze(1)?, 1)?;
         let mut hinge = clamp_min_zero(&x.broadcast_sub(&own)?.affine(1.0, self.margin)?)?;
         if self.p == 2 {
             hinge = hinge.sqr()?;
         }
         if let Some(w) = &self.weight {
-            let w = w.value()?.to_dtype(x.dtype())?.index_select(&ids, 0)?;
+            let w = w
+                .value()?
+                .to_dtype(x.dtype())?
+                .contiguous()?
+                .index_select(&ids, 0)?;
             hinge = hinge.broadcast_mul(&w.unsqueeze(1)?)?;
         }
         // The target's own class adds nothing.

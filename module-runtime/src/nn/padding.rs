@@ -76,7 +76,7 @@ fn gather_along(
         .map(|i| source(i, n) as u32)
         .collect();
     let ids = Tensor::new(ids, x.device())?;
-    Ok(x.index_select(&ids, dim)?)
+    Ok(x.contiguous()?.index_select(&ids, dim)?)
 }
 
 /// `x` with `before` and `after` copies of `value` along `dim`.

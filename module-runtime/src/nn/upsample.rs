@@ -292,7 +292,8 @@ impl Forward<&Tensor> for Upsample {
                 None => {
                     let exact = self.mode == UpsampleMode::NearestExact;
                     let ids = nearest_sources(input, output, scale, exact);
-                    y.index_select(&Tensor::new(ids, y.device())?, dim)?
+                    y.contiguous()?
+                        .index_select(&Tensor::new(ids, y.device())?, dim)?
                 }
                 Some((_, align_corners)) => {
                     let w = if matches!(self.mode, UpsampleMode::Bicubic { .. }) {

@@ -129,3 +129,31 @@ fn new_layers_compose_in_a_sequential_under_pytorch_names() {
         ]
     );
 }
+
+/// Gathering layers take non-contiguous inputs (a transposed view) as they take contiguous ones.
+#[test]
+fn non_contiguous_inputs_give_the_contiguous_results() {
+    use module_runtime::nn::{NLLLoss, Upsample, UpsampleMode};
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (1, 4, 3), &dev).unwrap();
+    let view = x.transpose(1, 2).unwrap();
+    assert!(!view.is_contiguous());
+    let dense = view.contiguous().unwrap();
+    let same = |a: Tensor, b: Tensor| {
+        let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
+    };
+    let pad = ReflectionPad1d::new(2);
+    same(pad.call(&view).unwrap(), pad.call(&dense).unwrap());
+    let up = Upsample::scale_factor(2.0, UpsampleMode::Nearest);
+    same(up.call(&view).unwrap(), up.call(&dense).unwrap());
+    let (scores, target) = (
+        view.squeeze(0).unwrap(),
+        Tensor::new(&[0i64, 3, 1], &dev).unwrap(),
+    );
+    let nll = NLLLoss::new();
+    same(
+        nll.call((&scores, &target)).unwrap(),
+        nll.call((&scores.contiguous().unwrap(), &target)).unwrap(),
+    );
+}
