@@ -130,6 +130,7 @@ pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 mod distance;
 mod linear_cross_entropy;
 mod loss_classification;
+mod loss_ctc;
 mod loss_likelihood;
 mod loss_margin;
 mod loss_reduction;
@@ -148,6 +149,7 @@ pub use loss_classification::{
     BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,
     CrossEntropyLoss, CrossEntropyLossPath, NLLLoss, NLLLossPath,
 };
+pub use loss_ctc::{CTCLoss, CTCLossPath};
 pub use loss_likelihood::{
     GaussianNLLLoss, GaussianNLLLossPath, PoissonNLLLoss, PoissonNLLLossPath,
 };

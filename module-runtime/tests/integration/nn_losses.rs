@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    BCELoss, BCEWithLogitsLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
+    BCELoss, BCEWithLogitsLoss, CTCLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
     CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction,
-    L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss, LossReduction, MSELoss,
+    L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss, LogSoftmax, LossReduction, MSELoss,
     MarginRankingLoss, MultiLabelMarginLoss, MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss,
     PairwiseDistance, PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss,
     TripletMarginWithDistanceLoss,
@@ -236,6 +236,48 @@ fn margin_and_likelihood_losses_match_pytorch() -> Result<()> {
         per_sample.call((&t[0], &t[1], &t[2]))
     });
     assert!(MultiMarginLoss::with_config(3, 1.0, None, LossReduction::Mean).is_err());
+    Ok(())
+}
+
+#[test]
+fn ctc_matches_pytorch_after_a_log_softmax() {
+    let names = ["logits", "targets", "input_lengths", "target_lengths"];
+    let log_softmax = LogSoftmax::new(-1);
+    for (case, ctc) in [
+        ("ctc", CTCLoss::new()),
+        (
+            "ctc_concatenated",
+            CTCLoss::with_config(4, LossReduction::None, true),
+        ),
+    ] {
+        check(case, &ctc, &names, |t| {
+            let log_probs = log_softmax.call(&t[0])?;
+            ctc.call((&log_probs, &t[1], &t[2], &t[3]))
+        });
+    }
+}
+
+#[test]
+fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result<()> {
+    let dev = Device::Cpu;
+    let lp = Tensor::zeros((4, 2, 3), DType::F32, &dev)?;
+    let targets = Tensor::new(&[[1i64, 1], [2, 0]], &dev)?;
+    let lengths = Tensor::new(&[4i64, 4], &dev)?;
+    let err = CTCLoss::new()
+        .call((&lp, &targets, &lengths, &Tensor::new(&[2i64], &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("[2] integer lengths"), "{err}");
+    let too_long = Tensor::new(&[5i64, 4], &dev)?;
+    let err = CTCLoss::new()
+        .call((&lp, &targets, &too_long, &Tensor::new(&[2i64, 1], &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("T = 4"), "{err}");
+    // Two equal labels need three frames; two frames cannot hold them.
+    let short = Tensor::new(&[2i64, 4], &dev)?;
+    let loss = CTCLoss::with_config(0, LossReduction::None, false)
+        .call((&lp, &targets, &short, &Tensor::new(&[2i64, 1], &dev)?))?
+        .to_vec1::<f32>()?;
+    assert!(loss[0].is_infinite() && loss[1].is_finite(), "{loss:?}");
     Ok(())
 }
 
