@@ -194,8 +194,11 @@ impl Forward<(&Tensor, &Tensor, &Tensor, &Tensor)> for CTCLoss {
             } else {
                 row.is_some_and(|row| s_len >= 0 && s_len as usize <= row)
             };
-            let fits =
-                integer(targets) && layout_ok && s_len >= 0 && (0..=frames as i64).contains(&t_len);
+            let fits = integer(targets)
+                && layout_ok
+                && s_len >= 0
+                && start + s_len as usize <= labels.len()
+                && (0..=frames as i64).contains(&t_len);
             if !fits {
                 let expected = format!(
                     "integer targets [N, S] or [sum of target_lengths] for sequence {n} of input \
@@ -215,7 +218,10 @@ impl Forward<(&Tensor, &Tensor, &Tensor, &Tensor)> for CTCLoss {
             }
             // Each label needs a frame, and a repeated label a blank frame between.
             let repeats = seq.windows(2).filter(|w| w[0] == w[1]).count();
-            let loss = if (t_len as usize) < seq.len() + repeats {
+            let loss = if t_len == 0 && seq.is_empty() {
+                // No frames and no labels: the empty alignment, probability 1.
+                Tensor::new(0f64, lp.device())?.to_dtype(lp.dtype())?
+            } else if (t_len as usize) < seq.len() + repeats {
                 let value = if self.zero_infinity {
                     0.0
                 } else {

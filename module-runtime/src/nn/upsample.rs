@@ -158,7 +158,9 @@ impl Upsample {
                 UpsampleTarget::Size(s) => Some((s[pick(s.len(), i)?], None)),
                 UpsampleTarget::ScaleFactor(f) => {
                     let f = f[pick(f.len(), i)?];
-                    (f > 0.0).then(|| ((size as f64 * f).floor() as usize, Some(f)))
+                    let out = (size as f64 * f).floor();
+                    // Finite and addressable; NaN fails the comparison.
+                    (f > 0.0 && out < u32::MAX as f64).then_some((out as usize, Some(f)))
                 }
             })
             .collect()
@@ -274,15 +276,19 @@ impl Forward<&Tensor> for Upsample {
             None => (3..=5).contains(&rank),
         };
         let in_sizes = x.dims().get(2..).unwrap_or_default();
+        let non_empty = in_sizes.iter().all(|&size| size > 0);
         let plan = self
             .plan(in_sizes)
-            .filter(|p| p.iter().all(|&(out, _)| out > 0));
+            .filter(|p| non_empty && p.iter().all(|&(out, _)| out > 0));
         let (true, Some(plan)) = (rank_ok, plan) else {
             let expected = match self.mode.linear() {
                 Some((r, _)) => format!("rank {r} ([N, C, *] with {} spatial dimensions)", r - 2),
                 None => "[N, C, L], [N, C, H, W] or [N, C, D, H, W]".to_owned(),
             };
-            let expected = format!("{expected}, for {:?} (non-empty output)", self.target);
+            let expected = format!(
+                "{expected}, for {:?} (non-empty input and output)",
+                self.target
+            );
             return Err(input_shape_error("Upsample", expected, x));
         };
         let mut y = x.clone();

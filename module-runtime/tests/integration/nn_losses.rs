@@ -278,6 +278,17 @@ fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result
         .call((&lp, &targets, &short, &Tensor::new(&[2i64, 1], &dev)?))?
         .to_vec1::<f32>()?;
     assert!(loss[0].is_infinite() && loss[1].is_finite(), "{loss:?}");
+    // Concatenated lengths that add up but reach past the labels, and empty sequences.
+    let flat = Tensor::new(&[1i64, 2, 1], &dev)?;
+    let err = CTCLoss::new()
+        .call((&lp, &flat, &lengths, &Tensor::new(&[5i64, -2], &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("target length 5"), "{err}");
+    let none = Tensor::new(&[0i64, 0], &dev)?;
+    let loss = CTCLoss::with_config(0, LossReduction::Sum, false)
+        .call((&lp, &targets, &none, &none))?
+        .to_scalar::<f32>()?;
+    assert_eq!(loss, 0.0);
     Ok(())
 }
 

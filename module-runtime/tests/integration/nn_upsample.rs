@@ -116,4 +116,15 @@ fn bad_inputs_are_typed_errors_naming_the_shapes() {
     assert!(Upsample::scale_factor(0.1, UpsampleMode::Nearest)
         .call(&image)
         .is_err());
+    assert!(Upsample::scale_factor(f64::INFINITY, UpsampleMode::Nearest)
+        .call(&image)
+        .is_err());
+    assert!(Upsample::scale_factor(f64::NAN, BILINEAR)
+        .call(&image)
+        .is_err());
+    let empty = Tensor::zeros((1, 2, 0, 4), DType::F32, &dev).unwrap();
+    assert!(Upsample::size([3, 3], UpsampleMode::Nearest)
+        .call(&empty)
+        .is_err());
+    assert!(Upsample::size([3, 3], BILINEAR).call(&empty).is_err());
 }
