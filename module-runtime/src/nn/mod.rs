@@ -127,6 +127,7 @@ pub use shape::{
 pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 
 // Losses and distances as modules (issue 29); `loss` holds the functional forms.
+mod adaptive_softmax;
 mod distance;
 mod linear_cross_entropy;
 mod loss_classification;
@@ -136,6 +137,7 @@ mod loss_margin;
 mod loss_reduction;
 mod loss_regression;
 
+pub use adaptive_softmax::{AdaptiveLogSoftmaxWithLoss, AdaptiveLogSoftmaxWithLossPath};
 pub use distance::{
     CosineEmbeddingLoss, CosineEmbeddingLossPath, CosineSimilarity, CosineSimilarityPath,
     DistanceFn, MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    BCELoss, BCEWithLogitsLoss, CTCLoss, ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity,
-    CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction,
-    L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss, LogSoftmax, LossReduction, MSELoss,
-    MarginRankingLoss, MultiLabelMarginLoss, MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss,
-    PairwiseDistance, PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss,
-    TripletMarginWithDistanceLoss,
+    AdaptiveLogSoftmaxWithLoss, BCELoss, BCEWithLogitsLoss, CTCLoss, ClassLossConfig,
+    CosineEmbeddingLoss, CosineSimilarity, CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss,
+    HuberLoss, KLDivLoss, KLDivReduction, L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss,
+    LogSoftmax, LossReduction, MSELoss, MarginRankingLoss, MultiLabelMarginLoss,
+    MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss, PairwiseDistance, PoissonNLLLoss,
+    SmoothL1Loss, SoftMarginLoss, TripletMarginLoss, TripletMarginWithDistanceLoss,
 };
 use module_runtime::{Error, Module, ModuleExt, Result};
 
@@ -289,6 +289,40 @@ fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result
         .call((&lp, &targets, &none, &none))?
         .to_scalar::<f32>()?;
     assert_eq!(loss, 0.0);
+    Ok(())
+}
+
+#[test]
+fn adaptive_log_softmax_matches_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    let asm = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], 2.0, true, &dev)?;
+    let names: Vec<String> = asm.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let expected = [
+        "head.weight",
+        "head.bias",
+        "tail.0.0.weight",
+        "tail.0.1.weight",
+        "tail.1.0.weight",
+        "tail.1.1.weight",
+    ];
+    assert_eq!(names, expected);
+    // The fixture's output is `cat([output, loss])`, both parts of PyTorch's `_ASMoutput`.
+    check("adaptive_log_softmax", &asm, &["input", "target"], |t| {
+        let (output, loss) = asm.call((&t[0], &t[1]))?;
+        Ok(Tensor::cat(&[output, loss.unsqueeze(0)?], 0)?)
+    });
+    let plain = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], 2.0, false, &dev)?;
+    check("adaptive_log_softmax_log_prob", &plain, &["input"], |t| {
+        plain.log_prob(&t[0])
+    });
+    let x = Tensor::randn(0f32, 1., (5, 8), &dev)?;
+    let best = plain.log_prob(&x)?.argmax(1)?;
+    assert_eq!(plain.predict(&x)?.to_vec1::<u32>()?, best.to_vec1::<u32>()?);
+    assert!(AdaptiveLogSoftmaxWithLoss::new(8, 10, &[6, 3], &dev).is_err());
+    let err = plain
+        .call((&x, &Tensor::new(&[0i64, 1, 2, 3, 10], &dev)?))
+        .unwrap_err();
+    assert!(err.to_string().contains("[0, 10)"), "{err}");
     Ok(())
 }
 
