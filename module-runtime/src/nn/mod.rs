@@ -110,10 +110,12 @@ pub use activation_smooth::{
 };
 
 // Shape, padding and resampling layers (issue 29).
+mod fold;
 mod padding;
 mod shape;
 mod upsample;
 
+pub use fold::{Fold, FoldConfig, FoldPath, Unfold, UnfoldPath};
 pub use padding::{
     Circular, CircularPad1d, CircularPad2d, CircularPad3d, Constant, ConstantPad1d, ConstantPad2d,
     ConstantPad3d, Pad, PadMode, PadPath, Padding, Reflect, ReflectionPad1d, ReflectionPad2d,

@@ -4,9 +4,9 @@
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
     ChannelShuffle, CircularPad1d, CircularPad2d, CircularPad3d, ConstantPad1d, ConstantPad2d,
-    ConstantPad3d, Flatten, Identity, PixelShuffle, PixelUnshuffle, ReflectionPad1d,
-    ReflectionPad2d, ReflectionPad3d, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d,
-    Unflatten, ZeroPad1d, ZeroPad2d, ZeroPad3d,
+    ConstantPad3d, Flatten, Fold, FoldConfig, Identity, PixelShuffle, PixelUnshuffle,
+    ReflectionPad1d, ReflectionPad2d, ReflectionPad3d, ReplicationPad1d, ReplicationPad2d,
+    ReplicationPad3d, Unflatten, Unfold, ZeroPad1d, ZeroPad2d, ZeroPad3d,
 };
 use module_runtime::{short_type_name, Error, ModuleExt};
 
@@ -21,6 +21,27 @@ fn shape_layers_match_pytorch() {
     check_unary("pixel_shuffle", &PixelShuffle::new(2));
     check_unary("pixel_unshuffle", &PixelUnshuffle::new(2));
     check_unary("channel_shuffle", &ChannelShuffle::new(3));
+}
+
+#[test]
+fn fold_and_unfold_match_pytorch() {
+    let options = FoldConfig {
+        dilation: (1, 2).into(),
+        padding: 1.into(),
+        stride: (2, 1).into(),
+    };
+    check_unary("unfold", &Unfold::new(2));
+    check_unary("unfold_options", &Unfold::with_config((2, 3), options));
+    check_unary("fold", &Fold::new((3, 4), 2));
+    check_unary("fold_options", &Fold::with_config((4, 5), (2, 3), options));
+    // Blocks that do not fit, and columns that are not the blocks of the output size.
+    let x = Tensor::zeros((1, 2, 3, 4), DType::F32, &Device::Cpu).unwrap();
+    let err = Unfold::new(5).call(&x).unwrap_err();
+    assert!(err.to_string().contains("[1, 2, 3, 4]"), "{err}");
+    let cols = Tensor::zeros((1, 8, 5), DType::F32, &Device::Cpu).unwrap();
+    let err = Fold::new((3, 4), 2).call(&cols).unwrap_err();
+    assert!(err.to_string().contains("L = 6"), "{err}");
+    assert!(Unfold::new(0).call(&x).is_err());
 }
 
 #[test]
