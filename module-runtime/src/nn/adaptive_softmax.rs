@@ -9,6 +9,26 @@ use crate::nn::common::input_shape_error;
 use crate::nn::{Linear, LinearConfig, ModuleList, Sequential};
 use crate::{Forward, Module, ModuleExt};
 
+/// How an [`AdaptiveLogSoftmaxWithLoss`] is built: PyTorch's keyword arguments, with PyTorch's
+/// defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdaptiveLogSoftmaxConfig {
+    /// Each cluster's projection is `div_value` times narrower than the previous one's, the first
+    /// `in_features / div_value` (default 4.0).
+    pub div_value: f64,
+    /// Whether the head has a bias (default `false`).
+    pub head_bias: bool,
+}
+
+impl Default for AdaptiveLogSoftmaxConfig {
+    fn default() -> Self {
+        Self {
+            div_value: 4.0,
+            head_bias: false,
+        }
+    }
+}
+
 /// The log-probability of each target and the mean negative log-likelihood, for frequent classes
 /// in a head and rare ones in clusters of reduced size: PyTorch's
 /// `nn.AdaptiveLogSoftmaxWithLoss(in_features, n_classes, cutoffs, div_value=4.0,
@@ -48,19 +68,23 @@ impl AdaptiveLogSoftmaxWithLoss {
         cutoffs: &[usize],
         device: &Device,
     ) -> Result<Self> {
-        Self::with_config(in_features, n_classes, cutoffs, 4.0, false, device)
+        let config = AdaptiveLogSoftmaxConfig::default();
+        Self::with_config(in_features, n_classes, cutoffs, config, device)
     }
 
-    /// With `div_value` and `head_bias`. `cutoffs` must be increasing, unique and within
-    /// `1..n_classes`, else an [`Error::InvalidConfig`], as PyTorch raises.
+    /// Built as `config` says. `cutoffs` must be increasing, unique and within `1..n_classes`,
+    /// else an [`Error::InvalidConfig`], as PyTorch raises.
     pub fn with_config(
         in_features: usize,
         n_classes: usize,
         cutoffs: &[usize],
-        div_value: f64,
-        head_bias: bool,
+        config: AdaptiveLogSoftmaxConfig,
         device: &Device,
     ) -> Result<Self> {
+        let AdaptiveLogSoftmaxConfig {
+            div_value,
+            head_bias,
+        } = config;
         let increasing = cutoffs.windows(2).all(|w| w[0] < w[1]);
         let in_range = cutoffs.iter().all(|&c| c >= 1 && c < n_classes);
         if cutoffs.is_empty() || !increasing || !in_range {

@@ -92,7 +92,9 @@ impl Forward<(&Tensor, &Tensor)> for CosineSimilarity {
 }
 
 /// `‖x1 - x2 + eps‖_p` along the last dimension: PyTorch's `nn.PairwiseDistance(p=2.0,
-/// eps=1e-6, keepdim=False)`. `p` may be any positive number or `f64::INFINITY`.
+/// eps=1e-6, keepdim=False)`. `p` (the field `norm`) may be any positive number or
+/// `f64::INFINITY`; `nn.PairwiseDistance(p=1.0, keepdim=True)` is
+/// `PairwiseDistance { keepdim: true, ..PairwiseDistance::with_norm(1.0) }`.
 ///
 /// Typed paths into it: [`PairwiseDistancePath`], from [`PairwiseDistance::path`]
 /// (`#[module(paths)]`).
@@ -124,12 +126,11 @@ impl PairwiseDistance {
         Self::default()
     }
 
-    /// With `p`, `eps` and `keepdim` (PyTorch's argument order).
-    pub fn with_config(p: f64, eps: f64, keepdim: bool) -> Self {
+    /// The `p`-norm distance, with PyTorch's other defaults.
+    pub fn with_norm(p: f64) -> Self {
         Self {
             norm: p,
-            eps,
-            keepdim,
+            ..Self::default()
         }
     }
 }

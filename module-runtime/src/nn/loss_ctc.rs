@@ -54,12 +54,12 @@ impl CTCLoss {
         Self::default()
     }
 
-    /// With `blank`, `reduction` and `zero_infinity`.
-    pub fn with_config(blank: usize, reduction: LossReduction, zero_infinity: bool) -> Self {
+    /// With the blank label `blank`, PyTorch's other defaults (set `reduction` and
+    /// `zero_infinity` as fields: `CTCLoss { zero_infinity: true, ..CTCLoss::with_blank(4) }`).
+    pub fn with_blank(blank: usize) -> Self {
         Self {
             blank,
-            reduction,
-            zero_infinity,
+            ..Self::default()
         }
     }
 }

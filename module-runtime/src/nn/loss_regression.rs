@@ -229,7 +229,14 @@ pub enum KLDivReduction {
 /// The Kullback-Leibler divergence of `target` from the log-probabilities `input`:
 /// `target · (log target - input)` per element (0 where `target = 0`), or
 /// `exp(target) · (target - input)` when the target is given as log-probabilities too
-/// (`log_target`). PyTorch's `nn.KLDivLoss(reduction='mean', log_target=False)`.
+/// (`log_target`). PyTorch's `nn.KLDivLoss(reduction='mean', log_target=False)`; write
+/// `nn.KLDivLoss(reduction='batchmean', log_target=True)` as
+///
+/// ```
+/// use module_runtime::nn::{KLDivLoss, KLDivReduction};
+/// let kl = KLDivLoss { reduction: KLDivReduction::BatchMean, log_target: true };
+/// # let _ = kl;
+/// ```
 ///
 /// Typed paths into it: [`KLDivLossPath`], from [`KLDivLoss::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug, Default)]
@@ -248,11 +255,11 @@ impl KLDivLoss {
         Self::default()
     }
 
-    /// With `reduction` and `log_target`.
-    pub fn with_config(reduction: KLDivReduction, log_target: bool) -> Self {
+    /// With `reduction`, probabilities as the target.
+    pub fn with_reduction(reduction: KLDivReduction) -> Self {
         Self {
             reduction,
-            log_target,
+            log_target: false,
         }
     }
 }

@@ -139,7 +139,9 @@ mod loss_margin;
 mod loss_reduction;
 mod loss_regression;
 
-pub use adaptive_softmax::{AdaptiveLogSoftmaxWithLoss, AdaptiveLogSoftmaxWithLossPath};
+pub use adaptive_softmax::{
+    AdaptiveLogSoftmaxConfig, AdaptiveLogSoftmaxWithLoss, AdaptiveLogSoftmaxWithLossPath,
+};
 pub use distance::{
     CosineEmbeddingLoss, CosineEmbeddingLossPath, CosineSimilarity, CosineSimilarityPath,
     DistanceFn, MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    AdaptiveLogSoftmaxWithLoss, BCELoss, BCEWithLogitsLoss, CTCLoss, ClassLossConfig,
-    CosineEmbeddingLoss, CosineSimilarity, CrossEntropyLoss, GaussianNLLLoss, HingeEmbeddingLoss,
-    HuberLoss, KLDivLoss, KLDivReduction, L1Loss, LinearCrossEntropyConfig, LinearCrossEntropyLoss,
-    LogSoftmax, LossReduction, MSELoss, MarginRankingLoss, MultiLabelMarginLoss,
-    MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss, PairwiseDistance, PoissonNLLLoss,
-    SmoothL1Loss, SoftMarginLoss, TripletMarginLoss, TripletMarginWithDistanceLoss,
+    AdaptiveLogSoftmaxConfig, AdaptiveLogSoftmaxWithLoss, BCELoss, BCEWithLogitsLoss, CTCLoss,
+    ClassLossConfig, CosineEmbeddingLoss, CosineSimilarity, CrossEntropyLoss, GaussianNLLLoss,
+    HingeEmbeddingLoss, HuberLoss, KLDivLoss, KLDivReduction, L1Loss, LinearCrossEntropyConfig,
+    LinearCrossEntropyLoss, LogSoftmax, LossReduction, MSELoss, MarginRankingLoss,
+    MultiLabelMarginLoss, MultiLabelSoftMarginLoss, MultiMarginLoss, NLLLoss, PairwiseDistance,
+    PoissonNLLLoss, SmoothL1Loss, SoftMarginLoss, TripletMarginLoss, TripletMarginWithDistanceLoss,
 };
 use module_runtime::{Error, Module, ModuleExt, Result};
 
@@ -126,11 +126,14 @@ fn regression_losses_match_pytorch() {
         &SmoothL1Loss::with_beta(0.5, LossReduction::Mean),
     );
     check_pair("huber", &HuberLoss::with_delta(1.5, LossReduction::Mean));
-    let batchmean = KLDivLoss::with_config(KLDivReduction::BatchMean, false);
+    let batchmean = KLDivLoss::with_reduction(KLDivReduction::BatchMean);
     check_pair("kl_div", &batchmean);
     check_pair(
         "kl_div_log_target",
-        &KLDivLoss::with_config(KLDivReduction::None, true),
+        &KLDivLoss {
+            reduction: KLDivReduction::None,
+            log_target: true,
+        },
     );
 }
 
@@ -144,7 +147,10 @@ fn distances_and_margin_losses_match_pytorch() {
     check("pairwise_distance", &dist, &["x1", "x2"], |t| {
         dist.call((&t[0], &t[1]))
     });
-    let p1 = PairwiseDistance::with_config(1.0, 1e-6, true);
+    let p1 = PairwiseDistance {
+        keepdim: true,
+        ..PairwiseDistance::with_norm(1.0)
+    };
     check("pairwise_distance_p1_keepdim", &p1, &["x1", "x2"], |t| {
         p1.call((&t[0], &t[1]))
     });
@@ -247,7 +253,11 @@ fn ctc_matches_pytorch_after_a_log_softmax() {
         ("ctc", CTCLoss::new()),
         (
             "ctc_concatenated",
-            CTCLoss::with_config(4, LossReduction::None, true),
+            CTCLoss {
+                reduction: LossReduction::None,
+                zero_infinity: true,
+                ..CTCLoss::with_blank(4)
+            },
         ),
     ] {
         check(case, &ctc, &names, |t| {
@@ -274,9 +284,12 @@ fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result
     assert!(err.to_string().contains("T = 4"), "{err}");
     // Two equal labels need three frames; two frames cannot hold them.
     let short = Tensor::new(&[2i64, 4], &dev)?;
-    let loss = CTCLoss::with_config(0, LossReduction::None, false)
-        .call((&lp, &targets, &short, &Tensor::new(&[2i64, 1], &dev)?))?
-        .to_vec1::<f32>()?;
+    let loss = CTCLoss {
+        reduction: LossReduction::None,
+        ..CTCLoss::new()
+    }
+    .call((&lp, &targets, &short, &Tensor::new(&[2i64, 1], &dev)?))?
+    .to_vec1::<f32>()?;
     assert!(loss[0].is_infinite() && loss[1].is_finite(), "{loss:?}");
     // Concatenated lengths that add up but reach past the labels, and empty sequences.
     let flat = Tensor::new(&[1i64, 2, 1], &dev)?;
@@ -285,9 +298,12 @@ fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result
         .unwrap_err();
     assert!(err.to_string().contains("target length 5"), "{err}");
     let none = Tensor::new(&[0i64, 0], &dev)?;
-    let loss = CTCLoss::with_config(0, LossReduction::Sum, false)
-        .call((&lp, &targets, &none, &none))?
-        .to_scalar::<f32>()?;
+    let loss = CTCLoss {
+        reduction: LossReduction::Sum,
+        ..CTCLoss::new()
+    }
+    .call((&lp, &targets, &none, &none))?
+    .to_scalar::<f32>()?;
     assert_eq!(loss, 0.0);
     Ok(())
 }
@@ -295,7 +311,15 @@ fn ctc_errors_name_the_shapes_and_impossible_alignments_are_infinite() -> Result
 #[test]
 fn adaptive_log_softmax_matches_pytorch() -> Result<()> {
     let dev = Device::Cpu;
-    let asm = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], 2.0, true, &dev)?;
+    let half = AdaptiveLogSoftmaxConfig {
+        div_value: 2.0,
+        ..Default::default()
+    };
+    let half_with_bias = AdaptiveLogSoftmaxConfig {
+        head_bias: true,
+        ..half
+    };
+    let asm = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], half_with_bias, &dev)?;
     let names: Vec<String> = asm.named_parameters().into_iter().map(|(n, _)| n).collect();
     let expected = [
         "head.weight",
@@ -311,7 +335,7 @@ fn adaptive_log_softmax_matches_pytorch() -> Result<()> {
         let (output, loss) = asm.call((&t[0], &t[1]))?;
         Ok(Tensor::cat(&[output, loss.unsqueeze(0)?], 0)?)
     });
-    let plain = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], 2.0, false, &dev)?;
+    let plain = AdaptiveLogSoftmaxWithLoss::with_config(8, 10, &[3, 6], half, &dev)?;
     check("adaptive_log_softmax_log_prob", &plain, &["input"], |t| {
         plain.log_prob(&t[0])
     });
