@@ -6,13 +6,16 @@
 //!
 //! Tolerance: `|actual - expected| <= 1e-5 + 1e-5 * |expected|` elementwise (the fixtures are
 //! within 1e-6 of a float64 rerun).
+//!
+//! The device under test is `MODULE_DEVICE` (`cuda:0`, `metal:0`; the CPU when unset), as for
+//! the root package's parity tests: the fixture is loaded there and the module moved there.
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor, Var};
-use module_runtime::{Forward, Module, ModuleExt, Result};
+use module_runtime::{parse_device, Forward, Module, ModuleExt, Result};
 
 /// Absolute and relative tolerance.
 pub const TOL: f64 = 1e-5;
@@ -28,10 +31,18 @@ fn fixtures_dir() -> PathBuf {
         .expect("fixtures/pytorch/nn in an ancestor of the crate's folder")
 }
 
-/// Loads `NAME.safetensors` (on the CPU).
+/// The device under test: `MODULE_DEVICE`, else the CPU.
+fn device() -> Device {
+    match std::env::var("MODULE_DEVICE") {
+        Ok(name) if !name.is_empty() => parse_device(&name).expect("MODULE_DEVICE names a device"),
+        _ => Device::Cpu,
+    }
+}
+
+/// Loads `NAME.safetensors` onto the device under test.
 fn load(name: &str) -> HashMap<String, Tensor> {
     let path = fixtures_dir().join(format!("{name}.safetensors"));
-    candle_core::safetensors::load(&path, &Device::Cpu)
+    candle_core::safetensors::load(&path, &device())
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
 
@@ -60,6 +71,7 @@ pub fn check(
     forward: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) {
     let tensors = load(case);
+    module.to_device(&device()).unwrap();
     let used = RefCell::new(BTreeSet::new());
     let get = |key: &str| -> Tensor {
         used.borrow_mut().insert(key.to_owned());
