@@ -91,6 +91,14 @@ pub use layer_norm::{
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
 
+// PyTorch's channel and alpha dropouts.
+mod dropout_variants;
+
+pub use dropout_variants::{
+    AlphaDropout, AlphaDropoutPath, ChannelDropout, ChannelDropoutPath, Dropout1d, Dropout2d,
+    Dropout3d, FeatureAlphaDropout, FeatureAlphaDropoutPath,
+};
+
 // The rest of PyTorch's activations (issue 29).
 mod activation_param;
 mod activation_piecewise;
@@ -192,5 +200,8 @@ pub(crate) fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static st
         (type_name::<GruCell>(), "GRUCell"),
         (type_name::<RmsNorm>(), "RMSNorm"),
     ];
-    layers.into_iter().chain(padding::pytorch_names())
+    layers
+        .into_iter()
+        .chain(padding::pytorch_names())
+        .chain(dropout_variants::pytorch_names())
 }
