@@ -36,7 +36,7 @@ macro_rules! nn {
 /// live above this crate, so the names are strings here; a test beside the layers checks every
 /// entry against `type_name` of its alias.
 #[doc(hidden)]
-pub const PYTORCH_NAMES: [(&str, &str); 15] = [
+pub const PYTORCH_NAMES: [(&str, &str); 33] = [
     (nn!("batch_norm::BatchNorm<1>"), "BatchNorm1d"),
     (nn!("batch_norm::BatchNorm<2>"), "BatchNorm2d"),
     (nn!("batch_norm::LazyBatchNorm<1>"), "LazyBatchNorm1d"),
@@ -64,6 +64,60 @@ pub const PYTORCH_NAMES: [(&str, &str); 15] = [
         "GRUCell",
     ),
     (nn!("layer_norm::RmsNorm"), "RMSNorm"),
+    (nn!("padding::Pad<1, ", "padding::Zeros>"), "ZeroPad1d"),
+    (nn!("padding::Pad<2, ", "padding::Zeros>"), "ZeroPad2d"),
+    (nn!("padding::Pad<3, ", "padding::Zeros>"), "ZeroPad3d"),
+    (
+        nn!("padding::Pad<1, ", "padding::Constant>"),
+        "ConstantPad1d",
+    ),
+    (
+        nn!("padding::Pad<2, ", "padding::Constant>"),
+        "ConstantPad2d",
+    ),
+    (
+        nn!("padding::Pad<3, ", "padding::Constant>"),
+        "ConstantPad3d",
+    ),
+    (
+        nn!("padding::Pad<1, ", "padding::Reflect>"),
+        "ReflectionPad1d",
+    ),
+    (
+        nn!("padding::Pad<2, ", "padding::Reflect>"),
+        "ReflectionPad2d",
+    ),
+    (
+        nn!("padding::Pad<3, ", "padding::Reflect>"),
+        "ReflectionPad3d",
+    ),
+    (
+        nn!("padding::Pad<1, ", "padding::Replicate>"),
+        "ReplicationPad1d",
+    ),
+    (
+        nn!("padding::Pad<2, ", "padding::Replicate>"),
+        "ReplicationPad2d",
+    ),
+    (
+        nn!("padding::Pad<3, ", "padding::Replicate>"),
+        "ReplicationPad3d",
+    ),
+    (
+        nn!("padding::Pad<1, ", "padding::Circular>"),
+        "CircularPad1d",
+    ),
+    (
+        nn!("padding::Pad<2, ", "padding::Circular>"),
+        "CircularPad2d",
+    ),
+    (
+        nn!("padding::Pad<3, ", "padding::Circular>"),
+        "CircularPad3d",
+    ),
+    (nn!("dropout_variants::ChannelDropout<1>"), "Dropout1d"),
+    (nn!("dropout_variants::ChannelDropout<2>"), "Dropout2d"),
+    (nn!("dropout_variants::ChannelDropout<3>"), "Dropout3d"),
 ];
 
 fn strip_paths(full: &str) -> String {

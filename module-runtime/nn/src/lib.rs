@@ -46,13 +46,14 @@ use module_core::{
     device, error, forward, identity, module, param, path, trace, typed_path, views, walk,
 };
 use module_core::{
-    is_grad_enabled, short_type_name, Buffer, Forward, Init, LazyShape, Mode, Module, Param, Result,
+    is_grad_enabled, short_type_name, Buffer, Error, Forward, Init, LazyShape, Mode, Module, Param,
+    Result,
 };
 use module_hooks::{ext, hooks, tensor_tree};
 use module_hooks::{ModuleExt, TensorStruct, TensorTree};
 // What the unit tests name by `crate::`.
 #[cfg(test)]
-use module_core::{no_grad, without_grad, Error};
+use module_core::{no_grad, without_grad};
 // The derive, beside the trait of the same name (the layers write `#[derive(Module)]`).
 use module_derive::Module;
 
@@ -125,3 +126,134 @@ pub use layer_norm::{
     RmsNormConfig, RmsNormPath,
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
+
+// PyTorch's channel and alpha dropouts.
+mod dropout_variants;
+
+pub use dropout_variants::{
+    AlphaDropout, AlphaDropoutPath, ChannelDropout, ChannelDropoutPath, Dropout1d, Dropout2d,
+    Dropout3d, FeatureAlphaDropout, FeatureAlphaDropoutPath,
+};
+
+// The rest of PyTorch's activations (issue 29).
+mod activation_param;
+mod activation_piecewise;
+mod activation_smooth;
+
+pub use activation_param::{
+    GLUPath, PReLU, PReLUConfig, PReLUPath, Softmax2d, Softmax2dPath, Softmin, SoftminPath, GLU,
+};
+pub use activation_piecewise::{
+    CELUPath, ELUPath, Hardshrink, HardshrinkPath, Hardsigmoid, HardsigmoidPath, Hardswish,
+    HardswishPath, Hardtanh, HardtanhPath, LeakyReLU, LeakyReLUPath, RReLU, RReLUPath, ReLU6,
+    ReLU6Path, SELUPath, Softshrink, SoftshrinkPath, Threshold, ThresholdPath, CELU, ELU, SELU,
+};
+pub use activation_smooth::{
+    LogSigmoid, LogSigmoidPath, Mish, MishPath, Softplus, SoftplusPath, Softsign, SoftsignPath,
+    Tanhshrink, TanhshrinkPath,
+};
+
+// Shape, padding and resampling layers (issue 29).
+mod fold;
+mod padding;
+mod shape;
+mod upsample;
+
+pub use fold::{Fold, FoldConfig, FoldPath, Unfold, UnfoldPath};
+pub use padding::{
+    Circular, CircularPad1d, CircularPad2d, CircularPad3d, Constant, ConstantPad1d, ConstantPad2d,
+    ConstantPad3d, Pad, PadMode, PadPath, Padding, Reflect, ReflectionPad1d, ReflectionPad2d,
+    ReflectionPad3d, Replicate, ReplicationPad1d, ReplicationPad2d, ReplicationPad3d, ZeroPad1d,
+    ZeroPad2d, ZeroPad3d, Zeros,
+};
+pub use shape::{
+    ChannelShuffle, ChannelShufflePath, Flatten, FlattenPath, Identity, IdentityPath, PixelShuffle,
+    PixelShufflePath, PixelUnshuffle, PixelUnshufflePath, Unflatten, UnflattenPath,
+};
+pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
+
+// Losses and distances as modules (issue 29); `loss` holds the functional forms.
+mod adaptive_softmax;
+mod distance;
+mod linear_cross_entropy;
+mod loss_classification;
+mod loss_ctc;
+mod loss_likelihood;
+mod loss_margin;
+mod loss_reduction;
+mod loss_regression;
+
+pub use adaptive_softmax::{
+    AdaptiveLogSoftmaxConfig, AdaptiveLogSoftmaxWithLoss, AdaptiveLogSoftmaxWithLossPath,
+};
+pub use distance::{
+    CosineEmbeddingLoss, CosineEmbeddingLossPath, CosineSimilarity, CosineSimilarityPath,
+    DistanceFn, MarginRankingLoss, MarginRankingLossPath, PairwiseDistance, PairwiseDistancePath,
+    TripletMarginLoss, TripletMarginLossPath, TripletMarginWithDistanceLoss,
+    TripletMarginWithDistanceLossPath,
+};
+pub use linear_cross_entropy::{
+    LinearCrossEntropyConfig, LinearCrossEntropyLoss, LinearCrossEntropyLossPath,
+};
+pub use loss_classification::{
+    BCELoss, BCELossPath, BCEWithLogitsLoss, BCEWithLogitsLossPath, ClassLossConfig,
+    CrossEntropyLoss, CrossEntropyLossPath, NLLLoss, NLLLossPath,
+};
+pub use loss_ctc::{CTCLoss, CTCLossPath};
+pub use loss_likelihood::{
+    GaussianNLLLoss, GaussianNLLLossPath, PoissonNLLLoss, PoissonNLLLossPath,
+};
+pub use loss_margin::{
+    HingeEmbeddingLoss, HingeEmbeddingLossPath, MultiLabelMarginLoss, MultiLabelMarginLossPath,
+    MultiLabelSoftMarginLoss, MultiLabelSoftMarginLossPath, MultiMarginLoss, MultiMarginLossPath,
+    SoftMarginLoss, SoftMarginLossPath,
+};
+pub use loss_reduction::LossReduction;
+pub use loss_regression::{
+    HuberLoss, HuberLossPath, KLDivLoss, KLDivLossPath, KLDivReduction, L1Loss, L1LossPath,
+    MSELoss, MSELossPath, SmoothL1Loss, SmoothL1LossPath,
+};
+
+/// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
+/// each instantiation is. The core's `short_type_name` (summaries, `Debug`, type errors) reads
+/// them from a table of strings, since it cannot name this crate; the test below holds the two
+/// equal.
+#[cfg(test)]
+fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
+    use std::any::type_name;
+    let layers = [
+        (type_name::<BatchNorm1d>(), "BatchNorm1d"),
+        (type_name::<BatchNorm2d>(), "BatchNorm2d"),
+        (type_name::<LazyBatchNorm1d>(), "LazyBatchNorm1d"),
+        (type_name::<LazyBatchNorm2d>(), "LazyBatchNorm2d"),
+        (type_name::<Conv1d>(), "Conv1d"),
+        (type_name::<Conv2d>(), "Conv2d"),
+        (type_name::<LazyConv1d>(), "LazyConv1d"),
+        (type_name::<LazyConv2d>(), "LazyConv2d"),
+        (type_name::<MaxPool2d>(), "MaxPool2d"),
+        (type_name::<AvgPool2d>(), "AvgPool2d"),
+        (type_name::<Lstm>(), "LSTM"),
+        (type_name::<Gru>(), "GRU"),
+        (type_name::<LstmCell>(), "LSTMCell"),
+        (type_name::<GruCell>(), "GRUCell"),
+        (type_name::<RmsNorm>(), "RMSNorm"),
+    ];
+    layers
+        .into_iter()
+        .chain(padding::pytorch_names())
+        .chain(dropout_variants::pytorch_names())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_generic_layer_alias_has_its_pytorch_name() {
+        for (rust, pytorch) in super::pytorch_names() {
+            assert!(
+                module_core::type_name::PYTORCH_NAMES.contains(&(rust, pytorch)),
+                "module-core's PYTORCH_NAMES lacks ({rust:?}, {pytorch:?})"
+            );
+            assert_eq!(crate::short_type_name(rust), pytorch);
+        }
+    }
+}

@@ -2,6 +2,12 @@
 //! its own, and each linked candle again): a file is one area, its tests are named `area::test`.
 
 mod conv_options;
+mod nn_activations;
+mod nn_dropout;
+mod nn_fixture;
+mod nn_losses;
+mod nn_shape;
+mod nn_upsample;
 mod pool_options;
 mod pth_files;
 mod pth_hostile;
