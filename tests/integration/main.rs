@@ -19,6 +19,7 @@ mod functional;
 mod gapnet;
 mod hooks;
 mod inference;
+mod layout;
 mod lazy;
 mod load_errors;
 mod module_api;
