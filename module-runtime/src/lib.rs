@@ -64,11 +64,14 @@
 //
 // Every public item keeps the path it had before the split (`module_runtime::Param`,
 // `module_runtime::nn::Linear`, `module_runtime::distributed::Mpi`).
+#[doc(inline)]
 pub use module_core::typed_path;
 /// Data-parallel training (the crate `module-distributed`).
+#[doc(inline)]
 pub use module_distributed as distributed;
 /// Layers, written with `#[derive(Module)]`, with PyTorch's names, parameters and defaults (the
 /// crate `module-nn`).
+#[doc(inline)]
 pub use module_nn as nn;
 
 #[doc(hidden)]
