@@ -27,6 +27,7 @@ thread_local! {
 /// Whether parameters read on this thread record gradients (PyTorch's `torch.is_grad_enabled()`).
 /// `true` unless a [`no_grad`] guard is alive on this thread (and no [`enable_grad`] guard made
 /// after it).
+#[inline]
 pub fn is_grad_enabled() -> bool {
     GRAD_ENABLED.with(Cell::get)
 }
