@@ -303,28 +303,9 @@ impl Buffer {
             missing_ok: AtomicBool::new(self.is_missing_ok()),
         })))
     }
-
-    /// Whether `self` and `other` are the same buffer.
-    pub fn same_as(&self, other: &Buffer) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-
-    /// An identity usable as a map key: equal for clones, distinct otherwise.
-    pub fn id(&self) -> usize {
-        identity::arc_id(&self.0)
-    }
-
-    /// Whether another handle to this buffer exists. A buffer with one handle is held by one
-    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
-    /// dedups itself: traversal skips its memo set for such buffers.
-    pub fn mode_marks(&self) -> &ModeMarks {
-        &self.0.modes
-    }
-
-    pub fn has_aliases(&self) -> bool {
-        identity::has_aliases(&self.0)
-    }
 }
+
+identity::leaf_identity!(Buffer, "buffer");
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

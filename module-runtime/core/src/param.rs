@@ -385,27 +385,6 @@ impl Param {
         })))
     }
 
-    /// Whether `self` and `other` are the same parameter (aliases of one tied weight).
-    pub fn same_as(&self, other: &Param) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-
-    /// An identity usable as a map key: equal for aliases, distinct for different parameters.
-    pub fn id(&self) -> usize {
-        identity::arc_id(&self.0)
-    }
-
-    /// Whether another handle to this parameter exists. A parameter with one handle is held by one
-    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
-    /// dedups itself: traversal skips its memo set for such parameters.
-    pub fn mode_marks(&self) -> &ModeMarks {
-        &self.0.modes
-    }
-
-    pub fn has_aliases(&self) -> bool {
-        identity::has_aliases(&self.0)
-    }
-
     fn read(&self) -> RwLockReadGuard<'_, Var> {
         self.0.var.read()
     }
@@ -421,6 +400,8 @@ fn check_float(t: &Tensor) -> Result<()> {
         })
     }
 }
+
+identity::leaf_identity!(Param, "parameter");
 
 impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -224,6 +224,22 @@ fn container_child_mut<L: Module>(container: &mut L) -> ChildMut<'_> {
     }
 }
 
+/// `as_child`, `as_child_mut` and `is_config` of a container whose elements are `M`s: a module
+/// node, or absent when `M` is configuration.
+macro_rules! container_of_m {
+    () => {
+        fn as_child(&self) -> Child<'_> {
+            container_child(self)
+        }
+        fn as_child_mut(&mut self) -> ChildMut<'_> {
+            container_child_mut(self)
+        }
+        fn is_config() -> bool {
+            M::is_config()
+        }
+    };
+}
+
 /// A list of modules: `Vec` (like PyTorch's `ModuleList`) and fixed-size arrays. Listed as a
 /// module, elements named `0`, `1`, ….
 macro_rules! list {
@@ -240,15 +256,7 @@ macro_rules! list {
                     f(Name::Index(i), m.as_child_mut());
                 }
             }
-            fn as_child(&self) -> Child<'_> {
-                container_child(self)
-            }
-            fn as_child_mut(&mut self) -> ChildMut<'_> {
-                container_child_mut(self)
-            }
-            fn is_config() -> bool {
-                M::is_config()
-            }
+            container_of_m!();
         }
     )*};
 }
@@ -267,15 +275,7 @@ impl<M: Module> Module for BTreeMap<String, M> {
             f(Name::Field(k), m.as_child_mut());
         }
     }
-    fn as_child(&self) -> Child<'_> {
-        container_child(self)
-    }
-    fn as_child_mut(&mut self) -> ChildMut<'_> {
-        container_child_mut(self)
-    }
-    fn is_config() -> bool {
-        M::is_config()
-    }
+    container_of_m!();
 }
 
 macro_rules! tuple {
