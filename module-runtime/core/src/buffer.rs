@@ -139,10 +139,8 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, nothing is built: the
     /// call's value is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return check_built_dims(t, dims);
-            }
+        if let Some(t) = self.substituted() {
+            return check_built_dims(t, dims);
         }
         self.0.value.materialize(dims, 0)?;
         check_built_dims(self.current(), dims)
@@ -156,10 +154,8 @@ impl Buffer {
     /// Inside a functional call ([`FunctionalExt`](../module_runtime/trait.FunctionalExt.html)) that substitutes or
     /// captures this buffer, it reads as the call's copy instead.
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return Ok(t);
-            }
+        if let Some(t) = self.substituted() {
+            return Ok(t);
         }
         match self.0.value.unbuilt_error("buffer") {
             None => Ok(self.current()),
@@ -176,10 +172,8 @@ impl Buffer {
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check (an unbuilt buffer's
     /// empty `[0]` placeholder): for metadata and the runtime's own walks.
     pub fn current(&self) -> Tensor {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return t;
-            }
+        if let Some(t) = self.substituted() {
+            return t;
         }
         self.0.value.read().detach()
     }
@@ -286,6 +280,17 @@ impl Buffer {
             *slot = own_storage(&slot.to_dtype(dtype)?);
         }
         Ok(())
+    }
+
+    /// The value a functional scope holds for this buffer (substituted or captured), if one is
+    /// active and holds it.
+    #[inline]
+    fn substituted(&self) -> Option<Tensor> {
+        if crate::scope::active() {
+            crate::scope::buffer(self.id())
+        } else {
+            None
+        }
     }
 
     /// The buffer's own value, whatever a functional scope substitutes.

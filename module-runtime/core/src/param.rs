@@ -165,10 +165,8 @@ impl Param {
     /// Inside a functional call that substitutes this parameter, nothing is built: the substituted
     /// tensor is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return check_built_dims(t, dims);
-            }
+        if let Some(t) = self.substituted() {
+            return check_built_dims(t, dims);
         }
         self.0.var.materialize(dims, fan_in)?;
         check_built_dims(self.current(), dims)
@@ -197,10 +195,8 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return Ok(t);
-            }
+        if let Some(t) = self.substituted() {
+            return Ok(t);
         }
         match self.0.var.unbuilt_error("parameter") {
             None => Ok(self.current()),
@@ -218,10 +214,8 @@ impl Param {
     /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
     /// checked models), never for computing.
     pub fn current(&self) -> Tensor {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return t;
-            }
+        if let Some(t) = self.substituted() {
+            return t;
         }
         let var = self.read();
         if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
@@ -231,11 +225,22 @@ impl Param {
         }
     }
 
-    /// The tensor a functional scope on this thread substitutes for this parameter, detached
-    /// under `no_grad` as parameters are. The substituted tensor's own tracking decides whether
+    /// The tensor a functional scope on this thread substitutes for this parameter, if one is
+    /// active and does (see [`scoped`](Self::scoped)).
+    #[inline]
+    fn substituted(&self) -> Option<Tensor> {
+        if crate::scope::active() {
+            self.scoped()
+        } else {
+            None
+        }
+    }
+
+    /// The tensor the active functional scope substitutes for this parameter, detached under
+    /// `no_grad` as parameters are. The substituted tensor's own tracking decides whether
     /// gradients flow (as in PyTorch, where the swapped-in tensor's `requires_grad` is its own).
     #[cold]
-    fn substituted(&self) -> Option<Tensor> {
+    fn scoped(&self) -> Option<Tensor> {
         let t = crate::scope::param(self.id())?;
         Some(if crate::grad_mode::is_grad_enabled() {
             t
