@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::fused::{self, CHUNK};
-use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::group::{setters, GroupOptions, NamedParams, ParamGroup, ParamGroups};
 use crate::optimizer::{core_methods, forward_to, Optimizer};
 use crate::state::{check, flag, non_negative, param_like, reject, Buf, Core, Hyper, ParamState};
 
@@ -40,30 +40,17 @@ impl SgdOptions {
             maximize: false,
         }
     }
-    /// Sets `momentum`.
-    pub fn momentum(mut self, momentum: f64) -> Self {
-        self.momentum = momentum;
-        self
-    }
-    /// Sets `dampening`.
-    pub fn dampening(mut self, dampening: f64) -> Self {
-        self.dampening = dampening;
-        self
-    }
-    /// Sets `weight_decay`.
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
-    /// Sets `nesterov`.
-    pub fn nesterov(mut self, nesterov: bool) -> Self {
-        self.nesterov = nesterov;
-        self
-    }
-    /// Sets `maximize`.
-    pub fn maximize(mut self, maximize: bool) -> Self {
-        self.maximize = maximize;
-        self
+    setters! {
+        /// Sets `momentum`.
+        momentum: f64,
+        /// Sets `dampening`.
+        dampening: f64,
+        /// Sets `weight_decay`.
+        weight_decay: f64,
+        /// Sets `nesterov`.
+        nesterov: bool,
+        /// Sets `maximize`.
+        maximize: bool,
     }
 }
 
