@@ -91,8 +91,13 @@ struct Vm<'a> {
 }
 
 impl<'a> Vm<'a> {
+    /// The offset in the file of the opcode being run.
+    fn offset(&self) -> u64 {
+        self.base.saturating_add(self.op_pos as u64)
+    }
+
     fn err(&self, kind: PthErrorKind) -> Fail {
-        Fail::at(self.base.saturating_add(self.op_pos as u64), kind)
+        Fail::at(self.offset(), kind)
     }
 
     fn malformed(&self, reason: impl Into<String>) -> Fail {
@@ -243,33 +248,39 @@ impl<'a> Vm<'a> {
         }
     }
 
-    fn list_mut(&mut self, at: usize) -> Result<&mut Vec<Value>, Fail> {
-        let target = match self.stack.get(at) {
-            Some(Value::Obj(i)) => Some(*i),
+    /// The arena object the stack value at `at` refers to, mutably.
+    fn object_mut(&mut self, at: usize) -> Option<&mut Object> {
+        match self.stack.get(at) {
+            Some(Value::Obj(i)) => self.objects.get_mut(*i),
             _ => None,
-        };
-        match target.and_then(|i| self.objects.get(i)) {
-            Some(Object::List(_)) => {}
-            _ => return Err(self.malformed("APPEND(S) or ADDITEMS on a value that is not a list")),
         }
-        match &mut self.objects[target.expect("checked above")] {
-            Object::List(items) => Ok(items),
-            _ => unreachable!("checked above"),
+    }
+
+    /// [`PthErrorKind::Malformed`] at `offset`, for where the machine is borrowed.
+    fn malformed_at(offset: u64, reason: &str) -> Fail {
+        let reason = reason.into();
+        Fail::at(offset, PthErrorKind::Malformed { reason })
+    }
+
+    fn list_mut(&mut self, at: usize) -> Result<&mut Vec<Value>, Fail> {
+        let offset = self.offset();
+        match self.object_mut(at) {
+            Some(Object::List(items)) => Ok(items),
+            _ => Err(Self::malformed_at(
+                offset,
+                "APPEND(S) or ADDITEMS on a value that is not a list",
+            )),
         }
     }
 
     fn dict_mut(&mut self, at: usize) -> Result<&mut Vec<(Value, Value)>, Fail> {
-        let target = match self.stack.get(at) {
-            Some(Value::Obj(i)) => Some(*i),
-            _ => None,
-        };
-        match target.and_then(|i| self.objects.get(i)) {
-            Some(Object::Dict(_)) => {}
-            _ => return Err(self.malformed("SETITEM(S) on a value that is not a dict")),
-        }
-        match &mut self.objects[target.expect("checked above")] {
-            Object::Dict(items) => Ok(items),
-            _ => unreachable!("checked above"),
+        let offset = self.offset();
+        match self.object_mut(at) {
+            Some(Object::Dict(items)) => Ok(items),
+            _ => Err(Self::malformed_at(
+                offset,
+                "SETITEM(S) on a value that is not a dict",
+            )),
         }
     }
 
