@@ -5,9 +5,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::identity::{self, ModeMarks};
-use crate::lazy_cell::{check_built_dims, is_cannot_set, own_storage, Init, LazyCell};
+use crate::lazy_cell::{
+    check_built_dims, check_same_layout, is_cannot_set, own_storage, Init, LazyCell,
+};
 use crate::lazy_shape::LazyShape;
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
@@ -148,7 +150,7 @@ impl Buffer {
 
     /// The current value: a view of the buffer's storage, so it sees later in-place updates
     /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do;
-    /// [`Error::NotLoaded`] when the buffer has none yet (see
+    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
     /// [`Param::tensor`](crate::Param::tensor)).
     ///
     /// Inside a functional call ([`FunctionalExt`](../module_runtime/trait.FunctionalExt.html)) that substitutes or
@@ -209,14 +211,7 @@ impl Buffer {
             return Ok(());
         }
         let mut slot = self.0.value.write();
-        if value.shape() != slot.shape() || value.dtype() != slot.dtype() {
-            return Err(Error::ValueMismatch {
-                expected_shape: slot.shape().clone(),
-                expected_dtype: slot.dtype(),
-                shape: value.shape().clone(),
-                dtype: value.dtype(),
-            });
-        }
+        check_same_layout(&slot, value)?;
         let value = value.to_device(slot.device())?;
         if !slot.is_variable() {
             // Only after a failed allocation in `own_storage`: take the value's copy as storage.

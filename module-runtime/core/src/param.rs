@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
 use crate::identity::{self, ModeMarks};
-use crate::lazy_cell::{check_built_dims, is_cannot_set, Init, LazyCell};
+use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
@@ -305,14 +305,7 @@ impl Param {
             return Ok(());
         }
         let var = self.read();
-        if value.shape() != var.shape() || value.dtype() != var.dtype() {
-            return Err(Error::ValueMismatch {
-                expected_shape: var.shape().clone(),
-                expected_dtype: var.dtype(),
-                shape: value.shape().clone(),
-                dtype: value.dtype(),
-            });
-        }
+        check_same_layout(&var, value)?;
         let value = value.to_device(var.device())?;
         match var.set(&value) {
             // The value is a view of the parameter itself (e.g. from its own state dict): candle
