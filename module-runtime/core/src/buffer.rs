@@ -5,9 +5,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::identity::{self, ModeMarks};
-use crate::lazy_cell::{check_built_dims, is_cannot_set, own_storage, Init, LazyCell};
+use crate::lazy_cell::{
+    check_built_dims, check_same_layout, is_cannot_set, own_storage, Init, LazyCell,
+};
 use crate::lazy_shape::LazyShape;
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
@@ -139,10 +141,8 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, nothing is built: the
     /// call's value is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize]) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return check_built_dims(t, dims);
-            }
+        if let Some(t) = self.substituted() {
+            return check_built_dims(t, dims);
         }
         self.0.value.materialize(dims, 0)?;
         check_built_dims(self.current(), dims)
@@ -150,16 +150,14 @@ impl Buffer {
 
     /// The current value: a view of the buffer's storage, so it sees later in-place updates
     /// ([`set`](Self::set), a load, a BatchNorm training step), as PyTorch's buffer tensors do;
-    /// [`Error::NotLoaded`] when the buffer has none yet (see
+    /// [`Error::NotLoaded`](crate::Error::NotLoaded) when the buffer has none yet (see
     /// [`Param::tensor`](crate::Param::tensor)).
     ///
     /// Inside a functional call ([`FunctionalExt`](../module_runtime/trait.FunctionalExt.html)) that substitutes or
     /// captures this buffer, it reads as the call's copy instead.
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return Ok(t);
-            }
+        if let Some(t) = self.substituted() {
+            return Ok(t);
         }
         match self.0.value.unbuilt_error("buffer") {
             None => Ok(self.current()),
@@ -176,10 +174,8 @@ impl Buffer {
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check (an unbuilt buffer's
     /// empty `[0]` placeholder): for metadata and the runtime's own walks.
     pub fn current(&self) -> Tensor {
-        if crate::scope::active() {
-            if let Some(t) = crate::scope::buffer(self.id()) {
-                return t;
-            }
+        if let Some(t) = self.substituted() {
+            return t;
         }
         self.0.value.read().detach()
     }
@@ -215,14 +211,7 @@ impl Buffer {
             return Ok(());
         }
         let mut slot = self.0.value.write();
-        if value.shape() != slot.shape() || value.dtype() != slot.dtype() {
-            return Err(Error::ValueMismatch {
-                expected_shape: slot.shape().clone(),
-                expected_dtype: slot.dtype(),
-                shape: value.shape().clone(),
-                dtype: value.dtype(),
-            });
-        }
+        check_same_layout(&slot, value)?;
         let value = value.to_device(slot.device())?;
         if !slot.is_variable() {
             // Only after a failed allocation in `own_storage`: take the value's copy as storage.
@@ -288,6 +277,17 @@ impl Buffer {
         Ok(())
     }
 
+    /// The value a functional scope holds for this buffer (substituted or captured), if one is
+    /// active and holds it.
+    #[inline]
+    fn substituted(&self) -> Option<Tensor> {
+        if crate::scope::active() {
+            crate::scope::buffer(self.id())
+        } else {
+            None
+        }
+    }
+
     /// The buffer's own value, whatever a functional scope substitutes.
     pub fn own_tensor(&self) -> Tensor {
         self.0.value.read().detach()
@@ -303,28 +303,9 @@ impl Buffer {
             missing_ok: AtomicBool::new(self.is_missing_ok()),
         })))
     }
-
-    /// Whether `self` and `other` are the same buffer.
-    pub fn same_as(&self, other: &Buffer) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-
-    /// An identity usable as a map key: equal for clones, distinct otherwise.
-    pub fn id(&self) -> usize {
-        identity::arc_id(&self.0)
-    }
-
-    /// Whether another handle to this buffer exists. A buffer with one handle is held by one
-    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
-    /// dedups itself: traversal skips its memo set for such buffers.
-    pub fn mode_marks(&self) -> &ModeMarks {
-        &self.0.modes
-    }
-
-    pub fn has_aliases(&self) -> bool {
-        identity::has_aliases(&self.0)
-    }
 }
+
+identity::leaf_identity!(Buffer, "buffer");
 
 impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -34,6 +34,46 @@ pub fn has_aliases<T: ?Sized>(arc: &Arc<T>) -> bool {
     Arc::strong_count(arc) > 1
 }
 
+/// The identity methods of a leaf that is an `Arc` of its state (with a `modes` field):
+/// [`Param`](crate::Param) and [`Buffer`](crate::Buffer). `$what` names it in the docs.
+macro_rules! leaf_identity {
+    ($ty:ident, $what:literal) => {
+        impl $ty {
+            #[doc = concat!("Whether `self` and `other` are the same ", $what, " (aliases of one).")]
+            pub fn same_as(&self, other: &$ty) -> bool {
+                Arc::ptr_eq(&self.0, &other.0)
+            }
+
+            #[doc = concat!(
+                "An identity usable as a map key: equal for aliases, distinct for different ",
+                $what,
+                "s."
+            )]
+            pub fn id(&self) -> usize {
+                $crate::identity::arc_id(&self.0)
+            }
+
+            /// The train/eval flags of the modules this is the first leaf of (see
+            /// [`ModeMarks`](crate::identity::ModeMarks)).
+            pub fn mode_marks(&self) -> &$crate::identity::ModeMarks {
+                &self.0.modes
+            }
+
+            #[doc = concat!(
+                "Whether another handle to this ",
+                $what,
+                " exists. One with one handle is held by one field, so a walk can reach it \
+                 twice only through a shared (`Arc`) module, which the walk dedups itself: \
+                 traversal skips its memo set for such leaves."
+            )]
+            pub fn has_aliases(&self) -> bool {
+                $crate::identity::has_aliases(&self.0)
+            }
+        }
+    };
+}
+pub(crate) use leaf_identity;
+
 /// The train/eval flags of the modules whose first leaf holds this set, by the leaf's path relative
 /// to each module. Set by `train`/`eval`, read by `is_training`.
 #[derive(Default)]

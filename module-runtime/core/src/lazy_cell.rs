@@ -215,6 +215,20 @@ fn check_accepts(shape: &LazyShape, dims: &[usize]) -> Result<()> {
     })
 }
 
+/// [`Error::ValueMismatch`] unless `value` has `current`'s shape and dtype: what a write into an
+/// existing tensor needs.
+pub fn check_same_layout(current: &Tensor, value: &Tensor) -> Result<()> {
+    if value.shape() != current.shape() || value.dtype() != current.dtype() {
+        return Err(Error::ValueMismatch {
+            expected_shape: current.shape().clone(),
+            expected_dtype: current.dtype(),
+            shape: value.shape().clone(),
+            dtype: value.dtype(),
+        });
+    }
+    Ok(())
+}
+
 /// `t`, the value of a parameter or buffer that is now built, if it has the `dims` an input asked
 /// for; otherwise the error that says it was built with other ones.
 pub fn check_built_dims(t: Tensor, dims: &[usize]) -> Result<Tensor> {

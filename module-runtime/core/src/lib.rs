@@ -14,12 +14,13 @@
 //! |---|---|
 //! | `type_name`, `lazy_shape`, `pattern` | names, lazy shapes, path patterns |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
-//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`) |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
-//! | `param`, `buffer`, `scope`, `module` | leaves, the functional scope, the `Module` trait |
+//! | `param`, `buffer`, `scope` | leaves, the functional scope |
+//! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
 //! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
-//! | `typed_path` | typed paths: module paths the compiler checks |
+//! | `typed_path/` | typed paths: module paths the compiler checks (`mod`); the path types of std types and containers (`containers`) |
 //! | `trace` | forward errors named by module path, as they travel up the calls |
 #![warn(missing_docs)]
 

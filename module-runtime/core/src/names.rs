@@ -132,24 +132,31 @@ impl Names {
     }
 }
 
-pub fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String, Param)> {
+/// Every leaf `pick` takes, with its name.
+fn named_leaves<T>(
+    root: &dyn Module,
+    names: &Names,
+    pick: impl Fn(Visit<'_>) -> Option<T>,
+) -> Vec<(String, T)> {
     let mut out = Vec::new();
     names.walk(root, &mut |path, v| {
-        if let Visit::Param(p) = v {
-            out.push((names.join(path), p.clone()));
-        }
+        out.extend(pick(v).map(|leaf| (names.join(path), leaf)));
     });
     out
 }
 
+pub fn named_parameters(root: &dyn Module, names: &Names) -> Vec<(String, Param)> {
+    named_leaves(root, names, |v| match v {
+        Visit::Param(p) => Some(p.clone()),
+        _ => None,
+    })
+}
+
 pub fn named_buffers(root: &dyn Module, names: &Names) -> Vec<(String, Buffer)> {
-    let mut out = Vec::new();
-    names.walk(root, &mut |path, v| {
-        if let Visit::Buffer(b) = v {
-            out.push((names.join(path), b.clone()));
-        }
-    });
-    out
+    named_leaves(root, names, |v| match v {
+        Visit::Buffer(b) => Some(b.clone()),
+        _ => None,
+    })
 }
 
 pub fn named_modules<'a>(root: &'a dyn Module, names: &Names) -> Vec<(String, &'a dyn Module)> {

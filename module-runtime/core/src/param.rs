@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
 use crate::identity::{self, ModeMarks};
-use crate::lazy_cell::{check_built_dims, is_cannot_set, Init, LazyCell};
+use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
@@ -165,10 +165,8 @@ impl Param {
     /// Inside a functional call that substitutes this parameter, nothing is built: the substituted
     /// tensor is checked against `dims` and returned.
     pub fn materialize(&self, dims: &[usize], fan_in: usize) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return check_built_dims(t, dims);
-            }
+        if let Some(t) = self.substituted() {
+            return check_built_dims(t, dims);
         }
         self.0.var.materialize(dims, fan_in)?;
         check_built_dims(self.current(), dims)
@@ -197,10 +195,8 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn tensor(&self) -> Result<Tensor> {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return Ok(t);
-            }
+        if let Some(t) = self.substituted() {
+            return Ok(t);
         }
         match self.0.var.unbuilt_error("parameter") {
             None => Ok(self.current()),
@@ -218,10 +214,8 @@ impl Param {
     /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
     /// checked models), never for computing.
     pub fn current(&self) -> Tensor {
-        if crate::scope::active() {
-            if let Some(t) = self.substituted() {
-                return t;
-            }
+        if let Some(t) = self.substituted() {
+            return t;
         }
         let var = self.read();
         if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
@@ -231,11 +225,22 @@ impl Param {
         }
     }
 
-    /// The tensor a functional scope on this thread substitutes for this parameter, detached
-    /// under `no_grad` as parameters are. The substituted tensor's own tracking decides whether
+    /// The tensor a functional scope on this thread substitutes for this parameter, if one is
+    /// active and does (see [`scoped`](Self::scoped)).
+    #[inline]
+    fn substituted(&self) -> Option<Tensor> {
+        if crate::scope::active() {
+            self.scoped()
+        } else {
+            None
+        }
+    }
+
+    /// The tensor the active functional scope substitutes for this parameter, detached under
+    /// `no_grad` as parameters are. The substituted tensor's own tracking decides whether
     /// gradients flow (as in PyTorch, where the swapped-in tensor's `requires_grad` is its own).
     #[cold]
-    fn substituted(&self) -> Option<Tensor> {
+    fn scoped(&self) -> Option<Tensor> {
         let t = crate::scope::param(self.id())?;
         Some(if crate::grad_mode::is_grad_enabled() {
             t
@@ -300,14 +305,7 @@ impl Param {
             return Ok(());
         }
         let var = self.read();
-        if value.shape() != var.shape() || value.dtype() != var.dtype() {
-            return Err(Error::ValueMismatch {
-                expected_shape: var.shape().clone(),
-                expected_dtype: var.dtype(),
-                shape: value.shape().clone(),
-                dtype: value.dtype(),
-            });
-        }
+        check_same_layout(&var, value)?;
         let value = value.to_device(var.device())?;
         match var.set(&value) {
             // The value is a view of the parameter itself (e.g. from its own state dict): candle
@@ -385,27 +383,6 @@ impl Param {
         })))
     }
 
-    /// Whether `self` and `other` are the same parameter (aliases of one tied weight).
-    pub fn same_as(&self, other: &Param) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-
-    /// An identity usable as a map key: equal for aliases, distinct for different parameters.
-    pub fn id(&self) -> usize {
-        identity::arc_id(&self.0)
-    }
-
-    /// Whether another handle to this parameter exists. A parameter with one handle is held by one
-    /// field, so a walk can reach it twice only through a shared (`Arc`) module, which the walk
-    /// dedups itself: traversal skips its memo set for such parameters.
-    pub fn mode_marks(&self) -> &ModeMarks {
-        &self.0.modes
-    }
-
-    pub fn has_aliases(&self) -> bool {
-        identity::has_aliases(&self.0)
-    }
-
     fn read(&self) -> RwLockReadGuard<'_, Var> {
         self.0.var.read()
     }
@@ -421,6 +398,8 @@ fn check_float(t: &Tensor) -> Result<()> {
         })
     }
 }
+
+identity::leaf_identity!(Param, "parameter");
 
 impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

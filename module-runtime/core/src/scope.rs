@@ -20,8 +20,9 @@ use std::marker::PhantomData;
 use candle_core::Tensor;
 
 use crate::buffer::Buffer;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::identity::{AddressHasher, IdentitySet};
+use crate::lazy_cell::check_same_layout;
 
 type IdMap<V> = HashMap<usize, V, BuildHasherDefault<AddressHasher>>;
 
@@ -49,26 +50,21 @@ pub fn active() -> bool {
     ACTIVE.with(Cell::get)
 }
 
+/// The first of `find`'s answers over the scopes on this thread, innermost first.
+fn innermost(find: impl FnMut(&Frame) -> Option<Tensor>) -> Option<Tensor> {
+    FRAMES.with(|f| f.borrow().iter().rev().find_map(find))
+}
+
 /// The tensor a scope substitutes for the parameter `id`, innermost scope first.
 #[cold]
 pub fn param(id: usize) -> Option<Tensor> {
-    FRAMES.with(|f| {
-        f.borrow()
-            .iter()
-            .rev()
-            .find_map(|fr| fr.params.get(&id).cloned())
-    })
+    innermost(|fr| fr.params.get(&id).cloned())
 }
 
 /// The scope's copy of the buffer `id`, innermost scope first.
 #[cold]
 pub fn buffer(id: usize) -> Option<Tensor> {
-    FRAMES.with(|f| {
-        f.borrow()
-            .iter()
-            .rev()
-            .find_map(|fr| fr.buffers.get(&id).cloned())
-    })
+    innermost(|fr| fr.buffers.get(&id).cloned())
 }
 
 /// Writes `value` as the buffer `id`'s value in the innermost scope that holds it; `Err(value)`
@@ -148,14 +144,7 @@ pub fn assign_buffer(target: &Buffer, value: &Tensor) -> Result<bool> {
     let Some(current) = buffer(target.id()) else {
         return Ok(false);
     };
-    if value.shape() != current.shape() || value.dtype() != current.dtype() {
-        return Err(Error::ValueMismatch {
-            expected_shape: current.shape().clone(),
-            expected_dtype: current.dtype(),
-            shape: value.shape().clone(),
-            dtype: value.dtype(),
-        });
-    }
+    check_same_layout(&current, value)?;
     // Buffers take no part in autograd (PyTorch updates running statistics under `no_grad`).
     let value = value.to_device(current.device())?.detach();
     let _ = write_buffer(target.id(), value);

@@ -43,8 +43,8 @@ pub const PYTORCH_NAMES: [(&str, &str); 33] = [
     (nn!("batch_norm::LazyBatchNorm<2>"), "LazyBatchNorm2d"),
     (nn!("conv::Conv<1>"), "Conv1d"),
     (nn!("conv::Conv<2>"), "Conv2d"),
-    (nn!("conv::LazyConv<1>"), "LazyConv1d"),
-    (nn!("conv::LazyConv<2>"), "LazyConv2d"),
+    (nn!("conv::lazy::LazyConv<1>"), "LazyConv1d"),
+    (nn!("conv::lazy::LazyConv<2>"), "LazyConv2d"),
     (nn!("pool::Pool2d<", "pool::Max>"), "MaxPool2d"),
     (nn!("pool::Pool2d<", "pool::Avg>"), "AvgPool2d"),
     (

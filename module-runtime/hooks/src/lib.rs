@@ -13,7 +13,7 @@
 //! | `tensor_tree` | [`TensorTree`]: the tensors of a call's inputs and outputs |
 //! | `hooks/registry`, `hooks/typed` | [`Hooks`]: forward and pre-forward hooks by pattern or typed path |
 //! | `hooks/observe` | [`Captures`]: outputs recorded by path, call order |
-//! | `dataflow` | [`Dataflow`]: a run's graph of modules and the tensors between them |
+//! | `dataflow/` | [`Dataflow`]: a run's graph of modules and the tensors between them (`mod`); as DOT, rendered (`dot`) |
 //! | `ext` | [`ModuleExt`]: traversal, `call`, train/eval, state dicts, moves, summaries |
 #![warn(missing_docs)]
 

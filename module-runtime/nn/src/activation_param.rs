@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::activation::softmax;
-use crate::common::{forward_by_value, input_shape_error, resolve_dim};
+use crate::common::{config_layer, forward_by_value, input_shape_error, resolve_dim};
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Forward, Mode, Module, Param};
@@ -120,22 +120,14 @@ pub struct GLU {
     pub dim: isize,
 }
 
-impl Default for GLU {
-    fn default() -> Self {
-        Self { dim: -1 }
+config_layer! {
+    GLU {
+        dim: isize = -1,
     }
-}
-
-impl GLU {
     /// Split along the last dimension (PyTorch's default).
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// Split along `dim`.
-    pub fn with_dim(dim: isize) -> Self {
-        Self { dim }
-    }
+    with_dim,
 }
 
 impl Forward<&Tensor> for GLU {

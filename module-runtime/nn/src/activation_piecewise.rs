@@ -14,7 +14,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::forward_by_value;
+use crate::common::{config_layer, forward_by_value};
 use crate::error::Result;
 use crate::{Forward, Mode, Module};
 
@@ -64,24 +64,14 @@ pub struct LeakyReLU {
     pub negative_slope: f64,
 }
 
-impl Default for LeakyReLU {
-    fn default() -> Self {
-        Self {
-            negative_slope: 0.01,
-        }
+config_layer! {
+    LeakyReLU {
+        negative_slope: f64 = 0.01,
     }
-}
-
-impl LeakyReLU {
     /// PyTorch's default, `negative_slope = 0.01`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `negative_slope`.
-    pub fn with_slope(negative_slope: f64) -> Self {
-        Self { negative_slope }
-    }
+    with_slope,
 }
 
 impl Forward<&Tensor> for LeakyReLU {
@@ -105,22 +95,14 @@ pub struct ELU {
     pub alpha: f64,
 }
 
-impl Default for ELU {
-    fn default() -> Self {
-        Self { alpha: 1.0 }
+config_layer! {
+    ELU {
+        alpha: f64 = 1.0,
     }
-}
-
-impl ELU {
     /// PyTorch's default, `alpha = 1.0`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `alpha`.
-    pub fn with_alpha(alpha: f64) -> Self {
-        Self { alpha }
-    }
+    with_alpha,
 }
 
 impl Forward<&Tensor> for ELU {
@@ -175,22 +157,14 @@ pub struct CELU {
     pub alpha: f64,
 }
 
-impl Default for CELU {
-    fn default() -> Self {
-        Self { alpha: 1.0 }
+config_layer! {
+    CELU {
+        alpha: f64 = 1.0,
     }
-}
-
-impl CELU {
     /// PyTorch's default, `alpha = 1.0`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `alpha`.
-    pub fn with_alpha(alpha: f64) -> Self {
-        Self { alpha }
-    }
+    with_alpha,
 }
 
 impl Forward<&Tensor> for CELU {
@@ -223,25 +197,15 @@ pub struct Hardtanh {
     pub max_val: f64,
 }
 
-impl Default for Hardtanh {
-    fn default() -> Self {
-        Self {
-            min_val: -1.0,
-            max_val: 1.0,
-        }
+config_layer! {
+    Hardtanh {
+        min_val: f64 = -1.0,
+        max_val: f64 = 1.0,
     }
-}
-
-impl Hardtanh {
     /// PyTorch's default range, `[-1, 1]`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// The range `[min_val, max_val]`.
-    pub fn with_range(min_val: f64, max_val: f64) -> Self {
-        Self { min_val, max_val }
-    }
+    with_range,
 }
 
 impl Forward<&Tensor> for Hardtanh {
@@ -379,22 +343,14 @@ pub struct Hardshrink {
     pub lambd: f64,
 }
 
-impl Default for Hardshrink {
-    fn default() -> Self {
-        Self { lambd: 0.5 }
+config_layer! {
+    Hardshrink {
+        lambd: f64 = 0.5,
     }
-}
-
-impl Hardshrink {
     /// PyTorch's default, `lambd = 0.5`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `lambd`.
-    pub fn with_lambda(lambd: f64) -> Self {
-        Self { lambd }
-    }
+    with_lambda,
 }
 
 impl Forward<&Tensor> for Hardshrink {
@@ -417,22 +373,14 @@ pub struct Softshrink {
     pub lambd: f64,
 }
 
-impl Default for Softshrink {
-    fn default() -> Self {
-        Self { lambd: 0.5 }
+config_layer! {
+    Softshrink {
+        lambd: f64 = 0.5,
     }
-}
-
-impl Softshrink {
     /// PyTorch's default, `lambd = 0.5`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `lambd`.
-    pub fn with_lambda(lambd: f64) -> Self {
-        Self { lambd }
-    }
+    with_lambda,
 }
 
 impl Forward<&Tensor> for Softshrink {

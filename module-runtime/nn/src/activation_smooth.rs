@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::forward_by_value;
+use crate::common::{config_layer, forward_by_value};
 use crate::error::Result;
 use crate::{Forward, Mode, Module};
 
@@ -45,25 +45,15 @@ pub struct Softplus {
     pub threshold: f64,
 }
 
-impl Default for Softplus {
-    fn default() -> Self {
-        Self {
-            beta: 1.0,
-            threshold: 20.0,
-        }
+config_layer! {
+    Softplus {
+        beta: f64 = 1.0,
+        threshold: f64 = 20.0,
     }
-}
-
-impl Softplus {
     /// PyTorch's defaults, `beta = 1`, `threshold = 20`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `beta` and `threshold`.
-    pub fn with_beta(beta: f64, threshold: f64) -> Self {
-        Self { beta, threshold }
-    }
+    with_beta,
 }
 
 impl Forward<&Tensor> for Softplus {

@@ -28,6 +28,36 @@ macro_rules! forward_by_value {
 }
 pub(crate) use forward_by_value;
 
+/// `Default` (PyTorch's defaults), `new()` and one `with_*` constructor taking every field, for a
+/// layer whose fields are all configuration:
+/// `config_layer! { Ty { field: type = default, .. } /// doc new, /// doc with_field }`.
+macro_rules! config_layer {
+    (
+        $ty:ident { $($field:ident: $fty:ty = $default:expr),+ $(,)? }
+        $(#[$new_meta:meta])* new,
+        $(#[$with_meta:meta])* $with:ident $(,)?
+    ) => {
+        impl Default for $ty {
+            fn default() -> Self {
+                Self { $($field: $default),+ }
+            }
+        }
+
+        impl $ty {
+            $(#[$new_meta])*
+            pub fn new() -> Self {
+                Self::default()
+            }
+
+            $(#[$with_meta])*
+            pub fn $with($($field: $fty),+) -> Self {
+                Self { $($field),+ }
+            }
+        }
+    };
+}
+pub(crate) use config_layer;
+
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
 /// (`[3, 5]`), or for two dimensions as `(height, width)`: PyTorch's "int or tuple" arguments
 /// (`kernel_size` of [`Conv2d`](crate::Conv2d), [`MaxPool2d`](crate::MaxPool2d), …).

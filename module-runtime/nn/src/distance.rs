@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 
-use crate::common::{input_shape_error, resolve_dim};
+use crate::common::{config_layer, input_shape_error, resolve_dim};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::{Forward, Module};
@@ -60,22 +60,15 @@ pub struct CosineSimilarity {
     pub eps: f64,
 }
 
-impl Default for CosineSimilarity {
-    fn default() -> Self {
-        Self { dim: 1, eps: 1e-8 }
+config_layer! {
+    CosineSimilarity {
+        dim: isize = 1,
+        eps: f64 = 1e-8,
     }
-}
-
-impl CosineSimilarity {
     /// PyTorch's defaults: `dim = 1`, `eps = 1e-8`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// Along `dim`, with `eps`.
-    pub fn with_config(dim: isize, eps: f64) -> Self {
-        Self { dim, eps }
-    }
+    with_config,
 }
 
 impl Forward<(&Tensor, &Tensor)> for CosineSimilarity {

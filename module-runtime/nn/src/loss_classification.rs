@@ -12,7 +12,7 @@ use crate::activation::log_softmax;
 use crate::activation_smooth::softplus;
 use crate::common::input_shape_error;
 use crate::error::Result;
-use crate::loss_reduction::{check_same_shape, LossReduction};
+use crate::loss_reduction::{check_same_shape, weighted_loss_constructors, LossReduction};
 use crate::{Buffer, Forward, Module};
 
 /// The options [`CrossEntropyLoss`] and [`NLLLoss`] share: PyTorch's keyword arguments, with
@@ -63,6 +63,13 @@ fn rows(layer: &'static str, log_p: &Tensor) -> Result<(Tensor, Vec<usize>)> {
             Ok((moved.reshape(((), dims[1]))?, per_row))
         }
     }
+}
+
+/// A config's class weights as a buffer on `device`.
+fn weight_buffer(weight: Option<Tensor>, device: &Device) -> Result<Option<Buffer>> {
+    weight
+        .map(|w| Ok(Buffer::new(w.to_device(device)?)))
+        .transpose()
 }
 
 /// The class weights as a `[C]` tensor of `like`'s dtype, checked against the class count.
@@ -176,12 +183,8 @@ pub struct CrossEntropyLoss {
 
 impl Default for CrossEntropyLoss {
     fn default() -> Self {
-        Self {
-            weight: None,
-            ignore_index: -100,
-            reduction: LossReduction::Mean,
-            label_smoothing: 0.0,
-        }
+        Self::with_config(ClassLossConfig::default(), &Device::Cpu)
+            .expect("no class weights to move")
     }
 }
 
@@ -193,12 +196,8 @@ impl CrossEntropyLoss {
 
     /// Built as `config` says; the weights are moved to `device`.
     pub fn with_config(config: ClassLossConfig, device: &Device) -> Result<Self> {
-        let weight = match config.weight {
-            Some(w) => Some(Buffer::new(w.to_device(device)?)),
-            None => None,
-        };
         Ok(Self {
-            weight,
+            weight: weight_buffer(config.weight, device)?,
             ignore_index: config.ignore_index,
             reduction: config.reduction,
             label_smoothing: config.label_smoothing,
@@ -305,12 +304,8 @@ impl NLLLoss {
                 ),
             });
         }
-        let weight = match config.weight {
-            Some(w) => Some(Buffer::new(w.to_device(device)?)),
-            None => None,
-        };
         Ok(Self {
-            weight,
+            weight: weight_buffer(config.weight, device)?,
             ignore_index: config.ignore_index,
             reduction: config.reduction,
         })
@@ -369,20 +364,7 @@ pub struct BCELoss {
     pub reduction: LossReduction,
 }
 
-impl BCELoss {
-    /// PyTorch's defaults: no weight, mean.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// With `weight` (broadcast to the input) and `reduction`.
-    pub fn with_config(weight: Option<Tensor>, reduction: LossReduction) -> Self {
-        Self {
-            weight: weight.map(Buffer::new),
-            reduction,
-        }
-    }
-}
+weighted_loss_constructors!(BCELoss, "broadcast to the input");
 
 impl Forward<(&Tensor, &Tensor)> for BCELoss {
     type Output = Tensor;

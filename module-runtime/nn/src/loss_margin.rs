@@ -7,7 +7,7 @@ use candle_core::{DType, Tensor};
 use crate::activation_smooth::softplus;
 use crate::common::input_shape_error;
 use crate::error::Result;
-use crate::loss_reduction::{check_same_shape, LossReduction};
+use crate::loss_reduction::{check_same_shape, weighted_loss_constructors, LossReduction};
 use crate::{Buffer, Forward, Module};
 
 /// `max(0, v)`, with the gradient of `v` where it is positive.
@@ -128,20 +128,7 @@ pub struct MultiLabelSoftMarginLoss {
     pub reduction: LossReduction,
 }
 
-impl MultiLabelSoftMarginLoss {
-    /// PyTorch's defaults: no weight, mean.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// With `weight` (`[C]`) and `reduction`.
-    pub fn with_config(weight: Option<Tensor>, reduction: LossReduction) -> Self {
-        Self {
-            weight: weight.map(Buffer::new),
-            reduction,
-        }
-    }
-}
+weighted_loss_constructors!(MultiLabelSoftMarginLoss, "`[C]`");
 
 impl Forward<(&Tensor, &Tensor)> for MultiLabelSoftMarginLoss {
     type Output = Tensor;

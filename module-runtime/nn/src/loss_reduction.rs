@@ -47,3 +47,25 @@ pub(crate) fn check_same_shape(
         got: got.shape().clone(),
     })
 }
+
+/// `new` (PyTorch's defaults: no weight, mean) and `with_config(weight, reduction)` of a loss whose
+/// fields are an optional `weight` buffer and a `reduction`; `$weight` says what the weight is.
+macro_rules! weighted_loss_constructors {
+    ($ty:ident, $weight:literal) => {
+        impl $ty {
+            /// PyTorch's defaults: no weight, mean.
+            pub fn new() -> Self {
+                Self::default()
+            }
+
+            #[doc = concat!("With `weight` (", $weight, ") and `reduction`.")]
+            pub fn with_config(weight: Option<Tensor>, reduction: LossReduction) -> Self {
+                Self {
+                    weight: weight.map(Buffer::new),
+                    reduction,
+                }
+            }
+        }
+    };
+}
+pub(crate) use weighted_loss_constructors;

@@ -7,6 +7,7 @@
 
 use candle_core::Tensor;
 
+use crate::common::config_layer;
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::{Forward, Module};
@@ -137,25 +138,15 @@ pub struct SmoothL1Loss {
     pub beta: f64,
 }
 
-impl Default for SmoothL1Loss {
-    fn default() -> Self {
-        Self {
-            reduction: LossReduction::Mean,
-            beta: 1.0,
-        }
+config_layer! {
+    SmoothL1Loss {
+        beta: f64 = 1.0,
+        reduction: LossReduction = LossReduction::Mean,
     }
-}
-
-impl SmoothL1Loss {
     /// PyTorch's defaults: mean, `beta = 1`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `beta` and `reduction`.
-    pub fn with_beta(beta: f64, reduction: LossReduction) -> Self {
-        Self { reduction, beta }
-    }
+    with_beta,
 }
 
 impl Forward<(&Tensor, &Tensor)> for SmoothL1Loss {
@@ -184,25 +175,15 @@ pub struct HuberLoss {
     pub delta: f64,
 }
 
-impl Default for HuberLoss {
-    fn default() -> Self {
-        Self {
-            reduction: LossReduction::Mean,
-            delta: 1.0,
-        }
+config_layer! {
+    HuberLoss {
+        delta: f64 = 1.0,
+        reduction: LossReduction = LossReduction::Mean,
     }
-}
-
-impl HuberLoss {
     /// PyTorch's defaults: mean, `delta = 1`.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// With `delta` and `reduction`.
-    pub fn with_delta(delta: f64, reduction: LossReduction) -> Self {
-        Self { reduction, delta }
-    }
+    with_delta,
 }
 
 impl Forward<(&Tensor, &Tensor)> for HuberLoss {

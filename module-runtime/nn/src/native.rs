@@ -185,29 +185,23 @@ impl NativeLayer for candle_nn::LayerNorm {
     }
 }
 
-impl NativeLayer for candle_nn::Conv1d {
-    fn weights(&self) -> Vec<(&'static str, Tensor)> {
-        let mut w = vec![("weight", self.weight().clone())];
-        w.extend(self.bias().map(|b| ("bias", b.clone())));
-        w
-    }
+/// candle-nn's convolutions: `weight` and an optional `bias`, rebuilt with the same config.
+macro_rules! native_conv {
+    ($($ty:ident),*) => {$(
+        impl NativeLayer for candle_nn::$ty {
+            fn weights(&self) -> Vec<(&'static str, Tensor)> {
+                let mut w = vec![("weight", self.weight().clone())];
+                w.extend(self.bias().map(|b| ("bias", b.clone())));
+                w
+            }
 
-    fn with_weights(&self, weights: &[Tensor]) -> Self {
-        candle_nn::Conv1d::new(weights[0].clone(), weights.get(1).cloned(), *self.config())
-    }
+            fn with_weights(&self, weights: &[Tensor]) -> Self {
+                candle_nn::$ty::new(weights[0].clone(), weights.get(1).cloned(), *self.config())
+            }
+        }
+    )*};
 }
-
-impl NativeLayer for candle_nn::Conv2d {
-    fn weights(&self) -> Vec<(&'static str, Tensor)> {
-        let mut w = vec![("weight", self.weight().clone())];
-        w.extend(self.bias().map(|b| ("bias", b.clone())));
-        w
-    }
-
-    fn with_weights(&self, weights: &[Tensor]) -> Self {
-        candle_nn::Conv2d::new(weights[0].clone(), weights.get(1).cloned(), *self.config())
-    }
-}
+native_conv!(Conv1d, Conv2d);
 
 /// A candle-nn layer as a module whose weights are [`Param`]s: they are listed by traversal (under
 /// PyTorch's names, `weight` and `bias`), saved and loaded, frozen, moved, and handed to optimizers

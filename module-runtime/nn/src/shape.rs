@@ -5,7 +5,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::{forward_by_value, input_shape_error, resolve_dim};
+use crate::common::{config_layer, forward_by_value, input_shape_error, resolve_dim};
 use crate::error::Result;
 use crate::{Forward, Mode, Module};
 
@@ -68,25 +68,15 @@ pub struct Flatten {
     pub end_dim: isize,
 }
 
-impl Default for Flatten {
-    fn default() -> Self {
-        Self {
-            start_dim: 1,
-            end_dim: -1,
-        }
+config_layer! {
+    Flatten {
+        start_dim: isize = 1,
+        end_dim: isize = -1,
     }
-}
-
-impl Flatten {
     /// PyTorch's defaults: everything but the batch dimension.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+    new,
     /// Merges `start_dim..=end_dim`.
-    pub fn with_dims(start_dim: isize, end_dim: isize) -> Self {
-        Self { start_dim, end_dim }
-    }
+    with_dims,
 }
 
 impl Forward<&Tensor> for Flatten {

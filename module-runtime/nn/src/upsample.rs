@@ -176,6 +176,16 @@ fn scale_value(scale: Option<f64>, input: usize, output: usize) -> f32 {
     }
 }
 
+/// How far apart in the input two neighbouring output positions read, for the interpolating
+/// modes: with `align_corners` the corner pixels align; otherwise as [`scale_value`].
+fn source_ratio(input: usize, output: usize, scale: Option<f64>, align_corners: bool) -> f32 {
+    match (align_corners, output > 1) {
+        (false, _) => scale_value(scale, input, output),
+        (true, true) => (input - 1) as f32 / (output - 1) as f32,
+        (true, false) => 0.0,
+    }
+}
+
 /// The input position each output position reads (PyTorch's `nearest_idx` and its `-exact` twin).
 fn nearest_sources(input: usize, output: usize, scale: Option<f64>, exact: bool) -> Vec<u32> {
     let s = scale_value(scale, input, output);
@@ -202,15 +212,7 @@ fn cubic_weights(input: usize, output: usize, scale: Option<f64>, align_corners:
     const A: f32 = -0.75;
     let near = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
     let far = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
-    let ratio = if align_corners {
-        if output > 1 {
-            (input - 1) as f32 / (output - 1) as f32
-        } else {
-            0.0
-        }
-    } else {
-        scale_value(scale, input, output)
-    };
+    let ratio = source_ratio(input, output, scale, align_corners);
     let mut m = vec![0f32; input * output];
     for dst in 0..output {
         let real = if align_corners {
@@ -238,15 +240,7 @@ fn linear_weights(
     align_corners: bool,
 ) -> Vec<f32> {
     let mut m = vec![0f32; input * output];
-    let ratio = if align_corners {
-        if output > 1 {
-            (input - 1) as f32 / (output - 1) as f32
-        } else {
-            0.0
-        }
-    } else {
-        scale_value(scale, input, output)
-    };
+    let ratio = source_ratio(input, output, scale, align_corners);
     for dst in 0..output {
         let (i0, i1, l0, l1) = if input == output {
             (dst, dst, 1.0, 0.0)

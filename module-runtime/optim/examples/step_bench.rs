@@ -49,6 +49,13 @@ fn shapes() -> Vec<(String, Vec<usize>)> {
     s
 }
 
+/// How long one call of `step` takes, in milliseconds.
+fn time_ms<E>(step: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
+    let t = Instant::now();
+    step()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -82,15 +89,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     let (mut tf, mut tc, mut tn) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..7 {
-        let t = Instant::now();
-        fused.step(&grads)?;
-        tf.push(t.elapsed().as_secs_f64() * 1e3);
-        let t = Instant::now();
-        composed.step(&grads)?;
-        tc.push(t.elapsed().as_secs_f64() * 1e3);
-        let t = Instant::now();
-        candle.step(&grads)?;
-        tn.push(t.elapsed().as_secs_f64() * 1e3);
+        tf.push(time_ms(|| fused.step(&grads))?);
+        tc.push(time_ms(|| composed.step(&grads))?);
+        tn.push(time_ms(|| candle.step(&grads))?);
     }
     println!(
         "AdamW step over {total} float32 values, {} threads, median of 7 (ms): fused {:.1}, composed {:.1}, candle-nn {:.1}",
@@ -105,12 +106,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     composed.set_fused(false);
     let (mut tf, mut tc) = (Vec::new(), Vec::new());
     for _ in 0..7 {
-        let t = Instant::now();
-        fused.step(&grads)?;
-        tf.push(t.elapsed().as_secs_f64() * 1e3);
-        let t = Instant::now();
-        composed.step(&grads)?;
-        tc.push(t.elapsed().as_secs_f64() * 1e3);
+        tf.push(time_ms(|| fused.step(&grads))?);
+        tc.push(time_ms(|| composed.step(&grads))?);
     }
     println!(
         "SGD (momentum 0.9) step, median of 7 (ms): fused {:.1}, composed {:.1}",

@@ -4,6 +4,26 @@ use module_runtime::{ModuleExt, Param, PathPattern};
 
 use crate::error::{Error, Result};
 
+/// Builder setters, `pub fn name(mut self, name: T) -> Self`, each with its doc comment: they
+/// store `name`, or with `optional:` first, `Some(name)` (a group's overrides).
+macro_rules! setters {
+    (optional: $($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, $name: $ty) -> Self {
+            self.$name = Some($name);
+            self
+        }
+    )*};
+    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, $name: $ty) -> Self {
+            self.$name = $name;
+            self
+        }
+    )*};
+}
+pub(crate) use setters;
+
 /// Hyperparameters a parameter group overrides; everything left unset is the optimizer's
 /// default. Which options exist depends on the optimizer: setting one it does not have (`betas`
 /// on [`SGD`](crate::SGD)) is an [`Error::NotApplicable`] when the optimizer is made.
@@ -21,50 +41,32 @@ pub struct GroupOptions {
 }
 
 impl GroupOptions {
-    /// The group's learning rate.
-    pub fn lr(mut self, lr: f64) -> Self {
-        self.lr = Some(lr);
-        self
-    }
-    /// The group's weight decay (`0.0`: none, the usual choice for biases and norm weights).
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = Some(weight_decay);
-        self
+    setters! {
+        optional:
+        /// The group's learning rate.
+        lr: f64,
+        /// The group's weight decay (`0.0`: none, the usual choice for biases and norm weights).
+        weight_decay: f64,
     }
     /// The group's `(beta1, beta2)` (Adam, AdamW).
     pub fn betas(mut self, beta1: f64, beta2: f64) -> Self {
         self.betas = Some((beta1, beta2));
         self
     }
-    /// The group's `eps` (Adam, AdamW).
-    pub fn eps(mut self, eps: f64) -> Self {
-        self.eps = Some(eps);
-        self
-    }
-    /// Whether the group uses AMSGrad (Adam, AdamW).
-    pub fn amsgrad(mut self, amsgrad: bool) -> Self {
-        self.amsgrad = Some(amsgrad);
-        self
-    }
-    /// The group's momentum (SGD).
-    pub fn momentum(mut self, momentum: f64) -> Self {
-        self.momentum = Some(momentum);
-        self
-    }
-    /// The group's dampening (SGD).
-    pub fn dampening(mut self, dampening: f64) -> Self {
-        self.dampening = Some(dampening);
-        self
-    }
-    /// Whether the group uses Nesterov momentum (SGD).
-    pub fn nesterov(mut self, nesterov: bool) -> Self {
-        self.nesterov = Some(nesterov);
-        self
-    }
-    /// Whether the group maximizes its objective instead of minimizing it.
-    pub fn maximize(mut self, maximize: bool) -> Self {
-        self.maximize = Some(maximize);
-        self
+    setters! {
+        optional:
+        /// The group's `eps` (Adam, AdamW).
+        eps: f64,
+        /// Whether the group uses AMSGrad (Adam, AdamW).
+        amsgrad: bool,
+        /// The group's momentum (SGD).
+        momentum: f64,
+        /// The group's dampening (SGD).
+        dampening: f64,
+        /// Whether the group uses Nesterov momentum (SGD).
+        nesterov: bool,
+        /// Whether the group maximizes its objective instead of minimizing it.
+        maximize: bool,
     }
 }
 

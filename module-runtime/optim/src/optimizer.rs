@@ -121,3 +121,48 @@ macro_rules! forward_to {
     };
 }
 pub(crate) use forward_to;
+
+/// The inherent constructors and accessors of an optimizer over a `Core` (a struct with fields
+/// `core` and `fused`): `new`, `with_groups`, `set_fused`, `param_groups`, `param_groups_mut`.
+/// `$name` names the optimizer in their docs, `$options` is its options type.
+macro_rules! core_methods {
+    ($name:literal, $options:ty) => {
+        #[doc = concat!($name, " over every trainable parameter of `params` (a model), in one group.")]
+        pub fn new(params: &(impl NamedParams + ?Sized), options: $options) -> Result<Self> {
+            Self::with_groups(params, options, &ParamGroups::new())
+        }
+
+        #[doc = concat!(
+            $name,
+            " over the trainable parameters of `params`, split into `groups`, each with `options` \
+             overridden by its own."
+        )]
+        pub fn with_groups(
+            params: &(impl NamedParams + ?Sized),
+            options: $options,
+            groups: &ParamGroups,
+        ) -> Result<Self> {
+            Ok(Self {
+                core: Core::new(params, options, groups)?,
+                fused: true,
+            })
+        }
+
+        /// Whether contiguous CPU float32 parameters are updated by the fused in-place pass (the
+        /// default) or by composed candle ops. Both compute the same values.
+        pub fn set_fused(&mut self, fused: bool) {
+            self.fused = fused;
+        }
+
+        /// The parameter groups.
+        pub fn param_groups(&self) -> &[ParamGroup<$options>] {
+            &self.core.groups
+        }
+
+        /// The parameter groups, with their hyperparameters writable.
+        pub fn param_groups_mut(&mut self) -> &mut [ParamGroup<$options>] {
+            &mut self.core.groups
+        }
+    };
+}
+pub(crate) use core_methods;

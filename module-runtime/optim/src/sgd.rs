@@ -7,8 +7,8 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::fused::{self, CHUNK};
-use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
-use crate::optimizer::{forward_to, Optimizer};
+use crate::group::{setters, GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::optimizer::{core_methods, forward_to, Optimizer};
 use crate::state::{check, flag, non_negative, param_like, reject, Buf, Core, Hyper, ParamState};
 
 /// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
@@ -40,30 +40,17 @@ impl SgdOptions {
             maximize: false,
         }
     }
-    /// Sets `momentum`.
-    pub fn momentum(mut self, momentum: f64) -> Self {
-        self.momentum = momentum;
-        self
-    }
-    /// Sets `dampening`.
-    pub fn dampening(mut self, dampening: f64) -> Self {
-        self.dampening = dampening;
-        self
-    }
-    /// Sets `weight_decay`.
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
-    /// Sets `nesterov`.
-    pub fn nesterov(mut self, nesterov: bool) -> Self {
-        self.nesterov = nesterov;
-        self
-    }
-    /// Sets `maximize`.
-    pub fn maximize(mut self, maximize: bool) -> Self {
-        self.maximize = maximize;
-        self
+    setters! {
+        /// Sets `momentum`.
+        momentum: f64,
+        /// Sets `dampening`.
+        dampening: f64,
+        /// Sets `weight_decay`.
+        weight_decay: f64,
+        /// Sets `nesterov`.
+        nesterov: bool,
+        /// Sets `maximize`.
+        maximize: bool,
     }
 }
 
@@ -193,64 +180,25 @@ pub struct SGD {
 }
 
 impl SGD {
-    /// SGD over every trainable parameter of `params` (a model), in one group.
-    pub fn new(params: &(impl NamedParams + ?Sized), options: SgdOptions) -> Result<Self> {
-        Self::with_groups(params, options, &ParamGroups::new())
-    }
-
-    /// SGD over the trainable parameters of `params`, split into `groups`, each with `options`
-    /// overridden by its own.
-    pub fn with_groups(
-        params: &(impl NamedParams + ?Sized),
-        options: SgdOptions,
-        groups: &ParamGroups,
-    ) -> Result<Self> {
-        Ok(Self {
-            core: Core::new(params, options, groups)?,
-            fused: true,
-        })
-    }
-
-    /// Whether contiguous CPU float32 parameters are updated by the fused in-place pass (the
-    /// default) or by composed candle ops. Both compute the same values.
-    pub fn set_fused(&mut self, fused: bool) {
-        self.fused = fused;
-    }
-
-    /// The parameter groups.
-    pub fn param_groups(&self) -> &[ParamGroup<SgdOptions>] {
-        &self.core.groups
-    }
-
-    /// The parameter groups, with their hyperparameters writable.
-    pub fn param_groups_mut(&mut self) -> &mut [ParamGroup<SgdOptions>] {
-        &mut self.core.groups
-    }
+    core_methods!("SGD", SgdOptions);
 }
 
 impl Optimizer for SGD {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let core = &mut self.core;
-        for (group, states) in core.groups.iter().zip(core.state.iter_mut()) {
-            let o = &group.options;
-            for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
-                let var = param.var()?;
-                let Some(g) = grads.get(var.as_tensor()) else {
-                    continue;
-                };
-                let state = state.get_or_insert(SgdState {
-                    momentum_buffer: None,
-                });
-                if self.fused && fused::is_cpu_f32(var.as_tensor()) && fused::is_cpu_f32(g) {
-                    step_fused(var.as_tensor(), g, state, o)?;
-                } else {
-                    let p = var.as_tensor();
-                    let new = step_composed(p, g, state, o)?;
-                    var.set(&new)?;
-                }
+        let fused_on = self.fused;
+        self.core.each_with_grad(grads, |o, var, g, state| {
+            let state = state.get_or_insert(SgdState {
+                momentum_buffer: None,
+            });
+            if fused_on && fused::is_cpu_f32(var.as_tensor()) && fused::is_cpu_f32(g) {
+                step_fused(var.as_tensor(), g, state, o)
+            } else {
+                let p = var.as_tensor();
+                let new = step_composed(p, g, state, o)?;
+                var.set(&new)?;
+                Ok(())
             }
-        }
-        Ok(())
+        })
     }
 
     forward_to!(core);

@@ -3,7 +3,8 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
 use module_runtime::{Param, StateDict};
 
 use crate::error::{Error, Result, StateError};
@@ -176,6 +177,26 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
             .map(|g| g.params.iter().map(|_| None).collect())
             .collect();
         Ok(Self { groups: out, state })
+    }
+
+    /// Calls `f` with every trained parameter that has a gradient in `grads` (a parameter without
+    /// one is skipped, as PyTorch skips `p.grad is None`): its group's options, its variable, the
+    /// gradient and its state slot. The loop of every optimizer's `step`.
+    pub(crate) fn each_with_grad(
+        &mut self,
+        grads: &GradStore,
+        mut f: impl FnMut(&O, &Var, &Tensor, &mut Option<S>) -> Result<()>,
+    ) -> Result<()> {
+        for (group, states) in self.groups.iter().zip(self.state.iter_mut()) {
+            for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
+                let var = param.var()?;
+                let Some(g) = grads.get(var.as_tensor()) else {
+                    continue;
+                };
+                f(&group.options, &var, g, state)?;
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn num_param_groups(&self) -> usize {

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::io::{open_for_reading, SafetensorsFile};
+use crate::io::{listing, open_for_reading, SafetensorsFile};
 use crate::module::Module;
 use crate::pth::PthFile;
 use crate::report::LoadReport;
@@ -375,11 +375,7 @@ impl<'de> serde::Deserialize<'de> for InOrder {
 
 impl Source for Sharded {
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
-        Ok(self
-            .entries
-            .iter()
-            .map(|(k, shape, dtype, _)| (k.clone(), shape.clone(), *dtype))
-            .collect())
+        Ok(listing(&self.entries))
     }
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {

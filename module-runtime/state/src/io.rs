@@ -169,6 +169,15 @@ fn write_safetensors(state: &StateDict, file: &File) -> std::io::Result<()> {
     out.flush()
 }
 
+/// The keys, shapes and dtypes of a file's entries, whatever else each entry records (where its
+/// bytes are): what [`Source::entries`] returns.
+pub(crate) fn listing<T>(entries: &[(String, Shape, DType, T)]) -> Vec<(String, Shape, DType)> {
+    entries
+        .iter()
+        .map(|(name, shape, dtype, _)| (name.clone(), shape.clone(), *dtype))
+        .collect()
+}
+
 fn io_error(path: &Path, source: std::io::Error) -> Error {
     Error::Io {
         path: path.to_owned(),
@@ -370,11 +379,7 @@ impl SafetensorsFile {
 
 impl Source for SafetensorsFile {
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
-        Ok(self
-            .entries
-            .iter()
-            .map(|(name, shape, dtype, _)| (name.clone(), shape.clone(), *dtype))
-            .collect())
+        Ok(listing(&self.entries))
     }
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {

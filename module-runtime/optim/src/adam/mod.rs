@@ -18,7 +18,7 @@ use self::update::{step_composed, step_fused, Scalars};
 use crate::error::Result;
 use crate::fused;
 use crate::group::{NamedParams, ParamGroup, ParamGroups};
-use crate::optimizer::{forward_to, Optimizer};
+use crate::optimizer::{core_methods, forward_to, Optimizer};
 use crate::state::{Buf, Core};
 
 /// Adam: PyTorch's `torch.optim.Adam`, with its update rule (`torch/optim/adam.py`,
@@ -59,39 +59,7 @@ impl Adam {
         AdamOptions::default()
     }
 
-    /// Adam over every trainable parameter of `params` (a model), in one group.
-    pub fn new(params: &(impl NamedParams + ?Sized), options: AdamOptions) -> Result<Self> {
-        Self::with_groups(params, options, &ParamGroups::new())
-    }
-
-    /// Adam over the trainable parameters of `params`, split into `groups`, each with `options`
-    /// overridden by its own.
-    pub fn with_groups(
-        params: &(impl NamedParams + ?Sized),
-        options: AdamOptions,
-        groups: &ParamGroups,
-    ) -> Result<Self> {
-        Ok(Self {
-            core: Core::new(params, options, groups)?,
-            fused: true,
-        })
-    }
-
-    /// Whether contiguous CPU float32 parameters are updated by the fused in-place pass (the
-    /// default) or by composed candle ops. Both compute the same values.
-    pub fn set_fused(&mut self, fused: bool) {
-        self.fused = fused;
-    }
-
-    /// The parameter groups.
-    pub fn param_groups(&self) -> &[ParamGroup<AdamOptions>] {
-        &self.core.groups
-    }
-
-    /// The parameter groups, with their hyperparameters writable.
-    pub fn param_groups_mut(&mut self) -> &mut [ParamGroup<AdamOptions>] {
-        &mut self.core.groups
-    }
+    core_methods!("Adam", AdamOptions);
 
     /// The number of steps taken for the parameter at `path` (0 if it never had a gradient or is
     /// not trained by this optimizer).
@@ -109,36 +77,29 @@ impl Adam {
 
 impl Optimizer for Adam {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
-        let core = &mut self.core;
-        for (group, states) in core.groups.iter().zip(core.state.iter_mut()) {
-            let o = &group.options;
-            for ((_, param), state) in group.params.iter().zip(states.iter_mut()) {
-                let var = param.var()?;
-                let p = var.as_tensor();
-                let Some(g) = grads.get(p) else {
-                    continue;
-                };
-                let fused = self.fused && fused::is_cpu_f32(p) && fused::is_cpu_f32(g);
-                if state.is_none() {
-                    *state = Some(AdamState::zeros(p, o.amsgrad, fused)?);
-                }
-                let state = state.as_mut().expect("set above");
-                if o.amsgrad && state.max_exp_avg_sq.is_none() {
-                    // amsgrad switched on after some steps (PyTorch keeps no such buffer then,
-                    // and fails): start the running maximum from zeros.
-                    state.max_exp_avg_sq = Some(Buf::Tensor(p.zeros_like()?));
-                }
-                state.step += 1;
-                let s = Scalars::new(o, state.step);
-                if fused {
-                    step_fused(p, g, state, o, &s)?;
-                } else {
-                    let new = step_composed(p, g, state, o, &s)?;
-                    var.set(&new)?;
-                }
+        let fused_on = self.fused;
+        self.core.each_with_grad(grads, |o, var, g, state| {
+            let p = var.as_tensor();
+            let fused = fused_on && fused::is_cpu_f32(p) && fused::is_cpu_f32(g);
+            if state.is_none() {
+                *state = Some(AdamState::zeros(p, o.amsgrad, fused)?);
             }
-        }
-        Ok(())
+            let state = state.as_mut().expect("set above");
+            if o.amsgrad && state.max_exp_avg_sq.is_none() {
+                // amsgrad switched on after some steps (PyTorch keeps no such buffer then,
+                // and fails): start the running maximum from zeros.
+                state.max_exp_avg_sq = Some(Buf::Tensor(p.zeros_like()?));
+            }
+            state.step += 1;
+            let s = Scalars::new(o, state.step);
+            if fused {
+                step_fused(p, g, state, o, &s)
+            } else {
+                let new = step_composed(p, g, state, o, &s)?;
+                var.set(&new)?;
+                Ok(())
+            }
+        })
     }
 
     forward_to!(core);
@@ -175,7 +136,10 @@ impl AdamW {
     /// AdamW over every trainable parameter of `params` (a model), in one group. The weight
     /// decay is decoupled whatever `options.decoupled_weight_decay` says.
     pub fn new(params: &(impl NamedParams + ?Sized), options: AdamOptions) -> Result<Self> {
-        Self::with_groups(params, options, &ParamGroups::new())
+        Ok(Self(Adam::new(
+            params,
+            options.decoupled_weight_decay(true),
+        )?))
     }
 
     /// AdamW over the trainable parameters of `params`, split into `groups`.
@@ -184,11 +148,8 @@ impl AdamW {
         options: AdamOptions,
         groups: &ParamGroups,
     ) -> Result<Self> {
-        Ok(Self(Adam::with_groups(
-            params,
-            options.decoupled_weight_decay(true),
-            groups,
-        )?))
+        let options = options.decoupled_weight_decay(true);
+        Ok(Self(Adam::with_groups(params, options, groups)?))
     }
 
     /// See [`Adam::set_fused`].

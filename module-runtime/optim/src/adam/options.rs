@@ -1,7 +1,7 @@
 //! `AdamOptions`: Adam's and AdamW's hyperparameters, their defaults, overrides and range checks.
 
 use crate::error::Result;
-use crate::group::GroupOptions;
+use crate::group::{setters, GroupOptions};
 use crate::state::{check, flag, non_negative, reject, Hyper};
 
 /// `Adam`'s and `AdamW`'s hyperparameters (PyTorch's names).
@@ -43,39 +43,24 @@ impl Default for AdamOptions {
 }
 
 impl AdamOptions {
-    /// Sets `lr`.
-    pub fn lr(mut self, lr: f64) -> Self {
-        self.lr = lr;
-        self
+    setters! {
+        /// Sets `lr`.
+        lr: f64,
+        /// Sets `eps`.
+        eps: f64,
+        /// Sets `weight_decay`.
+        weight_decay: f64,
+        /// Sets `amsgrad`.
+        amsgrad: bool,
+        /// Sets `maximize`.
+        maximize: bool,
+        /// Sets `decoupled_weight_decay`.
+        decoupled_weight_decay: bool,
     }
+
     /// Sets `betas`.
     pub fn betas(mut self, beta1: f64, beta2: f64) -> Self {
         self.betas = (beta1, beta2);
-        self
-    }
-    /// Sets `eps`.
-    pub fn eps(mut self, eps: f64) -> Self {
-        self.eps = eps;
-        self
-    }
-    /// Sets `weight_decay`.
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
-    /// Sets `amsgrad`.
-    pub fn amsgrad(mut self, amsgrad: bool) -> Self {
-        self.amsgrad = amsgrad;
-        self
-    }
-    /// Sets `maximize`.
-    pub fn maximize(mut self, maximize: bool) -> Self {
-        self.maximize = maximize;
-        self
-    }
-    /// Sets `decoupled_weight_decay`.
-    pub fn decoupled_weight_decay(mut self, decoupled: bool) -> Self {
-        self.decoupled_weight_decay = decoupled;
         self
     }
 }

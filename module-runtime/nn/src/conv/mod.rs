@@ -25,12 +25,18 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::common::{
-    add_channel_bias, add_channel_bias_to_fresh, fit_param, forward_by_value, input_shape_error,
-    lazy_param, param_tensor, uniform_fan_in, PerDim, Size,
+    add_channel_bias, add_channel_bias_to_fresh, forward_by_value, param_tensor, uniform_fan_in,
+    PerDim, Size,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
-use crate::{Forward, Init, Module, Param};
+use crate::{Forward, Module, Param};
+
+mod lazy;
+mod transpose;
+
+pub use lazy::{LazyConv, LazyConv1d, LazyConv2d, LazyConvPath};
+pub use transpose::{ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig};
 
 /// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
 /// PyTorch's defaults (`ConvConfig::default()`).
@@ -117,42 +123,6 @@ impl<const D: usize> Spatial<D> {
     fn uniform(&self) -> bool {
         let same = |a: &[usize; D]| a.iter().all(|&v| v == a[0]);
         same(&self.stride) && same(&self.padding) && same(&self.dilation)
-    }
-}
-
-/// How a [`ConvTranspose2d`] is built: PyTorch's keyword arguments, with PyTorch's defaults
-/// (`ConvTransposeConfig::default()`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvTransposeConfig {
-    /// Step between windows (default 1).
-    pub stride: usize,
-    /// `dilation * (kernel - 1) - padding` zeros are added on both sides of each input dimension
-    /// (default 0).
-    pub padding: usize,
-    /// Extra size added to one side of each output dimension (default 0).
-    pub output_padding: usize,
-    /// Spacing between kernel elements (default 1).
-    pub dilation: usize,
-    /// Number of blocked connections from input to output channels; divides both channel counts
-    /// (default 1).
-    pub groups: usize,
-    /// Whether the layer has a bias (default `true`).
-    pub bias: bool,
-    /// The parameters' floating-point dtype (default `F32`).
-    pub dtype: DType,
-}
-
-impl Default for ConvTransposeConfig {
-    fn default() -> Self {
-        Self {
-            stride: 1,
-            padding: 0,
-            output_padding: 0,
-            dilation: 1,
-            groups: 1,
-            bias: true,
-            dtype: DType::F32,
-        }
     }
 }
 
@@ -453,227 +423,7 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     }
 }
 
-/// A 2-D transposed convolution (the gradient of a convolution with respect to its input):
-/// PyTorch's `nn.ConvTranspose2d`.
-///
-/// Parameters `weight` `[in_channels, out_channels / groups, kH, kW]` (PyTorch's layout, transposed
-/// relative to `Conv2d`) and `bias` `[out_channels]` (absent without a bias). The input is
-/// `[N, C_in, H, W]`; the output `[N, C_out, H_out, W_out]` with
-/// `H_out = (H - 1) stride - 2 padding + dilation (kH - 1) + output_padding + 1`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{ConvTranspose2d, ConvTransposeConfig};
-/// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
-/// let up = ConvTranspose2d::with_config(3, 2, 3, cfg, &Device::Cpu)?;
-/// let y = up.call(&Tensor::zeros((1, 3, 4, 4), DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(y.dims(), [1, 2, 8, 8]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`ConvTranspose2dPath`], from [`ConvTranspose2d::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ConvTranspose2d {
-    /// `[in_channels, out_channels / groups, kH, kW]`.
-    pub weight: Param,
-    /// `[out_channels]`, if the layer has a bias.
-    pub bias: Option<Param>,
-    /// Stride, padding, output padding, dilation, groups, bias and dtype.
-    #[module(skip)]
-    pub config: ConvTransposeConfig,
-}
-
-impl ConvTranspose2d {
-    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
-    /// PyTorch; `kernel_size` is `k` for a square kernel or `(kH, kW)`.
-    pub fn new(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: impl Size<2>,
-        device: &Device,
-    ) -> Result<Self> {
-        let config = ConvTransposeConfig::default();
-        Self::with_config(in_channels, out_channels, kernel_size, config, device)
-    }
-
-    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
-    /// counts ([`Error::InvalidConfig`] otherwise).
-    pub fn with_config(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: impl Size<2>,
-        config: ConvTransposeConfig,
-        device: &Device,
-    ) -> Result<Self> {
-        check_groups("ConvTranspose2d", in_channels, out_channels, config.groups)?;
-        let [kh, kw] = kernel_size.dims();
-        let dims = [in_channels, out_channels / config.groups, kh, kw];
-        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
-        Ok(Self {
-            weight,
-            bias,
-            config,
-        })
-    }
-}
-
-impl Forward<&Tensor> for ConvTranspose2d {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let weight = self.weight.value()?;
-        check_input_device("ConvTranspose2d.weight", &weight, x)?;
-        let run = |x: &Tensor, w: &Tensor| {
-            x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
-        };
-        // candle's transposed convolution has no groups: run each group on its slice of the input
-        // channels and of the weight, and stack the outputs along the channels.
-        let y = if c.groups == 1 {
-            run(x, &weight)?
-        } else {
-            let xs = x.chunk(c.groups, 1)?;
-            let ws = weight.chunk(c.groups, 0)?;
-            let ys = xs
-                .iter()
-                .zip(&ws)
-                .map(|(x, w)| run(x, w))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Tensor::cat(&ys, 1)?
-        };
-        add_channel_bias(y, param_tensor(&self.bias)?)
-    }
-}
-
-/// A [`Conv`] whose `in_channels` is dimension 1 of its first input: PyTorch's `nn.LazyConv1d`
-/// ([`LazyConv1d`]) and `nn.LazyConv2d` ([`LazyConv2d`]).
-///
-/// It *is* a `Conv` whose parameters are unbuilt (it dereferences to it): same parameters, names,
-/// init and computation, built once, at the first call, a [`build`](crate::LazyExt::build) dry run
-/// or a checkpoint load. After that, an input with another number of channels is an
-/// [`Error::LazyInput`](module_core::Error::LazyInput) naming the layer and both shapes.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{ConvConfig, LazyConv2d};
-/// let conv = LazyConv2d::with_config(6, 3, ConvConfig { padding: 1.into(), ..Default::default() }, &Device::Cpu)?;
-/// let y = conv.call(&Tensor::zeros((1, 2, 5, 5), DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(y.dims(), [1, 6, 5, 5]);
-/// assert_eq!(conv.in_channels(), Some(2));
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`LazyConvPath`], from [`LazyConv::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct LazyConv<const D: usize> {
-    #[module(flatten)]
-    conv: Conv<D>,
-}
-
-/// A [`Conv1d`] whose `in_channels` comes from its first input: PyTorch's `nn.LazyConv1d`. See
-/// [`LazyConv`].
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::LazyConv1d;
-/// let conv = LazyConv1d::new(4, 3, &Device::Cpu)?;
-/// let y = conv.call(&Tensor::zeros((2, 3, 9), DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(y.dims(), [2, 4, 7]);
-/// assert_eq!(conv.weight.shape().dims(), [4, 3, 3]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-pub type LazyConv1d = LazyConv<1>;
-
-/// A [`Conv2d`] whose `in_channels` comes from its first input: PyTorch's `nn.LazyConv2d`. See
-/// [`LazyConv`].
-pub type LazyConv2d = LazyConv<2>;
-
-impl<const D: usize> LazyConv<D> {
-    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias).
-    pub fn new(out_channels: usize, kernel_size: impl Size<D>, device: &Device) -> Result<Self> {
-        Self::with_config(out_channels, kernel_size, ConvConfig::default(), device)
-    }
-
-    /// A layer built as `config` says. `groups` must divide `out_channels` now and
-    /// `in_channels` at the build ([`Error::InvalidConfig`] otherwise).
-    pub fn with_config(
-        out_channels: usize,
-        kernel_size: impl Size<D>,
-        config: ConvConfig,
-        device: &Device,
-    ) -> Result<Self> {
-        let names = Conv::<D>::names()?;
-        check_groups(names.lazy, config.groups, out_channels, config.groups)?;
-        Spatial::<D>::of(names.lazy, &config)?;
-        let mut dims = vec![Some(out_channels), None];
-        dims.extend(kernel_size.dims().map(Some));
-        let lazy =
-            |dims: &[Option<usize>]| lazy_param(dims, Init::UniformFanIn, config.dtype, device);
-        let conv = Conv {
-            weight: lazy(&dims)?,
-            bias: config
-                .bias
-                .then(|| lazy(&[Some(out_channels)]))
-                .transpose()?,
-            config,
-        };
-        Ok(Self { conv })
-    }
-
-    /// Number of input channels, once built.
-    pub fn in_channels(&self) -> Option<usize> {
-        self.weight
-            .is_built()
-            .then(|| self.weight.shape().dims()[1] * self.config.groups)
-    }
-
-    /// Number of output channels.
-    pub fn out_channels(&self) -> usize {
-        match self.weight.lazy_shape() {
-            Some(shape) => shape.dims()[0].unwrap_or_default(),
-            None => self.weight.shape().dims()[0],
-        }
-    }
-}
-
-impl<const D: usize> std::ops::Deref for LazyConv<D> {
-    type Target = Conv<D>;
-
-    /// The `Conv` layer this is, built or not.
-    fn deref(&self) -> &Conv<D> {
-        &self.conv
-    }
-}
-
-impl<const D: usize> Forward<&Tensor> for LazyConv<D> {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let layer = Conv::<D>::names()?.lazy;
-        let (in_channels, groups) = (x.dim(1)?, self.config.groups);
-        if in_channels % groups != 0 {
-            let expected = format!("[N, C_in, …] with C_in a multiple of groups ({groups})");
-            return Err(input_shape_error(layer, expected, x));
-        }
-        let kernel_area: usize = match self.weight.lazy_shape() {
-            Some(shape) => shape.dims()[2..].iter().flatten().product(),
-            None => self.weight.shape().dims()[2..].iter().product(),
-        };
-        let fan_in = in_channels / groups * kernel_area;
-        let fit = |name, p, set| fit_param(layer, name, p, set, fan_in, x);
-        fit("weight", &self.weight, Some((1, in_channels / groups)))?;
-        if let Some(b) = &self.bias {
-            fit("bias", b, None)?;
-        }
-        self.conv.forward(x)
-    }
-}
-
-forward_by_value!(Conv1d, Conv2d, ConvTranspose2d, LazyConv1d, LazyConv2d);
+forward_by_value!(Conv1d, Conv2d);
 
 #[cfg(test)]
 mod tests {
@@ -718,29 +468,6 @@ mod tests {
             ),
             "{err}"
         );
-    }
-
-    /// A grouped transposed convolution equals the per-group convolutions, stacked.
-    #[test]
-    fn conv_transpose_groups_split_channels() -> Result<()> {
-        let dev = Device::Cpu;
-        let cfg = ConvTransposeConfig {
-            groups: 2,
-            stride: 2,
-            bias: false,
-            ..Default::default()
-        };
-        let grouped = ConvTranspose2d::with_config(4, 6, 3, cfg, &dev)?;
-        assert_eq!(grouped.weight.shape().dims(), [4, 3, 3, 3]);
-        let x = Tensor::randn(0f32, 1., (1, 4, 5, 5), &dev)?;
-        let y = grouped.forward(&x)?;
-        let w = grouped.weight.tensor()?;
-        let first = x
-            .narrow(1, 0, 2)?
-            .conv_transpose2d(&w.narrow(0, 0, 2)?, 0, 0, 2, 1)?;
-        let diff = (y.narrow(1, 0, 3)? - first)?.abs()?.max_all()?;
-        assert!(diff.to_scalar::<f32>()? < 1e-6);
-        Ok(())
     }
 
     fn grads(

@@ -1,0 +1,215 @@
+//! What [`Error`]'s messages are made of: the helpers its variants' `#[error]` texts call, a
+//! candle error's message without its backtraces, and the conversions from and to `std::io` and
+//! candle errors.
+
+use candle_core::DeviceLocation;
+
+use super::Error;
+use crate::type_name::short_type_name;
+
+/// `` `encoder.layer.3` (Layer)``, or the bare type for the module called.
+pub(super) fn module_at(path: &str, module_type: &str) -> String {
+    let ty = short_type_name(module_type);
+    if path.is_empty() {
+        ty
+    } else {
+        format!("`{path}` ({ty})")
+    }
+}
+
+pub(super) fn near_matches(names: &[String]) -> String {
+    if names.is_empty() {
+        String::from(" (it has no submodules)")
+    } else {
+        format!("; did you mean: {}", names.join(", "))
+    }
+}
+
+pub(super) fn list_children(names: &[String]) -> String {
+    if names.is_empty() {
+        String::from(" (it has none)")
+    } else {
+        format!("; there is: {}", names.join(", "))
+    }
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e)
+    }
+}
+
+/// A candle error's message without its backtraces (`WithBacktrace` anywhere in the chain of
+/// `Context`/`WithPath` wrappers prints its inner error only).
+pub(super) struct CandleMessage<'a>(pub(super) &'a candle_core::Error);
+
+impl std::fmt::Display for CandleMessage<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use candle_core::Error as E;
+        // The same texts as candle's own `#[error(..)]` for these variants, minus the backtrace.
+        match self.0 {
+            E::WithBacktrace { inner, .. } => CandleMessage(inner).fmt(f),
+            E::Context { inner, context } => write!(f, "{context}\n{}", CandleMessage(inner)),
+            E::WithPath { inner, path } => write!(f, "path: {path:?} {}", CandleMessage(inner)),
+            other => std::fmt::Display::fmt(other, f),
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    /// An [`Error::Io`] that names no file (the `std::io::Error` does not know it).
+    fn from(source: std::io::Error) -> Self {
+        Error::Io {
+            path: std::path::PathBuf::new(),
+            source,
+        }
+    }
+}
+
+/// `` `path`: `` before an [`Error::Io`]'s message, or nothing when the file is unknown.
+pub(super) fn file_prefix(path: &std::path::Path) -> String {
+    if path.as_os_str().is_empty() {
+        String::new()
+    } else {
+        format!("`{}`: ", path.display())
+    }
+}
+
+impl From<Error> for candle_core::Error {
+    /// Lets runtime layers implement `candle_nn::Module` by converting back to candle's error type.
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(e) => e,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+/// The name of a device's location: `cpu`, `cuda:0`, `metal:0`.
+pub fn location_name(location: &DeviceLocation) -> String {
+    match location {
+        DeviceLocation::Cpu => "cpu".to_owned(),
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// The end of a [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) message whose two devices are one GPU opened twice.
+pub(super) fn same_location_hint(expected: &DeviceLocation, got: &DeviceLocation) -> &'static str {
+    if expected == got {
+        " (two handles for one GPU: create the device once, e.g. with `parse_device`)"
+    } else {
+        ""
+    }
+}
+
+pub(super) fn at_offset(offset: &Option<u64>) -> String {
+    match offset {
+        Some(offset) => format!(" (at byte {offset})"),
+        None => String::new(),
+    }
+}
+
+/// What to do about [`Error::NotLoaded`].
+pub(super) fn not_loaded_hint(awaits_load: &bool) -> &'static str {
+    if *awaits_load {
+        "the model was built under `empty_weights` (build only to load); load a checkpoint into it \
+         before calling it"
+    } else {
+        "it is lazy and not built; call the model once, run `model.build(&sample)`, or load a \
+         checkpoint"
+    }
+}
+
+/// ` at `path`` for a path that is known and not the root's.
+pub(super) fn with_article(kind: &str) -> String {
+    let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {kind}")
+}
+
+pub(super) fn flattened_fields(fields: &[&str], parent_type: &str) -> String {
+    let list = fields
+        .iter()
+        .map(|f| format!("`{f}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (s, verb, its) = if fields.len() == 1 {
+        ("", "lifts", "its")
+    } else {
+        ("s", "lift", "their")
+    };
+    format!(
+        "the `#[module(flatten)]`ed field{s} {list} {verb} {its} children and extra state to \
+         `{}`'s level",
+        short_type_name(parent_type)
+    )
+}
+
+pub(super) fn at(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!(" at `{path}`")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Error;
+
+    /// A candle error as candle builds it with `RUST_BACKTRACE=1` (`Error::bt`), whatever the
+    /// environment of the test process.
+    fn with_backtrace(inner: candle_core::Error) -> candle_core::Error {
+        candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        }
+    }
+
+    #[test]
+    fn display_leaves_candle_backtraces_out_and_debug_keeps_them() {
+        let plain = candle_core::Error::Msg("shape mismatch".into());
+        let cases = [
+            (with_backtrace(plain), "shape mismatch"),
+            (
+                with_backtrace(candle_core::Error::Msg("inner".into())).context("while adding"),
+                "while adding\ninner",
+            ),
+            (
+                with_backtrace(candle_core::Error::Msg("inner".into())).with_path("m.bin"),
+                "path: \"m.bin\" inner",
+            ),
+        ];
+        for (candle, expected) in cases {
+            assert!(
+                candle.to_string().len() > expected.len(),
+                "candle prints a backtrace"
+            );
+            let e = Error::from(candle);
+            assert_eq!(e.to_string(), expected);
+            // candle's `Debug` prints its message with the frames, one or two lines each.
+            let debug = format!("{e:?}");
+            assert!(
+                debug.lines().count() > expected.lines().count() + 1,
+                "{debug}"
+            );
+        }
+        // Nested in a forward frame, too.
+        let forward = Error::Forward {
+            path: "fc".into(),
+            module_type: "my::Linear",
+            source: Box::new(Error::from(with_backtrace(candle_core::Error::Msg(
+                "shape mismatch".into(),
+            )))),
+            frame: crate::identity::CallTarget::of(&()),
+        };
+        assert_eq!(
+            forward.to_string(),
+            "forward of `fc` (Linear) failed: shape mismatch"
+        );
+    }
+}

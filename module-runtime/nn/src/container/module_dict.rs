@@ -1,0 +1,169 @@
+//! [`ModuleDict`]: PyTorch's `nn.ModuleDict`, modules by key in insertion order.
+
+use std::fmt;
+
+use super::SequentialLayer;
+use crate::module::{Child, ChildMut, Name};
+use crate::Module;
+
+/// Modules by name, in insertion order: PyTorch's `nn.ModuleDict`. Children are named by key.
+///
+/// Inserting an existing key replaces the module in place, keeping its position (a Python dict's
+/// rule). Lookups scan the entries, which suits the handful of entries a model has. The default
+/// element type, `Box<dyn SequentialLayer>`, holds layers of different types; a
+/// `BTreeMap<String, M>` field is the alternative when key order is wanted.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::ModuleDict;
+///
+/// let dev = Device::Cpu;
+/// let mut heads: ModuleDict<Linear> = ModuleDict::new();
+/// heads.insert("sentiment", Linear::new(8, 2, &dev)?);
+/// heads.insert("topic", Linear::new(8, 5, &dev)?);
+/// assert_eq!(heads.keys().collect::<Vec<_>>(), ["sentiment", "topic"]);
+/// assert_eq!(heads["topic"].out_features(), 5);
+/// assert!(heads.get_parameter("topic.weight").is_ok());
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub struct ModuleDict<M = Box<dyn SequentialLayer>> {
+    entries: Vec<(String, M)>,
+}
+
+impl<M> ModuleDict<M> {
+    /// An empty dictionary.
+    pub fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+        }
+    }
+
+    /// Inserts `module` under `key`, returning the module it replaces (which keeps its position).
+    ///
+    /// As PyTorch's `add_module` (`torch/nn/modules/module.py`), an empty key or one containing `.`
+    /// is refused ([`Error::InvalidKey`](module_core::Error::InvalidKey)): it would make paths
+    /// ambiguous (`heads.a.b.weight`). So is a key containing `*`, which a path pattern would
+    /// read as a wildcard.
+    pub fn insert(&mut self, key: impl Into<String>, module: M) -> crate::Result<Option<M>> {
+        let key = key.into();
+        crate::path::check_key("ModuleDict", "", &key)?;
+        Ok(match self.entries.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, slot)) => Some(std::mem::replace(slot, module)),
+            None => {
+                self.entries.push((key, module));
+                None
+            }
+        })
+    }
+
+    /// A dictionary of `entries`, in order (PyTorch's `ModuleDict(dict)`); fails on a key
+    /// [`insert`](Self::insert) refuses.
+    pub fn from_entries<K: Into<String>>(
+        entries: impl IntoIterator<Item = (K, M)>,
+    ) -> crate::Result<Self> {
+        let mut dict = Self::new();
+        for (k, m) in entries {
+            dict.insert(k, m)?;
+        }
+        Ok(dict)
+    }
+
+    /// Removes the module under `key`.
+    pub fn remove(&mut self, key: &str) -> Option<M> {
+        let index = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(index).1)
+    }
+
+    /// The module under `key`.
+    pub fn get(&self, key: &str) -> Option<&M> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, m)| m)
+    }
+
+    /// The module under `key`, mutably.
+    pub fn get_mut(&mut self, key: &str) -> Option<&mut M> {
+        self.entries
+            .iter_mut()
+            .find(|(k, _)| k == key)
+            .map(|(_, m)| m)
+    }
+
+    /// Whether `key` is present.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The keys, in insertion order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.entries.iter().map(|(k, _)| k.as_str())
+    }
+
+    /// The modules, in insertion order.
+    pub fn values(&self) -> impl Iterator<Item = &M> {
+        self.entries.iter().map(|(_, m)| m)
+    }
+
+    /// `(key, module)` pairs, in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &M)> {
+        self.entries.iter().map(|(k, m)| (k.as_str(), m))
+    }
+}
+
+impl ModuleDict {
+    /// Inserts a layer of any type under `key`, boxing it; see [`insert`](Self::insert).
+    pub fn insert_layer(
+        &mut self,
+        key: impl Into<String>,
+        layer: impl SequentialLayer,
+    ) -> crate::Result<Option<Box<dyn SequentialLayer>>> {
+        self.insert(key, Box::new(layer))
+    }
+}
+
+impl<M> Default for ModuleDict<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M> std::ops::Index<&str> for ModuleDict<M> {
+    type Output = M;
+
+    /// Panics when `key` is absent; use [`get`](ModuleDict::get) to check.
+    fn index(&self, key: &str) -> &M {
+        self.get(key)
+            .unwrap_or_else(|| panic!("ModuleDict has no key `{key}`"))
+    }
+}
+
+impl<M: Module> fmt::Debug for ModuleDict<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.entries.iter().map(|(k, m)| (k, m as &dyn Module)))
+            .finish()
+    }
+}
+
+#[diagnostic::do_not_recommend]
+impl<M: Module> Module for ModuleDict<M> {
+    fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
+        for (k, m) in &self.entries {
+            f(Name::Field(k), m.as_child());
+        }
+    }
+
+    fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
+        for (k, m) in self.entries.iter_mut() {
+            f(Name::Field(k), m.as_child_mut());
+        }
+    }
+}

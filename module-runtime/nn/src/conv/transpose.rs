@@ -1,0 +1,170 @@
+//! [`ConvTranspose2d`]: PyTorch's `nn.ConvTranspose2d`, the gradient of a convolution with respect
+//! to its input, with its config.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{check_groups, conv_params};
+use crate::common::{add_channel_bias, forward_by_value, param_tensor, Size};
+use crate::device::check_input_device;
+use crate::error::Result;
+use crate::{Forward, Module, Param};
+
+/// How a [`ConvTranspose2d`] is built: PyTorch's keyword arguments, with PyTorch's defaults
+/// (`ConvTransposeConfig::default()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvTransposeConfig {
+    /// Step between windows (default 1).
+    pub stride: usize,
+    /// `dilation * (kernel - 1) - padding` zeros are added on both sides of each input dimension
+    /// (default 0).
+    pub padding: usize,
+    /// Extra size added to one side of each output dimension (default 0).
+    pub output_padding: usize,
+    /// Spacing between kernel elements (default 1).
+    pub dilation: usize,
+    /// Number of blocked connections from input to output channels; divides both channel counts
+    /// (default 1).
+    pub groups: usize,
+    /// Whether the layer has a bias (default `true`).
+    pub bias: bool,
+    /// The parameters' floating-point dtype (default `F32`).
+    pub dtype: DType,
+}
+
+impl Default for ConvTransposeConfig {
+    fn default() -> Self {
+        Self {
+            stride: 1,
+            padding: 0,
+            output_padding: 0,
+            dilation: 1,
+            groups: 1,
+            bias: true,
+            dtype: DType::F32,
+        }
+    }
+}
+
+/// A 2-D transposed convolution (the gradient of a convolution with respect to its input):
+/// PyTorch's `nn.ConvTranspose2d`.
+///
+/// Parameters `weight` `[in_channels, out_channels / groups, kH, kW]` (PyTorch's layout, transposed
+/// relative to `Conv2d`) and `bias` `[out_channels]` (absent without a bias). The input is
+/// `[N, C_in, H, W]`; the output `[N, C_out, H_out, W_out]` with
+/// `H_out = (H - 1) stride - 2 padding + dilation (kH - 1) + output_padding + 1`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{ConvTranspose2d, ConvTransposeConfig};
+/// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
+/// let up = ConvTranspose2d::with_config(3, 2, 3, cfg, &Device::Cpu)?;
+/// let y = up.call(&Tensor::zeros((1, 3, 4, 4), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [1, 2, 8, 8]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+///
+/// Typed paths into it: [`ConvTranspose2dPath`], from [`ConvTranspose2d::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
+#[module(paths)]
+pub struct ConvTranspose2d {
+    /// `[in_channels, out_channels / groups, kH, kW]`.
+    pub weight: Param,
+    /// `[out_channels]`, if the layer has a bias.
+    pub bias: Option<Param>,
+    /// Stride, padding, output padding, dilation, groups, bias and dtype.
+    #[module(skip)]
+    pub config: ConvTransposeConfig,
+}
+
+impl ConvTranspose2d {
+    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
+    /// PyTorch; `kernel_size` is `k` for a square kernel or `(kH, kW)`.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: impl Size<2>,
+        device: &Device,
+    ) -> Result<Self> {
+        let config = ConvTransposeConfig::default();
+        Self::with_config(in_channels, out_channels, kernel_size, config, device)
+    }
+
+    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
+    /// counts ([`Error::InvalidConfig`](crate::error::Error::InvalidConfig) otherwise).
+    pub fn with_config(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: impl Size<2>,
+        config: ConvTransposeConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        check_groups("ConvTranspose2d", in_channels, out_channels, config.groups)?;
+        let [kh, kw] = kernel_size.dims();
+        let dims = [in_channels, out_channels / config.groups, kh, kw];
+        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
+        Ok(Self {
+            weight,
+            bias,
+            config,
+        })
+    }
+}
+
+impl Forward<&Tensor> for ConvTranspose2d {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let weight = self.weight.value()?;
+        check_input_device("ConvTranspose2d.weight", &weight, x)?;
+        let run = |x: &Tensor, w: &Tensor| {
+            x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
+        };
+        // candle's transposed convolution has no groups: run each group on its slice of the input
+        // channels and of the weight, and stack the outputs along the channels.
+        let y = if c.groups == 1 {
+            run(x, &weight)?
+        } else {
+            let xs = x.chunk(c.groups, 1)?;
+            let ws = weight.chunk(c.groups, 0)?;
+            let ys = xs
+                .iter()
+                .zip(&ws)
+                .map(|(x, w)| run(x, w))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::cat(&ys, 1)?
+        };
+        add_channel_bias(y, param_tensor(&self.bias)?)
+    }
+}
+
+forward_by_value!(ConvTranspose2d);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A grouped transposed convolution equals the per-group convolutions, stacked.
+    #[test]
+    fn conv_transpose_groups_split_channels() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = ConvTransposeConfig {
+            groups: 2,
+            stride: 2,
+            bias: false,
+            ..Default::default()
+        };
+        let grouped = ConvTranspose2d::with_config(4, 6, 3, cfg, &dev)?;
+        assert_eq!(grouped.weight.shape().dims(), [4, 3, 3, 3]);
+        let x = Tensor::randn(0f32, 1., (1, 4, 5, 5), &dev)?;
+        let y = grouped.forward(&x)?;
+        let w = grouped.weight.tensor()?;
+        let first = x
+            .narrow(1, 0, 2)?
+            .conv_transpose2d(&w.narrow(0, 0, 2)?, 0, 0, 2, 1)?;
+        let diff = (y.narrow(1, 0, 3)? - first)?.abs()?.max_all()?;
+        assert!(diff.to_scalar::<f32>()? < 1e-6);
+        Ok(())
+    }
+}
