@@ -1,9 +1,11 @@
 //! The runtime's layout as docs/ARCHITECTURE.md maps it: every source file of every runtime crate
-//! is listed there, and every listed file exists. The crates' direction needs no test: a crate
-//! cannot import one above it.
+//! is listed there (and every listed file exists), and no file is over 600 lines. The crates'
+//! direction needs no test: a crate cannot import one above it.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+
+const MAX_LINES: usize = 600;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -83,4 +85,20 @@ fn architecture_md_maps_every_runtime_file() {
         "docs/ARCHITECTURE.md is out of date: files it does not list: {unmapped:?}; \
          files it lists that do not exist: {stale:?}"
     );
+}
+
+#[test]
+fn no_runtime_file_is_over_600_lines() {
+    let long: Vec<(String, usize)> = source_files()
+        .into_iter()
+        .map(|f| {
+            let lines = std::fs::read_to_string(root().join(&f))
+                .unwrap()
+                .lines()
+                .count();
+            (f, lines)
+        })
+        .filter(|(_, lines)| *lines > MAX_LINES)
+        .collect();
+    assert!(long.is_empty(), "files over {MAX_LINES} lines: {long:?}");
 }
