@@ -228,7 +228,7 @@ const PARALLEL_MIN_VALUES: usize = 1 << 16;
 /// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
 /// split into, one per thread of rayon's pool (the pool candle's CPU kernels use); `None` for a
 /// pass that runs on the calling thread.
-fn block_len(len: usize, width: usize) -> Option<usize> {
+pub(crate) fn block_len(len: usize, width: usize) -> Option<usize> {
     let threads = rayon::current_num_threads();
     if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
         return None;
@@ -348,7 +348,7 @@ impl ResidualLayerNorm {
 
 /// `Σ f(v)` with eight running sums, which the compiler keeps in one vector register (a single
 /// float sum must be added in order and does not vectorize).
-fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+pub(crate) fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
     let chunks = values.chunks_exact(8);
     let rest: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();

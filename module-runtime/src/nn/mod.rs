@@ -34,6 +34,7 @@
 
 mod common;
 mod fused;
+mod fused_grad;
 
 pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};
