@@ -228,7 +228,7 @@ const PARALLEL_MIN_VALUES: usize = 1 << 16;
 /// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
 /// split into, one per thread of rayon's pool (the pool candle's CPU kernels use); `None` for a
 /// pass that runs on the calling thread.
-pub(crate) fn block_len(len: usize, width: usize) -> Option<usize> {
+fn block_len(len: usize, width: usize) -> Option<usize> {
     let threads = rayon::current_num_threads();
     if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
         return None;

@@ -5,12 +5,10 @@
 //! Here the draws are compared and scaled where they are read, forward and backward.
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::nn::common::f32_slice;
-use crate::nn::fused::block_len;
-use crate::nn::fused_grad::{applies, with_f32};
+use crate::nn::fused_grad::{applies, block_len, par_map, with_f32};
 
 /// Whether [`dropout`] can replace the composed dropout of `x`.
 pub(crate) fn can_fuse_dropout(x: &Tensor) -> bool {
@@ -48,14 +46,12 @@ impl Dropout {
                 *o = v * if u >= self.p { self.scale } else { 0.0 };
             }
         };
-        match block_len(v.len(), 1) {
-            Some(block) => out
-                .par_chunks_mut(block)
-                .zip(v.par_chunks(block))
-                .zip(draws.par_chunks(block))
-                .for_each(|((o, v), u)| pass(o, v, u)),
-            None => pass(&mut out, v, draws),
-        }
+        let block = block_len(v.len(), 1);
+        let jobs = out
+            .chunks_mut(block)
+            .zip(v.chunks(block))
+            .zip(draws.chunks(block));
+        par_map(jobs.collect(), |((o, v), u)| pass(o, v, u));
         out
     }
 }

@@ -5,13 +5,11 @@
 //! incoming gradient.
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::nn::activation::gelu_erf_vectorized;
 use crate::nn::common::f32_slice;
-use crate::nn::fused::block_len;
-use crate::nn::fused_grad::{applies, with_f32};
+use crate::nn::fused_grad::{applies, block_len, par_map, with_f32};
 
 /// `1 / √(2π)`, the standard normal density at 0.
 const INV_SQRT_TWO_PI: f32 = 0.398_942_3;
@@ -43,13 +41,11 @@ impl candle_core::CustomOp1 for GeluErf {
                 *y = gelu_erf_vectorized(x);
             }
         };
-        match block_len(x.len(), 1) {
-            Some(block) => y
-                .par_chunks_mut(block)
-                .zip(x.par_chunks(block))
-                .for_each(|(y, x)| pass(y, x)),
-            None => pass(&mut y, x),
-        }
+        let block = block_len(x.len(), 1);
+        par_map(
+            y.chunks_mut(block).zip(x.chunks(block)).collect(),
+            |(y, x)| pass(y, x),
+        );
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -67,15 +63,13 @@ impl candle_core::CustomOp1 for GeluErf {
                     *dx = g * (cdf + x * pdf);
                 }
             };
-            match block_len(x.len(), 1) {
-                Some(block) => dx
-                    .par_chunks_mut(block)
-                    .zip(x.par_chunks(block))
-                    .zip(y.par_chunks(block))
-                    .zip(g.par_chunks(block))
-                    .for_each(|(((dx, x), y), g)| pass(dx, x, y, g)),
-                None => pass(&mut dx, x, y, g),
-            }
+            let block = block_len(x.len(), 1);
+            let jobs = dx
+                .chunks_mut(block)
+                .zip(x.chunks(block))
+                .zip(y.chunks(block))
+                .zip(g.chunks(block));
+            par_map(jobs.collect(), |(((dx, x), y), g)| pass(dx, x, y, g));
             dx
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))

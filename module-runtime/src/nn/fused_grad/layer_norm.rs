@@ -10,12 +10,11 @@
 //! (`x̂ = (x - μ) σ⁻¹`, `ĝ = g w`, `dx = σ⁻¹ (ĝ - mean(ĝ) - x̂ mean(ĝ x̂))`, `dw = Σ g x̂`, `db = Σ g`).
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::nn::common::f32_slice;
-use crate::nn::fused::{block_len, lane_sum};
-use crate::nn::fused_grad::{applies, with_f32};
+use crate::nn::fused::lane_sum;
+use crate::nn::fused_grad::{applies, block_len, par_map, with_f32};
 
 /// Whether [`layer_norm`] can normalize `x` over its last dimension with `weight` and `bias`:
 /// one value of each per element of a non-empty last dimension.
@@ -111,13 +110,11 @@ impl candle_core::CustomOp3 for LayerNorm {
                 }
             }
         };
-        match block_len(x.len(), width) {
-            Some(block) => y
-                .par_chunks_mut(block)
-                .zip(x.par_chunks(block))
-                .for_each(|(y, x)| rows(y, x)),
-            None => rows(&mut y, x),
-        }
+        let block = block_len(x.len(), width);
+        par_map(
+            y.chunks_mut(block).zip(x.chunks(block)).collect(),
+            |(y, x)| rows(y, x),
+        );
         Ok((CpuStorage::F32(y), x_layout.shape().clone()))
     }
 
@@ -147,17 +144,16 @@ impl candle_core::CustomOp3 for LayerNorm {
                 }
                 (dw, db)
             };
-            let blocks: Vec<(Vec<f32>, Vec<f32>)> = match block_len(x.len(), width) {
-                Some(block) => dx
-                    .par_chunks_mut(block)
-                    .zip(x.par_chunks(block))
-                    .zip(g.par_chunks(block))
-                    .map(|((dx, x), g)| block_grads(dx, x, g))
-                    .collect(),
-                None => vec![block_grads(&mut dx, x, g)],
-            };
+            let block = block_len(x.len(), width);
+            let jobs = dx
+                .chunks_mut(block)
+                .zip(x.chunks(block))
+                .zip(g.chunks(block));
+            let blocks = par_map(jobs.collect(), |((dx, x), g)| block_grads(dx, x, g));
             let mut blocks = blocks.into_iter();
-            let (mut dw, mut db) = blocks.next().unwrap_or_default();
+            let (mut dw, mut db) = blocks
+                .next()
+                .unwrap_or_else(|| (vec![0f32; width], vec![0f32; width]));
             for (bw, bb) in blocks {
                 dw.iter_mut().zip(bw).for_each(|(a, b)| *a += b);
                 db.iter_mut().zip(bb).for_each(|(a, b)| *a += b);

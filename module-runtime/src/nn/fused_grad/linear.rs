@@ -10,12 +10,10 @@
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::nn::common::f32_slice;
-use crate::nn::fused::block_len;
-use crate::nn::fused_grad::{applies, with_f32};
+use crate::nn::fused_grad::{applies, block_len, par_map, with_f32};
 
 /// Whether [`linear`] can compute `x Wᵀ + b`: `x` `[…, in]` and `weight` `[out, in]` with a
 /// `bias` `[out]`, none of the sizes zero.
@@ -93,13 +91,11 @@ impl candle_core::CustomOp3 for Linear {
                     }
                 }
             };
-            match block_len(y.len(), width) {
-                Some(block) => y
-                    .par_chunks_mut(block)
-                    .zip(product.par_chunks(block))
-                    .for_each(|(y, p)| rows(y, p)),
-                None => rows(&mut y, product),
-            }
+            let block = block_len(y.len(), width);
+            par_map(
+                y.chunks_mut(block).zip(product.chunks(block)).collect(),
+                |(y, p)| rows(y, p),
+            );
             y
         })?;
         let mut dims = x_layout.shape().dims().to_vec();
@@ -151,15 +147,11 @@ fn column_sums(values: &[f32], width: usize) -> Vec<f32> {
         }
         sums
     };
-    match block_len(values.len(), width) {
-        Some(block) => values
-            .par_chunks(block)
-            .map(block_sums)
-            .reduce_with(|mut a, b| {
-                a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                a
-            })
-            .unwrap_or_else(|| vec![0f32; width]),
-        None => block_sums(values),
+    let block = block_len(values.len(), width);
+    let mut blocks = par_map(values.chunks(block).collect(), block_sums).into_iter();
+    let mut sums = blocks.next().unwrap_or_else(|| vec![0f32; width]);
+    for block in blocks {
+        sums.iter_mut().zip(block).for_each(|(s, b)| *s += b);
     }
+    sums
 }

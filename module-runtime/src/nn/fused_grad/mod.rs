@@ -7,8 +7,8 @@
 //! tensor per node and per gradient sum, broadcasts undone by reductions, transposed copies.
 //! Profiles of a MiniLM fine-tuning step put these chains at most of the backward pass outside the
 //! matmuls (BENCHMARKS.md). Each op here is one node whose backward computes the input (and
-//! parameter) gradients directly, in passes over rows split over rayon's pool (the one candle's
-//! CPU kernels use).
+//! parameter) gradients directly, in passes over rows split over the threads of candle's own
+//! elementwise kernels (see [`par_map`]).
 //!
 //! They run when a gradient is recorded (the input or a parameter tracks one: the inference passes
 //! in [`fused`](super::fused) and candle's kernels serve the other case), on float32 CPU tensors,
@@ -29,6 +29,8 @@ pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
+
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Storage, Tensor};
 
@@ -66,6 +68,48 @@ fn with_f32<const N: usize, R>(
         };
     }
     Ok(f(values))
+}
+
+/// Below this many values a pass stays on the calling thread (candle's elementwise kernels use the
+/// same threshold): handing it out would cost more than the other threads save.
+const PARALLEL_MIN_VALUES: usize = 1 << 16;
+
+/// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
+/// split into: one block per thread of [`par_map`], or one block for a pass that stays on the
+/// calling thread. Never zero.
+fn block_len(len: usize, width: usize) -> usize {
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
+        return len.max(1);
+    }
+    (len / width).div_ceil(threads).max(1) * width
+}
+
+/// `f` of each job, in order, the jobs spread over candle's barrier pool: the threads of candle's
+/// own elementwise kernels, with the calling thread as one of them. Those threads are awake right
+/// after a candle kernel, which in a backward pass is always just before; handing the jobs to
+/// another pool (rayon's, which candle's matmul uses) would leave them spinning beside it on the
+/// same cores. One job runs on the calling thread.
+fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> {
+    if jobs.len() <= 1 {
+        return jobs.into_iter().map(f).collect();
+    }
+    let slots: Vec<Mutex<(Option<J>, Option<R>)>> = jobs
+        .into_iter()
+        .map(|j| Mutex::new((Some(j), None)))
+        .collect();
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+        for slot in &slots[range] {
+            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(job) = slot.0.take() {
+                slot.1 = Some(f(job));
+            }
+        }
+    });
+    slots
+        .into_iter()
+        .filter_map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner).1)
+        .collect()
 }
 
 #[cfg(test)]

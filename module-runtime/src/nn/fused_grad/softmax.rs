@@ -5,12 +5,10 @@
 //! `dx = y (g - Σ g y)` is one pass over the forward's output and the incoming gradient.
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::nn::common::f32_slice;
-use crate::nn::fused::block_len;
-use crate::nn::fused_grad::{applies, with_f32};
+use crate::nn::fused_grad::{applies, block_len, par_map, with_f32};
 
 /// Whether [`softmax_last_dim`] can replace the composed softmax of `x` along its last dimension.
 pub(crate) fn can_fuse_softmax_last_dim(x: &Tensor) -> bool {
@@ -53,13 +51,11 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
                 y.iter_mut().for_each(|y| *y /= sum);
             }
         };
-        match block_len(x.len(), width) {
-            Some(block) => y
-                .par_chunks_mut(block)
-                .zip(x.par_chunks(block))
-                .for_each(|(y, x)| rows(y, x)),
-            None => rows(&mut y, x),
-        }
+        let block = block_len(x.len(), width);
+        par_map(
+            y.chunks_mut(block).zip(x.chunks(block)).collect(),
+            |(y, x)| rows(y, x),
+        );
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -83,14 +79,12 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
                     }
                 }
             };
-            match block_len(y.len(), width) {
-                Some(block) => dx
-                    .par_chunks_mut(block)
-                    .zip(y.par_chunks(block))
-                    .zip(g.par_chunks(block))
-                    .for_each(|((dx, y), g)| rows(dx, y, g)),
-                None => rows(&mut dx, y, g),
-            }
+            let block = block_len(y.len(), width);
+            let jobs = dx
+                .chunks_mut(block)
+                .zip(y.chunks(block))
+                .zip(g.chunks(block));
+            par_map(jobs.collect(), |((dx, y), g)| rows(dx, y, g));
             dx
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
