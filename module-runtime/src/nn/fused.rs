@@ -27,9 +27,11 @@ pub fn is_fusion_enabled() -> bool {
     FUSION_ENABLED.with(Cell::get)
 }
 
-/// Runs `f` with fusion off on this thread: every layer takes its unfused path, as it does when a
-/// gradient is needed. For comparing numerics and measuring what fusion gains; the previous mode is
-/// restored when `f` returns or panics.
+/// Runs `f` with fusion off on this thread: every layer takes its unfused path, composed of candle
+/// ops, both the fused inference passes here and the fused training passes (single ops with a
+/// one-pass backward, which Linear, LayerNorm, GELU, Softmax and Dropout take when a gradient is
+/// recorded). For comparing numerics and measuring what fusion gains; the previous mode is restored
+/// when `f` returns or panics.
 ///
 /// ```
 /// use module_runtime::prelude::*;
