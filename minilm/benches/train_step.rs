@@ -14,9 +14,12 @@
 //! once with `fused=True`, on sentences that tokenize to the same 8 × 25 batch, so the figures of one
 //! run are comparable: the machine's slow and fast moments fall on both sides alike.
 //!
-//! Two of our variants, each training its own copy of the model: candle-nn's `AdamW` (what users
-//! had before module-optim) and module-optim's `AdamW` (its fused CPU pass). A round is `STEPS`
-//! steps of each in turn, after one warm-up step each; the medians are over every step.
+//! Three of our variants, each training its own copy of the model: candle-nn's `AdamW` (what users
+//! had before module-optim), module-optim's `AdamW` (its fused CPU pass), and module-optim's
+//! `AdamW` with the runtime's fused training passes off (`nn::without_fusion`: every layer
+//! composed of candle ops, as before they existed), so what those passes gain is measured in the
+//! same run. A round is `STEPS` steps of each in turn, after one warm-up step each; the medians
+//! (and minimums, the figure least disturbed by other work on the machine) are over every step.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,6 +30,7 @@ use candle_nn::{Optimizer as _, ParamsAdamW};
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_optim::{AdamW, Optimizer as _};
+use module_runtime::nn::without_fusion;
 use module_runtime::prelude::*;
 
 #[path = "support/mod.rs"]
@@ -78,6 +82,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     )?;
     let optim_model = load()?;
     let mut optim_adamw = module_optim::AdamW::new(&optim_model, AdamW::options().lr(1e-5))?;
+    let composed_model = load()?;
+    let mut composed_adamw = module_optim::AdamW::new(&composed_model, AdamW::options().lr(1e-5))?;
     let step =
         |model: &BertModel, opt: &mut dyn FnMut(&GradStore) -> Result<()>| -> Result<Parts> {
             let start = Instant::now();
@@ -99,6 +105,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut candle_nn_step = |g: &GradStore| Ok(candle_nn_adamw.step(g)?);
     let mut optim_step =
         |g: &GradStore| Ok(optim_adamw.step(g).map_err(candle_core::Error::wrap)?);
+    let mut composed_step =
+        |g: &GradStore| Ok(composed_adamw.step(g).map_err(candle_core::Error::wrap)?);
 
     let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
     let script = std::env::var_os("PYTORCH_TRAIN_STEP")
@@ -115,7 +123,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 
     step(&candle_nn_model, &mut candle_nn_step)?; // warm-up
     step(&optim_model, &mut optim_step)?;
-    let (mut with_candle_nn, mut with_optim) = (Vec::new(), Vec::new());
+    without_fusion(|| step(&composed_model, &mut composed_step))?;
+    let (mut with_candle_nn, mut with_optim, mut composed) = (Vec::new(), Vec::new(), Vec::new());
     let mut torch_lines = Vec::new();
     for round in 0..rounds {
         for _ in 0..STEPS {
@@ -123,6 +132,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         }
         for _ in 0..STEPS {
             with_optim.push(step(&optim_model, &mut optim_step)?);
+        }
+        for _ in 0..STEPS {
+            composed.push(without_fusion(|| {
+                step(&composed_model, &mut composed_step)
+            })?);
         }
         if let Some(python) = &pytorch {
             for fused in [false, true] {
@@ -148,18 +162,25 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     for (name, steps) in [
         ("candle-nn AdamW", &with_candle_nn),
         ("module-optim AdamW (fused)", &with_optim),
+        ("module-optim AdamW (fused), layers composed", &composed),
     ] {
-        let median = |f: fn(&Parts) -> Duration| {
-            let mut t: Vec<Duration> = steps.iter().map(f).collect();
-            t.sort();
-            t[t.len() / 2].as_secs_f64() * 1e3
+        let sorted = |f: fn(&Parts) -> Duration| {
+            let mut t: Vec<f64> = steps.iter().map(|p| f(p).as_secs_f64() * 1e3).collect();
+            t.sort_by(f64::total_cmp);
+            t
         };
+        let median = |f| sorted(f)[steps.len() / 2];
+        let min = |f| sorted(f)[0];
+        let whole = |p: &Parts| p.forward + p.backward + p.optimizer;
         println!(
-            "ours ({name}) train step: batch {BATCH} x {SEQ}, {} steps in {rounds} rounds: median {:.1} ms; forward {:.0} ms, backward {:.0} ms, optimizer {:.0} ms",
+            "ours ({name}) train step: batch {BATCH} x {SEQ}, {} steps in {rounds} rounds: median {:.1} ms (min {:.1}); forward {:.0} ms (min {:.0}), backward {:.0} ms (min {:.0}), optimizer {:.0} ms",
             steps.len(),
-            median(|p| p.forward + p.backward + p.optimizer),
+            median(whole),
+            min(whole),
             median(|p| p.forward),
+            min(|p| p.forward),
             median(|p| p.backward),
+            min(|p| p.backward),
             median(|p| p.optimizer),
         );
     }

@@ -15,6 +15,10 @@ use module_runtime::nn::{Dropout, Embedding, LayerNorm};
 use module_runtime::prelude::*;
 use module_runtime::Buffer;
 
+// Needs no checkpoint: a small random BERT.
+#[path = "minilm/fused_training.rs"]
+mod fused_training;
+
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {
         Some(dir) => Some(dir),

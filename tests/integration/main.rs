@@ -16,6 +16,7 @@ mod derive_holes;
 mod devices;
 mod distributed;
 mod functional;
+mod fused_grad;
 mod gapnet;
 mod hooks;
 mod inference;

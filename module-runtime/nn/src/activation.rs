@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 
 use crate::common::{forward_by_value, resolve_dim};
 use crate::error::Result;
+use crate::fused_grad;
 use crate::{Forward, Mode, Module};
 
 /// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
@@ -104,6 +105,7 @@ impl Forward<&Tensor> for GELU {
             {
                 x.contiguous()?.apply_op1_no_bwd(&VectorizedGeluErf)?
             }
+            GeluApproximation::None if fused_grad::can_fuse_gelu_erf(x) => fused_grad::gelu_erf(x)?,
             GeluApproximation::None => x.gelu_erf()?,
             GeluApproximation::Tanh => x.gelu()?,
         })
@@ -264,6 +266,9 @@ impl Forward<&Tensor> for Tanh {
 pub(crate) fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
     if dim + 1 == x.rank() && !x.track_op() {
         return Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?);
+    }
+    if dim + 1 == x.rank() && fused_grad::can_fuse_softmax_last_dim(x) {
+        return fused_grad::softmax_last_dim(x);
     }
     let shifted = x.broadcast_sub(&x.max_keepdim(dim)?.detach())?;
     let exp = shifted.exp()?;

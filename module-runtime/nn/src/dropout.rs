@@ -4,6 +4,7 @@ use candle_core::{DType, Tensor};
 
 use crate::common::forward_by_value;
 use crate::error::Result;
+use crate::fused_grad;
 use crate::{Forward, Mode, Module};
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
@@ -62,6 +63,9 @@ impl Forward<&Tensor> for Dropout {
         }
         if self.p == 1.0 {
             return Ok(x.zeros_like()?);
+        }
+        if fused_grad::can_fuse_dropout(x) {
+            return fused_grad::dropout(x, self.p);
         }
         // The mask is a constant of the graph: gradients flow through the kept elements, scaled.
         let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?

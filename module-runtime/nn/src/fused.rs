@@ -27,9 +27,11 @@ pub fn is_fusion_enabled() -> bool {
     FUSION_ENABLED.with(Cell::get)
 }
 
-/// Runs `f` with fusion off on this thread: every layer takes its unfused path, as it does when a
-/// gradient is needed. For comparing numerics and measuring what fusion gains; the previous mode is
-/// restored when `f` returns or panics.
+/// Runs `f` with fusion off on this thread: every layer takes its unfused path, composed of candle
+/// ops, both the fused inference passes here and the fused training passes (single ops with a
+/// one-pass backward, which Linear, LayerNorm, GELU, Softmax and Dropout take when a gradient is
+/// recorded). For comparing numerics and measuring what fusion gains; the previous mode is restored
+/// when `f` returns or panics.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -348,7 +350,7 @@ impl ResidualLayerNorm {
 
 /// `Σ f(v)` with eight running sums, which the compiler keeps in one vector register (a single
 /// float sum must be added in order and does not vectorize).
-fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+pub(crate) fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
     let chunks = values.chunks_exact(8);
     let rest: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();

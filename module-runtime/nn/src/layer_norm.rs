@@ -13,6 +13,7 @@ use crate::common::{
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
+use crate::fused_grad;
 use crate::{Forward, Init, Module, ModuleExt, Param};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -195,6 +196,9 @@ fn layer_norm(
             (Some(w), Some(b)) if fused_kernel_applies(&[x, w, b]) => Some(
                 candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
             ),
+            (Some(w), Some(b)) if fused_grad::can_fuse_layer_norm(&folded, w, b) => {
+                Some(fused_grad::layer_norm(&folded, w, b, eps)?)
+            }
             _ => None,
         };
     let y = match fused {

@@ -15,6 +15,13 @@
 //! with no hooks attached: [`Linear::call_then`] (bias and activation in one pass; [`Sequential`]
 //! uses it for a `Linear` followed by an activation) and [`LayerNorm::call_residual`] (residual sum
 //! and norm in one pass). [`without_fusion`] turns them off on a thread.
+//!
+//! When a gradient *is* recorded, on float32 CPU tensors, [`Linear`] (with a bias), [`LayerNorm`]
+//! (over one dimension, with weight and bias), the exact [`GELU`], [`Softmax`] over the last
+//! dimension and [`Dropout`] run as single candle ops whose backward computes the input and
+//! parameter gradients directly, in one pass over rows, instead of candle's backward through a
+//! chain of composed ops. They match the composed path within float32 rounding (both are held to
+//! PyTorch's gradients in the tests); [`without_fusion`] turns them off as well.
 
 //! # Layout and constructors
 //!
@@ -69,6 +76,7 @@ pub use recurrent::Recurrent;
 
 mod common;
 mod fused;
+mod fused_grad;
 
 pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::fused::{
     bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
 };
+use crate::fused_grad;
 use crate::{Forward, Init, Module, ModuleExt, Param};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
@@ -180,6 +181,12 @@ impl Forward<&Tensor> for Linear {
 /// `x Wᵀ + b`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     check_input_device("Linear.weight", w, x)?;
+    if let Some(b) = bias
+        .as_ref()
+        .filter(|b| fused_grad::can_fuse_linear(x, w, b))
+    {
+        return fused_grad::linear(x, w, b);
+    }
     add_bias(matmul(x, w)?, bias)
 }
 

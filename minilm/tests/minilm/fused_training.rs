@@ -1,0 +1,70 @@
+//! The derived BERT trains through the runtime's fused training passes (LayerNorm, GELU, the
+//! attention softmax, dropout) on the CPU: its gradients must be those of the composed ops
+//! (`without_fusion`), parameter by parameter. A small random model, so no checkpoint is needed;
+//! in evaluation mode, so dropout draws nothing and both passes compute the same function while
+//! every parameter still records its gradient.
+
+use minilm::bert::{BertConfig, BertModel};
+use module_runtime::nn::without_fusion;
+use module_runtime::prelude::*;
+
+#[test]
+fn fused_training_passes_give_the_composed_gradients() -> Result<()> {
+    let dev = Device::Cpu;
+    let cfg = BertConfig {
+        vocab_size: 60,
+        hidden_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        intermediate_size: 512,
+        max_position_embeddings: 32,
+        ..BertConfig::minilm_l6()
+    };
+    let model = BertModel::new(&cfg, &dev)?;
+    model.eval();
+    let (batch, seq) = (8, 20);
+    let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % 60) as u32).collect();
+    let ids = Tensor::from_vec(ids, (batch, seq), &dev)?;
+    // The last sentences are padded, so the softmax sees masked keys.
+    let keep: Vec<u32> = (0..batch * seq)
+        .map(|i| u32::from(i % seq < seq - i / seq))
+        .collect();
+    let mask = Tensor::from_vec(keep, (batch, seq), &dev)?;
+    let upstream = Tensor::randn(0f32, 1., (batch, seq, cfg.hidden_size), &dev)?;
+    // Every parameter but the pooler's (`call` does not run it) has a gradient.
+    let gradients = || -> Result<Vec<(String, Option<Tensor>)>> {
+        let hidden = model.call((&ids, &mask))?;
+        let grads = (hidden * &upstream)?.sum_all()?.backward()?;
+        model
+            .named_parameters()
+            .into_iter()
+            .map(|(name, p)| Ok((name, grads.get(&p.tensor()?).cloned())))
+            .collect()
+    };
+    let fused = gradients()?;
+    let composed = without_fusion(gradients)?;
+    assert_eq!(fused.len(), composed.len());
+    let mut compared = 0;
+    for ((name, f), (_, c)) in fused.iter().zip(&composed) {
+        let (f, c) = match (f, c) {
+            (Some(f), Some(c)) => (f, c),
+            (None, None) if name.starts_with("pooler.") => continue,
+            _ => panic!("{name}: a gradient on one path only, or none"),
+        };
+        // The key biases' gradient is zero up to rounding (a softmax ignores a shift common to a
+        // row), so small gradients are compared to 1e-2.
+        let scale = c.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+        let diff = (f - c)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}: fused and composed gradients differ by {diff} (largest {scale})"
+        );
+        compared += 1;
+    }
+    assert_eq!(
+        compared,
+        fused.len() - 2,
+        "all but the pooler's weight and bias"
+    );
+    Ok(())
+}

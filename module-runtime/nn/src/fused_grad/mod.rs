@@ -1,0 +1,159 @@
+//! Fused training passes: Linear with a bias, LayerNorm, the exact GELU, the last-dimension softmax
+//! and dropout as single candle ops that record a gradient, each with a backward pass that is one
+//! pass too (or, for Linear, its two matmuls and one pass).
+//!
+//! Composed of candle's differentiable ops, these layers leave a chain of small nodes in the graph
+//! (a LayerNorm is nine, dropout's mask five), and candle's backward walks each of them: a fresh
+//! tensor per node and per gradient sum, broadcasts undone by reductions, transposed copies.
+//! Profiles of a MiniLM fine-tuning step put these chains at most of the backward pass outside the
+//! matmuls (BENCHMARKS.md). Each op here is one node whose backward computes the input (and
+//! parameter) gradients directly, in passes over rows split over the threads of candle's own
+//! elementwise kernels (see [`par_map`]).
+//!
+//! They run when a gradient is recorded (the input or a parameter tracks one: the inference passes
+//! in [`fused`](super::fused) and candle's kernels serve the other case), on float32 CPU tensors,
+//! with fusion enabled ([`without_fusion`](super::without_fusion) turns them off, to compare or to
+//! measure). Everywhere else the layers keep their composed path, which these ops match within
+//! float32 rounding: values and gradients are checked against it and against PyTorch in
+//! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
+//! replaces one layer's own computation, never a sequence of layers.
+
+mod dropout;
+mod gelu;
+mod layer_norm;
+mod linear;
+mod softmax;
+
+pub(crate) use dropout::{can_fuse_dropout, dropout};
+pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
+pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
+pub(crate) use linear::{can_fuse_linear, linear};
+pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
+
+use std::sync::{Mutex, PoisonError};
+
+use candle_core::{DType, Storage, Tensor};
+
+use crate::common::f32_slice;
+use crate::fused::is_fusion_enabled;
+
+/// Whether a fused training op may replace the composed ops over `tensors` (an input and the
+/// parameters it meets): fusion is on, all are float32 CPU tensors, and at least one records a
+/// gradient.
+fn applies(tensors: &[&Tensor]) -> bool {
+    is_fusion_enabled()
+        && tensors
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+        && tensors.iter().any(|t| t.track_op())
+}
+
+/// Runs `f` on the float32 values of contiguous CPU tensors (an error for anything else; the ops
+/// make their inputs contiguous before they record them, and their backward the gradient).
+fn with_f32<const N: usize, R>(
+    tensors: [&Tensor; N],
+    op: &'static str,
+    f: impl FnOnce([&[f32]; N]) -> R,
+) -> candle_core::Result<R> {
+    let guards = tensors.map(Tensor::storage_and_layout);
+    let mut values: [&[f32]; N] = [&[]; N];
+    for (v, (storage, layout)) in values.iter_mut().zip(&guards) {
+        *v = match &**storage {
+            Storage::Cpu(cpu) => f32_slice(cpu, layout, op)?,
+            _ => {
+                return Err(candle_core::Error::Msg(format!(
+                    "{op}: expects CPU tensors"
+                )));
+            }
+        };
+    }
+    Ok(f(values))
+}
+
+/// Below this many values a pass stays on the calling thread (candle's elementwise kernels use the
+/// same threshold): handing it out would cost more than the other threads save.
+const PARALLEL_MIN_VALUES: usize = 1 << 16;
+
+/// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
+/// split into: one block per thread of [`par_map`], or one block for a pass that stays on the
+/// calling thread. Never zero.
+fn block_len(len: usize, width: usize) -> usize {
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
+        return len.max(1);
+    }
+    (len / width).div_ceil(threads).max(1) * width
+}
+
+/// `f` of each job, in order, the jobs spread over candle's barrier pool: the threads of candle's
+/// own elementwise kernels, with the calling thread as one of them. Those threads are awake right
+/// after a candle kernel, which in a backward pass is always just before; handing the jobs to
+/// another pool (rayon's, which candle's matmul uses) would leave them spinning beside it on the
+/// same cores. One job runs on the calling thread.
+fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> {
+    if jobs.len() <= 1 {
+        return jobs.into_iter().map(f).collect();
+    }
+    let slots: Vec<Mutex<(Option<J>, Option<R>)>> = jobs
+        .into_iter()
+        .map(|j| Mutex::new((Some(j), None)))
+        .collect();
+    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
+        for slot in &slots[range] {
+            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(job) = slot.0.take() {
+                slot.1 = Some(f(job));
+            }
+        }
+    });
+    slots
+        .into_iter()
+        .filter_map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner).1)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+    use crate::without_fusion;
+
+    /// The fused ops stand in only where a gradient is recorded, on float32 CPU tensors, with
+    /// fusion on: elsewhere the composed path (or an inference kernel) runs.
+    #[test]
+    fn fused_ops_run_only_where_a_float32_cpu_gradient_is_recorded() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let tracked = Var::randn(0f32, 1., (2, 3), &dev)?;
+        let tracked = tracked.as_tensor();
+        let plain = tracked.detach();
+        let double = Var::randn(0f64, 1., (2, 3), &dev)?;
+        assert!(applies(&[tracked]));
+        assert!(
+            applies(&[&plain, tracked]),
+            "a parameter that tracks is enough"
+        );
+        assert!(!applies(&[&plain]));
+        assert!(!applies(&[double.as_tensor()]));
+        assert!(!without_fusion(|| applies(&[tracked])));
+        Ok(())
+    }
+
+    /// The fused output is what the gradient flows through: one node, not the composed chain.
+    #[test]
+    fn a_fused_op_is_one_node_of_the_graph() -> crate::Result<()> {
+        let x = Var::randn(0f32, 1., (4, 8), &Device::Cpu)?;
+        for y in [
+            gelu_erf(x.as_tensor())?,
+            softmax_last_dim(x.as_tensor())?,
+            dropout(x.as_tensor(), 0.5)?,
+        ] {
+            assert!(y.track_op());
+            // The one node's only tracked argument is the input itself.
+            let nodes = y.sorted_nodes();
+            assert_eq!(nodes.len(), 2, "the op and the input");
+            assert_eq!(nodes[1].id(), x.as_tensor().id());
+        }
+        Ok(())
+    }
+}
