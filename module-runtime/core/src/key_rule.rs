@@ -16,6 +16,13 @@ pub enum KeyRule {
 }
 
 impl KeyRule {
+    /// The key `rules` make of `key`, applied in order: what a load matches against the model.
+    pub fn apply_all(rules: &[KeyRule], key: &str) -> String {
+        rules
+            .iter()
+            .fold(key.to_owned(), |key, rule| rule.apply(&key))
+    }
+
     /// The key this rule makes of `key` (`key` itself where the rule does not apply).
     pub fn apply(&self, key: &str) -> String {
         match self {
@@ -89,8 +96,6 @@ impl KeyFix {
 
     /// `key` rewritten by the fix's own rules, in order (without the load's rules).
     pub fn map_key(&self, key: &str) -> String {
-        self.rules
-            .iter()
-            .fold(key.to_owned(), |key, rule| rule.apply(&key))
+        KeyRule::apply_all(&self.rules, key)
     }
 }

@@ -75,11 +75,10 @@ impl fmt::Display for LoadReport {
         if let Some(fix) = &self.key_fix {
             writeln!(f, "  {}", fix_line(fix, self.missing.len()))?;
             // The rest: what the rule leaves unexplained.
-            let options = fix;
             let filled: std::collections::HashSet<String> =
-                unexpected.iter().map(|u| options.map_key(u)).collect();
+                unexpected.iter().map(|u| fix.map_key(u)).collect();
             let wanted: std::collections::HashSet<&str> = missing.iter().copied().collect();
-            unexpected.retain(|u| !wanted.contains(options.map_key(u).as_str()));
+            unexpected.retain(|u| !wanted.contains(fix.map_key(u).as_str()));
             missing.retain(|m| !filled.contains(*m));
             other = "other ";
         }

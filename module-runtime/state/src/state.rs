@@ -309,9 +309,7 @@ impl LoadOptions {
 
     /// The model path a checkpoint key maps to.
     pub fn map_key(&self, key: &str) -> String {
-        self.rules
-            .iter()
-            .fold(key.to_owned(), |key, rule| rule.apply(&key))
+        KeyRule::apply_all(&self.rules, key)
     }
 }
 

@@ -61,9 +61,7 @@ pub fn suggest(
         .map(|fix| KeyFix::new(fix.rules, fix.fixes, given.to_vec()));
     let (missing, unexpected): (Vec<_>, Vec<_>) = match &fix {
         Some(fix) => {
-            let options = fix;
-            let filled: HashSet<String> =
-                unexpected.iter().map(|(u, _)| options.map_key(u)).collect();
+            let filled: HashSet<String> = unexpected.iter().map(|(u, _)| fix.map_key(u)).collect();
             let missing_set: HashSet<&str> = missing.iter().map(|(m, _)| m.as_str()).collect();
             (
                 missing
@@ -72,7 +70,7 @@ pub fn suggest(
                     .collect(),
                 unexpected
                     .iter()
-                    .filter(|(u, _)| !missing_set.contains(options.map_key(u).as_str()))
+                    .filter(|(u, _)| !missing_set.contains(fix.map_key(u).as_str()))
                     .collect(),
             )
         }
@@ -143,13 +141,11 @@ fn prefix_fix(
         if !to.is_empty() {
             rules.push(KeyRule::AddPrefix(to.to_owned()));
         }
-        let fix = KeyFix::new(rules, 0, Vec::new());
-        let options = &fix;
         // Simulate the load with the rules: how many model keys would receive a value.
         let mut hit = HashSet::new();
         let mut explained = 0;
         for (u, shape) in unexpected {
-            let mapped = options.map_key(u);
+            let mapped = KeyRule::apply_all(&rules, u);
             // A value that would land in a slot it does not fit fills nothing.
             let fits = match expected_of.get(mapped.as_str()) {
                 Some(expected) => expected.fits(shape),
@@ -161,7 +157,7 @@ fn prefix_fix(
             }
         }
         for k in &matched {
-            let mapped = options.map_key(k);
+            let mapped = KeyRule::apply_all(&rules, k);
             if model_set.contains(mapped.as_str()) {
                 hit.insert(mapped);
             }
@@ -175,7 +171,7 @@ fn prefix_fix(
             continue;
         }
         if best.as_ref().is_none_or(|b| fixes > b.fixes) {
-            best = Some(KeyFix::new(fix.rules.clone(), fixes, Vec::new()));
+            best = Some(KeyFix::new(rules, fixes, Vec::new()));
         }
     }
     best
