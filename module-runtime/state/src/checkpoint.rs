@@ -196,12 +196,12 @@ impl StateDict {
     /// dict under that key of a pickled training checkpoint (`"model"` in
     /// `{"epoch": 3, "model": ..., "optimizer": ...}`; dotted keys such as `"model.ema"` descend
     /// further). Without it, a pickle whose top level is not a state dict is an
-    /// [`Error::Pth`](../module_runtime/enum.Error.html#variant.Pth) listing the top-level keys that hold one. Key rules and
+    /// [`Error::Pth`] listing the top-level keys that hold one. Key rules and
     /// strictness apply when the state dict is loaded into a model.
     ///
     /// Shards are read as one state dict: a missing shard, or a key the index maps to a shard that
     /// lacks it, fails the read. Pickles are read by a bounded reader: a truncated, corrupt or
-    /// hostile file is an [`Error::Pth`](../module_runtime/enum.Error.html#variant.Pth) that says what is wrong, and Python
+    /// hostile file is an [`Error::Pth`] that says what is wrong, and Python
     /// globals outside PyTorch's tensor types are refused, never executed.
     ///
     /// For inspecting or rewriting a checkpoint without a model; to load one into a model, give

@@ -292,9 +292,9 @@ impl LoadOptions {
     /// **Deviation, from all-or-nothing loading:** PyTorch runs the hooks after the values are
     /// copied; here they run after every key is checked and *before* anything is copied, since
     /// whether anything is copied depends on them. So a hook sees the model's old values, and an
-    /// error from a hook ([`Error::Hook`](../module_runtime/enum.Error.html#variant.Hook)) fails the load with the model
+    /// error from a hook ([`Error::Hook`]) fails the load with the model
     /// unchanged. To act on the loaded values, do it after the load returns. A `path` that
-    /// names no submodule fails the load ([`Error::NoSubmodule`](../module_runtime/enum.Error.html#variant.NoSubmodule)).
+    /// names no submodule fails the load ([`Error::NoSubmodule`]).
     /// Modules have no hidden field to hold hooks, so they belong to the options, not to the
     /// module: pass the same options to every load that needs them.
     #[doc(alias = "register_load_state_dict_post_hook")]

@@ -33,7 +33,7 @@ impl Default for Tolerance {
     }
 }
 
-/// The payload of [`Error::OutputMismatch`](../module_runtime/enum.Error.html#variant.OutputMismatch): the first call of a submodule, in call order,
+/// The payload of [`Error::OutputMismatch`](crate::Error::OutputMismatch): the first call of a submodule, in call order,
 /// whose output is not close to the expected one.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OutputDivergence {
