@@ -212,3 +212,53 @@ fn a_nested_checkpoint_without_a_key_says_which_key_holds_the_state_dict() {
         .unwrap_err();
     assert!(err.to_string().contains("model"), "{err}");
 }
+
+/// The checkpoint's optimizer state, `SGD(lr=0.1, momentum=0.9)` after one step on the reference
+/// input with `loss = logits.sum()` (train mode), read from PyTorch's numbering into parameter
+/// paths: after one step a momentum buffer is that step's gradient, so each buffer must equal the
+/// gradient computed here at the same parameters. A buffer on the wrong path would not.
+#[test]
+fn the_nested_checkpoints_sgd_state_continues_here() {
+    use module_optim::{read_pth_state, Optimizer, SgdOptions, SGD};
+
+    let net = GapNet::new(&Device::Cpu).unwrap();
+    let path = fixtures().join("gapnet_nested.pt");
+    net.load_state_dict(&path, &LoadOptions::default().nested_in("model"))
+        .unwrap();
+    let mut opt = SGD::new(&net, SgdOptions::new(1.0).momentum(0.5)).unwrap();
+    let state = read_pth_state(&path, Some("optimizer"), &opt).unwrap();
+    opt.load_state_dict(&state).unwrap();
+    assert_eq!(opt.lrs(), vec![0.1]);
+    assert_eq!(opt.param_groups()[0].options.momentum, 0.9);
+
+    let reference = StateDict::read(
+        fixtures().join("gapnet_reference.safetensors"),
+        &LoadOptions::default(),
+    )
+    .unwrap();
+    net.train();
+    let (_, _, logits) = net.call(reference.get("input").unwrap()).unwrap();
+    let grads = logits.sum_all().unwrap().backward().unwrap();
+    let saved = opt.state_dict().unwrap();
+    let mut checked = 0;
+    for (p, param) in net.named_parameters() {
+        let buffer = saved
+            .get(&format!("state.{p}.momentum_buffer"))
+            .unwrap_or_else(|| panic!("no momentum buffer for {p}"));
+        let grad = grads.get(param.var().unwrap().as_tensor()).unwrap();
+        let scale = grad
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let error = max_diff(buffer, grad);
+        assert!(
+            error <= 1e-4 * scale.max(1.0),
+            "{p}: |buffer - grad| = {error:e}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 12);
+}

@@ -136,6 +136,31 @@ pub enum StateError {
         /// The state dict's.
         found: usize,
     },
+    /// A parameter group of a PyTorch optimizer state lists another number of parameters than
+    /// the optimizer's group of the same index: they were not made alike.
+    #[error(
+        "parameter group {group} of the PyTorch state lists {found} parameters, the optimizer's \
+         {expected}: make the optimizer with the same groups, in the same order, as in PyTorch"
+    )]
+    ParamCount {
+        /// The group's index.
+        group: usize,
+        /// The number of parameters in the optimizer's group.
+        expected: usize,
+        /// The number the PyTorch state lists.
+        found: usize,
+    },
+    /// What was read as a PyTorch optimizer state has no `state` and `param_groups`.
+    #[error(
+        "not a torch.optim state dict (no `state` and `param_groups`): found {found}{}",
+        candidates_note(.candidates)
+    )]
+    NotAnOptimizerState {
+        /// What was found, in words.
+        found: String,
+        /// The file's top-level keys that hold an optimizer state dict.
+        candidates: Vec<String>,
+    },
     /// A parameter is in another group in the state dict than in the optimizer.
     #[error("parameter `{path}` is in group {found} in the state dict, in group {expected} in the optimizer")]
     GroupMismatch {
@@ -189,6 +214,14 @@ fn list_some(available: &[String]) -> String {
         String::new()
     } else {
         format!(" (the model has {})", list(available))
+    }
+}
+
+fn candidates_note(candidates: &[String]) -> String {
+    if candidates.is_empty() {
+        String::new()
+    } else {
+        format!("; pass the key of the one to read: {}", list(candidates))
     }
 }
 

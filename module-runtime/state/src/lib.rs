@@ -10,7 +10,7 @@
 //! | `load_hooks` | post-load hooks and [`IncompatibleKeys`] |
 //! | `suggest` | what a load that does not fit suggests (a prefix rule, "did you mean" pairs) |
 //! | `state` | [`StateDict`], [`LoadOptions`], the all-or-nothing load |
-//! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls) |
+//! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values |
 //! | `io` | safetensors reading and writing, sharded Hugging Face checkpoints |
 //! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
 #![warn(missing_docs)]

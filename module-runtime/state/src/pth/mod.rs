@@ -12,6 +12,7 @@
 
 pub mod container;
 pub mod pickle;
+pub mod tree;
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -49,16 +50,8 @@ impl PthFile {
     /// Reads and validates `path`. `key` selects a nested state dict (`"model"`, or dotted,
     /// `"model.ema"`); without one, the top level must be a state dict.
     pub fn open(path: &Path, key: Option<&str>) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        let fail = |f: Fail| Error::Pth {
-            path: path.to_owned(),
-            offset: f.offset,
-            kind: Box::new(f.kind),
-        };
-        let container = Container::parse(&bytes).map_err(fail)?;
+        let (bytes, container) = read(path)?;
+        let fail = |f: Fail| failure(path, f);
         let tensors = select(&container.pickle, key).map_err(fail)?;
         let entries = tensors
             .into_iter()
@@ -79,20 +72,44 @@ impl PthFile {
     }
 
     fn build(&self, e: &Entry, device: &Device) -> Result<Tensor> {
-        let elem = e.dtype.size_in_bytes();
-        let storage = &self.bytes[e.storage.clone()];
-        let numel: usize = e.shape.iter().product();
-        let n = numel * elem;
-        let data = if n == 0 {
-            std::borrow::Cow::Borrowed(&[][..])
-        } else if is_contiguous(&e.shape, &e.stride) {
-            let start = e.offset * elem;
-            std::borrow::Cow::Borrowed(&storage[start..start + n])
-        } else {
-            std::borrow::Cow::Owned(gather(storage, e, elem))
-        };
-        Ok(Tensor::from_raw_buffer(&data, e.dtype, &e.shape, device)?)
+        materialize(&self.bytes, e, device)
     }
+}
+
+/// Reads `path` into memory and parses its container and pickle.
+fn read(path: &Path) -> Result<(Vec<u8>, Container)> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let container = Container::parse(&bytes).map_err(|f| failure(path, f))?;
+    Ok((bytes, container))
+}
+
+/// A reader's failure as the error that names the file.
+fn failure(path: &Path, f: Fail) -> Error {
+    Error::Pth {
+        path: path.to_owned(),
+        offset: f.offset,
+        kind: Box::new(f.kind),
+    }
+}
+
+/// Builds the tensor `e` describes from the file's `bytes` (its layout is validated).
+fn materialize(bytes: &[u8], e: &Entry, device: &Device) -> Result<Tensor> {
+    let elem = e.dtype.size_in_bytes();
+    let storage = &bytes[e.storage.clone()];
+    let numel: usize = e.shape.iter().product();
+    let n = numel * elem;
+    let data = if n == 0 {
+        std::borrow::Cow::Borrowed(&[][..])
+    } else if is_contiguous(&e.shape, &e.stride) {
+        let start = e.offset * elem;
+        std::borrow::Cow::Borrowed(&storage[start..start + n])
+    } else {
+        std::borrow::Cow::Owned(gather(storage, e, elem))
+    };
+    Ok(Tensor::from_raw_buffer(&data, e.dtype, &e.shape, device)?)
 }
 
 impl Source for PthFile {
@@ -235,14 +252,14 @@ fn check(container: &Container, key: String, t: &TensorRef) -> Result<Entry, Fai
     })
 }
 
-fn dict<'p>(p: &'p Pickle, v: &Value) -> Option<&'p [(Value, Value)]> {
+pub(crate) fn dict<'p>(p: &'p Pickle, v: &Value) -> Option<&'p [(Value, Value)]> {
     match p.object(v) {
         Some(Object::Dict(items)) => Some(items),
         _ => None,
     }
 }
 
-fn tensor<'p>(p: &'p Pickle, v: &Value) -> Option<&'p TensorRef> {
+pub(crate) fn tensor<'p>(p: &'p Pickle, v: &Value) -> Option<&'p TensorRef> {
     match p.object(v) {
         Some(Object::Tensor(t)) => Some(t),
         _ => None,
@@ -250,7 +267,7 @@ fn tensor<'p>(p: &'p Pickle, v: &Value) -> Option<&'p TensorRef> {
 }
 
 /// The value at string key `key` (the last one, as in a Python dict).
-fn lookup<'p>(items: &'p [(Value, Value)], key: &str) -> Option<&'p Value> {
+pub(crate) fn lookup<'p>(items: &'p [(Value, Value)], key: &str) -> Option<&'p Value> {
     items.iter().rev().find_map(|(k, v)| match k {
         Value::Str(s) if &**s == key => Some(v),
         _ => None,
@@ -321,9 +338,15 @@ fn candidates(p: &Pickle, items: &[(Value, Value)]) -> Vec<String> {
 
 /// Finds the state dict: at `key` if given, else the top level.
 fn select<'p>(p: &'p Pickle, key: Option<&str>) -> Result<Vec<(String, &'p TensorRef)>, Fail> {
-    let Some(key) = key else {
-        return state_dict(p, &p.root);
-    };
+    match key {
+        Some(key) => state_dict(p, find(p, key)?),
+        None => state_dict(p, &p.root),
+    }
+}
+
+/// The value at `key` below the root, a dotted key descending through nested dicts (a key that
+/// contains dots itself is tried whole first).
+pub(crate) fn find<'p>(p: &'p Pickle, key: &str) -> Result<&'p Value, Fail> {
     let mut current = &p.root;
     let mut rest = key;
     loop {
@@ -334,7 +357,7 @@ fn select<'p>(p: &'p Pickle, key: Option<&str>) -> Result<Vec<(String, &'p Tenso
             }));
         };
         if let Some(v) = lookup(items, rest) {
-            return state_dict(p, v);
+            return Ok(v);
         }
         // A dotted key: descend through the first prefix that names a dict.
         let next = rest.match_indices('.').find_map(|(i, _)| {
