@@ -570,7 +570,7 @@ fn expect_outputs_names_the_first_diverging_call() -> Result<()> {
         (model.get_parameter("block.1.bias")?.tensor()? + 0.25)?,
     );
     let err = model
-        .expect_outputs(&reference, Tolerance::default(), |m| {
+        .expect_outputs(&reference, Tolerance::for_dtype(DType::F32), |m| {
             m.functional_call(&sd, &x)
         })
         .unwrap_err();
@@ -591,7 +591,9 @@ fn expect_outputs_names_the_first_diverging_call() -> Result<()> {
     // Only the inner layers checked: `block.0` matches, `block.1` is named.
     let inner: Captures = model.capture(&["block.*"], |m| m.call(&x))?.1;
     let err = model
-        .expect_outputs(&inner, Tolerance::default(), |m| m.functional_call(&sd, &x))
+        .expect_outputs(&inner, Tolerance::for_dtype(DType::F32), |m| {
+            m.functional_call(&sd, &x)
+        })
         .unwrap_err();
     assert!(
         matches!(&err, Error::OutputMismatch(d) if d.path == "block.1"),
@@ -606,7 +608,7 @@ fn expect_outputs_reports_shapes_and_calls_that_did_not_happen() -> Result<()> {
     let x = full(1.0, &[2, 3]);
     let (_, reference) = model.capture(&["head"], |m| m.call(&x))?;
     let err = model
-        .expect_outputs(&reference, Tolerance::default(), |m| {
+        .expect_outputs(&reference, Tolerance::for_dtype(DType::F32), |m| {
             m.call(&full(1.0, &[1, 3]))
         })
         .unwrap_err();
@@ -615,7 +617,9 @@ fn expect_outputs_reports_shapes_and_calls_that_did_not_happen() -> Result<()> {
         "{err}"
     );
     let err = model
-        .expect_outputs(&reference, Tolerance::default(), |m| m.block.call(&x))
+        .expect_outputs(&reference, Tolerance::for_dtype(DType::F32), |m| {
+            m.block.call(&x)
+        })
         .unwrap_err();
     assert!(
         matches!(&err, Error::NotRun { pattern, .. } if pattern == "head"),
@@ -643,6 +647,33 @@ fn expected_outputs_can_be_given_by_path() -> Result<()> {
         matches!(&err, Error::OutputMismatch(d) if (d.max_diff - 1e-3).abs() < 1e-5),
         "{err}"
     );
+    Ok(())
+}
+
+/// An honest float32 difference between two frameworks (5e-7 on an output of 0.01, what PyTorch
+/// and candle differ by after rounding) passes the float32 tolerance and fails `torch.allclose`'s.
+#[test]
+fn the_float32_tolerance_accepts_rounding_differences_that_allclose_rejects() -> Result<()> {
+    let dev = Device::Cpu;
+    let layer = Linear::new(1, 1, &dev)?;
+    layer
+        .weight
+        .set(&Tensor::zeros((1, 1), DType::F32, &dev)?)?;
+    layer
+        .bias
+        .as_ref()
+        .unwrap()
+        .set(&Tensor::new(&[0.01f32], &dev)?)?;
+    let model = Sequential::new().add(layer);
+    let x = Tensor::ones((1, 1), DType::F32, &dev)?;
+    let expected: Captures = [("0", Tensor::new(&[[0.0100005f32]], &dev)?)]
+        .into_iter()
+        .collect();
+    model.expect_outputs(&expected, Tolerance::for_dtype(DType::F32), |m| m.call(&x))?;
+    let err = model
+        .expect_outputs(&expected, Tolerance::allclose(), |m| m.call(&x))
+        .unwrap_err();
+    assert!(matches!(err, Error::OutputMismatch(_)), "{err}");
     Ok(())
 }
 

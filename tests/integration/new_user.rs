@@ -19,7 +19,7 @@ fn the_prelude_has_what_the_readme_writes_bare() -> Result<()> {
         assert!(module_runtime::is_grad_enabled());
     }
     assert!(without_grad(|| !module_runtime::is_grad_enabled()));
-    let _ = Tolerance::default();
+    let _ = Tolerance::for_dtype(DType::F32);
     Ok(())
 }
 

@@ -298,6 +298,12 @@ pub trait FunctionalExt: Module + Sized {
     /// in order, with that path's calls in `expected` (typically captured from a reference run with
     /// [`capture`](crate::ModuleExt::capture)), as `torch.allclose` does with `tolerance`.
     ///
+    /// The tolerance is the caller's choice (see [`Tolerance`]): expected outputs from PyTorch
+    /// differ from ours in float32 by rounding, so compare them with
+    /// `Tolerance::for_dtype(DType::F32)` (`torch.testing.assert_close`'s defaults), not
+    /// [`Tolerance::allclose`]; outputs captured from this framework on the same machine with
+    /// [`Tolerance::exact`].
+    ///
     /// Fails with [`Error::OutputMismatch`] naming the first diverging call in call order (the
     /// order the calls started, so a parent before its children) with its largest absolute
     /// difference, and the other diverging paths; with [`Error::NotRun`] when a path of `expected`
@@ -311,12 +317,12 @@ pub trait FunctionalExt: Module + Sized {
     /// let model = Sequential::new().add(Linear::new(3, 3, &dev)?).add(Linear::new(3, 2, &dev)?);
     /// let x = Tensor::ones((1, 3), DType::F32, &dev)?;
     /// let (_, reference) = model.capture(&["0", "1"], |m| m.call(&x))?;
-    /// model.expect_outputs(&reference, Tolerance::default(), |m| m.call(&x))?;
+    /// model.expect_outputs(&reference, Tolerance::for_dtype(DType::F32), |m| m.call(&x))?;
     /// // Change the second layer: the check names it.
     /// let mut tensors = StateDict::new();
     /// tensors.insert("1.bias", Tensor::ones(2, DType::F32, &dev)?);
     /// let err = model
-    ///     .expect_outputs(&reference, Tolerance::default(), |m| m.functional_call(&tensors, &x))
+    ///     .expect_outputs(&reference, Tolerance::for_dtype(DType::F32), |m| m.functional_call(&tensors, &x))
     ///     .unwrap_err();
     /// assert!(matches!(err, Error::OutputMismatch(ref d) if d.path == "1"));
     /// # Ok::<(), module_runtime::Error>(())

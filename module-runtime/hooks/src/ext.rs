@@ -94,6 +94,12 @@ pub trait ModuleExt: Module {
     /// or whose modules none ran ([`Error::NotRun`](module_core::Error::NotRun)), is an error rather
     /// than an empty capture.
     ///
+    /// To check a later run against what was captured, pass the captures to
+    /// [`expect_outputs`](../module_runtime/trait.FunctionalExt.html#method.expect_outputs) with a
+    /// [`Tolerance`](module_core::Tolerance) chosen for the outputs' dtype and origin:
+    /// `Tolerance::for_dtype(DType::F32)` for float32 outputs of PyTorch, `Tolerance::exact()` for
+    /// our own on the same machine.
+    ///
     /// ```
     /// use module_runtime::prelude::*;
     ///

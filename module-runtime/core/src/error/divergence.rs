@@ -1,11 +1,30 @@
 //! The payload of [`Error::OutputMismatch`](crate::Error::OutputMismatch): where a run's outputs
 //! left the expected ones, and the [`Tolerance`] that decided it.
 
-use candle_core::Shape;
+use candle_core::{DType, Shape};
 
 /// How close an output must be to the expected one: `|output - expected| <= atol + rtol *
 /// |expected|` for every element, as `torch.allclose` (NaN is never close, as with its
 /// `equal_nan=False`).
+///
+/// There is no default: which tolerance fits depends on the dtype and on where the expected
+/// values come from. Outputs of another framework (PyTorch's, captured to a file) differ from
+/// ours in float32 by rounding, a few 1e-7, which `torch.allclose`'s defaults
+/// ([`allclose`](Self::allclose), `atol = 1e-8`) reject for small values;
+/// [`for_dtype`](Self::for_dtype) gives `torch.testing.assert_close`'s per-dtype defaults, made
+/// for that comparison. Outputs of this framework on the same machine compare
+/// [`exact`](Self::exact)ly.
+///
+/// ```
+/// use module_runtime::Tolerance;
+/// use candle_core::DType;
+///
+/// let f32_tol = Tolerance::for_dtype(DType::F32);
+/// assert_eq!((f32_tol.atol, f32_tol.rtol), (1e-5, 1.3e-6));
+/// // An honest float32 difference between two frameworks: 5e-7 on a value of 0.01.
+/// assert!(f32_tol.is_close(0.0100005, 0.01));
+/// assert!(!Tolerance::allclose().is_close(0.0100005, 0.01));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Tolerance {
     /// Absolute tolerance.
@@ -24,12 +43,28 @@ impl Tolerance {
     pub fn exact() -> Self {
         Self::new(0.0, 0.0)
     }
-}
 
-impl Default for Tolerance {
     /// `torch.allclose`'s defaults: `atol = 1e-8`, `rtol = 1e-5`.
-    fn default() -> Self {
+    pub fn allclose() -> Self {
         Self::new(1e-8, 1e-5)
+    }
+
+    /// `torch.testing.assert_close`'s defaults for outputs of `dtype`, as `(atol, rtol)`: float32
+    /// `(1e-5, 1.3e-6)`, float64 `(1e-7, 1e-7)`, float16 `(1e-5, 1e-3)`, bfloat16 and the 8-bit
+    /// floats `(1e-5, 1.6e-2)`; integers exactly.
+    pub fn for_dtype(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => Self::new(1e-5, 1.3e-6),
+            DType::F64 => Self::new(1e-7, 1e-7),
+            DType::F16 => Self::new(1e-5, 1e-3),
+            d if d.is_float() => Self::new(1e-5, 1.6e-2),
+            _ => Self::exact(),
+        }
+    }
+
+    /// Whether `value` is close to `expected` (never for NaN).
+    pub fn is_close(&self, value: f64, expected: f64) -> bool {
+        (value - expected).abs() <= self.atol + self.rtol * expected.abs()
     }
 }
 
