@@ -279,10 +279,10 @@ fn dot_text_is_well_formed() -> Result<()> {
         );
         assert!(dot.contains(&format!(" n{} [", e.to)));
     }
-    // Display lists the edges.
-    assert!(g
-        .to_string()
-        .contains("stem: Linear -> block.fc1: Linear [2, 8]"));
+    // Display lists the edges, each node with its id.
+    let (stem, fc1) = (g.node("stem").unwrap().id, g.node("block.fc1").unwrap().id);
+    let line = format!("#{stem} stem: Linear -> #{fc1} block.fc1: Linear [2, 8]");
+    assert!(g.to_string().contains(&line), "{g}");
     Ok(())
 }
 
@@ -332,5 +332,99 @@ fn a_failing_run_returns_its_error() -> Result<()> {
     let net = net()?;
     let bad = Tensor::ones((2, 5), DType::F32, &Device::Cpu)?;
     assert!(net.dataflow(|m| m.call(&bad)).is_err());
+    Ok(())
+}
+
+/// A pre-norm residual block, as `nn.TransformerEncoderLayer(norm_first=True)` writes it:
+/// `x = x + f1(norm1(x)); x = x + f2(norm2(x))`. The first sum is tensor-level work that the
+/// `forward` keeps and also hands to `norm2`.
+#[derive(Module)]
+struct PreNorm {
+    norm1: Linear,
+    f1: Linear,
+    norm2: Linear,
+    f2: Linear,
+}
+
+impl Forward<&Tensor> for PreNorm {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.f1.call(&self.norm1.call(x)?)?)?;
+        Ok((&x + self.f2.call(&self.norm2.call(&x)?)?)?)
+    }
+}
+
+/// Edges are exactly the tensors that flow: the second sum has two inputs, the first sum and
+/// `f2`, and not also what the first sum was made from (the block's input and `f1`).
+#[test]
+fn a_pre_norm_residual_has_exactly_its_two_edges() -> Result<()> {
+    let dev = Device::Cpu;
+    let block = PreNorm {
+        norm1: Linear::new(4, 4, &dev)?,
+        f1: Linear::new(4, 4, &dev)?,
+        norm2: Linear::new(4, 4, &dev)?,
+        f2: Linear::new(4, 4, &dev)?,
+    };
+    let x = Tensor::ones((2, 4), DType::F32, &dev)?;
+    let g = block.dataflow(|m| m.call(&x))?;
+    let ops: Vec<&DataflowNode> = g.nodes_of(NodeKind::Ops).collect();
+    assert_eq!(ops.len(), 2, "{g}");
+    let (first, second) = (ops[0].id, ops[1].id);
+    let from = |id: usize| -> Vec<String> {
+        g.edges_to(id)
+            .map(|e| g.get(e.from).unwrap().label())
+            .collect()
+    };
+    assert_eq!(from(first), ["input 0", "f1: Linear"], "{g}");
+    assert_eq!(from(second), ["ops", "f2: Linear"], "{g}");
+    assert!(g.edges_to(second).any(|e| e.from == first), "{g}");
+    assert_eq!(ops[1].input_shapes.len(), 2);
+    // The first sum feeds `norm2` and the second sum: two edges out.
+    let to: Vec<String> = g
+        .edges_from(first)
+        .map(|e| g.get(e.to).unwrap().label())
+        .collect();
+    assert_eq!(to, ["norm2: Linear", "ops"], "{g}");
+    // The text listing tells the two ops nodes apart by id.
+    let text = g.to_string();
+    assert!(
+        text.contains(&format!("#{first} ops -> #{second} ops [2, 4]")),
+        "{text}"
+    );
+    Ok(())
+}
+
+/// Masked mean pooling over a sequence: `sum(h * mask) / sum(mask)`, the mask handed to the model
+/// as floats. The mask has an edge into the pooling ops, beside the encoder's output.
+#[derive(Module)]
+struct MaskedPool {
+    encoder: Linear,
+}
+
+impl Forward<(&Tensor, &Tensor)> for MaskedPool {
+    type Output = Tensor;
+    fn forward(&self, (x, mask): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let h = self.encoder.call(x)?;
+        let m = mask.unsqueeze(2)?;
+        Ok((h.broadcast_mul(&m)?.sum(1)?.broadcast_div(&m.sum(1)?))?)
+    }
+}
+
+#[test]
+fn a_float_mask_flows_into_masked_pooling() -> Result<()> {
+    let dev = Device::Cpu;
+    let model = MaskedPool {
+        encoder: Linear::new(4, 6, &dev)?,
+    };
+    let x = Tensor::ones((2, 5, 4), DType::F32, &dev)?;
+    let mask = Tensor::new(&[[1f32, 1., 1., 0., 0.], [1., 1., 1., 1., 1.]], &dev)?;
+    let g = model.dataflow(|m| m.call((&x, &mask)))?;
+    let pool = g.nodes_of(NodeKind::Ops).last().unwrap();
+    let mut from: Vec<String> = g
+        .edges_to(pool.id)
+        .map(|e| format!("{} {:?}", g.get(e.from).unwrap().label(), e.shape))
+        .collect();
+    from.sort();
+    assert_eq!(from, ["encoder: Linear [2, 5, 6]", "input 1 [2, 5]"], "{g}");
     Ok(())
 }

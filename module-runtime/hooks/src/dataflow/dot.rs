@@ -177,13 +177,13 @@ impl Dataflow {
     }
 }
 
-/// One line per node, then one per edge: `stem: Linear -> block.fc: Linear [3, 8]`.
+/// One line per edge, each node with its id (two ops nodes of one module differ by it):
+/// `#1 stem: Linear -> #3 block.fc: Linear [3, 8]`.
 impl fmt::Display for Dataflow {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let label = |id: usize| {
-            self.get(id)
-                .map(DataflowNode::label)
-                .unwrap_or_else(|| format!("#{id}"))
+        let label = |id: usize| match self.get(id) {
+            Some(n) => format!("#{id} {}", n.label()),
+            None => format!("#{id}"),
         };
         for e in &self.edges {
             writeln!(

@@ -1,7 +1,7 @@
 //! The dataflow graph of one run: [`ModuleExt::dataflow`](crate::ModuleExt::dataflow) (Ivy's
 //! `show_graph`, PyTorch's torchview/torchviz), exported as Graphviz DOT and rendered through `dot`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{Tensor, TensorId, Var};
@@ -206,6 +206,12 @@ struct Trace {
 ///   floating-point operation directly (`index_select`, `gather`), so dataflow through integer
 ///   arithmetic outside modules is followed by identity only; a tensor made from nothing recorded
 ///   (`Tensor::zeros`, a buffer read) is an ops node without incoming edges.
+/// - A tensor computed from a recorded one both directly and through another recorded tensor
+///   (`h = 2 * x` handed to a call, then `h + x`) gets an edge from the nearer one only (`h`):
+///   candle's record says what a tensor depends on, not through which path.
+/// - candle's walk does not follow `to_dtype` from an integer tensor, so a mask converted to
+///   floats inside a `forward` (`mask.to_dtype(F32)`) has no edge into what it masks; a mask
+///   handed over as floats, or applied with `where_cond`, has.
 /// - A module called through `forward` instead of `call`, or one outside the model's tree, is
 ///   invisible: its work shows up as tensor-level work of its caller.
 /// - Depth counts calls, not path segments: `encoder.layer.0` is called by `encoder` (the `Vec`
@@ -376,11 +382,22 @@ impl Recorder {
     }
 
     /// The port of a tensor no call returned, made in `scope`: walks candle's record back to the
-    /// nearest recorded tensors (the walk stops at variables, and every recorded tensor is one).
+    /// nearest recorded tensors. candle's walk stops at variables (call outputs, and the tensors
+    /// handed to calls as the calls see them), but not at a tensor of tensor-level work that the
+    /// `forward` kept and also handed to a call (a pre-norm residual `x = x + f(norm(x))`, whose
+    /// `x` is added to again): the walk runs on into what that tensor was made from. Whatever is
+    /// reached only through such a recorded tensor is its input, not this tensor's: left out.
     fn untracked(&mut self, t: &Tensor, scope: Option<usize>) -> usize {
+        let walk = t.sorted_nodes();
+        let mut behind: HashSet<TensorId> = HashSet::new();
+        for n in &walk {
+            if n.id() != t.id() && !n.is_variable() && self.by_id.contains_key(&n.id()) {
+                behind.extend(n.sorted_nodes().iter().skip(1).map(|m| m.id()));
+            }
+        }
         let mut frontier: Vec<usize> = Vec::new();
         let mut ops = 0;
-        for n in t.sorted_nodes() {
+        for n in walk.into_iter().filter(|n| !behind.contains(&n.id())) {
             match self.by_id.get(&n.id()) {
                 Some(&p) if !frontier.contains(&p) => frontier.push(p),
                 Some(_) => {}
