@@ -547,18 +547,6 @@ mod forward {
     }
 
     #[test]
-    fn a_dtype_error_names_the_first_layer_it_reaches() {
-        let model = model(None);
-        let x = Tensor::ones((2, 4), DType::F64, &dev()).unwrap();
-        let err = model.call(&x).unwrap_err();
-        assert_eq!(
-            frame(&err),
-            ("encoder.layer.0.intermediate.dense", "Linear".into())
-        );
-        assert!(err.inner().to_string().contains("dtype mismatch"), "{err}");
-    }
-
-    #[test]
     fn shared_modules_sequentials_and_the_root_are_named() {
         let dev = dev();
         // An `Arc` field: its path, whoever else holds the module.
@@ -668,5 +656,67 @@ mod forward {
                 .starts_with("forward of `norm` (LayerNorm) failed: "),
             "{candle}"
         );
+    }
+
+    /// An `f64` batch into an `f32` model: the message names the path, both dtypes and the two
+    /// fixes, in eval mode and in training mode (where `Linear` runs its fused training pass), and
+    /// under `no_grad`.
+    #[test]
+    fn an_input_of_another_dtype_names_both_and_the_fix() {
+        let m = model(None);
+        let x = Tensor::ones((2, 4), DType::F64, &dev()).unwrap();
+        for training in [false, true] {
+            if training {
+                m.train();
+            } else {
+                m.eval();
+            }
+            let err = m.call(&x).unwrap_err();
+            assert_eq!(frame(&err).0, "encoder.layer.0.intermediate.dense", "{err}");
+            assert!(
+                matches!(
+                    err.inner(),
+                    Error::InputDType {
+                        input: DType::F64,
+                        params: DType::F32,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+            let message = err.to_string();
+            assert!(
+                message.contains(
+                    "the input is F64 and the parameters F32: convert the input \
+                     (`x.to_dtype(DType::F32)?`), or the model (`model.to_dtype(DType::F64)?`)"
+                ),
+                "{message}"
+            );
+        }
+        let _guard = no_grad();
+        let err = m.call(&x).unwrap_err();
+        assert!(matches!(err.inner(), Error::InputDType { .. }), "{err:?}");
+    }
+
+    /// A module without parameters has nothing to compare with: candle's error stays as it was.
+    #[test]
+    fn a_dtype_mismatch_without_parameters_stays_candles() {
+        #[derive(Module)]
+        struct AddBias {
+            #[module(skip)]
+            bias: Tensor,
+        }
+        impl Forward<&Tensor> for AddBias {
+            type Output = Tensor;
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                Ok(x.broadcast_add(&self.bias)?)
+            }
+        }
+        let m = AddBias {
+            bias: Tensor::ones(4, DType::F32, &dev()).unwrap(),
+        };
+        let x = Tensor::ones((2, 4), DType::F64, &dev()).unwrap();
+        let err = m.call(&x).unwrap_err();
+        assert!(matches!(err.inner(), Error::Candle(_)), "{err:?}");
     }
 }

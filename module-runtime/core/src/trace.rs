@@ -71,8 +71,57 @@ fn wrap(module: &dyn Module, target: CallTarget, error: Error) -> Error {
         error => Error::Forward {
             path: String::new(),
             module_type: module.type_name(),
-            source: Box::new(error),
+            source: Box::new(explain(module, error)),
             frame: target,
         },
+    }
+}
+
+/// The failing module's own error, made actionable where it is a candle operation between two
+/// dtypes (or devices) of which one is the module's parameters': then the other is the input's.
+fn explain(module: &dyn Module, error: Error) -> Error {
+    use candle_core::Error as E;
+    let Error::Candle(candle) = error else {
+        return error;
+    };
+    let mut inner = &candle;
+    while let E::WithBacktrace { inner: i, .. } | E::Context { inner: i, .. } = inner {
+        inner = i;
+    }
+    let mismatch = match inner {
+        E::DTypeMismatchBinaryOp { lhs, rhs, .. } => Some((Some((*lhs, *rhs)), None)),
+        E::DeviceMismatchBinaryOp { lhs, rhs, .. } => Some((None, Some((*lhs, *rhs)))),
+        _ => None,
+    };
+    let first = crate::names::named_parameters(module, &crate::names::Names::new())
+        .into_iter()
+        .map(|(_, p)| p)
+        .find(|p| p.is_built());
+    let (Some((dtypes, devices)), Some(param)) = (mismatch, first) else {
+        return Error::Candle(candle);
+    };
+    if let Some(input) = dtypes.and_then(|d| other(d, param.dtype())) {
+        return Error::InputDType {
+            input,
+            params: param.dtype(),
+            source: Box::new(candle),
+        };
+    }
+    if let Some(input) = devices.and_then(|d| other(d, param.device().location())) {
+        return Error::InputDevice {
+            input,
+            params: param.device().location(),
+            source: Box::new(candle),
+        };
+    }
+    Error::Candle(candle)
+}
+
+/// Of an operation's two sides, the one that is not `own` (the parameters'): the input's.
+fn other<T: PartialEq>((lhs, rhs): (T, T), own: T) -> Option<T> {
+    match (lhs == own, rhs == own) {
+        (true, false) => Some(rhs),
+        (false, true) => Some(lhs),
+        _ => None,
     }
 }

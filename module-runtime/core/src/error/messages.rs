@@ -1,6 +1,6 @@
 //! What [`Error`]'s messages are made of: the helpers its variants' `#[error]` texts call, a
-//! candle error's message without its backtraces, and the conversions from and to `std::io` and
-//! candle errors.
+//! candle error's message without its backtraces, the conversions from and to `std::io` and
+//! candle errors, and [`Error::inner`].
 
 use candle_core::DeviceLocation;
 
@@ -154,6 +154,36 @@ pub(super) fn at(path: &str) -> String {
         String::new()
     } else {
         format!(" at `{path}`")
+    }
+}
+
+impl Error {
+    /// The error itself, or for an [`Error::Forward`] the error the forward failed with (under
+    /// every `Forward` frame), to match on what went wrong wherever it happened.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::Error;
+    ///
+    /// #[derive(Module)]
+    /// struct Net { fc: Linear }
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { self.fc.call(x) }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(4, 2, &Device::Cpu)? };
+    /// let err = net.call(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?).unwrap_err();
+    /// assert!(matches!(&err, Error::Forward { path, .. } if path == "fc"));
+    /// assert!(matches!(err.inner(), Error::Candle(_)));
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn inner(&self) -> &Error {
+        let mut error = self;
+        while let Error::Forward { source, .. } = error {
+            error = source;
+        }
+        error
     }
 }
 

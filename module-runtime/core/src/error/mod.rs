@@ -423,6 +423,39 @@ pub enum Error {
         message: String,
     },
 
+    /// A module's forward failed on an operation between tensors of two dtypes, one of them its
+    /// parameters': the input has another dtype than the model (an `f64` batch into an `f32`
+    /// model). Found after the failure, so a successful call pays nothing for the check.
+    #[error(
+        "the input is {input:?} and the parameters {params:?}: convert the input \
+         (`x.to_dtype(DType::{params:?})?`), or the model (`model.to_dtype(DType::{input:?})?`)"
+    )]
+    InputDType {
+        /// The input's dtype.
+        input: DType,
+        /// The parameters' dtype.
+        params: DType,
+        /// The operation that failed.
+        #[source]
+        source: Box<candle_core::Error>,
+    },
+
+    /// A module's forward failed on an operation between tensors on two devices, one of them its
+    /// parameters': the input is on another device than the model.
+    #[error(
+        "the input is on {input:?} and the parameters on {params:?}: move the input \
+         (`x.to_device(&device)?`), or the model (`model.to_device(&device)?`)"
+    )]
+    InputDevice {
+        /// The input's device.
+        input: DeviceLocation,
+        /// The parameters' device.
+        params: DeviceLocation,
+        /// The operation that failed.
+        #[source]
+        source: Box<candle_core::Error>,
+    },
+
     /// A layer was called with an input whose shape it does not take.
     #[error("{layer} expects an input of shape {expected}, got {got:?}")]
     InputShape {
@@ -535,36 +568,6 @@ pub enum Error {
         /// How many were given.
         got: usize,
     },
-}
-
-impl Error {
-    /// The error itself, or for an [`Error::Forward`] the error the forward failed with (under
-    /// every `Forward` frame), to match on what went wrong wherever it happened.
-    ///
-    /// ```
-    /// use module_runtime::prelude::*;
-    /// use module_runtime::Error;
-    ///
-    /// #[derive(Module)]
-    /// struct Net { fc: Linear }
-    /// impl Forward<&Tensor> for Net {
-    ///     type Output = Tensor;
-    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { self.fc.call(x) }
-    /// }
-    ///
-    /// let net = Net { fc: Linear::new(4, 2, &Device::Cpu)? };
-    /// let err = net.call(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?).unwrap_err();
-    /// assert!(matches!(&err, Error::Forward { path, .. } if path == "fc"));
-    /// assert!(matches!(err.inner(), Error::Candle(_)));
-    /// # Ok::<(), module_runtime::Error>(())
-    /// ```
-    pub fn inner(&self) -> &Error {
-        let mut error = self;
-        while let Error::Forward { source, .. } = error {
-            error = source;
-        }
-        error
-    }
 }
 
 /// `Result` with this crate's [`Error`].
