@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Dropout, Embedding, LayerNorm, LayerNormConfig, Linear, Softmax, GELU};
 use module_runtime::prelude::*;
 use module_runtime::{Buffer, Error};
@@ -334,24 +335,37 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
     type Output = Tensor;
 
     /// `(hidden [batch, seq, hidden], mask bias [batch, 1, 1, seq])` → `[batch, seq, hidden]`.
+    ///
+    /// Without dropout on the attention weights (evaluation, or `p = 0`) the attention is
+    /// PyTorch's `scaled_dot_product_attention` (`nn::functional`), which during CPU inference
+    /// reads the heads in place and computes each head in one pass; in training the dropout
+    /// module is called on the weights, as Hugging Face's eager attention does.
     fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
         let (batch, seq_len, hidden) = x.dims3()?;
         let head_dim = hidden / self.num_heads;
+        // [batch, heads, seq, head_dim], a view of the projection's [batch, seq, hidden].
         let heads = |t: Tensor| -> Result<Tensor> {
             Ok(t.reshape((batch, seq_len, self.num_heads, head_dim))?
-                .transpose(1, 2)?
-                .contiguous()?)
+                .transpose(1, 2)?)
         };
-        // Scaling the queries (seq × head_dim values per head) is cheaper than scaling the scores.
-        let q = heads((self.query.call(x)? / (head_dim as f64).sqrt())?)?;
-        let k = heads(self.key.call(x)?)?;
-        let v = heads(self.value.call(x)?)?;
-        let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
-        // The runtime's softmax: candle's fused kernel when nothing needs a gradient.
-        let probs = Forward::forward(&Softmax::new(-1), &scores)?;
-        let probs = self.dropout.call(&probs)?;
-        let context = probs.matmul(&v)?.transpose(1, 2)?;
-        Ok(context.reshape((batch, seq_len, hidden))?)
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let context = if !self.dropout.is_training() || self.dropout.p == 0.0 {
+            let q = heads(self.query.call(x)?)?;
+            let k = heads(self.key.call(x)?)?;
+            let v = heads(self.value.call(x)?)?;
+            let options = SdpaOptions::default().scale(scale);
+            scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)?
+        } else {
+            // Scaling the queries (seq × head_dim values per head) is cheaper than the scores.
+            let q = heads((self.query.call(x)? / (head_dim as f64).sqrt())?)?.contiguous()?;
+            let k = heads(self.key.call(x)?)?.contiguous()?;
+            let v = heads(self.value.call(x)?)?.contiguous()?;
+            let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
+            // The runtime's softmax: its fused training pass when a gradient is recorded.
+            let probs = Forward::forward(&Softmax::new(-1), &scores)?;
+            self.dropout.call(&probs)?.matmul(&v)?
+        };
+        Ok(context.transpose(1, 2)?.reshape((batch, seq_len, hidden))?)
     }
 }
 

@@ -77,6 +77,13 @@ pub use recurrent::Recurrent;
 mod common;
 mod fused;
 mod fused_grad;
+mod sdpa;
+
+/// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
+/// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).
+pub mod functional {
+    pub use crate::sdpa::{scaled_dot_product_attention, SdpaOptions};
+}
 
 pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};

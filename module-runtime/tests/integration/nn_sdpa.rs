@@ -1,0 +1,162 @@
+//! `nn::functional::scaled_dot_product_attention` against PyTorch's `F.scaled_dot_product_attention`
+//! (`fixtures/pytorch/nn/sdpa_*.safetensors`, made by `fixtures/make_sdpa_fixtures.py`): the fused
+//! inference pass and the composed path both give PyTorch's output, the composed path PyTorch's
+//! gradients; strided inputs (heads as a view of `[B, L, H, E]`) give the same result as
+//! contiguous ones; bad shapes are typed errors.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor, Var};
+use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
+use module_runtime::nn::without_fusion;
+use module_runtime::{no_grad, Error};
+
+use crate::nn_fixture::assert_close;
+
+fn load(name: &str) -> HashMap<String, Tensor> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fixtures/pytorch/nn")
+        .join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&path, &Device::Cpu).unwrap()
+}
+
+/// The cases of the fixture script, with their arguments.
+fn cases() -> [(&'static str, SdpaOptions); 6] {
+    let o = SdpaOptions::default();
+    [
+        ("sdpa_plain", o),
+        ("sdpa_float_mask_scale", o.scale(0.3)),
+        ("sdpa_bool_mask", o),
+        ("sdpa_causal_rect", o.is_causal(true)),
+        ("sdpa_gqa_causal", o.is_causal(true).enable_gqa(true)),
+        ("sdpa_padding_mask", o),
+    ]
+}
+
+fn mask(fx: &HashMap<String, Tensor>) -> Option<&Tensor> {
+    fx.get("mask").or_else(|| fx.get("mask_u8"))
+}
+
+/// The fused pass (inference) and the composed path (with fusion off) give PyTorch's output.
+#[test]
+fn both_paths_match_pytorchs_output() {
+    for (case, options) in cases() {
+        let fx = load(case);
+        let run = || {
+            scaled_dot_product_attention(&fx["query"], &fx["key"], &fx["value"], mask(&fx), options)
+                .unwrap()
+        };
+        let fused = {
+            let _inference = no_grad();
+            run()
+        };
+        assert_close(&format!("{case} fused"), &fused, &fx["output"]);
+        let composed = without_fusion(run);
+        assert_close(&format!("{case} composed"), &composed, &fx["output"]);
+    }
+}
+
+/// The composed path (taken whenever an input records a gradient) gives PyTorch's gradients.
+#[test]
+fn gradients_match_pytorch() {
+    for (case, options) in cases() {
+        let fx = load(case);
+        let (q, k, v) = (
+            Var::from_tensor(&fx["query"]).unwrap(),
+            Var::from_tensor(&fx["key"]).unwrap(),
+            Var::from_tensor(&fx["value"]).unwrap(),
+        );
+        let y = scaled_dot_product_attention(&q, &k, &v, mask(&fx), options).unwrap();
+        assert_close(&format!("{case} output"), &y, &fx["output"]);
+        let grads = (y * &fx["upstream"])
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (name, var) in [("query", &q), ("key", &k), ("value", &v)] {
+            let g = grads.get(var.as_tensor()).unwrap();
+            assert_close(
+                &format!("{case} grad.{name}"),
+                g,
+                &fx[&format!("grad.{name}")],
+            );
+        }
+    }
+}
+
+/// Heads as a strided view of a `[B, L, H, E]` projection, as attention layers make them: the
+/// fused pass reads them in place, with the same result as from contiguous copies; its output,
+/// transposed back, is contiguous.
+#[test]
+fn strided_heads_read_in_place() {
+    let (fx, options) = (load("sdpa_padding_mask"), SdpaOptions::default());
+    let _inference = no_grad();
+    let view = |t: &Tensor| {
+        t.transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let (q, k, v) = (view(&fx["query"]), view(&fx["key"]), view(&fx["value"]));
+    assert!(!q.is_contiguous());
+    let y = scaled_dot_product_attention(&q, &k, &v, mask(&fx), options).unwrap();
+    assert_close("strided", &y, &fx["output"]);
+    assert!(y.transpose(1, 2).unwrap().is_contiguous());
+}
+
+/// A query that may attend to no key gets NaN on both paths, as PyTorch's composed path gives.
+#[test]
+fn a_fully_masked_query_is_nan_on_both_paths() {
+    let dev = Device::Cpu;
+    let q = Tensor::ones((1, 1, 2, 4), DType::F32, &dev).unwrap();
+    let kv = Tensor::ones((1, 1, 3, 4), DType::F32, &dev).unwrap();
+    let mask = Tensor::new(&[[1u8, 1, 1], [0, 0, 0]], &dev).unwrap();
+    let run = || scaled_dot_product_attention(&q, &kv, &kv, Some(&mask), SdpaOptions::default());
+    for y in [run().unwrap(), without_fusion(run).unwrap()] {
+        let rows: Vec<Vec<f32>> = y.squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+        assert!(rows[0].iter().all(|x| (x - 1.0).abs() < 1e-6), "{rows:?}");
+        assert!(rows[1].iter().all(|x| x.is_nan()), "{rows:?}");
+    }
+}
+
+#[test]
+fn shapes_that_do_not_agree_are_errors_naming_them() {
+    let dev = Device::Cpu;
+    let t = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev).unwrap();
+    let err = |q: &Tensor, k: &Tensor, v: &Tensor, m: Option<&Tensor>, o| {
+        scaled_dot_product_attention(q, k, v, m, o).unwrap_err()
+    };
+    let e = err(
+        &t(&[2, 4, 5, 8]),
+        &t(&[2, 2, 5, 8]),
+        &t(&[2, 2, 5, 8]),
+        None,
+        SdpaOptions::default(),
+    );
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e}");
+    assert!(e.to_string().contains("set enable_gqa"), "{e}");
+    let e = err(
+        &t(&[2, 4, 5, 8]),
+        &t(&[2, 4, 5, 6]),
+        &t(&[2, 4, 5, 8]),
+        None,
+        SdpaOptions::default(),
+    );
+    assert!(e.to_string().contains("[2, 4, 5, 6]"), "{e}");
+    let e = err(
+        &t(&[2, 4, 5, 8]),
+        &t(&[2, 4, 5, 8]),
+        &t(&[2, 4, 5, 8]),
+        Some(&t(&[3, 1, 1, 5])),
+        SdpaOptions::default(),
+    );
+    assert!(
+        e.to_string()
+            .contains("[3, 1, 1, 5] does not broadcast to [B, Hq, L, S] = [2, 4, 5, 5]"),
+        "{e}"
+    );
+}
