@@ -15,8 +15,20 @@
 //! model's own values; issue 15's target: within 5% of the plain call); one batch of 32 sentences
 //! of 25 tokens, as in DESIGN.md §6. The checkpoint comes from `MINILM_DIR` or
 //! `../shared/models/all-MiniLM-L6-v2`.
+//!
+//! With `PYTORCH` set (a Python with torch and transformers), every round also runs PyTorch's side,
+//! `../shared/perf/pytorch_minilm_bench.py` (or `$PYTORCH_MINILM_BENCH`): transformers' `BertModel`
+//! on the same checkpoint, `eval()` under `torch.no_grad()`, 2 threads, the same batch shape,
+//! `PYTORCH_REPS` (default 5) timed forwards per round after its own warm-up. Its line is the
+//! median of the rounds' medians:
+//!
+//! ```text
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p minilm --bench interleaved -- 20
+//! ```
 
 use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use minilm::bert::{BertConfig, BertModel};
@@ -97,12 +109,44 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             .to_scalar::<f32>()?;
         assert!(diff < 1e-4, "{name} differs from the peer by {diff}");
     }
+    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
+    let script = std::env::var_os("PYTORCH_MINILM_BENCH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/perf/pytorch_minilm_bench.py")
+        });
+    let reps = std::env::var("PYTORCH_REPS").unwrap_or_else(|_| "5".to_owned());
+    let mut torch_medians: Vec<f64> = Vec::new();
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); variants.len()];
     for _ in 0..rounds {
         for ((_, run), times) in variants.iter().zip(&mut times) {
             let start = Instant::now();
             black_box(run()?);
             times.push(start.elapsed());
+        }
+        if let Some(python) = &pytorch {
+            let out = Command::new(python)
+                .arg(&script)
+                .arg(&dir)
+                .args([BATCH.to_string(), SEQ.to_string(), reps.clone()])
+                .output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            // `forward 32x25: median 180.1 ms = 178 sentences/s (…)`
+            let median = text.lines().find_map(|l| {
+                l.split_once(": median ")?
+                    .1
+                    .split_once(" ms")?
+                    .0
+                    .parse()
+                    .ok()
+            });
+            match median {
+                Some(ms) => torch_medians.push(ms),
+                None => eprintln!(
+                    "pytorch: no result: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            }
         }
     }
     let medians: Vec<f64> = times
@@ -122,6 +166,21 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             t[t.len() - 1].as_secs_f64() * 1e3,
             medians[0] / median,
         );
+    }
+    if !torch_medians.is_empty() {
+        torch_medians.sort_by(f64::total_cmp);
+        let median = torch_medians[torch_medians.len() / 2] / 1e3;
+        println!(
+            "{:<30} median {:7.1} ms = {:5.0} sentences/s (min of the rounds' medians {:6.1} ms); {:.2} x the peer's throughput",
+            "pytorch_eval_no_grad",
+            median * 1e3,
+            BATCH as f64 / median,
+            torch_medians[0],
+            medians[0] / median,
+        );
+        for ((name, _), ours) in variants.iter().zip(&medians).skip(1) {
+            println!("{name:<30} {:.2} x PyTorch's throughput", median / ours);
+        }
     }
     Ok(())
 }
