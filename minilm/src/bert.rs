@@ -353,7 +353,10 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
             let q = heads(self.query.call(x)?)?;
             let k = heads(self.key.call(x)?)?;
             let v = heads(self.value.call(x)?)?;
-            let options = SdpaOptions::default().scale(scale);
+            let options = SdpaOptions {
+                scale: Some(scale),
+                ..Default::default()
+            };
             scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)?
         } else {
             // Scaling the queries (seq × head_dim values per head) is cheaper than the scores.

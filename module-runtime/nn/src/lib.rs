@@ -120,10 +120,17 @@ mod group_norm;
 mod layer_norm;
 pub mod loss;
 mod pool;
+// Pooling to an output size; instance and local response norms.
+mod adaptive_pool;
+mod instance_norm;
 
 pub use activation::{
     Activation, ActivationPath, GELUPath, GeluApproximation, LogSoftmax, LogSoftmaxPath, ReLU,
     ReLUPath, SiLU, SiLUPath, Sigmoid, SigmoidPath, Softmax, SoftmaxPath, Tanh, TanhPath, GELU,
+};
+pub use adaptive_pool::{
+    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, AdaptivePool,
+    AdaptiveReduction, OutputSize,
 };
 pub use batch_norm::{
     BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, BatchNormPath, LazyBatchNorm,
@@ -136,6 +143,9 @@ pub use conv::{
 pub use dropout::{Dropout, DropoutPath};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingPath};
 pub use group_norm::{GroupNorm, GroupNormConfig, GroupNormPath};
+pub use instance_norm::{
+    InstanceNorm, InstanceNorm1d, InstanceNorm2d, InstanceNormConfig, LocalResponseNorm,
+};
 pub use layer_norm::{
     LayerNorm, LayerNormConfig, LayerNormPath, LazyLayerNorm, LazyLayerNormPath, RmsNorm,
     RmsNormConfig, RmsNormPath,
@@ -252,6 +262,12 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<LstmCell>(), "LSTMCell"),
         (type_name::<GruCell>(), "GRUCell"),
         (type_name::<RmsNorm>(), "RMSNorm"),
+        (type_name::<AdaptiveAvgPool1d>(), "AdaptiveAvgPool1d"),
+        (type_name::<AdaptiveAvgPool2d>(), "AdaptiveAvgPool2d"),
+        (type_name::<AdaptiveMaxPool1d>(), "AdaptiveMaxPool1d"),
+        (type_name::<AdaptiveMaxPool2d>(), "AdaptiveMaxPool2d"),
+        (type_name::<InstanceNorm1d>(), "InstanceNorm1d"),
+        (type_name::<InstanceNorm2d>(), "InstanceNorm2d"),
     ];
     layers
         .into_iter()

@@ -10,7 +10,8 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::{Forward, Softmax};
 
-/// The options of [`scaled_dot_product_attention`] besides the mask, with PyTorch's defaults.
+/// The options of [`scaled_dot_product_attention`] besides the mask, with PyTorch's defaults
+/// (`SdpaOptions { is_causal: true, ..Default::default() }`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SdpaOptions {
     /// Dropout on the attention weights (`dropout_p`, default 0). Applied whenever it is above
@@ -25,32 +26,6 @@ pub struct SdpaOptions {
     /// Grouped-query attention (`enable_gqa`): the query heads `Hq` are a multiple of the key and
     /// value heads `H`, and query head `h` attends with key and value head `h / (Hq / H)`.
     pub enable_gqa: bool,
-}
-
-impl SdpaOptions {
-    /// Sets `dropout_p`.
-    pub fn dropout_p(mut self, p: f64) -> Self {
-        self.dropout_p = p;
-        self
-    }
-
-    /// Sets `is_causal`.
-    pub fn is_causal(mut self, causal: bool) -> Self {
-        self.is_causal = causal;
-        self
-    }
-
-    /// Sets `scale`.
-    pub fn scale(mut self, scale: f64) -> Self {
-        self.scale = Some(scale);
-        self
-    }
-
-    /// Sets `enable_gqa`.
-    pub fn enable_gqa(mut self, gqa: bool) -> Self {
-        self.enable_gqa = gqa;
-        self
-    }
 }
 
 /// PyTorch's `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
@@ -75,7 +50,7 @@ impl SdpaOptions {
 /// let q = Tensor::randn(0f32, 1.0, (2, 4, 5, 8), &dev)?; // [B, Hq, L, E]
 /// let k = Tensor::randn(0f32, 1.0, (2, 2, 5, 8), &dev)?; // two key/value heads
 /// let v = Tensor::randn(0f32, 1.0, (2, 2, 5, 8), &dev)?;
-/// let options = SdpaOptions::default().is_causal(true).enable_gqa(true);
+/// let options = SdpaOptions { is_causal: true, enable_gqa: true, ..Default::default() };
 /// let out = scaled_dot_product_attention(&q, &k, &v, None, options)?;
 /// assert_eq!(out.dims(), [2, 4, 5, 8]);
 /// # Ok::<(), module_runtime::Error>(())

@@ -24,12 +24,28 @@ fn load(name: &str) -> HashMap<String, Tensor> {
 /// The cases of the fixture script, with their arguments.
 fn cases() -> [(&'static str, SdpaOptions); 6] {
     let o = SdpaOptions::default();
+    let causal = SdpaOptions {
+        is_causal: true,
+        ..o
+    };
     [
         ("sdpa_plain", o),
-        ("sdpa_float_mask_scale", o.scale(0.3)),
+        (
+            "sdpa_float_mask_scale",
+            SdpaOptions {
+                scale: Some(0.3),
+                ..o
+            },
+        ),
         ("sdpa_bool_mask", o),
-        ("sdpa_causal_rect", o.is_causal(true)),
-        ("sdpa_gqa_causal", o.is_causal(true).enable_gqa(true)),
+        ("sdpa_causal_rect", causal),
+        (
+            "sdpa_gqa_causal",
+            SdpaOptions {
+                enable_gqa: true,
+                ..causal
+            },
+        ),
         ("sdpa_padding_mask", o),
     ]
 }

@@ -1,0 +1,160 @@
+//! Adaptive pooling, instance norm and local response norm (issue 29) against the fixtures of
+//! `fixtures/make_nn_fixtures.py`: forward, input gradients and parameter gradients; their
+//! PyTorch names, state-dict keys and errors.
+
+use candle_core::{DType, Device, Tensor};
+use module_runtime::nn::{
+    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, InstanceNorm1d,
+    InstanceNorm2d, InstanceNormConfig, LocalResponseNorm,
+};
+use module_runtime::{short_type_name, Error, Module, ModuleExt};
+
+use crate::nn_fixture::check_unary;
+
+#[test]
+fn adaptive_pools_match_pytorch() {
+    check_unary("adaptive_avg_pool1d", &AdaptiveAvgPool1d::new(3));
+    check_unary("adaptive_avg_pool2d", &AdaptiveAvgPool2d::new((3, 4)));
+    check_unary(
+        "adaptive_avg_pool2d_none",
+        &AdaptiveAvgPool2d::new((None, Some(2))),
+    );
+    check_unary("adaptive_avg_pool2d_global", &AdaptiveAvgPool2d::new(1));
+    check_unary("adaptive_max_pool1d", &AdaptiveMaxPool1d::new(4));
+    check_unary("adaptive_max_pool2d", &AdaptiveMaxPool2d::new((2, 3)));
+    check_unary("adaptive_max_pool2d_unbatched", &AdaptiveMaxPool2d::new(3));
+}
+
+#[test]
+fn instance_norms_match_pytorch() {
+    let dev = Device::Cpu;
+    check_unary("instance_norm1d", &InstanceNorm1d::new(4, &dev).unwrap());
+    let affine = InstanceNormConfig {
+        affine: true,
+        ..Default::default()
+    };
+    check_unary(
+        "instance_norm2d_affine",
+        &InstanceNorm2d::with_config(3, affine, &dev).unwrap(),
+    );
+    let tracked = InstanceNormConfig {
+        track_running_stats: true,
+        ..affine
+    };
+    let train = InstanceNorm2d::with_config(3, tracked, &dev).unwrap();
+    check_unary("instance_norm2d_tracked_train", &train);
+    let eval = InstanceNorm2d::with_config(
+        3,
+        InstanceNormConfig {
+            track_running_stats: true,
+            ..Default::default()
+        },
+        &dev,
+    )
+    .unwrap();
+    eval.eval();
+    check_unary("instance_norm2d_tracked_eval", &eval);
+}
+
+/// In training, the running statistics move towards the batch's mean of the instances' own
+/// statistics (PyTorch: `F.instance_norm` through `batch_norm` over `N * C` channels, then
+/// averaged); `num_batches_tracked` is kept but not counted.
+#[test]
+fn instance_norm_running_statistics_follow_pytorch() {
+    let dev = Device::Cpu;
+    let config = InstanceNormConfig {
+        track_running_stats: true,
+        ..Default::default()
+    };
+    let norm = InstanceNorm1d::with_config(2, config, &dev).unwrap();
+    // Instances (n, c): [0, 2], [1, 3] / [4, 8], [5, 9]: means 1, 2 / 6, 7; unbiased vars 2, 2 / 8, 8.
+    let x = Tensor::new(&[[[0f32, 2.], [1., 3.]], [[4., 8.], [5., 9.]]], &dev).unwrap();
+    norm.call(&x).unwrap();
+    let mean: Vec<f32> = norm
+        .running_mean
+        .as_ref()
+        .unwrap()
+        .tensor()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let var: Vec<f32> = norm
+        .running_var
+        .as_ref()
+        .unwrap()
+        .tensor()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    // 0.9 * 0 + 0.1 * mean over the batch: (1 + 6) / 2 = 3.5 and (2 + 7) / 2 = 4.5.
+    assert!(
+        (mean[0] - 0.35).abs() < 1e-6 && (mean[1] - 0.45).abs() < 1e-6,
+        "{mean:?}"
+    );
+    // 0.9 * 1 + 0.1 * (2 + 8) / 2.
+    assert!(
+        (var[0] - 1.4).abs() < 1e-6 && (var[1] - 1.4).abs() < 1e-6,
+        "{var:?}"
+    );
+    let count = norm.num_batches_tracked.as_ref().unwrap().tensor().unwrap();
+    assert_eq!(count.to_scalar::<i64>().unwrap(), 0);
+    let keys: Vec<String> = norm
+        .state_dict()
+        .unwrap()
+        .keys()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(keys, ["running_mean", "running_var", "num_batches_tracked"]);
+}
+
+#[test]
+fn local_response_norms_match_pytorch() {
+    check_unary("local_response_norm", &LocalResponseNorm::new(3));
+    check_unary(
+        "local_response_norm_even",
+        &LocalResponseNorm::with_params(4, 1e-2, 0.5, 2.0),
+    );
+}
+
+#[test]
+fn names_and_errors() {
+    let dev = Device::Cpu;
+    assert_eq!(
+        short_type_name(AdaptiveAvgPool2d::new(1).type_name()),
+        "AdaptiveAvgPool2d"
+    );
+    assert_eq!(
+        short_type_name(AdaptiveMaxPool1d::new(1).type_name()),
+        "AdaptiveMaxPool1d"
+    );
+    let norm = InstanceNorm2d::new(3, &dev).unwrap();
+    assert_eq!(short_type_name(norm.type_name()), "InstanceNorm2d");
+    let x = Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap();
+    let err = AdaptiveAvgPool2d::new(2)
+        .call(&x.unsqueeze(0).unwrap().unsqueeze(0).unwrap())
+        .unwrap_err();
+    assert!(matches!(err.inner(), Error::InputShape { .. }), "{err}");
+    assert!(err.to_string().contains("AdaptiveAvgPool2d"), "{err}");
+    let affine = InstanceNorm1d::with_config(
+        4,
+        InstanceNormConfig {
+            affine: true,
+            ..Default::default()
+        },
+        &dev,
+    )
+    .unwrap();
+    let err = affine.call(&x).unwrap_err();
+    assert!(err.to_string().contains("[N, 4, L] or [4, L]"), "{err}");
+    // Without affine parameters or statistics, any number of channels (PyTorch warns).
+    assert_eq!(
+        InstanceNorm1d::new(4, &dev)
+            .unwrap()
+            .call(&x)
+            .unwrap()
+            .dims(),
+        [2, 3, 4]
+    );
+    let err = LocalResponseNorm::new(2).call(&Tensor::zeros((2, 3), DType::F32, &dev).unwrap());
+    assert!(err.is_err());
+}
