@@ -123,6 +123,7 @@ mod pool;
 // Pooling to an output size; instance and local response norms.
 mod adaptive_pool;
 mod instance_norm;
+mod pool1d;
 
 pub use activation::{
     Activation, ActivationPath, GELUPath, GeluApproximation, LogSoftmax, LogSoftmaxPath, ReLU,
@@ -151,6 +152,7 @@ pub use layer_norm::{
     RmsNormConfig, RmsNormPath,
 };
 pub use pool::{Avg, AvgPool2d, Max, MaxPool2d, Pool2d, Pool2dConfig, Pool2dPath, Reduction};
+pub use pool1d::{AvgPool1d, LPPool1d, LPPool2d, LpPool, MaxPool1d, Pool1d, Pool1dConfig};
 
 // PyTorch's channel and alpha dropouts.
 mod dropout_variants;
@@ -268,6 +270,10 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<AdaptiveMaxPool2d>(), "AdaptiveMaxPool2d"),
         (type_name::<InstanceNorm1d>(), "InstanceNorm1d"),
         (type_name::<InstanceNorm2d>(), "InstanceNorm2d"),
+        (type_name::<MaxPool1d>(), "MaxPool1d"),
+        (type_name::<AvgPool1d>(), "AvgPool1d"),
+        (type_name::<LPPool1d>(), "LPPool1d"),
+        (type_name::<LPPool2d>(), "LPPool2d"),
     ];
     layers
         .into_iter()

@@ -4,8 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, InstanceNorm1d,
-    InstanceNorm2d, InstanceNormConfig, LocalResponseNorm,
+    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, AvgPool1d,
+    InstanceNorm1d, InstanceNorm2d, InstanceNormConfig, LPPool1d, LPPool2d, LocalResponseNorm,
+    MaxPool1d, Pool1dConfig,
 };
 use module_runtime::{short_type_name, Error, Module, ModuleExt};
 
@@ -23,6 +24,57 @@ fn adaptive_pools_match_pytorch() {
     check_unary("adaptive_max_pool1d", &AdaptiveMaxPool1d::new(4));
     check_unary("adaptive_max_pool2d", &AdaptiveMaxPool2d::new((2, 3)));
     check_unary("adaptive_max_pool2d_unbatched", &AdaptiveMaxPool2d::new(3));
+}
+
+#[test]
+fn pools_1d_and_lp_pools_match_pytorch() {
+    let config = |stride, padding| Pool1dConfig {
+        stride: Some(stride),
+        padding,
+        ..Default::default()
+    };
+    check_unary("max_pool1d", &MaxPool1d::with_config(3, config(2, 1)));
+    let dilated = Pool1dConfig {
+        dilation: 2,
+        ceil_mode: true,
+        ..config(2, 0)
+    };
+    check_unary(
+        "max_pool1d_dilation_ceil",
+        &MaxPool1d::with_config(2, dilated),
+    );
+    let avg = Pool1dConfig {
+        ceil_mode: true,
+        count_include_pad: false,
+        ..config(2, 1)
+    };
+    check_unary("avg_pool1d", &AvgPool1d::with_config(3, avg));
+    check_unary("avg_pool1d_unbatched", &AvgPool1d::new(2));
+    let lp1 = LPPool1d {
+        norm_type: 2.0,
+        kernel_size: [3],
+        stride: [2],
+        ceil_mode: false,
+    };
+    check_unary("lp_pool1d", &lp1);
+    check_unary("lp_pool2d", &LPPool2d::new(4.0, 2));
+    // Errors name the 1-D layer and the 1-D shapes.
+    let x = Tensor::zeros((1, 2, 2), DType::F32, &Device::Cpu).unwrap();
+    let err = MaxPool1d::new(3).call(&x).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("MaxPool1d expects an input of shape [N, C, L]"),
+        "{err}"
+    );
+    let err = AvgPool1d::with_config(2, config(1, 2))
+        .call(&x)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("invalid configuration for AvgPool1d"),
+        "{err}"
+    );
+    assert_eq!(short_type_name(lp1.type_name()), "LPPool1d");
 }
 
 #[test]
