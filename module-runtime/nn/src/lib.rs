@@ -222,6 +222,17 @@ pub use loss_regression::{
     MSELoss, MSELossPath, SmoothL1Loss, SmoothL1LossPath,
 };
 
+// PyTorch's Transformer blocks (issue 29).
+mod transformer;
+
+pub use transformer::{
+    generate_square_subsequent_mask, DecoderInput, EncoderInput, Transformer,
+    TransformerActivation, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
+    TransformerDecoderLayerPath, TransformerEncoder, TransformerEncoderLayer,
+    TransformerEncoderLayerPath, TransformerInput, TransformerLayerConfig, TransformerPath,
+    TransformerStack, TransformerStackPath,
+};
+
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is. The core's `short_type_name` (summaries, `Debug`, type errors) reads
 /// them from a table of strings, since it cannot name this crate; the test below holds the two
@@ -245,6 +256,8 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<LstmCell>(), "LSTMCell"),
         (type_name::<GruCell>(), "GRUCell"),
         (type_name::<RmsNorm>(), "RMSNorm"),
+        (type_name::<TransformerEncoder>(), "TransformerEncoder"),
+        (type_name::<TransformerDecoder>(), "TransformerDecoder"),
     ];
     layers
         .into_iter()
