@@ -222,6 +222,13 @@ pub use loss_regression::{
     MSELoss, MSELossPath, SmoothL1Loss, SmoothL1LossPath,
 };
 
+// Bags of embeddings (issue 29).
+mod embedding_bag;
+
+pub use embedding_bag::{
+    BagInput, EmbeddingBag, EmbeddingBagConfig, EmbeddingBagMode, EmbeddingBagPath,
+};
+
 // PyTorch's Transformer blocks (issue 29).
 mod transformer;
 

@@ -4,6 +4,7 @@
 mod conv_options;
 mod nn_activations;
 mod nn_dropout;
+mod nn_embedding;
 mod nn_fixture;
 mod nn_losses;
 mod nn_shape;
