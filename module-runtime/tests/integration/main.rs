@@ -9,6 +9,7 @@ mod nn_fixture;
 mod nn_losses;
 mod nn_shape;
 mod nn_transformer;
+mod nn_transformer_classifier;
 mod nn_upsample;
 mod pool_options;
 mod pth_files;
