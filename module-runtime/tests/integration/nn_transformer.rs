@@ -136,6 +136,20 @@ fn encoder_stack_pre_norm_with_final_norm_and_padding() {
     let w1 = encoder.layers[1].linear1.weight.tensor().unwrap();
     assert_ne!(w0.id(), w1.id());
     assert!(encoder.state_dict().unwrap().contains_key("norm.weight"));
+    // Typed paths, and PyTorch's class name in summaries.
+    let path = TransformerEncoder::path()
+        .layers()
+        .at(1)
+        .self_attn()
+        .in_proj_weight();
+    assert_eq!(path.to_string(), "layers.1.self_attn.in_proj_weight");
+    assert!(encoder
+        .get(TransformerEncoder::path().layers().at(1).linear1())
+        .is_some());
+    assert_eq!(
+        module_runtime::short_type_name(std::any::type_name::<TransformerEncoder>()),
+        "TransformerEncoder"
+    );
     check(
         "transformer_encoder_pre_norm",
         &encoder,
@@ -350,4 +364,25 @@ fn transformer_refuses_mismatched_batches_and_widths() {
     let tgt = Tensor::zeros((2, 4, 6), DType::F32, &Device::Cpu).unwrap();
     let err = model.call(TransformerInput::new(&src, &tgt)).unwrap_err();
     assert!(err.to_string().contains("d_model = 8"), "{err}");
+}
+
+/// In training mode the layer's dropouts are active (two calls differ), in evaluation mode they
+/// are the identity (two calls agree), for the layer and every copy in a stack.
+#[test]
+fn dropout_follows_the_train_and_eval_modes() {
+    let layer = TransformerEncoderLayer::with_config(D, H, config(), &Device::Cpu).unwrap();
+    let encoder = TransformerEncoder::new(&layer, 2, None).unwrap();
+    let x = Tensor::randn(0f32, 1., (5, 3, D), &Device::Cpu).unwrap();
+    let differ = |a: Tensor, b: Tensor| -> bool {
+        let d = (a - b).unwrap().abs().unwrap().sum_all().unwrap();
+        d.to_scalar::<f32>().unwrap() > 0.0
+    };
+    assert!(encoder.is_training());
+    assert!(differ(encoder.call(&x).unwrap(), encoder.call(&x).unwrap()));
+    encoder.eval();
+    assert!(encoder.layers.iter().all(|l| !l.is_training()));
+    assert!(!differ(
+        encoder.call(&x).unwrap(),
+        encoder.call(&x).unwrap()
+    ));
 }
