@@ -11,7 +11,7 @@ use module_runtime::nn::{
     TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer, TransformerInput,
     TransformerLayerConfig,
 };
-use module_runtime::{Error, ModuleExt};
+use module_runtime::{without_grad, Error, ModuleExt};
 
 use crate::nn_fixture::check;
 
@@ -64,6 +64,41 @@ fn encoder_layer_post_norm_with_key_padding_mask() {
         &["src", "src_key_padding_mask"],
         |t| layer.call(EncoderInput::new(&t[0]).src_key_padding_mask(&t[1])),
     );
+}
+
+/// The fused inference passes (no graph: `Linear::call_then`, `LayerNorm::call_residual`) give
+/// what the differentiable path gives, post-norm and pre-norm, encoder and decoder.
+#[test]
+fn inference_without_a_graph_matches_the_differentiable_path() {
+    let dev = Device::Cpu;
+    for norm_first in [false, true] {
+        for activation in [TransformerActivation::relu(), TransformerActivation::gelu()] {
+            let config = TransformerLayerConfig {
+                norm_first,
+                activation,
+                ..config()
+            };
+            let encoder = encoder_layer(config.clone());
+            let decoder = decoder_layer(config);
+            let x = Tensor::randn(0f32, 1., (5, 3, D), &dev).unwrap();
+            let memory = Tensor::randn(0f32, 1., (4, 3, D), &dev).unwrap();
+            let input = || DecoderInput::new(&x, &memory).tgt_is_causal(true);
+            let pairs = [
+                (
+                    encoder.call(&x).unwrap(),
+                    without_grad(|| encoder.call(&x)).unwrap(),
+                ),
+                (
+                    decoder.call(input()).unwrap(),
+                    without_grad(|| decoder.call(input())).unwrap(),
+                ),
+            ];
+            for (graph, fused) in pairs {
+                assert!(graph.track_op() && !fused.track_op());
+                crate::nn_fixture::assert_close("fused vs graph", &fused, &graph);
+            }
+        }
+    }
 }
 
 #[test]

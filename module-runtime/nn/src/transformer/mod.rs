@@ -4,16 +4,18 @@
 //! `layers.0.linear1.weight`, `layers.0.norm1.weight`, …), built on [`MultiheadAttention`],
 //! [`Linear`], [`LayerNorm`] and [`Dropout`].
 //!
-//! Shared here: the layers' configuration ([`TransformerLayerConfig`]), their feed-forward
-//! activation ([`TransformerActivation`]), the causal mask ([`generate_square_subsequent_mask`]) and
-//! the copying of a layer into a stack.
+//! Shared here: the layers' configuration ([`TransformerLayerConfig`]), their feed-forward block
+//! and its activation ([`TransformerActivation`]), the causal mask
+//! ([`generate_square_subsequent_mask`]), and the macros that give the calls' inputs
+//! ([`EncoderInput`], [`DecoderInput`], [`TransformerInput`]) their builder methods and hook
+//! traversal. The stacks are in `stack.rs`.
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::typed_path::{HasPath, Path, PathKind};
+use crate::Module;
 use crate::{Dropout, Forward, Functional, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use crate::{Module, Param};
 use crate::{ModuleExt, MultiheadAttention, MultiheadAttentionConfig, ReLU, GELU};
 
 /// `TensorStruct` for a call's input: its tensors, then its masks that are present, in the order
@@ -252,7 +254,9 @@ fn layer_norm(d: usize, eps: f64, bias: bool, dtype: DType, device: &Device) -> 
     LayerNorm::with_config(d, config, device)
 }
 
-/// The feed-forward block both layers share: `linear2(dropout(activation(linear1(x))))`.
+/// The feed-forward block both layers share: `linear2(dropout(activation(linear1(x))))`, the
+/// first linear layer and a ReLU or GELU in one pass where the fused inference pass applies
+/// ([`Linear::call_then`]).
 fn feed_forward(
     linear1: &Linear,
     activation: &TransformerActivation,
@@ -260,7 +264,11 @@ fn feed_forward(
     linear2: &Linear,
     x: &Tensor,
 ) -> Result<Tensor> {
-    let h = activation.call(&linear1.call(x)?)?;
+    let h = match activation {
+        TransformerActivation::Relu(f) => linear1.call_then(x, f)?,
+        TransformerActivation::Gelu(f) => linear1.call_then(x, f)?,
+        TransformerActivation::Custom(f) => f.call(&linear1.call(x)?)?,
+    };
     linear2.call(&dropout.call(&h)?)
 }
 
@@ -316,7 +324,6 @@ fn seq_len(x: &Tensor, batch_first: bool) -> Result<usize> {
 /// PyTorch's `nn.Transformer._reset_parameters`: Xavier-uniform for every parameter of rank > 1.
 fn xavier_reset(module: &dyn Module) -> Result<()> {
     for (_, p) in module.named_parameters() {
-        let p: Param = p;
         if let [fan_out, fan_in] = *p.shape().dims() {
             let bound = (6.0 / (fan_in + fan_out) as f64).sqrt();
             let device = p.device();
