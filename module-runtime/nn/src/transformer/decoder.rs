@@ -3,9 +3,10 @@
 use candle_core::{Device, Tensor};
 
 use super::TransformerLayerConfig;
-use super::{feed_forward, resolve_mask, seq_len, TransformerActivation, TransformerDecoder};
+use super::{attention_block, feed_forward, resolve_mask, seq_len};
+use super::{TransformerActivation, TransformerDecoder};
 use crate::error::Result;
-use crate::{AttentionInput, Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
+use crate::{Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
 use crate::{Module, ModuleExt};
 
 /// The arguments of a [`TransformerDecoderLayer`] or [`TransformerDecoder`] call: PyTorch's
@@ -145,12 +146,15 @@ impl TransformerDecoderLayer {
         device: &Device,
     ) -> Result<Self> {
         config.check("TransformerDecoderLayer")?;
+        let attention = || config.attention(d_model, nhead, device);
+        let (self_attn, multihead_attn) = (attention()?, attention()?);
+        let (linear1, dropout, linear2) = config.feed_forward(d_model, device)?;
         Ok(Self {
-            self_attn: config.attention(d_model, nhead, device)?,
-            multihead_attn: config.attention(d_model, nhead, device)?,
-            linear1: config.linear(d_model, config.dim_feedforward, device)?,
-            dropout: Dropout::new(config.dropout),
-            linear2: config.linear(config.dim_feedforward, d_model, device)?,
+            self_attn,
+            multihead_attn,
+            linear1,
+            dropout,
+            linear2,
             norm1: config.norm(d_model, device)?,
             norm2: config.norm(d_model, device)?,
             norm3: config.norm(d_model, device)?,
@@ -172,31 +176,36 @@ impl TransformerDecoderLayer {
         self.self_attn.batch_first()
     }
 
+    /// `dropout1(self_attn(x, x, x))` with the target's masks.
     fn sa_block(&self, x: &Tensor, input: &DecoderInput) -> Result<Tensor> {
-        let mut call = AttentionInput::self_attention(x).need_weights(false);
-        call.attn_mask = input.tgt_mask.as_ref();
-        call.key_padding_mask = input.tgt_key_padding_mask.as_ref();
-        self.dropout1.call(&self.self_attn.call(call)?.0)
+        let masks = (&input.tgt_mask, &input.tgt_key_padding_mask);
+        attention_block(&self.self_attn, &self.dropout1, x, x, masks_of(masks))
     }
 
+    /// `dropout2(multihead_attn(x, memory, memory))` with the memory's masks.
     fn mha_block(&self, x: &Tensor, input: &DecoderInput) -> Result<Tensor> {
-        let memory = &input.memory;
-        let mut call = AttentionInput::new(x, memory, memory).need_weights(false);
-        call.attn_mask = input.memory_mask.as_ref();
-        call.key_padding_mask = input.memory_key_padding_mask.as_ref();
-        self.dropout2.call(&self.multihead_attn.call(call)?.0)
+        let masks = (&input.memory_mask, &input.memory_key_padding_mask);
+        let (attention, memory) = (&self.multihead_attn, &input.memory);
+        attention_block(attention, &self.dropout2, x, memory, masks_of(masks))
     }
 
+    /// `dropout3(linear2(dropout(activation(linear1(x)))))`.
     fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
-        let y = feed_forward(
-            &self.linear1,
+        let dropouts = [&self.dropout, &self.dropout3];
+        feed_forward(
+            [&self.linear1, &self.linear2],
             &self.activation,
-            &self.dropout,
-            &self.linear2,
+            dropouts,
             x,
-        )?;
-        self.dropout3.call(&y)
+        )
     }
+}
+
+/// The borrowed form of an attention mask and key padding mask.
+fn masks_of<'a>(
+    (mask, padding): (&'a Option<Tensor>, &'a Option<Tensor>),
+) -> (Option<&'a Tensor>, Option<&'a Tensor>) {
+    (mask.as_ref(), padding.as_ref())
 }
 
 impl Forward<DecoderInput> for TransformerDecoderLayer {

@@ -3,9 +3,10 @@
 use candle_core::{Device, Tensor};
 
 use super::TransformerActivation;
-use super::{feed_forward, resolve_mask, seq_len, TransformerEncoder, TransformerLayerConfig};
+use super::{attention_block, feed_forward, resolve_mask, seq_len};
+use super::{TransformerEncoder, TransformerLayerConfig};
 use crate::error::Result;
-use crate::{AttentionInput, Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
+use crate::{Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
 use crate::{Module, ModuleExt};
 
 /// The arguments of a [`TransformerEncoderLayer`] or [`TransformerEncoder`] call: PyTorch's
@@ -122,11 +123,13 @@ impl TransformerEncoderLayer {
         device: &Device,
     ) -> Result<Self> {
         config.check("TransformerEncoderLayer")?;
+        let self_attn = config.attention(d_model, nhead, device)?;
+        let (linear1, dropout, linear2) = config.feed_forward(d_model, device)?;
         Ok(Self {
-            self_attn: config.attention(d_model, nhead, device)?,
-            linear1: config.linear(d_model, config.dim_feedforward, device)?,
-            dropout: Dropout::new(config.dropout),
-            linear2: config.linear(config.dim_feedforward, d_model, device)?,
+            self_attn,
+            linear1,
+            dropout,
+            linear2,
             norm1: config.norm(d_model, device)?,
             norm2: config.norm(d_model, device)?,
             dropout1: Dropout::new(config.dropout),
@@ -147,28 +150,19 @@ impl TransformerEncoderLayer {
     }
 
     /// `dropout1(self_attn(x, x, x))` with the call's masks.
-    fn sa_block(
-        &self,
-        x: &Tensor,
-        mask: Option<&Tensor>,
-        padding: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let mut input = AttentionInput::self_attention(x).need_weights(false);
-        input.attn_mask = mask;
-        input.key_padding_mask = padding;
-        let (y, _) = self.self_attn.call(input)?;
-        self.dropout1.call(&y)
+    fn sa_block(&self, x: &Tensor, mask: Option<&Tensor>, pad: Option<&Tensor>) -> Result<Tensor> {
+        attention_block(&self.self_attn, &self.dropout1, x, x, (mask, pad))
     }
 
+    /// `dropout2(linear2(dropout(activation(linear1(x)))))`.
     fn ff_block(&self, x: &Tensor) -> Result<Tensor> {
-        let y = feed_forward(
-            &self.linear1,
+        let linears = [&self.linear1, &self.linear2];
+        feed_forward(
+            linears,
             &self.activation,
-            &self.dropout,
-            &self.linear2,
+            [&self.dropout, &self.dropout2],
             x,
-        )?;
-        self.dropout2.call(&y)
+        )
     }
 }
 

@@ -15,8 +15,8 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 use crate::typed_path::{HasPath, Path, PathKind};
 use crate::Module;
+use crate::{AttentionInput, ModuleExt, MultiheadAttention, MultiheadAttentionConfig, ReLU, GELU};
 use crate::{Dropout, Forward, Functional, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use crate::{ModuleExt, MultiheadAttention, MultiheadAttentionConfig, ReLU, GELU};
 
 /// `TensorStruct` for a call's input: its tensors, then its masks that are present, in the order
 /// listed (the order hooks see them in).
@@ -230,12 +230,18 @@ impl TransformerLayerConfig {
         MultiheadAttention::with_config(d_model, nhead, config, device)
     }
 
-    fn linear(&self, input: usize, output: usize, device: &Device) -> Result<Linear> {
+    /// The feed-forward block's `linear1`, `dropout` and `linear2`.
+    fn feed_forward(&self, d_model: usize, device: &Device) -> Result<(Linear, Dropout, Linear)> {
         let config = LinearConfig {
             bias: self.bias,
             dtype: self.dtype,
         };
-        Linear::with_config(input, output, config, device)
+        let width = self.dim_feedforward;
+        Ok((
+            Linear::with_config(d_model, width, config, device)?,
+            Dropout::new(self.dropout),
+            Linear::with_config(width, d_model, config, device)?,
+        ))
     }
 
     fn norm(&self, d_model: usize, device: &Device) -> Result<LayerNorm> {
@@ -254,14 +260,13 @@ fn layer_norm(d: usize, eps: f64, bias: bool, dtype: DType, device: &Device) -> 
     LayerNorm::with_config(d, config, device)
 }
 
-/// The feed-forward block both layers share: `linear2(dropout(activation(linear1(x))))`, the
-/// first linear layer and a ReLU or GELU in one pass where the fused inference pass applies
+/// The feed-forward block both layers share: `dropout_after(linear2(dropout(activation(linear1(x)))))`,
+/// the first linear layer and a ReLU or GELU in one pass where the fused inference pass applies
 /// ([`Linear::call_then`]).
 fn feed_forward(
-    linear1: &Linear,
+    [linear1, linear2]: [&Linear; 2],
     activation: &TransformerActivation,
-    dropout: &Dropout,
-    linear2: &Linear,
+    [dropout, dropout_after]: [&Dropout; 2],
     x: &Tensor,
 ) -> Result<Tensor> {
     let h = match activation {
@@ -269,7 +274,23 @@ fn feed_forward(
         TransformerActivation::Gelu(f) => linear1.call_then(x, f)?,
         TransformerActivation::Custom(f) => f.call(&linear1.call(x)?)?,
     };
-    linear2.call(&dropout.call(&h)?)
+    dropout_after.call(&linear2.call(&dropout.call(&h)?)?)
+}
+
+/// An attention block of either layer: `dropout(attention(query, key, key))` with an attention
+/// mask and a key padding mask, the weights not computed (`key` is `query` for self-attention,
+/// which projects once).
+fn attention_block(
+    attention: &MultiheadAttention,
+    dropout: &Dropout,
+    query: &Tensor,
+    key: &Tensor,
+    (mask, padding): (Option<&Tensor>, Option<&Tensor>),
+) -> Result<Tensor> {
+    let mut input = AttentionInput::new(query, key, key).need_weights(false);
+    input.attn_mask = mask;
+    input.key_padding_mask = padding;
+    dropout.call(&attention.call(input)?.0)
 }
 
 /// A float mask of shape `[sz, sz]` with `-inf` above the diagonal and `0` on and below it:
