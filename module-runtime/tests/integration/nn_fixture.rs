@@ -1,9 +1,10 @@
 //! The `torch.nn` fixtures of issue 29 (`fixtures/pytorch/nn/NAME.safetensors`, made by
-//! `fixtures/make_nn_fixtures.py` and `fixtures/make_transformer_fixtures.py`, which say what each file holds) and the check every `nn_*`
-//! parity test runs against one: load the state by PyTorch's names, run the forward pass on the
-//! fixture's inputs, compare the output, backpropagate `(output * upstream).sum()` and compare the
-//! gradients of the inputs and parameters PyTorch stored, and the parameters' values after the
-//! call where the file has them (`after.<key>`). Every key of the file must be used.
+//! `fixtures/make_nn_fixtures.py` and `fixtures/make_transformer_fixtures.py`, which say what each
+//! file holds) and the check every `nn_*` parity test runs against one: load the state by
+//! PyTorch's names, run the forward pass on the fixture's inputs, compare the output, backpropagate
+//! `(output * upstream).sum()` and compare the gradients of the inputs and parameters PyTorch
+//! stored, and the parameters' values after the call where the file has them (`after.<key>`).
+//! Every key of the file must be used.
 //!
 //! Tolerance: `|actual - expected| <= 1e-5 + 1e-5 * |expected|` elementwise (the fixtures are
 //! within 1e-6 of a float64 rerun).
