@@ -36,7 +36,7 @@ macro_rules! nn {
 /// live above this crate, so the names are strings here; a test beside the layers checks every
 /// entry against `type_name` of its alias.
 #[doc(hidden)]
-pub const PYTORCH_NAMES: [(&str, &str); 43] = [
+pub const PYTORCH_NAMES: [(&str, &str); 45] = [
     (nn!("batch_norm::BatchNorm<1>"), "BatchNorm1d"),
     (nn!("batch_norm::BatchNorm<2>"), "BatchNorm2d"),
     (nn!("batch_norm::LazyBatchNorm<1>"), "LazyBatchNorm1d"),
@@ -86,6 +86,20 @@ pub const PYTORCH_NAMES: [(&str, &str); 43] = [
     (nn!("pool1d::Pool1d<", "pool::Avg>"), "AvgPool1d"),
     (nn!("pool1d::LpPool<1>"), "LPPool1d"),
     (nn!("pool1d::LpPool<2>"), "LPPool2d"),
+    (
+        nn!(
+            "transformer::stack::TransformerStack<",
+            "transformer::encoder::TransformerEncoderLayer>"
+        ),
+        "TransformerEncoder",
+    ),
+    (
+        nn!(
+            "transformer::stack::TransformerStack<",
+            "transformer::decoder::TransformerDecoderLayer>"
+        ),
+        "TransformerDecoder",
+    ),
     (nn!("padding::Pad<1, ", "padding::Zeros>"), "ZeroPad1d"),
     (nn!("padding::Pad<2, ", "padding::Zeros>"), "ZeroPad2d"),
     (nn!("padding::Pad<3, ", "padding::Zeros>"), "ZeroPad3d"),

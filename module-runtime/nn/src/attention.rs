@@ -319,6 +319,7 @@ impl MultiheadAttention {
         let e = self.embed_dim();
         let (b, l, _) = q.dims3()?;
         let s = k.dim(1)?;
+        check_masks(&input, unbatched, b, l, s, self.num_heads)?;
 
         // Self-attention projects once with the stacked weight; otherwise one projection each.
         let same = |a: &Tensor, b: &Tensor| a.id() == b.id();
@@ -381,6 +382,48 @@ impl MultiheadAttention {
         };
         Ok((out, weights))
     }
+}
+
+/// Checks the masks' shapes against the batch `b`, the query length `l` and the key length `s`
+/// before they are reshaped (which would otherwise fail with candle's internal shapes).
+fn check_masks(
+    input: &AttentionInput<'_>,
+    unbatched: bool,
+    b: usize,
+    l: usize,
+    s: usize,
+    heads: usize,
+) -> Result<()> {
+    let invalid = |message: String| {
+        Err(Error::InvalidInput {
+            layer: "MultiheadAttention",
+            message,
+        })
+    };
+    if let Some(mask) = input.key_padding_mask {
+        let (expected, what): (&[usize], _) = match unbatched {
+            true => (&[s], "[S]"),
+            false => (&[b, s], "[B, S]"),
+        };
+        if mask.dims() != expected {
+            let got = mask.dims();
+            return invalid(format!(
+                "key_padding_mask must be {what} = {expected:?}, got {got:?}"
+            ));
+        }
+    }
+    if let Some(mask) = input.attn_mask {
+        let ok = mask.dims() == [l, s] || mask.dims() == [b * heads, l, s];
+        if !ok {
+            let got = mask.dims();
+            let batched = [b * heads, l, s];
+            return invalid(format!(
+                "attn_mask must be [L, S] = {:?} or [B * num_heads, L, S] = {batched:?}, got {got:?}",
+                [l, s]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// An additive attention mask in `dtype`: integer masks become `-inf` where non-zero and `0`

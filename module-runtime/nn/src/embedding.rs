@@ -1,25 +1,36 @@
-//! Embedding tables.
+//! Embedding tables, and what [`EmbeddingBag`](crate::EmbeddingBag) shares with them: the ids'
+//! dtype check, `padding_idx` and the `max_norm` renormalisation.
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::common::forward_by_value;
 use crate::device::check_input_device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::Init;
 use crate::{Forward, Module, Param};
 
 /// A lookup table of `num_embeddings` vectors of size `embedding_dim`: PyTorch's `nn.Embedding`.
 ///
 /// Parameter `weight` `[num_embeddings, embedding_dim]`, initialized from `N(0, 1)` as PyTorch
-/// does. The input holds integer ids (`u8`, `u32` or `i64`) of any shape `[*]`; the output is
-/// `[*, embedding_dim]`. The gradient of `weight` accumulates over repeated ids.
+/// does (with the `padding_idx` row zero). The input holds integer ids (`u8`, `u32` or `i64`) of
+/// any shape `[*]`; the output is `[*, embedding_dim]`. The gradient of `weight` accumulates over
+/// repeated ids, except at `padding_idx`, whose row gets no gradient (it stays what it is, zero
+/// unless loaded otherwise). With `max_norm`, each call first rescales, in place, the rows it looks
+/// up whose `norm_type`-norm exceeds `max_norm` (PyTorch's `embedding_renorm_`).
+///
+/// Ids of another dtype are an [`Error::InvalidInput`] ("ids must be an integer tensor (u8, u32 or
+/// i64), got F32").
 ///
 /// ```
 /// use module_runtime::prelude::*;
-/// use module_runtime::nn::Embedding;
+/// use module_runtime::nn::{Embedding, EmbeddingConfig};
 /// let emb = Embedding::new(10, 4, &Device::Cpu)?;
 /// let ids = Tensor::new(&[[1i64, 2, 1], [0, 9, 3]], &Device::Cpu)?;
 /// assert_eq!(emb.call(&ids)?.dims(), [2, 3, 4]);
+///
+/// let config = EmbeddingConfig { padding_idx: Some(0), ..Default::default() };
+/// let padded = Embedding::with_config(10, 4, config, &Device::Cpu)?;
+/// assert_eq!(padded.call(&Tensor::new(&[0u32], &Device::Cpu)?)?.to_vec2::<f32>()?, [[0.; 4]]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 ///
@@ -30,19 +41,35 @@ use crate::{Forward, Module, Param};
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Param,
+    padding_idx: Option<usize>,
+    max_norm: Option<f64>,
+    norm_type: f64,
 }
 
 /// How an [`Embedding`] is built: PyTorch's keyword arguments this layer supports, with PyTorch's
-/// defaults (`padding_idx`, `max_norm` and sparse gradients are not supported).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// defaults (`scale_grad_by_freq` and sparse gradients are not supported).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EmbeddingConfig {
+    /// The id whose row is zero at initialization and gets no gradient (default `None`). A
+    /// negative index counts from the end, as in PyTorch (`-1` is the last row).
+    pub padding_idx: Option<i64>,
+    /// The largest norm a looked-up row may have: larger rows are rescaled to it, in place, when
+    /// they are looked up (default `None`).
+    pub max_norm: Option<f64>,
+    /// The `p` of the p-norm `max_norm` bounds (default `2.0`).
+    pub norm_type: f64,
     /// The table's floating-point dtype (default `F32`).
     pub dtype: DType,
 }
 
 impl Default for EmbeddingConfig {
     fn default() -> Self {
-        Self { dtype: DType::F32 }
+        Self {
+            padding_idx: None,
+            max_norm: None,
+            norm_type: 2.0,
+            dtype: DType::F32,
+        }
     }
 }
 
@@ -57,28 +84,34 @@ impl Embedding {
         )
     }
 
-    /// A table built as `config` says, initialized from `N(0, 1)`.
+    /// A table built as `config` says, initialized from `N(0, 1)`, its `padding_idx` row zero.
+    /// A `padding_idx` outside `[-num_embeddings, num_embeddings)` is an
+    /// [`Error::InvalidConfig`].
     pub fn with_config(
         num_embeddings: usize,
         embedding_dim: usize,
         config: EmbeddingConfig,
         device: &Device,
     ) -> Result<Self> {
-        let normal = Init::Normal {
-            mean: 0.0,
-            std: 1.0,
-        };
         let shape = (num_embeddings, embedding_dim);
+        let (weight, padding_idx) =
+            table("Embedding", shape, config.padding_idx, config.dtype, device)?;
         Ok(Self {
-            weight: Param::init(shape, normal, 0, config.dtype, device)?,
+            weight,
+            padding_idx,
+            max_norm: config.max_norm,
+            norm_type: config.norm_type,
         })
     }
 
-    /// A table holding `weight` `[num_embeddings, embedding_dim]`.
+    /// A table holding `weight` `[num_embeddings, embedding_dim]`, with PyTorch's defaults.
     pub fn from_weight(weight: Tensor) -> Result<Self> {
         weight.dims2()?;
         Ok(Self {
             weight: Param::new(weight)?,
+            padding_idx: None,
+            max_norm: None,
+            norm_type: 2.0,
         })
     }
 
@@ -91,6 +124,110 @@ impl Embedding {
     pub fn embedding_dim(&self) -> usize {
         self.weight.shape().dims()[1]
     }
+
+    /// The padding row, as a non-negative index.
+    pub fn padding_idx(&self) -> Option<usize> {
+        self.padding_idx
+    }
+}
+
+/// A table `[num_embeddings, embedding_dim]` from `N(0, 1)` with its `padding_idx` row zero (as
+/// PyTorch's `reset_parameters`), and that index, checked and made non-negative.
+pub(crate) fn table(
+    layer: &'static str,
+    (num_embeddings, embedding_dim): (usize, usize),
+    padding_idx: Option<i64>,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Param, Option<usize>)> {
+    let padding_idx = padding_index(layer, padding_idx, num_embeddings)?;
+    let normal = Init::Normal {
+        mean: 0.0,
+        std: 1.0,
+    };
+    let weight = Param::init((num_embeddings, embedding_dim), normal, 0, dtype, device)?;
+    if let Some(idx) = padding_idx {
+        let table = weight.tensor()?;
+        let row = Tensor::zeros((1, embedding_dim), dtype, device)?;
+        table.slice_set(&row, 0, idx)?;
+    }
+    Ok((weight, padding_idx))
+}
+
+/// `padding_idx` as a row index (a negative one counts from the end), checked as PyTorch does.
+fn padding_index(
+    layer: &'static str,
+    padding_idx: Option<i64>,
+    num_embeddings: usize,
+) -> Result<Option<usize>> {
+    let Some(idx) = padding_idx else {
+        return Ok(None);
+    };
+    let n = num_embeddings as i64;
+    if !(-n..n).contains(&idx) {
+        return Err(Error::InvalidConfig {
+            layer,
+            message: format!("padding_idx ({idx}) must be within num_embeddings ({n})"),
+        });
+    }
+    Ok(Some(idx.rem_euclid(n) as usize))
+}
+
+/// Refuses ids that are not `u8`, `u32` or `i64` (candle's `index_select` would fail with
+/// "unsupported dtype F32 for op index-select").
+pub(crate) fn check_ids(layer: &'static str, what: &str, ids: &Tensor) -> Result<()> {
+    match ids.dtype() {
+        DType::U8 | DType::U32 | DType::I64 => Ok(()),
+        dtype => Err(Error::InvalidInput {
+            layer,
+            message: format!("{what} must be an integer tensor (u8, u32 or i64), got {dtype:?}"),
+        }),
+    }
+}
+
+/// PyTorch's `embedding_renorm_`: every row of `table` that `ids` name and whose `p`-norm exceeds
+/// `max_norm` is scaled, in place, by `max_norm / (norm + 1e-7)`. Outside the autograd graph.
+pub(crate) fn renorm_rows(table: &Tensor, ids: &Tensor, max_norm: f64, p: f64) -> Result<()> {
+    let mut unique: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
+    unique.sort_unstable();
+    unique.dedup();
+    let rows = unique.len();
+    let index = Tensor::from_vec(unique.clone(), rows, table.device())?;
+    let values = table
+        .detach()
+        .index_select(&index, 0)?
+        .to_dtype(DType::F64)?;
+    let norms: Vec<f64> = match p {
+        2.0 => values.sqr()?.sum(1)?.sqrt()?.to_vec1()?,
+        1.0 => values.abs()?.sum(1)?.to_vec1()?,
+        _ => {
+            let powered = values.abs()?.powf(p)?.sum(1)?;
+            powered.powf(1.0 / p)?.to_vec1()?
+        }
+    };
+    for (row, (&id, norm)) in unique.iter().zip(norms).enumerate() {
+        if norm > max_norm {
+            let scaled = (values.narrow(0, row, 1)? * (max_norm / (norm + 1e-7)))?;
+            table.slice_set(&scaled.to_dtype(table.dtype())?, 0, id as usize)?;
+        }
+    }
+    Ok(())
+}
+
+/// `rows` (looked up for `ids`, `[*, D]`) with the rows of `padding_idx` detached, so that no
+/// gradient reaches that row of the table. Only where a gradient is recorded.
+pub(crate) fn detach_padding(
+    rows: Tensor,
+    ids: &Tensor,
+    padding_idx: Option<usize>,
+) -> Result<Tensor> {
+    let Some(idx) = padding_idx.filter(|_| rows.track_op()) else {
+        return Ok(rows);
+    };
+    let pad = Tensor::new(&[idx as i64], ids.device())?.to_dtype(ids.dtype())?;
+    let is_pad = ids.broadcast_eq(&pad)?.unsqueeze(ids.rank())?;
+    let is_pad = is_pad.broadcast_as(rows.shape())?;
+    Ok(is_pad.where_cond(&rows.detach(), &rows)?)
 }
 
 impl Forward<&Tensor> for Embedding {
@@ -99,10 +236,14 @@ impl Forward<&Tensor> for Embedding {
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let weight = self.weight.value()?;
         check_input_device("Embedding.weight", &weight, ids)?;
+        check_ids("Embedding", "ids", ids)?;
+        if let Some(max_norm) = self.max_norm {
+            renorm_rows(&weight, ids, max_norm, self.norm_type)?;
+        }
         let rows = weight.index_select(&ids.flatten_all()?, 0)?;
         let mut dims = ids.dims().to_vec();
         dims.push(weight.dim(1)?);
-        Ok(rows.reshape(dims)?)
+        detach_padding(rows.reshape(dims)?, ids, self.padding_idx)
     }
 }
 

@@ -241,6 +241,24 @@ pub use loss_regression::{
     MSELoss, MSELossPath, SmoothL1Loss, SmoothL1LossPath,
 };
 
+// Bags of embeddings (issue 29).
+mod embedding_bag;
+
+pub use embedding_bag::{
+    BagInput, EmbeddingBag, EmbeddingBagConfig, EmbeddingBagMode, EmbeddingBagPath,
+};
+
+// PyTorch's Transformer blocks (issue 29).
+mod transformer;
+
+pub use transformer::{
+    generate_square_subsequent_mask, DecoderInput, EncoderInput, Transformer,
+    TransformerActivation, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
+    TransformerDecoderLayerPath, TransformerEncoder, TransformerEncoderLayer,
+    TransformerEncoderLayerPath, TransformerInput, TransformerLayerConfig, TransformerPath,
+    TransformerStack, TransformerStackPath,
+};
+
 /// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
 /// each instantiation is. The core's `short_type_name` (summaries, `Debug`, type errors) reads
 /// them from a table of strings, since it cannot name this crate; the test below holds the two
@@ -274,6 +292,8 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<AvgPool1d>(), "AvgPool1d"),
         (type_name::<LPPool1d>(), "LPPool1d"),
         (type_name::<LPPool2d>(), "LPPool2d"),
+        (type_name::<TransformerEncoder>(), "TransformerEncoder"),
+        (type_name::<TransformerDecoder>(), "TransformerDecoder"),
     ];
     layers
         .into_iter()

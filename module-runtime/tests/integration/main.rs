@@ -4,11 +4,14 @@
 mod conv_options;
 mod nn_activations;
 mod nn_dropout;
+mod nn_embedding;
 mod nn_fixture;
 mod nn_losses;
 mod nn_pool_norm;
 mod nn_sdpa;
 mod nn_shape;
+mod nn_transformer;
+mod nn_transformer_classifier;
 mod nn_upsample;
 mod pool_options;
 mod pth_files;

@@ -1,8 +1,10 @@
 //! The `torch.nn` fixtures of issue 29 (`fixtures/pytorch/nn/NAME.safetensors`, made by
-//! `fixtures/make_nn_fixtures.py`, which says what each file holds) and the check every `nn_*`
-//! parity test runs against one: load the state by PyTorch's names, run the forward pass on the
-//! fixture's inputs, compare the output, backpropagate `(output * upstream).sum()` and compare the
-//! gradients of the inputs and parameters PyTorch stored. Every key of the file must be used.
+//! `fixtures/make_nn_fixtures.py` and `fixtures/make_transformer_fixtures.py`, which say what each
+//! file holds) and the check every `nn_*` parity test runs against one: load the state by
+//! PyTorch's names, run the forward pass on the fixture's inputs, compare the output, backpropagate
+//! `(output * upstream).sum()` and compare the gradients of the inputs and parameters PyTorch
+//! stored, and the parameters' values after the call where the file has them (`after.<key>`).
+//! Every key of the file must be used.
 //!
 //! Tolerance: `|actual - expected| <= 1e-5 + 1e-5 * |expected|` elementwise (the fixtures are
 //! within 1e-6 of a float64 rerun).
@@ -122,6 +124,14 @@ pub fn check(
         let got = grads.get(&p.tensor().unwrap()).cloned();
         let got = got.unwrap_or_else(|| panic!("{case}: no {key}"));
         assert_close(&format!("{case}: {key}"), &got, &get(&key));
+    }
+    // State the forward changes in place (an embedding's `max_norm` renormalisation).
+    for (name, p) in module.named_parameters() {
+        let key = format!("after.{name}");
+        if let Some(expected) = tensors.get(&key) {
+            used.borrow_mut().insert(key.clone());
+            assert_close(&format!("{case}: {key}"), &p.tensor().unwrap(), expected);
+        }
     }
     let used = used.borrow();
     let unused: Vec<&String> = tensors.keys().filter(|k| !used.contains(*k)).collect();

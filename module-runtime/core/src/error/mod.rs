@@ -568,6 +568,18 @@ pub enum Error {
         /// How many were given.
         got: usize,
     },
+
+    /// A layer was called with an input it cannot take for a reason other than the input's own
+    /// shape ([`Error::InputShape`]): ids of a floating-point dtype, a mask whose shape does not
+    /// match the input's. The message names the argument, what it must be and what it is
+    /// (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
+    #[error("{layer}: {message}")]
+    InvalidInput {
+        /// The layer or function (`"Embedding"`, `"MultiheadAttention"`).
+        layer: &'static str,
+        /// What is wrong, with what was expected and what was given.
+        message: String,
+    },
 }
 
 /// `Result` with this crate's [`Error`].
