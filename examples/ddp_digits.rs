@@ -57,6 +57,8 @@ struct Args {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let comm = init_from_env()?;
     let (rank, world) = (comm.rank(), comm.world_size());

@@ -237,6 +237,8 @@ fn evaluate(model: &Learner, tasks: &[Task], args: &Args) -> Result<f64> {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let device = device_or_env(args.device.as_deref())?;
     let data = Digits::load(&digits_path())?;

@@ -117,6 +117,8 @@ fn accuracy(predicted: &Tensor, labels: &Tensor) -> Result<f64> {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let batch_size = args.batch_size.get();
     let device = device_or_env(args.device.as_deref())?;

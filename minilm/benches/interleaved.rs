@@ -43,6 +43,9 @@ use support::{BATCH, SEQ};
 type Run<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // Freed tensors' memory reused from step to step, as the README advises (glibc's allocator
+    // would hand it back and fault it in again every step).
+    module_runtime::reuse_freed_memory();
     let rounds: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())

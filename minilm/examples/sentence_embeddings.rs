@@ -41,6 +41,8 @@ struct Args {
 }
 
 fn main() -> AnyResult<()> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let model_dir = args
         .model
