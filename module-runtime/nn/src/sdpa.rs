@@ -5,7 +5,6 @@
 //! candle's differentiable ops, which the pass matches within float32 rounding.
 
 use candle_core::{DType, Storage, Tensor};
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::{Forward, Softmax};
@@ -300,7 +299,7 @@ impl Out {
     }
 }
 
-/// The one-pass kernel: per (batch, query head), per query: the scores against every key, the
+/// The one-pass kernel, split over candle's thread pool: per (batch, query head), per query: the scores against every key, the
 /// mask, the softmax and the weighted sum of the values, written into `[B, L, Hq, Ev]`.
 fn fused(
     q: &Tensor,
@@ -334,7 +333,9 @@ fn fused(
     let ptr = Out(out.as_mut_ptr());
     let group = d.hq / d.h;
     let scale = scale as f32;
-    (0..d.b * d.hq).into_par_iter().try_for_each(|pair| {
+    // Over candle's barrier pool, whose threads are awake right after the projections' kernels
+    // (see `fused_grad::par_map`).
+    let head = |pair: usize| {
         let (b, h) = (pair / d.hq, pair % d.hq);
         let kh = h / group;
         let mut scores = vec![0f32; d.s];
@@ -380,8 +381,8 @@ fn fused(
                 }
             }
         }
-        Ok::<(), Error>(())
-    })?;
+    };
+    candle_core::utils::barrier_pool().execute_chunked(d.b * d.hq, |range| range.for_each(head));
     drop((qs, ks, vs, mask_guard));
     Ok(Tensor::from_vec(out, (d.b, d.l, d.hq, d.ev), q.device())?.transpose(1, 2)?)
 }
