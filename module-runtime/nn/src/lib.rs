@@ -77,6 +77,7 @@ pub use recurrent::Recurrent;
 mod common;
 mod fused;
 mod fused_grad;
+mod layer_macros;
 
 pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};

@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::common::{
-    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, lazy_param,
-    param_tensor, uniform_fan_in,
+    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, layer_forward,
+    lazy_param, param_tensor, uniform_fan_in,
 };
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -12,7 +12,7 @@ use crate::fused::{
     bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
 };
 use crate::fused_grad;
-use crate::{Forward, Init, Module, ModuleExt, Param};
+use crate::{Init, Module, ModuleExt, Param};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -166,17 +166,13 @@ impl Linear {
     }
 }
 
-impl Forward<&Tensor> for Linear {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear(
-            x,
-            &self.weight.value()?,
-            self.bias.as_ref().map(Param::value).transpose()?,
-        )
-    }
-}
+layer_forward!(Linear, |layer, x| {
+    linear(
+        x,
+        &layer.weight.value()?,
+        layer.bias.as_ref().map(Param::value).transpose()?,
+    )
+});
 
 /// `x Wᵀ + b`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
@@ -322,20 +318,17 @@ impl std::ops::Deref for LazyLinear {
     }
 }
 
-impl Forward<&Tensor> for LazyLinear {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fit(x)?;
-        self.linear.forward(x)
-    }
-}
+layer_forward!(LazyLinear, |layer, x| {
+    layer.fit(x)?;
+    layer.linear.forward(x)
+});
 
 forward_by_value!(Linear, LazyLinear);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Forward;
 
     /// The in-place bias add of inference gives what the differentiable path gives, bit for bit.
     #[test]
