@@ -81,7 +81,7 @@ impl PReLU {
 }
 
 layer_forward!(PReLU, |layer, x| {
-    let w = layer.weight.value()?;
+    let w = layer.weight.tensor()?;
     check_input_device("PReLU.weight", &w, x)?;
     let n = w.elem_count();
     let mut dims = vec![1; x.rank()];

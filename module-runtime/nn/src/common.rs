@@ -132,7 +132,7 @@ pub(crate) fn input_shape_error(
 
 /// The value of an optional parameter (a bias, an affine weight).
 pub(crate) fn param_tensor(p: &Option<Param>) -> Result<Option<Tensor>> {
-    p.as_ref().map(Param::value).transpose()
+    p.as_ref().map(Param::tensor).transpose()
 }
 
 /// `t` `[C]` reshaped to `[1, C, 1, …]`, to broadcast over an input `[N, C, *]` of rank `rank`.

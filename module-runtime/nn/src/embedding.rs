@@ -97,7 +97,7 @@ impl Forward<&Tensor> for Embedding {
     type Output = Tensor;
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.value()?;
+        let weight = self.weight.tensor()?;
         check_input_device("Embedding.weight", &weight, ids)?;
         let rows = weight.index_select(&ids.flatten_all()?, 0)?;
         let mut dims = ids.dims().to_vec();

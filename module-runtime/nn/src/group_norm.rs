@@ -111,7 +111,7 @@ layer_forward!(GroupNorm, |layer, x| {
         return Err(input_shape_error("GroupNorm", expected, x));
     }
     if let Some(w) = &layer.weight {
-        check_input_device("GroupNorm.weight", &w.value()?, x)?;
+        check_input_device("GroupNorm.weight", &w.tensor()?, x)?;
     }
     let dtype = x.dtype();
     let grouped = x
@@ -121,10 +121,10 @@ layer_forward!(GroupNorm, |layer, x| {
         .to_dtype(dtype)?
         .reshape(dims)?;
     if let Some(w) = &layer.weight {
-        y = y.broadcast_mul(&per_channel(&w.value()?, dims.len())?)?;
+        y = y.broadcast_mul(&per_channel(&w.tensor()?, dims.len())?)?;
     }
     if let Some(b) = &layer.bias {
-        y = y.broadcast_add(&per_channel(&b.value()?, dims.len())?)?;
+        y = y.broadcast_add(&per_channel(&b.tensor()?, dims.len())?)?;
     }
     Ok(y)
 });

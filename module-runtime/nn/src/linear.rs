@@ -148,7 +148,7 @@ impl Linear {
             return activation.call(&self.call(x)?);
         };
         let fused = || -> Result<(Tensor, bool)> {
-            let w = self.weight.value()?;
+            let w = self.weight.tensor()?;
             let bias = param_tensor(&self.bias)?;
             check_input_device("Linear.weight", &w, x)?;
             let y = matmul(x, &w)?;
@@ -169,8 +169,8 @@ impl Linear {
 layer_forward!(Linear, |layer, x| {
     linear(
         x,
-        &layer.weight.value()?,
-        layer.bias.as_ref().map(Param::value).transpose()?,
+        &layer.weight.tensor()?,
+        layer.bias.as_ref().map(Param::tensor).transpose()?,
     )
 });
 

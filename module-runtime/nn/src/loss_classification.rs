@@ -80,7 +80,7 @@ fn class_weights(
     input: &Tensor,
 ) -> Result<Option<Tensor>> {
     let Some(w) = weight else { return Ok(None) };
-    let w = w.value()?;
+    let w = w.tensor()?;
     if w.dims() != [classes] {
         let expected = format!(
             "[*, {}, *] (one class per entry of weight {:?})",
@@ -332,7 +332,7 @@ fn broadcast_buffer(
     like: &Tensor,
 ) -> Result<Option<Tensor>> {
     let Some(b) = b else { return Ok(None) };
-    let value = b.value()?.to_dtype(like.dtype())?;
+    let value = b.tensor()?.to_dtype(like.dtype())?;
     match value.broadcast_as(like.shape()) {
         Ok(v) => Ok(Some(v)),
         Err(_) => {

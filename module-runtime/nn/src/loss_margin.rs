@@ -144,7 +144,7 @@ layer_forward!(MultiLabelSoftMarginLoss, |layer,
     let log_sig_neg = softplus(input, 1.0, 20.0)?;
     let mut loss = ((&target * log_sig)? + (target.affine(-1.0, 1.0)? * log_sig_neg)?)?;
     if let Some(w) = &layer.weight {
-        loss = loss.broadcast_mul(&w.value()?.to_dtype(input.dtype())?)?;
+        loss = loss.broadcast_mul(&w.tensor()?.to_dtype(input.dtype())?)?;
     }
     let class_dim = input.rank() - 1;
     let classes = input.dim(class_dim)? as f64;
@@ -243,7 +243,7 @@ impl Forward<(&Tensor, &Tensor)> for MultiMarginLoss {
         }
         if let Some(w) = &self.weight {
             let w = w
-                .value()?
+                .tensor()?
                 .to_dtype(x.dtype())?
                 .contiguous()?
                 .index_select(&ids, 0)?;

@@ -413,7 +413,7 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.value()?;
+        let weight = self.weight.tensor()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
         let bias = param_tensor(&self.bias)?;
         match D {

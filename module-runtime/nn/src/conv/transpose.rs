@@ -113,7 +113,7 @@ impl ConvTranspose2d {
 
 layer_forward!(ConvTranspose2d, |layer, x| {
     let c = &layer.config;
-    let weight = layer.weight.value()?;
+    let weight = layer.weight.tensor()?;
     check_input_device("ConvTranspose2d.weight", &weight, x)?;
     let run = |x: &Tensor, w: &Tensor| {
         x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)

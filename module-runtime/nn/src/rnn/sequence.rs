@@ -184,7 +184,7 @@ impl<G: Gates> RnnBase<G> {
         initial: Option<Vec<Tensor>>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let first = self.first_layer();
-        let w = first.weight_ih.value()?;
+        let w = first.weight_ih.tensor()?;
         check_input_device(G::FIRST_WEIGHT, &w, x)?;
         for s in initial.iter().flatten() {
             check_input_device(G::FIRST_WEIGHT, &w, s)?;
@@ -342,7 +342,7 @@ impl<G: Gates> Recurrent for RnnBase<G> {
 
     /// Zeros, in the parameters' dtype and on their device.
     fn initial_state(&self, batch: usize) -> Result<G::State> {
-        let w = self.first_layer().weight_ih.value()?;
+        let w = self.first_layer().weight_ih.tensor()?;
         let zeros = Tensor::zeros(
             (self.num_layers(), batch, self.hidden_size),
             w.dtype(),

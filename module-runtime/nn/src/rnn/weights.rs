@@ -49,9 +49,9 @@ impl LayerWeights {
 
     /// `x W_ih^T + b_ih`: `[N, in]` → `[N, G·H]`.
     pub(super) fn project_input(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight_ih.value()?.t()?)?;
+        let y = x.matmul(&self.weight_ih.tensor()?.t()?)?;
         Ok(match &self.bias_ih {
-            Some(bias) => y.broadcast_add(&bias.value()?)?,
+            Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
         })
     }
@@ -66,9 +66,9 @@ impl LayerWeights {
 
     /// `h W_hh^T + b_hh`: `[B, H]` → `[B, G·H]`.
     pub(super) fn project_hidden(&self, h: &Tensor) -> Result<Tensor> {
-        let y = h.matmul(&self.weight_hh.value()?.t()?)?;
+        let y = h.matmul(&self.weight_hh.tensor()?.t()?)?;
         Ok(match &self.bias_hh {
-            Some(bias) => y.broadcast_add(&bias.value()?)?,
+            Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
         })
     }
