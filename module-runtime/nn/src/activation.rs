@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::common::{forward_by_value, layer_forward, resolve_dim, unit_layer};
+use crate::common::{config_layer, forward_by_value, layer_forward, resolve_dim, unit_layer};
 use crate::error::Result;
 use crate::fused_grad;
 use crate::{Forward, Module};
@@ -218,34 +218,28 @@ pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&log_sum)?)
 }
 
-/// `exp(xᵢ) / Σⱼ exp(xⱼ)` along `dim`: PyTorch's `nn.Softmax(dim)`. Any shape in, the same shape
-/// out; negative `dim` counts from the end.
-///
-/// Differentiable. The fused candle kernel, which records no gradient (candle #3011), is used only
-/// when the input tracks no gradient and `dim` is the last dimension.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::Softmax;
-/// let p = Softmax::new(-1).call(&Tensor::new(&[[1f32, 1.], [0., 0.]], &Device::Cpu)?)?;
-/// assert_eq!(p.to_vec2::<f32>()?, [[0.5, 0.5], [0.5, 0.5]]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softmax {
-    /// The dimension the probabilities sum to one along (negative counts from the end).
-    pub dim: isize,
-}
-
-impl Softmax {
-    /// Softmax along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
+config_layer! {
+    /// `exp(xᵢ) / Σⱼ exp(xⱼ)` along `dim`: PyTorch's `nn.Softmax(dim)`. Any shape in, the same shape
+    /// out; negative `dim` counts from the end.
+    ///
+    /// Differentiable. The fused candle kernel, which records no gradient (candle #3011), is used only
+    /// when the input tracks no gradient and `dim` is the last dimension.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Softmax;
+    /// let p = Softmax::new(-1).call(&Tensor::new(&[[1f32, 1.], [0., 0.]], &Device::Cpu)?)?;
+    /// assert_eq!(p.to_vec2::<f32>()?, [[0.5, 0.5], [0.5, 0.5]]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
+    pub struct Softmax {
+        /// The dimension the probabilities sum to one along (negative counts from the end).
+        pub dim: isize,
     }
+    /// Softmax along `dim`.
+    new
 }
 
 layer_forward!(Softmax, |layer, x| softmax(
@@ -253,23 +247,17 @@ layer_forward!(Softmax, |layer, x| softmax(
     resolve_dim(x, layer.dim, "softmax")?
 ));
 
-/// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
-/// the same shape out; negative `dim` counts from the end.
-///
-/// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct LogSoftmax {
-    /// The dimension to normalize along (negative counts from the end).
-    pub dim: isize,
-}
-
-impl LogSoftmax {
-    /// Log-softmax along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
+config_layer! {
+    /// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
+    /// the same shape out; negative `dim` counts from the end.
+    ///
+    /// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
+    pub struct LogSoftmax {
+        /// The dimension to normalize along (negative counts from the end).
+        pub dim: isize,
     }
+    /// Log-softmax along `dim`.
+    new
 }
 
 layer_forward!(LogSoftmax, |layer, x| log_softmax(

@@ -131,25 +131,19 @@ layer_forward!(GLU, |layer, x| {
     Ok((x.narrow(dim, 0, half)? * gate)?)
 });
 
-/// `softmax(-x)` along `dim`: PyTorch's `nn.Softmin(dim)`. Any shape in, the same shape out.
-///
-/// PyTorch's `dim=None` (a deprecated guess of the dimension from the rank) has no equivalent: the
-/// dimension is required.
-///
-/// Typed paths into it: [`SoftminPath`], from [`Softmin::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softmin {
-    /// The dimension the output sums to one along (negative counts from the end).
-    pub dim: isize,
-}
-
-impl Softmin {
-    /// Softmin along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
+config_layer! {
+    /// `softmax(-x)` along `dim`: PyTorch's `nn.Softmin(dim)`. Any shape in, the same shape out.
+    ///
+    /// PyTorch's `dim=None` (a deprecated guess of the dimension from the rank) has no equivalent: the
+    /// dimension is required.
+    ///
+    /// Typed paths into it: [`SoftminPath`], from [`Softmin::path`] (`#[module(paths)]`).
+    pub struct Softmin {
+        /// The dimension the output sums to one along (negative counts from the end).
+        pub dim: isize,
     }
+    /// Softmin along `dim`.
+    new
 }
 
 layer_forward!(Softmin, |layer, x| softmax(

@@ -159,25 +159,19 @@ unit_layer! {
 
 layer_forward!(ReLU6, |_, x| hardtanh(x, 0.0, 6.0));
 
-/// `x` where `x > threshold`, `value` elsewhere: PyTorch's `nn.Threshold(threshold, value)` (both
-/// required, as in PyTorch).
-///
-/// Typed paths into it: [`ThresholdPath`], from [`Threshold::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Threshold {
-    /// Inputs at or below it are replaced.
-    pub threshold: f64,
-    /// What replaces them.
-    pub value: f64,
-}
-
-impl Threshold {
-    /// Replaces inputs `<= threshold` by `value`.
-    pub fn new(threshold: f64, value: f64) -> Self {
-        Self { threshold, value }
+config_layer! {
+    /// `x` where `x > threshold`, `value` elsewhere: PyTorch's `nn.Threshold(threshold, value)` (both
+    /// required, as in PyTorch).
+    ///
+    /// Typed paths into it: [`ThresholdPath`], from [`Threshold::path`] (`#[module(paths)]`).
+    pub struct Threshold {
+        /// Inputs at or below it are replaced.
+        pub threshold: f64,
+        /// What replaces them.
+        pub value: f64,
     }
+    /// Replaces inputs `<= threshold` by `value`.
+    new
 }
 
 layer_forward!(Threshold, |layer, x| {

@@ -61,7 +61,7 @@ config_layer! {
     with_config
 }
 
-layer_forward!(CosineSimilarity, |layer, (x1, x2): (&Tensor, &Tensor)| {
+layer_forward!(CosineSimilarity, |layer, (x1, x2)| {
     check_same_shape("CosineSimilarity", x2, x1, "x2 (x1's shape)")?;
     let dim = resolve_dim(x1, layer.dim, "cosine_similarity")?;
     let unit = |x: &Tensor| -> Result<Tensor> {
@@ -116,7 +116,7 @@ impl PairwiseDistance {
     }
 }
 
-layer_forward!(PairwiseDistance, |layer, (x1, x2): (&Tensor, &Tensor)| {
+layer_forward!(PairwiseDistance, |layer, (x1, x2)| {
     check_same_shape("PairwiseDistance", x2, x1, "x2 (x1's shape)")?;
     if x1.rank() == 0 {
         return Err(input_shape_error("PairwiseDistance", "[N, D] or [D]", x1));
@@ -158,12 +158,7 @@ impl CosineEmbeddingLoss {
     }
 }
 
-layer_forward!(CosineEmbeddingLoss, |layer,
-                                     (x1, x2, target): (
-    &Tensor,
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(CosineEmbeddingLoss, |layer, (x1, x2, target)| {
     const LAYER: &str = "CosineEmbeddingLoss";
     check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
     let batch = match x1.dims() {
@@ -232,12 +227,7 @@ impl TripletMarginLoss {
     }
 }
 
-layer_forward!(TripletMarginLoss, |layer,
-                                   (a, p, n): (
-    &Tensor,
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(TripletMarginLoss, |layer, (a, p, n)| {
     const LAYER: &str = "TripletMarginLoss";
     check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
     check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
@@ -352,12 +342,7 @@ impl TripletMarginWithDistanceLoss {
     }
 }
 
-layer_forward!(TripletMarginWithDistanceLoss, |layer,
-                                               (a, p, n): (
-    &Tensor,
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(TripletMarginWithDistanceLoss, |layer, (a, p, n)| {
     const LAYER: &str = "TripletMarginWithDistanceLoss";
     check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
     check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
@@ -403,12 +388,7 @@ impl MarginRankingLoss {
     }
 }
 
-layer_forward!(MarginRankingLoss, |layer,
-                                   (x1, x2, target): (
-    &Tensor,
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(MarginRankingLoss, |layer, (x1, x2, target)| {
     const LAYER: &str = "MarginRankingLoss";
     check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
     check_same_shape(LAYER, target, x1, "the target (input1's shape)")?;

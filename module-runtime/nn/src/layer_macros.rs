@@ -39,13 +39,16 @@ pub(crate) use forward_by_value;
 ///     with_field
 /// }
 /// ```
+///
+/// A layer whose fields have no default gets only the named constructor (`new(field, ..)`): its
+/// fields are written without `= default`.
 macro_rules! config_layer {
     (
         $(#[$meta:meta])*
         pub struct $ty:ident {
-            $($(#[$fmeta:meta])* pub $field:ident: $fty:ty = $default:expr),+ $(,)?
+            $($(#[$fmeta:meta])* pub $field:ident: $fty:ty),+ $(,)?
         }
-        $(#[$with_meta:meta])* $with:ident
+        $(#[$new_meta:meta])* $new:ident
     ) => {
         $(#[$meta])*
         #[derive(module_derive::Module, Clone, Debug)]
@@ -53,6 +56,28 @@ macro_rules! config_layer {
         #[module(paths)]
         pub struct $ty {
             $($(#[$fmeta])* pub $field: $fty),+
+        }
+
+        impl $ty {
+            $(#[$new_meta])*
+            pub fn $new($($field: $fty),+) -> Self {
+                Self { $($field),+ }
+            }
+        }
+    };
+    (
+        $(#[$meta:meta])*
+        pub struct $ty:ident {
+            $($(#[$fmeta:meta])* pub $field:ident: $fty:ty = $default:expr),+ $(,)?
+        }
+        $(#[$with_meta:meta])* $with:ident
+    ) => {
+        $crate::layer_macros::config_layer! {
+            $(#[$meta])*
+            pub struct $ty {
+                $($(#[$fmeta])* pub $field: $fty),+
+            }
+            $(#[$with_meta])* $with
         }
 
         impl Default for $ty {
@@ -66,24 +91,36 @@ macro_rules! config_layer {
             pub fn new() -> Self {
                 Self::default()
             }
-
-            $(#[$with_meta])*
-            pub fn $with($($field: $fty),+) -> Self {
-                Self { $($field),+ }
-            }
         }
     };
 }
 pub(crate) use config_layer;
 
 /// `Forward<In>` with a tensor as output, from a closure-like body:
-/// `layer_forward!(Ty, |layer, x| body)` for one input tensor (`&Tensor`), or
-/// `layer_forward!(Ty, |layer, (a, b): (&Tensor, &Tensor)| body)` for another input type, where
+/// `layer_forward!(Ty, |layer, x| body)` for one input tensor (`&Tensor`),
+/// `layer_forward!(Ty, |layer, (a, b)| body)` and `|layer, (a, b, c)|` for two and three
+/// (`(&Tensor, &Tensor)`, …), or `layer_forward!(Ty, |layer, pair: (&Tensor, &Tensor)| body)`
+/// for another input pattern or type, where
 /// `layer` is the layer (`&self`; `_` if the body does not use it). The body returns
 /// `Result<Tensor>`.
 macro_rules! layer_forward {
     ($ty:ty, |$layer:pat_param, $x:ident| $body:expr) => {
         $crate::layer_macros::layer_forward!($ty, |$layer, $x: &candle_core::Tensor| $body);
+    };
+    ($ty:ty, |$layer:pat_param, ($a:ident, $b:ident)| $body:expr) => {
+        $crate::layer_macros::layer_forward!($ty, |$layer,
+                                                   ($a, $b): (
+            &candle_core::Tensor,
+            &candle_core::Tensor
+        )| $body);
+    };
+    ($ty:ty, |$layer:pat_param, ($a:ident, $b:ident, $c:ident)| $body:expr) => {
+        $crate::layer_macros::layer_forward!($ty, |$layer,
+                                                   ($a, $b, $c): (
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+            &candle_core::Tensor
+        )| $body);
     };
     ($ty:ty, |$layer:pat_param, $x:tt: $in:ty| $body:expr) => {
         impl $crate::Forward<$in> for $ty {

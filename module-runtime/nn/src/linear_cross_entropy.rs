@@ -145,11 +145,7 @@ impl LinearCrossEntropyLoss {
     }
 }
 
-layer_forward!(LinearCrossEntropyLoss, |layer,
-                                        (input, target): (
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(LinearCrossEntropyLoss, |layer, (input, target)| {
     let logits = layer.linear.call(input)?;
     // Rows of the weight are (class, d1, …, dK) flattened: unflatten the logits the same way.
     let logits = if layer.out_features.is_empty() {

@@ -205,13 +205,10 @@ impl CrossEntropyLoss {
     }
 }
 
-layer_forward!(
-    CrossEntropyLoss,
-    |layer, (input, target): (&Tensor, &Tensor)| {
-        let options = (layer.ignore_index, layer.reduction, layer.label_smoothing);
-        cross_entropy("CrossEntropyLoss", input, target, &layer.weight, options)
-    }
-);
+layer_forward!(CrossEntropyLoss, |layer, (input, target)| {
+    let options = (layer.ignore_index, layer.reduction, layer.label_smoothing);
+    cross_entropy("CrossEntropyLoss", input, target, &layer.weight, options)
+});
 
 /// [`CrossEntropyLoss`]'s computation, for `layer`: class-id or probability targets, with the
 /// class weights and `(ignore_index, reduction, label_smoothing)`.
@@ -311,7 +308,7 @@ impl NLLLoss {
     }
 }
 
-layer_forward!(NLLLoss, |layer, (input, target): (&Tensor, &Tensor)| {
+layer_forward!(NLLLoss, |layer, (input, target)| {
     let class_dim = usize::from(input.rank() > 1);
     let classes = input.dims().get(class_dim).copied().unwrap_or(0);
     let weight = class_weights("NLLLoss", &layer.weight, classes, input)?;
@@ -361,7 +358,7 @@ pub struct BCELoss {
 
 weighted_loss_constructors!(BCELoss, "broadcast to the input");
 
-layer_forward!(BCELoss, |layer, (input, target): (&Tensor, &Tensor)| {
+layer_forward!(BCELoss, |layer, (input, target)| {
     check_same_shape("BCELoss", target, input, "the target (the input's shape)")?;
     let log_x = input.log()?.maximum(-100f64)?;
     let log_1mx = input.affine(-1.0, 1.0)?.log()?.maximum(-100f64)?;
@@ -426,21 +423,18 @@ impl BCEWithLogitsLoss {
     }
 }
 
-layer_forward!(
-    BCEWithLogitsLoss,
-    |layer, (input, target): (&Tensor, &Tensor)| {
-        const LAYER: &str = "BCEWithLogitsLoss";
-        check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
-        // log σ(x) = -softplus(-x), stable for any x.
-        let mut log_sigmoid = softplus(&input.neg()?, 1.0, 20.0)?.neg()?;
-        if let Some(pw) = broadcast_buffer(LAYER, &layer.pos_weight, input)? {
-            let log_weight = ((pw - 1.0)? * target)?.affine(1.0, 1.0)?;
-            log_sigmoid = (log_sigmoid * log_weight)?;
-        }
-        let mut loss = ((target.affine(-1.0, 1.0)? * input)? - log_sigmoid)?;
-        if let Some(w) = broadcast_buffer(LAYER, &layer.weight, input)? {
-            loss = (loss * w)?;
-        }
-        layer.reduction.apply(loss)
+layer_forward!(BCEWithLogitsLoss, |layer, (input, target)| {
+    const LAYER: &str = "BCEWithLogitsLoss";
+    check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
+    // log σ(x) = -softplus(-x), stable for any x.
+    let mut log_sigmoid = softplus(&input.neg()?, 1.0, 20.0)?.neg()?;
+    if let Some(pw) = broadcast_buffer(LAYER, &layer.pos_weight, input)? {
+        let log_weight = ((pw - 1.0)? * target)?.affine(1.0, 1.0)?;
+        log_sigmoid = (log_sigmoid * log_weight)?;
     }
-);
+    let mut loss = ((target.affine(-1.0, 1.0)? * input)? - log_sigmoid)?;
+    if let Some(w) = broadcast_buffer(LAYER, &layer.weight, input)? {
+        loss = (loss * w)?;
+    }
+    layer.reduction.apply(loss)
+});

@@ -3,8 +3,6 @@
 
 use std::f64::consts::PI;
 
-use candle_core::Tensor;
-
 use crate::common::{input_shape_error, layer_forward};
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::Module;
@@ -49,31 +47,28 @@ impl PoissonNLLLoss {
     }
 }
 
-layer_forward!(
-    PoissonNLLLoss,
-    |layer, (input, target): (&Tensor, &Tensor)| {
-        check_same_shape(
-            "PoissonNLLLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        let mut loss = if layer.log_input {
-            (input.exp()? - (target * input)?)?
-        } else {
-            (input - (target * (input + layer.eps)?.log()?)?)?
-        };
-        if layer.full {
-            // ATen's masked Stirling term; the log reads 1 where it is masked, so no NaN enters.
-            let counted = target.gt(1f64)?;
-            let safe = counted.where_cond(target, &target.ones_like()?)?;
-            let stirling = (((&safe * safe.log()?)? - &safe)?
-                + safe.affine(2.0 * PI, 0.0)?.log()?.affine(0.5, 0.0)?)?;
-            loss = (loss + counted.where_cond(&stirling, &target.zeros_like()?)?)?;
-        }
-        layer.reduction.apply(loss)
+layer_forward!(PoissonNLLLoss, |layer, (input, target)| {
+    check_same_shape(
+        "PoissonNLLLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    let mut loss = if layer.log_input {
+        (input.exp()? - (target * input)?)?
+    } else {
+        (input - (target * (input + layer.eps)?.log()?)?)?
+    };
+    if layer.full {
+        // ATen's masked Stirling term; the log reads 1 where it is masked, so no NaN enters.
+        let counted = target.gt(1f64)?;
+        let safe = counted.where_cond(target, &target.ones_like()?)?;
+        let stirling = (((&safe * safe.log()?)? - &safe)?
+            + safe.affine(2.0 * PI, 0.0)?.log()?.affine(0.5, 0.0)?)?;
+        loss = (loss + counted.where_cond(&stirling, &target.zeros_like()?)?)?;
     }
-);
+    layer.reduction.apply(loss)
+});
 
 /// The negative log-likelihood of `target` under Gaussians of mean `input` and variance `var`:
 /// `(log(var) + (input - target)² / var) / 2`, plus `log(2π) / 2` when `full`, reduced. PyTorch's
@@ -118,12 +113,7 @@ impl GaussianNLLLoss {
     }
 }
 
-layer_forward!(GaussianNLLLoss, |layer,
-                                 (input, target, var): (
-    &Tensor,
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(GaussianNLLLoss, |layer, (input, target, var)| {
     const LAYER: &str = "GaussianNLLLoss";
     check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
     let dims = input.dims();

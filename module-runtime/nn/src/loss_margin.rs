@@ -50,23 +50,20 @@ impl HingeEmbeddingLoss {
     }
 }
 
-layer_forward!(
-    HingeEmbeddingLoss,
-    |layer, (input, target): (&Tensor, &Tensor)| {
-        check_same_shape(
-            "HingeEmbeddingLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        // ATen's formula: the margin term where target != 1, the input where target != -1.
-        let zeros = input.zeros_like()?;
-        let margin = clamp_min_zero(&input.affine(-1.0, layer.margin)?)?;
-        let margin = target.ne(1f64)?.where_cond(&margin, &zeros)?;
-        let own = target.ne(-1f64)?.where_cond(input, &zeros)?;
-        layer.reduction.apply((margin + own)?)
-    }
-);
+layer_forward!(HingeEmbeddingLoss, |layer, (input, target)| {
+    check_same_shape(
+        "HingeEmbeddingLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    // ATen's formula: the margin term where target != 1, the input where target != -1.
+    let zeros = input.zeros_like()?;
+    let margin = clamp_min_zero(&input.affine(-1.0, layer.margin)?)?;
+    let margin = target.ne(1f64)?.where_cond(&margin, &zeros)?;
+    let own = target.ne(-1f64)?.where_cond(input, &zeros)?;
+    layer.reduction.apply((margin + own)?)
+});
 
 /// `log(1 + exp(-y x))` of scores `x` and targets `y` of ±1 of one shape, reduced: PyTorch's
 /// `nn.SoftMarginLoss(reduction='mean')`. Computed without overflow.
@@ -94,19 +91,16 @@ impl SoftMarginLoss {
     }
 }
 
-layer_forward!(
-    SoftMarginLoss,
-    |layer, (input, target): (&Tensor, &Tensor)| {
-        check_same_shape(
-            "SoftMarginLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        let margin = (input * target.to_dtype(input.dtype())?)?.neg()?;
-        layer.reduction.apply(softplus(&margin, 1.0, 20.0)?)
-    }
-);
+layer_forward!(SoftMarginLoss, |layer, (input, target)| {
+    check_same_shape(
+        "SoftMarginLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    let margin = (input * target.to_dtype(input.dtype())?)?.neg()?;
+    layer.reduction.apply(softplus(&margin, 1.0, 20.0)?)
+});
 
 /// One binary cross-entropy per class from logits, averaged over the classes of each sample:
 /// `-(y log σ(x) + (1 - y) log σ(-x))`, times `weight`, mean over `C`, then reduced over the
@@ -128,11 +122,7 @@ pub struct MultiLabelSoftMarginLoss {
 
 weighted_loss_constructors!(MultiLabelSoftMarginLoss, "`[C]`");
 
-layer_forward!(MultiLabelSoftMarginLoss, |layer,
-                                          (input, target): (
-    &Tensor,
-    &Tensor
-)| {
+layer_forward!(MultiLabelSoftMarginLoss, |layer, (input, target)| {
     const LAYER: &str = "MultiLabelSoftMarginLoss";
     check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
     if !matches!(input.rank(), 1 | 2) {

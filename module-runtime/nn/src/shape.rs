@@ -151,36 +151,30 @@ layer_forward!(Unflatten, |layer, x| {
     Ok(x.reshape(shape)?)
 });
 
-/// Moves channels into space: `[*, C·r², H, W]` to `[*, C, H·r, W·r]` with `r =
-/// upscale_factor`, PyTorch's `nn.PixelShuffle(upscale_factor)` (sub-pixel convolution). Output
-/// pixel `(h·r + i, w·r + j)` of channel `c` is input channel `c·r² + i·r + j` at `(h, w)`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{PixelShuffle, PixelUnshuffle};
-/// let x = Tensor::arange(0f32, 16., &Device::Cpu)?.reshape((1, 4, 2, 2))?;
-/// let y = PixelShuffle::new(2).call(&x)?;
-/// assert_eq!(y.dims(), [1, 1, 4, 4]);
-/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?[..4], [0., 4., 1., 5.]);
-/// let back = PixelUnshuffle::new(2).call(&y)?;
-/// assert_eq!(back.flatten_all()?.to_vec1::<f32>()?, x.flatten_all()?.to_vec1::<f32>()?);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`PixelShufflePath`], from [`PixelShuffle::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct PixelShuffle {
-    /// `r`: the factor by which height and width grow.
-    pub upscale_factor: usize,
-}
-
-impl PixelShuffle {
-    /// Upscales by `upscale_factor`.
-    pub fn new(upscale_factor: usize) -> Self {
-        Self { upscale_factor }
+config_layer! {
+    /// Moves channels into space: `[*, C·r², H, W]` to `[*, C, H·r, W·r]` with `r =
+    /// upscale_factor`, PyTorch's `nn.PixelShuffle(upscale_factor)` (sub-pixel convolution). Output
+    /// pixel `(h·r + i, w·r + j)` of channel `c` is input channel `c·r² + i·r + j` at `(h, w)`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::{PixelShuffle, PixelUnshuffle};
+    /// let x = Tensor::arange(0f32, 16., &Device::Cpu)?.reshape((1, 4, 2, 2))?;
+    /// let y = PixelShuffle::new(2).call(&x)?;
+    /// assert_eq!(y.dims(), [1, 1, 4, 4]);
+    /// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?[..4], [0., 4., 1., 5.]);
+    /// let back = PixelUnshuffle::new(2).call(&y)?;
+    /// assert_eq!(back.flatten_all()?.to_vec1::<f32>()?, x.flatten_all()?.to_vec1::<f32>()?);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`PixelShufflePath`], from [`PixelShuffle::path`] (`#[module(paths)]`).
+    pub struct PixelShuffle {
+        /// `r`: the factor by which height and width grow.
+        pub upscale_factor: usize,
     }
+    /// Upscales by `upscale_factor`.
+    new
 }
 
 /// The leading (batch) dimensions of `x` and its last three, if it has at least three.
@@ -206,25 +200,19 @@ layer_forward!(PixelShuffle, |layer, x| {
     Ok(y.reshape(out)?)
 });
 
-/// Moves space into channels: `[*, C, H·r, W·r]` to `[*, C·r², H, W]` with `r =
-/// downscale_factor`, PyTorch's `nn.PixelUnshuffle(downscale_factor)`, the inverse of
-/// [`PixelShuffle`].
-///
-/// Typed paths into it: [`PixelUnshufflePath`], from [`PixelUnshuffle::path`]
-/// (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct PixelUnshuffle {
-    /// `r`: the factor by which height and width shrink.
-    pub downscale_factor: usize,
-}
-
-impl PixelUnshuffle {
-    /// Downscales by `downscale_factor`.
-    pub fn new(downscale_factor: usize) -> Self {
-        Self { downscale_factor }
+config_layer! {
+    /// Moves space into channels: `[*, C, H·r, W·r]` to `[*, C·r², H, W]` with `r =
+    /// downscale_factor`, PyTorch's `nn.PixelUnshuffle(downscale_factor)`, the inverse of
+    /// [`PixelShuffle`].
+    ///
+    /// Typed paths into it: [`PixelUnshufflePath`], from [`PixelUnshuffle::path`]
+    /// (`#[module(paths)]`).
+    pub struct PixelUnshuffle {
+        /// `r`: the factor by which height and width shrink.
+        pub downscale_factor: usize,
     }
+    /// Downscales by `downscale_factor`.
+    new
 }
 
 layer_forward!(PixelUnshuffle, |layer, x| {
@@ -243,24 +231,18 @@ layer_forward!(PixelUnshuffle, |layer, x| {
     Ok(y.reshape(out)?)
 });
 
-/// Interleaves the channels of `groups` groups: `[N, C, *]` viewed as `[N, groups, C / groups, *]`,
-/// transposed to `[N, C / groups, groups, *]`, and flattened back (ShuffleNet's shuffle):
-/// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
-///
-/// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ChannelShuffle {
-    /// The number of groups the channels are split into.
-    pub groups: usize,
-}
-
-impl ChannelShuffle {
-    /// Shuffles `groups` groups of channels.
-    pub fn new(groups: usize) -> Self {
-        Self { groups }
+config_layer! {
+    /// Interleaves the channels of `groups` groups: `[N, C, *]` viewed as `[N, groups, C / groups, *]`,
+    /// transposed to `[N, C / groups, groups, *]`, and flattened back (ShuffleNet's shuffle):
+    /// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
+    ///
+    /// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
+    pub struct ChannelShuffle {
+        /// The number of groups the channels are split into.
+        pub groups: usize,
     }
+    /// Shuffles `groups` groups of channels.
+    new
 }
 
 layer_forward!(ChannelShuffle, |layer, x| {
