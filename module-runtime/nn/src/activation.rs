@@ -11,7 +11,9 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::common::{config_layer, forward_by_value, layer_forward, resolve_dim, unit_layer};
+use crate::common::{
+    config_layer, forward_by_value, layer_forward, layer_repr, resolve_dim, unit_layer,
+};
 use crate::error::Result;
 use crate::fused_grad;
 use crate::{Forward, Module};
@@ -55,6 +57,7 @@ pub enum GeluApproximation {
 #[derive(Module, Clone, Debug, Default)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct GELU {
     /// Which formula to use.
     #[module(skip)]
@@ -234,6 +237,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Softmax {
         /// The dimension the probabilities sum to one along (negative counts from the end).
         pub dim: isize,
@@ -247,11 +251,14 @@ layer_forward!(Softmax, |layer, x| softmax(
     resolve_dim(x, layer.dim, "softmax")?
 ));
 
+layer_repr!(Softmax: dim);
+
 config_layer! {
     /// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
     /// the same shape out; negative `dim` counts from the end.
     ///
     /// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct LogSoftmax {
         /// The dimension to normalize along (negative counts from the end).
         pub dim: isize,
@@ -264,6 +271,8 @@ layer_forward!(LogSoftmax, |layer, x| log_softmax(
     x,
     resolve_dim(x, layer.dim, "log_softmax")?
 ));
+
+layer_repr!(LogSoftmax: dim);
 
 /// Any of this module's activations, chosen at run time (from a config file, say).
 ///
@@ -352,6 +361,11 @@ layer_forward!(Activation, |layer, x| {
         Self::Softmax(m) => m.forward(x),
         Self::LogSoftmax(m) => m.forward(x),
     }
+});
+
+layer_repr!(GELU, |layer| match layer.approximate {
+    GeluApproximation::None => "approximate='none'".into(),
+    GeluApproximation::Tanh => "approximate='tanh'".into(),
 });
 
 forward_by_value!(ReLU, GELU, SiLU, Sigmoid, Tanh, Softmax, LogSoftmax, Activation);

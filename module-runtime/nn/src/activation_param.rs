@@ -5,7 +5,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::activation::softmax;
 use crate::common::{
-    config_layer, forward_by_value, input_shape_error, layer_forward, resolve_dim, unit_layer,
+    config_layer, forward_by_value, input_shape_error, layer_forward, layer_repr, resolve_dim,
+    unit_layer,
 };
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -51,6 +52,7 @@ impl Default for PReLUConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct PReLU {
     /// `[num_parameters]`: the slopes of negative inputs.
     pub weight: Param,
@@ -111,6 +113,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`GLUPath`], from [`GLU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct GLU {
         /// The dimension split in halves (negative counts from the end; PyTorch's default -1).
         pub dim: isize = -1,
@@ -130,6 +133,8 @@ layer_forward!(GLU, |layer, x| {
     let gate = candle_nn::ops::sigmoid(&x.narrow(dim, half, half)?)?;
     Ok((x.narrow(dim, 0, half)? * gate)?)
 });
+
+layer_repr!(GLU: dim);
 
 config_layer! {
     /// `softmax(-x)` along `dim`: PyTorch's `nn.Softmin(dim)`. Any shape in, the same shape out.
@@ -170,5 +175,10 @@ layer_forward!(Softmax2d, |_, x| {
     }
     softmax(x, x.rank() - 3)
 });
+
+layer_repr!(PReLU, |layer| format!(
+    "num_parameters={}",
+    layer.weight.shape().elem_count()
+));
 
 forward_by_value!(PReLU, GLU, Softmin, Softmax2d);

@@ -14,7 +14,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::{config_layer, forward_by_value, layer_forward, unit_layer};
+use crate::common::{config_layer, forward_by_value, layer_forward, layer_repr, unit_layer};
 use crate::error::Result;
 use crate::{Mode, Module};
 
@@ -57,6 +57,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`LeakyReLUPath`], from [`LeakyReLU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct LeakyReLU {
         /// The slope for negative inputs (PyTorch's default 0.01).
         pub negative_slope: f64 = 0.01,
@@ -70,11 +71,14 @@ layer_forward!(LeakyReLU, |layer, x| {
     Ok(x.gt(0f64)?.where_cond(x, &scaled)?)
 });
 
+layer_repr!(LeakyReLU: negative_slope);
+
 config_layer! {
     /// The exponential linear unit: `x` where `x > 0`, `alpha (eˣ - 1)` elsewhere. PyTorch's
     /// `nn.ELU(alpha=1.0)`.
     ///
     /// Typed paths into it: [`ELUPath`], from [`ELU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct ELU {
         /// The value the negative branch tends to, negated (PyTorch's default 1.0).
         pub alpha: f64 = 1.0,
@@ -84,6 +88,8 @@ config_layer! {
 }
 
 layer_forward!(ELU, |layer, x| exponential_unit(x, layer.alpha, 1.0));
+
+layer_repr!(ELU: alpha);
 
 /// PyTorch's `SELU` constants (Klambauer et al., 2017), as `torch.nn.functional.selu` spells them.
 const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
@@ -106,6 +112,7 @@ config_layer! {
     /// PyTorch's `nn.CELU(alpha=1.0)`.
     ///
     /// Typed paths into it: [`CELUPath`], from [`CELU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct CELU {
         /// The scale of the negative branch (PyTorch's default 1.0).
         pub alpha: f64 = 1.0,
@@ -120,6 +127,8 @@ layer_forward!(CELU, |layer, x| exponential_unit(
     layer.alpha
 ));
 
+layer_repr!(CELU: alpha);
+
 config_layer! {
     /// `x` clamped to `[min_val, max_val]`: PyTorch's `nn.Hardtanh(min_val=-1.0, max_val=1.0)`. The
     /// gradient is 1 strictly inside the range and 0 outside, as in PyTorch.
@@ -133,6 +142,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`HardtanhPath`], from [`Hardtanh::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Hardtanh {
         /// The lower end of the range (PyTorch's default -1.0).
         pub min_val: f64 = -1.0,
@@ -148,6 +158,8 @@ layer_forward!(Hardtanh, |layer, x| hardtanh(
     layer.min_val,
     layer.max_val
 ));
+
+layer_repr!(Hardtanh: min_val, max_val);
 
 unit_layer! {
     /// `min(max(x, 0), 6)`: PyTorch's `nn.ReLU6` (a `Hardtanh` on `[0, 6]`, with its gradient: 0 at

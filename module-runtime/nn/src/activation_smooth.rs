@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::{config_layer, forward_by_value, layer_forward, unit_layer};
+use crate::common::{config_layer, forward_by_value, layer_forward, layer_repr, unit_layer};
 use crate::error::Result;
 
 /// `log(1 + exp(beta · x)) / beta`, and `x` where `beta · x > threshold` (PyTorch's
@@ -35,6 +35,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`SoftplusPath`], from [`Softplus::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Softplus {
         /// The sharpness (PyTorch's default 1.0).
         pub beta: f64 = 1.0,
@@ -50,6 +51,8 @@ layer_forward!(Softplus, |layer, x| softplus(
     layer.beta,
     layer.threshold
 ));
+
+layer_repr!(Softplus: beta, threshold);
 
 unit_layer! {
     /// `log σ(x) = -softplus(-x)`, computed without overflow: PyTorch's `nn.LogSigmoid`.

@@ -8,6 +8,7 @@ use crate::common::{fit_buffer, fit_param, forward_by_value, input_shape_error, 
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Buffer, Forward, Init, LazyShape, Mode, Module, Param};
+use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How a batch norm is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -72,6 +73,7 @@ impl Default for BatchNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct BatchNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,
@@ -412,6 +414,22 @@ impl<const D: usize> Forward<&Tensor> for LazyBatchNorm<D> {
             }
         }
         self.norm.forward(x)
+    }
+}
+
+impl<const D: usize> ExtraRepr for BatchNorm<D> {
+    fn extra_repr(&self) -> String {
+        let features = (self.weight.as_ref().map(Param::shape))
+            .or(self.running_mean.as_ref().map(Buffer::shape))
+            .map_or(0, |s| s.elem_count());
+        let momentum = self.momentum.map_or("None".into(), py_float);
+        let affine = py_bool(self.weight.is_some());
+        let track = py_bool(self.running_mean.is_some());
+        let eps = py_float(self.eps);
+        format!(
+            "{features}, eps={eps}, momentum={momentum}, affine={affine}, bias={affine}, \
+             track_running_stats={track}"
+        )
     }
 }
 

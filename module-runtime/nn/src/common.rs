@@ -7,7 +7,9 @@ use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, D};
 
 use crate::error::{Error, Result};
 // The layer macros, where the layers' files have always found them.
-pub(crate) use crate::layer_macros::{config_layer, forward_by_value, layer_forward, unit_layer};
+pub(crate) use crate::layer_macros::{
+    config_layer, forward_by_value, layer_forward, layer_repr, unit_layer,
+};
 use crate::{Buffer, Init, LazyShape, Param};
 
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
@@ -447,5 +449,35 @@ mod tests {
         let built = Shape::from((4, 5, 3));
         assert_eq!(fit_dims(None, built.clone(), Some((1, 2))), [4, 2, 3]);
         assert_eq!(fit_dims(None, built, None), [4, 5, 3]);
+    }
+}
+
+/// A configuration value as Python prints it in a layer's `extra_repr`.
+pub(crate) trait PyValue {
+    /// Python's `repr` of the value.
+    fn py(&self) -> String;
+}
+
+impl PyValue for f64 {
+    fn py(&self) -> String {
+        module_core::py_float(*self)
+    }
+}
+
+impl PyValue for isize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for usize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for bool {
+    fn py(&self) -> String {
+        module_core::py_bool(*self).to_owned()
     }
 }

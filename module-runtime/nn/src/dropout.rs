@@ -2,9 +2,11 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::common::layer_repr;
 use crate::common::{forward_by_value, layer_forward};
 use crate::fused_grad;
 use crate::{Mode, Module};
+use module_core::py_float;
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
 ///
@@ -28,6 +30,7 @@ use crate::{Mode, Module};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Dropout {
     /// Probability of zeroing an element, in `[0, 1]`.
     pub p: f64,
@@ -70,6 +73,11 @@ layer_forward!(Dropout, |layer, x| {
     let mask = (keep * (1.0 / (1.0 - layer.p)))?.to_dtype(x.dtype())?;
     Ok(x.mul(&mask)?)
 });
+
+layer_repr!(Dropout, |layer| format!(
+    "p={}, inplace=False",
+    py_float(layer.p)
+));
 
 forward_by_value!(Dropout);
 

@@ -27,6 +27,7 @@ use crate::{Forward, Module, Param};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Param,
@@ -103,6 +104,13 @@ impl Forward<&Tensor> for Embedding {
         let mut dims = ids.dims().to_vec();
         dims.push(weight.dim(1)?);
         Ok(rows.reshape(dims)?)
+    }
+}
+
+impl module_core::ExtraRepr for Embedding {
+    fn extra_repr(&self) -> String {
+        let dims = self.weight.shape().dims().to_vec();
+        format!("{}, {}", dims[0], dims.get(1).copied().unwrap_or(0))
     }
 }
 

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device};
 
+use crate::common::layer_repr;
 use crate::common::{
     compute_dtype, forward_by_value, input_shape_error, layer_forward, per_channel,
     standardize_last_dim,
@@ -10,6 +11,7 @@ use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::Init;
 use crate::{Module, Param};
+use module_core::{py_bool, py_float};
 
 /// How a [`GroupNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -53,6 +55,7 @@ impl Default for GroupNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct GroupNorm {
     /// `[num_channels]`, if affine.
     pub weight: Option<Param>,
@@ -127,6 +130,13 @@ layer_forward!(GroupNorm, |layer, x| {
         y = y.broadcast_add(&per_channel(&b.tensor()?, dims.len())?)?;
     }
     Ok(y)
+});
+
+layer_repr!(GroupNorm, |layer| {
+    let affine = py_bool(layer.weight.is_some());
+    let eps = py_float(layer.eps);
+    let (groups, channels) = (layer.num_groups, layer.num_channels);
+    format!("{groups}, {channels}, eps={eps}, affine={affine}, bias={affine}")
 });
 
 forward_by_value!(GroupNorm);

@@ -50,10 +50,10 @@ macro_rules! config_layer {
         }
         $(#[$new_meta:meta])* $new:ident
     ) => {
-        $(#[$meta])*
         #[derive(module_derive::Module, Clone, Debug)]
         #[module(crate = module_core)]
         #[module(paths)]
+        $(#[$meta])*
         pub struct $ty {
             $($(#[$fmeta])* pub $field: $fty),+
         }
@@ -160,3 +160,27 @@ macro_rules! unit_layer {
     };
 }
 pub(crate) use unit_layer;
+
+/// The layer's [`ExtraRepr`](module_core::ExtraRepr) (what `print(model)` shows inside its
+/// parentheses), for a type marked `#[module(extra_repr)]`: `layer_repr!(Ty, |layer| text)`, or
+/// `layer_repr!(Ty: field, ..)` for PyTorch's `field=value, ..` with Python's spelling of the
+/// values (`negative_slope=0.01`, `dim=-1`, `inplace=False`).
+macro_rules! layer_repr {
+    ($ty:ty, |$layer:pat_param| $body:expr) => {
+        impl module_core::ExtraRepr for $ty {
+            fn extra_repr(&self) -> String {
+                let $layer = self;
+                $body
+            }
+        }
+    };
+    ($ty:ty: $($field:ident),+) => {
+        $crate::layer_macros::layer_repr!($ty, |layer| {
+            let fields = [$(
+                format!("{}={}", stringify!($field), $crate::common::PyValue::py(&layer.$field))
+            ),+];
+            fields.join(", ")
+        });
+    };
+}
+pub(crate) use layer_repr;

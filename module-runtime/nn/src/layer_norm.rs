@@ -6,6 +6,7 @@
 
 use candle_core::{DType, Device, Shape, Tensor, D};
 
+use crate::common::layer_repr;
 use crate::common::{
     compute_dtype, forward_by_value, input_shape_error, layer_forward, layer_param, lazy_param,
     param_tensor, standardize_last_dim,
@@ -15,6 +16,7 @@ use crate::error::Result;
 use crate::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
 use crate::fused_grad;
 use crate::{Init, Module, ModuleExt, Param};
+use module_core::{py_bool, py_float, py_tuple};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
 /// defaults.
@@ -79,6 +81,7 @@ impl LayerNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct LayerNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,
@@ -452,6 +455,14 @@ layer_forward!(RmsNorm, |layer, x| {
         }
     };
     Ok(y.reshape(x.shape())?)
+});
+
+layer_repr!(LayerNorm, |layer| {
+    let shape = py_tuple(&layer.normalized_shape);
+    let affine = py_bool(layer.weight.is_some());
+    let bias = py_bool(layer.bias.is_some());
+    let eps = py_float(layer.eps);
+    format!("{shape}, eps={eps}, elementwise_affine={affine}, bias={bias}")
 });
 
 forward_by_value!(LayerNorm, LazyLayerNorm, RmsNorm);

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::common::layer_repr;
 use crate::common::{
     add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, layer_forward,
     lazy_param, param_tensor, uniform_fan_in,
@@ -13,6 +14,7 @@ use crate::fused::{
 };
 use crate::fused_grad;
 use crate::{Init, Module, ModuleExt, Param};
+use module_core::py_bool;
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -32,6 +34,7 @@ use crate::{Init, Module, ModuleExt, Param};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Linear {
     /// `[out_features, in_features]`.
     pub weight: Param,
@@ -321,6 +324,16 @@ impl std::ops::Deref for LazyLinear {
 layer_forward!(LazyLinear, |layer, x| {
     layer.fit(x)?;
     layer.linear.forward(x)
+});
+
+layer_repr!(Linear, |layer| {
+    let dims = layer.weight.shape().dims().to_vec();
+    format!(
+        "in_features={}, out_features={}, bias={}",
+        dims.get(1).copied().unwrap_or(0),
+        dims.first().copied().unwrap_or(0),
+        py_bool(layer.bias.is_some())
+    )
 });
 
 forward_by_value!(Linear, LazyLinear);

@@ -6,7 +6,7 @@
 use candle_core::Tensor;
 
 use crate::common::{
-    config_layer, forward_by_value, input_shape_error, layer_forward, resolve_dim,
+    config_layer, forward_by_value, input_shape_error, layer_forward, layer_repr, resolve_dim,
 };
 use crate::{Mode, Module};
 
@@ -54,6 +54,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`FlattenPath`], from [`Flatten::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Flatten {
         /// The first dimension merged (PyTorch's default 1).
         pub start_dim: isize = 1,
@@ -76,6 +77,8 @@ layer_forward!(Flatten, |layer, x| {
     }
     Ok(x.flatten(start, end)?)
 });
+
+layer_repr!(Flatten: start_dim, end_dim);
 
 /// Splits dimension `dim` into `unflattened_size`: PyTorch's `nn.Unflatten(dim,
 /// unflattened_size)`, the inverse of [`Flatten`]. One size may be `-1`, inferred from the others;
@@ -169,6 +172,7 @@ config_layer! {
     /// ```
     ///
     /// Typed paths into it: [`PixelShufflePath`], from [`PixelShuffle::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct PixelShuffle {
         /// `r`: the factor by which height and width grow.
         pub upscale_factor: usize,
@@ -199,6 +203,8 @@ layer_forward!(PixelShuffle, |layer, x| {
     let out: Vec<usize> = [lead, &[c_out, h * r, w * r]].concat();
     Ok(y.reshape(out)?)
 });
+
+layer_repr!(PixelShuffle: upscale_factor);
 
 config_layer! {
     /// Moves space into channels: `[*, C, H·r, W·r]` to `[*, C·r², H, W]` with `r =

@@ -139,6 +139,12 @@ impl<M: Module> Module for Box<M> {
     fn type_name(&self) -> &'static str {
         (**self).type_name()
     }
+    fn extra_repr(&self) -> String {
+        (**self).extra_repr()
+    }
+    fn __repr_collapses_repeats(&self) -> bool {
+        (**self).__repr_collapses_repeats()
+    }
     fn as_child(&self) -> Child<'_> {
         (**self).as_child()
     }
@@ -173,6 +179,12 @@ impl<M: Module> Module for Arc<M> {
     }
     fn type_name(&self) -> &'static str {
         (**self).type_name()
+    }
+    fn extra_repr(&self) -> String {
+        (**self).extra_repr()
+    }
+    fn __repr_collapses_repeats(&self) -> bool {
+        (**self).__repr_collapses_repeats()
     }
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         (**self).extra_state()

@@ -153,6 +153,13 @@ impl<M: Module> fmt::Debug for ModuleDict<M> {
     }
 }
 
+/// `print(model)`: PyTorch's repr (see [`module_repr`](module_core::module_repr)).
+impl<M: Module> std::fmt::Display for ModuleDict<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&module_core::module_repr(self))
+    }
+}
+
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleDict<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {

@@ -129,10 +129,21 @@ impl<M: Module> fmt::Debug for ModuleList<M> {
     }
 }
 
+/// `print(model)`: PyTorch's repr (see [`module_repr`](module_core::module_repr)).
+impl<M: Module> std::fmt::Display for ModuleList<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&module_core::module_repr(self))
+    }
+}
+
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleList<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         self.items.visit_children(f);
+    }
+
+    fn __repr_collapses_repeats(&self) -> bool {
+        true
     }
 
     fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {

@@ -264,6 +264,13 @@ impl fmt::Debug for Sequential {
     }
 }
 
+/// `print(model)`: PyTorch's repr (see [`module_repr`](module_core::module_repr)).
+impl std::fmt::Display for Sequential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&module_core::module_repr(self))
+    }
+}
+
 #[diagnostic::do_not_recommend]
 impl Module for Sequential {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {

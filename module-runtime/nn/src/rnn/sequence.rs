@@ -8,9 +8,12 @@ use candle_core::{DType, Device, Tensor};
 
 use super::gates::{check_state, Gates, GruGates, LstmGates};
 use super::weights::{LayerWeights, StackedWeights};
+use std::fmt::Write;
+
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Mode, Module, Recurrent};
+use module_core::{py_float, ExtraRepr};
 
 /// How an [`Lstm`] or a [`Gru`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -62,6 +65,7 @@ impl Default for RnnConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct RnnBase<G> {
     #[module(flatten)]
     weights: StackedWeights,
@@ -325,6 +329,25 @@ impl Forward<(&Tensor, &Tensor)> for Gru {
     /// From the state `h0` `[num_layers, B, H]`.
     fn forward(&self, (x, h0): (&Tensor, &Tensor)) -> Result<Self::Output> {
         self.run_forward(x, Some(vec![h0.clone()]))
+    }
+}
+
+impl<G: Gates> ExtraRepr for RnnBase<G> {
+    fn extra_repr(&self) -> String {
+        let mut s = format!("{}, {}", self.input_size(), self.hidden_size);
+        if self.num_layers() != 1 {
+            let _ = write!(s, ", num_layers={}", self.num_layers());
+        }
+        if !self.first_layer().has_bias() {
+            s.push_str(", bias=False");
+        }
+        if self.batch_first {
+            s.push_str(", batch_first=True");
+        }
+        if self.dropout != 0.0 {
+            let _ = write!(s, ", dropout={}", py_float(self.dropout));
+        }
+        s
     }
 }
 

@@ -43,6 +43,11 @@ impl LayerWeights {
     }
 
     /// The input size, from `weight_ih` `[G·H, in]`.
+    /// Whether the layer has the biases `bias_ih` and `bias_hh`.
+    pub(super) fn has_bias(&self) -> bool {
+        self.bias_ih.is_some()
+    }
+
     pub(super) fn input_size(&self) -> usize {
         self.weight_ih.shape().dims().get(1).copied().unwrap_or(0)
     }
