@@ -100,7 +100,8 @@ pub use module_state::{Checkpoint, IncompatibleKeys, LoadOptions, LoadPostHookFn
 /// The documentation below (`module_derive`'s, whose examples are its doctests) shows what the
 /// derive lists and how it names it, then each attribute with a runnable example: on fields
 /// `#[module(skip)]`, `#[module(rename = "…")]` and `#[module(flatten)]`; on the type
-/// `#[module(extra_state)]` (with [`ExtraState`]), `#[module(paths)]` ([`typed_path`]),
+/// `#[module(extra_state)]` (with [`ExtraState`]), `#[module(extra_repr)]` (with [`ExtraRepr`]),
+/// `#[module(no_display)]`, `#[module(paths)]` ([`typed_path`]),
 /// `#[module(bound = "…")]` and `#[module(crate = path)]`; then tuple structs, enums and generics.
 /// The examples read the names through [`ModuleExt`] (`named_parameters`, `named_modules`,
 /// `state_dict`).

@@ -58,6 +58,7 @@ pub trait ExtraRepr {
 ///
 /// ```
 /// use module_runtime::prelude::*;
+/// use module_runtime::nn::ReLU;
 ///
 /// #[derive(Module)]
 /// struct Net {

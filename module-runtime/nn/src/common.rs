@@ -388,6 +388,36 @@ fn check_fit(
     })
 }
 
+/// A configuration value as Python prints it in a layer's `extra_repr`.
+pub(crate) trait PyValue {
+    /// Python's `repr` of the value.
+    fn py(&self) -> String;
+}
+
+impl PyValue for f64 {
+    fn py(&self) -> String {
+        module_core::py_float(*self)
+    }
+}
+
+impl PyValue for isize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for usize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for bool {
+    fn py(&self) -> String {
+        module_core::py_bool(*self).to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// The in-place bias add gives `broadcast_add`'s values bit for bit, along any dimension.
@@ -449,35 +479,5 @@ mod tests {
         let built = Shape::from((4, 5, 3));
         assert_eq!(fit_dims(None, built.clone(), Some((1, 2))), [4, 2, 3]);
         assert_eq!(fit_dims(None, built, None), [4, 5, 3]);
-    }
-}
-
-/// A configuration value as Python prints it in a layer's `extra_repr`.
-pub(crate) trait PyValue {
-    /// Python's `repr` of the value.
-    fn py(&self) -> String;
-}
-
-impl PyValue for f64 {
-    fn py(&self) -> String {
-        module_core::py_float(*self)
-    }
-}
-
-impl PyValue for isize {
-    fn py(&self) -> String {
-        self.to_string()
-    }
-}
-
-impl PyValue for usize {
-    fn py(&self) -> String {
-        self.to_string()
-    }
-}
-
-impl PyValue for bool {
-    fn py(&self) -> String {
-        module_core::py_bool(*self).to_owned()
     }
 }
