@@ -184,3 +184,17 @@ macro_rules! layer_repr {
     };
 }
 pub(crate) use layer_repr;
+
+/// `Display` as PyTorch's `print(model)` ([`module_repr`](module_core::module_repr)), for a
+/// module that implements `Module` by hand (the derive writes it for the others):
+/// `display_as_repr!(impl<M: Module> for ModuleList<M>)`.
+macro_rules! display_as_repr {
+    (impl$(<$g:ident: $bound:path>)? for $ty:ty) => {
+        impl$(<$g: $bound>)? std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&module_core::module_repr(self))
+            }
+        }
+    };
+}
+pub(crate) use display_as_repr;

@@ -129,12 +129,8 @@ impl<M: Module> fmt::Debug for ModuleList<M> {
     }
 }
 
-/// `print(model)`: PyTorch's repr (see [`module_repr`](module_core::module_repr)).
-impl<M: Module> std::fmt::Display for ModuleList<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&module_core::module_repr(self))
-    }
-}
+// `print(model)`: PyTorch's repr.
+crate::layer_macros::display_as_repr!(impl<M: Module> for ModuleList<M>);
 
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleList<M> {

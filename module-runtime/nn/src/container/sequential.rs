@@ -264,12 +264,8 @@ impl fmt::Debug for Sequential {
     }
 }
 
-/// `print(model)`: PyTorch's repr (see [`module_repr`](module_core::module_repr)).
-impl std::fmt::Display for Sequential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&module_core::module_repr(self))
-    }
-}
+// `print(model)`: PyTorch's repr.
+crate::layer_macros::display_as_repr!(impl for Sequential);
 
 #[diagnostic::do_not_recommend]
 impl Module for Sequential {
