@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, D};
 use crate::error::{Error, Result};
 // The layer macros, where the layers' files have always found them.
 pub(crate) use crate::layer_macros::{
-    config_layer, forward_by_value, layer_forward, layer_repr, unit_layer,
+    config_layer, default_new, forward_by_value, layer_forward, layer_repr, unit_layer,
 };
 use crate::{Buffer, Init, LazyShape, Param};
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 
-use crate::common::{config_layer, input_shape_error, layer_forward, resolve_dim};
+use crate::common::{config_layer, default_new, input_shape_error, layer_forward, resolve_dim};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::Module;
@@ -220,11 +220,9 @@ impl Default for TripletMarginLoss {
     }
 }
 
-impl TripletMarginLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    TripletMarginLoss
 }
 
 layer_forward!(TripletMarginLoss, |layer, (a, p, n)| {
@@ -335,11 +333,9 @@ impl fmt::Debug for TripletMarginWithDistanceLoss {
     }
 }
 
-impl TripletMarginWithDistanceLoss {
+default_new! {
     /// PyTorch's defaults: the Euclidean distance, margin 1, no swap, mean.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    TripletMarginWithDistanceLoss
 }
 
 layer_forward!(TripletMarginWithDistanceLoss, |layer, (a, p, n)| {

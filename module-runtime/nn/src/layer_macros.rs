@@ -198,3 +198,17 @@ macro_rules! display_as_repr {
     };
 }
 pub(crate) use display_as_repr;
+
+/// `new()`, the layer with its `Default` (PyTorch's defaults), for a layer that implements
+/// `Default` itself: `default_new! { /// The constructor's doc. Ty }`.
+macro_rules! default_new {
+    ($(#[$meta:meta])* $ty:ident) => {
+        impl $ty {
+            $(#[$meta])*
+            pub fn new() -> Self {
+                Self::default()
+            }
+        }
+    };
+}
+pub(crate) use default_new;

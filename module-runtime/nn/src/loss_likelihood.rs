@@ -3,7 +3,7 @@
 
 use std::f64::consts::PI;
 
-use crate::common::{input_shape_error, layer_forward};
+use crate::common::{default_new, input_shape_error, layer_forward};
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::Module;
 
@@ -40,11 +40,9 @@ impl Default for PoissonNLLLoss {
     }
 }
 
-impl PoissonNLLLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    PoissonNLLLoss
 }
 
 layer_forward!(PoissonNLLLoss, |layer, (input, target)| {
@@ -106,11 +104,9 @@ impl Default for GaussianNLLLoss {
     }
 }
 
-impl GaussianNLLLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    GaussianNLLLoss
 }
 
 layer_forward!(GaussianNLLLoss, |layer, (input, target, var)| {

@@ -6,7 +6,8 @@
 use candle_core::Tensor;
 
 use crate::common::{
-    config_layer, forward_by_value, input_shape_error, layer_forward, layer_repr, resolve_dim,
+    config_layer, default_new, forward_by_value, input_shape_error, layer_forward, layer_repr,
+    resolve_dim,
 };
 use crate::{Mode, Module};
 
@@ -31,11 +32,9 @@ pub struct Identity {
     pub mode: Mode,
 }
 
-impl Identity {
+default_new! {
     /// The layer. PyTorch's `Identity(*args, **kwargs)` ignores its arguments; there are none here.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    Identity
 }
 
 layer_forward!(Identity, |_, x| Ok(x.clone()));
