@@ -14,6 +14,8 @@ const RENAME: &str = "rename";
 const FLATTEN: &str = "flatten";
 const EXTRA_STATE: &str = "extra_state";
 const PATHS: &str = "paths";
+const EXTRA_REPR: &str = "extra_repr";
+const NO_DISPLAY: &str = "no_display";
 
 /// A value set at most once, remembering where.
 struct Attr<T> {
@@ -52,6 +54,10 @@ pub struct Container {
     pub extra_state: Option<Span>,
     /// `paths`: also emit the typed path type (`FooPath`) and `Foo::path()`.
     pub paths: Option<Span>,
+    /// `extra_repr`: the type implements `ExtraRepr`, shown inside its parentheses when printed.
+    pub extra_repr: Option<Span>,
+    /// `no_display`: no `Display` impl (the type has its own).
+    pub no_display: Option<Span>,
 }
 
 impl Container {
@@ -60,6 +66,8 @@ impl Container {
         let mut bound = Attr::none(BOUND);
         let mut extra_state = Attr::none(EXTRA_STATE);
         let mut paths = Attr::none(PATHS);
+        let mut extra_repr = Attr::none(EXTRA_REPR);
+        let mut no_display = Attr::none(NO_DISPLAY);
         for attr in module_attrs(attrs) {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
@@ -86,6 +94,14 @@ impl Container {
                     if flag(cx, &meta)? {
                         paths.set(cx, span, ());
                     }
+                } else if meta.path.is_ident(EXTRA_REPR) {
+                    if flag(cx, &meta)? {
+                        extra_repr.set(cx, span, ());
+                    }
+                } else if meta.path.is_ident(NO_DISPLAY) {
+                    if flag(cx, &meta)? {
+                        no_display.set(cx, span, ());
+                    }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -95,7 +111,7 @@ impl Container {
                 } else {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
-                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state` or `paths`",
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths` or `no_display`",
                         path_name(&meta)
                     )));
                 }
@@ -110,6 +126,8 @@ impl Container {
             bound: bound.get().map(|(_, b)| b),
             extra_state: extra_state.get().map(|(span, ())| span),
             paths: paths.get().map(|(span, ())| span),
+            extra_repr: extra_repr.get().map(|(span, ())| span),
+            no_display: no_display.get().map(|(span, ())| span),
         }
     }
 }

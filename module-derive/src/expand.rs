@@ -46,7 +46,14 @@ fn default_crate() -> syn::Path {
 fn expand(input: &Input) -> TokenStream {
     let krate = input.attrs.krate.clone().unwrap_or_else(default_crate);
     let ident = input.ident;
-    let generics = bound::with_bounds(input, &krate);
+    let mut generics = bound::with_bounds(input, &krate);
+    if input.attrs.extra_repr.is_some() && !input.generics.params.is_empty() {
+        // A generic type's `ExtraRepr` impl may need bounds of its own (`G: Gates`).
+        let (_, ty_generics, _) = input.generics.split_for_impl();
+        let predicate: syn::WherePredicate =
+            syn::parse_quote!(#ident #ty_generics: #krate::ExtraRepr);
+        generics.make_where_clause().predicates.push(predicate);
+    }
     let (impl_generics, ty_generics, where_clause) = generics.split_for_impl();
 
     let (visit, visit_mut, as_child) = match &input.data {
@@ -76,6 +83,27 @@ fn expand(input: &Input) -> TokenStream {
             }
         }
     });
+
+    // `extra_repr`: the type's own `ExtraRepr` impl, named at the attribute like `extra_state`.
+    let extra_repr = input.attrs.extra_repr.map(|span| {
+        quote_spanned! {span=>
+            fn extra_repr(&self) -> ::std::string::String {
+                <Self as #krate::ExtraRepr>::extra_repr(self)
+            }
+        }
+    });
+    // `print(model)`: `Display` is PyTorch's repr, unless the type has its own (`no_display`).
+    let display = match input.attrs.no_display {
+        Some(_) => TokenStream::new(),
+        None => quote! {
+            #[automatically_derived]
+            impl #impl_generics ::core::fmt::Display for #ident #ty_generics #where_clause {
+                fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                    __f.write_str(&#krate::module_repr(self))
+                }
+            }
+        },
+    };
 
     let flattened = flattened(input, &krate);
 
@@ -108,8 +136,12 @@ fn expand(input: &Input) -> TokenStream {
 
             #extra_state
 
+            #extra_repr
+
             #flattened
         }
+
+        #display
     }
 }
 

@@ -71,7 +71,7 @@ impl Forward<&Tensor> for Net {
     type Output = Tensor;
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.bn.call(&self.fc.call(x)?)?;
-        Ok(h.broadcast_mul(&self.scale.value()?)?)
+        Ok(h.broadcast_mul(&self.scale.tensor()?)?)
     }
 }
 

@@ -30,6 +30,7 @@ mod parity_seq;
 mod parity_training;
 mod pytorch_semantics;
 mod recurrent;
+mod repr;
 mod state_dict;
 mod traversal;
 mod typed_paths;

@@ -11,7 +11,7 @@ use module_runtime::prelude::*;
 #[test]
 fn the_prelude_has_what_the_readme_writes_bare() -> Result<()> {
     let model = build_empty(|| Linear::new(3, 2, &Device::Cpu))?;
-    assert!(model.weight.value().is_err()); // built only to load
+    assert!(model.weight.tensor().is_err()); // built only to load
     let _guard = no_grad();
     assert!(!module_runtime::is_grad_enabled());
     {
@@ -283,7 +283,7 @@ fn reading_an_unbuilt_parameter_is_an_error() -> Result<()> {
     // A lazy layer before its first call.
     let fc = LazyLinear::new(2, &dev)?;
     assert!(not_loaded(fc.weight.tensor()));
-    assert!(not_loaded(fc.weight.value()));
+    assert!(not_loaded(fc.weight.tensor()));
     assert!(matches!(fc.weight.var(), Err(Error::NotLoaded { .. })));
     fc.call(&Tensor::ones((1, 3), DType::F32, &dev)?)?;
     assert_eq!(fc.weight.tensor()?.dims(), [2, 3]);

@@ -17,3 +17,9 @@ impl mr::Module for Net {
         );
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Net {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&mr::module_repr(self))
+    }
+}

@@ -85,3 +85,9 @@ impl ::module_runtime::Module for Head {
         }
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Head {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

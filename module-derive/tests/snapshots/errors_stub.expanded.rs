@@ -1,5 +1,5 @@
 ::core::compile_error! {
-    "unknown `#[module(...)]` key `transparent` on a type: expected `crate`, `bound`, `extra_state` or `paths`"
+    "unknown `#[module(...)]` key `transparent` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths` or `no_display`"
 }
 ::core::compile_error! {
     "a skipped field has no name to `rename`; remove `rename`, or `skip` if the field is a module"

@@ -30,3 +30,13 @@ where
         );
     }
 }
+#[automatically_derived]
+impl<B: Backbone> ::core::fmt::Display for Net<B>
+where
+    B: 'static,
+    B::Layer: Module,
+{
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

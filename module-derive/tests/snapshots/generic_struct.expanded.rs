@@ -50,3 +50,17 @@ where
         );
     }
 }
+#[automatically_derived]
+impl<'a, T, U: Clone, const N: usize> ::core::fmt::Display for Encoder<'a, T, U, N>
+where
+    'a: 'static,
+    T: 'static,
+    U: 'static,
+    Vec<T>: ::module_runtime::Module,
+    Option<U>: ::module_runtime::Module,
+    &'a T: ::core::marker::Send + ::core::marker::Sync + 'static,
+{
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

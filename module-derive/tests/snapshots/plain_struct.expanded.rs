@@ -42,3 +42,9 @@ impl ::module_runtime::Module for Mlp {
         );
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Mlp {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

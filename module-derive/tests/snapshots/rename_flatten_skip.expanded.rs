@@ -51,3 +51,9 @@ impl ::module_runtime::Module for Block {
         );
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Block {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

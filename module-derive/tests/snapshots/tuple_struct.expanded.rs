@@ -34,3 +34,9 @@ impl ::module_runtime::Module for Pair {
         );
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Pair {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

@@ -209,3 +209,9 @@ impl ::module_runtime::Module for Block {
         __f("inner", <Inner as ::module_runtime::Module>::__as_dyn(&self.inner));
     }
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Block {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

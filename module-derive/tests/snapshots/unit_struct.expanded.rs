@@ -16,3 +16,9 @@ impl ::module_runtime::Module for Identity {
         ),
     ) {}
 }
+#[automatically_derived]
+impl ::core::fmt::Display for Identity {
+    fn fmt(&self, __f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+        __f.write_str(&::module_runtime::module_repr(self))
+    }
+}

@@ -165,12 +165,6 @@ impl Buffer {
         }
     }
 
-    /// The same as [`tensor`](Self::tensor) (the name the runtime's layers used while `tensor`
-    /// returned an unbuilt buffer's empty placeholder).
-    pub fn value(&self) -> Result<Tensor> {
-        self.tensor()
-    }
-
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check (an unbuilt buffer's
     /// empty `[0]` placeholder): for metadata and the runtime's own walks.
     pub fn current(&self) -> Tensor {

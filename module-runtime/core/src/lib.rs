@@ -65,6 +65,8 @@ pub mod pattern;
 #[doc(hidden)]
 pub mod report;
 #[doc(hidden)]
+pub mod repr;
+#[doc(hidden)]
 pub mod scope;
 #[doc(hidden)]
 pub mod summary;
@@ -100,6 +102,7 @@ pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
+pub use repr::{module_repr, py_bool, py_float, py_tuple, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::short_type_name;
 pub use typed_path::{HasPath, PathExt, TypedPath};

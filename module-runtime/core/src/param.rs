@@ -204,12 +204,6 @@ impl Param {
         }
     }
 
-    /// The same as [`tensor`](Self::tensor) (the name the runtime's layers used while `tensor`
-    /// returned an unbuilt parameter's empty placeholder).
-    pub fn value(&self) -> Result<Tensor> {
-        self.tensor()
-    }
-
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check: an unbuilt parameter
     /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
     /// checked models), never for computing.

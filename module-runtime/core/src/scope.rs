@@ -156,14 +156,16 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device};
 
+    /// A one-element float32 tensor holding `v`.
+    fn t(v: f64) -> Tensor {
+        Tensor::full(v, 1, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    }
+
     #[test]
     fn scopes_nest_innermost_first_and_clear_the_flag() {
-        let t = |v: f64| {
-            Tensor::full(v, 1, &Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-        };
         let value = |id| param(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
         assert!(!active());
         let mut outer = Frame::default();
@@ -188,12 +190,6 @@ mod tests {
 
     #[test]
     fn writes_go_to_the_innermost_scope_holding_the_buffer() {
-        let t = |v: f64| {
-            Tensor::full(v, 1, &Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-        };
         let read = |id| buffer(id).map(|t| t.to_vec1::<f32>().unwrap()[0]);
         let mut outer = Frame::default();
         outer.buffers.insert(7, t(0.0));

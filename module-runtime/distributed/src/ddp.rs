@@ -466,7 +466,7 @@ fn broadcast_params(comm: &dyn Collective, params: &[(String, Param)], cap: usiz
 /// Rank 0's buffer values to every rank, one buffer at a time (buffers are small and of any dtype).
 fn broadcast_buffers(comm: &dyn Collective, buffers: &[(String, Buffer)]) -> Result<()> {
     for (_, b) in buffers {
-        let value = b.value()?.flatten_all()?.copy()?;
+        let value = b.tensor()?.flatten_all()?.copy()?;
         comm.broadcast(&value, 0)?;
         b.set(&value.reshape(b.shape())?)?;
     }

@@ -11,39 +11,24 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::common::{forward_by_value, resolve_dim};
+use crate::common::{
+    config_layer, forward_by_value, layer_forward, layer_repr, resolve_dim, unit_layer,
+};
 use crate::error::Result;
 use crate::fused_grad;
-use crate::{Forward, Mode, Module};
+use crate::{Forward, Module};
 
-/// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
-///
-/// The gradient at exactly `0` is `1` here (candle's rule) where PyTorch uses `0`; it only matters
-/// for inputs that are exactly zero.
-///
-/// Typed paths into it: [`ReLUPath`], from [`ReLU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ReLU {
-    /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
-    pub mode: Mode,
+unit_layer! {
+    /// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
+    ///
+    /// The gradient at exactly `0` is `1` here (candle's rule) where PyTorch uses `0`; it only matters
+    /// for inputs that are exactly zero.
+    ///
+    /// Typed paths into it: [`ReLUPath`], from [`ReLU::path`] (`#[module(paths)]`).
+    pub struct ReLU;
 }
 
-impl ReLU {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for ReLU {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.relu()?)
-    }
-}
+layer_forward!(ReLU, |_, x| Ok(x.relu()?));
 
 /// How [`GELU`] computes its Gaussian CDF (PyTorch's `approximate` argument).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,6 +57,7 @@ pub enum GeluApproximation {
 #[derive(Module, Clone, Debug, Default)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct GELU {
     /// Which formula to use.
     #[module(skip)]
@@ -180,84 +166,35 @@ impl candle_core::CustomOp1 for VectorizedGeluErf {
     }
 }
 
-/// `x σ(x)`, also called swish: PyTorch's `nn.SiLU`. Any shape in, the same shape out.
-///
-/// Typed paths into it: [`SiLUPath`], from [`SiLU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct SiLU {
-    /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
-    pub mode: Mode,
+unit_layer! {
+    /// `x σ(x)`, also called swish: PyTorch's `nn.SiLU`. Any shape in, the same shape out.
+    ///
+    /// Typed paths into it: [`SiLUPath`], from [`SiLU::path`] (`#[module(paths)]`).
+    pub struct SiLU;
 }
 
-impl SiLU {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
+layer_forward!(SiLU, |_, x| Ok(x.silu()?));
+
+unit_layer! {
+    /// `1 / (1 + e⁻ˣ)`: PyTorch's `nn.Sigmoid`. Any shape in, the same shape out.
+    ///
+    /// Typed paths into it: [`SigmoidPath`], from [`Sigmoid::path`] (`#[module(paths)]`).
+    pub struct Sigmoid;
 }
 
-impl Forward<&Tensor> for SiLU {
-    type Output = Tensor;
+layer_forward!(Sigmoid, |_, x| {
+    // candle-nn's sigmoid is a custom op with a backward pass.
+    Ok(candle_nn::ops::sigmoid(x)?)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.silu()?)
-    }
+unit_layer! {
+    /// The hyperbolic tangent: PyTorch's `nn.Tanh`. Any shape in, the same shape out.
+    ///
+    /// Typed paths into it: [`TanhPath`], from [`Tanh::path`] (`#[module(paths)]`).
+    pub struct Tanh;
 }
 
-/// `1 / (1 + e⁻ˣ)`: PyTorch's `nn.Sigmoid`. Any shape in, the same shape out.
-///
-/// Typed paths into it: [`SigmoidPath`], from [`Sigmoid::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Sigmoid {
-    /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
-    pub mode: Mode,
-}
-
-impl Sigmoid {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Sigmoid {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // candle-nn's sigmoid is a custom op with a backward pass.
-        Ok(candle_nn::ops::sigmoid(x)?)
-    }
-}
-
-/// The hyperbolic tangent: PyTorch's `nn.Tanh`. Any shape in, the same shape out.
-///
-/// Typed paths into it: [`TanhPath`], from [`Tanh::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Tanh {
-    /// Keeps the layer from being zero-sized (see the module docs); no effect on the output.
-    pub mode: Mode,
-}
-
-impl Tanh {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Tanh {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.tanh()?)
-    }
-}
+layer_forward!(Tanh, |_, x| Ok(x.tanh()?));
 
 /// `softmax(x)` along `dim`, differentiable unless nothing needs a gradient.
 ///
@@ -284,70 +221,58 @@ pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
     Ok(shifted.broadcast_sub(&log_sum)?)
 }
 
-/// `exp(xᵢ) / Σⱼ exp(xⱼ)` along `dim`: PyTorch's `nn.Softmax(dim)`. Any shape in, the same shape
-/// out; negative `dim` counts from the end.
-///
-/// Differentiable. The fused candle kernel, which records no gradient (candle #3011), is used only
-/// when the input tracks no gradient and `dim` is the last dimension.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::Softmax;
-/// let p = Softmax::new(-1).call(&Tensor::new(&[[1f32, 1.], [0., 0.]], &Device::Cpu)?)?;
-/// assert_eq!(p.to_vec2::<f32>()?, [[0.5, 0.5], [0.5, 0.5]]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softmax {
-    /// The dimension the probabilities sum to one along (negative counts from the end).
-    pub dim: isize,
-}
-
-impl Softmax {
+config_layer! {
+    /// `exp(xᵢ) / Σⱼ exp(xⱼ)` along `dim`: PyTorch's `nn.Softmax(dim)`. Any shape in, the same shape
+    /// out; negative `dim` counts from the end.
+    ///
+    /// Differentiable. The fused candle kernel, which records no gradient (candle #3011), is used only
+    /// when the input tracks no gradient and `dim` is the last dimension.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Softmax;
+    /// let p = Softmax::new(-1).call(&Tensor::new(&[[1f32, 1.], [0., 0.]], &Device::Cpu)?)?;
+    /// assert_eq!(p.to_vec2::<f32>()?, [[0.5, 0.5], [0.5, 0.5]]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`SoftmaxPath`], from [`Softmax::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct Softmax {
+        /// The dimension the probabilities sum to one along (negative counts from the end).
+        pub dim: isize,
+    }
     /// Softmax along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
+    new
+}
+
+layer_forward!(Softmax, |layer, x| softmax(
+    x,
+    resolve_dim(x, layer.dim, "softmax")?
+));
+
+layer_repr!(Softmax: dim);
+
+config_layer! {
+    /// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
+    /// the same shape out; negative `dim` counts from the end.
+    ///
+    /// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct LogSoftmax {
+        /// The dimension to normalize along (negative counts from the end).
+        pub dim: isize,
     }
-}
-
-impl Forward<&Tensor> for Softmax {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        softmax(x, resolve_dim(x, self.dim, "softmax")?)
-    }
-}
-
-/// `log(softmax(x))` along `dim`, computed stably: PyTorch's `nn.LogSoftmax(dim)`. Any shape in,
-/// the same shape out; negative `dim` counts from the end.
-///
-/// Typed paths into it: [`LogSoftmaxPath`], from [`LogSoftmax::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct LogSoftmax {
-    /// The dimension to normalize along (negative counts from the end).
-    pub dim: isize,
-}
-
-impl LogSoftmax {
     /// Log-softmax along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
-    }
+    new
 }
 
-impl Forward<&Tensor> for LogSoftmax {
-    type Output = Tensor;
+layer_forward!(LogSoftmax, |layer, x| log_softmax(
+    x,
+    resolve_dim(x, layer.dim, "log_softmax")?
+));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        log_softmax(x, resolve_dim(x, self.dim, "log_softmax")?)
-    }
-}
+layer_repr!(LogSoftmax: dim);
 
 /// Any of this module's activations, chosen at run time (from a config file, say).
 ///
@@ -426,21 +351,22 @@ impl Activation {
     }
 }
 
-impl Forward<&Tensor> for Activation {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match self {
-            Self::Relu(m) => m.forward(x),
-            Self::Gelu(m) => m.forward(x),
-            Self::Silu(m) => m.forward(x),
-            Self::Sigmoid(m) => m.forward(x),
-            Self::Tanh(m) => m.forward(x),
-            Self::Softmax(m) => m.forward(x),
-            Self::LogSoftmax(m) => m.forward(x),
-        }
+layer_forward!(Activation, |layer, x| {
+    match layer {
+        Self::Relu(m) => m.forward(x),
+        Self::Gelu(m) => m.forward(x),
+        Self::Silu(m) => m.forward(x),
+        Self::Sigmoid(m) => m.forward(x),
+        Self::Tanh(m) => m.forward(x),
+        Self::Softmax(m) => m.forward(x),
+        Self::LogSoftmax(m) => m.forward(x),
     }
-}
+});
+
+layer_repr!(GELU, |layer| match layer.approximate {
+    GeluApproximation::None => "approximate='none'".into(),
+    GeluApproximation::Tanh => "approximate='tanh'".into(),
+});
 
 forward_by_value!(ReLU, GELU, SiLU, Sigmoid, Tanh, Softmax, LogSoftmax, Activation);
 

@@ -4,10 +4,13 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::activation::softmax;
-use crate::common::{config_layer, forward_by_value, input_shape_error, resolve_dim};
+use crate::common::{
+    config_layer, forward_by_value, input_shape_error, layer_forward, layer_repr, resolve_dim,
+    unit_layer,
+};
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::{Forward, Mode, Module, Param};
+use crate::{Module, Param};
 
 /// How a [`PReLU`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -49,6 +52,7 @@ impl Default for PReLUConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct PReLU {
     /// `[num_parameters]`: the slopes of negative inputs.
     pub weight: Param,
@@ -78,137 +82,103 @@ impl PReLU {
     }
 }
 
-impl Forward<&Tensor> for PReLU {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.value()?;
-        check_input_device("PReLU.weight", &w, x)?;
-        let n = w.elem_count();
-        let mut dims = vec![1; x.rank()];
-        if n != 1 {
-            let channel = usize::from(x.rank() > 1);
-            if x.dims().get(channel) != Some(&n) {
-                let expected = format!("[N, {n}, *] or [{n}] (PReLU with num_parameters={n})");
-                return Err(input_shape_error("PReLU", expected, x));
-            }
-            dims[channel] = n;
+layer_forward!(PReLU, |layer, x| {
+    let w = layer.weight.tensor()?;
+    check_input_device("PReLU.weight", &w, x)?;
+    let n = w.elem_count();
+    let mut dims = vec![1; x.rank()];
+    if n != 1 {
+        let channel = usize::from(x.rank() > 1);
+        if x.dims().get(channel) != Some(&n) {
+            let expected = format!("[N, {n}, *] or [{n}] (PReLU with num_parameters={n})");
+            return Err(input_shape_error("PReLU", expected, x));
         }
-        let negative = x.broadcast_mul(&w.reshape(dims)?)?;
-        Ok(x.gt(0f64)?.where_cond(x, &negative)?)
+        dims[channel] = n;
     }
-}
-
-/// The gated linear unit: the input is split in halves `a`, `b` along `dim`, and the output is
-/// `a · σ(b)`. PyTorch's `nn.GLU(dim=-1)`. The size along `dim` must be even (else an
-/// [`Error::InputShape`](crate::Error::InputShape)); the output has half of it.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::GLU;
-/// let y = GLU::new().call(&Tensor::new(&[[2f32, 0.]], &Device::Cpu)?)?;
-/// assert_eq!(y.to_vec2::<f32>()?, [[1.]]); // 2 · σ(0)
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`GLUPath`], from [`GLU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct GLU {
-    /// The dimension split in halves (negative counts from the end; PyTorch's default -1).
-    pub dim: isize,
-}
+    let negative = x.broadcast_mul(&w.reshape(dims)?)?;
+    Ok(x.gt(0f64)?.where_cond(x, &negative)?)
+});
 
 config_layer! {
-    GLU {
-        dim: isize = -1,
+    /// The gated linear unit: the input is split in halves `a`, `b` along `dim`, and the output is
+    /// `a · σ(b)`. PyTorch's `nn.GLU(dim=-1)`. The size along `dim` must be even (else an
+    /// [`Error::InputShape`](crate::Error::InputShape)); the output has half of it.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::GLU;
+    /// let y = GLU::new().call(&Tensor::new(&[[2f32, 0.]], &Device::Cpu)?)?;
+    /// assert_eq!(y.to_vec2::<f32>()?, [[1.]]); // 2 · σ(0)
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`GLUPath`], from [`GLU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct GLU {
+        /// The dimension split in halves (negative counts from the end; PyTorch's default -1).
+        pub dim: isize = -1,
     }
-    /// Split along the last dimension (PyTorch's default).
-    new,
     /// Split along `dim`.
-    with_dim,
+    with_dim
 }
 
-impl Forward<&Tensor> for GLU {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dim = resolve_dim(x, self.dim, "glu")?;
-        let size = x.dim(dim)?;
-        if size % 2 != 0 {
-            let expected = format!("an even size along dimension {}", self.dim);
-            return Err(input_shape_error("GLU", expected, x));
-        }
-        let half = size / 2;
-        let gate = candle_nn::ops::sigmoid(&x.narrow(dim, half, half)?)?;
-        Ok((x.narrow(dim, 0, half)? * gate)?)
+layer_forward!(GLU, |layer, x| {
+    let dim = resolve_dim(x, layer.dim, "glu")?;
+    let size = x.dim(dim)?;
+    if size % 2 != 0 {
+        let expected = format!("an even size along dimension {}", layer.dim);
+        return Err(input_shape_error("GLU", expected, x));
     }
-}
+    let half = size / 2;
+    let gate = candle_nn::ops::sigmoid(&x.narrow(dim, half, half)?)?;
+    Ok((x.narrow(dim, 0, half)? * gate)?)
+});
 
-/// `softmax(-x)` along `dim`: PyTorch's `nn.Softmin(dim)`. Any shape in, the same shape out.
-///
-/// PyTorch's `dim=None` (a deprecated guess of the dimension from the rank) has no equivalent: the
-/// dimension is required.
-///
-/// Typed paths into it: [`SoftminPath`], from [`Softmin::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softmin {
-    /// The dimension the output sums to one along (negative counts from the end).
-    pub dim: isize,
-}
+layer_repr!(GLU: dim);
 
-impl Softmin {
+config_layer! {
+    /// `softmax(-x)` along `dim`: PyTorch's `nn.Softmin(dim)`. Any shape in, the same shape out.
+    ///
+    /// PyTorch's `dim=None` (a deprecated guess of the dimension from the rank) has no equivalent: the
+    /// dimension is required.
+    ///
+    /// Typed paths into it: [`SoftminPath`], from [`Softmin::path`] (`#[module(paths)]`).
+    pub struct Softmin {
+        /// The dimension the output sums to one along (negative counts from the end).
+        pub dim: isize,
+    }
     /// Softmin along `dim`.
-    pub fn new(dim: isize) -> Self {
-        Self { dim }
+    new
+}
+
+layer_forward!(Softmin, |layer, x| softmax(
+    &x.neg()?,
+    resolve_dim(x, layer.dim, "softmin")?
+));
+
+unit_layer! {
+    /// Softmax over the channels of every position: PyTorch's `nn.Softmax2d`. The input is
+    /// `[N, C, H, W]` or `[C, H, W]` (another rank is an
+    /// [`Error::InputShape`](crate::Error::InputShape)); the output has its shape.
+    ///
+    /// Typed paths into it: [`Softmax2dPath`], from [`Softmax2d::path`] (`#[module(paths)]`).
+    pub struct Softmax2d;
+}
+
+layer_forward!(Softmax2d, |_, x| {
+    if !matches!(x.rank(), 3 | 4) {
+        return Err(input_shape_error(
+            "Softmax2d",
+            "[N, C, H, W] or [C, H, W]",
+            x,
+        ));
     }
-}
+    softmax(x, x.rank() - 3)
+});
 
-impl Forward<&Tensor> for Softmin {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        softmax(&x.neg()?, resolve_dim(x, self.dim, "softmin")?)
-    }
-}
-
-/// Softmax over the channels of every position: PyTorch's `nn.Softmax2d`. The input is
-/// `[N, C, H, W]` or `[C, H, W]` (another rank is an
-/// [`Error::InputShape`](crate::Error::InputShape)); the output has its shape.
-///
-/// Typed paths into it: [`Softmax2dPath`], from [`Softmax2d::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softmax2d {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl Softmax2d {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Softmax2d {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !matches!(x.rank(), 3 | 4) {
-            return Err(input_shape_error(
-                "Softmax2d",
-                "[N, C, H, W] or [C, H, W]",
-                x,
-            ));
-        }
-        softmax(x, x.rank() - 3)
-    }
-}
+layer_repr!(PReLU, |layer| format!(
+    "num_parameters={}",
+    layer.weight.shape().elem_count()
+));
 
 forward_by_value!(PReLU, GLU, Softmin, Softmax2d);

@@ -14,9 +14,9 @@
 
 use candle_core::Tensor;
 
-use crate::common::{config_layer, forward_by_value};
+use crate::common::{config_layer, forward_by_value, layer_forward, layer_repr, unit_layer};
 use crate::error::Result;
-use crate::{Forward, Mode, Module};
+use crate::{Mode, Module};
 
 /// A tensor of `x`'s shape, dtype and device filled with `value`.
 pub(crate) fn constant_like(x: &Tensor, value: f64) -> Result<Tensor> {
@@ -45,354 +45,215 @@ fn hardtanh(x: &Tensor, min: f64, max: f64) -> Result<Tensor> {
     Ok(x.le(min)?.where_cond(&constant_like(x, min)?, &inner)?)
 }
 
-/// `x` where `x > 0`, `negative_slope · x` elsewhere: PyTorch's `nn.LeakyReLU(negative_slope=0.01)`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::LeakyReLU;
-/// let y = LeakyReLU::with_slope(0.1).call(&Tensor::new(&[-2f32, 3.], &Device::Cpu)?)?;
-/// assert_eq!(y.to_vec1::<f32>()?, [-0.2, 3.]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`LeakyReLUPath`], from [`LeakyReLU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct LeakyReLU {
-    /// The slope for negative inputs (PyTorch's default 0.01).
-    pub negative_slope: f64,
-}
-
 config_layer! {
-    LeakyReLU {
-        negative_slope: f64 = 0.01,
+    /// `x` where `x > 0`, `negative_slope · x` elsewhere: PyTorch's `nn.LeakyReLU(negative_slope=0.01)`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::LeakyReLU;
+    /// let y = LeakyReLU::with_slope(0.1).call(&Tensor::new(&[-2f32, 3.], &Device::Cpu)?)?;
+    /// assert_eq!(y.to_vec1::<f32>()?, [-0.2, 3.]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`LeakyReLUPath`], from [`LeakyReLU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct LeakyReLU {
+        /// The slope for negative inputs (PyTorch's default 0.01).
+        pub negative_slope: f64 = 0.01,
     }
-    /// PyTorch's default, `negative_slope = 0.01`.
-    new,
     /// With `negative_slope`.
-    with_slope,
+    with_slope
 }
 
-impl Forward<&Tensor> for LeakyReLU {
-    type Output = Tensor;
+layer_forward!(LeakyReLU, |layer, x| {
+    let scaled = x.affine(layer.negative_slope, 0.0)?;
+    Ok(x.gt(0f64)?.where_cond(x, &scaled)?)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let scaled = x.affine(self.negative_slope, 0.0)?;
-        Ok(x.gt(0f64)?.where_cond(x, &scaled)?)
-    }
-}
-
-/// The exponential linear unit: `x` where `x > 0`, `alpha (eˣ - 1)` elsewhere. PyTorch's
-/// `nn.ELU(alpha=1.0)`.
-///
-/// Typed paths into it: [`ELUPath`], from [`ELU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ELU {
-    /// The value the negative branch tends to, negated (PyTorch's default 1.0).
-    pub alpha: f64,
-}
+layer_repr!(LeakyReLU: negative_slope);
 
 config_layer! {
-    ELU {
-        alpha: f64 = 1.0,
+    /// The exponential linear unit: `x` where `x > 0`, `alpha (eˣ - 1)` elsewhere. PyTorch's
+    /// `nn.ELU(alpha=1.0)`.
+    ///
+    /// Typed paths into it: [`ELUPath`], from [`ELU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct ELU {
+        /// The value the negative branch tends to, negated (PyTorch's default 1.0).
+        pub alpha: f64 = 1.0,
     }
-    /// PyTorch's default, `alpha = 1.0`.
-    new,
     /// With `alpha`.
-    with_alpha,
+    with_alpha
 }
 
-impl Forward<&Tensor> for ELU {
-    type Output = Tensor;
+layer_forward!(ELU, |layer, x| exponential_unit(x, layer.alpha, 1.0));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        exponential_unit(x, self.alpha, 1.0)
-    }
-}
+layer_repr!(ELU: alpha);
 
 /// PyTorch's `SELU` constants (Klambauer et al., 2017), as `torch.nn.functional.selu` spells them.
 const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
 const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
 
-/// The scaled exponential linear unit, `scale · ELU(x, alpha)` with the fixed constants
-/// `alpha ≈ 1.6733` and `scale ≈ 1.0507`: PyTorch's `nn.SELU`.
-///
-/// Typed paths into it: [`SELUPath`], from [`SELU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct SELU {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
+unit_layer! {
+    /// The scaled exponential linear unit, `scale · ELU(x, alpha)` with the fixed constants
+    /// `alpha ≈ 1.6733` and `scale ≈ 1.0507`: PyTorch's `nn.SELU`.
+    ///
+    /// Typed paths into it: [`SELUPath`], from [`SELU::path`] (`#[module(paths)]`).
+    pub struct SELU;
 }
 
-impl SELU {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for SELU {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(exponential_unit(x, SELU_ALPHA, 1.0)?.affine(SELU_SCALE, 0.0)?)
-    }
-}
-
-/// The continuously differentiable ELU: `x` where `x > 0`, `alpha (e^(x/alpha) - 1)` elsewhere.
-/// PyTorch's `nn.CELU(alpha=1.0)`.
-///
-/// Typed paths into it: [`CELUPath`], from [`CELU::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct CELU {
-    /// The scale of the negative branch (PyTorch's default 1.0).
-    pub alpha: f64,
-}
+layer_forward!(SELU, |_, x| {
+    Ok(exponential_unit(x, SELU_ALPHA, 1.0)?.affine(SELU_SCALE, 0.0)?)
+});
 
 config_layer! {
-    CELU {
-        alpha: f64 = 1.0,
+    /// The continuously differentiable ELU: `x` where `x > 0`, `alpha (e^(x/alpha) - 1)` elsewhere.
+    /// PyTorch's `nn.CELU(alpha=1.0)`.
+    ///
+    /// Typed paths into it: [`CELUPath`], from [`CELU::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct CELU {
+        /// The scale of the negative branch (PyTorch's default 1.0).
+        pub alpha: f64 = 1.0,
     }
-    /// PyTorch's default, `alpha = 1.0`.
-    new,
     /// With `alpha`.
-    with_alpha,
+    with_alpha
 }
 
-impl Forward<&Tensor> for CELU {
-    type Output = Tensor;
+layer_forward!(CELU, |layer, x| exponential_unit(
+    x,
+    layer.alpha,
+    layer.alpha
+));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        exponential_unit(x, self.alpha, self.alpha)
-    }
-}
-
-/// `x` clamped to `[min_val, max_val]`: PyTorch's `nn.Hardtanh(min_val=-1.0, max_val=1.0)`. The
-/// gradient is 1 strictly inside the range and 0 outside, as in PyTorch.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::Hardtanh;
-/// let y = Hardtanh::with_range(-0.5, 2.0).call(&Tensor::new(&[-3f32, 0.25, 3.], &Device::Cpu)?)?;
-/// assert_eq!(y.to_vec1::<f32>()?, [-0.5, 0.25, 2.]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`HardtanhPath`], from [`Hardtanh::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Hardtanh {
-    /// The lower end of the range (PyTorch's default -1.0).
-    pub min_val: f64,
-    /// The upper end of the range (PyTorch's default 1.0).
-    pub max_val: f64,
-}
+layer_repr!(CELU: alpha);
 
 config_layer! {
-    Hardtanh {
-        min_val: f64 = -1.0,
-        max_val: f64 = 1.0,
+    /// `x` clamped to `[min_val, max_val]`: PyTorch's `nn.Hardtanh(min_val=-1.0, max_val=1.0)`. The
+    /// gradient is 1 strictly inside the range and 0 outside, as in PyTorch.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Hardtanh;
+    /// let y = Hardtanh::with_range(-0.5, 2.0).call(&Tensor::new(&[-3f32, 0.25, 3.], &Device::Cpu)?)?;
+    /// assert_eq!(y.to_vec1::<f32>()?, [-0.5, 0.25, 2.]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`HardtanhPath`], from [`Hardtanh::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct Hardtanh {
+        /// The lower end of the range (PyTorch's default -1.0).
+        pub min_val: f64 = -1.0,
+        /// The upper end of the range (PyTorch's default 1.0).
+        pub max_val: f64 = 1.0,
     }
-    /// PyTorch's default range, `[-1, 1]`.
-    new,
     /// The range `[min_val, max_val]`.
-    with_range,
+    with_range
 }
 
-impl Forward<&Tensor> for Hardtanh {
-    type Output = Tensor;
+layer_forward!(Hardtanh, |layer, x| hardtanh(
+    x,
+    layer.min_val,
+    layer.max_val
+));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        hardtanh(x, self.min_val, self.max_val)
+layer_repr!(Hardtanh: min_val, max_val);
+
+unit_layer! {
+    /// `min(max(x, 0), 6)`: PyTorch's `nn.ReLU6` (a `Hardtanh` on `[0, 6]`, with its gradient: 0 at
+    /// exactly 0 and 6).
+    ///
+    /// Typed paths into it: [`ReLU6Path`], from [`ReLU6::path`] (`#[module(paths)]`).
+    pub struct ReLU6;
+}
+
+layer_forward!(ReLU6, |_, x| hardtanh(x, 0.0, 6.0));
+
+config_layer! {
+    /// `x` where `x > threshold`, `value` elsewhere: PyTorch's `nn.Threshold(threshold, value)` (both
+    /// required, as in PyTorch).
+    ///
+    /// Typed paths into it: [`ThresholdPath`], from [`Threshold::path`] (`#[module(paths)]`).
+    pub struct Threshold {
+        /// Inputs at or below it are replaced.
+        pub threshold: f64,
+        /// What replaces them.
+        pub value: f64,
     }
-}
-
-/// `min(max(x, 0), 6)`: PyTorch's `nn.ReLU6` (a `Hardtanh` on `[0, 6]`, with its gradient: 0 at
-/// exactly 0 and 6).
-///
-/// Typed paths into it: [`ReLU6Path`], from [`ReLU6::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ReLU6 {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl ReLU6 {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for ReLU6 {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        hardtanh(x, 0.0, 6.0)
-    }
-}
-
-/// `x` where `x > threshold`, `value` elsewhere: PyTorch's `nn.Threshold(threshold, value)` (both
-/// required, as in PyTorch).
-///
-/// Typed paths into it: [`ThresholdPath`], from [`Threshold::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Threshold {
-    /// Inputs at or below it are replaced.
-    pub threshold: f64,
-    /// What replaces them.
-    pub value: f64,
-}
-
-impl Threshold {
     /// Replaces inputs `<= threshold` by `value`.
-    pub fn new(threshold: f64, value: f64) -> Self {
-        Self { threshold, value }
-    }
+    new
 }
 
-impl Forward<&Tensor> for Threshold {
-    type Output = Tensor;
+layer_forward!(Threshold, |layer, x| {
+    Ok(x.gt(layer.threshold)?
+        .where_cond(x, &constant_like(x, layer.value)?)?)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.gt(self.threshold)?
-            .where_cond(x, &constant_like(x, self.value)?)?)
-    }
+unit_layer! {
+    /// `x · relu6(x + 3) / 6`: PyTorch's `nn.Hardswish` (0 below -3, `x` above 3), with PyTorch's
+    /// gradient (`x / 3 + 1/2` on `[-3, 3]`).
+    ///
+    /// Typed paths into it: [`HardswishPath`], from [`Hardswish::path`] (`#[module(paths)]`).
+    pub struct Hardswish;
 }
 
-/// `x · relu6(x + 3) / 6`: PyTorch's `nn.Hardswish` (0 below -3, `x` above 3), with PyTorch's
-/// gradient (`x / 3 + 1/2` on `[-3, 3]`).
-///
-/// Typed paths into it: [`HardswishPath`], from [`Hardswish::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Hardswish {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
+layer_forward!(Hardswish, |_, x| {
+    let middle = (x * (x + 3.0)?)?.affine(1.0 / 6.0, 0.0)?;
+    let upper = x.gt(3f64)?.where_cond(x, &middle)?;
+    Ok(x.lt(-3f64)?.where_cond(&x.zeros_like()?, &upper)?)
+});
+
+unit_layer! {
+    /// `relu6(x + 3) / 6`: PyTorch's `nn.Hardsigmoid` (0 at or below -3, 1 at or above 3, gradient
+    /// `1/6` strictly between).
+    ///
+    /// Typed paths into it: [`HardsigmoidPath`], from [`Hardsigmoid::path`] (`#[module(paths)]`).
+    pub struct Hardsigmoid;
 }
 
-impl Hardswish {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Hardswish {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let middle = (x * (x + 3.0)?)?.affine(1.0 / 6.0, 0.0)?;
-        let upper = x.gt(3f64)?.where_cond(x, &middle)?;
-        Ok(x.lt(-3f64)?.where_cond(&x.zeros_like()?, &upper)?)
-    }
-}
-
-/// `relu6(x + 3) / 6`: PyTorch's `nn.Hardsigmoid` (0 at or below -3, 1 at or above 3, gradient
-/// `1/6` strictly between).
-///
-/// Typed paths into it: [`HardsigmoidPath`], from [`Hardsigmoid::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Hardsigmoid {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl Hardsigmoid {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Hardsigmoid {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        hardtanh(&x.affine(1.0 / 6.0, 0.5)?, 0.0, 1.0)
-    }
-}
-
-/// `x` where `|x| > lambd`, 0 elsewhere: PyTorch's `nn.Hardshrink(lambd=0.5)`.
-///
-/// Typed paths into it: [`HardshrinkPath`], from [`Hardshrink::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Hardshrink {
-    /// The half-width of the zeroed band (PyTorch's default 0.5).
-    pub lambd: f64,
-}
+layer_forward!(Hardsigmoid, |_, x| hardtanh(
+    &x.affine(1.0 / 6.0, 0.5)?,
+    0.0,
+    1.0
+));
 
 config_layer! {
-    Hardshrink {
-        lambd: f64 = 0.5,
+    /// `x` where `|x| > lambd`, 0 elsewhere: PyTorch's `nn.Hardshrink(lambd=0.5)`.
+    ///
+    /// Typed paths into it: [`HardshrinkPath`], from [`Hardshrink::path`] (`#[module(paths)]`).
+    pub struct Hardshrink {
+        /// The half-width of the zeroed band (PyTorch's default 0.5).
+        pub lambd: f64 = 0.5,
     }
-    /// PyTorch's default, `lambd = 0.5`.
-    new,
     /// With `lambd`.
-    with_lambda,
+    with_lambda
 }
 
-impl Forward<&Tensor> for Hardshrink {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.abs()?.gt(self.lambd)?.where_cond(x, &x.zeros_like()?)?)
-    }
-}
-
-/// `x - lambd` above `lambd`, `x + lambd` below `-lambd`, 0 between: PyTorch's
-/// `nn.Softshrink(lambd=0.5)`.
-///
-/// Typed paths into it: [`SoftshrinkPath`], from [`Softshrink::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softshrink {
-    /// The half-width of the zeroed band, and the shift outside it (PyTorch's default 0.5).
-    pub lambd: f64,
-}
+layer_forward!(Hardshrink, |layer, x| {
+    Ok(x.abs()?.gt(layer.lambd)?.where_cond(x, &x.zeros_like()?)?)
+});
 
 config_layer! {
-    Softshrink {
-        lambd: f64 = 0.5,
+    /// `x - lambd` above `lambd`, `x + lambd` below `-lambd`, 0 between: PyTorch's
+    /// `nn.Softshrink(lambd=0.5)`.
+    ///
+    /// Typed paths into it: [`SoftshrinkPath`], from [`Softshrink::path`] (`#[module(paths)]`).
+    pub struct Softshrink {
+        /// The half-width of the zeroed band, and the shift outside it (PyTorch's default 0.5).
+        pub lambd: f64 = 0.5,
     }
-    /// PyTorch's default, `lambd = 0.5`.
-    new,
     /// With `lambd`.
-    with_lambda,
+    with_lambda
 }
 
-impl Forward<&Tensor> for Softshrink {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let below = x
-            .lt(-self.lambd)?
-            .where_cond(&(x + self.lambd)?, &x.zeros_like()?)?;
-        Ok(x.gt(self.lambd)?.where_cond(&(x - self.lambd)?, &below)?)
-    }
-}
+layer_forward!(Softshrink, |layer, x| {
+    let below = x
+        .lt(-layer.lambd)?
+        .where_cond(&(x + layer.lambd)?, &x.zeros_like()?)?;
+    Ok(x.gt(layer.lambd)?.where_cond(&(x - layer.lambd)?, &below)?)
+});
 
 /// The randomized leaky ReLU: `x` where `x > 0`, `a · x` elsewhere, with `a` drawn uniformly from
 /// `[lower, upper]` for each element in training mode and `(lower + upper) / 2` in evaluation mode.
@@ -434,21 +295,17 @@ impl RReLU {
     }
 }
 
-impl Forward<&Tensor> for RReLU {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let positive = x.gt(0f64)?;
-        if !self.mode.is_training() {
-            let slope = (self.lower + self.upper) / 2.0;
-            return Ok(positive.where_cond(x, &x.affine(slope, 0.0)?)?);
-        }
-        let slopes =
-            Tensor::rand(self.lower, self.upper, x.shape(), x.device())?.to_dtype(x.dtype())?;
-        let noise = positive.where_cond(&x.ones_like()?, &slopes)?;
-        Ok((x * noise)?)
+layer_forward!(RReLU, |layer, x| {
+    let positive = x.gt(0f64)?;
+    if !layer.mode.is_training() {
+        let slope = (layer.lower + layer.upper) / 2.0;
+        return Ok(positive.where_cond(x, &x.affine(slope, 0.0)?)?);
     }
-}
+    let slopes =
+        Tensor::rand(layer.lower, layer.upper, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    let noise = positive.where_cond(&x.ones_like()?, &slopes)?;
+    Ok((x * noise)?)
+});
 
 forward_by_value!(
     Hardshrink,

@@ -8,9 +8,8 @@
 
 use candle_core::Tensor;
 
-use crate::common::{config_layer, forward_by_value};
+use crate::common::{config_layer, forward_by_value, layer_forward, layer_repr, unit_layer};
 use crate::error::Result;
-use crate::{Forward, Mode, Module};
 
 /// `log(1 + exp(beta · x)) / beta`, and `x` where `beta · x > threshold` (PyTorch's
 /// `F.softplus`).
@@ -22,157 +21,80 @@ pub(crate) fn softplus(x: &Tensor, beta: f64, threshold: f64) -> Result<Tensor> 
     Ok(linear.where_cond(x, &soft)?)
 }
 
-/// `log(1 + exp(beta · x)) / beta`, a smooth ReLU, and `x` itself where `beta · x > threshold`:
-/// PyTorch's `nn.Softplus(beta=1.0, threshold=20.0)`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::Softplus;
-/// let y = Softplus::new().call(&Tensor::new(&[0f32, 30.], &Device::Cpu)?)?.to_vec1::<f32>()?;
-/// assert!((y[0] - 2f32.ln()).abs() < 1e-6);
-/// assert_eq!(y[1], 30.); // above the threshold: linear
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`SoftplusPath`], from [`Softplus::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softplus {
-    /// The sharpness (PyTorch's default 1.0).
-    pub beta: f64,
-    /// Above this value of `beta · x` the layer is linear (PyTorch's default 20.0).
-    pub threshold: f64,
-}
-
 config_layer! {
-    Softplus {
-        beta: f64 = 1.0,
-        threshold: f64 = 20.0,
+    /// `log(1 + exp(beta · x)) / beta`, a smooth ReLU, and `x` itself where `beta · x > threshold`:
+    /// PyTorch's `nn.Softplus(beta=1.0, threshold=20.0)`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Softplus;
+    /// let y = Softplus::new().call(&Tensor::new(&[0f32, 30.], &Device::Cpu)?)?.to_vec1::<f32>()?;
+    /// assert!((y[0] - 2f32.ln()).abs() < 1e-6);
+    /// assert_eq!(y[1], 30.); // above the threshold: linear
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`SoftplusPath`], from [`Softplus::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct Softplus {
+        /// The sharpness (PyTorch's default 1.0).
+        pub beta: f64 = 1.0,
+        /// Above this value of `beta · x` the layer is linear (PyTorch's default 20.0).
+        pub threshold: f64 = 20.0,
     }
-    /// PyTorch's defaults, `beta = 1`, `threshold = 20`.
-    new,
     /// With `beta` and `threshold`.
-    with_beta,
+    with_beta
 }
 
-impl Forward<&Tensor> for Softplus {
-    type Output = Tensor;
+layer_forward!(Softplus, |layer, x| softplus(
+    x,
+    layer.beta,
+    layer.threshold
+));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        softplus(x, self.beta, self.threshold)
-    }
+layer_repr!(Softplus: beta, threshold);
+
+unit_layer! {
+    /// `log σ(x) = -softplus(-x)`, computed without overflow: PyTorch's `nn.LogSigmoid`.
+    ///
+    /// Typed paths into it: [`LogSigmoidPath`], from [`LogSigmoid::path`] (`#[module(paths)]`).
+    pub struct LogSigmoid;
 }
 
-/// `log σ(x) = -softplus(-x)`, computed without overflow: PyTorch's `nn.LogSigmoid`.
-///
-/// Typed paths into it: [`LogSigmoidPath`], from [`LogSigmoid::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct LogSigmoid {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
+layer_forward!(LogSigmoid, |_, x| {
+    // Beyond 20, log(1 + e^-20) ≈ 2e-9 is below float32's resolution of the result.
+    Ok(softplus(&x.neg()?, 1.0, 20.0)?.neg()?)
+});
+
+unit_layer! {
+    /// `x · tanh(softplus(x))`: PyTorch's `nn.Mish`.
+    ///
+    /// Typed paths into it: [`MishPath`], from [`Mish::path`] (`#[module(paths)]`).
+    pub struct Mish;
 }
 
-impl LogSigmoid {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
+layer_forward!(Mish, |_, x| {
+    // Above 20, tanh(softplus(x)) is 1 in float32 either way; the threshold only keeps the
+    // exponential finite.
+    Ok((x * softplus(x, 1.0, 20.0)?.tanh()?)?)
+});
+
+unit_layer! {
+    /// `x / (1 + |x|)`: PyTorch's `nn.Softsign`.
+    ///
+    /// Typed paths into it: [`SoftsignPath`], from [`Softsign::path`] (`#[module(paths)]`).
+    pub struct Softsign;
 }
 
-impl Forward<&Tensor> for LogSigmoid {
-    type Output = Tensor;
+layer_forward!(Softsign, |_, x| Ok((x / (x.abs()? + 1.0)?)?));
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // Beyond 20, log(1 + e^-20) ≈ 2e-9 is below float32's resolution of the result.
-        Ok(softplus(&x.neg()?, 1.0, 20.0)?.neg()?)
-    }
+unit_layer! {
+    /// `x - tanh(x)`: PyTorch's `nn.Tanhshrink`.
+    ///
+    /// Typed paths into it: [`TanhshrinkPath`], from [`Tanhshrink::path`] (`#[module(paths)]`).
+    pub struct Tanhshrink;
 }
 
-/// `x · tanh(softplus(x))`: PyTorch's `nn.Mish`.
-///
-/// Typed paths into it: [`MishPath`], from [`Mish::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Mish {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl Mish {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Mish {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // Above 20, tanh(softplus(x)) is 1 in float32 either way; the threshold only keeps the
-        // exponential finite.
-        Ok((x * softplus(x, 1.0, 20.0)?.tanh()?)?)
-    }
-}
-
-/// `x / (1 + |x|)`: PyTorch's `nn.Softsign`.
-///
-/// Typed paths into it: [`SoftsignPath`], from [`Softsign::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Softsign {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl Softsign {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Softsign {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok((x / (x.abs()? + 1.0)?)?)
-    }
-}
-
-/// `x - tanh(x)`: PyTorch's `nn.Tanhshrink`.
-///
-/// Typed paths into it: [`TanhshrinkPath`], from [`Tanhshrink::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug, Default)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Tanhshrink {
-    /// Keeps the layer from being zero-sized (see [`ReLU`](crate::ReLU)); no effect on the
-    /// output.
-    pub mode: Mode,
-}
-
-impl Tanhshrink {
-    /// The layer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Forward<&Tensor> for Tanhshrink {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok((x - x.tanh()?)?)
-    }
-}
+layer_forward!(Tanhshrink, |_, x| Ok((x - x.tanh()?)?));
 
 forward_by_value!(Softplus, LogSigmoid, Mish, Softsign, Tanhshrink);

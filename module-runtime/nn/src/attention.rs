@@ -277,11 +277,11 @@ impl MultiheadAttention {
     /// Projects `x` `[B, T, E]` with rows `chunk * E .. (chunk + n) * E` of the input projection.
     fn in_proj(&self, x: &Tensor, chunk: usize, n: usize) -> Result<Tensor> {
         let e = self.embed_dim();
-        let w = self.in_proj_weight.value()?.narrow(0, chunk * e, n * e)?;
+        let w = self.in_proj_weight.tensor()?.narrow(0, chunk * e, n * e)?;
         let (b, t, _) = x.dims3()?;
         let y = x.reshape((b * t, e))?.matmul(&w.t()?)?;
         let y = match &self.in_proj_bias {
-            Some(bias) => y.broadcast_add(&bias.value()?.narrow(0, chunk * e, n * e)?)?,
+            Some(bias) => y.broadcast_add(&bias.tensor()?.narrow(0, chunk * e, n * e)?)?,
             None => y,
         };
         Ok(y.reshape((b, t, n * e))?)
@@ -295,7 +295,7 @@ impl MultiheadAttention {
     }
 
     fn attend(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
-        let w = self.in_proj_weight.value()?;
+        let w = self.in_proj_weight.tensor()?;
         let masks = [input.key_padding_mask, input.attn_mask];
         for t in [input.query, input.key, input.value]
             .into_iter()

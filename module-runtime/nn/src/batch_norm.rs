@@ -8,6 +8,7 @@ use crate::common::{fit_buffer, fit_param, forward_by_value, input_shape_error, 
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Buffer, Forward, Init, LazyShape, Mode, Module, Param};
+use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How a batch norm is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -72,6 +73,7 @@ impl Default for BatchNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct BatchNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,
@@ -221,8 +223,8 @@ impl<const D: usize> BatchNorm<D> {
         let training = self.mode.is_training();
         let (mean, var) = match (&self.running_mean, &self.running_var) {
             (Some(mean), Some(var)) if !training => (
-                per_channel(&mean.value()?.to_dtype(x.dtype())?, rank)?,
-                per_channel(&var.value()?.to_dtype(x.dtype())?, rank)?,
+                per_channel(&mean.tensor()?.to_dtype(x.dtype())?, rank)?,
+                per_channel(&var.tensor()?.to_dtype(x.dtype())?, rank)?,
             ),
             _ => self.batch_statistics(x, training)?,
         };
@@ -230,10 +232,10 @@ impl<const D: usize> BatchNorm<D> {
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
         if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.value()?, rank)?)?;
+            y = y.broadcast_mul(&per_channel(&w.tensor()?, rank)?)?;
         }
         if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.value()?, rank)?)?;
+            y = y.broadcast_add(&per_channel(&b.tensor()?, rank)?)?;
         }
         Ok(y)
     }
@@ -266,7 +268,7 @@ impl<const D: usize> BatchNorm<D> {
         };
         let mut batches = None;
         if let Some(nbt) = &self.num_batches_tracked {
-            let t = nbt.value()?;
+            let t = nbt.tensor()?;
             let next = t.broadcast_add(&t.ones_like()?)?;
             nbt.set(&next)?;
             batches = Some(next);
@@ -278,7 +280,7 @@ impl<const D: usize> BatchNorm<D> {
         };
         let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
         for (buffer, stat) in [(rm, mean.detach()), (rv, unbiased)] {
-            let old = buffer.value()?;
+            let old = buffer.tensor()?;
             let stat = stat.flatten_all()?.to_dtype(old.dtype())?;
             buffer.set(&((old * (1.0 - factor))? + (stat * factor)?)?)?;
         }
@@ -301,9 +303,9 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
         Self::check_input(x, false, self.channels())?;
         let names = Self::names();
         if let Some(w) = &self.weight {
-            check_input_device(names.weight, &w.value()?, x)?;
+            check_input_device(names.weight, &w.tensor()?, x)?;
         } else if let Some(mean) = &self.running_mean {
-            check_input_device(names.running_mean, &mean.value()?, x)?;
+            check_input_device(names.running_mean, &mean.tensor()?, x)?;
         }
         self.normalize(x)
     }
@@ -412,6 +414,22 @@ impl<const D: usize> Forward<&Tensor> for LazyBatchNorm<D> {
             }
         }
         self.norm.forward(x)
+    }
+}
+
+impl<const D: usize> ExtraRepr for BatchNorm<D> {
+    fn extra_repr(&self) -> String {
+        let features = (self.weight.as_ref().map(Param::shape))
+            .or(self.running_mean.as_ref().map(Buffer::shape))
+            .map_or(0, |s| s.elem_count());
+        let momentum = self.momentum.map_or("None".into(), py_float);
+        let affine = py_bool(self.weight.is_some());
+        let track = py_bool(self.running_mean.is_some());
+        let eps = py_float(self.eps);
+        format!(
+            "{features}, eps={eps}, momentum={momentum}, affine={affine}, bias={affine}, \
+             track_running_stats={track}"
+        )
     }
 }
 

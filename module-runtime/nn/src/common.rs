@@ -6,57 +6,11 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, D};
 
 use crate::error::{Error, Result};
+// The layer macros, where the layers' files have always found them.
+pub(crate) use crate::layer_macros::{
+    config_layer, default_new, forward_by_value, layer_forward, layer_repr, unit_layer,
+};
 use crate::{Buffer, Init, LazyShape, Param};
-
-/// Implements `Forward<Tensor>` and `candle_core::Module` on top of `Forward<&Tensor>`.
-macro_rules! forward_by_value {
-    ($($ty:ty),* $(,)?) => {$(
-        impl $crate::Forward<candle_core::Tensor> for $ty {
-            type Output = candle_core::Tensor;
-
-            fn forward(&self, x: candle_core::Tensor) -> $crate::Result<candle_core::Tensor> {
-                self.forward(&x)
-            }
-        }
-
-        impl candle_core::Module for $ty {
-            fn forward(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
-                Ok($crate::Forward::forward(self, x)?)
-            }
-        }
-    )*};
-}
-pub(crate) use forward_by_value;
-
-/// `Default` (PyTorch's defaults), `new()` and one `with_*` constructor taking every field, for a
-/// layer whose fields are all configuration:
-/// `config_layer! { Ty { field: type = default, .. } /// doc new, /// doc with_field }`.
-macro_rules! config_layer {
-    (
-        $ty:ident { $($field:ident: $fty:ty = $default:expr),+ $(,)? }
-        $(#[$new_meta:meta])* new,
-        $(#[$with_meta:meta])* $with:ident $(,)?
-    ) => {
-        impl Default for $ty {
-            fn default() -> Self {
-                Self { $($field: $default),+ }
-            }
-        }
-
-        impl $ty {
-            $(#[$new_meta])*
-            pub fn new() -> Self {
-                Self::default()
-            }
-
-            $(#[$with_meta])*
-            pub fn $with($($field: $fty),+) -> Self {
-                Self { $($field),+ }
-            }
-        }
-    };
-}
-pub(crate) use config_layer;
 
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
 /// (`[3, 5]`), or for two dimensions as `(height, width)`: PyTorch's "int or tuple" arguments
@@ -180,7 +134,7 @@ pub(crate) fn input_shape_error(
 
 /// The value of an optional parameter (a bias, an affine weight).
 pub(crate) fn param_tensor(p: &Option<Param>) -> Result<Option<Tensor>> {
-    p.as_ref().map(Param::value).transpose()
+    p.as_ref().map(Param::tensor).transpose()
 }
 
 /// `t` `[C]` reshaped to `[1, C, 1, …]`, to broadcast over an input `[N, C, *]` of rank `rank`.
@@ -432,6 +386,36 @@ fn check_fit(
         needed: Shape::from(needed.to_vec()),
         built: Shape::from(built.to_vec()),
     })
+}
+
+/// A configuration value as Python prints it in a layer's `extra_repr`.
+pub(crate) trait PyValue {
+    /// Python's `repr` of the value.
+    fn py(&self) -> String;
+}
+
+impl PyValue for f64 {
+    fn py(&self) -> String {
+        module_core::py_float(*self)
+    }
+}
+
+impl PyValue for isize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for usize {
+    fn py(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl PyValue for bool {
+    fn py(&self) -> String {
+        module_core::py_bool(*self).to_owned()
+    }
 }
 
 #[cfg(test)]

@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use candle_core::{Tensor, D};
 
-use crate::common::{config_layer, input_shape_error, resolve_dim};
+use crate::common::{config_layer, default_new, input_shape_error, layer_forward, resolve_dim};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
-use crate::{Forward, Module};
+use crate::Module;
 
 /// The `p`-norm of `x` along `dim` (`p = ∞` is the largest magnitude), as `torch.norm` computes it.
 fn p_norm(x: &Tensor, p: f64, dim: usize, keepdim: bool) -> Result<Tensor> {
@@ -35,55 +35,41 @@ fn pairwise(x1: &Tensor, x2: &Tensor, p: f64, eps: f64, keepdim: bool) -> Result
     p_norm(&((x1 - x2)? + eps)?, p, dim, keepdim)
 }
 
-/// The cosine of the angle between `x1` and `x2` along `dim`, each norm clamped below at `eps`:
-/// PyTorch's `nn.CosineSimilarity(dim=1, eps=1e-8)`. The output drops `dim`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::CosineSimilarity;
-/// let a = Tensor::new(&[[1f32, 0.], [1., 1.]], &Device::Cpu)?;
-/// let b = Tensor::new(&[[0f32, 2.], [2., 2.]], &Device::Cpu)?;
-/// let cos = CosineSimilarity::new().call((&a, &b))?.to_vec1::<f32>()?;
-/// assert!(cos[0].abs() < 1e-6 && (cos[1] - 1.).abs() < 1e-6);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`CosineSimilarityPath`], from [`CosineSimilarity::path`]
-/// (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct CosineSimilarity {
-    /// The dimension the vectors lie along (PyTorch's default 1; negative counts from the end).
-    pub dim: isize,
-    /// The smallest norm divided by (PyTorch's default 1e-8).
-    pub eps: f64,
-}
-
 config_layer! {
-    CosineSimilarity {
-        dim: isize = 1,
-        eps: f64 = 1e-8,
+    /// The cosine of the angle between `x1` and `x2` along `dim`, each norm clamped below at `eps`:
+    /// PyTorch's `nn.CosineSimilarity(dim=1, eps=1e-8)`. The output drops `dim`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::CosineSimilarity;
+    /// let a = Tensor::new(&[[1f32, 0.], [1., 1.]], &Device::Cpu)?;
+    /// let b = Tensor::new(&[[0f32, 2.], [2., 2.]], &Device::Cpu)?;
+    /// let cos = CosineSimilarity::new().call((&a, &b))?.to_vec1::<f32>()?;
+    /// assert!(cos[0].abs() < 1e-6 && (cos[1] - 1.).abs() < 1e-6);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`CosineSimilarityPath`], from [`CosineSimilarity::path`]
+    /// (`#[module(paths)]`).
+    pub struct CosineSimilarity {
+        /// The dimension the vectors lie along (PyTorch's default 1; negative counts from the end).
+        pub dim: isize = 1,
+        /// The smallest norm divided by (PyTorch's default 1e-8).
+        pub eps: f64 = 1e-8,
     }
-    /// PyTorch's defaults: `dim = 1`, `eps = 1e-8`.
-    new,
     /// Along `dim`, with `eps`.
-    with_config,
+    with_config
 }
 
-impl Forward<(&Tensor, &Tensor)> for CosineSimilarity {
-    type Output = Tensor;
-
-    fn forward(&self, (x1, x2): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape("CosineSimilarity", x2, x1, "x2 (x1's shape)")?;
-        let dim = resolve_dim(x1, self.dim, "cosine_similarity")?;
-        let unit = |x: &Tensor| -> Result<Tensor> {
-            let norm = p_norm(x, 2.0, dim, true)?.maximum(self.eps)?;
-            Ok(x.broadcast_div(&norm)?)
-        };
-        Ok((unit(x1)? * unit(x2)?)?.sum(dim)?)
-    }
-}
+layer_forward!(CosineSimilarity, |layer, (x1, x2)| {
+    check_same_shape("CosineSimilarity", x2, x1, "x2 (x1's shape)")?;
+    let dim = resolve_dim(x1, layer.dim, "cosine_similarity")?;
+    let unit = |x: &Tensor| -> Result<Tensor> {
+        let norm = p_norm(x, 2.0, dim, true)?.maximum(layer.eps)?;
+        Ok(x.broadcast_div(&norm)?)
+    };
+    Ok((unit(x1)? * unit(x2)?)?.sum(dim)?)
+});
 
 /// `‖x1 - x2 + eps‖_p` along the last dimension: PyTorch's `nn.PairwiseDistance(p=2.0,
 /// eps=1e-6, keepdim=False)`. `p` (the field `norm`) may be any positive number or
@@ -130,17 +116,13 @@ impl PairwiseDistance {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for PairwiseDistance {
-    type Output = Tensor;
-
-    fn forward(&self, (x1, x2): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape("PairwiseDistance", x2, x1, "x2 (x1's shape)")?;
-        if x1.rank() == 0 {
-            return Err(input_shape_error("PairwiseDistance", "[N, D] or [D]", x1));
-        }
-        pairwise(x1, x2, self.norm, self.eps, self.keepdim)
+layer_forward!(PairwiseDistance, |layer, (x1, x2)| {
+    check_same_shape("PairwiseDistance", x2, x1, "x2 (x1's shape)")?;
+    if x1.rank() == 0 {
+        return Err(input_shape_error("PairwiseDistance", "[N, D] or [D]", x1));
     }
-}
+    pairwise(x1, x2, layer.norm, layer.eps, layer.keepdim)
+});
 
 /// `max(0, v)`, with the gradient of `v` where it is positive.
 fn clamp_min_zero(v: &Tensor) -> Result<Tensor> {
@@ -176,35 +158,31 @@ impl CosineEmbeddingLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor, &Tensor)> for CosineEmbeddingLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (x1, x2, target): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "CosineEmbeddingLoss";
-        check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
-        let batch = match x1.dims() {
-            [_] => vec![],
-            [n, _] => vec![*n],
-            _ => return Err(input_shape_error(LAYER, "[N, D] or [D] inputs", x1)),
-        };
-        if target.dims() != batch.as_slice() {
-            let expected = format!("{batch:?} targets for the inputs {:?}", x1.dims());
-            return Err(input_shape_error(LAYER, expected, target));
-        }
-        // ATen's formula: EPSILON = 1e-12 added to each squared norm.
-        let prod = (x1 * x2)?.sum(D::Minus1)?;
-        let sq1 = (x1.sqr()?.sum(D::Minus1)? + 1e-12)?;
-        let sq2 = (x2.sqr()?.sum(D::Minus1)? + 1e-12)?;
-        let cos = (prod / (sq1 * sq2)?.sqrt()?)?;
-        let zeros = cos.zeros_like()?;
-        let pos = target
-            .eq(1f64)?
-            .where_cond(&cos.affine(-1.0, 1.0)?, &zeros)?;
-        let neg = clamp_min_zero(&(&cos - self.margin)?)?;
-        let neg = target.eq(-1f64)?.where_cond(&neg, &zeros)?;
-        self.reduction.apply((pos + neg)?)
+layer_forward!(CosineEmbeddingLoss, |layer, (x1, x2, target)| {
+    const LAYER: &str = "CosineEmbeddingLoss";
+    check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
+    let batch = match x1.dims() {
+        [_] => vec![],
+        [n, _] => vec![*n],
+        _ => return Err(input_shape_error(LAYER, "[N, D] or [D] inputs", x1)),
+    };
+    if target.dims() != batch.as_slice() {
+        let expected = format!("{batch:?} targets for the inputs {:?}", x1.dims());
+        return Err(input_shape_error(LAYER, expected, target));
     }
-}
+    // ATen's formula: EPSILON = 1e-12 added to each squared norm.
+    let prod = (x1 * x2)?.sum(D::Minus1)?;
+    let sq1 = (x1.sqr()?.sum(D::Minus1)? + 1e-12)?;
+    let sq2 = (x2.sqr()?.sum(D::Minus1)? + 1e-12)?;
+    let cos = (prod / (sq1 * sq2)?.sqrt()?)?;
+    let zeros = cos.zeros_like()?;
+    let pos = target
+        .eq(1f64)?
+        .where_cond(&cos.affine(-1.0, 1.0)?, &zeros)?;
+    let neg = clamp_min_zero(&(&cos - layer.margin)?)?;
+    let neg = target.eq(-1f64)?.where_cond(&neg, &zeros)?;
+    layer.reduction.apply((pos + neg)?)
+});
 
 /// `max(0, margin + d(a, p) - d(a, n))` of anchors, positives and negatives `[N, D]` (or `[D]`),
 /// with `d` the [`PairwiseDistance`] of degree `p`, reduced: PyTorch's
@@ -242,27 +220,27 @@ impl Default for TripletMarginLoss {
     }
 }
 
-impl TripletMarginLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    TripletMarginLoss
 }
 
-impl Forward<(&Tensor, &Tensor, &Tensor)> for TripletMarginLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (a, p, n): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "TripletMarginLoss";
-        check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
-        check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
-        if !matches!(a.rank(), 1 | 2) {
-            return Err(input_shape_error(LAYER, "[N, D] or [D]", a));
-        }
-        let distance = |x: &Tensor, y: &Tensor| pairwise(x, y, self.norm, self.eps, false);
-        triplet_hinge((a, p, n), &distance, self.margin, self.swap, self.reduction)
+layer_forward!(TripletMarginLoss, |layer, (a, p, n)| {
+    const LAYER: &str = "TripletMarginLoss";
+    check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
+    check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
+    if !matches!(a.rank(), 1 | 2) {
+        return Err(input_shape_error(LAYER, "[N, D] or [D]", a));
     }
-}
+    let distance = |x: &Tensor, y: &Tensor| pairwise(x, y, layer.norm, layer.eps, false);
+    triplet_hinge(
+        (a, p, n),
+        &distance,
+        layer.margin,
+        layer.swap,
+        layer.reduction,
+    )
+});
 
 /// `max(0, margin + d(a, p) - d(a, n))` reduced, `d(a, n)` swapped for a smaller `d(p, n)` when
 /// `swap` (ATen's `triplet_margin_loss`, and `F.triplet_margin_with_distance_loss`).
@@ -355,28 +333,28 @@ impl fmt::Debug for TripletMarginWithDistanceLoss {
     }
 }
 
-impl TripletMarginWithDistanceLoss {
+default_new! {
     /// PyTorch's defaults: the Euclidean distance, margin 1, no swap, mean.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    TripletMarginWithDistanceLoss
 }
 
-impl Forward<(&Tensor, &Tensor, &Tensor)> for TripletMarginWithDistanceLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (a, p, n): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "TripletMarginWithDistanceLoss";
-        check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
-        check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
-        let euclidean = |x: &Tensor, y: &Tensor| pairwise(x, y, 2.0, 1e-6, false);
-        let distance: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor> = match &self.distance_function {
-            Some(f) => f.as_ref(),
-            None => &euclidean,
-        };
-        triplet_hinge((a, p, n), distance, self.margin, self.swap, self.reduction)
-    }
-}
+layer_forward!(TripletMarginWithDistanceLoss, |layer, (a, p, n)| {
+    const LAYER: &str = "TripletMarginWithDistanceLoss";
+    check_same_shape(LAYER, p, a, "the positives (the anchors' shape)")?;
+    check_same_shape(LAYER, n, a, "the negatives (the anchors' shape)")?;
+    let euclidean = |x: &Tensor, y: &Tensor| pairwise(x, y, 2.0, 1e-6, false);
+    let distance: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor> = match &layer.distance_function {
+        Some(f) => f.as_ref(),
+        None => &euclidean,
+    };
+    triplet_hinge(
+        (a, p, n),
+        distance,
+        layer.margin,
+        layer.swap,
+        layer.reduction,
+    )
+});
 
 /// `max(0, -y (x1 - x2) + margin)` of scores `x1`, `x2` and targets `y` of ±1, all of one shape,
 /// reduced: PyTorch's `nn.MarginRankingLoss(margin=0.0, reduction='mean')`.
@@ -406,15 +384,11 @@ impl MarginRankingLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor, &Tensor)> for MarginRankingLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (x1, x2, target): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "MarginRankingLoss";
-        check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
-        check_same_shape(LAYER, target, x1, "the target (input1's shape)")?;
-        let target = target.to_dtype(x1.dtype())?;
-        let hinge = ((target.neg()? * (x1 - x2)?)? + self.margin)?;
-        self.reduction.apply(clamp_min_zero(&hinge)?)
-    }
-}
+layer_forward!(MarginRankingLoss, |layer, (x1, x2, target)| {
+    const LAYER: &str = "MarginRankingLoss";
+    check_same_shape(LAYER, x2, x1, "input2 (input1's shape)")?;
+    check_same_shape(LAYER, target, x1, "the target (input1's shape)")?;
+    let target = target.to_dtype(x1.dtype())?;
+    let hinge = ((target.neg()? * (x1 - x2)?)? + layer.margin)?;
+    layer.reduction.apply(clamp_min_zero(&hinge)?)
+});

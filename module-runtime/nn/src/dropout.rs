@@ -2,10 +2,11 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::common::forward_by_value;
-use crate::error::Result;
+use crate::common::layer_repr;
+use crate::common::{forward_by_value, layer_forward};
 use crate::fused_grad;
-use crate::{Forward, Mode, Module};
+use crate::{Mode, Module};
+use module_core::py_float;
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
 ///
@@ -29,6 +30,7 @@ use crate::{Forward, Mode, Module};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Dropout {
     /// Probability of zeroing an element, in `[0, 1]`.
     pub p: f64,
@@ -54,33 +56,36 @@ impl Dropout {
     }
 }
 
-impl Forward<&Tensor> for Dropout {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.mode.is_training() || self.p == 0.0 {
-            return Ok(x.clone());
-        }
-        if self.p == 1.0 {
-            return Ok(x.zeros_like()?);
-        }
-        if fused_grad::can_fuse_dropout(x) {
-            return fused_grad::dropout(x, self.p);
-        }
-        // The mask is a constant of the graph: gradients flow through the kept elements, scaled.
-        let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
-            .ge(self.p)?
-            .to_dtype(DType::F32)?;
-        let mask = (keep * (1.0 / (1.0 - self.p)))?.to_dtype(x.dtype())?;
-        Ok(x.mul(&mask)?)
+layer_forward!(Dropout, |layer, x| {
+    if !layer.mode.is_training() || layer.p == 0.0 {
+        return Ok(x.clone());
     }
-}
+    if layer.p == 1.0 {
+        return Ok(x.zeros_like()?);
+    }
+    if fused_grad::can_fuse_dropout(x) {
+        return fused_grad::dropout(x, layer.p);
+    }
+    // The mask is a constant of the graph: gradients flow through the kept elements, scaled.
+    let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
+        .ge(layer.p)?
+        .to_dtype(DType::F32)?;
+    let mask = (keep * (1.0 / (1.0 - layer.p)))?.to_dtype(x.dtype())?;
+    Ok(x.mul(&mask)?)
+});
+
+layer_repr!(Dropout, |layer| format!(
+    "p={}, inplace=False",
+    py_float(layer.p)
+));
 
 forward_by_value!(Dropout);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Result;
+    use crate::Forward;
     use crate::ModuleExt;
     use candle_core::Device;
 

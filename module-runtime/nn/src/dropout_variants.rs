@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::{forward_by_value, input_shape_error};
+use crate::common::{forward_by_value, input_shape_error, layer_forward};
 use crate::error::Result;
 use crate::{Forward, Mode, Module};
 
@@ -183,16 +183,12 @@ impl AlphaDropout {
     }
 }
 
-impl Forward<&Tensor> for AlphaDropout {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.mode.is_training() {
-            return Ok(x.clone());
-        }
-        drop(x, x.dims(), self.p, true)
+layer_forward!(AlphaDropout, |layer, x| {
+    if !layer.mode.is_training() {
+        return Ok(x.clone());
     }
-}
+    drop(x, x.dims(), layer.p, true)
+});
 
 /// [`AlphaDropout`] of whole channels: one draw per `(sample, channel)` of `[N, C, *]`. PyTorch's
 /// `nn.FeatureAlphaDropout(p=0.5)`. Identity in evaluation mode; inputs of rank 2 or more.
@@ -224,19 +220,15 @@ impl FeatureAlphaDropout {
     }
 }
 
-impl Forward<&Tensor> for FeatureAlphaDropout {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.rank() < 2 {
-            return Err(input_shape_error("FeatureAlphaDropout", "[N, C, *]", x));
-        }
-        if !self.mode.is_training() {
-            return Ok(x.clone());
-        }
-        drop(x, &channel_dims(x, 2), self.p, true)
+layer_forward!(FeatureAlphaDropout, |layer, x| {
+    if x.rank() < 2 {
+        return Err(input_shape_error("FeatureAlphaDropout", "[N, C, *]", x));
     }
-}
+    if !layer.mode.is_training() {
+        return Ok(x.clone());
+    }
+    drop(x, &channel_dims(x, 2), layer.p, true)
+});
 
 forward_by_value!(AlphaDropout, FeatureAlphaDropout);
 

@@ -38,6 +38,7 @@ use crate::{Forward, Module, Param};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Embedding {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Param,
@@ -234,7 +235,7 @@ impl Forward<&Tensor> for Embedding {
     type Output = Tensor;
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.value()?;
+        let weight = self.weight.tensor()?;
         check_input_device("Embedding.weight", &weight, ids)?;
         check_ids("Embedding", "ids", ids)?;
         if let Some(max_norm) = self.max_norm {
@@ -244,6 +245,13 @@ impl Forward<&Tensor> for Embedding {
         let mut dims = ids.dims().to_vec();
         dims.push(weight.dim(1)?);
         detach_padding(rows.reshape(dims)?, ids, self.padding_idx)
+    }
+}
+
+impl module_core::ExtraRepr for Embedding {
+    fn extra_repr(&self) -> String {
+        let dims = self.weight.shape().dims().to_vec();
+        format!("{}, {}", dims[0], dims.get(1).copied().unwrap_or(0))
     }
 }
 

@@ -256,7 +256,7 @@ impl Forward<BagInput> for EmbeddingBag {
     type Output = Tensor;
 
     fn forward(&self, input: BagInput) -> Result<Tensor> {
-        let weight = self.weight.value()?;
+        let weight = self.weight.tensor()?;
         check_input_device("EmbeddingBag.weight", &weight, &input.input)?;
         if let Some(max_norm) = self.max_norm {
             check_ids("EmbeddingBag", "input", &input.input)?;

@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 
-use crate::common::{forward_by_value, input_shape_error, PerDim, Size};
+use crate::common::{forward_by_value, input_shape_error, layer_forward, PerDim, Size};
 use crate::error::{Error, Result};
 use crate::{Forward, Module};
 
@@ -127,49 +127,45 @@ impl Unfold {
     }
 }
 
-impl Forward<&Tensor> for Unfold {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [ah, aw] = axes("Unfold", self.kernel_size, &self.config)?;
-        let unbatched = x.rank() == 3;
-        let x4 = if unbatched {
-            x.unsqueeze(0)?
-        } else {
-            x.clone()
-        };
-        let (n, c, h, w) = match *x4.dims() {
-            [n, c, h, w] => (n, c, h, w),
-            _ => return Err(input_shape_error("Unfold", "[N, C, H, W] or [C, H, W]", x)),
-        };
-        let (Some(oh), Some(ow)) = (ah.blocks(h), aw.blocks(w)) else {
-            let expected = format!(
-                "[N, C, H, W] with room for one {:?} block (padding {:?}, dilation {:?})",
-                self.kernel_size,
-                self.config.padding.hw(),
-                self.config.dilation.hw()
+layer_forward!(Unfold, |layer, x| {
+    let [ah, aw] = axes("Unfold", layer.kernel_size, &layer.config)?;
+    let unbatched = x.rank() == 3;
+    let x4 = if unbatched {
+        x.unsqueeze(0)?
+    } else {
+        x.clone()
+    };
+    let (n, c, h, w) = match *x4.dims() {
+        [n, c, h, w] => (n, c, h, w),
+        _ => return Err(input_shape_error("Unfold", "[N, C, H, W] or [C, H, W]", x)),
+    };
+    let (Some(oh), Some(ow)) = (ah.blocks(h), aw.blocks(w)) else {
+        let expected = format!(
+            "[N, C, H, W] with room for one {:?} block (padding {:?}, dilation {:?})",
+            layer.kernel_size,
+            layer.config.padding.hw(),
+            layer.config.dilation.hw()
+        );
+        return Err(input_shape_error("Unfold", expected, x));
+    };
+    let padded = x4
+        .pad_with_zeros(2, ah.padding, ah.padding)?
+        .pad_with_zeros(3, aw.padding, aw.padding)?
+        .contiguous()?;
+    let ids = |positions: Vec<u32>| Tensor::new(positions, x.device());
+    let mut blocks = Vec::with_capacity(ah.kernel * aw.kernel);
+    for i in 0..ah.kernel {
+        let rows =
+            padded.index_select(&ids(ah.positions(i, oh).map(|p| p as u32).collect())?, 2)?;
+        for j in 0..aw.kernel {
+            blocks.push(
+                rows.index_select(&ids(aw.positions(j, ow).map(|p| p as u32).collect())?, 3)?,
             );
-            return Err(input_shape_error("Unfold", expected, x));
-        };
-        let padded = x4
-            .pad_with_zeros(2, ah.padding, ah.padding)?
-            .pad_with_zeros(3, aw.padding, aw.padding)?
-            .contiguous()?;
-        let ids = |positions: Vec<u32>| Tensor::new(positions, x.device());
-        let mut blocks = Vec::with_capacity(ah.kernel * aw.kernel);
-        for i in 0..ah.kernel {
-            let rows =
-                padded.index_select(&ids(ah.positions(i, oh).map(|p| p as u32).collect())?, 2)?;
-            for j in 0..aw.kernel {
-                blocks.push(
-                    rows.index_select(&ids(aw.positions(j, ow).map(|p| p as u32).collect())?, 3)?,
-                );
-            }
         }
-        let cols = Tensor::stack(&blocks, 2)?.reshape((n, c * ah.kernel * aw.kernel, oh * ow))?;
-        Ok(if unbatched { cols.squeeze(0)? } else { cols })
     }
-}
+    let cols = Tensor::stack(&blocks, 2)?.reshape((n, c * ah.kernel * aw.kernel, oh * ow))?;
+    Ok(if unbatched { cols.squeeze(0)? } else { cols })
+});
 
 /// Sums columns of sliding blocks back into an image: `[N, C · kH · kW, L]` (or
 /// `[C · kH · kW, L]`) to `[N, C, H, W]` with `(H, W) = output_size`, PyTorch's

@@ -1,14 +1,17 @@
 //! Group normalization: `GroupNorm`.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 
+use crate::common::layer_repr;
 use crate::common::{
-    compute_dtype, forward_by_value, input_shape_error, per_channel, standardize_last_dim,
+    compute_dtype, forward_by_value, input_shape_error, layer_forward, per_channel,
+    standardize_last_dim,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::Init;
-use crate::{Forward, Module, Param};
+use crate::{Module, Param};
+use module_core::{py_bool, py_float};
 
 /// How a [`GroupNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -52,6 +55,7 @@ impl Default for GroupNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct GroupNorm {
     /// `[num_channels]`, if affine.
     pub weight: Option<Param>,
@@ -103,33 +107,36 @@ impl GroupNorm {
     }
 }
 
-impl Forward<&Tensor> for GroupNorm {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims();
-        if dims.len() < 2 || dims[1] != self.num_channels {
-            let expected = format!("[N, {}, *]", self.num_channels);
-            return Err(input_shape_error("GroupNorm", expected, x));
-        }
-        if let Some(w) = &self.weight {
-            check_input_device("GroupNorm.weight", &w.value()?, x)?;
-        }
-        let dtype = x.dtype();
-        let grouped = x
-            .to_dtype(compute_dtype(dtype))?
-            .reshape((dims[0], self.num_groups, ()))?;
-        let mut y = standardize_last_dim(&grouped, self.eps)?
-            .to_dtype(dtype)?
-            .reshape(dims)?;
-        if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.value()?, dims.len())?)?;
-        }
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.value()?, dims.len())?)?;
-        }
-        Ok(y)
+layer_forward!(GroupNorm, |layer, x| {
+    let dims = x.dims();
+    if dims.len() < 2 || dims[1] != layer.num_channels {
+        let expected = format!("[N, {}, *]", layer.num_channels);
+        return Err(input_shape_error("GroupNorm", expected, x));
     }
-}
+    if let Some(w) = &layer.weight {
+        check_input_device("GroupNorm.weight", &w.tensor()?, x)?;
+    }
+    let dtype = x.dtype();
+    let grouped = x
+        .to_dtype(compute_dtype(dtype))?
+        .reshape((dims[0], layer.num_groups, ()))?;
+    let mut y = standardize_last_dim(&grouped, layer.eps)?
+        .to_dtype(dtype)?
+        .reshape(dims)?;
+    if let Some(w) = &layer.weight {
+        y = y.broadcast_mul(&per_channel(&w.tensor()?, dims.len())?)?;
+    }
+    if let Some(b) = &layer.bias {
+        y = y.broadcast_add(&per_channel(&b.tensor()?, dims.len())?)?;
+    }
+    Ok(y)
+});
+
+layer_repr!(GroupNorm, |layer| {
+    let affine = py_bool(layer.weight.is_some());
+    let eps = py_float(layer.eps);
+    let (groups, channels) = (layer.num_groups, layer.num_channels);
+    format!("{groups}, {channels}, eps={eps}, affine={affine}, bias={affine}")
+});
 
 forward_by_value!(GroupNorm);

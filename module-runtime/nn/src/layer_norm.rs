@@ -6,15 +6,17 @@
 
 use candle_core::{DType, Device, Shape, Tensor, D};
 
+use crate::common::layer_repr;
 use crate::common::{
-    compute_dtype, forward_by_value, input_shape_error, layer_param, lazy_param, param_tensor,
-    standardize_last_dim,
+    compute_dtype, forward_by_value, input_shape_error, layer_forward, layer_param, lazy_param,
+    param_tensor, standardize_last_dim,
 };
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
 use crate::fused_grad;
-use crate::{Forward, Init, Module, ModuleExt, Param};
+use crate::{Init, Module, ModuleExt, Param};
+use module_core::{py_bool, py_float, py_tuple};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
 /// defaults.
@@ -79,6 +81,7 @@ impl LayerNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct LayerNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,
@@ -168,14 +171,10 @@ impl LayerNorm {
     }
 }
 
-impl Forward<&Tensor> for LayerNorm {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
-        layer_norm(x, &self.normalized_shape, weight, bias, self.eps)
-    }
-}
+layer_forward!(LayerNorm, |layer, x| {
+    let (weight, bias) = (param_tensor(&layer.weight)?, param_tensor(&layer.bias)?);
+    layer_norm(x, &layer.normalized_shape, weight, bias, layer.eps)
+});
 
 /// `LayerNorm`'s computation, for it and `LazyLayerNorm`.
 fn layer_norm(
@@ -322,25 +321,21 @@ impl LazyLayerNorm {
     }
 }
 
-impl Forward<&Tensor> for LazyLayerNorm {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims();
-        if dims.len() < self.num_dims {
-            let expected = format!("with at least {} dimensions", self.num_dims);
-            return Err(input_shape_error("LazyLayerNorm", expected, x));
-        }
-        let normalized = &dims[dims.len() - self.num_dims..];
-        let param = |name, p: &Option<Param>| {
-            p.as_ref()
-                .map(|p| layer_param("LazyLayerNorm", name, p, normalized, 0, x))
-                .transpose()
-        };
-        let (weight, bias) = (param("weight", &self.weight)?, param("bias", &self.bias)?);
-        layer_norm(x, normalized, weight, bias, self.eps)
+layer_forward!(LazyLayerNorm, |layer, x| {
+    let dims = x.dims();
+    if dims.len() < layer.num_dims {
+        let expected = format!("with at least {} dimensions", layer.num_dims);
+        return Err(input_shape_error("LazyLayerNorm", expected, x));
     }
-}
+    let normalized = &dims[dims.len() - layer.num_dims..];
+    let param = |name, p: &Option<Param>| {
+        p.as_ref()
+            .map(|p| layer_param("LazyLayerNorm", name, p, normalized, 0, x))
+            .transpose()
+    };
+    let (weight, bias) = (param("weight", &layer.weight)?, param("bias", &layer.bias)?);
+    layer_norm(x, normalized, weight, bias, layer.eps)
+});
 
 /// How an [`RmsNorm`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -437,34 +432,38 @@ impl RmsNorm {
     }
 }
 
-impl Forward<&Tensor> for RmsNorm {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let folded = fold_trailing(x, &self.normalized_shape, "RmsNorm")?;
-        let weight = flat(param_tensor(&self.weight)?)?;
-        if let Some(w) = &weight {
-            check_input_device("RmsNorm.weight", w, x)?;
-        }
-        let eps = self.eps_for(x.dtype());
-        let y = match &weight {
-            Some(w) if fused_kernel_applies(&[x, w]) => {
-                candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
-            }
-            _ => {
-                let dtype = x.dtype();
-                let xc = folded.to_dtype(compute_dtype(dtype))?;
-                let ms = xc.sqr()?.mean_keepdim(D::Minus1)?;
-                let normed = xc.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dtype)?;
-                match &weight {
-                    Some(w) => normed.broadcast_mul(w)?,
-                    None => normed,
-                }
-            }
-        };
-        Ok(y.reshape(x.shape())?)
+layer_forward!(RmsNorm, |layer, x| {
+    let folded = fold_trailing(x, &layer.normalized_shape, "RmsNorm")?;
+    let weight = flat(param_tensor(&layer.weight)?)?;
+    if let Some(w) = &weight {
+        check_input_device("RmsNorm.weight", w, x)?;
     }
-}
+    let eps = layer.eps_for(x.dtype());
+    let y = match &weight {
+        Some(w) if fused_kernel_applies(&[x, w]) => {
+            candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
+        }
+        _ => {
+            let dtype = x.dtype();
+            let xc = folded.to_dtype(compute_dtype(dtype))?;
+            let ms = xc.sqr()?.mean_keepdim(D::Minus1)?;
+            let normed = xc.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dtype)?;
+            match &weight {
+                Some(w) => normed.broadcast_mul(w)?,
+                None => normed,
+            }
+        }
+    };
+    Ok(y.reshape(x.shape())?)
+});
+
+layer_repr!(LayerNorm, |layer| {
+    let shape = py_tuple(&layer.normalized_shape);
+    let affine = py_bool(layer.weight.is_some());
+    let bias = py_bool(layer.bias.is_some());
+    let eps = py_float(layer.eps);
+    format!("{shape}, eps={eps}, elementwise_affine={affine}, bias={bias}")
+});
 
 forward_by_value!(LayerNorm, LazyLayerNorm, RmsNorm);
 

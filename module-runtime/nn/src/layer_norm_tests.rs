@@ -1,7 +1,7 @@
 //! Tests of `layer_norm.rs`: fused and composed paths agree, float64 norms, `call_residual`, shapes.
 
 use super::*;
-use crate::ModuleExt;
+use crate::{Forward, ModuleExt};
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)

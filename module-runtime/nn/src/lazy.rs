@@ -181,6 +181,9 @@ impl<M: Module> Module for Lazy<M> {
             None => std::any::type_name::<Self>(),
         }
     }
+    fn extra_repr(&self) -> String {
+        self.cell.get().map_or_else(String::new, |m| m.extra_repr())
+    }
     fn as_child(&self) -> Child<'_> {
         match self.cell.get() {
             Some(m) => m.as_child(),

@@ -77,6 +77,7 @@ pub use recurrent::Recurrent;
 mod common;
 mod fused;
 mod fused_grad;
+mod layer_macros;
 mod sdpa;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:

@@ -2,9 +2,10 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::common::layer_repr;
 use crate::common::{
-    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, lazy_param,
-    param_tensor, uniform_fan_in,
+    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, layer_forward,
+    lazy_param, param_tensor, uniform_fan_in,
 };
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -12,7 +13,8 @@ use crate::fused::{
     bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
 };
 use crate::fused_grad;
-use crate::{Forward, Init, Module, ModuleExt, Param};
+use crate::{Init, Module, ModuleExt, Param};
+use module_core::py_bool;
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -32,6 +34,7 @@ use crate::{Forward, Init, Module, ModuleExt, Param};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Linear {
     /// `[out_features, in_features]`.
     pub weight: Param,
@@ -148,7 +151,7 @@ impl Linear {
             return activation.call(&self.call(x)?);
         };
         let fused = || -> Result<(Tensor, bool)> {
-            let w = self.weight.value()?;
+            let w = self.weight.tensor()?;
             let bias = param_tensor(&self.bias)?;
             check_input_device("Linear.weight", &w, x)?;
             let y = matmul(x, &w)?;
@@ -166,17 +169,13 @@ impl Linear {
     }
 }
 
-impl Forward<&Tensor> for Linear {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear(
-            x,
-            &self.weight.value()?,
-            self.bias.as_ref().map(Param::value).transpose()?,
-        )
-    }
-}
+layer_forward!(Linear, |layer, x| {
+    linear(
+        x,
+        &layer.weight.tensor()?,
+        layer.bias.as_ref().map(Param::tensor).transpose()?,
+    )
+});
 
 /// `x Wᵀ + b`.
 fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
@@ -322,20 +321,27 @@ impl std::ops::Deref for LazyLinear {
     }
 }
 
-impl Forward<&Tensor> for LazyLinear {
-    type Output = Tensor;
+layer_forward!(LazyLinear, |layer, x| {
+    layer.fit(x)?;
+    layer.linear.forward(x)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fit(x)?;
-        self.linear.forward(x)
-    }
-}
+layer_repr!(Linear, |layer| {
+    let dims = layer.weight.shape().dims().to_vec();
+    format!(
+        "in_features={}, out_features={}, bias={}",
+        dims.get(1).copied().unwrap_or(0),
+        dims.first().copied().unwrap_or(0),
+        py_bool(layer.bias.is_some())
+    )
+});
 
 forward_by_value!(Linear, LazyLinear);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Forward;
 
     /// The in-place bias add of inference gives what the differentiable path gives, bit for bit.
     #[test]

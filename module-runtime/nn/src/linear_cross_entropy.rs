@@ -3,10 +3,11 @@
 
 use candle_core::{Device, Tensor};
 
+use crate::common::layer_forward;
 use crate::error::{Error, Result};
 use crate::loss_classification::cross_entropy;
 use crate::loss_reduction::LossReduction;
-use crate::{Buffer, Forward, Module, ModuleExt};
+use crate::{Buffer, Module, ModuleExt};
 use crate::{Linear, LinearConfig};
 
 /// How a [`LinearCrossEntropyLoss`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -144,28 +145,24 @@ impl LinearCrossEntropyLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for LinearCrossEntropyLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        let logits = self.linear.call(input)?;
-        // Rows of the weight are (class, d1, …, dK) flattened: unflatten the logits the same way.
-        let logits = if self.out_features.is_empty() {
-            logits
-        } else {
-            let lead = &logits.dims()[..logits.rank() - 1];
-            let dims: Vec<usize> = [lead, &[self.num_classes], &self.out_features].concat();
-            logits.reshape(dims)?
-        };
-        // No ignore_index: no class id is below zero, so i64::MIN never matches one.
-        let ignore = self.ignore_index.unwrap_or(i64::MIN);
-        let options = (ignore, self.reduction, self.label_smoothing);
-        cross_entropy(
-            "LinearCrossEntropyLoss",
-            &logits,
-            target,
-            &self.weight,
-            options,
-        )
-    }
-}
+layer_forward!(LinearCrossEntropyLoss, |layer, (input, target)| {
+    let logits = layer.linear.call(input)?;
+    // Rows of the weight are (class, d1, …, dK) flattened: unflatten the logits the same way.
+    let logits = if layer.out_features.is_empty() {
+        logits
+    } else {
+        let lead = &logits.dims()[..logits.rank() - 1];
+        let dims: Vec<usize> = [lead, &[layer.num_classes], &layer.out_features].concat();
+        logits.reshape(dims)?
+    };
+    // No ignore_index: no class id is below zero, so i64::MIN never matches one.
+    let ignore = layer.ignore_index.unwrap_or(i64::MIN);
+    let options = (ignore, layer.reduction, layer.label_smoothing);
+    cross_entropy(
+        "LinearCrossEntropyLoss",
+        &logits,
+        target,
+        &layer.weight,
+        options,
+    )
+});

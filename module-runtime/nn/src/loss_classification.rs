@@ -10,10 +10,10 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::activation::log_softmax;
 use crate::activation_smooth::softplus;
-use crate::common::input_shape_error;
+use crate::common::{input_shape_error, layer_forward};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, weighted_loss_constructors, LossReduction};
-use crate::{Buffer, Forward, Module};
+use crate::{Buffer, Module};
 
 /// The options [`CrossEntropyLoss`] and [`NLLLoss`] share: PyTorch's keyword arguments, with
 /// PyTorch's defaults.
@@ -80,7 +80,7 @@ fn class_weights(
     input: &Tensor,
 ) -> Result<Option<Tensor>> {
     let Some(w) = weight else { return Ok(None) };
-    let w = w.value()?;
+    let w = w.tensor()?;
     if w.dims() != [classes] {
         let expected = format!(
             "[*, {}, *] (one class per entry of weight {:?})",
@@ -205,14 +205,10 @@ impl CrossEntropyLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for CrossEntropyLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        let options = (self.ignore_index, self.reduction, self.label_smoothing);
-        cross_entropy("CrossEntropyLoss", input, target, &self.weight, options)
-    }
-}
+layer_forward!(CrossEntropyLoss, |layer, (input, target)| {
+    let options = (layer.ignore_index, layer.reduction, layer.label_smoothing);
+    cross_entropy("CrossEntropyLoss", input, target, &layer.weight, options)
+});
 
 /// [`CrossEntropyLoss`]'s computation, for `layer`: class-id or probability targets, with the
 /// class weights and `(ignore_index, reduction, label_smoothing)`.
@@ -312,22 +308,18 @@ impl NLLLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for NLLLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        let class_dim = usize::from(input.rank() > 1);
-        let classes = input.dims().get(class_dim).copied().unwrap_or(0);
-        let weight = class_weights("NLLLoss", &self.weight, classes, input)?;
-        nll(
-            "NLLLoss",
-            input,
-            target,
-            weight,
-            (self.ignore_index, self.reduction, 0.0),
-        )
-    }
-}
+layer_forward!(NLLLoss, |layer, (input, target)| {
+    let class_dim = usize::from(input.rank() > 1);
+    let classes = input.dims().get(class_dim).copied().unwrap_or(0);
+    let weight = class_weights("NLLLoss", &layer.weight, classes, input)?;
+    nll(
+        "NLLLoss",
+        input,
+        target,
+        weight,
+        (layer.ignore_index, layer.reduction, 0.0),
+    )
+});
 
 /// An optional buffer's value, broadcast to `like`'s shape and dtype (PyTorch broadcasts the
 /// `weight` of the binary losses and `pos_weight` along the last dimensions).
@@ -337,7 +329,7 @@ fn broadcast_buffer(
     like: &Tensor,
 ) -> Result<Option<Tensor>> {
     let Some(b) = b else { return Ok(None) };
-    let value = b.value()?.to_dtype(like.dtype())?;
+    let value = b.tensor()?.to_dtype(like.dtype())?;
     match value.broadcast_as(like.shape()) {
         Ok(v) => Ok(Some(v)),
         Err(_) => {
@@ -366,21 +358,17 @@ pub struct BCELoss {
 
 weighted_loss_constructors!(BCELoss, "broadcast to the input");
 
-impl Forward<(&Tensor, &Tensor)> for BCELoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape("BCELoss", target, input, "the target (the input's shape)")?;
-        let log_x = input.log()?.maximum(-100f64)?;
-        let log_1mx = input.affine(-1.0, 1.0)?.log()?.maximum(-100f64)?;
-        let one_minus_t = target.affine(-1.0, 1.0)?;
-        let mut loss = ((target * log_x)? + (one_minus_t * log_1mx)?)?.neg()?;
-        if let Some(w) = broadcast_buffer("BCELoss", &self.weight, input)? {
-            loss = (loss * w)?;
-        }
-        self.reduction.apply(loss)
+layer_forward!(BCELoss, |layer, (input, target)| {
+    check_same_shape("BCELoss", target, input, "the target (the input's shape)")?;
+    let log_x = input.log()?.maximum(-100f64)?;
+    let log_1mx = input.affine(-1.0, 1.0)?.log()?.maximum(-100f64)?;
+    let one_minus_t = target.affine(-1.0, 1.0)?;
+    let mut loss = ((target * log_x)? + (one_minus_t * log_1mx)?)?.neg()?;
+    if let Some(w) = broadcast_buffer("BCELoss", &layer.weight, input)? {
+        loss = (loss * w)?;
     }
-}
+    layer.reduction.apply(loss)
+});
 
 /// `BCELoss(σ(x), t)` computed stably from logits, with an optional weight of the positive class:
 /// `(1 - t) x - (1 + (pos_weight - 1) t) log σ(x)`, times `weight`. PyTorch's
@@ -435,22 +423,18 @@ impl BCEWithLogitsLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for BCEWithLogitsLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "BCEWithLogitsLoss";
-        check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
-        // log σ(x) = -softplus(-x), stable for any x.
-        let mut log_sigmoid = softplus(&input.neg()?, 1.0, 20.0)?.neg()?;
-        if let Some(pw) = broadcast_buffer(LAYER, &self.pos_weight, input)? {
-            let log_weight = ((pw - 1.0)? * target)?.affine(1.0, 1.0)?;
-            log_sigmoid = (log_sigmoid * log_weight)?;
-        }
-        let mut loss = ((target.affine(-1.0, 1.0)? * input)? - log_sigmoid)?;
-        if let Some(w) = broadcast_buffer(LAYER, &self.weight, input)? {
-            loss = (loss * w)?;
-        }
-        self.reduction.apply(loss)
+layer_forward!(BCEWithLogitsLoss, |layer, (input, target)| {
+    const LAYER: &str = "BCEWithLogitsLoss";
+    check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
+    // log σ(x) = -softplus(-x), stable for any x.
+    let mut log_sigmoid = softplus(&input.neg()?, 1.0, 20.0)?.neg()?;
+    if let Some(pw) = broadcast_buffer(LAYER, &layer.pos_weight, input)? {
+        let log_weight = ((pw - 1.0)? * target)?.affine(1.0, 1.0)?;
+        log_sigmoid = (log_sigmoid * log_weight)?;
     }
-}
+    let mut loss = ((target.affine(-1.0, 1.0)? * input)? - log_sigmoid)?;
+    if let Some(w) = broadcast_buffer(LAYER, &layer.weight, input)? {
+        loss = (loss * w)?;
+    }
+    layer.reduction.apply(loss)
+});

@@ -3,12 +3,9 @@
 
 use std::f64::consts::PI;
 
-use candle_core::Tensor;
-
-use crate::common::input_shape_error;
-use crate::error::Result;
+use crate::common::{default_new, input_shape_error, layer_forward};
 use crate::loss_reduction::{check_same_shape, LossReduction};
-use crate::{Forward, Module};
+use crate::Module;
 
 /// The negative log-likelihood of counts `target` under a Poisson distribution of rate `input`
 /// (or `exp(input)` with `log_input`): `exp(x) - t x`, or `x - t log(x + eps)`, plus Stirling's
@@ -43,39 +40,33 @@ impl Default for PoissonNLLLoss {
     }
 }
 
-impl PoissonNLLLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    PoissonNLLLoss
 }
 
-impl Forward<(&Tensor, &Tensor)> for PoissonNLLLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape(
-            "PoissonNLLLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        let mut loss = if self.log_input {
-            (input.exp()? - (target * input)?)?
-        } else {
-            (input - (target * (input + self.eps)?.log()?)?)?
-        };
-        if self.full {
-            // ATen's masked Stirling term; the log reads 1 where it is masked, so no NaN enters.
-            let counted = target.gt(1f64)?;
-            let safe = counted.where_cond(target, &target.ones_like()?)?;
-            let stirling = (((&safe * safe.log()?)? - &safe)?
-                + safe.affine(2.0 * PI, 0.0)?.log()?.affine(0.5, 0.0)?)?;
-            loss = (loss + counted.where_cond(&stirling, &target.zeros_like()?)?)?;
-        }
-        self.reduction.apply(loss)
+layer_forward!(PoissonNLLLoss, |layer, (input, target)| {
+    check_same_shape(
+        "PoissonNLLLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    let mut loss = if layer.log_input {
+        (input.exp()? - (target * input)?)?
+    } else {
+        (input - (target * (input + layer.eps)?.log()?)?)?
+    };
+    if layer.full {
+        // ATen's masked Stirling term; the log reads 1 where it is masked, so no NaN enters.
+        let counted = target.gt(1f64)?;
+        let safe = counted.where_cond(target, &target.ones_like()?)?;
+        let stirling = (((&safe * safe.log()?)? - &safe)?
+            + safe.affine(2.0 * PI, 0.0)?.log()?.affine(0.5, 0.0)?)?;
+        loss = (loss + counted.where_cond(&stirling, &target.zeros_like()?)?)?;
     }
-}
+    layer.reduction.apply(loss)
+});
 
 /// The negative log-likelihood of `target` under Gaussians of mean `input` and variance `var`:
 /// `(log(var) + (input - target)² / var) / 2`, plus `log(2π) / 2` when `full`, reduced. PyTorch's
@@ -113,41 +104,35 @@ impl Default for GaussianNLLLoss {
     }
 }
 
-impl GaussianNLLLoss {
+default_new! {
     /// PyTorch's defaults.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    GaussianNLLLoss
 }
 
-impl Forward<(&Tensor, &Tensor, &Tensor)> for GaussianNLLLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target, var): (&Tensor, &Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "GaussianNLLLoss";
-        check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
-        let dims = input.dims();
-        let lead = &dims[..dims.len().saturating_sub(1)];
-        let var = if var.dims() == dims {
-            var.clone()
-        } else if !dims.is_empty() && var.dims() == lead {
-            var.unsqueeze(var.rank())?
-        } else if !dims.is_empty() && var.dims() == [lead, &[1]].concat().as_slice() {
-            var.clone()
-        } else {
-            let expected = format!(
-                "{dims:?}, {lead:?} or {:?} variances for the input",
-                [lead, &[1]].concat()
-            );
-            return Err(input_shape_error(LAYER, expected, var));
-        };
-        // Clamped value, unclamped gradient (PyTorch clamps in place under no_grad).
-        let var = (&var + (var.clamp(self.eps, f64::INFINITY)? - &var)?.detach())?;
-        let sq = (input - target)?.sqr()?.broadcast_div(&var)?;
-        let mut loss = sq.broadcast_add(&var.log()?)?.affine(0.5, 0.0)?;
-        if self.full {
-            loss = (loss + 0.5 * (2.0 * PI).ln())?;
-        }
-        self.reduction.apply(loss)
+layer_forward!(GaussianNLLLoss, |layer, (input, target, var)| {
+    const LAYER: &str = "GaussianNLLLoss";
+    check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
+    let dims = input.dims();
+    let lead = &dims[..dims.len().saturating_sub(1)];
+    let var = if var.dims() == dims {
+        var.clone()
+    } else if !dims.is_empty() && var.dims() == lead {
+        var.unsqueeze(var.rank())?
+    } else if !dims.is_empty() && var.dims() == [lead, &[1]].concat().as_slice() {
+        var.clone()
+    } else {
+        let expected = format!(
+            "{dims:?}, {lead:?} or {:?} variances for the input",
+            [lead, &[1]].concat()
+        );
+        return Err(input_shape_error(LAYER, expected, var));
+    };
+    // Clamped value, unclamped gradient (PyTorch clamps in place under no_grad).
+    let var = (&var + (var.clamp(layer.eps, f64::INFINITY)? - &var)?.detach())?;
+    let sq = (input - target)?.sqr()?.broadcast_div(&var)?;
+    let mut loss = sq.broadcast_add(&var.log()?)?.affine(0.5, 0.0)?;
+    if layer.full {
+        loss = (loss + 0.5 * (2.0 * PI).ln())?;
     }
-}
+    layer.reduction.apply(loss)
+});

@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::activation_smooth::softplus;
-use crate::common::input_shape_error;
+use crate::common::{input_shape_error, layer_forward};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, weighted_loss_constructors, LossReduction};
 use crate::{Buffer, Forward, Module};
@@ -50,24 +50,20 @@ impl HingeEmbeddingLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for HingeEmbeddingLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape(
-            "HingeEmbeddingLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        // ATen's formula: the margin term where target != 1, the input where target != -1.
-        let zeros = input.zeros_like()?;
-        let margin = clamp_min_zero(&input.affine(-1.0, self.margin)?)?;
-        let margin = target.ne(1f64)?.where_cond(&margin, &zeros)?;
-        let own = target.ne(-1f64)?.where_cond(input, &zeros)?;
-        self.reduction.apply((margin + own)?)
-    }
-}
+layer_forward!(HingeEmbeddingLoss, |layer, (input, target)| {
+    check_same_shape(
+        "HingeEmbeddingLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    // ATen's formula: the margin term where target != 1, the input where target != -1.
+    let zeros = input.zeros_like()?;
+    let margin = clamp_min_zero(&input.affine(-1.0, layer.margin)?)?;
+    let margin = target.ne(1f64)?.where_cond(&margin, &zeros)?;
+    let own = target.ne(-1f64)?.where_cond(input, &zeros)?;
+    layer.reduction.apply((margin + own)?)
+});
 
 /// `log(1 + exp(-y x))` of scores `x` and targets `y` of ±1 of one shape, reduced: PyTorch's
 /// `nn.SoftMarginLoss(reduction='mean')`. Computed without overflow.
@@ -95,20 +91,16 @@ impl SoftMarginLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for SoftMarginLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        check_same_shape(
-            "SoftMarginLoss",
-            target,
-            input,
-            "the target (the input's shape)",
-        )?;
-        let margin = (input * target.to_dtype(input.dtype())?)?.neg()?;
-        self.reduction.apply(softplus(&margin, 1.0, 20.0)?)
-    }
-}
+layer_forward!(SoftMarginLoss, |layer, (input, target)| {
+    check_same_shape(
+        "SoftMarginLoss",
+        target,
+        input,
+        "the target (the input's shape)",
+    )?;
+    let margin = (input * target.to_dtype(input.dtype())?)?.neg()?;
+    layer.reduction.apply(softplus(&margin, 1.0, 20.0)?)
+});
 
 /// One binary cross-entropy per class from logits, averaged over the classes of each sample:
 /// `-(y log σ(x) + (1 - y) log σ(-x))`, times `weight`, mean over `C`, then reduced over the
@@ -130,28 +122,24 @@ pub struct MultiLabelSoftMarginLoss {
 
 weighted_loss_constructors!(MultiLabelSoftMarginLoss, "`[C]`");
 
-impl Forward<(&Tensor, &Tensor)> for MultiLabelSoftMarginLoss {
-    type Output = Tensor;
-
-    fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
-        const LAYER: &str = "MultiLabelSoftMarginLoss";
-        check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
-        if !matches!(input.rank(), 1 | 2) {
-            return Err(input_shape_error(LAYER, "[N, C] or [C]", input));
-        }
-        let target = target.to_dtype(input.dtype())?;
-        // log σ(x) = -softplus(-x); log σ(-x) = -softplus(x).
-        let log_sig = softplus(&input.neg()?, 1.0, 20.0)?;
-        let log_sig_neg = softplus(input, 1.0, 20.0)?;
-        let mut loss = ((&target * log_sig)? + (target.affine(-1.0, 1.0)? * log_sig_neg)?)?;
-        if let Some(w) = &self.weight {
-            loss = loss.broadcast_mul(&w.value()?.to_dtype(input.dtype())?)?;
-        }
-        let class_dim = input.rank() - 1;
-        let classes = input.dim(class_dim)? as f64;
-        self.reduction.apply((loss.sum(class_dim)? / classes)?)
+layer_forward!(MultiLabelSoftMarginLoss, |layer, (input, target)| {
+    const LAYER: &str = "MultiLabelSoftMarginLoss";
+    check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
+    if !matches!(input.rank(), 1 | 2) {
+        return Err(input_shape_error(LAYER, "[N, C] or [C]", input));
     }
-}
+    let target = target.to_dtype(input.dtype())?;
+    // log σ(x) = -softplus(-x); log σ(-x) = -softplus(x).
+    let log_sig = softplus(&input.neg()?, 1.0, 20.0)?;
+    let log_sig_neg = softplus(input, 1.0, 20.0)?;
+    let mut loss = ((&target * log_sig)? + (target.affine(-1.0, 1.0)? * log_sig_neg)?)?;
+    if let Some(w) = &layer.weight {
+        loss = loss.broadcast_mul(&w.tensor()?.to_dtype(input.dtype())?)?;
+    }
+    let class_dim = input.rank() - 1;
+    let classes = input.dim(class_dim)? as f64;
+    layer.reduction.apply((loss.sum(class_dim)? / classes)?)
+});
 
 /// The multi-class hinge loss of scores `[N, C]` (or `[C]`) and class ids `[N]` (or `[]`):
 /// `Σ_{j ≠ y} max(0, margin - x_y + x_j)^p · weight_y / C` per sample, reduced. PyTorch's
@@ -245,7 +233,7 @@ impl Forward<(&Tensor, &Tensor)> for MultiMarginLoss {
         }
         if let Some(w) = &self.weight {
             let w = w
-                .value()?
+                .tensor()?
                 .to_dtype(x.dtype())?
                 .contiguous()?
                 .index_select(&ids, 0)?;

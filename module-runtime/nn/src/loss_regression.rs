@@ -7,10 +7,10 @@
 
 use candle_core::Tensor;
 
-use crate::common::config_layer;
+use crate::common::{config_layer, layer_forward};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
-use crate::{Forward, Module};
+use crate::Module;
 
 /// The operands of an elementwise loss, checked to have one shape.
 fn operands<'a>(
@@ -56,14 +56,10 @@ impl MSELoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for MSELoss {
-    type Output = Tensor;
-
-    fn forward(&self, pair: (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (input, target) = operands("MSELoss", pair)?;
-        self.reduction.apply((input - target)?.sqr()?)
-    }
-}
+layer_forward!(MSELoss, |layer, pair: (&Tensor, &Tensor)| {
+    let (input, target) = operands("MSELoss", pair)?;
+    layer.reduction.apply((input - target)?.sqr()?)
+});
 
 /// `|input - target|`, reduced: PyTorch's `nn.L1Loss(reduction='mean')`. (At exactly equal values
 /// the gradient is candle's `sign(0) = 1`, where PyTorch's is 0.)
@@ -90,14 +86,10 @@ impl L1Loss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for L1Loss {
-    type Output = Tensor;
-
-    fn forward(&self, pair: (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (input, target) = operands("L1Loss", pair)?;
-        self.reduction.apply((input - target)?.abs()?)
-    }
-}
+layer_forward!(L1Loss, |layer, pair: (&Tensor, &Tensor)| {
+    let (input, target) = operands("L1Loss", pair)?;
+    layer.reduction.apply((input - target)?.abs()?)
+});
 
 /// `scale · d² / 2` where `d = |input - target| < width`, `scale · width · (d - width / 2)`
 /// elsewhere, with PyTorch's branch test (`d < width`).
@@ -123,78 +115,52 @@ fn quadratic_then_linear(
     Ok(abs.lt(width)?.where_cond(&quadratic, &linear)?)
 }
 
-/// `0.5 d² / beta` where `d = |input - target| < beta`, `d - beta / 2` elsewhere, reduced:
-/// PyTorch's `nn.SmoothL1Loss(reduction='mean', beta=1.0)`. `beta = 0` is [`L1Loss`].
-///
-/// Typed paths into it: [`SmoothL1LossPath`], from [`SmoothL1Loss::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct SmoothL1Loss {
-    /// How the per-element losses are reduced (PyTorch's default: mean).
-    #[module(skip)]
-    pub reduction: LossReduction,
-    /// Where the loss turns from quadratic to linear (PyTorch's default 1.0; not negative).
-    pub beta: f64,
-}
-
 config_layer! {
-    SmoothL1Loss {
-        beta: f64 = 1.0,
-        reduction: LossReduction = LossReduction::Mean,
+    /// `0.5 d² / beta` where `d = |input - target| < beta`, `d - beta / 2` elsewhere, reduced:
+    /// PyTorch's `nn.SmoothL1Loss(reduction='mean', beta=1.0)`. `beta = 0` is [`L1Loss`].
+    ///
+    /// Typed paths into it: [`SmoothL1LossPath`], from [`SmoothL1Loss::path`] (`#[module(paths)]`).
+    pub struct SmoothL1Loss {
+        /// Where the loss turns from quadratic to linear (PyTorch's default 1.0; not negative).
+        pub beta: f64 = 1.0,
+        /// How the per-element losses are reduced (PyTorch's default: mean).
+        #[module(skip)]
+        pub reduction: LossReduction = LossReduction::Mean,
     }
-    /// PyTorch's defaults: mean, `beta = 1`.
-    new,
     /// With `beta` and `reduction`.
-    with_beta,
+    with_beta
 }
 
-impl Forward<(&Tensor, &Tensor)> for SmoothL1Loss {
-    type Output = Tensor;
-
-    fn forward(&self, pair: (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (input, target) = operands("SmoothL1Loss", pair)?;
-        self.reduction
-            .apply(quadratic_then_linear(input, target, self.beta, true)?)
-    }
-}
-
-/// `0.5 d²` where `d = |input - target| < delta`, `delta (d - delta / 2)` elsewhere, reduced:
-/// PyTorch's `nn.HuberLoss(reduction='mean', delta=1.0)` (`delta ·` [`SmoothL1Loss`] with
-/// `beta = delta`).
-///
-/// Typed paths into it: [`HuberLossPath`], from [`HuberLoss::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct HuberLoss {
-    /// How the per-element losses are reduced (PyTorch's default: mean).
-    #[module(skip)]
-    pub reduction: LossReduction,
-    /// Where the loss turns from quadratic to linear (PyTorch's default 1.0; positive).
-    pub delta: f64,
-}
+layer_forward!(SmoothL1Loss, |layer, pair: (&Tensor, &Tensor)| {
+    let (input, target) = operands("SmoothL1Loss", pair)?;
+    layer
+        .reduction
+        .apply(quadratic_then_linear(input, target, layer.beta, true)?)
+});
 
 config_layer! {
-    HuberLoss {
-        delta: f64 = 1.0,
-        reduction: LossReduction = LossReduction::Mean,
+    /// `0.5 d²` where `d = |input - target| < delta`, `delta (d - delta / 2)` elsewhere, reduced:
+    /// PyTorch's `nn.HuberLoss(reduction='mean', delta=1.0)` (`delta ·` [`SmoothL1Loss`] with
+    /// `beta = delta`).
+    ///
+    /// Typed paths into it: [`HuberLossPath`], from [`HuberLoss::path`] (`#[module(paths)]`).
+    pub struct HuberLoss {
+        /// Where the loss turns from quadratic to linear (PyTorch's default 1.0; positive).
+        pub delta: f64 = 1.0,
+        /// How the per-element losses are reduced (PyTorch's default: mean).
+        #[module(skip)]
+        pub reduction: LossReduction = LossReduction::Mean,
     }
-    /// PyTorch's defaults: mean, `delta = 1`.
-    new,
     /// With `delta` and `reduction`.
-    with_delta,
+    with_delta
 }
 
-impl Forward<(&Tensor, &Tensor)> for HuberLoss {
-    type Output = Tensor;
-
-    fn forward(&self, pair: (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (input, target) = operands("HuberLoss", pair)?;
-        self.reduction
-            .apply(quadratic_then_linear(input, target, self.delta, false)?)
-    }
-}
+layer_forward!(HuberLoss, |layer, pair: (&Tensor, &Tensor)| {
+    let (input, target) = operands("HuberLoss", pair)?;
+    layer
+        .reduction
+        .apply(quadratic_then_linear(input, target, layer.delta, false)?)
+});
 
 /// How [`KLDivLoss`] reduces: PyTorch's `reduction`, which for this loss also takes
 /// `'batchmean'`, the mathematically correct KL divergence of a batch.
@@ -250,28 +216,24 @@ impl KLDivLoss {
     }
 }
 
-impl Forward<(&Tensor, &Tensor)> for KLDivLoss {
-    type Output = Tensor;
-
-    fn forward(&self, pair: (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (input, target) = operands("KLDivLoss", pair)?;
-        let terms = if self.log_target {
-            (target.exp()? * (target - input)?)?
-        } else {
-            // xlogy: 0 · log 0 is 0, and so is its gradient's share through the log.
-            let positive = target.gt(0f64)?;
-            let safe = positive.where_cond(target, &target.ones_like()?)?;
-            let t_log_t = positive.where_cond(&(target * safe.log()?)?, &target.zeros_like()?)?;
-            (t_log_t - (target * input)?)?
-        };
-        Ok(match self.reduction {
-            KLDivReduction::None => terms,
-            KLDivReduction::Mean => terms.mean_all()?,
-            KLDivReduction::Sum => terms.sum_all()?,
-            KLDivReduction::BatchMean => {
-                let batch = input.dims().first().copied().unwrap_or(1);
-                (terms.sum_all()? / batch as f64)?
-            }
-        })
-    }
-}
+layer_forward!(KLDivLoss, |layer, pair: (&Tensor, &Tensor)| {
+    let (input, target) = operands("KLDivLoss", pair)?;
+    let terms = if layer.log_target {
+        (target.exp()? * (target - input)?)?
+    } else {
+        // xlogy: 0 · log 0 is 0, and so is its gradient's share through the log.
+        let positive = target.gt(0f64)?;
+        let safe = positive.where_cond(target, &target.ones_like()?)?;
+        let t_log_t = positive.where_cond(&(target * safe.log()?)?, &target.zeros_like()?)?;
+        (t_log_t - (target * input)?)?
+    };
+    Ok(match layer.reduction {
+        KLDivReduction::None => terms,
+        KLDivReduction::Mean => terms.mean_all()?,
+        KLDivReduction::Sum => terms.sum_all()?,
+        KLDivReduction::BatchMean => {
+            let batch = input.dims().first().copied().unwrap_or(1);
+            (terms.sum_all()? / batch as f64)?
+        }
+    })
+});

@@ -304,32 +304,23 @@ impl<const N: usize> Pad<N, Constant> {
     }
 }
 
-impl<const N: usize> Pad<N, Zeros> {
-    /// Pads with zeros: PyTorch's `ZeroPad{N}d(padding)`.
-    pub fn new(padding: impl Padding<N>) -> Self {
-        Self::with_mode(padding, Zeros)
-    }
+/// `new(padding)` of a mode without a value.
+macro_rules! pad_new {
+    ($($mode:ident: $doc:literal),+ $(,)?) => {$(
+        impl<const N: usize> Pad<N, $mode> {
+            #[doc = $doc]
+            pub fn new(padding: impl Padding<N>) -> Self {
+                Self::with_mode(padding, $mode)
+            }
+        }
+    )+};
 }
 
-impl<const N: usize> Pad<N, Reflect> {
-    /// Pads by reflection: PyTorch's `ReflectionPad{N}d(padding)`.
-    pub fn new(padding: impl Padding<N>) -> Self {
-        Self::with_mode(padding, Reflect)
-    }
-}
-
-impl<const N: usize> Pad<N, Replicate> {
-    /// Pads by replication: PyTorch's `ReplicationPad{N}d(padding)`.
-    pub fn new(padding: impl Padding<N>) -> Self {
-        Self::with_mode(padding, Replicate)
-    }
-}
-
-impl<const N: usize> Pad<N, Circular> {
-    /// Pads circularly: PyTorch's `CircularPad{N}d(padding)`.
-    pub fn new(padding: impl Padding<N>) -> Self {
-        Self::with_mode(padding, Circular)
-    }
+pad_new! {
+    Zeros: "Pads with zeros: PyTorch's `ZeroPad{N}d(padding)`.",
+    Reflect: "Pads by reflection: PyTorch's `ReflectionPad{N}d(padding)`.",
+    Replicate: "Pads by replication: PyTorch's `ReplicationPad{N}d(padding)`.",
+    Circular: "Pads circularly: PyTorch's `CircularPad{N}d(padding)`.",
 }
 
 impl<const N: usize, M: PadMode> Pad<N, M> {

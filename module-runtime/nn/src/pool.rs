@@ -18,9 +18,12 @@ use std::marker::PhantomData;
 
 use candle_core::{Tensor, D};
 
+use std::fmt::Write;
+
 use crate::common::{forward_by_value, input_shape_error, PerDim, Size};
 use crate::error::{Error, Result};
 use crate::{Forward, Module};
+use module_core::{py_bool, ExtraRepr};
 
 /// How a [`MaxPool2d`] or [`AvgPool2d`] is built: PyTorch's keyword arguments, with PyTorch's
 /// defaults (`Pool2dConfig::default()`: stride = window, no padding or dilation, floor mode,
@@ -162,6 +165,7 @@ impl Reduction for Avg {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Pool2d<R> {
     /// Window size `(kH, kW)`.
     pub kernel_size: (usize, usize),
@@ -498,6 +502,27 @@ fn windows(
     Ok(x.reshape((n, c, h * w))?
         .index_select(&index, 2)?
         .reshape((n, c, ho, wo, kh * kw))?)
+}
+
+impl<R: Reduction> ExtraRepr for Pool2d<R> {
+    fn extra_repr(&self) -> String {
+        // PyTorch shows what it was given; a pair with equal sides is shown as one number.
+        let pair = |(a, b): (usize, usize)| match a == b {
+            true => a.to_string(),
+            false => format!("({a}, {b})"),
+        };
+        let (kernel, stride, padding) = (
+            pair(self.kernel_size),
+            pair(self.stride),
+            pair(self.padding),
+        );
+        let mut s = format!("kernel_size={kernel}, stride={stride}, padding={padding}");
+        if !R::AVERAGE {
+            let ceil = py_bool(self.ceil_mode);
+            let _ = write!(s, ", dilation={}, ceil_mode={ceil}", pair(self.dilation));
+        }
+        s
+    }
 }
 
 forward_by_value!(MaxPool2d, AvgPool2d);

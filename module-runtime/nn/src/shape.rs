@@ -5,9 +5,11 @@
 
 use candle_core::Tensor;
 
-use crate::common::{config_layer, forward_by_value, input_shape_error, resolve_dim};
-use crate::error::Result;
-use crate::{Forward, Mode, Module};
+use crate::common::{
+    config_layer, default_new, forward_by_value, input_shape_error, layer_forward, layer_repr,
+    resolve_dim,
+};
+use crate::{Mode, Module};
 
 /// Returns its input: PyTorch's `nn.Identity`, a placeholder where a model's structure wants a
 /// layer (a disabled projection, a removed head) without changing its state-dict keys elsewhere.
@@ -30,71 +32,52 @@ pub struct Identity {
     pub mode: Mode,
 }
 
-impl Identity {
+default_new! {
     /// The layer. PyTorch's `Identity(*args, **kwargs)` ignores its arguments; there are none here.
-    pub fn new() -> Self {
-        Self::default()
-    }
+    Identity
 }
 
-impl Forward<&Tensor> for Identity {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.clone())
-    }
-}
-
-/// Merges dimensions `start_dim..=end_dim` into one: PyTorch's `nn.Flatten(start_dim=1,
-/// end_dim=-1)`, by default `[N, *]` to `[N, prod(*)]`. Negative dimensions count from the end.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::Flatten;
-/// let x = Tensor::zeros((2, 3, 4, 5), DType::F32, &Device::Cpu)?;
-/// assert_eq!(Flatten::new().call(&x)?.dims(), [2, 60]);
-/// assert_eq!(Flatten::with_dims(0, 2).call(&x)?.dims(), [24, 5]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`FlattenPath`], from [`Flatten::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct Flatten {
-    /// The first dimension merged (PyTorch's default 1).
-    pub start_dim: isize,
-    /// The last dimension merged (PyTorch's default -1).
-    pub end_dim: isize,
-}
+layer_forward!(Identity, |_, x| Ok(x.clone()));
 
 config_layer! {
-    Flatten {
-        start_dim: isize = 1,
-        end_dim: isize = -1,
+    /// Merges dimensions `start_dim..=end_dim` into one: PyTorch's `nn.Flatten(start_dim=1,
+    /// end_dim=-1)`, by default `[N, *]` to `[N, prod(*)]`. Negative dimensions count from the end.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Flatten;
+    /// let x = Tensor::zeros((2, 3, 4, 5), DType::F32, &Device::Cpu)?;
+    /// assert_eq!(Flatten::new().call(&x)?.dims(), [2, 60]);
+    /// assert_eq!(Flatten::with_dims(0, 2).call(&x)?.dims(), [24, 5]);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`FlattenPath`], from [`Flatten::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct Flatten {
+        /// The first dimension merged (PyTorch's default 1).
+        pub start_dim: isize = 1,
+        /// The last dimension merged (PyTorch's default -1).
+        pub end_dim: isize = -1,
     }
-    /// PyTorch's defaults: everything but the batch dimension.
-    new,
     /// Merges `start_dim..=end_dim`.
-    with_dims,
+    with_dims
 }
 
-impl Forward<&Tensor> for Flatten {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let start = resolve_dim(x, self.start_dim, "flatten")?;
-        let end = resolve_dim(x, self.end_dim, "flatten")?;
-        if start > end {
-            let expected = format!(
-                "a rank where start_dim {} is not after end_dim {}",
-                self.start_dim, self.end_dim
-            );
-            return Err(input_shape_error("Flatten", expected, x));
-        }
-        Ok(x.flatten(start, end)?)
+layer_forward!(Flatten, |layer, x| {
+    let start = resolve_dim(x, layer.start_dim, "flatten")?;
+    let end = resolve_dim(x, layer.end_dim, "flatten")?;
+    if start > end {
+        let expected = format!(
+            "a rank where start_dim {} is not after end_dim {}",
+            layer.start_dim, layer.end_dim
+        );
+        return Err(input_shape_error("Flatten", expected, x));
     }
-}
+    Ok(x.flatten(start, end)?)
+});
+
+layer_repr!(Flatten: start_dim, end_dim);
 
 /// Splits dimension `dim` into `unflattened_size`: PyTorch's `nn.Unflatten(dim,
 /// unflattened_size)`, the inverse of [`Flatten`]. One size may be `-1`, inferred from the others;
@@ -156,54 +139,45 @@ impl Unflatten {
     }
 }
 
-impl Forward<&Tensor> for Unflatten {
-    type Output = Tensor;
+layer_forward!(Unflatten, |layer, x| {
+    let dim = resolve_dim(x, layer.dim, "unflatten")?;
+    let Some(sizes) = layer.sizes(x.dim(dim)?) else {
+        let expected = format!(
+            "a size along dimension {} that {:?} splits",
+            layer.dim, layer.unflattened_size
+        );
+        return Err(input_shape_error("Unflatten", expected, x));
+    };
+    let dims = x.dims();
+    let shape: Vec<usize> = [&dims[..dim], &sizes, &dims[dim + 1..]].concat();
+    Ok(x.reshape(shape)?)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dim = resolve_dim(x, self.dim, "unflatten")?;
-        let Some(sizes) = self.sizes(x.dim(dim)?) else {
-            let expected = format!(
-                "a size along dimension {} that {:?} splits",
-                self.dim, self.unflattened_size
-            );
-            return Err(input_shape_error("Unflatten", expected, x));
-        };
-        let dims = x.dims();
-        let shape: Vec<usize> = [&dims[..dim], &sizes, &dims[dim + 1..]].concat();
-        Ok(x.reshape(shape)?)
+config_layer! {
+    /// Moves channels into space: `[*, C·r², H, W]` to `[*, C, H·r, W·r]` with `r =
+    /// upscale_factor`, PyTorch's `nn.PixelShuffle(upscale_factor)` (sub-pixel convolution). Output
+    /// pixel `(h·r + i, w·r + j)` of channel `c` is input channel `c·r² + i·r + j` at `(h, w)`.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::{PixelShuffle, PixelUnshuffle};
+    /// let x = Tensor::arange(0f32, 16., &Device::Cpu)?.reshape((1, 4, 2, 2))?;
+    /// let y = PixelShuffle::new(2).call(&x)?;
+    /// assert_eq!(y.dims(), [1, 1, 4, 4]);
+    /// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?[..4], [0., 4., 1., 5.]);
+    /// let back = PixelUnshuffle::new(2).call(&y)?;
+    /// assert_eq!(back.flatten_all()?.to_vec1::<f32>()?, x.flatten_all()?.to_vec1::<f32>()?);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    ///
+    /// Typed paths into it: [`PixelShufflePath`], from [`PixelShuffle::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
+    pub struct PixelShuffle {
+        /// `r`: the factor by which height and width grow.
+        pub upscale_factor: usize,
     }
-}
-
-/// Moves channels into space: `[*, C·r², H, W]` to `[*, C, H·r, W·r]` with `r =
-/// upscale_factor`, PyTorch's `nn.PixelShuffle(upscale_factor)` (sub-pixel convolution). Output
-/// pixel `(h·r + i, w·r + j)` of channel `c` is input channel `c·r² + i·r + j` at `(h, w)`.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{PixelShuffle, PixelUnshuffle};
-/// let x = Tensor::arange(0f32, 16., &Device::Cpu)?.reshape((1, 4, 2, 2))?;
-/// let y = PixelShuffle::new(2).call(&x)?;
-/// assert_eq!(y.dims(), [1, 1, 4, 4]);
-/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?[..4], [0., 4., 1., 5.]);
-/// let back = PixelUnshuffle::new(2).call(&y)?;
-/// assert_eq!(back.flatten_all()?.to_vec1::<f32>()?, x.flatten_all()?.to_vec1::<f32>()?);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-///
-/// Typed paths into it: [`PixelShufflePath`], from [`PixelShuffle::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct PixelShuffle {
-    /// `r`: the factor by which height and width grow.
-    pub upscale_factor: usize,
-}
-
-impl PixelShuffle {
     /// Upscales by `upscale_factor`.
-    pub fn new(upscale_factor: usize) -> Self {
-        Self { upscale_factor }
-    }
+    new
 }
 
 /// The leading (batch) dimensions of `x` and its last three, if it has at least three.
@@ -213,101 +187,79 @@ fn split_chw(x: &Tensor) -> Option<(&[usize], [usize; 3])> {
     Some((&dims[..lead], [dims[lead], dims[lead + 1], dims[lead + 2]]))
 }
 
-impl Forward<&Tensor> for PixelShuffle {
-    type Output = Tensor;
+layer_forward!(PixelShuffle, |layer, x| {
+    let r = layer.upscale_factor;
+    let fits = split_chw(x).filter(|(_, [c, _, _])| r > 0 && c % (r * r) == 0);
+    let Some((lead, [c, h, w])) = fits else {
+        let expected = format!("[*, C·{r}², H, W] (channels divisible by upscale_factor²)");
+        return Err(input_shape_error("PixelShuffle", expected, x));
+    };
+    let batch: usize = lead.iter().product();
+    let c_out = c / (r * r);
+    let y = x
+        .reshape(vec![batch, c_out, r, r, h, w])?
+        .permute([0, 1, 4, 2, 5, 3])?;
+    let out: Vec<usize> = [lead, &[c_out, h * r, w * r]].concat();
+    Ok(y.reshape(out)?)
+});
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let r = self.upscale_factor;
-        let fits = split_chw(x).filter(|(_, [c, _, _])| r > 0 && c % (r * r) == 0);
-        let Some((lead, [c, h, w])) = fits else {
-            let expected = format!("[*, C·{r}², H, W] (channels divisible by upscale_factor²)");
-            return Err(input_shape_error("PixelShuffle", expected, x));
-        };
-        let batch: usize = lead.iter().product();
-        let c_out = c / (r * r);
-        let y = x
-            .reshape(vec![batch, c_out, r, r, h, w])?
-            .permute([0, 1, 4, 2, 5, 3])?;
-        let out: Vec<usize> = [lead, &[c_out, h * r, w * r]].concat();
-        Ok(y.reshape(out)?)
+layer_repr!(PixelShuffle: upscale_factor);
+
+config_layer! {
+    /// Moves space into channels: `[*, C, H·r, W·r]` to `[*, C·r², H, W]` with `r =
+    /// downscale_factor`, PyTorch's `nn.PixelUnshuffle(downscale_factor)`, the inverse of
+    /// [`PixelShuffle`].
+    ///
+    /// Typed paths into it: [`PixelUnshufflePath`], from [`PixelUnshuffle::path`]
+    /// (`#[module(paths)]`).
+    pub struct PixelUnshuffle {
+        /// `r`: the factor by which height and width shrink.
+        pub downscale_factor: usize,
     }
-}
-
-/// Moves space into channels: `[*, C, H·r, W·r]` to `[*, C·r², H, W]` with `r =
-/// downscale_factor`, PyTorch's `nn.PixelUnshuffle(downscale_factor)`, the inverse of
-/// [`PixelShuffle`].
-///
-/// Typed paths into it: [`PixelUnshufflePath`], from [`PixelUnshuffle::path`]
-/// (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct PixelUnshuffle {
-    /// `r`: the factor by which height and width shrink.
-    pub downscale_factor: usize,
-}
-
-impl PixelUnshuffle {
     /// Downscales by `downscale_factor`.
-    pub fn new(downscale_factor: usize) -> Self {
-        Self { downscale_factor }
+    new
+}
+
+layer_forward!(PixelUnshuffle, |layer, x| {
+    let r = layer.downscale_factor;
+    let fits = split_chw(x).filter(|(_, [_, h, w])| r > 0 && h % r == 0 && w % r == 0);
+    let Some((lead, [c, h, w])) = fits else {
+        let expected = format!("[*, C, H, W] with H and W divisible by {r}");
+        return Err(input_shape_error("PixelUnshuffle", expected, x));
+    };
+    let batch: usize = lead.iter().product();
+    let (h_out, w_out) = (h / r, w / r);
+    let y = x
+        .reshape(vec![batch, c, h_out, r, w_out, r])?
+        .permute([0, 1, 3, 5, 2, 4])?;
+    let out: Vec<usize> = [lead, &[c * r * r, h_out, w_out]].concat();
+    Ok(y.reshape(out)?)
+});
+
+config_layer! {
+    /// Interleaves the channels of `groups` groups: `[N, C, *]` viewed as `[N, groups, C / groups, *]`,
+    /// transposed to `[N, C / groups, groups, *]`, and flattened back (ShuffleNet's shuffle):
+    /// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
+    ///
+    /// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
+    pub struct ChannelShuffle {
+        /// The number of groups the channels are split into.
+        pub groups: usize,
     }
-}
-
-impl Forward<&Tensor> for PixelUnshuffle {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let r = self.downscale_factor;
-        let fits = split_chw(x).filter(|(_, [_, h, w])| r > 0 && h % r == 0 && w % r == 0);
-        let Some((lead, [c, h, w])) = fits else {
-            let expected = format!("[*, C, H, W] with H and W divisible by {r}");
-            return Err(input_shape_error("PixelUnshuffle", expected, x));
-        };
-        let batch: usize = lead.iter().product();
-        let (h_out, w_out) = (h / r, w / r);
-        let y = x
-            .reshape(vec![batch, c, h_out, r, w_out, r])?
-            .permute([0, 1, 3, 5, 2, 4])?;
-        let out: Vec<usize> = [lead, &[c * r * r, h_out, w_out]].concat();
-        Ok(y.reshape(out)?)
-    }
-}
-
-/// Interleaves the channels of `groups` groups: `[N, C, *]` viewed as `[N, groups, C / groups, *]`,
-/// transposed to `[N, C / groups, groups, *]`, and flattened back (ShuffleNet's shuffle):
-/// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
-///
-/// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-pub struct ChannelShuffle {
-    /// The number of groups the channels are split into.
-    pub groups: usize,
-}
-
-impl ChannelShuffle {
     /// Shuffles `groups` groups of channels.
-    pub fn new(groups: usize) -> Self {
-        Self { groups }
-    }
+    new
 }
 
-impl Forward<&Tensor> for ChannelShuffle {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.groups;
-        let dims = x.dims();
-        if dims.len() < 3 || g == 0 || dims[1] % g != 0 {
-            let expected = format!("[N, C, *] with C divisible by groups = {g}");
-            return Err(input_shape_error("ChannelShuffle", expected, x));
-        }
-        let grouped: Vec<usize> = [&dims[..1], &[g, dims[1] / g], &dims[2..]].concat();
-        Ok(x.reshape(grouped)?.transpose(1, 2)?.reshape(dims)?)
+layer_forward!(ChannelShuffle, |layer, x| {
+    let g = layer.groups;
+    let dims = x.dims();
+    if dims.len() < 3 || g == 0 || dims[1] % g != 0 {
+        let expected = format!("[N, C, *] with C divisible by groups = {g}");
+        return Err(input_shape_error("ChannelShuffle", expected, x));
     }
-}
+    let grouped: Vec<usize> = [&dims[..1], &[g, dims[1] / g], &dims[2..]].concat();
+    Ok(x.reshape(grouped)?.transpose(1, 2)?.reshape(dims)?)
+});
 
 forward_by_value!(
     Identity,

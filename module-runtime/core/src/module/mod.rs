@@ -89,6 +89,21 @@ pub trait Module: Any + Send + Sync {
         None
     }
 
+    /// The module's own settings as `print(model)` shows them inside its parentheses: PyTorch's
+    /// `extra_repr`. Empty (the default) for a module without any. Do not implement it by hand:
+    /// implement [`ExtraRepr`](crate::ExtraRepr) and mark the type `#[module(extra_repr)]`, and
+    /// the derive returns its text. See [`module_repr`](crate::module_repr).
+    fn extra_repr(&self) -> String {
+        String::new()
+    }
+
+    /// Whether `print(model)` shows runs of equal children as one line (`(0-2): 3 x Linear(...)`),
+    /// as PyTorch's `ModuleList` does. Not public API.
+    #[doc(hidden)]
+    fn __repr_collapses_repeats(&self) -> bool {
+        false
+    }
+
     /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive
     /// lists them, so that the runtime can lift their extra state and report names that collide
     /// through them. Not public API.

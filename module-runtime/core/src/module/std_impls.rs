@@ -127,6 +127,30 @@ impl<M: Module> Module for Option<M> {
     }
 }
 
+/// The methods a smart pointer to a module (`Box<M>`, `Arc<M>`) answers for the module inside.
+macro_rules! pointee_methods {
+    () => {
+        fn type_name(&self) -> &'static str {
+            (**self).type_name()
+        }
+        fn extra_repr(&self) -> String {
+            (**self).extra_repr()
+        }
+        fn __repr_collapses_repeats(&self) -> bool {
+            (**self).__repr_collapses_repeats()
+        }
+        fn is_config() -> bool {
+            M::is_config()
+        }
+        fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
+            (**self).extra_state()
+        }
+        fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
+            (**self).__flattened(f);
+        }
+    };
+}
+
 /// Transparent: a boxed module is the module.
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for Box<M> {
@@ -136,26 +160,15 @@ impl<M: Module> Module for Box<M> {
     fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
         (**self).visit_children_mut(f);
     }
-    fn type_name(&self) -> &'static str {
-        (**self).type_name()
-    }
+    pointee_methods!();
     fn as_child(&self) -> Child<'_> {
         (**self).as_child()
     }
     fn as_child_mut(&mut self) -> ChildMut<'_> {
         (**self).as_child_mut()
     }
-    fn is_config() -> bool {
-        M::is_config()
-    }
     fn __call_target(&self) -> CallTarget {
         (**self).__call_target()
-    }
-    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
-        (**self).extra_state()
-    }
-    fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
-        (**self).__flattened(f);
     }
 }
 
@@ -171,15 +184,7 @@ impl<M: Module> Module for Arc<M> {
             m.visit_children_mut(f);
         }
     }
-    fn type_name(&self) -> &'static str {
-        (**self).type_name()
-    }
-    fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
-        (**self).extra_state()
-    }
-    fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
-        (**self).__flattened(f);
-    }
+    pointee_methods!();
     fn as_child(&self) -> Child<'_> {
         match (**self).as_child() {
             Child::Module { module, .. } => Child::Module {
@@ -198,9 +203,6 @@ impl<M: Module> Module for Arc<M> {
                 _ => ChildMut::Absent,
             }
         }
-    }
-    fn is_config() -> bool {
-        M::is_config()
     }
 }
 

@@ -78,6 +78,14 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).type_name()
     }
 
+    fn extra_repr(&self) -> String {
+        (**self).extra_repr()
+    }
+
+    fn __repr_collapses_repeats(&self) -> bool {
+        (**self).__repr_collapses_repeats()
+    }
+
     fn as_child(&self) -> Child<'_> {
         (**self).layer_child()
     }

@@ -153,6 +153,9 @@ impl<M: Module> fmt::Debug for ModuleDict<M> {
     }
 }
 
+// `print(model)`: PyTorch's repr.
+crate::layer_macros::display_as_repr!(impl<M: Module> for ModuleDict<M>);
+
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleDict<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {

@@ -129,10 +129,17 @@ impl<M: Module> fmt::Debug for ModuleList<M> {
     }
 }
 
+// `print(model)`: PyTorch's repr.
+crate::layer_macros::display_as_repr!(impl<M: Module> for ModuleList<M>);
+
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleList<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         self.items.visit_children(f);
+    }
+
+    fn __repr_collapses_repeats(&self) -> bool {
+        true
     }
 
     fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {

@@ -5,6 +5,7 @@ use std::fmt;
 use candle_core::Tensor;
 
 use super::SequentialLayer;
+use crate::common::layer_forward;
 use crate::error::{Error, Result};
 use crate::module::{Child, ChildMut, Name};
 use crate::{
@@ -263,6 +264,9 @@ impl fmt::Debug for Sequential {
     }
 }
 
+// `print(model)`: PyTorch's repr.
+crate::layer_macros::display_as_repr!(impl for Sequential);
+
 #[diagnostic::do_not_recommend]
 impl Module for Sequential {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
@@ -326,13 +330,7 @@ fn linear_then(linear: &dyn Module, activation: &dyn Module, x: &Tensor) -> Opti
         .or_else(|| then::<Activation>(linear, activation, x))
 }
 
-impl Forward<&Tensor> for Sequential {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward(x.clone())
-    }
-}
+layer_forward!(Sequential, |layer, x| layer.forward(x.clone()));
 
 impl candle_core::Module for Sequential {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {

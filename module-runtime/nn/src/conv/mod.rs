@@ -24,6 +24,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use std::fmt::Write;
+
 use crate::common::{
     add_channel_bias, add_channel_bias_to_fresh, forward_by_value, param_tensor, uniform_fan_in,
     PerDim, Size,
@@ -31,6 +33,7 @@ use crate::common::{
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Module, Param};
+use module_core::{py_tuple, ExtraRepr};
 
 mod lazy;
 mod transpose;
@@ -301,6 +304,7 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Conv<const D: usize> {
     /// `[out_channels, in_channels / groups, *kernel_size]`.
     pub weight: Param,
@@ -413,13 +417,37 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.value()?;
+        let weight = self.weight.tensor()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
         let bias = param_tensor(&self.bias)?;
         match D {
             1 => conv1d(x, &weight, bias, &self.config),
             _ => conv2d(x, &weight, bias, &self.config),
         }
+    }
+}
+
+impl<const D: usize> ExtraRepr for Conv<D> {
+    fn extra_repr(&self) -> String {
+        let dims = self.weight.shape().dims().to_vec();
+        let per_dim = |v: PerDim| py_tuple(&v.for_dims::<D>().unwrap_or([0; D]));
+        let (c, mut s) = (&self.config, String::new());
+        let _ = write!(s, "{}, {}", dims[1] * c.groups, dims[0]);
+        let _ = write!(s, ", kernel_size={}", py_tuple(&dims[2..]));
+        let _ = write!(s, ", stride={}", per_dim(c.stride));
+        if c.padding.for_dims::<D>() != Some([0; D]) {
+            let _ = write!(s, ", padding={}", per_dim(c.padding));
+        }
+        if c.dilation.for_dims::<D>() != Some([1; D]) {
+            let _ = write!(s, ", dilation={}", per_dim(c.dilation));
+        }
+        if c.groups != 1 {
+            let _ = write!(s, ", groups={}", c.groups);
+        }
+        if self.bias.is_none() {
+            s.push_str(", bias=False");
+        }
+        s
     }
 }
 

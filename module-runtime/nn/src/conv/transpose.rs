@@ -4,10 +4,10 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{check_groups, conv_params};
-use crate::common::{add_channel_bias, forward_by_value, param_tensor, Size};
+use crate::common::{add_channel_bias, forward_by_value, layer_forward, param_tensor, Size};
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::{Forward, Module, Param};
+use crate::{Module, Param};
 
 /// How a [`ConvTranspose2d`] is built: PyTorch's keyword arguments, with PyTorch's defaults
 /// (`ConvTransposeConfig::default()`).
@@ -111,39 +111,36 @@ impl ConvTranspose2d {
     }
 }
 
-impl Forward<&Tensor> for ConvTranspose2d {
-    type Output = Tensor;
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let c = &self.config;
-        let weight = self.weight.value()?;
-        check_input_device("ConvTranspose2d.weight", &weight, x)?;
-        let run = |x: &Tensor, w: &Tensor| {
-            x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
-        };
-        // candle's transposed convolution has no groups: run each group on its slice of the input
-        // channels and of the weight, and stack the outputs along the channels.
-        let y = if c.groups == 1 {
-            run(x, &weight)?
-        } else {
-            let xs = x.chunk(c.groups, 1)?;
-            let ws = weight.chunk(c.groups, 0)?;
-            let ys = xs
-                .iter()
-                .zip(&ws)
-                .map(|(x, w)| run(x, w))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Tensor::cat(&ys, 1)?
-        };
-        add_channel_bias(y, param_tensor(&self.bias)?)
-    }
-}
+layer_forward!(ConvTranspose2d, |layer, x| {
+    let c = &layer.config;
+    let weight = layer.weight.tensor()?;
+    check_input_device("ConvTranspose2d.weight", &weight, x)?;
+    let run = |x: &Tensor, w: &Tensor| {
+        x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
+    };
+    // candle's transposed convolution has no groups: run each group on its slice of the input
+    // channels and of the weight, and stack the outputs along the channels.
+    let y = if c.groups == 1 {
+        run(x, &weight)?
+    } else {
+        let xs = x.chunk(c.groups, 1)?;
+        let ws = weight.chunk(c.groups, 0)?;
+        let ys = xs
+            .iter()
+            .zip(&ws)
+            .map(|(x, w)| run(x, w))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::cat(&ys, 1)?
+    };
+    add_channel_bias(y, param_tensor(&layer.bias)?)
+});
 
 forward_by_value!(ConvTranspose2d);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Forward;
 
     /// A grouped transposed convolution equals the per-group convolutions, stacked.
     #[test]

@@ -159,7 +159,7 @@ impl<G: Gates> RnnCellBase<G> {
     /// One step: `x` `[B, in]` or `[in]`, the state tensors `[B, H]` or `[H]` (zeros when
     /// `None`), in [`Gates::CELL_STATE_NAMES`] order. Returns the next state tensors.
     fn run(&self, x: &Tensor, state: Option<Vec<Tensor>>) -> Result<Vec<Tensor>> {
-        let w = self.weights.weight_ih.value()?;
+        let w = self.weights.weight_ih.tensor()?;
         check_input_device(G::CELL_WEIGHT, &w, x)?;
         for s in state.iter().flatten() {
             check_input_device(G::CELL_WEIGHT, &w, s)?;
@@ -254,7 +254,7 @@ impl<G: Gates> Recurrent for RnnCellBase<G> {
 
     /// Zeros, in the parameters' dtype and on their device.
     fn initial_state(&self, batch: usize) -> Result<G::State> {
-        let w = self.weights.weight_ih.value()?;
+        let w = self.weights.weight_ih.tensor()?;
         let zeros = Tensor::zeros((batch, self.hidden_size), w.dtype(), w.device())?;
         Ok(G::from_tensors(vec![zeros; G::CELL_STATE_NAMES.len()]))
     }

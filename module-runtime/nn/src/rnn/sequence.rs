@@ -8,9 +8,12 @@ use candle_core::{DType, Device, Tensor};
 
 use super::gates::{check_state, Gates, GruGates, LstmGates};
 use super::weights::{LayerWeights, StackedWeights};
+use std::fmt::Write;
+
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Mode, Module, Recurrent};
+use module_core::{py_float, ExtraRepr};
 
 /// How an [`Lstm`] or a [`Gru`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -62,6 +65,7 @@ impl Default for RnnConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct RnnBase<G> {
     #[module(flatten)]
     weights: StackedWeights,
@@ -184,7 +188,7 @@ impl<G: Gates> RnnBase<G> {
         initial: Option<Vec<Tensor>>,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let first = self.first_layer();
-        let w = first.weight_ih.value()?;
+        let w = first.weight_ih.tensor()?;
         check_input_device(G::FIRST_WEIGHT, &w, x)?;
         for s in initial.iter().flatten() {
             check_input_device(G::FIRST_WEIGHT, &w, s)?;
@@ -328,6 +332,25 @@ impl Forward<(&Tensor, &Tensor)> for Gru {
     }
 }
 
+impl<G: Gates> ExtraRepr for RnnBase<G> {
+    fn extra_repr(&self) -> String {
+        let mut s = format!("{}, {}", self.input_size(), self.hidden_size);
+        if self.num_layers() != 1 {
+            let _ = write!(s, ", num_layers={}", self.num_layers());
+        }
+        if !self.first_layer().has_bias() {
+            s.push_str(", bias=False");
+        }
+        if self.batch_first {
+            s.push_str(", batch_first=True");
+        }
+        if self.dropout != 0.0 {
+            let _ = write!(s, ", dropout={}", py_float(self.dropout));
+        }
+        s
+    }
+}
+
 impl<G: Gates> candle_core::Module for RnnBase<G> {
     /// The output sequence, from a zero state.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -342,7 +365,7 @@ impl<G: Gates> Recurrent for RnnBase<G> {
 
     /// Zeros, in the parameters' dtype and on their device.
     fn initial_state(&self, batch: usize) -> Result<G::State> {
-        let w = self.first_layer().weight_ih.value()?;
+        let w = self.first_layer().weight_ih.tensor()?;
         let zeros = Tensor::zeros(
             (self.num_layers(), batch, self.hidden_size),
             w.dtype(),

@@ -43,15 +43,20 @@ impl LayerWeights {
     }
 
     /// The input size, from `weight_ih` `[G·H, in]`.
+    /// Whether the layer has the biases `bias_ih` and `bias_hh`.
+    pub(super) fn has_bias(&self) -> bool {
+        self.bias_ih.is_some()
+    }
+
     pub(super) fn input_size(&self) -> usize {
         self.weight_ih.shape().dims().get(1).copied().unwrap_or(0)
     }
 
     /// `x W_ih^T + b_ih`: `[N, in]` → `[N, G·H]`.
     pub(super) fn project_input(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight_ih.value()?.t()?)?;
+        let y = x.matmul(&self.weight_ih.tensor()?.t()?)?;
         Ok(match &self.bias_ih {
-            Some(bias) => y.broadcast_add(&bias.value()?)?,
+            Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
         })
     }
@@ -66,9 +71,9 @@ impl LayerWeights {
 
     /// `h W_hh^T + b_hh`: `[B, H]` → `[B, G·H]`.
     pub(super) fn project_hidden(&self, h: &Tensor) -> Result<Tensor> {
-        let y = h.matmul(&self.weight_hh.value()?.t()?)?;
+        let y = h.matmul(&self.weight_hh.tensor()?.t()?)?;
         Ok(match &self.bias_hh {
-            Some(bias) => y.broadcast_add(&bias.value()?)?,
+            Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
         })
     }
