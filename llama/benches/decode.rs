@@ -16,6 +16,8 @@
 //! script (a fresh process: the same seeded model, its own prompt, 2 threads) and its line is
 //! printed per round.
 //!
+//! Both candle sides run on `RAYON_NUM_THREADS` threads (2 unless set).
+//!
 //! Ours: prefill is `scan` over the prompt (logits of every position, as PyTorch's `m(ids)`) and
 //! `prefill` (the last position's logits only, as candle-transformers' `forward`); decode is 64
 //! `step`s with an argmax after each, timed after the prefill. candle-transformers: `forward` on the
@@ -103,6 +105,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> AnyResult<()> {
+    // Two threads, as PyTorch's side (`torch.set_num_threads(2)`). Set, the variable also spares
+    // candle's every matmul a read of /proc/cpuinfo (to count physical cores), for both candle
+    // sides alike. Still single-threaded here: nothing reads the environment concurrently.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "2");
+    }
     let rounds: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
@@ -143,7 +151,9 @@ fn main() -> AnyResult<()> {
     let mut state = 12345u64;
     let ids: Vec<u32> = (0..PROMPT)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 33) % config.vocab_size as u64) as u32
         })
         .collect();

@@ -13,7 +13,7 @@ use module_runtime::TensorStruct;
 use crate::config::invalid;
 
 /// The key/value cache of a [`LlamaForCausalLM`](crate::LlamaForCausalLM): its
-/// [`Recurrent`](module_runtime::Recurrent) state.
+/// [`Recurrent`] state, a value.
 ///
 /// [`Clone`] copies the buffers (a real copy: the clone and the original grow independently, as
 /// beam search and speculative decoding need); [`truncate`](Self::truncate) forgets the last

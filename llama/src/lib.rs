@@ -6,7 +6,7 @@
 //! - [`model`]: the layers (attention, SwiGLU, decoder layer, stack);
 //! - [`causal_lm`]: the model with its head, loading, prefill (`scan`) and decoding (`step`);
 //! - [`cache`]: the key/value cache;
-//! - [`generate`]: logits processing, sampling and the generation loop;
+//! - [`generate`](mod@generate): logits processing, sampling and the generation loop;
 //! - [`json_lines`]: the `generate` example's JSON-lines input and output.
 
 pub mod cache;
