@@ -130,12 +130,16 @@ impl KvCache {
     }
 
     /// Marks the first slots of each row as padding; only on an empty cache, before the prompt.
+    /// A later chunk without padding keeps the padding the first one set.
     pub(crate) fn set_padding(&mut self, padding: Vec<usize>) -> Result<()> {
-        if !self.is_empty() && padding.iter().any(|p| *p > 0) {
-            return Err(invalid(
-                "padding (attention mask zeros) is only allowed in the first chunk of a cache"
-                    .to_owned(),
-            ));
+        if !self.is_empty() {
+            if padding.iter().any(|p| *p > 0) {
+                return Err(invalid(
+                    "padding (attention mask zeros) is only allowed in the first chunk of a cache"
+                        .to_owned(),
+                ));
+            }
+            return Ok(());
         }
         self.padding = padding;
         Ok(())

@@ -215,6 +215,13 @@ fn left_padded_batch_equals_prompts_one_by_one() {
         let diff = max_diff(&stepped.narrow(0, i, 1).unwrap(), &alone_step);
         assert!(diff < 1e-4, "row {i}, next step: {diff}");
     }
+    // A later chunk keeps the first chunk's padding; padding in it is refused.
+    let chunk = ids(&[vec![8, 9], vec![8, 9], vec![8, 9]]);
+    let ones = ids(&[vec![1, 1], vec![1, 1], vec![1, 1]]);
+    let (_, cache) = model.scan_masked(&chunk, &ones, cache).unwrap();
+    assert_eq!((cache.padding(), cache.len()), (&[4usize, 0, 2][..], 10));
+    let zeros = ids(&[vec![0, 1], vec![1, 1], vec![1, 1]]);
+    assert!(model.scan_masked(&chunk, &zeros, cache).is_err());
     // Right padding is refused, naming the row.
     let bad = ids(&[vec![1, 1, 0], vec![1, 1, 1]]);
     let err = model
