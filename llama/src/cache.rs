@@ -19,6 +19,25 @@ use crate::config::invalid;
 /// beam search and speculative decoding need); [`truncate`](Self::truncate) forgets the last
 /// tokens. The buffers are written in place by the next step, so a tensor taken out of a cache
 /// (through [`TensorTree`](module_runtime::TensorTree)) sees later writes to its slots.
+///
+/// ```
+/// use llama::LlamaForCausalLM;
+/// use module_runtime::prelude::*;
+/// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+/// let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
+/// let prompt = Tensor::new(&[[242u32, 175, 307]], &Device::Cpu)?;
+/// let (_, cache) = model.scan(&prompt, model.initial_state(1)?)?;
+/// let token = |t: u32| Tensor::new(&[t], &Device::Cpu);
+///
+/// let branch = cache.clone(); // beam search: two continuations of one prefix
+/// let (a, mut cache) = model.step(&token(5)?, cache)?;
+/// let (b, _) = model.step(&token(5)?, branch)?;
+/// assert_eq!(a.to_vec2::<f32>()?, b.to_vec2::<f32>()?);
+///
+/// cache.truncate(3)?; // speculative decoding: drop the rejected token
+/// assert_eq!((cache.len(), cache.positions()), (3, vec![3]));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
 #[derive(TensorStruct)]
 pub struct KvCache {
     /// `(keys, values)` per layer, each `[batch, kv_heads, capacity, head_dim]`.

@@ -100,6 +100,13 @@ fn logits_match_transformers() {
     assert_eq!(cache.len(), 7);
     let diff = max_diff(&logits, &reference["logits"]);
     assert!(diff < 1e-4, "max logit difference {diff}");
+    // Out-of-vocabulary ids and a cache of another batch size are errors, not panics.
+    let bad = Tensor::new(&[[1u32, 1000]], &Device::Cpu).unwrap();
+    assert!(model.scan(&bad, model.initial_state(1).unwrap()).is_err());
+    let err = model
+        .scan(&prompts, model.initial_state(2).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("2 rows"), "{err}");
 }
 
 #[test]
