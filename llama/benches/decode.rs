@@ -1,0 +1,204 @@
+//! Decoder speed: prefill tokens/s and greedy decode tokens/s of ours against candle-transformers'
+//! `llama` on the same weights and against transformers in PyTorch, interleaved in one run (each
+//! round runs every side once, in turn, so a shared machine's slow and fast moments fall on all of
+//! them alike). f32, batch 1, a 128-token prompt, 64 greedy tokens: issue 30's item 5.
+//!
+//! ```text
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench decode            # 5 rounds
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench decode -- 10      # 10 rounds
+//! ```
+//!
+//! The model is a random Llama shaped like SmolLM-135M (hidden 576, 30 layers, 9 heads / 3
+//! key-value heads, intermediate 1536, vocabulary 49152, tied embeddings) that
+//! `../shared/perf/pytorch_decode.py` (or `$PYTORCH_DECODE`) makes and saves: it is read from
+//! `$LLAMA_BENCH_DIR`, else made there (default: `smollm-135m-random` in the system's temp folder)
+//! by running that script once with `$PYTORCH`. With `PYTORCH` set, every round also runs the
+//! script (a fresh process: the same seeded model, its own prompt, 2 threads) and its line is
+//! printed per round.
+//!
+//! Both candle sides run on `RAYON_NUM_THREADS` threads (2 unless set).
+//!
+//! Ours: prefill is `scan` over the prompt (logits of every position, as PyTorch's `m(ids)`) and
+//! `prefill` (the last position's logits only, as candle-transformers' `forward`); decode is 64
+//! `step`s with an argmax after each, timed after the prefill. candle-transformers: `forward` on the
+//! prompt, then 64 one-token `forward`s with its own cache (which concatenates the whole cache per
+//! token).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use candle_transformers::models::llama as peer;
+use llama::LlamaForCausalLM;
+use module_runtime::candle_nn::VarBuilder;
+use module_runtime::prelude::*;
+
+const PROMPT: usize = 128;
+const NEW: usize = 64;
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// Seconds of one prefill and of the decode steps after it.
+struct Timing {
+    prefill: f64,
+    decode: f64,
+}
+
+fn argmax(logits: &Tensor) -> Result<u32> {
+    Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
+}
+
+/// Ours: `scan` (all logits) when `all_logits`, else `prefill`; then `NEW` steps.
+fn ours(model: &LlamaForCausalLM, prompt: &Tensor, all_logits: bool) -> Result<Timing> {
+    let start = Instant::now();
+    let cache = model.initial_state(1)?;
+    let (logits, mut cache) = if all_logits {
+        let (logits, cache) = model.scan(prompt, cache)?;
+        (logits.narrow(1, PROMPT - 1, 1)?, cache)
+    } else {
+        model.prefill(prompt, cache)?
+    };
+    let mut token = argmax(&logits)?;
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 0..NEW {
+        let (logits, next) = model.step(&Tensor::new(&[token], prompt.device())?, cache)?;
+        cache = next;
+        token = argmax(&logits)?;
+    }
+    black_box_token(token);
+    Ok(Timing {
+        prefill,
+        decode: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn black_box_token(token: u32) {
+    std::hint::black_box(token);
+}
+
+/// candle-transformers: `forward` on the prompt, then `NEW` one-token `forward`s.
+fn candle_transformers(
+    model: &peer::Llama,
+    config: &peer::Config,
+    prompt: &Tensor,
+) -> Result<Timing> {
+    let start = Instant::now();
+    let mut cache = peer::Cache::new(true, DType::F32, config, prompt.device())?;
+    let mut token = argmax(&model.forward(prompt, 0, &mut cache)?)?;
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for i in 0..NEW {
+        let input = Tensor::new(&[[token]], prompt.device())?;
+        token = argmax(&model.forward(&input, PROMPT + i, &mut cache)?)?;
+    }
+    black_box_token(token);
+    Ok(Timing {
+        prefill,
+        decode: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> AnyResult<()> {
+    // Two threads, as PyTorch's side (`torch.set_num_threads(2)`). Set, the variable also spares
+    // candle's every matmul a read of /proc/cpuinfo (to count physical cores), for both candle
+    // sides alike. Still single-threaded here: nothing reads the environment concurrently.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "2");
+    }
+    let rounds: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(5);
+    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
+    let script = std::env::var_os("PYTORCH_DECODE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/perf/pytorch_decode.py")
+        });
+    let dir = std::env::var_os("LLAMA_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
+    if !dir.join("model.safetensors").is_file() {
+        let Some(python) = &pytorch else {
+            eprintln!(
+                "*** SKIPPED: no model in {} and no $PYTORCH to make it with {} ***",
+                dir.display(),
+                script.display()
+            );
+            return Ok(());
+        };
+        let status = Command::new(python).arg(&script).arg(&dir).status()?;
+        if !status.success() {
+            return Err(format!("{} failed to make the model", script.display()).into());
+        }
+    }
+    let device = Device::Cpu;
+    let model = LlamaForCausalLM::from_pretrained(&dir, &device)?;
+    let config: peer::LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let config = config.into_config(false);
+    let weights = [dir.join("model.safetensors")];
+    // SAFETY: the file is not modified while the benchmark runs.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&weights, DType::F32, &device)? };
+    let candle = peer::Llama::load(vb, &config)?;
+    // A fixed prompt (the content does not change the work): ids from a small LCG.
+    let mut state = 12345u64;
+    let ids: Vec<u32> = (0..PROMPT)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % config.vocab_size as u64) as u32
+        })
+        .collect();
+    let prompt = Tensor::from_vec(ids, (1, PROMPT), &device)?;
+
+    // Warm-up: page in the weights, size the allocators.
+    ours(&model, &prompt, false)?;
+    candle_transformers(&candle, &config, &prompt)?;
+
+    let mut results: Vec<(&str, Vec<Timing>)> = vec![
+        ("ours, scan (all logits)", Vec::new()),
+        ("ours, prefill (last logits)", Vec::new()),
+        ("candle-transformers llama", Vec::new()),
+    ];
+    for round in 0..rounds {
+        results[0].1.push(ours(&model, &prompt, true)?);
+        results[1].1.push(ours(&model, &prompt, false)?);
+        results[2]
+            .1
+            .push(candle_transformers(&candle, &config, &prompt)?);
+        if let Some(python) = &pytorch {
+            let out = Command::new(python).arg(&script).output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .rfind(|l| l.contains("prefill"))
+                .unwrap_or("pytorch: no result (see its stderr)");
+            println!("round {round}: pytorch: {line}");
+        }
+        let last = |i: usize| &results[i].1[round];
+        println!(
+            "round {round}: ours prefill {:.0}/{:.0} tokens/s, decode {:.1} tokens/s; \
+             candle-transformers prefill {:.0} tokens/s, decode {:.1} tokens/s",
+            PROMPT as f64 / last(0).prefill,
+            PROMPT as f64 / last(1).prefill,
+            NEW as f64 / last(1).decode,
+            PROMPT as f64 / last(2).prefill,
+            NEW as f64 / last(2).decode,
+        );
+    }
+    println!("\nmedians over {rounds} rounds (f32, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):");
+    for (name, timings) in &results {
+        let prefill = median(timings.iter().map(|t| PROMPT as f64 / t.prefill).collect());
+        let decode = median(timings.iter().map(|t| NEW as f64 / t.decode).collect());
+        println!("{name:32} prefill {prefill:6.0} tokens/s   decode {decode:5.1} tokens/s");
+    }
+    Ok(())
+}

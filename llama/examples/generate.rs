@@ -1,0 +1,109 @@
+//! Text generation with a Llama-family Hugging Face checkpoint: loaded strictly, by name, into
+//! `llama::LlamaForCausalLM`, prefilled in one pass and decoded with the KV cache.
+//!
+//! ```text
+//! echo '[242, 175, 307, 294, 301, 380, 230]' |
+//!     cargo run --release -p llama --example generate -- --model llama/tests/fixtures/tiny-llama --max-new-tokens 40
+//! ```
+//!
+//! Reads prompts from stdin, one JSON array of token ids per line, and prints per prompt one JSON
+//! line: the array of generated ids (without the prompt; the end-of-sequence token included when
+//! one stopped it). Greedy without `--temperature`, `--top-k` or `--top-p`; seeded sampling with
+//! them. With `--text` (the folder needs a `tokenizer.json`) each stdin line is text, encoded with
+//! the tokenizer's special tokens, and each output line is the generated text as a JSON string.
+//! Nothing else goes to stdout.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use candle_module::device_or_env;
+use clap::Parser;
+use llama::json_lines::generate_json_lines;
+use llama::{generate, GenerationConfig, LlamaForCausalLM};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// Generate after each prompt on stdin (JSON arrays of token ids, or text with --text).
+#[derive(Parser)]
+struct Args {
+    /// The checkpoint folder (config.json, model.safetensors or its index; tokenizer.json for --text)
+    #[arg(long, value_name = "DIR")]
+    model: PathBuf,
+    /// The most tokens to generate per prompt
+    #[arg(long, value_name = "N")]
+    max_new_tokens: usize,
+    /// Sampling temperature (0: greedy)
+    #[arg(long, value_name = "T")]
+    temperature: Option<f64>,
+    /// Sample from the K most likely tokens
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Sample from the most likely tokens whose probabilities sum over P
+    #[arg(long, value_name = "P")]
+    top_p: Option<f64>,
+    /// transformers' repetition_penalty (1: none)
+    #[arg(long, value_name = "R", default_value = "1.0")]
+    repetition_penalty: f64,
+    /// The sampling seed
+    #[arg(long, value_name = "S", default_value = "0")]
+    seed: u64,
+    /// Stdin lines are text and outputs are text (needs DIR/tokenizer.json)
+    #[arg(long)]
+    text: bool,
+    /// cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
+    #[arg(long, value_name = "NAME")]
+    device: Option<String>,
+}
+
+fn main() -> AnyResult<()> {
+    let args = Args::parse();
+    let device = device_or_env(args.device.as_deref())?;
+    let model = LlamaForCausalLM::from_pretrained(&args.model, &device)?;
+    let config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        stop_tokens: model.config.eos_token_ids.clone(),
+        seed: args.seed,
+    };
+    let stdin = std::io::stdin().lock();
+    let stdout = std::io::stdout().lock();
+    if !args.text {
+        return Ok(generate_json_lines(&model, &config, stdin, stdout)?);
+    }
+    let path = args.model.join("tokenizer.json");
+    if !path.is_file() {
+        return Err(format!("--text needs {}", path.display()).into());
+    }
+    let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    generate_text(&model, &config, &tokenizer, stdin, stdout)
+}
+
+/// `--text`: each line encoded, generated after, and the new tokens decoded.
+fn generate_text(
+    model: &LlamaForCausalLM,
+    config: &GenerationConfig,
+    tokenizer: &tokenizers::Tokenizer,
+    input: impl BufRead,
+    mut output: impl Write,
+) -> AnyResult<()> {
+    for line in input.lines() {
+        let line = line?;
+        if line.is_empty() {
+            continue;
+        }
+        let encoding = tokenizer
+            .encode(line.as_str(), true)
+            .map_err(|e| format!("cannot encode {line:?}: {e}"))?;
+        let generated = generate(model, &[encoding.get_ids().to_vec()], config)?;
+        let text = tokenizer
+            .decode(&generated[0], true)
+            .map_err(|e| format!("cannot decode: {e}"))?;
+        writeln!(output, "{}", serde_json::to_string(&text)?)?;
+        output.flush()?;
+    }
+    Ok(())
+}

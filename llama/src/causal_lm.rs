@@ -1,0 +1,297 @@
+//! Hugging Face's `LlamaForCausalLM`: the decoder stack and its head, loading a checkpoint folder,
+//! and the [`Recurrent`] convention with the [`KvCache`] as state: prefill is [`scan`] over the
+//! prompt (one parallel pass), decoding is [`step`].
+//!
+//! [`scan`]: Recurrent::scan
+//! [`step`]: Recurrent::step
+
+use std::path::Path;
+
+use module_runtime::nn::Linear;
+use module_runtime::prelude::*;
+
+use crate::cache::KvCache;
+use crate::config::{invalid, LlamaConfig};
+use crate::model::{LayerInput, LlamaModel};
+
+/// The cache capacity [`Recurrent::initial_state`] starts with (it grows when needed).
+const INITIAL_CAPACITY: usize = 256;
+
+/// A Llama-family causal language model: Hugging Face's `LlamaForCausalLM`.
+///
+/// Its parameters are the checkpoint's (`model.embed_tokens.weight`, `model.layers.N.…`,
+/// `model.norm.weight`, `lm_head.weight`). With `tie_word_embeddings`, `lm_head.weight` *is*
+/// `model.embed_tokens.weight` (one parameter under two paths), and a checkpoint without
+/// `lm_head.weight` loads into it.
+///
+/// ```
+/// use llama::{KvCache, LlamaForCausalLM};
+/// use module_runtime::prelude::*;
+/// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+/// let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
+/// let prompt = Tensor::new(&[[242u32, 175, 307]], &Device::Cpu)?;
+/// let (logits, cache) = model.scan(&prompt, model.initial_state(1)?)?; // prefill
+/// assert_eq!(logits.dims(), [1, 3, 384]);
+/// let (next, cache) = model.step(&Tensor::new(&[5u32], &Device::Cpu)?, cache)?; // one token
+/// assert_eq!((next.dims(), cache.len()), (&[1usize, 384][..], 4));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module)]
+#[module(paths)]
+pub struct LlamaForCausalLM {
+    /// The decoder stack.
+    pub model: LlamaModel,
+    /// `[vocab, hidden]`: the output projection (the embedding itself when tied).
+    pub lm_head: Linear,
+    /// The configuration the model was built from.
+    #[module(skip)]
+    pub config: LlamaConfig,
+    /// RoPE's inverse frequencies, from the configuration (transformers' non-persistent
+    /// `rotary_emb.inv_freq`; not a checkpoint entry).
+    #[module(skip)]
+    inv_freq: Vec<f32>,
+}
+
+impl LlamaForCausalLM {
+    /// A randomly initialized model (PyTorch's default initializations), in training mode.
+    pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
+        let model = LlamaModel::new(cfg, device)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear {
+                weight: model.embed_tokens.weight.clone(),
+                bias: None,
+            }
+        } else {
+            Linear::with_config(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                module_runtime::nn::LinearConfig {
+                    bias: false,
+                    ..Default::default()
+                },
+                device,
+            )?
+        };
+        Ok(Self {
+            model,
+            lm_head,
+            config: cfg.clone(),
+            inv_freq: cfg.inv_freq(),
+        })
+    }
+
+    /// Loads a Hugging Face model folder (`config.json` and `model.safetensors`, or the shards of
+    /// `model.safetensors.index.json`) strictly by name, in evaluation mode. No random values
+    /// are drawn: the model is built empty, then loaded.
+    pub fn from_pretrained(dir: &Path, device: &Device) -> Result<Self> {
+        let cfg = LlamaConfig::from_json_file(&dir.join("config.json"))?;
+        let model = module_runtime::build_empty(|| Self::new(&cfg, device))?;
+        let mut options = LoadOptions::default();
+        if cfg.tie_word_embeddings {
+            // The head is the embedding: the checkpoint names it once, under the embedding's path
+            // (transformers' `_tied_weights_keys`); a checkpoint that saved both loads as well.
+            options = options.post_hook(|_, keys| {
+                keys.missing_keys.retain(|k| k != "lm_head.weight");
+                Ok(())
+            });
+        }
+        model.load_state_dict(dir, &options)?;
+        model.eval();
+        Ok(model)
+    }
+
+    /// The last hidden states `[batch, new, hidden]` of `ids` `[batch, new]` after the tokens in
+    /// `cache`, and the cache with them. Runs without gradients (`no_grad`): the cache is written
+    /// in place.
+    pub fn forward_hidden(&self, ids: &Tensor, mut cache: KvCache) -> Result<(Tensor, KvCache)> {
+        let (b, s) = ids.dims2()?;
+        if b != cache.batch() || cache.layers.len() != self.model.layers.len() {
+            return Err(invalid(format!(
+                "input ids {:?} against a cache of {} rows and {} layers (model: {} layers)",
+                ids.dims(),
+                cache.batch(),
+                cache.layers.len(),
+                self.model.layers.len()
+            )));
+        }
+        if s == 0 {
+            return Err(invalid("input ids have no tokens".to_owned()));
+        }
+        // The cache is written in place, which no gradient can flow through: inference only, so the
+        // runtime's fused kernels run.
+        let _no_grad = module_runtime::no_grad();
+        cache.reserve(s)?;
+        let filled = cache.len();
+        let device = ids.device();
+        let (cos, sin) = self.rotary_tables(&cache, s, device)?;
+        let mask = attention_bias(cache.padding(), filled, s, device)?;
+        let mut h = self.model.embed_tokens.call(ids)?;
+        for (layer, (keys, values)) in self.model.layers.iter().zip(&cache.layers) {
+            h = layer.call(LayerInput {
+                hidden: h,
+                cos: cos.clone(),
+                sin: sin.clone(),
+                mask: mask.clone(),
+                keys: keys.clone(),
+                values: values.clone(),
+                filled,
+            })?;
+        }
+        cache.advance(s);
+        Ok((self.model.norm.call(&h)?, cache))
+    }
+
+    /// Logits `[batch, vocab]` of the last token of each row, and the cache: a prompt's prefill
+    /// for generation (the head runs on one position per row, not all of them).
+    pub fn prefill(&self, ids: &Tensor, cache: KvCache) -> Result<(Tensor, KvCache)> {
+        let (h, cache) = self.forward_hidden(ids, cache)?;
+        let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
+        Ok((self.lm_head.call(&last)?, cache))
+    }
+
+    /// [`scan`](Recurrent::scan) of a left-padded batch: `attention_mask` `[batch, new]` is 1 for
+    /// tokens and 0 for padding, and every row's zeros come first (transformers' left padding).
+    /// Positions count each row's tokens only, so each row computes what it would alone. Only on
+    /// an empty cache (the prompt); returns logits `[batch, new, vocab]`.
+    pub fn scan_masked(
+        &self,
+        ids: &Tensor,
+        attention_mask: &Tensor,
+        mut cache: KvCache,
+    ) -> Result<(Tensor, KvCache)> {
+        cache.set_padding(left_padding(ids, attention_mask)?)?;
+        self.scan(ids, cache)
+    }
+
+    /// A fresh cache for `batch` rows with room for `capacity` tokens before it grows.
+    pub fn cache_with_capacity(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        let embed = self.model.embed_tokens.weight.tensor()?;
+        KvCache::new(
+            self.model.layers.len(),
+            batch,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            capacity,
+            embed.dtype(),
+            embed.device(),
+        )
+    }
+
+    /// `cos` and `sin` of the new tokens' angles (`position * inv_freq`, in float32 as
+    /// transformers computes them): `[new, head_dim / 2]` when every row is at the same position,
+    /// else `[batch, new, head_dim / 2]`.
+    fn rotary_tables(
+        &self,
+        cache: &KvCache,
+        new: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let padding = cache.padding();
+        // One table for all rows when they all start at the same slot.
+        let rows = if padding.iter().all(|p| *p == padding[0]) {
+            &padding[..1]
+        } else {
+            padding
+        };
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for pad in rows {
+            for t in 0..new {
+                // Padding slots (before the row's first token) get position 0; they are masked.
+                let pos = (cache.len() + t).saturating_sub(*pad) as f32;
+                for f in &self.inv_freq {
+                    let angle = pos * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        let dtype = self.model.embed_tokens.weight.tensor()?.dtype();
+        let table = |v: Vec<f32>| -> Result<Tensor> {
+            let t = Tensor::from_vec(v, (rows.len(), new, half), device)?.to_dtype(dtype)?;
+            Ok(if rows.len() == 1 { t.squeeze(0)? } else { t })
+        };
+        Ok((table(cos)?, table(sin)?))
+    }
+}
+
+/// Each row's number of leading zeros in a `[batch, new]` 0/1 mask; an error if a row has a zero
+/// after a one (right padding) or the shapes differ.
+fn left_padding(ids: &Tensor, attention_mask: &Tensor) -> Result<Vec<usize>> {
+    if attention_mask.dims() != ids.dims() {
+        return Err(invalid(format!(
+            "attention_mask has shape {:?}, input ids {:?}: they must match",
+            attention_mask.dims(),
+            ids.dims()
+        )));
+    }
+    let rows = attention_mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    rows.iter()
+        .enumerate()
+        .map(|(i, row)| {
+            let pad = row.iter().take_while(|m| **m == 0.0).count();
+            if row[pad..].contains(&0.0) || pad == row.len() {
+                return Err(invalid(format!(
+                    "attention_mask row {i} is not left padding (zeros, then at least one 1)"
+                )));
+            }
+            Ok(pad)
+        })
+        .collect()
+}
+
+/// The additive attention bias for `new` tokens after `filled` slots: key `j` is visible to the
+/// new token `t` of row `i` when `padding[i] <= j <= filled + t`; hidden keys get the lowest float
+/// (not -inf, as transformers: a padding row stays finite). `None` when everything is visible.
+fn attention_bias(
+    padding: &[usize],
+    filled: usize,
+    new: usize,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let padded = padding.iter().any(|p| *p > 0);
+    if new == 1 && !padded {
+        return Ok(None);
+    }
+    let total = filled + new;
+    let rows: &[usize] = if padded { padding } else { &[0] };
+    let mut bias = Vec::with_capacity(rows.len() * new * total);
+    for pad in rows {
+        for t in 0..new {
+            bias.extend((0..total).map(|j| {
+                if j >= *pad && j <= filled + t {
+                    0.0
+                } else {
+                    f32::MIN
+                }
+            }));
+        }
+    }
+    Ok(Some(Tensor::from_vec(
+        bias,
+        (rows.len(), 1, new, total),
+        device,
+    )?))
+}
+
+impl Recurrent for LlamaForCausalLM {
+    type State = KvCache;
+
+    /// An empty cache for `batch` rows (it grows as tokens come).
+    fn initial_state(&self, batch: usize) -> Result<KvCache> {
+        self.cache_with_capacity(batch, INITIAL_CAPACITY)
+    }
+
+    /// One token per row (`[batch]` ids) → its logits `[batch, vocab]` and the cache with it.
+    fn step(&self, input: &Tensor, state: KvCache) -> Result<(Tensor, KvCache)> {
+        let ids = input.unsqueeze(1)?;
+        self.prefill(&ids, state)
+    }
+
+    /// A whole chunk `[batch, new]` of ids in one parallel pass (causal attention within it) →
+    /// logits `[batch, new, vocab]` and the cache with it.
+    fn scan(&self, inputs: &Tensor, state: KvCache) -> Result<(Tensor, KvCache)> {
+        let (h, cache) = self.forward_hidden(inputs, state)?;
+        Ok((self.lm_head.call(&h)?, cache))
+    }
+}

@@ -1,0 +1,22 @@
+//! Llama-family decoders on `module-runtime`: Hugging Face's `LlamaForCausalLM` written with
+//! `#[derive(Module)]`, loading transformers checkpoints by name, with the key/value cache as its
+//! [`Recurrent`](module_runtime::Recurrent) state, and generation (greedy and sampled).
+//!
+//! - [`config`]: `config.json`, RoPE's frequencies;
+//! - [`model`]: the layers (attention, SwiGLU, decoder layer, stack);
+//! - [`causal_lm`]: the model with its head, loading, prefill (`scan`) and decoding (`step`);
+//! - [`cache`]: the key/value cache;
+//! - [`generate`](mod@generate): logits processing, sampling and the generation loop;
+//! - [`json_lines`]: the `generate` example's JSON-lines input and output.
+
+pub mod cache;
+pub mod causal_lm;
+pub mod config;
+pub mod generate;
+pub mod json_lines;
+pub mod model;
+
+pub use cache::KvCache;
+pub use causal_lm::LlamaForCausalLM;
+pub use config::{LlamaConfig, RopeScaling};
+pub use generate::{generate, GenerationConfig};

@@ -1,0 +1,222 @@
+//! Hugging Face's `LlamaForCausalLM` as derived structs whose parameter paths are the checkpoint's
+//! (`model.embed_tokens.weight`, `model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`, …),
+//! so a transformers Llama checkpoint loads into it strictly, by name.
+//!
+//! The layers run on the key/value buffers of a [`KvCache`](crate::KvCache): each attention
+//! writes its new keys and values into its layer's buffers, in place, and attends over every
+//! filled slot. [`LlamaForCausalLM`](crate::LlamaForCausalLM) drives them (`scan`, `step`).
+
+use module_runtime::candle_nn::ops::softmax_last_dim;
+use module_runtime::candle_nn::rotary_emb::rope_thd;
+use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use module_runtime::prelude::*;
+
+use crate::config::LlamaConfig;
+
+/// Grouped-query self-attention with rotary position embeddings: `num_heads` query heads share
+/// `num_key_value_heads` key/value heads (1: multi-query attention).
+#[derive(Module)]
+#[module(paths)]
+pub struct LlamaAttention {
+    /// `[heads * head_dim, hidden]`.
+    pub q_proj: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub k_proj: Linear,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub v_proj: Linear,
+    /// `[hidden, heads * head_dim]`.
+    pub o_proj: Linear,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (a divisor of `num_heads`).
+    pub num_key_value_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+/// The SwiGLU feed-forward block: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+#[derive(Module)]
+#[module(paths)]
+pub struct LlamaMlp {
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Linear,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Linear,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Linear,
+}
+
+/// One pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+#[derive(Module)]
+#[module(paths)]
+pub struct LlamaDecoderLayer {
+    /// Self-attention.
+    pub self_attn: LlamaAttention,
+    /// Feed-forward block.
+    pub mlp: LlamaMlp,
+    /// Norm before the attention.
+    pub input_layernorm: RmsNorm,
+    /// Norm before the feed-forward block.
+    pub post_attention_layernorm: RmsNorm,
+}
+
+/// The decoder stack without its head: Hugging Face's `LlamaModel`.
+#[derive(Module)]
+#[module(paths)]
+pub struct LlamaModel {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Embedding,
+    /// `layers.0`, `layers.1`, …
+    pub layers: Vec<LlamaDecoderLayer>,
+    /// The final norm.
+    pub norm: RmsNorm,
+}
+
+/// What one decoder layer runs on: the hidden states of the new tokens, their rotary tables, the
+/// attention bias, and the layer's cache buffers with the number of slots already filled.
+#[derive(TensorStruct, Clone)]
+pub struct LayerInput {
+    /// `[batch, new, hidden]`.
+    pub hidden: Tensor,
+    /// `cos` of each new token's angles: `[new, head_dim / 2]`, or `[batch, new, head_dim / 2]`
+    /// when rows have different positions.
+    pub cos: Tensor,
+    /// `sin` of the same angles.
+    pub sin: Tensor,
+    /// Additive attention bias `[batch or 1, 1, new, filled + new]` (0 or the lowest float), or
+    /// `None` when every new token may see every filled slot and every other new token.
+    pub mask: Option<Tensor>,
+    /// The layer's key buffer `[batch, kv_heads, capacity, head_dim]`, written in place.
+    pub keys: Tensor,
+    /// The layer's value buffer, the same shape.
+    pub values: Tensor,
+    /// Slots already filled; the new tokens' keys and values go after them.
+    #[tensor(skip)]
+    pub filled: usize,
+}
+
+fn linear(i: usize, o: usize, bias: bool, device: &Device) -> Result<Linear> {
+    let config = LinearConfig {
+        bias,
+        ..Default::default()
+    };
+    Linear::with_config(i, o, config, device)
+}
+
+impl LlamaModel {
+    /// A randomly initialized stack (PyTorch's default initializations of each layer).
+    pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let norm_config = RmsNormConfig {
+            eps: Some(cfg.rms_norm_eps),
+            ..Default::default()
+        };
+        let norm = || RmsNorm::with_config(h, norm_config, device);
+        let layer = || -> Result<LlamaDecoderLayer> {
+            let (heads, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+            let (ab, mb) = (cfg.attention_bias, cfg.mlp_bias);
+            Ok(LlamaDecoderLayer {
+                self_attn: LlamaAttention {
+                    q_proj: linear(h, heads * d, ab, device)?,
+                    k_proj: linear(h, kv * d, ab, device)?,
+                    v_proj: linear(h, kv * d, ab, device)?,
+                    o_proj: linear(heads * d, h, ab, device)?,
+                    num_heads: heads,
+                    num_key_value_heads: kv,
+                    head_dim: d,
+                },
+                mlp: LlamaMlp {
+                    gate_proj: linear(h, cfg.intermediate_size, mb, device)?,
+                    up_proj: linear(h, cfg.intermediate_size, mb, device)?,
+                    down_proj: linear(cfg.intermediate_size, h, mb, device)?,
+                },
+                input_layernorm: norm()?,
+                post_attention_layernorm: norm()?,
+            })
+        };
+        Ok(Self {
+            embed_tokens: Embedding::new(cfg.vocab_size, h, device)?,
+            layers: (0..cfg.num_hidden_layers)
+                .map(|_| layer())
+                .collect::<Result<_>>()?,
+            norm: norm()?,
+        })
+    }
+}
+
+impl Forward<LayerInput> for LlamaAttention {
+    type Output = Tensor;
+
+    /// The new tokens' attention output `[batch, new, hidden]`; their keys and values are
+    /// written into the cache buffers at `filled..filled + new`.
+    fn forward(&self, input: LayerInput) -> Result<Tensor> {
+        let (b, s, _) = input.hidden.dims3()?;
+        let (heads, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
+        let total = input.filled + s;
+        // Rotate in the projections' own layout `[batch, new, heads, head_dim]` (no copy), then
+        // move heads before positions.
+        let rotated = |t: Tensor, n: usize| -> Result<Tensor> {
+            let t = rope_thd(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
+            Ok(t.transpose(1, 2)?.contiguous()?)
+        };
+        let q = (self.q_proj.call(&input.hidden)? * (d as f64).powf(-0.5))?;
+        let q = rotated(q, heads)?;
+        let k = rotated(self.k_proj.call(&input.hidden)?, kv)?;
+        let v = self
+            .v_proj
+            .call(&input.hidden)?
+            .reshape((b, s, kv, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        input.keys.slice_set(&k, 2, input.filled)?;
+        input.values.slice_set(&v, 2, input.filled)?;
+        let keys = input.keys.narrow(2, 0, total)?;
+        let values = input.values.narrow(2, 0, total)?;
+        // The query heads of one key/value head side by side: `[batch, kv, rep * new, head_dim]`
+        // against that head's keys, without repeating the keys.
+        let q = q.reshape((b, kv, (heads / kv) * s, d))?;
+        let scores = q.matmul(&keys.t()?)?;
+        let scores = match &input.mask {
+            Some(mask) => scores
+                .reshape((b, heads, s, total))?
+                .broadcast_add(mask)?
+                .reshape((b, kv, (heads / kv) * s, total))?,
+            None => scores,
+        };
+        let probs = softmax_last_dim(&scores)?;
+        let context = probs
+            .matmul(&values)?
+            .reshape((b, heads, s, d))?
+            .transpose(1, 2)?
+            .reshape((b, s, heads * d))?;
+        self.o_proj.call(&context)
+    }
+}
+
+impl Forward<&Tensor> for LlamaMlp {
+    type Output = Tensor;
+
+    /// `[…, hidden]` → `[…, hidden]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.call(x)?.silu()?;
+        let up = self.up_proj.call(x)?;
+        self.down_proj.call(&(gate * up)?)
+    }
+}
+
+impl Forward<LayerInput> for LlamaDecoderLayer {
+    type Output = Tensor;
+
+    /// The new tokens' hidden states after this layer.
+    fn forward(&self, input: LayerInput) -> Result<Tensor> {
+        let residual = input.hidden.clone();
+        let normed = self.input_layernorm.call(&input.hidden)?;
+        let attended = self.self_attn.call(LayerInput {
+            hidden: normed,
+            ..input
+        })?;
+        let h = (residual + attended)?;
+        let inner = self.mlp.call(&self.post_attention_layernorm.call(&h)?)?;
+        Ok((h + inner)?)
+    }
+}
