@@ -144,6 +144,37 @@ fn norms_convolutions_and_pools_print_as_pytorch() -> Result<()> {
     );
     check("max_pool2d", &MaxPool2d::new(2));
     check("avg_pool2d", &AvgPool2d::new(2));
+    check("adaptive_avg_pool2d", &AdaptiveAvgPool2d::new((3, 4)));
+    check("adaptive_avg_pool2d_global", &AdaptiveAvgPool2d::new(1));
+    check(
+        "adaptive_avg_pool2d_none",
+        &AdaptiveAvgPool2d::new((None, Some(2))),
+    );
+    check("adaptive_max_pool1d", &AdaptiveMaxPool1d::new(4));
+    let pool1d = Pool1dConfig {
+        stride: Some(2),
+        padding: 1,
+        ..Default::default()
+    };
+    check("max_pool1d", &MaxPool1d::with_config(3, pool1d));
+    check("avg_pool1d", &AvgPool1d::with_config(3, pool1d));
+    check("lp_pool2d", &LPPool2d::new(4.0, 2));
+    let lp1 = LPPool1d {
+        stride: Some([2]),
+        ..LPPool1d::new(2.0, 3)
+    };
+    check("lp_pool1d", &lp1);
+    check("instance_norm2d", &InstanceNorm2d::new(3, &dev)?);
+    let tracked = InstanceNormConfig {
+        affine: true,
+        track_running_stats: true,
+        ..Default::default()
+    };
+    check(
+        "instance_norm1d_affine_tracked",
+        &InstanceNorm1d::with_config(4, tracked, &dev)?,
+    );
+    check("local_response_norm", &LocalResponseNorm::new(3));
     Ok(())
 }
 

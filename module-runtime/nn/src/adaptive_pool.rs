@@ -10,6 +10,7 @@ use crate::common::input_shape_error;
 use crate::error::Result;
 use crate::pool::{Avg, Max};
 use crate::{Forward, Module};
+use module_core::ExtraRepr;
 
 /// How [`AdaptivePool`] reduces a window: the mean ([`Avg`]) or the maximum ([`Max`]).
 pub trait AdaptiveReduction: Clone + std::fmt::Debug + Send + Sync + 'static {
@@ -58,6 +59,7 @@ impl AdaptiveReduction for Max {
 /// ```
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
+#[module(extra_repr)]
 pub struct AdaptivePool<const D: usize, R> {
     /// The output size per spatial dimension; `None` keeps the input's.
     pub output_size: [Option<usize>; D],
@@ -153,5 +155,21 @@ impl<const D: usize, R: AdaptiveReduction> Forward<&Tensor> for AdaptivePool<D, 
             y = Self::pool_dim(&y, dim, out.unwrap_or(x.dim(dim)?))?;
         }
         Ok(y)
+    }
+}
+
+impl<const D: usize, R> ExtraRepr for AdaptivePool<D, R> {
+    /// `output_size=(3, 4)`, one number when every dimension has the same size (as PyTorch shows
+    /// an `int`), `None` for a kept dimension.
+    fn extra_repr(&self) -> String {
+        let show = |o: &Option<usize>| o.map_or("None".to_owned(), |n| n.to_string());
+        let first = &self.output_size[0];
+        let size = if self.output_size.iter().all(|o| o == first) && first.is_some() {
+            show(first)
+        } else {
+            let all: Vec<String> = self.output_size.iter().map(show).collect();
+            format!("({})", all.join(", "))
+        };
+        format!("output_size={size}")
     }
 }

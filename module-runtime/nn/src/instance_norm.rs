@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::common::{input_shape_error, per_channel};
 use crate::error::Result;
 use crate::{Buffer, Forward, Init, Mode, Module, Param};
+use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How an instance norm is built: PyTorch's keyword arguments, with PyTorch's defaults (which
 /// differ from batch norm's: no affine parameters, no running statistics).
@@ -62,6 +63,7 @@ impl Default for InstanceNormConfig {
 /// ```
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
+#[module(extra_repr)]
 pub struct InstanceNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,
@@ -239,6 +241,7 @@ impl<const D: usize> InstanceNorm<D> {
 /// ```
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
+#[module(extra_repr)]
 pub struct LocalResponseNorm {
     /// The number of neighbouring channels summed over.
     pub size: usize,
@@ -285,5 +288,30 @@ impl Forward<&Tensor> for LocalResponseNorm {
         }
         let div = ((sum * (self.alpha / self.size as f64))? + self.k)?.powf(self.beta)?;
         Ok((x / div)?)
+    }
+}
+
+impl<const D: usize> ExtraRepr for InstanceNorm<D> {
+    fn extra_repr(&self) -> String {
+        let affine = py_bool(self.weight.is_some());
+        format!(
+            "{}, eps={}, momentum={}, affine={affine}, bias={affine}, track_running_stats={}",
+            self.num_features,
+            py_float(self.eps),
+            py_float(self.momentum),
+            py_bool(self.running_mean.is_some())
+        )
+    }
+}
+
+impl ExtraRepr for LocalResponseNorm {
+    fn extra_repr(&self) -> String {
+        format!(
+            "{}, alpha={}, beta={}, k={}",
+            self.size,
+            py_float(self.alpha),
+            py_float(self.beta),
+            py_float(self.k)
+        )
     }
 }

@@ -9,6 +9,7 @@ use crate::common::input_shape_error;
 use crate::error::{Error, Result};
 use crate::pool::{Avg, AvgPool2d, Max, Pool2d, Pool2dConfig, Reduction};
 use crate::{Forward, Module};
+use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How a [`MaxPool1d`] or [`AvgPool1d`] is built: PyTorch's keyword arguments and defaults
 /// (stride = window, no padding or dilation, floor mode, padding counted in averages).
@@ -53,6 +54,7 @@ impl Default for Pool1dConfig {
 /// ```
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
+#[module(extra_repr)]
 pub struct Pool1d<R> {
     /// Window size.
     pub kernel_size: usize,
@@ -169,13 +171,14 @@ fn pool_over_unit_height(
 /// ```
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
+#[module(extra_repr)]
 pub struct LpPool<const D: usize> {
     /// The power `p`.
     pub norm_type: f64,
     /// Window size per dimension.
     pub kernel_size: [usize; D],
-    /// Step between windows per dimension.
-    pub stride: [usize; D],
+    /// Step between windows per dimension; `None` (PyTorch's default) is the window size.
+    pub stride: Option<[usize; D]>,
     /// Whether the output size rounds up.
     pub ceil_mode: bool,
 }
@@ -191,7 +194,7 @@ impl<const D: usize> LpPool<D> {
         Self {
             norm_type,
             kernel_size: [kernel_size; D],
-            stride: [kernel_size; D],
+            stride: None,
             ceil_mode: false,
         }
     }
@@ -210,7 +213,8 @@ impl<const D: usize> Forward<&Tensor> for LpPool<D> {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let pair = |v: [usize; D]| if D == 1 { (1, v[0]) } else { (v[0], v[D - 1]) };
-        let (kernel, stride) = (pair(self.kernel_size), pair(self.stride));
+        let stride = self.stride.unwrap_or(self.kernel_size);
+        let (kernel, stride) = (pair(self.kernel_size), pair(stride));
         let avg = AvgPool2d::with_config(
             kernel,
             Pool2dConfig {
@@ -235,5 +239,52 @@ impl<const D: usize> Forward<&Tensor> for LpPool<D> {
             })?
         };
         Ok(((mean * (kernel.0 * kernel.1) as f64)?.powf(1.0 / p))?)
+    }
+}
+
+impl<R: Reduction> ExtraRepr for Pool1d<R> {
+    /// PyTorch's text: `MaxPool1d` shows plain numbers, `AvgPool1d` one-element tuples.
+    fn extra_repr(&self) -> String {
+        if R::AVERAGE {
+            format!(
+                "kernel_size=({},), stride=({},), padding=({},)",
+                self.kernel_size, self.stride, self.padding
+            )
+        } else {
+            format!(
+                "kernel_size={}, stride={}, padding={}, dilation={}, ceil_mode={}",
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.dilation,
+                py_bool(self.ceil_mode)
+            )
+        }
+    }
+}
+
+impl<const D: usize> ExtraRepr for LpPool<D> {
+    /// A whole `norm_type` shows as an integer, as PyTorch shows the `int` it is usually given.
+    fn extra_repr(&self) -> String {
+        let p = self.norm_type;
+        let norm = if p.fract() == 0.0 && p.abs() < 1e15 {
+            format!("{}", p as i64)
+        } else {
+            py_float(p)
+        };
+        let sizes = |v: &[usize; D]| {
+            if v.iter().all(|&x| x == v[0]) {
+                v[0].to_string()
+            } else {
+                let all: Vec<String> = v.iter().map(usize::to_string).collect();
+                format!("({})", all.join(", "))
+            }
+        };
+        let stride = self.stride.as_ref().map_or("None".to_owned(), sizes);
+        format!(
+            "norm_type={norm}, kernel_size={}, stride={stride}, ceil_mode={}",
+            sizes(&self.kernel_size),
+            py_bool(self.ceil_mode)
+        )
     }
 }

@@ -53,7 +53,7 @@ fn pools_1d_and_lp_pools_match_pytorch() {
     let lp1 = LPPool1d {
         norm_type: 2.0,
         kernel_size: [3],
-        stride: [2],
+        stride: Some([2]),
         ceil_mode: false,
     };
     check_unary("lp_pool1d", &lp1);
