@@ -139,8 +139,8 @@ pub use batch_norm::{
     LazyBatchNorm1d, LazyBatchNorm2d, LazyBatchNormPath,
 };
 pub use conv::{
-    Conv, Conv1d, Conv2d, ConvConfig, ConvPath, ConvTranspose2d, ConvTranspose2dPath,
-    ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
+    Conv, Conv1d, Conv2d, ConvConfig, ConvPath, ConvTranspose1d, ConvTranspose2d,
+    ConvTranspose2dPath, ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
 };
 pub use dropout::{Dropout, DropoutPath};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingPath};

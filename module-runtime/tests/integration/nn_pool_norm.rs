@@ -5,8 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
     AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, AvgPool1d,
-    InstanceNorm1d, InstanceNorm2d, InstanceNormConfig, LPPool1d, LPPool2d, LocalResponseNorm,
-    MaxPool1d, Pool1dConfig,
+    ConvTranspose1d, ConvTransposeConfig, InstanceNorm1d, InstanceNorm2d, InstanceNormConfig,
+    LPPool1d, LPPool2d, LocalResponseNorm, MaxPool1d, Pool1dConfig,
 };
 use module_runtime::{short_type_name, Error, Module, ModuleExt};
 
@@ -209,4 +209,40 @@ fn names_and_errors() {
     );
     let err = LocalResponseNorm::new(2).call(&Tensor::zeros((2, 3), DType::F32, &dev).unwrap());
     assert!(err.is_err());
+}
+
+/// `nn.ConvTranspose1d`, computed as the direct convolution it equals: stride, padding and output
+/// padding, groups with dilation, padding larger than the kernel's reach (the output is cut), an
+/// unbatched input; forward, input and parameter gradients.
+#[test]
+fn conv_transpose1d_matches_pytorch() {
+    let dev = Device::Cpu;
+    let config = |stride, padding, output_padding| ConvTransposeConfig {
+        stride,
+        padding,
+        output_padding,
+        ..Default::default()
+    };
+    let layer = ConvTranspose1d::with_config(4, 3, 3, config(2, 1, 1), &dev).unwrap();
+    check_unary("conv_transpose1d", &layer);
+    let grouped = ConvTransposeConfig {
+        groups: 2,
+        dilation: 2,
+        bias: false,
+        ..Default::default()
+    };
+    let layer = ConvTranspose1d::with_config(4, 6, 3, grouped, &dev).unwrap();
+    assert_eq!(layer.weight.shape().dims(), [4, 3, 3]);
+    check_unary("conv_transpose1d_groups_dilation", &layer);
+    let crop = ConvTranspose1d::with_config(3, 2, 2, config(3, 2, 0), &dev).unwrap();
+    check_unary("conv_transpose1d_crop", &crop);
+    check_unary(
+        "conv_transpose1d_unbatched",
+        &ConvTranspose1d::new(2, 3, 3, &dev).unwrap(),
+    );
+    let err = ConvTranspose1d::new(2, 3, 3, &dev)
+        .unwrap()
+        .call(&Tensor::zeros((1, 5, 4), DType::F32, &dev).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("[N, 2, L]"), "{err}");
 }

@@ -37,9 +37,11 @@ use module_core::{py_tuple, ExtraRepr};
 
 mod lazy;
 mod transpose;
+mod transpose1d;
 
 pub use lazy::{LazyConv, LazyConv1d, LazyConv2d, LazyConvPath};
 pub use transpose::{ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig};
+pub use transpose1d::ConvTranspose1d;
 
 /// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
 /// PyTorch's defaults (`ConvConfig::default()`).

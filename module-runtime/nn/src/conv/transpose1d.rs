@@ -1,0 +1,197 @@
+//! [`ConvTranspose1d`]: PyTorch's `nn.ConvTranspose1d`, computed as the equivalent direct
+//! convolution (candle's own 1-D transposed convolution has no backward).
+
+use candle_core::{Device, Tensor};
+
+use super::transpose::ConvTransposeConfig;
+use super::{check_groups, conv2d_differentiable, conv_params};
+use crate::common::{add_channel_bias, forward_by_value, input_shape_error, param_tensor};
+use crate::device::check_input_device;
+use crate::error::Result;
+use crate::{Forward, Module, Param};
+use module_core::ExtraRepr;
+
+/// A 1-D transposed convolution: PyTorch's `nn.ConvTranspose1d` (the gradient of a `Conv1d`
+/// with respect to its input; the upsampling layer of vocoders and 1-D decoders).
+///
+/// Parameters `weight` `[in_channels, out_channels / groups, kernel_size]` (PyTorch's layout)
+/// and `bias` `[out_channels]`. The input is `[N, C_in, L]` (or `[C_in, L]`); the output
+/// `[N, C_out, L_out]` with `L_out = (L - 1) stride - 2 padding + dilation (kernel_size - 1) +
+/// output_padding + 1`. It runs as the direct convolution it equals: the input with
+/// `stride - 1` zeros between its elements, padded by `dilation (kernel_size - 1) - padding`
+/// (and `output_padding` more on the right), convolved with the kernel flipped and its channel
+/// axes swapped; every step is differentiable.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{ConvTranspose1d, ConvTransposeConfig};
+/// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
+/// let up = ConvTranspose1d::with_config(4, 2, 3, cfg, &Device::Cpu)?;
+/// let y = up.call(&Tensor::zeros((1, 4, 8), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [1, 2, 16]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
+#[module(extra_repr)]
+pub struct ConvTranspose1d {
+    /// `[in_channels, out_channels / groups, kernel_size]`.
+    pub weight: Param,
+    /// `[out_channels]`, if the layer has a bias.
+    pub bias: Option<Param>,
+    /// Stride, padding, output padding, dilation, groups, bias and dtype.
+    #[module(skip)]
+    pub config: ConvTransposeConfig,
+}
+
+impl ConvTranspose1d {
+    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
+    /// PyTorch.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let config = ConvTransposeConfig::default();
+        Self::with_config(in_channels, out_channels, kernel_size, config, device)
+    }
+
+    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
+    /// counts ([`Error::InvalidConfig`](crate::error::Error::InvalidConfig) otherwise).
+    pub fn with_config(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: usize,
+        config: ConvTransposeConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        check_groups("ConvTranspose1d", in_channels, out_channels, config.groups)?;
+        let dims = [in_channels, out_channels / config.groups, kernel_size];
+        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
+        Ok(Self {
+            weight,
+            bias,
+            config,
+        })
+    }
+
+    /// The transposed convolution of a `[N, C_in, L]` input.
+    fn transposed(&self, x: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let w = self.weight.tensor()?;
+        let (c_in, c_out_g, k) = w.dims3()?;
+        let (n, x_c, l) = x.dims3()?;
+        let reach = c.dilation * (k - 1);
+        let l_out = ((l - 1) * c.stride + reach + c.output_padding + 1).checked_sub(2 * c.padding);
+        if x_c != c_in || l == 0 || k == 0 || c.stride == 0 || c.dilation == 0 || l_out.is_none() {
+            let expected = format!("[N, {c_in}, L] with an output length of at least 1");
+            return Err(input_shape_error("ConvTranspose1d", expected, x));
+        }
+        // `stride - 1` zeros between the input's elements.
+        let x = if c.stride > 1 {
+            let zeros = Tensor::zeros((n, c_in, l, c.stride - 1), x.dtype(), x.device())?;
+            Tensor::cat(&[&x.unsqueeze(3)?, &zeros], 3)?
+                .reshape((n, c_in, l * c.stride))?
+                .narrow(2, 0, (l - 1) * c.stride + 1)?
+        } else {
+            x.clone()
+        };
+        // `reach - padding` on the left, `output_padding` more on the right; cut where negative.
+        let edge = |x: Tensor, extra: usize, left: bool| -> Result<Tensor> {
+            let len = x.dim(2)?;
+            let total = reach + extra;
+            Ok(if total >= c.padding {
+                let pad = total - c.padding;
+                if left {
+                    x.pad_with_zeros(2, pad, 0)?
+                } else {
+                    x.pad_with_zeros(2, 0, pad)?
+                }
+            } else {
+                let cut = c.padding - total;
+                x.narrow(2, if left { cut } else { 0 }, len - cut)?
+            })
+        };
+        let x = edge(edge(x, 0, true)?, c.output_padding, false)?;
+        // The kernel flipped along its length, `[C_in, C_out/g, k]` -> `[C_out, C_in/g, k]`.
+        let reversed: Vec<u32> = (0..k as u32).rev().collect();
+        let reversed = Tensor::from_vec(reversed, k, w.device())?;
+        let g = c.groups;
+        let w = w
+            .index_select(&reversed, 2)?
+            .reshape((g, c_in / g, c_out_g, k))?
+            .transpose(1, 2)?
+            .reshape((g * c_out_g, c_in / g, k))?
+            .contiguous()?;
+        // As a 2-D convolution of height 1, as `Conv1d` trains: candle 0.11's `conv1d` backward is
+        // wrong for batches of more than one when the convolution has no padding (its
+        // `conv_transpose1d` col2im path).
+        let y = conv2d_differentiable(
+            &x.unsqueeze(2)?,
+            &w.unsqueeze(2)?,
+            [0, 0],
+            [1, 1],
+            [1, c.dilation],
+            g,
+        )?;
+        Ok(y.squeeze(2)?)
+    }
+}
+
+impl Forward<&Tensor> for ConvTranspose1d {
+    type Output = Tensor;
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        check_input_device("ConvTranspose1d.weight", &self.weight.tensor()?, x)?;
+        let y = if x.rank() == 2 {
+            self.transposed(&x.unsqueeze(0)?)?.squeeze(0)?
+        } else if x.rank() == 3 {
+            self.transposed(x)?
+        } else {
+            let expected = format!("[N, {}, L] or [C, L]", self.weight.shape().dims()[0]);
+            return Err(input_shape_error("ConvTranspose1d", expected, x));
+        };
+        let channel = y.rank() - 2;
+        let bias = param_tensor(&self.bias)?;
+        if channel == 0 {
+            return Ok(match bias {
+                Some(b) => y.broadcast_add(&b.unsqueeze(1)?)?,
+                None => y,
+            });
+        }
+        add_channel_bias(y, bias)
+    }
+}
+
+forward_by_value!(ConvTranspose1d);
+
+impl ExtraRepr for ConvTranspose1d {
+    fn extra_repr(&self) -> String {
+        let c = &self.config;
+        let dims = self.weight.shape().dims().to_vec();
+        let mut s = format!(
+            "{}, {}, kernel_size=({},), stride=({},)",
+            dims[0],
+            dims[1] * c.groups,
+            dims[2],
+            c.stride
+        );
+        if c.padding != 0 {
+            s.push_str(&format!(", padding=({},)", c.padding));
+        }
+        if c.output_padding != 0 {
+            s.push_str(&format!(", output_padding=({},)", c.output_padding));
+        }
+        if c.dilation != 1 {
+            s.push_str(&format!(", dilation=({},)", c.dilation));
+        }
+        if c.groups != 1 {
+            s.push_str(&format!(", groups={}", c.groups));
+        }
+        if self.bias.is_none() {
+            s.push_str(", bias=False");
+        }
+        s
+    }
+}
