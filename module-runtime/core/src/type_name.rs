@@ -36,13 +36,14 @@ macro_rules! nn {
 /// live above this crate, so the names are strings here; a test beside the layers checks every
 /// entry against `type_name` of its alias.
 #[doc(hidden)]
-pub const PYTORCH_NAMES: [(&str, &str); 45] = [
+pub const PYTORCH_NAMES: [(&str, &str); 46] = [
     (nn!("batch_norm::BatchNorm<1>"), "BatchNorm1d"),
     (nn!("batch_norm::BatchNorm<2>"), "BatchNorm2d"),
     (nn!("batch_norm::LazyBatchNorm<1>"), "LazyBatchNorm1d"),
     (nn!("batch_norm::LazyBatchNorm<2>"), "LazyBatchNorm2d"),
     (nn!("conv::Conv<1>"), "Conv1d"),
     (nn!("conv::Conv<2>"), "Conv2d"),
+    (nn!("conv::Conv<3>"), "Conv3d"),
     (nn!("conv::lazy::LazyConv<1>"), "LazyConv1d"),
     (nn!("conv::lazy::LazyConv<2>"), "LazyConv2d"),
     (nn!("pool::Pool2d<", "pool::Max>"), "MaxPool2d"),

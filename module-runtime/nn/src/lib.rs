@@ -139,7 +139,7 @@ pub use batch_norm::{
     LazyBatchNorm1d, LazyBatchNorm2d, LazyBatchNormPath,
 };
 pub use conv::{
-    Conv, Conv1d, Conv2d, ConvConfig, ConvPath, ConvTranspose1d, ConvTranspose2d,
+    Conv, Conv1d, Conv2d, Conv3d, ConvConfig, ConvPath, ConvTranspose1d, ConvTranspose2d,
     ConvTranspose2dPath, ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
 };
 pub use dropout::{Dropout, DropoutPath};
@@ -274,6 +274,7 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<LazyBatchNorm2d>(), "LazyBatchNorm2d"),
         (type_name::<Conv1d>(), "Conv1d"),
         (type_name::<Conv2d>(), "Conv2d"),
+        (type_name::<Conv3d>(), "Conv3d"),
         (type_name::<LazyConv1d>(), "LazyConv1d"),
         (type_name::<LazyConv2d>(), "LazyConv2d"),
         (type_name::<MaxPool2d>(), "MaxPool2d"),

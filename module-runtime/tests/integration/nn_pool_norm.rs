@@ -1,12 +1,13 @@
-//! Adaptive pooling, instance norm and local response norm (issue 29) against the fixtures of
+//! Adaptive, 1-D and power-average pooling, instance and local response norms, `ConvTranspose1d`
+//! and `Conv3d` (issue 29) against the fixtures of
 //! `fixtures/make_nn_fixtures.py`: forward, input gradients and parameter gradients; their
 //! PyTorch names, state-dict keys and errors.
 
 use candle_core::{DType, Device, Tensor};
 use module_runtime::nn::{
-    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, AvgPool1d,
-    ConvTranspose1d, ConvTransposeConfig, InstanceNorm1d, InstanceNorm2d, InstanceNormConfig,
-    LPPool1d, LPPool2d, LocalResponseNorm, MaxPool1d, Pool1dConfig,
+    AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveMaxPool1d, AdaptiveMaxPool2d, AvgPool1d, Conv3d,
+    ConvConfig, ConvTranspose1d, ConvTransposeConfig, InstanceNorm1d, InstanceNorm2d,
+    InstanceNormConfig, LPPool1d, LPPool2d, LocalResponseNorm, MaxPool1d, Pool1dConfig,
 };
 use module_runtime::{short_type_name, Error, Module, ModuleExt};
 
@@ -245,4 +246,43 @@ fn conv_transpose1d_matches_pytorch() {
         .call(&Tensor::zeros((1, 5, 4), DType::F32, &dev).unwrap())
         .unwrap_err();
     assert!(err.to_string().contains("[N, 2, L]"), "{err}");
+}
+
+/// `nn.Conv3d`, as 2-D convolutions over depth slices: padding, stride with dilation and groups
+/// and a non-cubic kernel, an unbatched input; forward, input and parameter gradients.
+#[test]
+fn conv3d_matches_pytorch() {
+    let dev = Device::Cpu;
+    let padded = ConvConfig {
+        padding: 1.into(),
+        ..Default::default()
+    };
+    check_unary(
+        "conv3d",
+        &Conv3d::with_config(3, 4, 3, padded, &dev).unwrap(),
+    );
+    let strided = ConvConfig {
+        stride: 2.into(),
+        dilation: 2.into(),
+        groups: 2,
+        bias: false,
+        ..Default::default()
+    };
+    let layer = Conv3d::with_config(4, 6, [2, 3, 3], strided, &dev).unwrap();
+    assert_eq!(layer.weight.shape().dims(), [6, 2, 2, 3, 3]);
+    check_unary("conv3d_strided_grouped", &layer);
+    check_unary("conv3d_unbatched", &Conv3d::new(2, 3, 2, &dev).unwrap());
+    assert_eq!(short_type_name(layer.type_name()), "Conv3d");
+    let err = Conv3d::new(2, 3, 2, &dev)
+        .unwrap()
+        .call(
+            &Tensor::zeros((1, 2, 5, 5), DType::F32, &dev)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("Conv3d"), "{err}");
 }

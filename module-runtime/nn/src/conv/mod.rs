@@ -35,6 +35,7 @@ use crate::error::{Error, Result};
 use crate::{Forward, Module, Param};
 use module_core::{py_tuple, ExtraRepr};
 
+mod conv3d;
 mod lazy;
 mod transpose;
 mod transpose1d;
@@ -346,6 +347,26 @@ pub type Conv1d = Conv<1>;
 /// ```
 pub type Conv2d = Conv<2>;
 
+/// A 3-D convolution: PyTorch's `nn.Conv3d`. See [`Conv`].
+///
+/// The input is `[N, C_in, D, H, W]` (or `[C_in, D, H, W]`). candle has no 3-D convolution: it
+/// runs as one 2-D convolution per kernel depth, over the input's depth slices that kernel row
+/// reads folded into the batch, summed; every step is differentiable. Stride, padding and
+/// dilation are one value for all three dimensions (`PerDim::All`); `kernel_size` is `k` or
+/// `[kD, kH, kW]`.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{Conv3d, ConvConfig};
+/// let cfg = ConvConfig { padding: 1.into(), ..Default::default() };
+/// let conv = Conv3d::with_config(2, 4, 3, cfg, &Device::Cpu)?;
+/// assert_eq!(conv.weight.shape().dims(), [4, 2, 3, 3, 3]);
+/// let y = conv.call(&Tensor::zeros((1, 2, 5, 6, 7), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [1, 4, 5, 6, 7]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type Conv3d = Conv<3>;
+
 impl<const D: usize> Conv<D> {
     /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
     /// PyTorch.
@@ -393,10 +414,11 @@ impl<const D: usize> Conv<D> {
         let (layer, lazy, weight) = match D {
             1 => ("Conv1d", "LazyConv1d", "Conv1d.weight"),
             2 => ("Conv2d", "LazyConv2d", "Conv2d.weight"),
+            3 => ("Conv3d", "LazyConv3d", "Conv3d.weight"),
             _ => {
                 return Err(Error::InvalidConfig {
                     layer: "Conv",
-                    message: format!("{D}-D convolutions are not supported, only 1-D and 2-D"),
+                    message: format!("{D}-D convolutions are not supported, only 1-D, 2-D and 3-D"),
                 })
             }
         };
@@ -424,7 +446,8 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
         let bias = param_tensor(&self.bias)?;
         match D {
             1 => conv1d(x, &weight, bias, &self.config),
-            _ => conv2d(x, &weight, bias, &self.config),
+            2 => conv2d(x, &weight, bias, &self.config),
+            _ => conv3d::conv3d(x, &weight, bias, &self.config),
         }
     }
 }
@@ -453,7 +476,7 @@ impl<const D: usize> ExtraRepr for Conv<D> {
     }
 }
 
-forward_by_value!(Conv1d, Conv2d);
+forward_by_value!(Conv1d, Conv2d, Conv3d);
 
 #[cfg(test)]
 mod tests {
