@@ -56,6 +56,8 @@ struct Args {
 }
 
 fn main() -> AnyResult<()> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let device = device_or_env(args.device.as_deref())?;
     let model = LlamaForCausalLM::from_pretrained(&args.model, &device)?;
