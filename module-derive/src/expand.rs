@@ -90,6 +90,9 @@ fn expand(input: &Input) -> TokenStream {
             fn extra_repr(&self) -> ::std::string::String {
                 <Self as #krate::ExtraRepr>::extra_repr(self)
             }
+            fn __repr_child_class(&self, child: &str) -> ::std::option::Option<&'static str> {
+                <Self as #krate::ExtraRepr>::child_class_name(self, child)
+            }
         }
     });
     // `print(model)`: `Display` is PyTorch's repr, unless the type has its own (`no_display`).

@@ -42,6 +42,15 @@ use crate::type_name::short_type_name;
 pub trait ExtraRepr {
     /// The module's own settings, as PyTorch's `extra_repr` returns them (may span lines).
     fn extra_repr(&self) -> String;
+
+    /// The class name printed for the submodule `child` when PyTorch's differs from the
+    /// submodule's own: `MultiheadAttention`'s `out_proj` is a `Linear` here and a
+    /// `NonDynamicallyQuantizableLinear` (a subclass of `Linear`) in PyTorch. `None` (the
+    /// default) prints the child's own name. Names only: paths and state-dict keys are unchanged.
+    fn child_class_name(&self, child: &str) -> Option<&'static str> {
+        let _ = child;
+        None
+    }
 }
 
 /// How `print(model)` shows `m`: PyTorch's `nn.Module.__repr__`. The class name (PyTorch's for
@@ -74,15 +83,23 @@ pub trait ExtraRepr {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn module_repr(m: &dyn Module) -> String {
+    repr_as(m, None)
+}
+
+/// [`module_repr`] of `m`, with the class name `class` if given (its parent's
+/// [`ExtraRepr::child_class_name`]).
+fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
     let mut children: Vec<(String, String)> = Vec::new();
     m.visit_children(&mut |name, child| {
         if let Child::Module { module, .. } = child {
-            children.push((name.to_string(), module_repr(module)));
+            let name = name.to_string();
+            let text = repr_as(module, m.__repr_child_class(&name));
+            children.push((name, text));
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.
     let full = short_type_name(m.type_name());
-    let name = full.split('<').next().unwrap_or(&full);
+    let name = class.unwrap_or_else(|| full.split('<').next().unwrap_or(&full));
     let mut lines: Vec<String> = Vec::new();
     if m.__repr_collapses_repeats() {
         if children.is_empty() {
@@ -173,8 +190,8 @@ pub fn py_bool(b: bool) -> &'static str {
     }
 }
 
-/// Writes `values` as a Python tuple: `(3,)` for one, `(3, 3)` for two.
-pub fn py_tuple(values: &[usize]) -> String {
+/// Writes `values` as a Python tuple: `(3,)` for one, `(3, 3)` for two, `(2, -1)` for signed ones.
+pub fn py_tuple<T: std::fmt::Display>(values: &[T]) -> String {
     let mut s = String::from("(");
     for (i, v) in values.iter().enumerate() {
         if i > 0 {

@@ -70,6 +70,7 @@ impl Default for MultiheadAttentionConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct MultiheadAttention {
     /// `[3 * embed_dim, embed_dim]`: query, key and value projections, stacked.
     pub in_proj_weight: Param,
@@ -206,6 +207,18 @@ impl<'a> AttentionInput<'a> {
     pub fn average_attn_weights(mut self, average: bool) -> Self {
         self.average_attn_weights = average;
         self
+    }
+}
+
+/// PyTorch's text: no settings of its own, and `out_proj` shown with PyTorch's class name,
+/// `(out_proj): NonDynamicallyQuantizableLinear(in_features=16, out_features=16, bias=True)`.
+impl module_core::ExtraRepr for MultiheadAttention {
+    fn extra_repr(&self) -> String {
+        String::new()
+    }
+
+    fn child_class_name(&self, child: &str) -> Option<&'static str> {
+        (child == "out_proj").then_some("NonDynamicallyQuantizableLinear")
     }
 }
 

@@ -104,6 +104,13 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
+    /// The class name `print(model)` shows for the child `child` in place of its own, from
+    /// [`ExtraRepr::child_class_name`](crate::ExtraRepr::child_class_name). Not public API.
+    #[doc(hidden)]
+    fn __repr_child_class(&self, _child: &str) -> Option<&'static str> {
+        None
+    }
+
     /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive
     /// lists them, so that the runtime can lift their extra state and report names that collide
     /// through them. Not public API.

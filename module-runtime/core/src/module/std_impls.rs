@@ -139,6 +139,9 @@ macro_rules! pointee_methods {
         fn __repr_collapses_repeats(&self) -> bool {
             (**self).__repr_collapses_repeats()
         }
+        fn __repr_child_class(&self, child: &str) -> Option<&'static str> {
+            (**self).__repr_child_class(child)
+        }
         fn is_config() -> bool {
             M::is_config()
         }

@@ -86,6 +86,10 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).__repr_collapses_repeats()
     }
 
+    fn __repr_child_class(&self, child: &str) -> Option<&'static str> {
+        (**self).__repr_child_class(child)
+    }
+
     fn as_child(&self) -> Child<'_> {
         (**self).layer_child()
     }
