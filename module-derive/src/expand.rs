@@ -90,8 +90,8 @@ fn expand(input: &Input) -> TokenStream {
             fn extra_repr(&self) -> ::std::string::String {
                 <Self as #krate::ExtraRepr>::extra_repr(self)
             }
-            fn __repr_child_class(&self, child: &str) -> ::std::option::Option<&'static str> {
-                <Self as #krate::ExtraRepr>::child_class_name(self, child)
+            fn __repr_child(&self, child: &str) -> #krate::ChildRepr {
+                <Self as #krate::ExtraRepr>::child_repr(self, child)
             }
         }
     });

@@ -334,6 +334,51 @@ fn more_norms_convolutions_cells_and_embeddings_print_as_pytorch() -> Result<()>
     Ok(())
 }
 
+#[test]
+fn attention_and_transformer_blocks_print_as_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check("attention", &MultiheadAttention::new(16, 4, &dev)?);
+    let config = MultiheadAttentionConfig {
+        batch_first: true,
+        bias: false,
+        ..Default::default()
+    };
+    let attention = MultiheadAttention::with_config(16, 4, config, &dev)?;
+    check("attention_kv", &attention);
+    // Names only: the state-dict keys stay PyTorch's.
+    assert!(attention.state_dict()?.contains_key("out_proj.weight"));
+
+    let layer = TransformerLayerConfig {
+        dim_feedforward: 32,
+        ..Default::default()
+    };
+    let encoder_layer = TransformerEncoderLayer::with_config(16, 4, layer.clone(), &dev)?;
+    check("transformer_encoder_layer", &encoder_layer);
+    let pre_norm = TransformerLayerConfig {
+        batch_first: true,
+        norm_first: true,
+        ..layer.clone()
+    };
+    let block = TransformerEncoderLayer::with_config(16, 4, pre_norm, &dev)?;
+    let encoder = TransformerEncoder::new(&block, 2, Some(LayerNorm::new(16, &dev)?))?;
+    check("transformer_encoder", &encoder);
+    let gelu = TransformerLayerConfig {
+        activation: TransformerActivation::gelu(),
+        ..layer.clone()
+    };
+    let decoder_layer = TransformerDecoderLayer::with_config(16, 4, gelu, &dev)?;
+    check("transformer_decoder_layer", &decoder_layer);
+    let config = TransformerConfig {
+        d_model: 16,
+        nhead: 4,
+        num_encoder_layers: 1,
+        num_decoder_layers: 2,
+        layer,
+    };
+    check("transformer", &Transformer::with_config(config, &dev)?);
+    Ok(())
+}
+
 /// A module of the user's with its own `extra_repr`, and one that keeps its own `Display`.
 #[derive(Module)]
 #[module(extra_repr)]

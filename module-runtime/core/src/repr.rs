@@ -43,14 +43,27 @@ pub trait ExtraRepr {
     /// The module's own settings, as PyTorch's `extra_repr` returns them (may span lines).
     fn extra_repr(&self) -> String;
 
-    /// The class name printed for the submodule `child` when PyTorch's differs from the
-    /// submodule's own: `MultiheadAttention`'s `out_proj` is a `Linear` here and a
-    /// `NonDynamicallyQuantizableLinear` (a subclass of `Linear`) in PyTorch. `None` (the
-    /// default) prints the child's own name. Names only: paths and state-dict keys are unchanged.
-    fn child_class_name(&self, child: &str) -> Option<&'static str> {
+    /// How the submodule `child` is printed, where PyTorch's text differs from the submodule's
+    /// own ([`ChildRepr`]); [`ChildRepr::Own`] (the default) for every child. Printing only:
+    /// paths and state-dict keys are unchanged.
+    fn child_repr(&self, child: &str) -> ChildRepr {
         let _ = child;
-        None
+        ChildRepr::Own
     }
+}
+
+/// How `print(model)` shows one submodule ([`ExtraRepr::child_repr`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChildRepr {
+    /// As the submodule prints itself (the default).
+    #[default]
+    Own,
+    /// With another class name: `MultiheadAttention`'s `out_proj` is a `Linear` here and a
+    /// `NonDynamicallyQuantizableLinear` (a subclass of `Linear`) in PyTorch.
+    Class(&'static str),
+    /// Not at all: a submodule that PyTorch holds as a plain function (a Transformer layer's
+    /// `activation="relu"`).
+    Hidden,
 }
 
 /// How `print(model)` shows `m`: PyTorch's `nn.Module.__repr__`. The class name (PyTorch's for
@@ -87,14 +100,18 @@ pub fn module_repr(m: &dyn Module) -> String {
 }
 
 /// [`module_repr`] of `m`, with the class name `class` if given (its parent's
-/// [`ExtraRepr::child_class_name`]).
+/// [`ExtraRepr::child_repr`]).
 fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
     let mut children: Vec<(String, String)> = Vec::new();
     m.visit_children(&mut |name, child| {
         if let Child::Module { module, .. } = child {
             let name = name.to_string();
-            let text = repr_as(module, m.__repr_child_class(&name));
-            children.push((name, text));
+            let class = match m.__repr_child(&name) {
+                ChildRepr::Hidden => return,
+                ChildRepr::Class(class) => Some(class),
+                ChildRepr::Own => None,
+            };
+            children.push((name, repr_as(module, class)));
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::Init;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
 use crate::{Linear, LinearConfig};
+use module_core::ChildRepr;
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -217,8 +218,11 @@ impl module_core::ExtraRepr for MultiheadAttention {
         String::new()
     }
 
-    fn child_class_name(&self, child: &str) -> Option<&'static str> {
-        (child == "out_proj").then_some("NonDynamicallyQuantizableLinear")
+    fn child_repr(&self, child: &str) -> ChildRepr {
+        match child {
+            "out_proj" => ChildRepr::Class("NonDynamicallyQuantizableLinear"),
+            _ => ChildRepr::Own,
+        }
     }
 }
 

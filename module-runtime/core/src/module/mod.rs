@@ -104,11 +104,11 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
-    /// The class name `print(model)` shows for the child `child` in place of its own, from
-    /// [`ExtraRepr::child_class_name`](crate::ExtraRepr::child_class_name). Not public API.
+    /// How `print(model)` shows the child `child`, from
+    /// [`ExtraRepr::child_repr`](crate::ExtraRepr::child_repr). Not public API.
     #[doc(hidden)]
-    fn __repr_child_class(&self, _child: &str) -> Option<&'static str> {
-        None
+    fn __repr_child(&self, _child: &str) -> crate::ChildRepr {
+        crate::ChildRepr::Own
     }
 
     /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive

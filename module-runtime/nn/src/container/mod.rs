@@ -86,8 +86,8 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).__repr_collapses_repeats()
     }
 
-    fn __repr_child_class(&self, child: &str) -> Option<&'static str> {
-        (**self).__repr_child_class(child)
+    fn __repr_child(&self, child: &str) -> module_core::ChildRepr {
+        (**self).__repr_child(child)
     }
 
     fn as_child(&self) -> Child<'_> {
