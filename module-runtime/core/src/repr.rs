@@ -53,6 +53,42 @@ pub trait ExtraRepr {
 }
 
 /// How `print(model)` shows one submodule ([`ExtraRepr::child_repr`]).
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::ReLU;
+/// use module_runtime::{ChildRepr, ExtraRepr};
+///
+/// #[derive(Module)]
+/// #[module(extra_repr)]
+/// struct Block {
+///     proj: Linear,
+///     act: ReLU,
+/// }
+///
+/// impl ExtraRepr for Block {
+///     fn extra_repr(&self) -> String {
+///         String::new()
+///     }
+///
+///     fn child_repr(&self, child: &str) -> ChildRepr {
+///         match child {
+///             "proj" => ChildRepr::Class("MyLinear"),
+///             "act" => ChildRepr::Hidden,
+///             _ => ChildRepr::Own,
+///         }
+///     }
+/// }
+///
+/// let block = Block { proj: Linear::new(2, 3, &Device::Cpu)?, act: ReLU::new() };
+/// assert_eq!(
+///     block.to_string(),
+///     "Block(\n  (proj): MyLinear(in_features=2, out_features=3, bias=True)\n)"
+/// );
+/// // Printing only: the state dict keeps its keys.
+/// assert!(block.state_dict()?.contains_key("proj.weight"));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ChildRepr {
     /// As the submodule prints itself (the default).
