@@ -90,6 +90,9 @@ fn expand(input: &Input) -> TokenStream {
             fn extra_repr(&self) -> ::std::string::String {
                 <Self as #krate::ExtraRepr>::extra_repr(self)
             }
+            fn __repr_child(&self, child: &str) -> #krate::ChildRepr {
+                <Self as #krate::ExtraRepr>::child_repr(self, child)
+            }
         }
     });
     // `print(model)`: `Display` is PyTorch's repr, unless the type has its own (`no_display`).

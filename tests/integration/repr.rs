@@ -192,6 +192,193 @@ fn recurrent_and_embedding_layers_print_as_pytorch() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn more_activations_dropouts_and_shape_layers_print_as_pytorch() {
+    check("threshold", &Threshold::new(0.1, 20.0));
+    check("softshrink", &Softshrink::new());
+    check("hardshrink", &Hardshrink::with_lambda(0.25));
+    check("rrelu", &RReLU::new());
+    check("softmin", &Softmin::new(1));
+    check("dropout1d", &Dropout1d::new(0.2));
+    check("dropout2d", &Dropout2d::new(0.5));
+    check("dropout3d", &Dropout3d::new(0.5));
+    check("alpha_dropout", &AlphaDropout::new(0.2));
+    check("feature_alpha_dropout", &FeatureAlphaDropout::new(0.5));
+    check("unflatten", &Unflatten::new(1, [2, -1]));
+    check("pixel_unshuffle", &PixelUnshuffle::new(2));
+    check("channel_shuffle", &ChannelShuffle::new(2));
+    check("fold", &Fold::new((4, 5), 2));
+    let strided = FoldConfig {
+        padding: 1.into(),
+        stride: 2.into(),
+        ..Default::default()
+    };
+    check("fold_strided", &Fold::with_config(4, (2, 3), strided));
+    check("unfold", &Unfold::new(2));
+    let dilated = FoldConfig {
+        dilation: (1, 2).into(),
+        stride: 2.into(),
+        ..Default::default()
+    };
+    check("unfold_dilated", &Unfold::with_config(3, dilated));
+}
+
+#[test]
+fn padding_and_resampling_layers_print_as_pytorch() {
+    check("zero_pad1d", &ZeroPad1d::new(2));
+    check("zero_pad2d", &ZeroPad2d::new((1, 2, 3, 4)));
+    check("zero_pad3d", &ZeroPad3d::new(1));
+    check("constant_pad1d", &ConstantPad1d::new(2, 3.5));
+    check("constant_pad2d", &ConstantPad2d::new((1, 2, 3, 4), 0.0));
+    check("constant_pad3d", &ConstantPad3d::new(1, -1.0));
+    check("reflection_pad1d", &ReflectionPad1d::new((2, 1)));
+    check("reflection_pad2d", &ReflectionPad2d::new(1));
+    check("reflection_pad3d", &ReflectionPad3d::new(1));
+    check("replication_pad1d", &ReplicationPad1d::new(2));
+    check("replication_pad2d", &ReplicationPad2d::new((1, 1, 2, 0)));
+    check("replication_pad3d", &ReplicationPad3d::new(1));
+    check("circular_pad1d", &CircularPad1d::new(2));
+    check("circular_pad2d", &CircularPad2d::new(1));
+    check("circular_pad3d", &CircularPad3d::new(1));
+    check(
+        "upsample",
+        &Upsample::scale_factor(2.0, UpsampleMode::Nearest),
+    );
+    let bilinear = UpsampleMode::Bilinear {
+        align_corners: true,
+    };
+    check("upsample_size", &Upsample::size([4, 5], bilinear));
+    check(
+        "upsample_size_one",
+        &Upsample::size([7], UpsampleMode::NearestExact),
+    );
+    let bicubic = UpsampleMode::Bicubic {
+        align_corners: false,
+    };
+    let scales = UpsampleTarget::ScaleFactor(vec![2.0, 1.5]);
+    check("upsample_scales", &Upsample::new(scales, bicubic));
+}
+
+#[test]
+fn more_norms_convolutions_cells_and_embeddings_print_as_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check("rms_norm", &RmsNorm::new(16, &dev)?);
+    let config = RmsNormConfig {
+        eps: Some(1e-6),
+        elementwise_affine: false,
+        ..Default::default()
+    };
+    check("rms_norm_2d", &RmsNorm::with_config((2, 3), config, &dev)?);
+    check("conv_transpose2d", &ConvTranspose2d::new(3, 8, 3, &dev)?);
+    let config = ConvTransposeConfig {
+        stride: 2,
+        padding: 1,
+        output_padding: 1,
+        bias: false,
+        ..Default::default()
+    };
+    check(
+        "conv_transpose2d_strided",
+        &ConvTranspose2d::with_config(3, 8, 3, config, &dev)?,
+    );
+    let config = ConvTransposeConfig {
+        stride: 2,
+        padding: 1,
+        output_padding: 1,
+        dilation: 2,
+        groups: 2,
+        ..Default::default()
+    };
+    check(
+        "conv_transpose1d",
+        &ConvTranspose1d::with_config(4, 6, 3, config, &dev)?,
+    );
+    check("lstm_cell", &LstmCell::new(10, 20, &dev)?);
+    let config = RnnCellConfig {
+        bias: false,
+        ..Default::default()
+    };
+    check(
+        "gru_cell_no_bias",
+        &GruCell::with_config(10, 20, config, &dev)?,
+    );
+    let config = EmbeddingConfig {
+        padding_idx: Some(0),
+        ..Default::default()
+    };
+    check(
+        "embedding_padding",
+        &Embedding::with_config(10, 3, config, &dev)?,
+    );
+    let config = EmbeddingConfig {
+        padding_idx: Some(-1),
+        max_norm: Some(2.0),
+        norm_type: 1.0,
+        ..Default::default()
+    };
+    check(
+        "embedding_max_norm",
+        &Embedding::with_config(10, 3, config, &dev)?,
+    );
+    check("embedding_bag", &EmbeddingBag::new(10, 3, &dev)?);
+    let config = EmbeddingBagConfig {
+        mode: EmbeddingBagMode::Sum,
+        padding_idx: Some(0),
+        max_norm: Some(1.0),
+        ..Default::default()
+    };
+    check(
+        "embedding_bag_sum",
+        &EmbeddingBag::with_config(10, 3, config, &dev)?,
+    );
+    Ok(())
+}
+
+#[test]
+fn attention_and_transformer_blocks_print_as_pytorch() -> Result<()> {
+    let dev = Device::Cpu;
+    check("attention", &MultiheadAttention::new(16, 4, &dev)?);
+    let config = MultiheadAttentionConfig {
+        batch_first: true,
+        bias: false,
+        ..Default::default()
+    };
+    let attention = MultiheadAttention::with_config(16, 4, config, &dev)?;
+    check("attention_kv", &attention);
+    // Names only: the state-dict keys stay PyTorch's.
+    assert!(attention.state_dict()?.contains_key("out_proj.weight"));
+
+    let layer = TransformerLayerConfig {
+        dim_feedforward: 32,
+        ..Default::default()
+    };
+    let encoder_layer = TransformerEncoderLayer::with_config(16, 4, layer.clone(), &dev)?;
+    check("transformer_encoder_layer", &encoder_layer);
+    let pre_norm = TransformerLayerConfig {
+        batch_first: true,
+        norm_first: true,
+        ..layer.clone()
+    };
+    let block = TransformerEncoderLayer::with_config(16, 4, pre_norm, &dev)?;
+    let encoder = TransformerEncoder::new(&block, 2, Some(LayerNorm::new(16, &dev)?))?;
+    check("transformer_encoder", &encoder);
+    let gelu = TransformerLayerConfig {
+        activation: TransformerActivation::gelu(),
+        ..layer.clone()
+    };
+    let decoder_layer = TransformerDecoderLayer::with_config(16, 4, gelu, &dev)?;
+    check("transformer_decoder_layer", &decoder_layer);
+    let config = TransformerConfig {
+        d_model: 16,
+        nhead: 4,
+        num_encoder_layers: 1,
+        num_decoder_layers: 2,
+        layer,
+    };
+    check("transformer", &Transformer::with_config(config, &dev)?);
+    Ok(())
+}
+
 /// A module of the user's with its own `extra_repr`, and one that keeps its own `Display`.
 #[derive(Module)]
 #[module(extra_repr)]

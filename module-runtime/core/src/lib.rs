@@ -102,7 +102,7 @@ pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use report::{LoadReport, Mismatch};
-pub use repr::{module_repr, py_bool, py_float, py_tuple, ExtraRepr};
+pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::short_type_name;
 pub use typed_path::{HasPath, PathExt, TypedPath};

@@ -42,6 +42,64 @@ use crate::type_name::short_type_name;
 pub trait ExtraRepr {
     /// The module's own settings, as PyTorch's `extra_repr` returns them (may span lines).
     fn extra_repr(&self) -> String;
+
+    /// How the submodule `child` is printed, where PyTorch's text differs from the submodule's
+    /// own ([`ChildRepr`]); [`ChildRepr::Own`] (the default) for every child. Printing only:
+    /// paths and state-dict keys are unchanged.
+    fn child_repr(&self, child: &str) -> ChildRepr {
+        let _ = child;
+        ChildRepr::Own
+    }
+}
+
+/// How `print(model)` shows one submodule ([`ExtraRepr::child_repr`]).
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::ReLU;
+/// use module_runtime::{ChildRepr, ExtraRepr};
+///
+/// #[derive(Module)]
+/// #[module(extra_repr)]
+/// struct Block {
+///     proj: Linear,
+///     act: ReLU,
+/// }
+///
+/// impl ExtraRepr for Block {
+///     fn extra_repr(&self) -> String {
+///         String::new()
+///     }
+///
+///     fn child_repr(&self, child: &str) -> ChildRepr {
+///         match child {
+///             "proj" => ChildRepr::Class("MyLinear"),
+///             "act" => ChildRepr::Hidden,
+///             _ => ChildRepr::Own,
+///         }
+///     }
+/// }
+///
+/// let block = Block { proj: Linear::new(2, 3, &Device::Cpu)?, act: ReLU::new() };
+/// assert_eq!(
+///     block.to_string(),
+///     "Block(\n  (proj): MyLinear(in_features=2, out_features=3, bias=True)\n)"
+/// );
+/// // Printing only: the state dict keeps its keys.
+/// assert!(block.state_dict()?.contains_key("proj.weight"));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChildRepr {
+    /// As the submodule prints itself (the default).
+    #[default]
+    Own,
+    /// With another class name: `MultiheadAttention`'s `out_proj` is a `Linear` here and a
+    /// `NonDynamicallyQuantizableLinear` (a subclass of `Linear`) in PyTorch.
+    Class(&'static str),
+    /// Not at all: a submodule that PyTorch holds as a plain function (a Transformer layer's
+    /// `activation="relu"`).
+    Hidden,
 }
 
 /// How `print(model)` shows `m`: PyTorch's `nn.Module.__repr__`. The class name (PyTorch's for
@@ -74,15 +132,27 @@ pub trait ExtraRepr {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn module_repr(m: &dyn Module) -> String {
+    repr_as(m, None)
+}
+
+/// [`module_repr`] of `m`, with the class name `class` if given (its parent's
+/// [`ExtraRepr::child_repr`]).
+fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
     let mut children: Vec<(String, String)> = Vec::new();
     m.visit_children(&mut |name, child| {
         if let Child::Module { module, .. } = child {
-            children.push((name.to_string(), module_repr(module)));
+            let name = name.to_string();
+            let class = match m.__repr_child(&name) {
+                ChildRepr::Hidden => return,
+                ChildRepr::Class(class) => Some(class),
+                ChildRepr::Own => None,
+            };
+            children.push((name, repr_as(module, class)));
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.
     let full = short_type_name(m.type_name());
-    let name = full.split('<').next().unwrap_or(&full);
+    let name = class.unwrap_or_else(|| full.split('<').next().unwrap_or(&full));
     let mut lines: Vec<String> = Vec::new();
     if m.__repr_collapses_repeats() {
         if children.is_empty() {
@@ -173,8 +243,8 @@ pub fn py_bool(b: bool) -> &'static str {
     }
 }
 
-/// Writes `values` as a Python tuple: `(3,)` for one, `(3, 3)` for two.
-pub fn py_tuple(values: &[usize]) -> String {
+/// Writes `values` as a Python tuple: `(3,)` for one, `(3, 3)` for two, `(2, -1)` for signed ones.
+pub fn py_tuple<T: std::fmt::Display>(values: &[T]) -> String {
     let mut s = String::from("(");
     for (i, v) in values.iter().enumerate() {
         if i > 0 {

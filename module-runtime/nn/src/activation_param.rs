@@ -143,6 +143,7 @@ config_layer! {
     /// dimension is required.
     ///
     /// Typed paths into it: [`SoftminPath`], from [`Softmin::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Softmin {
         /// The dimension the output sums to one along (negative counts from the end).
         pub dim: isize,
@@ -150,6 +151,8 @@ config_layer! {
     /// Softmin along `dim`.
     new
 }
+
+layer_repr!(Softmin: dim);
 
 layer_forward!(Softmin, |layer, x| softmax(
     &x.neg()?,

@@ -14,6 +14,8 @@
 
 use candle_core::Tensor;
 
+use module_core::py_float;
+
 use crate::common::{config_layer, forward_by_value, layer_forward, layer_repr, unit_layer};
 use crate::error::Result;
 use crate::{Mode, Module};
@@ -175,7 +177,11 @@ config_layer! {
     /// `x` where `x > threshold`, `value` elsewhere: PyTorch's `nn.Threshold(threshold, value)` (both
     /// required, as in PyTorch).
     ///
+    /// Printed as `Threshold(threshold=0.1, value=20.0)`: PyTorch prints `value` as it was
+    /// passed (`20` for an int), this layer as the float it stores.
+    ///
     /// Typed paths into it: [`ThresholdPath`], from [`Threshold::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Threshold {
         /// Inputs at or below it are replaced.
         pub threshold: f64,
@@ -185,6 +191,8 @@ config_layer! {
     /// Replaces inputs `<= threshold` by `value`.
     new
 }
+
+layer_repr!(Threshold: threshold, value);
 
 layer_forward!(Threshold, |layer, x| {
     Ok(x.gt(layer.threshold)?
@@ -223,6 +231,7 @@ config_layer! {
     /// `x` where `|x| > lambd`, 0 elsewhere: PyTorch's `nn.Hardshrink(lambd=0.5)`.
     ///
     /// Typed paths into it: [`HardshrinkPath`], from [`Hardshrink::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Hardshrink {
         /// The half-width of the zeroed band (PyTorch's default 0.5).
         pub lambd: f64 = 0.5,
@@ -230,6 +239,8 @@ config_layer! {
     /// With `lambd`.
     with_lambda
 }
+
+layer_repr!(Hardshrink, |layer| py_float(layer.lambd));
 
 layer_forward!(Hardshrink, |layer, x| {
     Ok(x.abs()?.gt(layer.lambd)?.where_cond(x, &x.zeros_like()?)?)
@@ -240,6 +251,7 @@ config_layer! {
     /// `nn.Softshrink(lambd=0.5)`.
     ///
     /// Typed paths into it: [`SoftshrinkPath`], from [`Softshrink::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct Softshrink {
         /// The half-width of the zeroed band, and the shift outside it (PyTorch's default 0.5).
         pub lambd: f64 = 0.5,
@@ -247,6 +259,8 @@ config_layer! {
     /// With `lambd`.
     with_lambda
 }
+
+layer_repr!(Softshrink, |layer| py_float(layer.lambd));
 
 layer_forward!(Softshrink, |layer, x| {
     let below = x
@@ -264,6 +278,7 @@ layer_forward!(Softshrink, |layer, x| {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct RReLU {
     /// The smallest slope (PyTorch's default 1/8).
     pub lower: f64,
@@ -294,6 +309,8 @@ impl RReLU {
         }
     }
 }
+
+layer_repr!(RReLU: lower, upper);
 
 layer_forward!(RReLU, |layer, x| {
     let positive = x.gt(0f64)?;

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::Init;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
 use crate::{Linear, LinearConfig};
+use module_core::ChildRepr;
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,6 +71,7 @@ impl Default for MultiheadAttentionConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct MultiheadAttention {
     /// `[3 * embed_dim, embed_dim]`: query, key and value projections, stacked.
     pub in_proj_weight: Param,
@@ -206,6 +208,21 @@ impl<'a> AttentionInput<'a> {
     pub fn average_attn_weights(mut self, average: bool) -> Self {
         self.average_attn_weights = average;
         self
+    }
+}
+
+/// PyTorch's text: no settings of its own, and `out_proj` shown with PyTorch's class name,
+/// `(out_proj): NonDynamicallyQuantizableLinear(in_features=16, out_features=16, bias=True)`.
+impl module_core::ExtraRepr for MultiheadAttention {
+    fn extra_repr(&self) -> String {
+        String::new()
+    }
+
+    fn child_repr(&self, child: &str) -> ChildRepr {
+        match child {
+            "out_proj" => ChildRepr::Class("NonDynamicallyQuantizableLinear"),
+            _ => ChildRepr::Own,
+        }
     }
 }
 

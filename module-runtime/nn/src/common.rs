@@ -412,6 +412,27 @@ impl PyValue for usize {
     }
 }
 
+/// A `(height, width)` pair as PyTorch shows an "int or tuple" argument: one number when the
+/// sides are equal (what PyTorch shows when it was given one), `(1, 2)` otherwise.
+impl PyValue for (usize, usize) {
+    fn py(&self) -> String {
+        match self {
+            (a, b) if a == b => a.to_string(),
+            (a, b) => format!("({a}, {b})"),
+        }
+    }
+}
+
+/// As it was given: `2` for [`PerDim::All`], `(1, 2)` for [`PerDim::HW`].
+impl PyValue for PerDim {
+    fn py(&self) -> String {
+        match *self {
+            PerDim::All(v) => v.to_string(),
+            PerDim::HW(h, w) => format!("({h}, {w})"),
+        }
+    }
+}
+
 impl PyValue for bool {
     fn py(&self) -> String {
         module_core::py_bool(*self).to_owned()

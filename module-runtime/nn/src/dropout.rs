@@ -74,10 +74,12 @@ layer_forward!(Dropout, |layer, x| {
     Ok(x.mul(&mask)?)
 });
 
-layer_repr!(Dropout, |layer| format!(
-    "p={}, inplace=False",
-    py_float(layer.p)
-));
+layer_repr!(Dropout, |layer| dropout_repr(layer.p));
+
+/// PyTorch's `extra_repr` of every dropout layer: `p=0.1, inplace=False`.
+pub(crate) fn dropout_repr(p: f64) -> String {
+    format!("p={}, inplace=False", py_float(p))
+}
 
 forward_by_value!(Dropout);
 

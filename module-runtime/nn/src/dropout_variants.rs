@@ -8,7 +8,8 @@
 
 use candle_core::Tensor;
 
-use crate::common::{forward_by_value, input_shape_error, layer_forward};
+use crate::common::{forward_by_value, input_shape_error, layer_forward, layer_repr};
+use crate::dropout::dropout_repr;
 use crate::error::Result;
 use crate::{Forward, Mode, Module};
 
@@ -83,6 +84,7 @@ fn channel_dims(x: &Tensor, lead: usize) -> Vec<usize> {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct ChannelDropout<const D: usize> {
     /// Probability of zeroing a channel, in `[0, 1]`.
     pub p: f64,
@@ -161,6 +163,7 @@ impl<const D: usize> candle_core::Module for ChannelDropout<D> {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct AlphaDropout {
     /// Probability of dropping an element, in `[0, 1]`.
     pub p: f64,
@@ -198,6 +201,7 @@ layer_forward!(AlphaDropout, |layer, x| {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct FeatureAlphaDropout {
     /// Probability of dropping a channel, in `[0, 1]`.
     pub p: f64,
@@ -231,6 +235,15 @@ layer_forward!(FeatureAlphaDropout, |layer, x| {
 });
 
 forward_by_value!(AlphaDropout, FeatureAlphaDropout);
+
+impl<const D: usize> module_core::ExtraRepr for ChannelDropout<D> {
+    fn extra_repr(&self) -> String {
+        dropout_repr(self.p)
+    }
+}
+
+layer_repr!(AlphaDropout, |layer| dropout_repr(layer.p));
+layer_repr!(FeatureAlphaDropout, |layer| dropout_repr(layer.p));
 
 /// The Rust names of the channel dropouts and their PyTorch class names, for summaries and
 /// errors ([`pytorch_names`](super::pytorch_names)).

@@ -2,6 +2,7 @@
 //! dtype check, `padding_idx` and the `max_norm` renormalisation.
 
 use candle_core::{DType, Device, Tensor};
+use module_core::py_float;
 
 use crate::common::forward_by_value;
 use crate::device::check_input_device;
@@ -248,10 +249,39 @@ impl Forward<&Tensor> for Embedding {
     }
 }
 
+/// PyTorch's text of an embedding table's settings: `10, 3` (the table's shape), then each
+/// setting that is not its default in PyTorch's order (`padding_idx`, between the shape and the
+/// norm, only for [`Embedding`]).
+pub(crate) fn table_repr(
+    weight: &Param,
+    padding_idx: Option<usize>,
+    max_norm: Option<f64>,
+    norm_type: f64,
+) -> String {
+    let dims = weight.shape().dims().to_vec();
+    let mut s = format!("{}, {}", dims[0], dims.get(1).copied().unwrap_or(0));
+    if let Some(idx) = padding_idx {
+        s.push_str(&format!(", padding_idx={idx}"));
+    }
+    if let Some(max) = max_norm {
+        s.push_str(&format!(", max_norm={}", py_float(max)));
+    }
+    if norm_type != 2.0 {
+        s.push_str(&format!(", norm_type={}", py_float(norm_type)));
+    }
+    s
+}
+
+/// PyTorch's text: `Embedding(10, 3, padding_idx=0, max_norm=1.0)` (a negative `padding_idx`
+/// shows as the row it resolved to, as in PyTorch).
 impl module_core::ExtraRepr for Embedding {
     fn extra_repr(&self) -> String {
-        let dims = self.weight.shape().dims().to_vec();
-        format!("{}, {}", dims[0], dims.get(1).copied().unwrap_or(0))
+        table_repr(
+            &self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+        )
     }
 }
 

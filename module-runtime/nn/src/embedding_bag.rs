@@ -4,7 +4,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::common::forward_by_value;
 use crate::device::check_input_device;
-use crate::embedding::{check_ids, renorm_rows, table};
+use crate::embedding::{check_ids, renorm_rows, table, table_repr};
 use crate::error::{Error, Result};
 use crate::{Forward, Module, Param};
 
@@ -139,6 +139,7 @@ impl crate::TensorStruct for BagInput {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct EmbeddingBag {
     /// `[num_embeddings, embedding_dim]`.
     pub weight: Param,
@@ -324,6 +325,23 @@ impl Forward<&Tensor> for EmbeddingBag {
     /// Bags that are the rows of a 2-D input.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         self.forward(BagInput::new(input))
+    }
+}
+
+/// PyTorch's text: `EmbeddingBag(10, 3, max_norm=1.0, mode='sum', padding_idx=0)`.
+impl module_core::ExtraRepr for EmbeddingBag {
+    fn extra_repr(&self) -> String {
+        let mut s = table_repr(&self.weight, None, self.max_norm, self.norm_type);
+        let mode = match self.mode {
+            EmbeddingBagMode::Sum => "sum",
+            EmbeddingBagMode::Mean => "mean",
+            EmbeddingBagMode::Max => "max",
+        };
+        s.push_str(&format!(", mode='{mode}'"));
+        if let Some(idx) = self.padding_idx {
+            s.push_str(&format!(", padding_idx={idx}"));
+        }
+        s
     }
 }
 

@@ -8,7 +8,9 @@
 
 use candle_core::Tensor;
 
-use crate::common::{forward_by_value, input_shape_error, layer_forward, PerDim, Size};
+use crate::common::{
+    forward_by_value, input_shape_error, layer_forward, layer_repr, PerDim, PyValue, Size,
+};
 use crate::error::{Error, Result};
 use crate::{Forward, Module};
 
@@ -31,6 +33,18 @@ impl Default for FoldConfig {
             padding: PerDim::All(0),
             stride: PerDim::All(1),
         }
+    }
+}
+
+impl FoldConfig {
+    /// PyTorch's `extra_repr` of a fold layer: `sizes` then `dilation=1, padding=0, stride=1`.
+    fn repr_after(&self, sizes: String) -> String {
+        format!(
+            "{sizes}, dilation={}, padding={}, stride={}",
+            self.dilation.py(),
+            self.padding.py(),
+            self.stride.py()
+        )
     }
 }
 
@@ -100,9 +114,13 @@ fn axes(layer: &'static str, kernel: (usize, usize), config: &FoldConfig) -> Res
 /// ```
 ///
 /// Typed paths into it: [`UnfoldPath`], from [`Unfold::path`] (`#[module(paths)]`).
+///
+/// Printed as PyTorch prints it, except that a size with equal sides shows as one number
+/// (`kernel_size=2`) whether it was given as `2` or `(2, 2)` (PyTorch shows what it was given).
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Unfold {
     /// The block size `(kH, kW)`.
     pub kernel_size: (usize, usize),
@@ -126,6 +144,11 @@ impl Unfold {
         }
     }
 }
+
+layer_repr!(Unfold, |layer| {
+    let size = format!("kernel_size={}", layer.kernel_size.py());
+    layer.config.repr_after(size)
+});
 
 layer_forward!(Unfold, |layer, x| {
     let [ah, aw] = axes("Unfold", layer.kernel_size, &layer.config)?;
@@ -173,9 +196,13 @@ layer_forward!(Unfold, |layer, x| {
 /// blocks add up; `L` must be the number of blocks that fit `output_size`.
 ///
 /// Typed paths into it: [`FoldPath`], from [`Fold::path`] (`#[module(paths)]`).
+///
+/// Printed as PyTorch prints it, except that a size with equal sides shows as one number
+/// (`kernel_size=2`) whether it was given as `2` or `(2, 2)` (PyTorch shows what it was given).
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Fold {
     /// The image size `(H, W)`.
     pub output_size: (usize, usize),
@@ -206,6 +233,15 @@ impl Fold {
         }
     }
 }
+
+layer_repr!(Fold, |layer| {
+    let sizes = format!(
+        "output_size={}, kernel_size={}",
+        layer.output_size.py(),
+        layer.kernel_size.py()
+    );
+    layer.config.repr_after(sizes)
+});
 
 impl Forward<&Tensor> for Fold {
     type Output = Tensor;

@@ -384,6 +384,7 @@ impl Default for RmsNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct RmsNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,
@@ -463,6 +464,13 @@ layer_repr!(LayerNorm, |layer| {
     let bias = py_bool(layer.bias.is_some());
     let eps = py_float(layer.eps);
     format!("{shape}, eps={eps}, elementwise_affine={affine}, bias={bias}")
+});
+
+layer_repr!(RmsNorm, |layer| {
+    let shape = py_tuple(&layer.normalized_shape);
+    let eps = layer.eps.map_or_else(|| "None".to_owned(), py_float);
+    let affine = py_bool(layer.weight.is_some());
+    format!("{shape}, eps={eps}, elementwise_affine={affine}")
 });
 
 forward_by_value!(LayerNorm, LazyLayerNorm, RmsNorm);

@@ -11,6 +11,7 @@
 use std::fmt::Debug;
 
 use candle_core::Tensor;
+use module_core::{py_float, py_tuple, ExtraRepr};
 
 use crate::common::input_shape_error;
 use crate::error::Result;
@@ -33,6 +34,12 @@ pub trait PadMode: Clone + Debug + Send + Sync + 'static {
     /// The rule a too-small dimension broke, for the error message.
     fn size_rule(&self) -> &'static str {
         ""
+    }
+
+    /// PyTorch's `extra_repr` of the layer, given its padding as a Python tuple: the tuple
+    /// itself (`(1, 2, 3, 4)`) for most modes.
+    fn extra_repr(&self, padding: &str) -> String {
+        padding.to_owned()
     }
 }
 
@@ -109,6 +116,10 @@ impl PadMode for Constant {
 
     fn pad(&self, x: &Tensor, dim: usize, before: usize, after: usize) -> Result<Option<Tensor>> {
         fill_along(x, dim, before, after, self.value).map(Some)
+    }
+
+    fn extra_repr(&self, padding: &str) -> String {
+        format!("padding={padding}, value={}", py_float(self.value))
     }
 }
 
@@ -247,6 +258,7 @@ impl Padding<3> for [usize; 6] {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Pad<const N: usize, M> {
     /// `(before, after)` per padded dimension, last dimension first (PyTorch's `padding` in pairs).
     #[module(skip)]
@@ -366,6 +378,15 @@ impl<const N: usize, M: PadMode> Forward<&Tensor> for Pad<N, M> {
             }
         }
         Ok(y)
+    }
+}
+
+/// PyTorch's text: the padding as a tuple of all sides, `ZeroPad2d((2, 2, 2, 2))` also when
+/// built from one number, and `ConstantPad1d(padding=(2, 2), value=3.5)`.
+impl<const N: usize, M: PadMode> ExtraRepr for Pad<N, M> {
+    fn extra_repr(&self) -> String {
+        let sides: Vec<usize> = self.padding.iter().flat_map(|&(b, a)| [b, a]).collect();
+        self.mode.extra_repr(&py_tuple(&sides))
     }
 }
 

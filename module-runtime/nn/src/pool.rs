@@ -20,7 +20,7 @@ use candle_core::{Tensor, D};
 
 use std::fmt::Write;
 
-use crate::common::{forward_by_value, input_shape_error, PerDim, Size};
+use crate::common::{forward_by_value, input_shape_error, PerDim, PyValue, Size};
 use crate::error::{Error, Result};
 use crate::{Forward, Module};
 use module_core::{py_bool, ExtraRepr};
@@ -507,19 +507,12 @@ fn windows(
 impl<R: Reduction> ExtraRepr for Pool2d<R> {
     fn extra_repr(&self) -> String {
         // PyTorch shows what it was given; a pair with equal sides is shown as one number.
-        let pair = |(a, b): (usize, usize)| match a == b {
-            true => a.to_string(),
-            false => format!("({a}, {b})"),
-        };
-        let (kernel, stride, padding) = (
-            pair(self.kernel_size),
-            pair(self.stride),
-            pair(self.padding),
-        );
+        let (kernel, stride, padding) =
+            (self.kernel_size.py(), self.stride.py(), self.padding.py());
         let mut s = format!("kernel_size={kernel}, stride={stride}, padding={padding}");
         if !R::AVERAGE {
             let ceil = py_bool(self.ceil_mode);
-            let _ = write!(s, ", dilation={}, ceil_mode={ceil}", pair(self.dilation));
+            let _ = write!(s, ", dilation={}, ceil_mode={ceil}", self.dilation.py());
         }
         s
     }

@@ -4,6 +4,7 @@
 //! [`Error::InputShape`](crate::Error::InputShape) naming its shape.
 
 use candle_core::Tensor;
+use module_core::py_tuple;
 
 use crate::common::{
     config_layer, default_new, forward_by_value, input_shape_error, layer_forward, layer_repr,
@@ -96,6 +97,7 @@ layer_repr!(Flatten: start_dim, end_dim);
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Unflatten {
     /// The dimension split (negative counts from the end).
     pub dim: isize,
@@ -152,6 +154,12 @@ layer_forward!(Unflatten, |layer, x| {
     let shape: Vec<usize> = [&dims[..dim], &sizes, &dims[dim + 1..]].concat();
     Ok(x.reshape(shape)?)
 });
+
+layer_repr!(Unflatten, |layer| format!(
+    "dim={}, unflattened_size={}",
+    layer.dim,
+    py_tuple(&layer.unflattened_size)
+));
 
 config_layer! {
     /// Moves channels into space: `[*, C·r², H, W]` to `[*, C, H·r, W·r]` with `r =
@@ -212,6 +220,7 @@ config_layer! {
     ///
     /// Typed paths into it: [`PixelUnshufflePath`], from [`PixelUnshuffle::path`]
     /// (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct PixelUnshuffle {
         /// `r`: the factor by which height and width shrink.
         pub downscale_factor: usize,
@@ -219,6 +228,8 @@ config_layer! {
     /// Downscales by `downscale_factor`.
     new
 }
+
+layer_repr!(PixelUnshuffle: downscale_factor);
 
 layer_forward!(PixelUnshuffle, |layer, x| {
     let r = layer.downscale_factor;
@@ -242,6 +253,7 @@ config_layer! {
     /// PyTorch's `nn.ChannelShuffle(groups)`. The channels must divide into the groups.
     ///
     /// Typed paths into it: [`ChannelShufflePath`], from [`ChannelShuffle::path`] (`#[module(paths)]`).
+    #[module(extra_repr)]
     pub struct ChannelShuffle {
         /// The number of groups the channels are split into.
         pub groups: usize,
@@ -249,6 +261,8 @@ config_layer! {
     /// Shuffles `groups` groups of channels.
     new
 }
+
+layer_repr!(ChannelShuffle: groups);
 
 layer_forward!(ChannelShuffle, |layer, x| {
     let g = layer.groups;

@@ -16,6 +16,7 @@
 //! of a fractional `scale_factor` matches.
 
 use candle_core::{DType, Tensor};
+use module_core::{py_float, py_tuple, ExtraRepr};
 
 use crate::common::{forward_by_value, input_shape_error};
 use crate::error::Result;
@@ -54,6 +55,18 @@ pub enum UpsampleMode {
 }
 
 impl UpsampleMode {
+    /// PyTorch's name of the mode (`'bilinear'`).
+    fn py_name(self) -> &'static str {
+        match self {
+            Self::Nearest => "nearest",
+            Self::NearestExact => "nearest-exact",
+            Self::Linear { .. } => "linear",
+            Self::Bilinear { .. } => "bilinear",
+            Self::Trilinear { .. } => "trilinear",
+            Self::Bicubic { .. } => "bicubic",
+        }
+    }
+
     /// The input rank an interpolating mode takes (`None` for the nearest modes, which take 3 to
     /// 5), and its `align_corners`.
     fn linear(self) -> Option<(usize, bool)> {
@@ -100,10 +113,16 @@ pub enum UpsampleTarget {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 ///
+/// Printed as PyTorch prints it, `Upsample(scale_factor=2.0, mode='nearest')` or
+/// `Upsample(size=(4, 5), mode='bilinear')`; the layers built by
+/// [`upsampling_nearest2d`](Self::upsampling_nearest2d) and
+/// [`upsampling_bilinear2d`](Self::upsampling_bilinear2d) print as `Upsample` too.
+///
 /// Typed paths into it: [`UpsamplePath`], from [`Upsample::path`] (`#[module(paths)]`).
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct Upsample {
     /// The output size, or the factor it is computed from.
     #[module(skip)]
@@ -315,6 +334,27 @@ impl Forward<&Tensor> for Upsample {
             };
         }
         Ok(y)
+    }
+}
+
+/// One value as Python's scalar, several as a tuple (`2.0`, `(2.0, 3.0)`).
+fn scalar_or_tuple<T: ToString>(values: &[T]) -> String {
+    match values {
+        [one] => one.to_string(),
+        many => py_tuple(&many.iter().map(T::to_string).collect::<Vec<_>>()),
+    }
+}
+
+impl ExtraRepr for Upsample {
+    fn extra_repr(&self) -> String {
+        let target = match &self.target {
+            UpsampleTarget::Size(size) => format!("size={}", scalar_or_tuple(size)),
+            UpsampleTarget::ScaleFactor(factors) => {
+                let factors: Vec<String> = factors.iter().map(|&f| py_float(f)).collect();
+                format!("scale_factor={}", scalar_or_tuple(&factors))
+            }
+        };
+        format!("{target}, mode='{}'", self.mode.py_name())
     }
 }
 

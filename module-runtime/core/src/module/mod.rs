@@ -104,6 +104,13 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
+    /// How `print(model)` shows the child `child`, from
+    /// [`ExtraRepr::child_repr`](crate::ExtraRepr::child_repr). Not public API.
+    #[doc(hidden)]
+    fn __repr_child(&self, _child: &str) -> crate::ChildRepr {
+        crate::ChildRepr::Own
+    }
+
     /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive
     /// lists them, so that the runtime can lift their extra state and report names that collide
     /// through them. Not public API.

@@ -139,6 +139,9 @@ macro_rules! pointee_methods {
         fn __repr_collapses_repeats(&self) -> bool {
             (**self).__repr_collapses_repeats()
         }
+        fn __repr_child(&self, child: &str) -> crate::ChildRepr {
+            (**self).__repr_child(child)
+        }
         fn is_config() -> bool {
             M::is_config()
         }

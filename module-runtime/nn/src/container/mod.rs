@@ -86,6 +86,10 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).__repr_collapses_repeats()
     }
 
+    fn __repr_child(&self, child: &str) -> module_core::ChildRepr {
+        (**self).__repr_child(child)
+    }
+
     fn as_child(&self) -> Child<'_> {
         (**self).layer_child()
     }

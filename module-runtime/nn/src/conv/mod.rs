@@ -24,8 +24,6 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use std::fmt::Write;
-
 use crate::common::{
     add_channel_bias, add_channel_bias_to_fresh, forward_by_value, param_tensor, uniform_fan_in,
     PerDim, Size,
@@ -33,14 +31,15 @@ use crate::common::{
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Module, Param};
-use module_core::{py_tuple, ExtraRepr};
 
 mod conv3d;
 mod lazy;
+mod repr;
 mod transpose;
 mod transpose1d;
 
 pub use lazy::{LazyConv, LazyConv1d, LazyConv2d, LazyConvPath};
+pub(crate) use repr::ConvRepr;
 pub use transpose::{ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig};
 pub use transpose1d::ConvTranspose1d;
 
@@ -449,30 +448,6 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
             2 => conv2d(x, &weight, bias, &self.config),
             _ => conv3d::conv3d(x, &weight, bias, &self.config),
         }
-    }
-}
-
-impl<const D: usize> ExtraRepr for Conv<D> {
-    fn extra_repr(&self) -> String {
-        let dims = self.weight.shape().dims().to_vec();
-        let per_dim = |v: PerDim| py_tuple(&v.for_dims::<D>().unwrap_or([0; D]));
-        let (c, mut s) = (&self.config, String::new());
-        let _ = write!(s, "{}, {}", dims[1] * c.groups, dims[0]);
-        let _ = write!(s, ", kernel_size={}", py_tuple(&dims[2..]));
-        let _ = write!(s, ", stride={}", per_dim(c.stride));
-        if c.padding.for_dims::<D>() != Some([0; D]) {
-            let _ = write!(s, ", padding={}", per_dim(c.padding));
-        }
-        if c.dilation.for_dims::<D>() != Some([1; D]) {
-            let _ = write!(s, ", dilation={}", per_dim(c.dilation));
-        }
-        if c.groups != 1 {
-            let _ = write!(s, ", groups={}", c.groups);
-        }
-        if self.bias.is_none() {
-            s.push_str(", bias=False");
-        }
-        s
     }
 }
 

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{check_groups, conv_params};
+use super::{check_groups, conv_params, ConvRepr};
 use crate::common::{add_channel_bias, forward_by_value, layer_forward, param_tensor, Size};
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -67,6 +67,7 @@ impl Default for ConvTransposeConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct ConvTranspose2d {
     /// `[in_channels, out_channels / groups, kH, kW]`.
     pub weight: Param,
@@ -134,6 +135,26 @@ layer_forward!(ConvTranspose2d, |layer, x| {
     };
     add_channel_bias(y, param_tensor(&layer.bias)?)
 });
+
+/// PyTorch's text: `ConvTranspose2d(3, 8, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
+/// output_padding=(1, 1), bias=False)`.
+impl module_core::ExtraRepr for ConvTranspose2d {
+    fn extra_repr(&self) -> String {
+        let dims = self.weight.shape().dims().to_vec();
+        let c = &self.config;
+        ConvRepr {
+            channels: (dims[0], dims[1] * c.groups),
+            kernel_size: &dims[2..],
+            stride: vec![c.stride; 2],
+            padding: vec![c.padding; 2],
+            dilation: vec![c.dilation; 2],
+            output_padding: vec![c.output_padding; 2],
+            groups: c.groups,
+            bias: self.bias.is_some(),
+        }
+        .text()
+    }
+}
 
 forward_by_value!(ConvTranspose2d);
 

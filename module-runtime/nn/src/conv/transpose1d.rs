@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 
 use super::transpose::ConvTransposeConfig;
-use super::{check_groups, conv2d_differentiable, conv_params};
+use super::{check_groups, conv2d_differentiable, conv_params, ConvRepr};
 use crate::common::{add_channel_bias, forward_by_value, input_shape_error, param_tensor};
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -170,28 +170,16 @@ impl ExtraRepr for ConvTranspose1d {
     fn extra_repr(&self) -> String {
         let c = &self.config;
         let dims = self.weight.shape().dims().to_vec();
-        let mut s = format!(
-            "{}, {}, kernel_size=({},), stride=({},)",
-            dims[0],
-            dims[1] * c.groups,
-            dims[2],
-            c.stride
-        );
-        if c.padding != 0 {
-            s.push_str(&format!(", padding=({},)", c.padding));
+        ConvRepr {
+            channels: (dims[0], dims[1] * c.groups),
+            kernel_size: &dims[2..],
+            stride: vec![c.stride],
+            padding: vec![c.padding],
+            dilation: vec![c.dilation],
+            output_padding: vec![c.output_padding],
+            groups: c.groups,
+            bias: self.bias.is_some(),
         }
-        if c.output_padding != 0 {
-            s.push_str(&format!(", output_padding=({},)", c.output_padding));
-        }
-        if c.dilation != 1 {
-            s.push_str(&format!(", dilation=({},)", c.dilation));
-        }
-        if c.groups != 1 {
-            s.push_str(&format!(", groups={}", c.groups));
-        }
-        if self.bias.is_none() {
-            s.push_str(", bias=False");
-        }
-        s
+        .text()
     }
 }

@@ -5,6 +5,7 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 
 use candle_core::{DType, Device, Tensor};
+use module_core::ExtraRepr;
 
 use super::gates::{check_state, Gates, GruGates, LstmGates};
 use super::weights::LayerWeights;
@@ -47,6 +48,7 @@ impl Default for RnnCellConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct RnnCellBase<G> {
     #[module(flatten)]
     weights: LayerWeights,
@@ -118,6 +120,17 @@ pub type LstmCell = RnnCellBase<LstmGates>;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub type GruCell = RnnCellBase<GruGates>;
+
+/// PyTorch's text: `LSTMCell(10, 20)`, with `, bias=False` for a cell without biases.
+impl<G> ExtraRepr for RnnCellBase<G> {
+    fn extra_repr(&self) -> String {
+        let sizes = format!("{}, {}", self.weights.input_size(), self.hidden_size);
+        match self.weights.has_bias() {
+            true => sizes,
+            false => sizes + ", bias=False",
+        }
+    }
+}
 
 impl<G: Gates> RnnCellBase<G> {
     /// A float32 cell with biases, initialized like PyTorch.

@@ -103,6 +103,7 @@ input_tensors!(DecoderInput { tgt, memory } masks {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct TransformerDecoderLayer {
     /// The self-attention over the target.
     pub self_attn: MultiheadAttention,

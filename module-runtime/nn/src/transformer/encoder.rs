@@ -85,6 +85,7 @@ input_tensors!(EncoderInput { src } masks { src_mask, src_key_padding_mask });
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(extra_repr)]
 pub struct TransformerEncoderLayer {
     /// The self-attention.
     pub self_attn: MultiheadAttention,

@@ -136,6 +136,29 @@ impl TransformerActivation {
     }
 }
 
+/// `print(model)` of the Transformer layers `$ty`: no settings of their own, and no
+/// `activation` line, as PyTorch prints a layer built with `activation="relu"`, `"gelu"` or a
+/// function (a layer given an `nn.Module` instance as activation prints it in PyTorch; this
+/// one prints the same text for all three forms).
+macro_rules! repr_without_activation {
+    ($($ty:ty),+) => {$(
+        impl module_core::ExtraRepr for $ty {
+            fn extra_repr(&self) -> String {
+                String::new()
+            }
+
+            fn child_repr(&self, child: &str) -> module_core::ChildRepr {
+                match child {
+                    "activation" => module_core::ChildRepr::Hidden,
+                    _ => module_core::ChildRepr::Own,
+                }
+            }
+        }
+    )+};
+}
+
+repr_without_activation!(TransformerEncoderLayer, TransformerDecoderLayer);
+
 /// A path to the activation ends there: it holds no parameters.
 impl HasPath for TransformerActivation {
     type Path<R: 'static, K: PathKind> = Path<R, K, Self>;
