@@ -205,7 +205,9 @@ fn fused_softmax_matches_composed_on_masked_rows() {
         * f64::from(f32::MIN))
     .unwrap();
     let x = scores.broadcast_add(&mask).unwrap();
-    check_against_composed("Softmax", &Softmax::new(-1), &x, 1e-6);
+    // Random rows and upstream: the input gradient's row sums `Σ g y` are added in another order
+    // by the two paths, so they differ by float32 rounding (up to ~1.3e-6 seen), as the others.
+    check_against_composed("Softmax", &Softmax::new(-1), &x, 1e-5);
 }
 
 /// Dropout, fused or composed: each element is dropped or scaled by `1 / (1 - p)`, about a
