@@ -142,17 +142,19 @@ impl<const D: usize> BatchNorm<D> {
         param: impl Fn(Init) -> Result<Param>,
         buffer: impl Fn(Init) -> Result<Buffer>,
     ) -> Result<Self> {
-        let affine = |init| config.affine.then(|| param(init)).transpose();
-        let tracked = |init| config.track_running_stats.then(|| buffer(init)).transpose();
+        let state = NormState::new(
+            config.affine,
+            config.track_running_stats,
+            device,
+            param,
+            buffer,
+        )?;
         Ok(Self {
-            weight: affine(Init::Ones)?,
-            bias: affine(Init::Zeros)?,
-            running_mean: tracked(Init::Zeros)?,
-            running_var: tracked(Init::Ones)?,
-            num_batches_tracked: config
-                .track_running_stats
-                .then(|| Tensor::new(0i64, device).map(|t| Buffer::new(t).allow_missing()))
-                .transpose()?,
+            weight: state.weight,
+            bias: state.bias,
+            running_mean: state.running_mean,
+            running_var: state.running_var,
+            num_batches_tracked: state.num_batches_tracked,
             momentum: config.momentum,
             eps: config.eps,
             mode: Mode::new(),
@@ -279,13 +281,64 @@ impl<const D: usize> BatchNorm<D> {
             (None, None) => 0.0,
         };
         let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
-        for (buffer, stat) in [(rm, mean.detach()), (rv, unbiased)] {
-            let old = buffer.tensor()?;
-            let stat = stat.flatten_all()?.to_dtype(old.dtype())?;
-            buffer.set(&((old * (1.0 - factor))? + (stat * factor)?)?)?;
-        }
-        Ok(())
+        blend_running_stats(
+            (rm, rv),
+            &mean.detach().flatten_all()?,
+            &unbiased.flatten_all()?,
+            factor,
+        )
     }
+}
+
+/// A norm layer's per-channel state, as PyTorch's `_NormBase` keeps it for batch and instance
+/// norms: `weight` (ones) and `bias` (zeros) when affine; `running_mean` (zeros), `running_var`
+/// (ones) and `num_batches_tracked` (an `i64` 0 a checkpoint may lack) when tracking running
+/// statistics.
+pub(crate) struct NormState {
+    pub(crate) weight: Option<Param>,
+    pub(crate) bias: Option<Param>,
+    pub(crate) running_mean: Option<Buffer>,
+    pub(crate) running_var: Option<Buffer>,
+    pub(crate) num_batches_tracked: Option<Buffer>,
+}
+
+impl NormState {
+    /// The state, its per-channel tensors made by `param` and `buffer` from their init.
+    pub(crate) fn new(
+        affine: bool,
+        track_running_stats: bool,
+        device: &Device,
+        param: impl Fn(Init) -> Result<Param>,
+        buffer: impl Fn(Init) -> Result<Buffer>,
+    ) -> Result<Self> {
+        let affine = |init| affine.then(|| param(init)).transpose();
+        let tracked = |init| track_running_stats.then(|| buffer(init)).transpose();
+        Ok(Self {
+            weight: affine(Init::Ones)?,
+            bias: affine(Init::Zeros)?,
+            running_mean: tracked(Init::Zeros)?,
+            running_var: tracked(Init::Ones)?,
+            num_batches_tracked: track_running_stats
+                .then(|| Tensor::new(0i64, device).map(|t| Buffer::new(t).allow_missing()))
+                .transpose()?,
+        })
+    }
+}
+
+/// `r = (1 - factor) r + factor * stat` for the running mean and variance, from per-channel
+/// `[C]` statistics (the variance already unbiased), in the buffers' dtype.
+pub(crate) fn blend_running_stats(
+    (running_mean, running_var): (&Buffer, &Buffer),
+    mean: &Tensor,
+    var: &Tensor,
+    factor: f64,
+) -> Result<()> {
+    for (buffer, stat) in [(running_mean, mean), (running_var, var)] {
+        let old = buffer.tensor()?;
+        let stat = stat.to_dtype(old.dtype())?;
+        buffer.set(&((old * (1.0 - factor))? + (stat * factor)?)?)?;
+    }
+    Ok(())
 }
 
 /// What [`BatchNorm::names`] gives.

@@ -3,9 +3,10 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::batch_norm::{blend_running_stats, NormState};
 use crate::common::{input_shape_error, per_channel};
 use crate::error::Result;
-use crate::{Buffer, Forward, Init, Mode, Module, Param};
+use crate::{Buffer, Forward, Mode, Module, Param};
 use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How an instance norm is built: PyTorch's keyword arguments, with PyTorch's defaults (which
@@ -104,19 +105,19 @@ impl<const D: usize> InstanceNorm<D> {
         device: &Device,
     ) -> Result<Self> {
         let dtype = config.dtype;
-        let param = |init| Param::init(num_features, init, 0, dtype, device);
-        let buffer = |init| Buffer::init(num_features, init, dtype, device);
-        let affine = |init| config.affine.then(|| param(init)).transpose();
-        let tracked = |init| config.track_running_stats.then(|| buffer(init)).transpose();
+        let state = NormState::new(
+            config.affine,
+            config.track_running_stats,
+            device,
+            |init| Param::init(num_features, init, 0, dtype, device),
+            |init| Buffer::init(num_features, init, dtype, device),
+        )?;
         Ok(Self {
-            weight: affine(Init::Ones)?,
-            bias: affine(Init::Zeros)?,
-            running_mean: tracked(Init::Zeros)?,
-            running_var: tracked(Init::Ones)?,
-            num_batches_tracked: config
-                .track_running_stats
-                .then(|| Tensor::new(0i64, device).map(|t| Buffer::new(t).allow_missing()))
-                .transpose()?,
+            weight: state.weight,
+            bias: state.bias,
+            running_mean: state.running_mean,
+            running_var: state.running_var,
+            num_batches_tracked: state.num_batches_tracked,
             num_features,
             eps: config.eps,
             momentum: config.momentum,
@@ -212,14 +213,15 @@ impl<const D: usize> InstanceNorm<D> {
         let (Some(rm), Some(rv)) = (&self.running_mean, &self.running_var) else {
             return Ok(());
         };
-        let m = self.momentum;
         let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
-        for (buffer, stat) in [(rm, mean.detach()), (rv, unbiased)] {
-            let old = buffer.tensor()?;
-            let stat = stat.flatten_from(1)?.mean(0)?.to_dtype(old.dtype())?;
-            buffer.set(&((old * (1.0 - m))? + (stat * m)?)?)?;
-        }
-        Ok(())
+        // The instances' statistics `[N, C, 1, …]`, averaged over the batch.
+        let over_batch = |t: &Tensor| t.flatten_from(1)?.mean(0);
+        blend_running_stats(
+            (rm, rv),
+            &over_batch(&mean.detach())?,
+            &over_batch(&unbiased)?,
+            self.momentum,
+        )
     }
 }
 

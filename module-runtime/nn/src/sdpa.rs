@@ -61,11 +61,8 @@ pub fn scaled_dot_product_attention(
     attn_mask: Option<&Tensor>,
     options: SdpaOptions,
 ) -> Result<Tensor> {
-    let shape = check(query, key, value, attn_mask, &options)?;
+    let (shape, mask) = check(query, key, value, attn_mask, &options)?;
     let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
-    let mask = attn_mask
-        .map(|m| m.broadcast_as((shape.b, shape.hq, shape.l, shape.s)))
-        .transpose()?;
     if options.dropout_p == 0.0 && fast_path_applies(query, key, value, mask.as_ref()) {
         return fused(
             query,
@@ -99,13 +96,15 @@ fn bad(message: String) -> Error {
     }
 }
 
+/// The dimensions, once the inputs are checked to fit together, and the mask broadcast to
+/// `[B, Hq, L, S]`.
 fn check(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: Option<&Tensor>,
     options: &SdpaOptions,
-) -> Result<Dims> {
+) -> Result<(Dims, Option<Tensor>)> {
     let (Ok((b, hq, l, e)), Ok((kb, h, s, ke)), Ok((vb, vh, vs, ev))) =
         (q.dims4(), k.dims4(), v.dims4())
     else {
@@ -158,20 +157,24 @@ fn check(
                 m.dtype()
             )));
         }
-        if m.broadcast_as((b, hq, l, s)).is_err() {
-            return Err(bad(format!(
-                "attn_mask of shape {:?} does not broadcast to [B, Hq, L, S] = [{b}, {hq}, {l}, {s}]",
-                m.dims()
-            )));
-        }
     }
+    let mask = mask
+        .map(|m| {
+            m.broadcast_as((b, hq, l, s)).map_err(|_| {
+                bad(format!(
+                    "attn_mask of shape {:?} does not broadcast to [B, Hq, L, S] = [{b}, {hq}, {l}, {s}]",
+                    m.dims()
+                ))
+            })
+        })
+        .transpose()?;
     if !(0.0..1.0).contains(&options.dropout_p) {
         return Err(bad(format!(
             "dropout_p must be in [0, 1), got {}",
             options.dropout_p
         )));
     }
-    Ok(Dims {
+    let dims = Dims {
         b,
         hq,
         h,
@@ -179,7 +182,8 @@ fn check(
         s,
         e,
         ev,
-    })
+    };
+    Ok((dims, mask))
 }
 
 /// Whether the one-pass kernel may run: CPU float32 tensors that record no gradient, each with
@@ -193,14 +197,6 @@ fn fast_path_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) 
         && plain(k)
         && plain(v)
         && mask.is_none_or(|m| !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8))
-}
-
-/// The lowest value a masked score can take: the softmax gives it exactly zero weight.
-fn masked(dtype: DType) -> f64 {
-    match dtype {
-        DType::F16 => f64::from(f32::NEG_INFINITY),
-        _ => f64::NEG_INFINITY,
-    }
 }
 
 /// The composed path: candle's differentiable ops.
@@ -225,24 +221,21 @@ fn composed(
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
     let mut scores = (q.contiguous()?.matmul(&k.t()?)? * scale)?;
-    let lowest = masked(q.dtype());
+    // A masked score is -inf: the softmax gives it exactly zero weight.
+    let excluded = Tensor::new(f64::NEG_INFINITY, q.device())?
+        .to_dtype(q.dtype())?
+        .broadcast_as(scores.shape())?;
     if options.is_causal {
         let allowed: Vec<u8> = (0..d.l)
             .flat_map(|i| (0..d.s).map(move |j| u8::from(j <= i)))
             .collect();
         let allowed =
             Tensor::from_vec(allowed, (d.l, d.s), q.device())?.broadcast_as(scores.shape())?;
-        let fill = Tensor::new(lowest, q.device())?
-            .to_dtype(q.dtype())?
-            .broadcast_as(scores.shape())?;
-        scores = allowed.where_cond(&scores, &fill)?;
+        scores = allowed.where_cond(&scores, &excluded)?;
     }
     if let Some(m) = mask {
         scores = if m.dtype() == DType::U8 {
-            let fill = Tensor::new(lowest, q.device())?
-                .to_dtype(q.dtype())?
-                .broadcast_as(scores.shape())?;
-            m.where_cond(&scores, &fill)?
+            m.where_cond(&scores, &excluded)?
         } else {
             scores.broadcast_add(m)?
         };

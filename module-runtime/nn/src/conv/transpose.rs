@@ -78,6 +78,23 @@ pub struct ConvTranspose2d {
     pub config: ConvTransposeConfig,
 }
 
+/// A transposed convolution's `weight` `[in_channels, out_channels / groups, *kernel]`
+/// (PyTorch's layout) and `bias`, initialized like PyTorch, after checking that `groups` divides
+/// both channel counts.
+pub(super) fn transposed_params(
+    layer: &'static str,
+    in_channels: usize,
+    out_channels: usize,
+    kernel: &[usize],
+    config: &ConvTransposeConfig,
+    device: &Device,
+) -> Result<(Param, Option<Param>)> {
+    check_groups(layer, in_channels, out_channels, config.groups)?;
+    let mut dims = vec![in_channels, out_channels / config.groups];
+    dims.extend_from_slice(kernel);
+    conv_params(&dims, out_channels, config.bias, config.dtype, device)
+}
+
 impl ConvTranspose2d {
     /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
     /// PyTorch; `kernel_size` is `k` for a square kernel or `(kH, kW)`.
@@ -100,10 +117,14 @@ impl ConvTranspose2d {
         config: ConvTransposeConfig,
         device: &Device,
     ) -> Result<Self> {
-        check_groups("ConvTranspose2d", in_channels, out_channels, config.groups)?;
-        let [kh, kw] = kernel_size.dims();
-        let dims = [in_channels, out_channels / config.groups, kh, kw];
-        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
+        let (weight, bias) = transposed_params(
+            "ConvTranspose2d",
+            in_channels,
+            out_channels,
+            &kernel_size.dims(),
+            &config,
+            device,
+        )?;
         Ok(Self {
             weight,
             bias,

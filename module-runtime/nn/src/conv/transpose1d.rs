@@ -3,8 +3,8 @@
 
 use candle_core::{Device, Tensor};
 
-use super::transpose::ConvTransposeConfig;
-use super::{check_groups, conv2d_differentiable, conv_params, ConvRepr};
+use super::transpose::{transposed_params, ConvTransposeConfig};
+use super::{conv2d_differentiable, ConvRepr};
 use crate::common::{add_channel_bias, forward_by_value, input_shape_error, param_tensor};
 use crate::device::check_input_device;
 use crate::error::Result;
@@ -66,9 +66,14 @@ impl ConvTranspose1d {
         config: ConvTransposeConfig,
         device: &Device,
     ) -> Result<Self> {
-        check_groups("ConvTranspose1d", in_channels, out_channels, config.groups)?;
-        let dims = [in_channels, out_channels / config.groups, kernel_size];
-        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
+        let (weight, bias) = transposed_params(
+            "ConvTranspose1d",
+            in_channels,
+            out_channels,
+            &[kernel_size],
+            &config,
+            device,
+        )?;
         Ok(Self {
             weight,
             bias,
