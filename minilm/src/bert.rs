@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
-use module_runtime::nn::{Dropout, Embedding, LayerNorm, LayerNormConfig, Linear, Softmax, GELU};
+use module_runtime::nn::{Dropout, Embedding, LayerNorm, LayerNormConfig, Linear, GELU};
 use module_runtime::prelude::*;
 use module_runtime::{Buffer, Error};
 
@@ -336,10 +336,11 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
 
     /// `(hidden [batch, seq, hidden], mask bias [batch, 1, 1, seq])` → `[batch, seq, hidden]`.
     ///
-    /// Without dropout on the attention weights (evaluation, or `p = 0`) the attention is
-    /// PyTorch's `scaled_dot_product_attention` (`nn::functional`), which during CPU inference
-    /// reads the heads in place and computes each head in one pass; in training the dropout
-    /// module is called on the weights, as Hugging Face's eager attention does.
+    /// The attention is PyTorch's `scaled_dot_product_attention` (`nn::functional`), with the
+    /// dropout module's `p` as `dropout_p` in training and 0 in evaluation, as transformers'
+    /// `sdpa` attention (its default) calls it: the dropout module is not itself called, so a
+    /// hook on `attention.self.dropout` does not fire. On the CPU the attention reads the heads in
+    /// place and computes each head in one pass, in inference and, with its backward, in training.
     fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
         let (batch, seq_len, hidden) = x.dims3()?;
         let head_dim = hidden / self.num_heads;
@@ -348,26 +349,19 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
             Ok(t.reshape((batch, seq_len, self.num_heads, head_dim))?
                 .transpose(1, 2)?)
         };
-        let scale = 1.0 / (head_dim as f64).sqrt();
-        let context = if !self.dropout.is_training() || self.dropout.p == 0.0 {
-            let q = heads(self.query.call(x)?)?;
-            let k = heads(self.key.call(x)?)?;
-            let v = heads(self.value.call(x)?)?;
-            let options = SdpaOptions {
-                scale: Some(scale),
-                ..Default::default()
-            };
-            scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)?
-        } else {
-            // Scaling the queries (seq × head_dim values per head) is cheaper than the scores.
-            let q = heads((self.query.call(x)? / (head_dim as f64).sqrt())?)?.contiguous()?;
-            let k = heads(self.key.call(x)?)?.contiguous()?;
-            let v = heads(self.value.call(x)?)?.contiguous()?;
-            let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
-            // The runtime's softmax: its fused training pass when a gradient is recorded.
-            let probs = Forward::forward(&Softmax::new(-1), &scores)?;
-            self.dropout.call(&probs)?.matmul(&v)?
+        let q = heads(self.query.call(x)?)?;
+        let k = heads(self.key.call(x)?)?;
+        let v = heads(self.value.call(x)?)?;
+        let options = SdpaOptions {
+            scale: Some(1.0 / (head_dim as f64).sqrt()),
+            dropout_p: if self.dropout.is_training() {
+                self.dropout.p
+            } else {
+                0.0
+            },
+            ..Default::default()
         };
+        let context = scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)?;
         Ok(context.transpose(1, 2)?.reshape((batch, seq_len, hidden))?)
     }
 }

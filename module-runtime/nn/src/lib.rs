@@ -79,6 +79,7 @@ mod fused;
 mod fused_grad;
 mod layer_macros;
 mod sdpa;
+mod sdpa_kernel;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
 /// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).

@@ -1,12 +1,16 @@
 //! `torch.nn.functional.scaled_dot_product_attention`: attention over given queries, keys and
-//! values, with PyTorch's masks, causal masking, scale and grouped-query heads. During CPU float32
-//! inference it is one pass per head, reading the heads where they lie (no contiguous copies, no
-//! materialized broadcast mask, no separate softmax pass); everywhere else it is composed of
-//! candle's differentiable ops, which the pass matches within float32 rounding.
+//! values, with PyTorch's masks, causal masking, scale, dropout and grouped-query heads. On CPU
+//! float32 tensors it is one pass per head, reading the heads where they lie (no contiguous copies,
+//! no materialized broadcast mask, no separate softmax pass): during inference (`sdpa_kernel`), and
+//! when a gradient is recorded as one op whose backward is one pass per head too
+//! (`fused_grad::attention`); everywhere else it is composed of candle's differentiable ops, which
+//! both passes match within float32 rounding.
 
-use candle_core::{DType, Storage, Tensor};
+use candle_core::{DType, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::fused_grad;
+use crate::sdpa_kernel::{bad, inference, Dims};
 use crate::{Forward, Softmax};
 
 /// The options of [`scaled_dot_product_attention`] besides the mask, with PyTorch's defaults
@@ -36,10 +40,12 @@ pub struct SdpaOptions {
 /// float mask of the queries' dtype is added to the scores (`-inf` or the dtype's lowest value to
 /// exclude a key). A query that may attend to no key gets NaN, as PyTorch's composed path gives.
 ///
-/// During CPU float32 inference (no input records a gradient, no dropout, fusion on: see
-/// [`without_fusion`](crate::without_fusion)) the result is computed in one pass per head, split
-/// over threads, and returned as a view of a `[B, L, Hq, Ev]` buffer: transposing it back to put
-/// the heads side by side (`.transpose(1, 2)?.reshape((b, l, hq * ev))?`) copies nothing.
+/// On CPU float32 tensors with fusion on (see [`without_fusion`](crate::without_fusion)) the
+/// result is computed in one pass per head, split over threads, and returned as a view of a
+/// `[B, L, Hq, Ev]` buffer: transposing it back to put the heads side by side
+/// (`.transpose(1, 2)?.reshape((b, l, hq * ev))?`) copies nothing. When an input records a
+/// gradient, that pass is one node of the graph whose backward is one pass per head as well,
+/// dropout included (its draws are candle's `Tensor::rand`, as the composed path's).
 ///
 /// ```
 /// use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
@@ -63,37 +69,19 @@ pub fn scaled_dot_product_attention(
 ) -> Result<Tensor> {
     let (shape, mask) = check(query, key, value, attn_mask, &options)?;
     let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
-    if options.dropout_p == 0.0 && fast_path_applies(query, key, value, mask.as_ref()) {
-        return fused(
-            query,
-            key,
-            value,
-            mask.as_ref(),
-            options.is_causal,
+    let mask = mask.as_ref();
+    if options.dropout_p == 0.0 && fast_path_applies(query, key, value, mask) {
+        return inference(query, key, value, mask, options.is_causal, scale, &shape);
+    }
+    if fused_grad::can_fuse_attention(query, key, value, mask) {
+        let op = fused_grad::AttentionOptions {
+            causal: options.is_causal,
             scale,
-            &shape,
-        );
+            dropout_p: options.dropout_p,
+        };
+        return fused_grad::attention(query, key, value, mask, op, &shape);
     }
-    composed(query, key, value, mask.as_ref(), &options, scale, &shape)
-}
-
-/// The dimensions involved: batch, query heads, key/value heads, query and key lengths, the
-/// query/key size and the value size.
-struct Dims {
-    b: usize,
-    hq: usize,
-    h: usize,
-    l: usize,
-    s: usize,
-    e: usize,
-    ev: usize,
-}
-
-fn bad(message: String) -> Error {
-    Error::InvalidConfig {
-        layer: "scaled_dot_product_attention",
-        message,
-    }
+    composed(query, key, value, mask, &options, scale, &shape)
 }
 
 /// The dimensions, once the inputs are checked to fit together, and the mask broadcast to
@@ -245,155 +233,4 @@ fn composed(
         probs = candle_nn::ops::dropout(&probs, options.dropout_p as f32)?;
     }
     Ok(probs.matmul(&v)?)
-}
-
-/// A tensor's float32 values and the offset and strides to read them with.
-struct View<'a> {
-    data: &'a [f32],
-    offset: usize,
-    stride: [usize; 4],
-}
-
-impl View<'_> {
-    fn at(&self, i: [usize; 4]) -> usize {
-        self.offset + (0..4).map(|d| i[d] * self.stride[d]).sum::<usize>()
-    }
-}
-
-fn view<'a>(c: &'a candle_core::CpuStorage, offset: usize, t: &Tensor) -> Result<View<'a>> {
-    Ok(View {
-        data: c.as_slice::<f32>()?,
-        offset,
-        stride: stride4(t),
-    })
-}
-
-fn stride4(t: &Tensor) -> [usize; 4] {
-    let s = t.stride();
-    [s[0], s[1], s[2], s[3]]
-}
-
-/// The output buffer, written by several threads at disjoint places.
-struct Out(*mut f32);
-// SAFETY: every (batch, head) pair writes only its own rows of the buffer (see `fused`).
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The `len` values from `at`.
-    ///
-    /// # Safety
-    ///
-    /// No other thread reads or writes them while the slice lives, and they lie in the buffer.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
-        // SAFETY: as the caller promises.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
-    }
-}
-
-/// The one-pass kernel, split over candle's thread pool: per (batch, query head), per query: the scores against every key, the
-/// mask, the softmax and the weighted sum of the values, written into `[B, L, Hq, Ev]`.
-fn fused(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    causal: bool,
-    scale: f64,
-    d: &Dims,
-) -> Result<Tensor> {
-    let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (Storage::Cpu(qc), Storage::Cpu(kc), Storage::Cpu(vc)) = (&*qs, &*ks, &*vs) else {
-        return Err(bad("the fused pass needs CPU tensors".to_owned()));
-    };
-    let qv = view(qc, ql.start_offset(), q)?;
-    let kv = view(kc, kl.start_offset(), k)?;
-    let vv = view(vc, vl.start_offset(), v)?;
-    let mask_guard = mask.map(|m| m.storage_and_layout());
-    let mask_view = match (&mask_guard, mask) {
-        (Some((storage, layout)), Some(m)) => {
-            let Storage::Cpu(c) = &**storage else {
-                return Err(bad("the fused pass needs a CPU mask".to_owned()));
-            };
-            Some((c, layout.start_offset(), stride4(m)))
-        }
-        _ => None,
-    };
-    let mut out = vec![0f32; d.b * d.l * d.hq * d.ev];
-    let ptr = Out(out.as_mut_ptr());
-    let group = d.hq / d.h;
-    let scale = scale as f32;
-    // Over candle's barrier pool, whose threads are awake right after the projections' kernels
-    // (see `fused_grad::par_map`).
-    let head = |pair: usize| {
-        let (b, h) = (pair / d.hq, pair % d.hq);
-        let kh = h / group;
-        let mut scores = vec![0f32; d.s];
-        for i in 0..d.l {
-            let q0 = qv.at([b, h, i, 0]);
-            let qrow = &qv.data[q0..q0 + d.e];
-            let mut max = f32::NEG_INFINITY;
-            for (j, score) in scores.iter_mut().enumerate() {
-                let mut x = if causal && j > i {
-                    f32::NEG_INFINITY
-                } else {
-                    let k0 = kv.at([b, kh, j, 0]);
-                    dot(qrow, &kv.data[k0..k0 + d.e]) * scale
-                };
-                if let Some((c, offset, stride)) = &mask_view {
-                    let at = offset + b * stride[0] + h * stride[1] + i * stride[2] + j * stride[3];
-                    match c {
-                        candle_core::CpuStorage::U8(m) if m[at] == 0 => x = f32::NEG_INFINITY,
-                        candle_core::CpuStorage::F32(m) => x += m[at],
-                        _ => {}
-                    }
-                }
-                *score = x;
-                max = max.max(x);
-            }
-            let mut sum = 0f32;
-            for score in scores.iter_mut() {
-                *score = (*score - max).exp();
-                sum += *score;
-            }
-            let inv = 1.0 / sum;
-            // SAFETY: row (b, i, h) of `out` is written by this (b, h) pair only, and `out`
-            // outlives the loop.
-            let row = unsafe { ptr.slice(((b * d.l + i) * d.hq + h) * d.ev, d.ev) };
-            for (j, &p) in scores.iter().enumerate() {
-                let weight = p * inv;
-                if weight == 0.0 && sum.is_finite() {
-                    continue;
-                }
-                let v0 = vv.at([b, kh, j, 0]);
-                for (o, &x) in row.iter_mut().zip(&vv.data[v0..v0 + d.ev]) {
-                    *o += weight * x;
-                }
-            }
-        }
-    };
-    candle_core::utils::barrier_pool().execute_chunked(d.b * d.hq, |range| range.for_each(head));
-    drop((qs, ks, vs, mask_guard));
-    Ok(Tensor::from_vec(out, (d.b, d.l, d.hq, d.ev), q.device())?.transpose(1, 2)?)
-}
-
-/// `a · b` with eight running sums (so it vectorizes).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let rest: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + rest
 }

@@ -1,8 +1,8 @@
 //! `nn::functional::scaled_dot_product_attention` against PyTorch's `F.scaled_dot_product_attention`
 //! (`fixtures/pytorch/nn/sdpa_*.safetensors`, made by `fixtures/make_sdpa_fixtures.py`): the fused
-//! inference pass and the composed path both give PyTorch's output, the composed path PyTorch's
-//! gradients; strided inputs (heads as a view of `[B, L, H, E]`) give the same result as
-//! contiguous ones; bad shapes are typed errors.
+//! inference pass, the fused training op and the composed path all give PyTorch's output, the
+//! last two PyTorch's gradients; dropout in training drops and rescales; strided inputs (heads as a
+//! view of `[B, L, H, E]`) give the same result as contiguous ones; bad shapes are typed errors.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -73,9 +73,10 @@ fn both_paths_match_pytorchs_output() {
     }
 }
 
-/// The composed path (taken whenever an input records a gradient) gives PyTorch's gradients.
+/// Both paths that record a gradient, the fused training op (CPU float32, fusion on) and the
+/// composed ops (fusion off), give PyTorch's output and gradients.
 #[test]
-fn gradients_match_pytorch() {
+fn gradients_match_pytorch_on_both_paths() {
     for (case, options) in cases() {
         let fx = load(case);
         let (q, k, v) = (
@@ -83,23 +84,57 @@ fn gradients_match_pytorch() {
             Var::from_tensor(&fx["key"]).unwrap(),
             Var::from_tensor(&fx["value"]).unwrap(),
         );
-        let y = scaled_dot_product_attention(&q, &k, &v, mask(&fx), options).unwrap();
-        assert_close(&format!("{case} output"), &y, &fx["output"]);
-        let grads = (y * &fx["upstream"])
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        for (name, var) in [("query", &q), ("key", &k), ("value", &v)] {
-            let g = grads.get(var.as_tensor()).unwrap();
-            assert_close(
-                &format!("{case} grad.{name}"),
-                g,
-                &fx[&format!("grad.{name}")],
-            );
+        let run = || scaled_dot_product_attention(&q, &k, &v, mask(&fx), options).unwrap();
+        for (path, y) in [("fused", run()), ("composed", without_fusion(run))] {
+            assert_close(&format!("{case} {path} output"), &y, &fx["output"]);
+            let grads = (y * &fx["upstream"])
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for (name, var) in [("query", &q), ("key", &k), ("value", &v)] {
+                let g = grads.get(var.as_tensor()).unwrap();
+                assert_close(
+                    &format!("{case} {path} grad.{name}"),
+                    g,
+                    &fx[&format!("grad.{name}")],
+                );
+            }
         }
     }
+}
+
+/// Dropout on the attention weights while a gradient is recorded (the fused training op): about
+/// `p` of the weights are dropped and the others scaled by `1 / (1 - p)`, so with values of one
+/// the outputs average one; the gradient reaches the values.
+#[test]
+fn dropout_in_training_drops_and_rescales_weights() {
+    let dev = Device::Cpu;
+    let (b, h, l, s, e) = (4, 4, 32, 32, 4);
+    let q = Var::from_tensor(&Tensor::zeros((b, h, l, e), DType::F32, &dev).unwrap()).unwrap();
+    let v = Var::from_tensor(&Tensor::ones((b, h, s, e), DType::F32, &dev).unwrap()).unwrap();
+    let options = SdpaOptions {
+        dropout_p: 0.5,
+        ..Default::default()
+    };
+    // Equal scores: every weight is 1/S before dropout, 2/S or 0 after.
+    let y = scaled_dot_product_attention(&q, &q, &v, None, options).unwrap();
+    let values: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+    let mean = values.iter().sum::<f32>() / values.len() as f32;
+    assert!((mean - 1.0).abs() < 0.05, "mean {mean}");
+    assert!(
+        values.iter().any(|&x| (x - 1.0).abs() > 0.1),
+        "some weights dropped"
+    );
+    for x in &values {
+        // Each output is (2/S) times the number of kept weights.
+        let kept = x * s as f32 / 2.0;
+        assert!((kept - kept.round()).abs() < 1e-4, "{x}");
+    }
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let dv = grads.get(v.as_tensor()).unwrap();
+    assert_eq!(dv.dims(), [b, h, s, e]);
 }
 
 /// Heads as a strided view of a `[B, L, H, E]` projection, as attention layers make them: the

@@ -1,0 +1,381 @@
+//! Scaled dot-product attention as one op with a one-pass backward, dropout on the weights
+//! included.
+//!
+//! Composed, training attention is a chain of a dozen nodes per layer: the heads copied contiguous,
+//! `q·kᵀ`, the scale, the mask broadcast and added, the softmax, the dropout mask, the product with
+//! the values, each with its backward and candle's gradient sums. Here the op reads the heads where
+//! they lie (views of the projections), and its backward recomputes each query's weights (a row of
+//! `S` values: cheaper than keeping them) and writes the query, key and value gradients in one pass
+//! per (batch, key/value head), the query heads that share it included.
+
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
+
+use crate::error::Result;
+use crate::fused_grad::{applies, par_map};
+use crate::sdpa_kernel::{axpy, dot, Dims, Mask, Scores, View};
+
+/// Whether [`attention`] can replace the composed attention over `q`, `k`, `v` (`[B, H, L, E]`
+/// views whose last dimension is contiguous) and `mask` (broadcast to `[B, Hq, L, S]`): a
+/// gradient is recorded through the queries, keys or values, all are float32 CPU tensors, and the
+/// mask (if any) is `u8` or a float32 that records none.
+pub(crate) fn can_fuse_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> bool {
+    applies(&[q, k, v])
+        && [q, k, v].iter().all(|t| t.stride()[3] == 1)
+        && mask.is_none_or(|m| {
+            m.device().is_cpu() && !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8)
+        })
+}
+
+/// The options of [`attention`] besides the mask.
+pub(crate) struct AttentionOptions {
+    pub(crate) causal: bool,
+    pub(crate) scale: f64,
+    pub(crate) dropout_p: f64,
+}
+
+/// `dropout(softmax(q·kᵀ · scale + mask)) · v` as one node, returned as the `[B, Hq, L, Ev]` view
+/// of a `[B, L, Hq, Ev]` buffer (as the inference pass returns it).
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    options: AttentionOptions,
+    d: &Dims,
+) -> Result<Tensor> {
+    let draws = if options.dropout_p > 0.0 {
+        Some(Tensor::rand(0f32, 1f32, (d.b, d.hq, d.l, d.s), q.device())?)
+    } else {
+        None
+    };
+    attention_with_draws(q, k, v, mask, options, d, draws)
+}
+
+/// [`attention`] with given dropout draws (`[B, Hq, L, S]`, contiguous).
+fn attention_with_draws(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    options: AttentionOptions,
+    d: &Dims,
+    draws: Option<Tensor>,
+) -> Result<Tensor> {
+    let op = Attention {
+        mask: mask.cloned(),
+        draws,
+        causal: options.causal,
+        scale: options.scale as f32,
+        p: options.dropout_p as f32,
+        keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
+        dims: [d.b, d.hq, d.h, d.l, d.s, d.e, d.ev],
+    };
+    Ok(q.apply_op3(k, v, op)?.transpose(1, 2)?)
+}
+
+/// The candle op of [`attention`]: its arguments are the queries, keys and values.
+struct Attention {
+    /// The mask broadcast to `[B, Hq, L, S]`.
+    mask: Option<Tensor>,
+    /// Dropout's uniform draws, `[B, Hq, L, S]` contiguous: a weight is kept where its draw is at
+    /// least `p` (as the fused dropout op and candle's composed one decide).
+    draws: Option<Tensor>,
+    causal: bool,
+    scale: f32,
+    p: f32,
+    /// What a kept weight is multiplied by (`1 / (1 - p)`).
+    keep_scale: f32,
+    /// `[b, hq, h, l, s, e, ev]`.
+    dims: [usize; 7],
+}
+
+/// The CPU storage of one of the op's tensors (a typed error for another device).
+fn cpu<'a>(storage: &'a Storage, what: &str) -> candle_core::Result<&'a CpuStorage> {
+    match storage {
+        Storage::Cpu(c) => Ok(c),
+        _ => Err(candle_core::Error::Msg(format!(
+            "fused attention: the {what} must be on the CPU"
+        ))),
+    }
+}
+
+impl Attention {
+    fn dims(&self) -> Dims {
+        let [b, hq, h, l, s, e, ev] = self.dims;
+        Dims {
+            b,
+            hq,
+            h,
+            l,
+            s,
+            e,
+            ev,
+        }
+    }
+
+    /// Runs `f` with the weights' inputs (queries, keys, the mask) and the dropout draws.
+    fn with_scores<R>(
+        &self,
+        q: (&CpuStorage, &Layout),
+        k: (&CpuStorage, &Layout),
+        f: impl FnOnce(&Scores, Option<&[f32]>) -> R,
+    ) -> candle_core::Result<R> {
+        let mask_lock = self.mask.as_ref().map(Tensor::storage_and_layout);
+        let mask = match &mask_lock {
+            Some(locked) => Some(Mask::new(cpu(&locked.0, "mask")?, locked.1)),
+            None => None,
+        };
+        let draws_lock = self.draws.as_ref().map(Tensor::storage_and_layout);
+        let draws = match &draws_lock {
+            Some(locked) => Some(cpu(&locked.0, "draws")?.as_slice::<f32>()?),
+            None => None,
+        };
+        let scores = Scores {
+            q: View::new(q.0, q.1)?,
+            k: View::new(k.0, k.1)?,
+            mask,
+            causal: self.causal,
+            scale: self.scale,
+            group: self.dims[1] / self.dims[2],
+            e: self.dims[5],
+        };
+        Ok(f(&scores, draws))
+    }
+
+    /// Dropout's factors for the weights of query `i` of (batch `b`, query head `h`):
+    /// `keep_scale` where a weight is kept, zero where it is dropped, one without dropout.
+    fn keep_factors(&self, draws: Option<&[f32]>, [b, h, i]: [usize; 3], factors: &mut [f32]) {
+        let Some(draws) = draws else {
+            factors.fill(1.0);
+            return;
+        };
+        let [_, hq, _, l, s, ..] = self.dims;
+        let at = ((b * hq + h) * l + i) * s;
+        for (f, &u) in factors.iter_mut().zip(&draws[at..at + s]) {
+            *f = if u >= self.p { self.keep_scale } else { 0.0 };
+        }
+    }
+}
+
+impl candle_core::CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "scaled-dot-product-attention-fused"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_layout: &Layout,
+        k: &CpuStorage,
+        k_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let d = self.dims();
+        let values = View::new(v, v_layout)?;
+        let rows = self.with_scores((q, q_layout), (k, k_layout), |scores, draws| {
+            // One job per (batch, query head): its `[L, Ev]` rows of the output.
+            par_map((0..d.b * d.hq).collect(), |pair| {
+                let (b, h) = (pair / d.hq, pair % d.hq);
+                let kh = h / scores.group;
+                let mut out = vec![0f32; d.l * d.ev];
+                let (mut probs, mut factors) = (vec![0f32; d.s], vec![0f32; d.s]);
+                for (i, row) in out.chunks_exact_mut(d.ev).enumerate() {
+                    scores.probs(b, h, i, &mut probs);
+                    self.keep_factors(draws, [b, h, i], &mut factors);
+                    for (j, (&p, &f)) in probs.iter().zip(&factors).enumerate() {
+                        let w = p * f;
+                        if w != 0.0 {
+                            axpy(w, values.row([b, kh, j], d.ev), row);
+                        }
+                    }
+                }
+                out
+            })
+        })?;
+        let mut out = vec![0f32; d.b * d.l * d.hq * d.ev];
+        for (pair, rows) in rows.iter().enumerate() {
+            let (b, h) = (pair / d.hq, pair % d.hq);
+            for (i, row) in rows.chunks_exact(d.ev).enumerate() {
+                let at = ((b * d.l + i) * d.hq + h) * d.ev;
+                out[at..at + d.ev].copy_from_slice(row);
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((d.b, d.l, d.hq, d.ev))))
+    }
+
+    /// Per (batch, key/value head), for each query of the query heads that share it: the weights
+    /// `P` recomputed, `dP = (g · vᵀ) ⊙ dropout`, `dS = P (dP - Σ P dP) · scale`, then
+    /// `dq += dS · k`, `dk += dSᵀ · q`, `dv += (P ⊙ dropout)ᵀ · g`.
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = self.dims();
+        let grad = grad.contiguous()?;
+        let (q_lock, k_lock, v_lock, g_lock) = (
+            q.storage_and_layout(),
+            k.storage_and_layout(),
+            v.storage_and_layout(),
+            grad.storage_and_layout(),
+        );
+        let queries = View::new(cpu(&q_lock.0, "queries")?, q_lock.1)?;
+        let keys = View::new(cpu(&k_lock.0, "keys")?, k_lock.1)?;
+        let values = View::new(cpu(&v_lock.0, "values")?, v_lock.1)?;
+        let g = View::new(cpu(&g_lock.0, "gradient")?, g_lock.1)?;
+        let group = d.hq / d.h;
+        let q_in = (cpu(&q_lock.0, "queries")?, q_lock.1);
+        let k_in = (cpu(&k_lock.0, "keys")?, k_lock.1);
+        let parts = self.with_scores(q_in, k_in, |scores, draws| {
+            par_map((0..d.b * d.h).collect(), |pair| {
+                let (b, kh) = (pair / d.h, pair % d.h);
+                let mut dq = vec![0f32; group * d.l * d.e];
+                let mut dk = vec![0f32; d.s * d.e];
+                let mut dv = vec![0f32; d.s * d.ev];
+                let (mut probs, mut factors, mut dp) =
+                    (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]);
+                for (n, dq) in dq.chunks_exact_mut(d.l * d.e).enumerate() {
+                    let h = kh * group + n;
+                    for (i, dq) in dq.chunks_exact_mut(d.e).enumerate() {
+                        scores.probs(b, h, i, &mut probs);
+                        self.keep_factors(draws, [b, h, i], &mut factors);
+                        let g_row = g.row([b, i, h], d.ev);
+                        for j in 0..d.s {
+                            dp[j] = dot(g_row, values.row([b, kh, j], d.ev)) * factors[j];
+                            let kept = probs[j] * factors[j];
+                            if kept != 0.0 {
+                                axpy(kept, g_row, &mut dv[j * d.ev..(j + 1) * d.ev]);
+                            }
+                        }
+                        let sum: f32 = probs.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                        let q_row = queries.row([b, h, i], d.e);
+                        for j in 0..d.s {
+                            let ds = probs[j] * (dp[j] - sum) * scores.scale;
+                            if ds != 0.0 {
+                                axpy(ds, keys.row([b, kh, j], d.e), dq);
+                                axpy(ds, q_row, &mut dk[j * d.e..(j + 1) * d.e]);
+                            }
+                        }
+                    }
+                }
+                (dq, dk, dv)
+            })
+        })?;
+        let mut dq = vec![0f32; d.b * d.l * d.hq * d.e];
+        let mut dk = vec![0f32; d.b * d.s * d.h * d.e];
+        let mut dv = vec![0f32; d.b * d.s * d.h * d.ev];
+        for (pair, (pq, pk, pv)) in parts.iter().enumerate() {
+            let (b, kh) = (pair / d.h, pair % d.h);
+            for (n, rows) in pq.chunks_exact(d.l * d.e).enumerate() {
+                let h = kh * group + n;
+                for (i, row) in rows.chunks_exact(d.e).enumerate() {
+                    let at = ((b * d.l + i) * d.hq + h) * d.e;
+                    dq[at..at + d.e].copy_from_slice(row);
+                }
+            }
+            for j in 0..d.s {
+                let at = ((b * d.s + j) * d.h + kh) * d.e;
+                dk[at..at + d.e].copy_from_slice(&pk[j * d.e..(j + 1) * d.e]);
+                let at = ((b * d.s + j) * d.h + kh) * d.ev;
+                dv[at..at + d.ev].copy_from_slice(&pv[j * d.ev..(j + 1) * d.ev]);
+            }
+        }
+        drop((q_lock, k_lock, v_lock, g_lock));
+        let dev = q.device();
+        let dq = Tensor::from_vec(dq, (d.b, d.l, d.hq, d.e), dev)?.transpose(1, 2)?;
+        let dk = Tensor::from_vec(dk, (d.b, d.s, d.h, d.e), dev)?.transpose(1, 2)?;
+        let dv = Tensor::from_vec(dv, (d.b, d.s, d.h, d.ev), dev)?.transpose(1, 2)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var, D};
+
+    use super::*;
+
+    /// `dropout(softmax(q·kᵀ · scale + mask)) · v` composed of candle's differentiable ops, with
+    /// the dropout factors given.
+    fn composed(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        scale: f64,
+        factors: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+        let shifted = scores
+            .broadcast_sub(&scores.max_keepdim(D::Minus1)?)?
+            .exp()?;
+        let probs = shifted.broadcast_div(&shifted.sum_keepdim(D::Minus1)?)?;
+        (probs * factors)?.matmul(&v)
+    }
+
+    /// With the same dropout draws, the op's output and its query, key and value gradients are
+    /// the composed path's, for heads read through strided views and a float mask that excludes
+    /// some keys.
+    #[test]
+    fn the_op_and_its_backward_match_the_composed_path_with_the_same_draws() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, l, s, e) = (2, 3, 5, 6, 8);
+        let p = 0.25;
+        // Heads as views of [B, L, H, E], as attention layers make them.
+        let proj = |len: usize| -> Result<Var> { Ok(Var::randn(0f32, 1., (b, len, h, e), &dev)?) };
+        let (qv, kv, vv) = (proj(l)?, proj(s)?, proj(s)?);
+        let heads = |v: &Var| v.as_tensor().transpose(1, 2);
+        let (q, k, v) = (heads(&qv)?, heads(&kv)?, heads(&vv)?);
+        let excluded: Vec<f32> = (0..b * s)
+            .map(|i| if i % 5 == 4 { f32::MIN } else { 0.0 })
+            .collect();
+        let mask = Tensor::from_vec(excluded, (b, 1, 1, s), &dev)?;
+        let draws = Tensor::rand(0f32, 1f32, (b, h, l, s), &dev)?;
+        let factors = (draws.ge(p as f32)?.to_dtype(DType::F32)? / (1.0 - p))?;
+        let scale = 0.3;
+        let dims = Dims {
+            b,
+            hq: h,
+            h,
+            l,
+            s,
+            e,
+            ev: e,
+        };
+        let options = AttentionOptions {
+            causal: false,
+            scale,
+            dropout_p: p,
+        };
+        let full_mask = mask.broadcast_as((b, h, l, s))?;
+        let fused =
+            attention_with_draws(&q, &k, &v, Some(&full_mask), options, &dims, Some(draws))?;
+        let reference = composed(&q, &k, &v, &mask, scale, &factors)?;
+        let upstream = Tensor::randn(0f32, 1., (b, h, l, e), &dev)?;
+        let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
+            (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+        };
+        assert!(diff(&fused, &reference)? < 1e-5);
+        let g_fused = (fused * &upstream)?.sum_all()?.backward()?;
+        let g_ref = (reference * &upstream)?.sum_all()?.backward()?;
+        for (name, var) in [("query", &qv), ("key", &kv), ("value", &vv)] {
+            let (a, r) = (
+                g_fused.get(var.as_tensor()).unwrap(),
+                g_ref.get(var.as_tensor()).unwrap(),
+            );
+            let d = diff(a, r)?;
+            assert!(d < 1e-5, "grad.{name} differs by {d}");
+        }
+        Ok(())
+    }
+}
