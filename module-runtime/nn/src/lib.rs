@@ -120,6 +120,7 @@ mod embedding;
 mod group_norm;
 mod layer_norm;
 pub mod loss;
+mod norm_base;
 mod pool;
 // Pooling to an output size; instance and local response norms.
 mod adaptive_pool;
