@@ -50,7 +50,7 @@
 // The lower crates' modules and items, under the names this crate's files use
 // (`crate::module::Module`, `crate::Param`).
 use module_core::{
-    device, error, forward, identity, module, param, path, trace, typed_path, views, walk,
+    device, entries, error, forward, identity, module, param, path, trace, typed_path, views, walk,
 };
 use module_core::{
     is_grad_enabled, short_type_name, Buffer, Error, Forward, Init, LazyShape, Mode, Module, Param,
