@@ -6,9 +6,9 @@ use module_runtime::{Param, StateDict};
 
 use crate::error::Result;
 use crate::fused::{self, pass, ChunkRule};
-use crate::group::{setters, GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::group::{setters, NamedParams, ParamGroup, ParamGroups};
 use crate::optimizer::{core_methods, forward_to, Optimizer};
-use crate::state::{check, flag, non_negative, param_like, reject, Buf, Core, Hyper, ParamState};
+use crate::state::{check, non_negative, param_like, Buf, Core, Field, Hyper, ParamState};
 
 /// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
 #[derive(Clone, Debug, PartialEq)]
@@ -64,24 +64,6 @@ impl Hyper for SgdOptions {
         "maximize",
     ];
 
-    fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
-        reject::<Self>(
-            &[
-                ("betas", o.betas.is_some()),
-                ("eps", o.eps.is_some()),
-                ("amsgrad", o.amsgrad.is_some()),
-            ],
-            group,
-        )?;
-        self.lr = o.lr.unwrap_or(self.lr);
-        self.momentum = o.momentum.unwrap_or(self.momentum);
-        self.dampening = o.dampening.unwrap_or(self.dampening);
-        self.weight_decay = o.weight_decay.unwrap_or(self.weight_decay);
-        self.nesterov = o.nesterov.unwrap_or(self.nesterov);
-        self.maximize = o.maximize.unwrap_or(self.maximize);
-        Ok(())
-    }
-
     fn validate(&self, group: Option<usize>) -> Result<()> {
         let (lr, momentum, wd) = (self.lr, self.momentum, self.weight_decay);
         let reason = "the learning rate must be >= 0";
@@ -95,26 +77,14 @@ impl Hyper for SgdOptions {
         check(nesterov_ok, "momentum", momentum, reason, group)
     }
 
-    fn get(&self, name: &str) -> f64 {
+    fn field(&mut self, name: &str) -> Field<'_> {
         match name {
-            "lr" => self.lr,
-            "momentum" => self.momentum,
-            "dampening" => self.dampening,
-            "weight_decay" => self.weight_decay,
-            "nesterov" => flag(self.nesterov),
-            "maximize" => flag(self.maximize),
-            _ => unreachable!("not an SGD hyperparameter: {name}"),
-        }
-    }
-
-    fn set(&mut self, name: &str, value: f64) {
-        match name {
-            "lr" => self.lr = value,
-            "momentum" => self.momentum = value,
-            "dampening" => self.dampening = value,
-            "weight_decay" => self.weight_decay = value,
-            "nesterov" => self.nesterov = value != 0.0,
-            "maximize" => self.maximize = value != 0.0,
+            "lr" => Field::Value(&mut self.lr),
+            "momentum" => Field::Value(&mut self.momentum),
+            "dampening" => Field::Value(&mut self.dampening),
+            "weight_decay" => Field::Value(&mut self.weight_decay),
+            "nesterov" => Field::Flag(&mut self.nesterov),
+            "maximize" => Field::Flag(&mut self.maximize),
             _ => unreachable!("not an SGD hyperparameter: {name}"),
         }
     }
