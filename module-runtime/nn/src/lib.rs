@@ -140,8 +140,9 @@ pub use batch_norm::{
     LazyBatchNorm1d, LazyBatchNorm2d, LazyBatchNormPath,
 };
 pub use conv::{
-    Conv, Conv1d, Conv2d, Conv3d, ConvConfig, ConvPath, ConvTranspose1d, ConvTranspose2d,
-    ConvTranspose2dPath, ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
+    Conv, Conv1d, Conv2d, Conv3d, ConvConfig, ConvPath, ConvTranspose, ConvTranspose1d,
+    ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig, ConvTransposePath, LazyConv,
+    LazyConv1d, LazyConv2d, LazyConvPath,
 };
 pub use dropout::{Dropout, DropoutPath};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingPath};
@@ -278,6 +279,8 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<Conv3d>(), "Conv3d"),
         (type_name::<LazyConv1d>(), "LazyConv1d"),
         (type_name::<LazyConv2d>(), "LazyConv2d"),
+        (type_name::<ConvTranspose1d>(), "ConvTranspose1d"),
+        (type_name::<ConvTranspose2d>(), "ConvTranspose2d"),
         (type_name::<MaxPool2d>(), "MaxPool2d"),
         (type_name::<AvgPool2d>(), "AvgPool2d"),
         (type_name::<Lstm>(), "LSTM"),
