@@ -12,7 +12,7 @@
 //!
 //! | file | what |
 //! |---|---|
-//! | `type_name`, `lazy_shape`, `pattern` | names, lazy shapes, path patterns |
+//! | `type_name`, `lazy_shape`, `pattern`, `entries` | names, lazy shapes, path patterns, values by key in insertion order |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
@@ -34,6 +34,8 @@ pub mod buffer;
 pub mod convert;
 #[doc(hidden)]
 pub mod device;
+#[doc(hidden)]
+pub mod entries;
 #[doc(hidden)]
 pub mod error;
 #[doc(hidden)]

@@ -36,7 +36,7 @@ macro_rules! nn {
 /// live above this crate, so the names are strings here; a test beside the layers checks every
 /// entry against `type_name` of its alias.
 #[doc(hidden)]
-pub const PYTORCH_NAMES: [(&str, &str); 46] = [
+pub const PYTORCH_NAMES: [(&str, &str); 48] = [
     (nn!("batch_norm::BatchNorm<1>"), "BatchNorm1d"),
     (nn!("batch_norm::BatchNorm<2>"), "BatchNorm2d"),
     (nn!("batch_norm::LazyBatchNorm<1>"), "LazyBatchNorm1d"),
@@ -46,6 +46,8 @@ pub const PYTORCH_NAMES: [(&str, &str); 46] = [
     (nn!("conv::Conv<3>"), "Conv3d"),
     (nn!("conv::lazy::LazyConv<1>"), "LazyConv1d"),
     (nn!("conv::lazy::LazyConv<2>"), "LazyConv2d"),
+    (nn!("conv::transpose::ConvTranspose<1>"), "ConvTranspose1d"),
+    (nn!("conv::transpose::ConvTranspose<2>"), "ConvTranspose2d"),
     (nn!("pool::Pool2d<", "pool::Max>"), "MaxPool2d"),
     (nn!("pool::Pool2d<", "pool::Avg>"), "AvgPool2d"),
     (

@@ -4,10 +4,13 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::common::{fit_buffer, fit_param, forward_by_value, input_shape_error, per_channel};
+use crate::common::{fit_buffer, fit_param, forward_by_value, input_shape_error};
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::{Buffer, Forward, Init, LazyShape, Mode, Module, Param};
+use crate::norm_base::{
+    blend_running_stats, mean_and_var, normalize, statistics, unbiased, NormState,
+};
+use crate::{Buffer, Forward, LazyShape, Mode, Module, Param};
 use module_core::{py_bool, py_float, ExtraRepr};
 
 /// How a batch norm is built: PyTorch's keyword arguments, with PyTorch's defaults.
@@ -125,31 +128,14 @@ impl<const D: usize> BatchNorm<D> {
         config: BatchNormConfig,
         device: &Device,
     ) -> Result<Self> {
-        let dtype = config.dtype;
-        Self::from_config(
-            &config,
-            device,
-            |init| Param::init(num_features, init, 0, dtype, device),
-            |init| Buffer::init(num_features, init, dtype, device),
-        )
+        let (affine, track) = (config.affine, config.track_running_stats);
+        let state = NormState::eager(num_features, affine, track, config.dtype, device)?;
+        Ok(Self::from_state(&config, state))
     }
 
-    /// The layer `config` asks for, its per-channel parameters and statistics made by `param`
-    /// and `buffer` from their init (ones or zeros).
-    fn from_config(
-        config: &BatchNormConfig,
-        device: &Device,
-        param: impl Fn(Init) -> Result<Param>,
-        buffer: impl Fn(Init) -> Result<Buffer>,
-    ) -> Result<Self> {
-        let state = NormState::new(
-            config.affine,
-            config.track_running_stats,
-            device,
-            param,
-            buffer,
-        )?;
-        Ok(Self {
+    /// The layer `config` asks for, over the parameters and statistics of `state`.
+    fn from_state(config: &BatchNormConfig, state: NormState) -> Self {
+        Self {
             weight: state.weight,
             bias: state.bias,
             running_mean: state.running_mean,
@@ -158,7 +144,7 @@ impl<const D: usize> BatchNorm<D> {
             momentum: config.momentum,
             eps: config.eps,
             mode: Mode::new(),
-        })
+        }
     }
 
     /// PyTorch's names for the layer and its lazy twin, and the paths a device mismatch names.
@@ -221,25 +207,10 @@ impl<const D: usize> BatchNorm<D> {
 
     /// The computation, once `x` is known to fit.
     fn normalize(&self, x: &Tensor) -> Result<Tensor> {
-        let rank = x.rank();
         let training = self.mode.is_training();
-        let (mean, var) = match (&self.running_mean, &self.running_var) {
-            (Some(mean), Some(var)) if !training => (
-                per_channel(&mean.tensor()?.to_dtype(x.dtype())?, rank)?,
-                per_channel(&var.tensor()?.to_dtype(x.dtype())?, rank)?,
-            ),
-            _ => self.batch_statistics(x, training)?,
-        };
-        let mut y = x
-            .broadcast_sub(&mean)?
-            .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.tensor()?, rank)?)?;
-        }
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.tensor()?, rank)?)?;
-        }
-        Ok(y)
+        let running = (&self.running_mean, &self.running_var);
+        let (mean, var) = statistics(training, running, x, || self.batch_statistics(x, training))?;
+        normalize(x, (&mean, &var), self.eps, &self.weight, &self.bias)
     }
 
     /// The batch's per-channel mean and biased variance, `[1, C, 1, …]`; in training, the running
@@ -251,11 +222,7 @@ impl<const D: usize> BatchNorm<D> {
             let expected = "more than 1 value per channel when training";
             return Err(input_shape_error(Self::names().layer, expected, x));
         }
-        let mean = x.mean_keepdim(reduce.as_slice())?;
-        let var = x
-            .broadcast_sub(&mean)?
-            .sqr()?
-            .mean_keepdim(reduce.as_slice())?;
+        let (mean, var) = mean_and_var(x, &reduce)?;
         if training {
             self.update_running_stats(&mean, &var, n)?;
         }
@@ -280,65 +247,13 @@ impl<const D: usize> BatchNorm<D> {
             (None, Some(b)) => 1.0 / b.to_dtype(DType::F64)?.to_scalar::<f64>()?,
             (None, None) => 0.0,
         };
-        let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
         blend_running_stats(
             (rm, rv),
             &mean.detach().flatten_all()?,
-            &unbiased.flatten_all()?,
+            &unbiased(var, n)?.flatten_all()?,
             factor,
         )
     }
-}
-
-/// A norm layer's per-channel state, as PyTorch's `_NormBase` keeps it for batch and instance
-/// norms: `weight` (ones) and `bias` (zeros) when affine; `running_mean` (zeros), `running_var`
-/// (ones) and `num_batches_tracked` (an `i64` 0 a checkpoint may lack) when tracking running
-/// statistics.
-pub(crate) struct NormState {
-    pub(crate) weight: Option<Param>,
-    pub(crate) bias: Option<Param>,
-    pub(crate) running_mean: Option<Buffer>,
-    pub(crate) running_var: Option<Buffer>,
-    pub(crate) num_batches_tracked: Option<Buffer>,
-}
-
-impl NormState {
-    /// The state, its per-channel tensors made by `param` and `buffer` from their init.
-    pub(crate) fn new(
-        affine: bool,
-        track_running_stats: bool,
-        device: &Device,
-        param: impl Fn(Init) -> Result<Param>,
-        buffer: impl Fn(Init) -> Result<Buffer>,
-    ) -> Result<Self> {
-        let affine = |init| affine.then(|| param(init)).transpose();
-        let tracked = |init| track_running_stats.then(|| buffer(init)).transpose();
-        Ok(Self {
-            weight: affine(Init::Ones)?,
-            bias: affine(Init::Zeros)?,
-            running_mean: tracked(Init::Zeros)?,
-            running_var: tracked(Init::Ones)?,
-            num_batches_tracked: track_running_stats
-                .then(|| Tensor::new(0i64, device).map(|t| Buffer::new(t).allow_missing()))
-                .transpose()?,
-        })
-    }
-}
-
-/// `r = (1 - factor) r + factor * stat` for the running mean and variance, from per-channel
-/// `[C]` statistics (the variance already unbiased), in the buffers' dtype.
-pub(crate) fn blend_running_stats(
-    (running_mean, running_var): (&Buffer, &Buffer),
-    mean: &Tensor,
-    var: &Tensor,
-    factor: f64,
-) -> Result<()> {
-    for (buffer, stat) in [(running_mean, mean), (running_var, var)] {
-        let old = buffer.tensor()?;
-        let stat = stat.to_dtype(old.dtype())?;
-        buffer.set(&((old * (1.0 - factor))? + (stat * factor)?)?)?;
-    }
-    Ok(())
 }
 
 /// What [`BatchNorm::names`] gives.
@@ -420,12 +335,14 @@ impl<const D: usize> LazyBatchNorm<D> {
     /// A layer built as `config` says, in training mode.
     pub fn with_config(config: BatchNormConfig, device: &Device) -> Result<Self> {
         let channels = || LazyShape::new([None]);
-        let norm = BatchNorm::from_config(
-            &config,
+        let state = NormState::new(
+            config.affine,
+            config.track_running_stats,
             device,
             |init| Param::lazy(channels(), init, config.dtype, device),
             |init| Buffer::lazy(channels(), init, config.dtype, device),
         )?;
+        let norm = BatchNorm::from_state(&config, state);
         Ok(Self { norm })
     }
 

@@ -137,6 +137,23 @@ pub(crate) fn param_tensor(p: &Option<Param>) -> Result<Option<Tensor>> {
     p.as_ref().map(Param::tensor).transpose()
 }
 
+/// `x` with a batch of one inserted as dimension `batch_dim` when it has `unbatched_rank`
+/// dimensions (PyTorch's layers take inputs with and without the batch), and whether it did: the
+/// caller squeezes its output back.
+pub(crate) fn batched(
+    x: &Tensor,
+    unbatched_rank: usize,
+    batch_dim: usize,
+) -> Result<(Tensor, bool)> {
+    let unbatched = x.rank() == unbatched_rank;
+    let x = if unbatched {
+        x.unsqueeze(batch_dim)?
+    } else {
+        x.clone()
+    };
+    Ok((x, unbatched))
+}
+
 /// `t` `[C]` reshaped to `[1, C, 1, …]`, to broadcast over an input `[N, C, *]` of rank `rank`.
 pub(crate) fn per_channel(t: &Tensor, rank: usize) -> Result<Tensor> {
     let mut dims = vec![1; rank];

@@ -9,7 +9,7 @@
 use candle_core::Tensor;
 
 use crate::common::{
-    forward_by_value, input_shape_error, layer_forward, layer_repr, PerDim, PyValue, Size,
+    batched, forward_by_value, input_shape_error, layer_forward, layer_repr, PerDim, PyValue, Size,
 };
 use crate::error::{Error, Result};
 use crate::{Forward, Module};
@@ -152,12 +152,7 @@ layer_repr!(Unfold, |layer| {
 
 layer_forward!(Unfold, |layer, x| {
     let [ah, aw] = axes("Unfold", layer.kernel_size, &layer.config)?;
-    let unbatched = x.rank() == 3;
-    let x4 = if unbatched {
-        x.unsqueeze(0)?
-    } else {
-        x.clone()
-    };
+    let (x4, unbatched) = batched(x, 3, 0)?;
     let (n, c, h, w) = match *x4.dims() {
         [n, c, h, w] => (n, c, h, w),
         _ => return Err(input_shape_error("Unfold", "[N, C, H, W] or [C, H, W]", x)),
@@ -250,12 +245,7 @@ impl Forward<&Tensor> for Fold {
         let [ah, aw] = axes("Fold", self.kernel_size, &self.config)?;
         let (h, w) = self.output_size;
         let per_channel = ah.kernel * aw.kernel;
-        let unbatched = x.rank() == 2;
-        let x3 = if unbatched {
-            x.unsqueeze(0)?
-        } else {
-            x.clone()
-        };
+        let (x3, unbatched) = batched(x, 2, 0)?;
         let blocks = ah.blocks(h).zip(aw.blocks(w));
         let (n, rows, len, (oh, ow)) = match (x3.dims(), blocks) {
             (&[n, rows, len], Some(b)) if rows % per_channel == 0 && len == b.0 * b.1 => {

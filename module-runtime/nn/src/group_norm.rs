@@ -4,11 +4,11 @@ use candle_core::{DType, Device};
 
 use crate::common::layer_repr;
 use crate::common::{
-    compute_dtype, forward_by_value, input_shape_error, layer_forward, per_channel,
-    standardize_last_dim,
+    compute_dtype, forward_by_value, input_shape_error, layer_forward, standardize_last_dim,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
+use crate::norm_base::channel_affine;
 use crate::Init;
 use crate::{Module, Param};
 use module_core::{py_bool, py_float};
@@ -120,16 +120,10 @@ layer_forward!(GroupNorm, |layer, x| {
     let grouped = x
         .to_dtype(compute_dtype(dtype))?
         .reshape((dims[0], layer.num_groups, ()))?;
-    let mut y = standardize_last_dim(&grouped, layer.eps)?
+    let y = standardize_last_dim(&grouped, layer.eps)?
         .to_dtype(dtype)?
         .reshape(dims)?;
-    if let Some(w) = &layer.weight {
-        y = y.broadcast_mul(&per_channel(&w.tensor()?, dims.len())?)?;
-    }
-    if let Some(b) = &layer.bias {
-        y = y.broadcast_add(&per_channel(&b.tensor()?, dims.len())?)?;
-    }
-    Ok(y)
+    channel_affine(y, &layer.weight, &layer.bias)
 });
 
 layer_repr!(GroupNorm, |layer| {

@@ -3,9 +3,11 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::batch_norm::{blend_running_stats, NormState};
-use crate::common::{input_shape_error, per_channel};
+use crate::common::{batched, input_shape_error};
 use crate::error::Result;
+use crate::norm_base::{
+    blend_running_stats, mean_and_var, normalize, statistics, unbiased, NormState,
+};
 use crate::{Buffer, Forward, Mode, Module, Param};
 use module_core::{py_bool, py_float, ExtraRepr};
 
@@ -104,14 +106,8 @@ impl<const D: usize> InstanceNorm<D> {
         config: InstanceNormConfig,
         device: &Device,
     ) -> Result<Self> {
-        let dtype = config.dtype;
-        let state = NormState::new(
-            config.affine,
-            config.track_running_stats,
-            device,
-            |init| Param::init(num_features, init, 0, dtype, device),
-            |init| Buffer::init(num_features, init, dtype, device),
-        )?;
+        let (affine, track) = (config.affine, config.track_running_stats);
+        let state = NormState::eager(num_features, affine, track, config.dtype, device)?;
         Ok(Self {
             weight: state.weight,
             bias: state.bias,
@@ -152,11 +148,7 @@ impl<const D: usize> InstanceNorm<D> {
                 format!("[N, {c}, {spatial}] or [{c}, {spatial}], more than one spatial value");
             return Err(input_shape_error(Self::layer(), expected, x));
         }
-        Ok(if rank == D + 1 {
-            x.unsqueeze(0)?
-        } else {
-            x.clone()
-        })
+        Ok(batched(x, D + 1, 0)?.0)
     }
 }
 
@@ -165,39 +157,17 @@ impl<const D: usize> Forward<&Tensor> for InstanceNorm<D> {
 
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let x = self.batched(input)?;
-        let rank = x.rank();
-        let spatial: Vec<usize> = (2..rank).collect();
-        let use_running = !self.mode.is_training() && self.running_mean.is_some();
-        let (mean, var) = match (&self.running_mean, &self.running_var) {
-            (Some(m), Some(v)) if use_running => (
-                per_channel(&m.tensor()?.to_dtype(x.dtype())?, rank)?,
-                per_channel(&v.tensor()?.to_dtype(x.dtype())?, rank)?,
-            ),
-            _ => {
-                let mean = x.mean_keepdim(spatial.as_slice())?;
-                let var = x
-                    .broadcast_sub(&mean)?
-                    .sqr()?
-                    .mean_keepdim(spatial.as_slice())?;
-                if self.mode.is_training() {
-                    self.update_running_stats(
-                        &mean,
-                        &var,
-                        x.elem_count() / x.dims()[..2].iter().product::<usize>(),
-                    )?;
-                }
-                (mean, var)
+        let training = self.mode.is_training();
+        let running = (&self.running_mean, &self.running_var);
+        let (mean, var) = statistics(training, running, &x, || {
+            let (mean, var) = mean_and_var(&x, &(2..x.rank()).collect::<Vec<_>>())?;
+            if training {
+                let n = x.elem_count() / x.dims()[..2].iter().product::<usize>();
+                self.update_running_stats(&mean, &var, n)?;
             }
-        };
-        let mut y = x
-            .broadcast_sub(&mean)?
-            .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        if let Some(w) = &self.weight {
-            y = y.broadcast_mul(&per_channel(&w.tensor()?, rank)?)?;
-        }
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&per_channel(&b.tensor()?, rank)?)?;
-        }
+            Ok((mean, var))
+        })?;
+        let y = normalize(&x, (&mean, &var), self.eps, &self.weight, &self.bias)?;
         Ok(if input.rank() == D + 1 {
             y.squeeze(0)?
         } else {
@@ -213,13 +183,12 @@ impl<const D: usize> InstanceNorm<D> {
         let (Some(rm), Some(rv)) = (&self.running_mean, &self.running_var) else {
             return Ok(());
         };
-        let unbiased = (var.detach() * (n as f64 / (n - 1) as f64))?;
         // The instances' statistics `[N, C, 1, …]`, averaged over the batch.
         let over_batch = |t: &Tensor| t.flatten_from(1)?.mean(0);
         blend_running_stats(
             (rm, rv),
             &over_batch(&mean.detach())?,
-            &over_batch(&unbiased)?,
+            &over_batch(&unbiased(var, n)?)?,
             self.momentum,
         )
     }

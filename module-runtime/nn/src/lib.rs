@@ -50,7 +50,7 @@
 // The lower crates' modules and items, under the names this crate's files use
 // (`crate::module::Module`, `crate::Param`).
 use module_core::{
-    device, error, forward, identity, module, param, path, trace, typed_path, views, walk,
+    device, entries, error, forward, identity, module, param, path, trace, typed_path, views, walk,
 };
 use module_core::{
     is_grad_enabled, short_type_name, Buffer, Error, Forward, Init, LazyShape, Mode, Module, Param,
@@ -121,6 +121,7 @@ mod embedding;
 mod group_norm;
 mod layer_norm;
 pub mod loss;
+mod norm_base;
 mod pool;
 // Pooling to an output size; instance and local response norms.
 mod adaptive_pool;
@@ -140,8 +141,9 @@ pub use batch_norm::{
     LazyBatchNorm1d, LazyBatchNorm2d, LazyBatchNormPath,
 };
 pub use conv::{
-    Conv, Conv1d, Conv2d, Conv3d, ConvConfig, ConvPath, ConvTranspose1d, ConvTranspose2d,
-    ConvTranspose2dPath, ConvTransposeConfig, LazyConv, LazyConv1d, LazyConv2d, LazyConvPath,
+    Conv, Conv1d, Conv2d, Conv3d, ConvConfig, ConvPath, ConvTranspose, ConvTranspose1d,
+    ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig, ConvTransposePath, LazyConv,
+    LazyConv1d, LazyConv2d, LazyConvPath,
 };
 pub use dropout::{Dropout, DropoutPath};
 pub use embedding::{Embedding, EmbeddingConfig, EmbeddingPath};
@@ -278,6 +280,8 @@ fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
         (type_name::<Conv3d>(), "Conv3d"),
         (type_name::<LazyConv1d>(), "LazyConv1d"),
         (type_name::<LazyConv2d>(), "LazyConv2d"),
+        (type_name::<ConvTranspose1d>(), "ConvTranspose1d"),
+        (type_name::<ConvTranspose2d>(), "ConvTranspose2d"),
         (type_name::<MaxPool2d>(), "MaxPool2d"),
         (type_name::<AvgPool2d>(), "AvgPool2d"),
         (type_name::<Lstm>(), "LSTM"),

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::common::input_shape_error;
+use crate::common::{batched, input_shape_error};
 use crate::error::Result;
 use crate::loss_reduction::LossReduction;
 use crate::{Forward, Module};
@@ -149,12 +149,7 @@ impl Forward<(&Tensor, &Tensor, &Tensor, &Tensor)> for CTCLoss {
         (log_probs, targets, input_lengths, target_lengths): (&Tensor, &Tensor, &Tensor, &Tensor),
     ) -> Result<Tensor> {
         const LAYER: &str = "CTCLoss";
-        let unbatched = log_probs.rank() == 2;
-        let lp = if unbatched {
-            log_probs.unsqueeze(1)?
-        } else {
-            log_probs.clone()
-        };
+        let (lp, unbatched) = batched(log_probs, 2, 1)?;
         let (frames, batch, classes) = match *lp.dims() {
             [t, n, c] if self.blank < c => (t, n, c),
             _ => {

@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::activation_smooth::softplus;
-use crate::common::{input_shape_error, layer_forward};
+use crate::common::{batched, input_shape_error, layer_forward};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, weighted_loss_constructors, LossReduction};
 use crate::{Buffer, Forward, Module};
@@ -207,12 +207,7 @@ impl Forward<(&Tensor, &Tensor)> for MultiMarginLoss {
 
     fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
         const LAYER: &str = "MultiMarginLoss";
-        let unbatched = input.rank() == 1;
-        let x = if unbatched {
-            input.unsqueeze(0)?
-        } else {
-            input.clone()
-        };
+        let (x, unbatched) = batched(input, 1, 0)?;
         let (n, classes) = match x.dims() {
             &[n, c] => (n, c),
             _ => return Err(input_shape_error(LAYER, "[N, C] or [C]", input)),
@@ -289,12 +284,7 @@ impl Forward<(&Tensor, &Tensor)> for MultiLabelMarginLoss {
 
     fn forward(&self, (input, target): (&Tensor, &Tensor)) -> Result<Tensor> {
         const LAYER: &str = "MultiLabelMarginLoss";
-        let unbatched = input.rank() == 1;
-        let x = if unbatched {
-            input.unsqueeze(0)?
-        } else {
-            input.clone()
-        };
+        let (x, unbatched) = batched(input, 1, 0)?;
         if !matches!(x.rank(), 2) {
             return Err(input_shape_error(LAYER, "[N, C] or [C]", input));
         }

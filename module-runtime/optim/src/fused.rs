@@ -9,6 +9,7 @@
 use std::cell::RefCell;
 
 use candle_core::{CpuStorage, DType, Layout, Tensor};
+use rayon::prelude::*;
 
 use crate::error::Result;
 
@@ -19,6 +20,85 @@ pub(crate) const CHUNK: usize = 1 << 14;
 /// Whether `t` is a contiguous float32 tensor on the CPU, which the fused update works on.
 pub(crate) fn is_cpu_f32(t: &Tensor) -> bool {
     t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
+}
+
+/// An optimizer's element-wise update over one chunk of a parameter, its gradient and its state
+/// buffers. The implementing type carries the update's flags as const generics, so each
+/// combination compiles to its own loop without branches, which the compiler vectorizes.
+pub(crate) trait ChunkRule {
+    /// The step's constants, each the `f32` the composed path's op uses.
+    type Consts: Sync;
+    /// The state buffers the pass walks beside the parameter.
+    type State<'a>: StateChunks;
+    /// The update of one chunk (`p`, `g` and `state` of one length).
+    fn chunk(k: &Self::Consts, p: &mut [f32], g: &[f32], state: Self::State<'_>);
+}
+
+/// State buffers the size of their parameter, split into chunks as the parameter is.
+pub(crate) trait StateChunks: Send + Sized {
+    /// The values before `mid` and those from `mid` on.
+    fn split(self, mid: usize) -> (Self, Self);
+}
+
+impl StateChunks for &mut [f32] {
+    fn split(self, mid: usize) -> (Self, Self) {
+        self.split_at_mut(mid)
+    }
+}
+
+/// A buffer the update may not keep (AMSGrad's maximum, SGD's momentum).
+impl StateChunks for Option<&mut [f32]> {
+    fn split(self, mid: usize) -> (Self, Self) {
+        match self {
+            Some(b) => {
+                let (head, tail) = b.split_at_mut(mid);
+                (Some(head), Some(tail))
+            }
+            None => (None, None),
+        }
+    }
+}
+
+/// [`ChunkRule::chunk`] compiled for AVX2 (8 lanes instead of SSE2's 4). The results are the
+/// same bits: the compiler fuses no multiply-add without being told to, and AVX's division and
+/// square root are IEEE's, as SSE's are.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn chunk_avx2<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
+    R::chunk(k, p, g, state);
+}
+
+/// [`ChunkRule::chunk`], through [`chunk_avx2`] where the CPU has AVX2.
+fn chunk_best<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for (checked just
+        // above; the detection is cached, so this costs one load per chunk).
+        unsafe { chunk_avx2::<R>(k, p, g, state) };
+        return;
+    }
+    R::chunk(k, p, g, state);
+}
+
+/// The update `R` over a whole parameter, in chunks of [`CHUNK`] values split over rayon's
+/// threads (a parameter of one chunk stays on the calling thread).
+pub(crate) fn pass<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
+    if p.len() <= CHUNK {
+        return chunk_best::<R>(k, p, g, state);
+    }
+    let mut chunks = Vec::with_capacity(p.len().div_ceil(CHUNK));
+    let (mut p, mut g, mut state) = (p, g, state);
+    while p.len() > CHUNK {
+        let (p_head, p_tail) = p.split_at_mut(CHUNK);
+        let (g_head, g_tail) = g.split_at(CHUNK);
+        let (s_head, s_tail) = state.split(CHUNK);
+        chunks.push((p_head, g_head, s_head));
+        (p, g, state) = (p_tail, g_tail, s_tail);
+    }
+    chunks.push((p, g, state));
+    chunks
+        .into_par_iter()
+        .for_each(|(p, g, state)| chunk_best::<R>(k, p, g, state));
 }
 
 /// Runs `f(param values, gradient values)` with the values of the parameter tensor `p` writable

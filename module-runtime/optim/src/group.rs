@@ -70,6 +70,31 @@ impl GroupOptions {
     }
 }
 
+impl GroupOptions {
+    /// The options the group sets, each as its name, the state dict name of each value it sets
+    /// (`betas` sets `betas.0` and `betas.1`) and that value (booleans as 0 or 1), in the
+    /// fields' order.
+    pub(crate) fn values(&self) -> Vec<(&'static str, &'static str, f64)> {
+        let flag = |b: Option<bool>| b.map(crate::state::flag);
+        let values = [
+            ("lr", "lr", self.lr),
+            ("weight_decay", "weight_decay", self.weight_decay),
+            ("betas", "betas.0", self.betas.map(|b| b.0)),
+            ("betas", "betas.1", self.betas.map(|b| b.1)),
+            ("eps", "eps", self.eps),
+            ("amsgrad", "amsgrad", flag(self.amsgrad)),
+            ("momentum", "momentum", self.momentum),
+            ("dampening", "dampening", self.dampening),
+            ("nesterov", "nesterov", flag(self.nesterov)),
+            ("maximize", "maximize", flag(self.maximize)),
+        ];
+        values
+            .into_iter()
+            .filter_map(|(option, name, value)| Some((option, name, value?)))
+            .collect()
+    }
+}
+
 /// How an optimizer's parameters are split into groups, each with its own hyperparameters:
 /// PyTorch's list of `param_groups` dicts, chosen by path pattern
 /// ([`PathPattern`](module_runtime::PathPattern): `**.bias`, `encoder.layer.*`, `encoder`)

@@ -155,13 +155,7 @@ impl LambdaLr {
     /// Hugging Face's `get_constant_schedule_with_warmup`: the factor rises linearly from 0 over
     /// `num_warmup_steps`, then stays 1.
     pub fn constant_with_warmup(opt: &mut dyn Optimizer, num_warmup_steps: usize) -> Self {
-        Self::new(opt, move |step| {
-            if step < num_warmup_steps {
-                step as f64 / (num_warmup_steps as f64).max(1.0)
-            } else {
-                1.0
-            }
-        })
+        Self::after_warmup(opt, num_warmup_steps, num_warmup_steps, |_, _| 1.0)
     }
 
     /// Hugging Face's `get_linear_schedule_with_warmup`: the factor rises linearly from 0 over
@@ -171,14 +165,11 @@ impl LambdaLr {
         num_warmup_steps: usize,
         num_training_steps: usize,
     ) -> Self {
-        Self::new(opt, move |step| {
-            if step < num_warmup_steps {
-                return warmup(step, num_warmup_steps);
-            }
+        let decay = move |step: usize, span: f64| {
             let left = num_training_steps as f64 - step as f64;
-            let span = (num_training_steps as i128 - num_warmup_steps as i128).max(1) as f64;
             (left / span).max(0.0)
-        })
+        };
+        Self::after_warmup(opt, num_warmup_steps, num_training_steps, decay)
     }
 
     /// Hugging Face's `get_cosine_schedule_with_warmup` with its default `num_cycles = 0.5`: the
@@ -200,13 +191,28 @@ impl LambdaLr {
         num_training_steps: usize,
         num_cycles: f64,
     ) -> Self {
-        Self::new(opt, move |step| {
-            if step < num_warmup_steps {
-                return warmup(step, num_warmup_steps);
-            }
-            let span = (num_training_steps as i128 - num_warmup_steps as i128).max(1) as f64;
+        let decay = move |step: usize, span: f64| {
             let progress = (step - num_warmup_steps) as f64 / span;
             (0.5 * (1.0 + (PI * num_cycles * 2.0 * progress).cos())).max(0.0)
+        };
+        Self::after_warmup(opt, num_warmup_steps, num_training_steps, decay)
+    }
+
+    /// Hugging Face's linear warmup over `num_warmup_steps`, then `decay(step, span)`, `span`
+    /// being the steps from the end of the warmup to `num_training_steps` (at least 1).
+    fn after_warmup(
+        opt: &mut dyn Optimizer,
+        num_warmup_steps: usize,
+        num_training_steps: usize,
+        decay: impl Fn(usize, f64) -> f64 + Send + Sync + 'static,
+    ) -> Self {
+        let span = (num_training_steps as i128 - num_warmup_steps as i128).max(1) as f64;
+        Self::new(opt, move |step| {
+            if step < num_warmup_steps {
+                warmup(step, num_warmup_steps)
+            } else {
+                decay(step, span)
+            }
         })
     }
 

@@ -3,13 +3,12 @@
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Shape, Tensor};
 use module_runtime::{Param, StateDict};
-use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::fused::{self, CHUNK};
-use crate::group::{setters, GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::fused::{self, pass, ChunkRule};
+use crate::group::{setters, NamedParams, ParamGroup, ParamGroups};
 use crate::optimizer::{core_methods, forward_to, Optimizer};
-use crate::state::{check, flag, non_negative, param_like, reject, Buf, Core, Hyper, ParamState};
+use crate::state::{check, non_negative, param_like, Buf, Core, Field, Hyper, ParamState};
 
 /// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
 #[derive(Clone, Debug, PartialEq)]
@@ -65,24 +64,6 @@ impl Hyper for SgdOptions {
         "maximize",
     ];
 
-    fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
-        reject::<Self>(
-            &[
-                ("betas", o.betas.is_some()),
-                ("eps", o.eps.is_some()),
-                ("amsgrad", o.amsgrad.is_some()),
-            ],
-            group,
-        )?;
-        self.lr = o.lr.unwrap_or(self.lr);
-        self.momentum = o.momentum.unwrap_or(self.momentum);
-        self.dampening = o.dampening.unwrap_or(self.dampening);
-        self.weight_decay = o.weight_decay.unwrap_or(self.weight_decay);
-        self.nesterov = o.nesterov.unwrap_or(self.nesterov);
-        self.maximize = o.maximize.unwrap_or(self.maximize);
-        Ok(())
-    }
-
     fn validate(&self, group: Option<usize>) -> Result<()> {
         let (lr, momentum, wd) = (self.lr, self.momentum, self.weight_decay);
         let reason = "the learning rate must be >= 0";
@@ -96,26 +77,14 @@ impl Hyper for SgdOptions {
         check(nesterov_ok, "momentum", momentum, reason, group)
     }
 
-    fn get(&self, name: &str) -> f64 {
+    fn field(&mut self, name: &str) -> Field<'_> {
         match name {
-            "lr" => self.lr,
-            "momentum" => self.momentum,
-            "dampening" => self.dampening,
-            "weight_decay" => self.weight_decay,
-            "nesterov" => flag(self.nesterov),
-            "maximize" => flag(self.maximize),
-            _ => unreachable!("not an SGD hyperparameter: {name}"),
-        }
-    }
-
-    fn set(&mut self, name: &str, value: f64) {
-        match name {
-            "lr" => self.lr = value,
-            "momentum" => self.momentum = value,
-            "dampening" => self.dampening = value,
-            "weight_decay" => self.weight_decay = value,
-            "nesterov" => self.nesterov = value != 0.0,
-            "maximize" => self.maximize = value != 0.0,
+            "lr" => Field::Value(&mut self.lr),
+            "momentum" => Field::Value(&mut self.momentum),
+            "dampening" => Field::Value(&mut self.dampening),
+            "weight_decay" => Field::Value(&mut self.weight_decay),
+            "nesterov" => Field::Flag(&mut self.nesterov),
+            "maximize" => Field::Flag(&mut self.maximize),
             _ => unreachable!("not an SGD hyperparameter: {name}"),
         }
     }
@@ -241,13 +210,12 @@ struct Consts {
 }
 
 /// No momentum, the first step with momentum (the buffer starts as the direction), a later one:
-/// the `MOMENTUM` of [`rule`].
+/// the `MOMENTUM` of [`SgdRule`].
 const NONE: u8 = 0;
 const FIRST: u8 = 1;
 const LATER: u8 = 2;
 
-/// The update of one value, as [`step_composed`] computes it; the flags are constants, so each
-/// combination compiles to a loop without branches.
+/// The update of one value, as [`step_composed`] computes it, for the flags of [`SgdRule`].
 #[inline(always)]
 fn rule<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
     k: &Consts,
@@ -274,75 +242,43 @@ fn rule<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTE
     *p += d * k.neg_lr + 0.0;
 }
 
-/// [`rule`] over one chunk (`b` is empty without momentum).
-#[inline(always)]
-fn chunk<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    b: &mut [f32],
-) {
-    if MOMENTUM == NONE {
-        let mut unused = 0.0;
-        for (p, &g) in p.iter_mut().zip(g) {
-            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, &mut unused);
-        }
-    } else {
-        for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
-            rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+/// SGD's fused update, maximizing or not, with weight decay or not, with one of the three
+/// momentum cases (`MOMENTUM`), Nesterov's or not. Its state is the momentum buffer (none
+/// without momentum).
+struct SgdRule<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>;
+
+impl<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool> ChunkRule
+    for SgdRule<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>
+{
+    type Consts = Consts;
+    type State<'a> = Option<&'a mut [f32]>;
+
+    #[inline(always)]
+    fn chunk(k: &Consts, p: &mut [f32], g: &[f32], momentum_buffer: Option<&mut [f32]>) {
+        match momentum_buffer {
+            None => {
+                let mut unused = 0.0;
+                for (p, &g) in p.iter_mut().zip(g) {
+                    rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, &mut unused);
+                }
+            }
+            Some(b) => {
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(b) {
+                    rule::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
+                }
+            }
         }
     }
 }
 
-/// [`chunk`] compiled for AVX2 (same bits: see the Adam pass).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn chunk_avx2<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    b: &mut [f32],
-) {
-    chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
-}
-
-/// The pass over a whole parameter, split in chunks over rayon's threads, with AVX2 where the
-/// CPU has it.
-fn pass<const MAXIMIZE: bool, const DECAY: bool, const MOMENTUM: u8, const NESTEROV: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    b: &mut [f32],
-) {
-    let run = |p: &mut [f32], g: &[f32], b: &mut [f32]| {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for.
-            unsafe { chunk_avx2::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b) };
-            return;
-        }
-        chunk::<MAXIMIZE, DECAY, MOMENTUM, NESTEROV>(k, p, g, b);
-    };
-    if MOMENTUM == NONE {
-        p.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .for_each(|(p, g)| run(p, g, &mut []));
-    } else {
-        p.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(b.par_chunks_mut(CHUNK))
-            .for_each(|((p, g), b)| run(p, g, b));
-    }
-}
-
-type Pass = fn(&Consts, &mut [f32], &[f32], &mut [f32]);
+type Pass = fn(&Consts, &mut [f32], &[f32], Option<&mut [f32]>);
 
 /// The [`pass`] for the flags.
 fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
     macro_rules! pick {
         ($($mx:literal, $d:literal, $m:ident, $n:literal);* $(;)?) => {
             match (maximize, decay, momentum, nesterov) {
-                $(($mx, $d, $m, $n) => pass::<$mx, $d, $m, $n>,)*
+                $(($mx, $d, $m, $n) => pass::<SgdRule<$mx, $d, $m, $n>>,)*
                 (mx, d, _, _) => pick_plain(mx, d),
             }
         };
@@ -362,10 +298,10 @@ fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
 /// The [`pass`] without momentum.
 fn pick_plain(maximize: bool, decay: bool) -> Pass {
     match (maximize, decay) {
-        (false, false) => pass::<false, false, NONE, false>,
-        (false, true) => pass::<false, true, NONE, false>,
-        (true, false) => pass::<true, false, NONE, false>,
-        (true, true) => pass::<true, true, NONE, false>,
+        (false, false) => pass::<SgdRule<false, false, NONE, false>>,
+        (false, true) => pass::<SgdRule<false, true, NONE, false>>,
+        (true, false) => pass::<SgdRule<true, false, NONE, false>>,
+        (true, true) => pass::<SgdRule<true, true, NONE, false>>,
     }
 }
 
@@ -380,7 +316,7 @@ fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> R
     let decay = o.weight_decay != 0.0;
     if o.momentum == 0.0 {
         let run = pass_for(o.maximize, decay, NONE, false);
-        return fused::update_in_place(p, g, |p, g| run(&k, p, g, &mut []));
+        return fused::update_in_place(p, g, |p, g| run(&k, p, g, None));
     }
     let momentum = if state.momentum_buffer.is_none() {
         FIRST
@@ -392,5 +328,5 @@ fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> R
         .momentum_buffer
         .get_or_insert_with(|| Buf::Host(vec![0.0; p.elem_count()]))
         .host()?;
-    fused::update_in_place(p, g, |p, g| run(&k, p, g, buf))
+    fused::update_in_place(p, g, |p, g| run(&k, p, g, Some(buf.as_mut_slice())))
 }

@@ -15,19 +15,6 @@ pub(crate) fn non_negative(x: f64) -> bool {
     x >= 0.0
 }
 
-/// [`Error::NotApplicable`] for the first of `options` (name, whether the group sets it) that the
-/// group sets: options optimizer `O` does not have.
-pub(crate) fn reject<O: Hyper>(options: &[(&'static str, bool)], group: usize) -> Result<()> {
-    match options.iter().find(|(_, set)| *set) {
-        Some(&(option, _)) => Err(Error::NotApplicable {
-            option,
-            optimizer: O::OPTIMIZER,
-            group,
-        }),
-        None => Ok(()),
-    }
-}
-
 /// [`Error::InvalidHyperparameter`] unless `ok`: one of PyTorch's range checks.
 pub(crate) fn check(
     ok: bool,
@@ -59,14 +46,50 @@ pub(crate) trait Hyper: Clone {
     const OPTIMIZER: &'static str;
     /// The hyperparameters' names in a state dict.
     const NAMES: &'static [&'static str];
-    /// Applies a group's overrides.
-    fn apply(&mut self, overrides: &GroupOptions, group: usize) -> Result<()>;
+    /// Applies a group's overrides, through [`set`](Self::set): [`Error::NotApplicable`] for the
+    /// first option the group sets that this optimizer does not have.
+    fn apply(&mut self, overrides: &GroupOptions, group: usize) -> Result<()> {
+        let values = overrides.values();
+        let foreign = values
+            .iter()
+            .find(|(_, name, _)| !Self::NAMES.contains(name));
+        if let Some(&(option, _, _)) = foreign {
+            return Err(Error::NotApplicable {
+                option,
+                optimizer: Self::OPTIMIZER,
+                group,
+            });
+        }
+        for (_, name, value) in values {
+            self.set(name, value);
+        }
+        Ok(())
+    }
     /// PyTorch's range checks.
     fn validate(&self, group: Option<usize>) -> Result<()>;
-    /// The value of `NAMES[i]` (booleans as 0 or 1).
-    fn get(&self, name: &str) -> f64;
-    /// Sets `NAMES[i]`.
-    fn set(&mut self, name: &str, value: f64);
+    /// The hyperparameter called `name`, one of `NAMES`.
+    fn field(&mut self, name: &str) -> Field<'_>;
+    /// The value of `name`, one of `NAMES` (booleans as 0 or 1).
+    fn get(&self, name: &str) -> f64 {
+        match self.clone().field(name) {
+            Field::Value(v) => *v,
+            Field::Flag(b) => flag(*b),
+        }
+    }
+    /// Sets `name`, one of `NAMES` (a boolean is true unless `value` is 0).
+    fn set(&mut self, name: &str, value: f64) {
+        match self.field(name) {
+            Field::Value(v) => *v = value,
+            Field::Flag(b) => *b = value != 0.0,
+        }
+    }
+}
+
+/// One of an optimizer's hyperparameters, borrowed from its options: a number, or a flag (0 or 1
+/// in a state dict).
+pub(crate) enum Field<'a> {
+    Value(&'a mut f64),
+    Flag(&'a mut bool),
 }
 
 /// An optimizer's state for one parameter.

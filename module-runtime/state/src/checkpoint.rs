@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::entries::Entries;
 use crate::error::{Error, Result};
 use crate::io::{listing, open_for_reading, SafetensorsFile};
 use crate::module::Module;
@@ -235,9 +236,8 @@ impl StateDict {
 /// anything is loaded.
 struct Sharded {
     shards: Vec<Box<dyn Source>>,
-    /// Every key with its shape, dtype and shard, in the index's order.
-    entries: Vec<(String, Shape, DType, usize)>,
-    index: HashMap<String, usize>,
+    /// Every key's shape, dtype and shard, in the index's order.
+    entries: Entries<(Shape, DType, usize)>,
 }
 
 impl Sharded {
@@ -304,7 +304,7 @@ impl Sharded {
             );
             shards.push(source);
         }
-        let mut entries = Vec::with_capacity(wanted.len());
+        let mut found = Vec::with_capacity(wanted.len());
         for (key, shard) in wanted {
             let Some((shape, dtype)) = listed[shard].remove(&key) else {
                 return Err(bad(format!(
@@ -312,32 +312,27 @@ impl Sharded {
                     files[shard]
                 )));
             };
-            entries.push((key, shape, dtype, shard));
+            found.push((key, (shape, dtype, shard)));
         }
         // Keys a shard holds that the index does not list are loaded too (as `transformers`
         // does, which loads whole shards), unless two shards hold one key.
-        let mut index: HashMap<String, usize> = HashMap::new();
         for (shard, rest) in listed.into_iter().enumerate() {
             let mut rest: Vec<_> = rest.into_iter().collect();
             rest.sort_by(|a, b| a.0.cmp(&b.0));
             for (key, (shape, dtype)) in rest {
-                entries.push((key, shape, dtype, shard));
+                found.push((key, (shape, dtype, shard)));
             }
         }
-        for (i, (key, _, _, shard)) in entries.iter().enumerate() {
-            if let Some(&j) = index.get(key) {
+        let mut entries = Entries::new();
+        for (key, (shape, dtype, shard)) in found {
+            if let Some((_, _, first)) = entries.insert(key.clone(), (shape, dtype, shard)) {
                 return Err(bad(format!(
                     "`{key}` is in both `{}` and `{}`",
-                    files[entries[j].3], files[*shard]
+                    files[first], files[shard]
                 )));
             }
-            index.insert(key.clone(), i);
         }
-        Ok(Self {
-            shards,
-            entries,
-            index,
-        })
+        Ok(Self { shards, entries })
     }
 }
 
@@ -379,7 +374,8 @@ impl Source for Sharded {
     }
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
-        let shard = self.entries[self.index[key]].3;
+        let (_, _, shard) = self.entries.get(key).expect("a key the index lists");
+        let shard = *shard;
         self.shards[shard].load(key, device)
     }
 }

@@ -1,6 +1,5 @@
 //! Safetensors files: written atomically, read with plain reads.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
 #[cfg(not(unix))]
@@ -12,6 +11,7 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::entries::Entries;
 use crate::error::{Error, Result};
 use crate::state::{Source, StateDict};
 
@@ -171,10 +171,10 @@ fn write_safetensors(state: &StateDict, file: &File) -> std::io::Result<()> {
 
 /// The keys, shapes and dtypes of a file's entries, whatever else each entry records (where its
 /// bytes are): what [`Source::entries`] returns.
-pub(crate) fn listing<T>(entries: &[(String, Shape, DType, T)]) -> Vec<(String, Shape, DType)> {
+pub(crate) fn listing<T>(entries: &Entries<(Shape, DType, T)>) -> Vec<(String, Shape, DType)> {
     entries
         .iter()
-        .map(|(name, shape, dtype, _)| (name.clone(), shape.clone(), *dtype))
+        .map(|(name, (shape, dtype, _))| (name.to_owned(), shape.clone(), *dtype))
         .collect()
 }
 
@@ -201,9 +201,8 @@ pub struct SafetensorsFile {
     seek_lock: Mutex<()>,
     /// Where the data section starts (after the 8-byte length and the JSON header).
     data_start: u64,
-    /// Every entry in the order of its data in the file: name, shape, dtype, byte range.
-    entries: Vec<(String, Shape, DType, (usize, usize))>,
-    index: HashMap<String, usize>,
+    /// Every entry by name, in the order of its data in the file: shape, dtype, byte range.
+    entries: Entries<(Shape, DType, (usize, usize))>,
 }
 
 /// The largest header accepted (safetensors' own limit, 100 MB).
@@ -248,23 +247,14 @@ impl SafetensorsFile {
                 file_len - data_start
             )));
         }
-        let mut entries = Vec::new();
+        let mut entries = Entries::new();
         for name in metadata.offset_keys() {
             let info = metadata.info(&name).expect("offset_keys lists known names");
             let dtype = DType::try_from(info.dtype)
                 .map_err(|e| corrupt(format!("tensor `{name}` has an unsupported dtype: {e}")))?;
-            entries.push((
-                name,
-                Shape::from(info.shape.clone()),
-                dtype,
-                info.data_offsets,
-            ));
+            let shape = Shape::from(info.shape.clone());
+            entries.insert(name, (shape, dtype, info.data_offsets));
         }
-        let index = entries
-            .iter()
-            .enumerate()
-            .map(|(i, (name, ..))| (name.clone(), i))
-            .collect();
         Ok(Self {
             path: path.to_owned(),
             file,
@@ -272,7 +262,6 @@ impl SafetensorsFile {
             seek_lock: Mutex::new(()),
             data_start,
             entries,
-            index,
         })
     }
 }
@@ -383,7 +372,7 @@ impl Source for SafetensorsFile {
     }
 
     fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
-        let (_, shape, dtype, (start, end)) = &self.entries[self.index[key]];
+        let (shape, dtype, (start, end)) = self.entries.get(key).expect("a key the file lists");
         // The common dtypes are read straight into the vector that becomes the tensor's storage.
         // The header was validated on open, so `end - start` is the values' size.
         let start = *start;

@@ -17,7 +17,8 @@
 
 // The core's modules and items, under the names this crate's files use (`crate::param::Param`).
 use module_core::{
-    buffer, error, extra_state, key_groups, lazy_shape, module, param, path, report, views, walk,
+    buffer, entries, error, extra_state, key_groups, lazy_shape, module, param, path, report,
+    views, walk,
 };
 use module_core::{KeyFix, KeyRule};
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
+use crate::entries::Entries;
 use crate::error::{Error, Result};
 use crate::lazy_shape::LazyShape;
 use crate::load_hooks::{IncompatibleKeys, PostHooks};
@@ -25,8 +26,7 @@ use crate::{KeyFix, KeyRule};
 /// `print(model.state_dict().keys())` would.
 #[derive(Clone, Debug, Default)]
 pub struct StateDict {
-    entries: Vec<(String, Tensor)>,
-    index: HashMap<String, usize>,
+    entries: Entries<Tensor>,
 }
 
 impl StateDict {
@@ -37,24 +37,17 @@ impl StateDict {
 
     /// Inserts or replaces `key`.
     pub fn insert(&mut self, key: impl Into<String>, value: Tensor) {
-        let key = key.into();
-        match self.index.get(&key) {
-            Some(&i) => self.entries[i].1 = value,
-            None => {
-                self.index.insert(key.clone(), self.entries.len());
-                self.entries.push((key, value));
-            }
-        }
+        self.entries.insert(key.into(), value);
     }
 
     /// The tensor at `key`.
     pub fn get(&self, key: &str) -> Option<&Tensor> {
-        self.index.get(key).map(|&i| &self.entries[i].1)
+        self.entries.get(key)
     }
 
     /// Whether `key` is present.
     pub fn contains_key(&self, key: &str) -> bool {
-        self.index.contains_key(key)
+        self.entries.contains_key(key)
     }
 
     /// Number of entries.
@@ -69,12 +62,12 @@ impl StateDict {
 
     /// The keys, in order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.iter().map(|(k, _)| k.as_str())
+        self.entries.keys()
     }
 
     /// The entries, in order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.entries.iter().map(|(k, t)| (k.as_str(), t))
+        self.entries.iter()
     }
 
     /// The entries as a `HashMap` (what candle's safetensors writer takes).

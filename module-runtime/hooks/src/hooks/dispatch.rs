@@ -21,7 +21,7 @@ use std::sync::{Arc, PoisonError};
 
 use candle_core::Tensor;
 
-use super::registry::{Entry, ForwardHookFn, HookCtx, PreHookFn, Registry};
+use super::registry::{Entry, ForwardHookFn, HookCtx, Lists, PreHookFn, Registry};
 use crate::error::{Error, Result};
 use crate::forward::Forward;
 use crate::identity::CallTarget;
@@ -215,42 +215,43 @@ fn enter_call(target: CallTarget) -> Option<(FrameGuard, Plan)> {
 /// The hooks to fire at `path`, group by group across the session's registries (global pre-hooks
 /// of every registry, then targeted pre-hooks, …), each group in registry order.
 fn plan_for(registries: &[Arc<Registry>], path: &str, aliases: &[Arc<str>]) -> Plan {
-    fn arm<F: ?Sized>(e: &Entry<F>, registry: &Arc<Registry>) -> Armed<F> {
-        Armed {
-            f: e.f.clone(),
-            id: e.id,
-            registry: registry.clone(),
-            always_call: e.always_call,
-        }
-    }
-    let lists: Vec<_> = registries
+    let guards: Vec<_> = registries
         .iter()
         .map(|r| (r, r.lists.read().unwrap_or_else(PoisonError::into_inner)))
         .collect();
-    let mut plan = Plan::default();
-    for (r, l) in &lists {
-        plan.pre.extend(l.global_pre.iter().map(|e| arm(e, r)));
+    let lists: Vec<(&Arc<Registry>, &Lists)> = guards.iter().map(|(r, l)| (*r, &**l)).collect();
+    Plan {
+        pre: armed(&lists, |l| (&l.global_pre, &l.pre), path, aliases),
+        post: armed(&lists, |l| (&l.global_post, &l.post), path, aliases),
     }
-    for (r, l) in &lists {
-        plan.pre.extend(
-            l.pre
-                .iter()
-                .filter(|e| e.targets(path, aliases))
-                .map(|e| arm(e, r)),
-        );
-    }
-    for (r, l) in &lists {
-        plan.post.extend(l.global_post.iter().map(|e| arm(e, r)));
-    }
-    for (r, l) in &lists {
-        plan.post.extend(
-            l.post
-                .iter()
-                .filter(|e| e.targets(path, aliases))
-                .map(|e| arm(e, r)),
-        );
-    }
-    plan
+}
+
+/// One kind of hook's share of a [`Plan`]: the global hooks (the first list `kind` picks) of
+/// every registry, then the targeted ones (the second) that target `path`, each group in registry
+/// order.
+fn armed<F: ?Sized>(
+    lists: &[(&Arc<Registry>, &Lists)],
+    kind: impl Fn(&Lists) -> (&Vec<Entry<F>>, &Vec<Entry<F>>),
+    path: &str,
+    aliases: &[Arc<str>],
+) -> Vec<Armed<F>> {
+    let arm = |e: &Entry<F>, registry: &Arc<Registry>| Armed {
+        f: e.f.clone(),
+        id: e.id,
+        registry: registry.clone(),
+        always_call: e.always_call,
+    };
+    let global = lists
+        .iter()
+        .flat_map(|&(r, l)| kind(l).0.iter().map(move |e| arm(e, r)));
+    let targeted = lists.iter().flat_map(|&(r, l)| {
+        kind(l)
+            .1
+            .iter()
+            .filter(move |e| e.targets(path, aliases))
+            .map(move |e| arm(e, r))
+    });
+    global.chain(targeted).collect()
 }
 
 /// The module called as `target` and its path: among the descendants of the running module first,

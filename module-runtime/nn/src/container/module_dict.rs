@@ -3,15 +3,15 @@
 use std::fmt;
 
 use super::SequentialLayer;
+use crate::entries::Entries;
 use crate::module::{Child, ChildMut, Name};
 use crate::Module;
 
 /// Modules by name, in insertion order: PyTorch's `nn.ModuleDict`. Children are named by key.
 ///
 /// Inserting an existing key replaces the module in place, keeping its position (a Python dict's
-/// rule). Lookups scan the entries, which suits the handful of entries a model has. The default
-/// element type, `Box<dyn SequentialLayer>`, holds layers of different types; a
-/// `BTreeMap<String, M>` field is the alternative when key order is wanted.
+/// rule). The default element type, `Box<dyn SequentialLayer>`, holds layers of different types;
+/// a `BTreeMap<String, M>` field is the alternative when key order is wanted.
 ///
 /// ```
 /// use module_runtime::prelude::*;
@@ -27,14 +27,14 @@ use crate::Module;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub struct ModuleDict<M = Box<dyn SequentialLayer>> {
-    entries: Vec<(String, M)>,
+    entries: Entries<M>,
 }
 
 impl<M> ModuleDict<M> {
     /// An empty dictionary.
     pub fn new() -> Self {
         Self {
-            entries: Vec::new(),
+            entries: Entries::new(),
         }
     }
 
@@ -47,13 +47,7 @@ impl<M> ModuleDict<M> {
     pub fn insert(&mut self, key: impl Into<String>, module: M) -> crate::Result<Option<M>> {
         let key = key.into();
         crate::path::check_key("ModuleDict", "", &key)?;
-        Ok(match self.entries.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, slot)) => Some(std::mem::replace(slot, module)),
-            None => {
-                self.entries.push((key, module));
-                None
-            }
-        })
+        Ok(self.entries.insert(key, module))
     }
 
     /// A dictionary of `entries`, in order (PyTorch's `ModuleDict(dict)`); fails on a key
@@ -70,26 +64,22 @@ impl<M> ModuleDict<M> {
 
     /// Removes the module under `key`.
     pub fn remove(&mut self, key: &str) -> Option<M> {
-        let index = self.entries.iter().position(|(k, _)| k == key)?;
-        Some(self.entries.remove(index).1)
+        self.entries.remove(key)
     }
 
     /// The module under `key`.
     pub fn get(&self, key: &str) -> Option<&M> {
-        self.entries.iter().find(|(k, _)| k == key).map(|(_, m)| m)
+        self.entries.get(key)
     }
 
     /// The module under `key`, mutably.
     pub fn get_mut(&mut self, key: &str) -> Option<&mut M> {
-        self.entries
-            .iter_mut()
-            .find(|(k, _)| k == key)
-            .map(|(_, m)| m)
+        self.entries.get_mut(key)
     }
 
     /// Whether `key` is present.
     pub fn contains_key(&self, key: &str) -> bool {
-        self.get(key).is_some()
+        self.entries.contains_key(key)
     }
 
     /// Number of entries.
@@ -104,17 +94,17 @@ impl<M> ModuleDict<M> {
 
     /// The keys, in insertion order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.iter().map(|(k, _)| k.as_str())
+        self.entries.keys()
     }
 
     /// The modules, in insertion order.
     pub fn values(&self) -> impl Iterator<Item = &M> {
-        self.entries.iter().map(|(_, m)| m)
+        self.entries.values()
     }
 
     /// `(key, module)` pairs, in insertion order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &M)> {
-        self.entries.iter().map(|(k, m)| (k.as_str(), m))
+        self.entries.iter()
     }
 }
 
@@ -159,7 +149,7 @@ crate::layer_macros::display_as_repr!(impl<M: Module> for ModuleDict<M>);
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleDict<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
-        for (k, m) in &self.entries {
+        for (k, m) in self.entries.iter() {
             f(Name::Field(k), m.as_child());
         }
     }

@@ -3,7 +3,7 @@
 use candle_core::Tensor;
 
 use super::{conv2d_differentiable, ConvConfig, Spatial};
-use crate::common::{add_channel_bias, input_shape_error};
+use crate::common::{add_channel_bias, batched, input_shape_error};
 use crate::error::Result;
 
 /// `Conv3d`'s computation: for each kernel depth `kd`, the input's depth slices that row of the
@@ -16,12 +16,7 @@ pub(super) fn conv3d(
     c: &ConvConfig,
 ) -> Result<Tensor> {
     let sp = Spatial::<3>::of("Conv3d", c)?;
-    let unbatched = x.rank() == 4;
-    let x = if unbatched {
-        x.unsqueeze(0)?
-    } else {
-        x.clone()
-    };
+    let (x, unbatched) = batched(x, 4, 0)?;
     let (Ok((n, ch, depth, h, w)), Ok((c_out, _, kd, _, _))) = (x.dims5(), weight.dims5()) else {
         return Err(input_shape_error(
             "Conv3d",

@@ -1,5 +1,5 @@
 //! Convolutions: `Conv1d`, `Conv2d` (one type, [`Conv`], over one or two spatial dimensions),
-//! `ConvTranspose2d`, and the lazy twins `LazyConv1d`, `LazyConv2d` (a `Conv` whose parameters
+//! `ConvTranspose1d`, `ConvTranspose2d` (one type, [`ConvTranspose`]), and the lazy twins `LazyConv1d`, `LazyConv2d` (a `Conv` whose parameters
 //! are unbuilt).
 //!
 //! Weights use PyTorch's layouts, and both weight and bias start uniform on `±1/sqrt(fan_in)` (what
@@ -40,8 +40,10 @@ mod transpose1d;
 
 pub use lazy::{LazyConv, LazyConv1d, LazyConv2d, LazyConvPath};
 pub(crate) use repr::ConvRepr;
-pub use transpose::{ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig};
-pub use transpose1d::ConvTranspose1d;
+pub use transpose::{
+    ConvTranspose, ConvTranspose1d, ConvTranspose2d, ConvTranspose2dPath, ConvTransposeConfig,
+    ConvTransposePath,
+};
 
 /// How a [`Conv1d`], [`Conv2d`] or lazy convolution is built: PyTorch's keyword arguments, with
 /// PyTorch's defaults (`ConvConfig::default()`).

@@ -1,5 +1,6 @@
-//! [`ConvTranspose2d`]: PyTorch's `nn.ConvTranspose2d`, the gradient of a convolution with respect
-//! to its input, with its config.
+//! [`ConvTranspose`]: PyTorch's `nn.ConvTranspose1d` and `nn.ConvTranspose2d` (one type over one
+//! or two spatial dimensions), its config, and the 2-D computation (the 1-D one is in
+//! `transpose1d.rs`).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -8,8 +9,9 @@ use crate::common::{add_channel_bias, forward_by_value, layer_forward, param_ten
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Module, Param};
+use module_core::ExtraRepr;
 
-/// How a [`ConvTranspose2d`] is built: PyTorch's keyword arguments, with PyTorch's defaults
+/// How a [`ConvTranspose`] is built: PyTorch's keyword arguments, with PyTorch's defaults
 /// (`ConvTransposeConfig::default()`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvTransposeConfig {
@@ -45,12 +47,58 @@ impl Default for ConvTransposeConfig {
     }
 }
 
-/// A 2-D transposed convolution (the gradient of a convolution with respect to its input):
-/// PyTorch's `nn.ConvTranspose2d`.
+/// A transposed convolution over `D` spatial dimensions (the gradient of a convolution with
+/// respect to its input): PyTorch's `nn.ConvTranspose1d` ([`ConvTranspose1d`] =
+/// `ConvTranspose<1>`) and `nn.ConvTranspose2d` ([`ConvTranspose2d`] = `ConvTranspose<2>`).
+/// PyTorch's base class is `_ConvTransposeNd`.
 ///
-/// Parameters `weight` `[in_channels, out_channels / groups, kH, kW]` (PyTorch's layout, transposed
-/// relative to `Conv2d`) and `bias` `[out_channels]` (absent without a bias). The input is
-/// `[N, C_in, H, W]`; the output `[N, C_out, H_out, W_out]` with
+/// Parameters `weight` `[in_channels, out_channels / groups, *kernel]` (PyTorch's layout,
+/// transposed relative to [`Conv`](super::Conv)) and `bias` `[out_channels]` (absent without a
+/// bias), initialized like PyTorch. The input is `[N, C_in, *D]`; each output dimension is
+/// `(L - 1) stride - 2 padding + dilation (k - 1) + output_padding + 1`.
+///
+/// Typed paths into it: [`ConvTransposePath`], from [`ConvTranspose::path`] (`#[module(paths)]`).
+#[derive(Module, Clone, Debug)]
+#[module(crate = module_core)]
+#[module(paths)]
+#[module(extra_repr)]
+pub struct ConvTranspose<const D: usize> {
+    /// `[in_channels, out_channels / groups, *kernel]`.
+    pub weight: Param,
+    /// `[out_channels]`, if the layer has a bias.
+    pub bias: Option<Param>,
+    /// Stride, padding, output padding, dilation, groups, bias and dtype.
+    #[module(skip)]
+    pub config: ConvTransposeConfig,
+}
+
+/// A 1-D transposed convolution: PyTorch's `nn.ConvTranspose1d` (the gradient of a `Conv1d`
+/// with respect to its input; the upsampling layer of vocoders and 1-D decoders). See
+/// [`ConvTranspose`].
+///
+/// Parameters `weight` `[in_channels, out_channels / groups, kernel_size]` and `bias`
+/// `[out_channels]`. The input is `[N, C_in, L]` (or `[C_in, L]`); the output
+/// `[N, C_out, L_out]` with `L_out = (L - 1) stride - 2 padding + dilation (kernel_size - 1) +
+/// output_padding + 1`. It runs as the direct convolution it equals: the input with
+/// `stride - 1` zeros between its elements, padded by `dilation (kernel_size - 1) - padding`
+/// (and `output_padding` more on the right), convolved with the kernel flipped and its channel
+/// axes swapped; every step is differentiable.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::{ConvTranspose1d, ConvTransposeConfig};
+/// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
+/// let up = ConvTranspose1d::with_config(4, 2, 3, cfg, &Device::Cpu)?;
+/// let y = up.call(&Tensor::zeros((1, 4, 8), DType::F32, &Device::Cpu)?)?;
+/// assert_eq!(y.dims(), [1, 2, 16]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub type ConvTranspose1d = ConvTranspose<1>;
+
+/// A 2-D transposed convolution: PyTorch's `nn.ConvTranspose2d`. See [`ConvTranspose`].
+///
+/// Parameters `weight` `[in_channels, out_channels / groups, kH, kW]` and `bias`
+/// `[out_channels]`. The input is `[N, C_in, H, W]`; the output `[N, C_out, H_out, W_out]` with
 /// `H_out = (H - 1) stride - 2 padding + dilation (kH - 1) + output_padding + 1`.
 ///
 /// ```
@@ -62,46 +110,18 @@ impl Default for ConvTransposeConfig {
 /// assert_eq!(y.dims(), [1, 2, 8, 8]);
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
-///
-/// Typed paths into it: [`ConvTranspose2dPath`], from [`ConvTranspose2d::path`] (`#[module(paths)]`).
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(paths)]
-#[module(extra_repr)]
-pub struct ConvTranspose2d {
-    /// `[in_channels, out_channels / groups, kH, kW]`.
-    pub weight: Param,
-    /// `[out_channels]`, if the layer has a bias.
-    pub bias: Option<Param>,
-    /// Stride, padding, output padding, dilation, groups, bias and dtype.
-    #[module(skip)]
-    pub config: ConvTransposeConfig,
-}
+pub type ConvTranspose2d = ConvTranspose<2>;
 
-/// A transposed convolution's `weight` `[in_channels, out_channels / groups, *kernel]`
-/// (PyTorch's layout) and `bias`, initialized like PyTorch, after checking that `groups` divides
-/// both channel counts.
-pub(super) fn transposed_params(
-    layer: &'static str,
-    in_channels: usize,
-    out_channels: usize,
-    kernel: &[usize],
-    config: &ConvTransposeConfig,
-    device: &Device,
-) -> Result<(Param, Option<Param>)> {
-    check_groups(layer, in_channels, out_channels, config.groups)?;
-    let mut dims = vec![in_channels, out_channels / config.groups];
-    dims.extend_from_slice(kernel);
-    conv_params(&dims, out_channels, config.bias, config.dtype, device)
-}
+/// Typed paths into a [`ConvTranspose2d`] (see [`ConvTransposePath`]).
+pub type ConvTranspose2dPath<R, K> = ConvTransposePath<R, K, 2>;
 
-impl ConvTranspose2d {
+impl<const D: usize> ConvTranspose<D> {
     /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
-    /// PyTorch; `kernel_size` is `k` for a square kernel or `(kH, kW)`.
+    /// PyTorch; `kernel_size` is `k` for every spatial dimension or one per dimension (`(kH, kW)`).
     pub fn new(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: impl Size<2>,
+        kernel_size: impl Size<D>,
         device: &Device,
     ) -> Result<Self> {
         let config = ConvTransposeConfig::default();
@@ -113,23 +133,28 @@ impl ConvTranspose2d {
     pub fn with_config(
         in_channels: usize,
         out_channels: usize,
-        kernel_size: impl Size<2>,
+        kernel_size: impl Size<D>,
         config: ConvTransposeConfig,
         device: &Device,
     ) -> Result<Self> {
-        let (weight, bias) = transposed_params(
-            "ConvTranspose2d",
-            in_channels,
-            out_channels,
-            &kernel_size.dims(),
-            &config,
-            device,
-        )?;
+        check_groups(Self::layer(), in_channels, out_channels, config.groups)?;
+        let mut dims = vec![in_channels, out_channels / config.groups];
+        dims.extend(kernel_size.dims());
+        let (weight, bias) = conv_params(&dims, out_channels, config.bias, config.dtype, device)?;
         Ok(Self {
             weight,
             bias,
             config,
         })
+    }
+
+    /// PyTorch's name for the layer.
+    fn layer() -> &'static str {
+        match D {
+            1 => "ConvTranspose1d",
+            2 => "ConvTranspose2d",
+            _ => "ConvTranspose",
+        }
     }
 }
 
@@ -159,17 +184,17 @@ layer_forward!(ConvTranspose2d, |layer, x| {
 
 /// PyTorch's text: `ConvTranspose2d(3, 8, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
 /// output_padding=(1, 1), bias=False)`.
-impl module_core::ExtraRepr for ConvTranspose2d {
+impl<const D: usize> ExtraRepr for ConvTranspose<D> {
     fn extra_repr(&self) -> String {
         let dims = self.weight.shape().dims().to_vec();
         let c = &self.config;
         ConvRepr {
             channels: (dims[0], dims[1] * c.groups),
             kernel_size: &dims[2..],
-            stride: vec![c.stride; 2],
-            padding: vec![c.padding; 2],
-            dilation: vec![c.dilation; 2],
-            output_padding: vec![c.output_padding; 2],
+            stride: vec![c.stride; D],
+            padding: vec![c.padding; D],
+            dilation: vec![c.dilation; D],
+            output_padding: vec![c.output_padding; D],
             groups: c.groups,
             bias: self.bias.is_some(),
         }

@@ -1,86 +1,16 @@
-//! [`ConvTranspose1d`]: PyTorch's `nn.ConvTranspose1d`, computed as the equivalent direct
-//! convolution (candle's own 1-D transposed convolution has no backward).
+//! [`ConvTranspose1d`]'s computation: the direct convolution it equals (candle's own 1-D
+//! transposed convolution has no backward).
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
-use super::transpose::{transposed_params, ConvTransposeConfig};
-use super::{conv2d_differentiable, ConvRepr};
+use super::conv2d_differentiable;
+use super::transpose::ConvTranspose1d;
 use crate::common::{add_channel_bias, forward_by_value, input_shape_error, param_tensor};
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::{Forward, Module, Param};
-use module_core::ExtraRepr;
-
-/// A 1-D transposed convolution: PyTorch's `nn.ConvTranspose1d` (the gradient of a `Conv1d`
-/// with respect to its input; the upsampling layer of vocoders and 1-D decoders).
-///
-/// Parameters `weight` `[in_channels, out_channels / groups, kernel_size]` (PyTorch's layout)
-/// and `bias` `[out_channels]`. The input is `[N, C_in, L]` (or `[C_in, L]`); the output
-/// `[N, C_out, L_out]` with `L_out = (L - 1) stride - 2 padding + dilation (kernel_size - 1) +
-/// output_padding + 1`. It runs as the direct convolution it equals: the input with
-/// `stride - 1` zeros between its elements, padded by `dilation (kernel_size - 1) - padding`
-/// (and `output_padding` more on the right), convolved with the kernel flipped and its channel
-/// axes swapped; every step is differentiable.
-///
-/// ```
-/// use module_runtime::prelude::*;
-/// use module_runtime::nn::{ConvTranspose1d, ConvTransposeConfig};
-/// let cfg = ConvTransposeConfig { stride: 2, padding: 1, output_padding: 1, ..Default::default() };
-/// let up = ConvTranspose1d::with_config(4, 2, 3, cfg, &Device::Cpu)?;
-/// let y = up.call(&Tensor::zeros((1, 4, 8), DType::F32, &Device::Cpu)?)?;
-/// assert_eq!(y.dims(), [1, 2, 16]);
-/// # Ok::<(), module_runtime::Error>(())
-/// ```
-#[derive(Module, Clone, Debug)]
-#[module(crate = module_core)]
-#[module(extra_repr)]
-pub struct ConvTranspose1d {
-    /// `[in_channels, out_channels / groups, kernel_size]`.
-    pub weight: Param,
-    /// `[out_channels]`, if the layer has a bias.
-    pub bias: Option<Param>,
-    /// Stride, padding, output padding, dilation, groups, bias and dtype.
-    #[module(skip)]
-    pub config: ConvTransposeConfig,
-}
+use crate::Forward;
 
 impl ConvTranspose1d {
-    /// A float32 layer with PyTorch's defaults (stride 1, no padding, a bias), initialized like
-    /// PyTorch.
-    pub fn new(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: usize,
-        device: &Device,
-    ) -> Result<Self> {
-        let config = ConvTransposeConfig::default();
-        Self::with_config(in_channels, out_channels, kernel_size, config, device)
-    }
-
-    /// A layer built as `config` says, initialized like PyTorch. `groups` must divide both channel
-    /// counts ([`Error::InvalidConfig`](crate::error::Error::InvalidConfig) otherwise).
-    pub fn with_config(
-        in_channels: usize,
-        out_channels: usize,
-        kernel_size: usize,
-        config: ConvTransposeConfig,
-        device: &Device,
-    ) -> Result<Self> {
-        let (weight, bias) = transposed_params(
-            "ConvTranspose1d",
-            in_channels,
-            out_channels,
-            &[kernel_size],
-            &config,
-            device,
-        )?;
-        Ok(Self {
-            weight,
-            bias,
-            config,
-        })
-    }
-
     /// The transposed convolution of a `[N, C_in, L]` input.
     fn transposed(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
@@ -170,21 +100,3 @@ impl Forward<&Tensor> for ConvTranspose1d {
 }
 
 forward_by_value!(ConvTranspose1d);
-
-impl ExtraRepr for ConvTranspose1d {
-    fn extra_repr(&self) -> String {
-        let c = &self.config;
-        let dims = self.weight.shape().dims().to_vec();
-        ConvRepr {
-            channels: (dims[0], dims[1] * c.groups),
-            kernel_size: &dims[2..],
-            stride: vec![c.stride],
-            padding: vec![c.padding],
-            dilation: vec![c.dilation],
-            output_padding: vec![c.output_padding],
-            groups: c.groups,
-            bias: self.bias.is_some(),
-        }
-        .text()
-    }
-}

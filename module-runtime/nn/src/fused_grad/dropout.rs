@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use crate::common::f32_slice;
 use crate::error::Result;
-use crate::fused_grad::{applies, block_len, par_map, with_f32};
+use crate::fused_grad::{applies, map_rows, with_f32};
 
 /// Whether [`dropout`] can replace the composed dropout of `x`.
 pub(crate) fn can_fuse_dropout(x: &Tensor) -> bool {
@@ -40,19 +40,11 @@ impl Dropout {
     /// `out = v * mask`, the mask `scale` where the draw is kept and `0` elsewhere (a product,
     /// not a select, so a dropped infinity or NaN stays NaN as in the composed path).
     fn apply(&self, v: &[f32], draws: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; v.len()];
-        let pass = |out: &mut [f32], v: &[f32], draws: &[f32]| {
+        map_rows([v, draws], 1, |out, [v, draws]| {
             for ((o, &v), &u) in out.iter_mut().zip(v).zip(draws) {
                 *o = v * if u >= self.p { self.scale } else { 0.0 };
             }
-        };
-        let block = block_len(v.len(), 1);
-        let jobs = out
-            .chunks_mut(block)
-            .zip(v.chunks(block))
-            .zip(draws.chunks(block));
-        par_map(jobs.collect(), |((o, v), u)| pass(o, v, u));
-        out
+        })
     }
 }
 

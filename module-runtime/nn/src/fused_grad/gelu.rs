@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use crate::activation::gelu_erf_vectorized;
 use crate::common::f32_slice;
 use crate::error::Result;
-use crate::fused_grad::{applies, block_len, par_map, with_f32};
+use crate::fused_grad::{applies, map_rows, with_f32};
 
 /// `1 / √(2π)`, the standard normal density at 0.
 const INV_SQRT_TWO_PI: f32 = 0.398_942_3;
@@ -35,17 +35,11 @@ impl candle_core::CustomOp1 for GeluErf {
 
     fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_slice(x, layout, self.name())?;
-        let mut y = vec![0f32; x.len()];
-        let pass = |y: &mut [f32], x: &[f32]| {
+        let y = map_rows([x], 1, |y, [x]| {
             for (y, &x) in y.iter_mut().zip(x) {
                 *y = gelu_erf_vectorized(x);
             }
-        };
-        let block = block_len(x.len(), 1);
-        par_map(
-            y.chunks_mut(block).zip(x.chunks(block)).collect(),
-            |(y, x)| pass(y, x),
-        );
+        });
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -54,23 +48,14 @@ impl candle_core::CustomOp1 for GeluErf {
     fn bwd(&self, x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let name = self.name();
         let grad = grad.contiguous()?;
-        let dx = with_f32([x, y, &grad], name, |[x, y, g]| {
-            let mut dx = vec![0f32; x.len()];
-            let pass = |dx: &mut [f32], x: &[f32], y: &[f32], g: &[f32]| {
+        let dx = with_f32([x, y, &grad], name, |inputs| {
+            map_rows(inputs, 1, |dx, [x, y, g]| {
                 for (((dx, &x), &y), &g) in dx.iter_mut().zip(x).zip(y).zip(g) {
                     let cdf = if x == 0.0 { 0.5 } else { y / x };
                     let pdf = INV_SQRT_TWO_PI * (-0.5 * x * x).exp();
                     *dx = g * (cdf + x * pdf);
                 }
-            };
-            let block = block_len(x.len(), 1);
-            let jobs = dx
-                .chunks_mut(block)
-                .zip(x.chunks(block))
-                .zip(y.chunks(block))
-                .zip(g.chunks(block));
-            par_map(jobs.collect(), |(((dx, x), y), g)| pass(dx, x, y, g));
-            dx
+            })
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }

@@ -14,7 +14,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 use crate::common::f32_slice;
 use crate::error::Result;
 use crate::fused::lane_sum;
-use crate::fused_grad::{applies, block_len, par_map, with_f32};
+use crate::fused_grad::{applies, map_blocks, map_rows, with_f32};
 
 /// Whether [`layer_norm`] can normalize `x` over its last dimension with `weight` and `bias`:
 /// one value of each per element of a non-empty last dimension.
@@ -101,20 +101,14 @@ impl candle_core::CustomOp3 for LayerNorm {
                 "{name}: expects a weight and a bias of the input's non-empty last dimension"
             )));
         }
-        let mut y = vec![0f32; x.len()];
-        let rows = |y: &mut [f32], x: &[f32]| {
+        let y = map_rows([x], width, |y, [x]| {
             for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
                 let (mean, inv_std) = self.stats(x);
                 for (((y, &x), &w), &b) in y.iter_mut().zip(x).zip(w).zip(b) {
                     *y = (x - mean) * inv_std * w + b;
                 }
             }
-        };
-        let block = block_len(x.len(), width);
-        par_map(
-            y.chunks_mut(block).zip(x.chunks(block)).collect(),
-            |(y, x)| rows(y, x),
-        );
+        });
         Ok((CpuStorage::F32(y), x_layout.shape().clone()))
     }
 
@@ -132,8 +126,7 @@ impl candle_core::CustomOp3 for LayerNorm {
         let grad = grad.contiguous()?;
         let (dx, dw, db) = with_f32([x, &grad, w], self.name(), |[x, g, w]| {
             let width = w.len();
-            let mut dx = vec![0f32; x.len()];
-            let block_grads = |dx: &mut [f32], x: &[f32], g: &[f32]| {
+            let (dx, blocks) = map_blocks([x, g], width, |dx, [x, g]| {
                 let (mut dw, mut db) = (vec![0f32; width], vec![0f32; width]);
                 let rows = dx
                     .chunks_exact_mut(width)
@@ -143,13 +136,7 @@ impl candle_core::CustomOp3 for LayerNorm {
                     self.row_grad(x, g, w, dx, &mut dw, &mut db);
                 }
                 (dw, db)
-            };
-            let block = block_len(x.len(), width);
-            let jobs = dx
-                .chunks_mut(block)
-                .zip(x.chunks(block))
-                .zip(g.chunks(block));
-            let blocks = par_map(jobs.collect(), |((dx, x), g)| block_grads(dx, x, g));
+            });
             let mut blocks = blocks.into_iter();
             let (mut dw, mut db) = blocks
                 .next()

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use crate::common::f32_slice;
 use crate::error::Result;
-use crate::fused_grad::{applies, block_len, par_map, with_f32};
+use crate::fused_grad::{applies, block_len, map_rows, par_map, with_f32};
 
 /// Whether [`linear`] can compute `x Wᵀ + b`: `x` `[…, in]` and `weight` `[out, in]` with a
 /// `bias` `[out]`, none of the sizes zero.
@@ -82,21 +82,14 @@ impl candle_core::CustomOp3 for Linear {
             .take()
             .ok_or_else(|| candle_core::Error::Msg(format!("{name}: runs once")))?;
         let width = bias.len();
-        let y = with_f32([&product], name, |[product]| {
-            let mut y = vec![0f32; product.len()];
-            let rows = |y: &mut [f32], p: &[f32]| {
+        let y = with_f32([&product], name, |inputs| {
+            map_rows(inputs, width, |y, [p]| {
                 for (y, p) in y.chunks_exact_mut(width).zip(p.chunks_exact(width)) {
                     for ((y, p), b) in y.iter_mut().zip(p).zip(bias) {
                         *y = p + b;
                     }
                 }
-            };
-            let block = block_len(y.len(), width);
-            par_map(
-                y.chunks_mut(block).zip(product.chunks(block)).collect(),
-                |(y, p)| rows(y, p),
-            );
-            y
+            })
         })?;
         let mut dims = x_layout.shape().dims().to_vec();
         if let Some(last) = dims.last_mut() {

@@ -114,6 +114,36 @@ fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> 
         .collect()
 }
 
+/// A fresh output as long as the inputs, filled by `f` block by block over [`par_map`]: each
+/// call gets a block of whole rows (of `width` values) of the output and the same block of each
+/// input, and returns what the pass keeps of that block (a partial sum), in block order. The
+/// plumbing of every fused pass that writes one value per input value.
+fn map_blocks<const N: usize, R: Send>(
+    inputs: [&[f32]; N],
+    width: usize,
+    f: impl Fn(&mut [f32], [&[f32]; N]) -> R + Sync,
+) -> (Vec<f32>, Vec<R>) {
+    let len = inputs.first().map_or(0, |input| input.len());
+    let mut out = vec![0f32; len];
+    let block = block_len(len, width);
+    let jobs = out.chunks_mut(block).enumerate().map(|(i, out)| {
+        let start = i * block;
+        let blocks = inputs.map(|input| &input[start..start + out.len()]);
+        (out, blocks)
+    });
+    let kept = par_map(jobs.collect(), |(out, blocks)| f(out, blocks));
+    (out, kept)
+}
+
+/// [`map_blocks`] for a pass that keeps nothing beside its output.
+fn map_rows<const N: usize>(
+    inputs: [&[f32]; N],
+    width: usize,
+    f: impl Fn(&mut [f32], [&[f32]; N]) + Sync,
+) -> Vec<f32> {
+    map_blocks(inputs, width, f).0
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};

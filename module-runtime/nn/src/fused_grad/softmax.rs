@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 use crate::common::f32_slice;
 use crate::error::Result;
-use crate::fused_grad::{applies, block_len, par_map, with_f32};
+use crate::fused_grad::{applies, map_rows, with_f32};
 
 /// Whether [`softmax_last_dim`] can replace the composed softmax of `x` along its last dimension.
 pub(crate) fn can_fuse_softmax_last_dim(x: &Tensor) -> bool {
@@ -36,11 +36,10 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
 
     fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_slice(x, layout, self.name())?;
-        let mut y = vec![0f32; x.len()];
         let Some(width) = row_width(layout.shape()) else {
-            return Ok((CpuStorage::F32(y), layout.shape().clone()));
+            return Ok((CpuStorage::F32(vec![0f32; x.len()]), layout.shape().clone()));
         };
-        let rows = |y: &mut [f32], x: &[f32]| {
+        let y = map_rows([x], width, |y, [x]| {
             for (y, x) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
                 let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
@@ -50,12 +49,7 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
                 }
                 y.iter_mut().for_each(|y| *y /= sum);
             }
-        };
-        let block = block_len(x.len(), width);
-        par_map(
-            y.chunks_mut(block).zip(x.chunks(block)).collect(),
-            |(y, x)| rows(y, x),
-        );
+        });
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }
 
@@ -65,9 +59,8 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
             return Ok(Some(x.zeros_like()?));
         };
         let grad = grad.contiguous()?;
-        let dx = with_f32([y, &grad], self.name(), |[y, g]| {
-            let mut dx = vec![0f32; y.len()];
-            let rows = |dx: &mut [f32], y: &[f32], g: &[f32]| {
+        let dx = with_f32([y, &grad], self.name(), |inputs| {
+            map_rows(inputs, width, |dx, [y, g]| {
                 let rows = dx
                     .chunks_exact_mut(width)
                     .zip(y.chunks_exact(width))
@@ -78,14 +71,7 @@ impl candle_core::CustomOp1 for SoftmaxLastDim {
                         *dx = y * (g - dot);
                     }
                 }
-            };
-            let block = block_len(y.len(), width);
-            let jobs = dx
-                .chunks_mut(block)
-                .zip(y.chunks(block))
-                .zip(g.chunks(block));
-            par_map(jobs.collect(), |((dx, y), g)| rows(dx, y, g));
-            dx
+            })
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }

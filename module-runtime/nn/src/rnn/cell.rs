@@ -9,6 +9,7 @@ use module_core::ExtraRepr;
 
 use super::gates::{check_state, Gates, GruGates, LstmGates};
 use super::weights::LayerWeights;
+use crate::common::batched;
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Module, Recurrent};
@@ -186,11 +187,7 @@ impl<G: Gates> RnnCellBase<G> {
                 got: x.shape().clone(),
             });
         }
-        let x = if unbatched {
-            x.unsqueeze(0)?
-        } else {
-            x.clone()
-        };
+        let (x, _) = batched(x, 1, 0)?;
         let b = x.dim(0)?;
         let state = match state {
             Some(states) => {

@@ -1,8 +1,8 @@
 //! `AdamOptions`: Adam's and AdamW's hyperparameters, their defaults, overrides and range checks.
 
 use crate::error::Result;
-use crate::group::{setters, GroupOptions};
-use crate::state::{check, flag, non_negative, reject, Hyper};
+use crate::group::setters;
+use crate::state::{check, non_negative, Field, Hyper};
 
 /// `Adam`'s and `AdamW`'s hyperparameters (PyTorch's names).
 /// [`Adam::options`](crate::Adam::options) and [`AdamW::options`](crate::AdamW::options) give
@@ -78,24 +78,6 @@ impl Hyper for AdamOptions {
         "decoupled_weight_decay",
     ];
 
-    fn apply(&mut self, o: &GroupOptions, group: usize) -> Result<()> {
-        reject::<Self>(
-            &[
-                ("momentum", o.momentum.is_some()),
-                ("dampening", o.dampening.is_some()),
-                ("nesterov", o.nesterov.is_some()),
-            ],
-            group,
-        )?;
-        self.lr = o.lr.unwrap_or(self.lr);
-        self.betas = o.betas.unwrap_or(self.betas);
-        self.eps = o.eps.unwrap_or(self.eps);
-        self.weight_decay = o.weight_decay.unwrap_or(self.weight_decay);
-        self.amsgrad = o.amsgrad.unwrap_or(self.amsgrad);
-        self.maximize = o.maximize.unwrap_or(self.maximize);
-        Ok(())
-    }
-
     fn validate(&self, group: Option<usize>) -> Result<()> {
         let (lr, eps, (beta1, beta2), wd) = (self.lr, self.eps, self.betas, self.weight_decay);
         let reason = "the learning rate must be >= 0";
@@ -109,30 +91,16 @@ impl Hyper for AdamOptions {
         check(non_negative(wd), "weight_decay", wd, reason, group)
     }
 
-    fn get(&self, name: &str) -> f64 {
+    fn field(&mut self, name: &str) -> Field<'_> {
         match name {
-            "lr" => self.lr,
-            "betas.0" => self.betas.0,
-            "betas.1" => self.betas.1,
-            "eps" => self.eps,
-            "weight_decay" => self.weight_decay,
-            "amsgrad" => flag(self.amsgrad),
-            "maximize" => flag(self.maximize),
-            "decoupled_weight_decay" => flag(self.decoupled_weight_decay),
-            _ => unreachable!("not an Adam hyperparameter: {name}"),
-        }
-    }
-
-    fn set(&mut self, name: &str, value: f64) {
-        match name {
-            "lr" => self.lr = value,
-            "betas.0" => self.betas.0 = value,
-            "betas.1" => self.betas.1 = value,
-            "eps" => self.eps = value,
-            "weight_decay" => self.weight_decay = value,
-            "amsgrad" => self.amsgrad = value != 0.0,
-            "maximize" => self.maximize = value != 0.0,
-            "decoupled_weight_decay" => self.decoupled_weight_decay = value != 0.0,
+            "lr" => Field::Value(&mut self.lr),
+            "betas.0" => Field::Value(&mut self.betas.0),
+            "betas.1" => Field::Value(&mut self.betas.1),
+            "eps" => Field::Value(&mut self.eps),
+            "weight_decay" => Field::Value(&mut self.weight_decay),
+            "amsgrad" => Field::Flag(&mut self.amsgrad),
+            "maximize" => Field::Flag(&mut self.maximize),
+            "decoupled_weight_decay" => Field::Flag(&mut self.decoupled_weight_decay),
             _ => unreachable!("not an Adam hyperparameter: {name}"),
         }
     }

@@ -2,12 +2,11 @@
 //! in-place pass over CPU float32 values, split over threads, which computes the same bits.
 
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 
 use super::state::AdamState;
 use super::AdamOptions;
 use crate::error::Result;
-use crate::fused::{self, CHUNK};
+use crate::fused::{self, pass, ChunkRule, StateChunks};
 use crate::state::Buf;
 
 /// The step's scalars, computed in `f64` as PyTorch computes them in Python.
@@ -107,14 +106,13 @@ struct Consts {
     neg_step_size: f32,
 }
 
-/// No weight decay, decoupled decay, L2 decay: the `DECAY` of [`rule`].
+/// No weight decay, decoupled decay, L2 decay: the `DECAY` of [`AdamRule`].
 const NO_DECAY: u8 = 0;
 const DECOUPLED: u8 = 1;
 const L2: u8 = 2;
 
 /// The update of one value, as [`step_composed`] computes it (candle's `affine(a, 0)` is
-/// `x * a + 0.0`). The flags are constants, so each combination compiles to a loop without
-/// branches, which the compiler vectorizes.
+/// `x * a + 0.0`), for the flags of [`AdamRule`].
 #[inline(always)]
 fn rule<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
     k: &Consts,
@@ -149,99 +147,68 @@ fn rule<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
     *p += (*m * k.neg_step_size + 0.0) / denom;
 }
 
-/// [`rule`] over one chunk of values.
-#[inline(always)]
-fn chunk<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: Option<&mut [f32]>,
-) {
-    match max {
-        None => {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
-                rule::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, None);
+/// Adam's state buffers for one chunk: the moments, and the maximum with AMSGrad.
+struct Moments<'a> {
+    exp_avg: &'a mut [f32],
+    exp_avg_sq: &'a mut [f32],
+    max_exp_avg_sq: Option<&'a mut [f32]>,
+}
+
+impl StateChunks for Moments<'_> {
+    fn split(self, mid: usize) -> (Self, Self) {
+        let (m, m_tail) = self.exp_avg.split_at_mut(mid);
+        let (v, v_tail) = self.exp_avg_sq.split_at_mut(mid);
+        let (max, max_tail) = self.max_exp_avg_sq.split(mid);
+        let head = Moments {
+            exp_avg: m,
+            exp_avg_sq: v,
+            max_exp_avg_sq: max,
+        };
+        let tail = Moments {
+            exp_avg: m_tail,
+            exp_avg_sq: v_tail,
+            max_exp_avg_sq: max_tail,
+        };
+        (head, tail)
+    }
+}
+
+/// Adam's fused update, maximizing or not, with one of the three decays (`DECAY`), and the
+/// `lerp` of a small weight or of a large one (`SMALL`).
+struct AdamRule<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>;
+
+impl<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool> ChunkRule
+    for AdamRule<MAXIMIZE, DECAY, SMALL>
+{
+    type Consts = Consts;
+    type State<'a> = Moments<'a>;
+
+    #[inline(always)]
+    fn chunk(k: &Consts, p: &mut [f32], g: &[f32], state: Moments<'_>) {
+        let (m, v) = (state.exp_avg, state.exp_avg_sq);
+        match state.max_exp_avg_sq {
+            None => {
+                for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m).zip(v) {
+                    rule::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, None);
+                }
+            }
+            Some(x) => {
+                for ((((p, &g), m), v), x) in p.iter_mut().zip(g).zip(m).zip(v).zip(x) {
+                    rule::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, Some(x));
+                }
             }
         }
-        Some(x) => {
-            for ((((p, &g), m), v), x) in p.iter_mut().zip(g).zip(m).zip(v).zip(x) {
-                rule::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, Some(x));
-            }
-        }
     }
 }
 
-/// [`chunk`] compiled for AVX2 (8 lanes instead of SSE2's 4). The results are the same bits:
-/// the compiler fuses no multiply-add without being told to, and AVX's division and square root
-/// are IEEE's, as SSE's are.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn chunk_avx2<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: Option<&mut [f32]>,
-) {
-    chunk::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, max);
-}
-
-/// [`chunk`], through [`chunk_avx2`] where the CPU has AVX2.
-fn chunk_best<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: Option<&mut [f32]>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for (checked just
-        // above; the detection is cached, so this costs one load per chunk).
-        unsafe { chunk_avx2::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, max) };
-        return;
-    }
-    chunk::<MAXIMIZE, DECAY, SMALL>(k, p, g, m, v, max);
-}
-
-/// The pass over a whole parameter, split in chunks over rayon's threads.
-fn pass<const MAXIMIZE: bool, const DECAY: u8, const SMALL: bool>(
-    k: &Consts,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: Option<&mut [f32]>,
-) {
-    let run = chunk_best::<MAXIMIZE, DECAY, SMALL>;
-    if p.len() <= CHUNK {
-        return run(k, p, g, m, v, max);
-    }
-    let chunks = p
-        .par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK));
-    match max {
-        None => chunks.for_each(|(((p, g), m), v)| run(k, p, g, m, v, None)),
-        Some(x) => chunks
-            .zip(x.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), x)| run(k, p, g, m, v, Some(x))),
-    }
-}
-
-type Pass = fn(&Consts, &mut [f32], &[f32], &mut [f32], &mut [f32], Option<&mut [f32]>);
+type Pass = fn(&Consts, &mut [f32], &[f32], Moments<'_>);
 
 /// The [`pass`] for the flags.
 fn pass_for(maximize: bool, decay: u8, small: bool) -> Pass {
     macro_rules! pick {
         ($($mx:literal, $d:ident, $s:literal);* $(;)?) => {
             match (maximize, decay, small) {
-                $(($mx, $d, $s) => pass::<$mx, $d, $s>,)*
+                $(($mx, $d, $s) => pass::<AdamRule<$mx, $d, $s>>,)*
                 _ => unreachable!("decay is one of the three kinds"),
             }
         };
@@ -282,11 +249,13 @@ pub(super) fn step_fused(
         neg_step_size: -s.step_size as f32,
     };
     let run = pass_for(o.maximize, decay, s.lerp_weight.abs() < 0.5);
-    let exp_avg = state.exp_avg.host()?;
-    let exp_avg_sq = state.exp_avg_sq.host()?;
-    let max = match &mut state.max_exp_avg_sq {
-        Some(b) => Some(b.host()?.as_mut_slice()),
-        None => None,
+    let moments = Moments {
+        exp_avg: state.exp_avg.host()?,
+        exp_avg_sq: state.exp_avg_sq.host()?,
+        max_exp_avg_sq: match &mut state.max_exp_avg_sq {
+            Some(b) => Some(b.host()?.as_mut_slice()),
+            None => None,
+        },
     };
-    fused::update_in_place(p, g, |p, g| run(&k, p, g, exp_avg, exp_avg_sq, max))
+    fused::update_in_place(p, g, |p, g| run(&k, p, g, moments))
 }
