@@ -93,6 +93,12 @@ mod linear;
 
 pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
 
+// Quantized weights: `quantize(&model, pattern, kind)`.
+mod quantize;
+
+pub use candle_core::quantized::GgmlDType;
+pub use quantize::{parse_quant_kind, quantize, QuantizeReport};
+
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
 mod container;
