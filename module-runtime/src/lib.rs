@@ -93,7 +93,10 @@ pub use module_hooks::{
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
 };
 pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
-pub use module_state::{Checkpoint, IncompatibleKeys, LoadOptions, LoadPostHookFn, StateDict};
+pub use module_state::{
+    permute_rows, Checkpoint, GgufFile, GgufValue, IncompatibleKeys, LoadOptions, LoadPostHookFn,
+    NameMap, StateDict,
+};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///
