@@ -138,7 +138,8 @@ pub use candle_nn;
 ///
 /// It also brings the inference and loading helpers the README writes bare: [`no_grad`],
 /// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
-/// [`expect_outputs`](crate::FunctionalExt::expect_outputs).
+/// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
+/// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
 pub mod prelude {
     pub use crate::nn::{quantize, GgmlDType, Linear};
     pub use crate::Recurrent;

@@ -91,7 +91,9 @@ pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActiv
 
 mod linear;
 
-pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
+pub use linear::{
+    LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, QUANTIZED_MAX_ROWS,
+};
 
 // Quantized weights: `quantize(&model, pattern, kind)`.
 mod quantize;

@@ -48,6 +48,12 @@ pub struct QuantizeReport {
 /// quantized layers have no parameters either). A gradient still flows back to the layer's
 /// input. `print(model)` shows `quantized=Q8_0` on each such layer. Biases stay in float.
 ///
+/// The quantized matmul runs for inputs of up to [`QUANTIZED_MAX_ROWS`](crate::QUANTIZED_MAX_ROWS)
+/// rows (decoding); for more (a prompt's prefill) the layer multiplies with the dequantized weight
+/// in float, which candle's kernels do faster, as llama.cpp dequantizes for large batches. Both
+/// use the quantized weight's values; the quantized kernel also rounds the input rows to 8 bits
+/// per block.
+///
 /// Tied weights stay tied: quantizing a `Linear` quantizes its weight for every alias. Another
 /// `Linear` holding it multiplies with the quantized weight too, and any other reader (a tied
 /// `Embedding`) reads the dequantized table — llama.cpp's semantics for a quantized
@@ -236,7 +242,7 @@ mod tests {
         let fc = Linear::new(64, 8, &dev).unwrap();
         let _ = quantize(&fc, "**", GgmlDType::Q8_0).unwrap();
         assert_eq!(fc.weight.quantized_dtype(), Some(GgmlDType::Q8_0));
-        let x = Tensor::randn(0f32, 1., (2, 3, 64), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1., (1, 3, 64), &dev).unwrap();
         let y = crate::without_grad(|| fc.forward(&x)).unwrap();
         let w = fc.weight.tensor().unwrap();
         let b = fc.bias.as_ref().unwrap().tensor().unwrap();
@@ -245,7 +251,8 @@ mod tests {
             .unwrap()
             .broadcast_add(&b)
             .unwrap();
-        assert_eq!(y.dims(), [2, 3, 8]);
+        assert_eq!(y.dims(), [1, 3, 8]);
+        assert!(max_diff(&y, &want) > 0.0); // the quantized kernel ran (it rounds the input)
         assert!(max_diff(&y, &want) < 0.02, "{}", max_diff(&y, &want));
         // Through the float path when the input needs a gradient: the weight gets none.
         let xv = Var::from_tensor(&x).unwrap();
