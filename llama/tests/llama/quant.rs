@@ -152,7 +152,7 @@ fn quantize_reports_layers_and_keeps_the_tied_embedding_working() {
     let wq = &model.model.layers[1].self_attn.q_proj.weight;
     assert_eq!(
         max_diff(
-            &sd.get("model.layers.1.self_attn.q_proj.weight").unwrap(),
+            sd.get("model.layers.1.self_attn.q_proj.weight").unwrap(),
             &wq.tensor().unwrap()
         ),
         0.0
@@ -227,7 +227,7 @@ fn q8_0_gguf_equals_quantize_of_the_safetensors_model() {
             p.quantized_dtype(),
             "{path}"
         );
-        let diff = max_diff(&theirs.get(&path).unwrap(), &p.tensor().unwrap());
+        let diff = max_diff(theirs.get(&path).unwrap(), &p.tensor().unwrap());
         // numpy rounds halves to even, candle away from zero: a rare value one step apart.
         assert!(diff < 2e-3, "{path}: {diff}");
     }

@@ -195,7 +195,9 @@ pub const QUANTIZED_MAX_ROWS: usize = 4;
 
 /// The number of rows of `x` (every dimension but the last).
 fn rows(x: &Tensor) -> usize {
-    x.dims().split_last().map_or(0, |(_, batch)| batch.iter().product())
+    x.dims()
+        .split_last()
+        .map_or(0, |(_, batch)| batch.iter().product())
 }
 
 /// `x Wᵀ + b` with a quantized `W` `[out, in]`: candle's quantized matmul over the rows of `x`
