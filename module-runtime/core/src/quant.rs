@@ -117,7 +117,7 @@ impl Param {
     /// ```
     /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, DType, Device, Tensor}};
     /// let w = Param::new(Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?)?;
-    /// let before = w.tensor()?;
+    /// let before = w.tensor()?.copy()?; // `tensor()` shares the Var's storage
     /// w.quantize(GgmlDType::Q8_0)?;
     /// assert_eq!((w.quantized_dtype(), w.requires_grad()), (Some(GgmlDType::Q8_0), false));
     /// assert_eq!((w.shape().dims(), w.dtype()), (&[4usize, 64][..], DType::F32)); // the logical shape

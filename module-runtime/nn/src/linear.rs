@@ -174,7 +174,6 @@ impl Linear {
 }
 
 layer_forward!(Linear, |layer, x| {
-    let bias = param_tensor(&layer.bias)?;
     match layer.weight.quantized() {
         // A quantized weight (`quantize`): candle's quantized matmul for a few rows (decoding),
         // unless a gradient must flow back through the input (that op records none). Otherwise
@@ -182,9 +181,10 @@ layer_forward!(Linear, |layer, x| {
         // (a prompt's prefill) the float GEMM is faster than candle's quantized kernel, which
         // has no blocking across rows (llama.cpp also dequantizes for large batches).
         Some(w) if rows(x) <= QUANTIZED_MAX_ROWS && !(x.track_op() && is_grad_enabled()) => {
-            quantized_linear(x, &w, bias)
+            quantized_linear(x, &w, param_tensor(&layer.bias)?)
         }
-        _ => linear(x, &layer.weight.tensor()?, bias),
+        // The weight first: an unloaded layer's error names its weight.
+        _ => linear(x, &layer.weight.tensor()?, param_tensor(&layer.bias)?),
     }
 });
 

@@ -122,6 +122,9 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
             report.quantized.push(path.clone());
             continue;
         }
+        if !weight.is_built() {
+            weight.var()?; // an unbuilt (lazy or empty) weight: its `NotLoaded` error
+        }
         let shape = weight.shape();
         if let Err(e) = check_quantizable(path, shape.dims(), kind) {
             first_misfit.get_or_insert(e);
@@ -281,6 +284,23 @@ mod tests {
         fc.weight.dequantize();
         assert!(fc.weight.requires_grad() && fc.weight.quantized().is_none());
         assert_eq!(fc.trainable_vars().unwrap().len(), 1);
+    }
+
+    /// A `LazyLinear` is quantized once built; before, its unbuilt weight is an error and
+    /// nothing changes.
+    #[test]
+    fn lazy_linears_quantize_once_built() {
+        let dev = Device::Cpu;
+        let fc = LazyLinear::new(4, &dev).unwrap();
+        let err = quantize(&fc, "**", GgmlDType::Q8_0).unwrap_err();
+        assert!(matches!(err, Error::NotLoaded { .. }), "{err}");
+        let x = Tensor::randn(0f32, 1., (1, 64), &dev).unwrap();
+        let before = fc.forward(&x).unwrap();
+        let report = quantize(&fc, "**", GgmlDType::Q8_0).unwrap();
+        assert_eq!(report.quantized, [""]);
+        let after = crate::without_grad(|| fc.forward(&x)).unwrap();
+        assert!(max_diff(&before, &after) < 0.05);
+        assert!(fc.weight.is_quantized());
     }
 
     /// Patterns select module paths; a weight shared by two layers is quantized once and both
