@@ -16,7 +16,17 @@
 //! script (a fresh process: the same seeded model, its own prompt, 2 threads) and its line is
 //! printed per round.
 //!
+//! Without `$PYTORCH` and without a model in that folder, a random model of the same shape is made
+//! in Rust instead (`LlamaForCausalLM::new`, PyTorch's default initializations) and saved there.
+//!
 //! Both candle sides run on `RAYON_NUM_THREADS` threads (2 unless set).
+//!
+//! Quantized weights (issue 30's item 4): `QUANTIZE=q8_0,q4_0,q4_k` adds, per kind, our model with
+//! `quantize(&model, "**", kind)` (`prefill` and decode), interleaved with the others in each round:
+//!
+//! ```text
+//! QUANTIZE=q8_0,q4_0 LLAMA_BENCH_DIR=/tmp/smollm cargo bench -p llama --bench decode -- 5
+//! ```
 //!
 //! Ours: prefill is `scan` over the prompt (logits of every position, as PyTorch's `m(ids)`) and
 //! `prefill` (the last position's logits only, as candle-transformers' `forward`); decode is 64
@@ -29,8 +39,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_transformers::models::llama as peer;
-use llama::LlamaForCausalLM;
+use llama::{LlamaConfig, LlamaForCausalLM};
 use module_runtime::candle_nn::VarBuilder;
+use module_runtime::nn::{parse_quant_kind, quantize};
 use module_runtime::prelude::*;
 
 const PROMPT: usize = 128;
@@ -125,17 +136,14 @@ fn main() -> AnyResult<()> {
         .map(PathBuf::from)
         .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
     if !dir.join("model.safetensors").is_file() {
-        let Some(python) = &pytorch else {
-            eprintln!(
-                "*** SKIPPED: no model in {} and no $PYTORCH to make it with {} ***",
-                dir.display(),
-                script.display()
-            );
-            return Ok(());
-        };
-        let status = Command::new(python).arg(&script).arg(&dir).status()?;
-        if !status.success() {
-            return Err(format!("{} failed to make the model", script.display()).into());
+        match &pytorch {
+            Some(python) => {
+                let status = Command::new(python).arg(&script).arg(&dir).status()?;
+                if !status.success() {
+                    return Err(format!("{} failed to make the model", script.display()).into());
+                }
+            }
+            None => make_random_model(&dir)?,
         }
     }
     let device = Device::Cpu;
@@ -158,22 +166,38 @@ fn main() -> AnyResult<()> {
         })
         .collect();
     let prompt = Tensor::from_vec(ids, (1, PROMPT), &device)?;
+    let quantized = quantized_models(&dir, &device)?;
 
     // Warm-up: page in the weights, size the allocators.
     ours(&model, &prompt, false)?;
     candle_transformers(&candle, &config, &prompt)?;
+    for (_, q) in &quantized {
+        ours(q, &prompt, false)?;
+    }
 
-    let mut results: Vec<(&str, Vec<Timing>)> = vec![
-        ("ours, scan (all logits)", Vec::new()),
-        ("ours, prefill (last logits)", Vec::new()),
-        ("candle-transformers llama", Vec::new()),
+    let mut results: Vec<(String, Vec<Timing>)> = vec![
+        ("ours, scan (all logits)".to_owned(), Vec::new()),
+        ("ours, prefill (last logits)".to_owned(), Vec::new()),
+        ("candle-transformers llama".to_owned(), Vec::new()),
     ];
+    for (name, _) in &quantized {
+        results.push((format!("ours {name}, prefill"), Vec::new()));
+    }
     for round in 0..rounds {
         results[0].1.push(ours(&model, &prompt, true)?);
         results[1].1.push(ours(&model, &prompt, false)?);
         results[2]
             .1
             .push(candle_transformers(&candle, &config, &prompt)?);
+        for (i, (name, q)) in quantized.iter().enumerate() {
+            let t = ours(q, &prompt, false)?;
+            println!(
+                "round {round}: ours {name} prefill {:.0} tokens/s, decode {:.1} tokens/s",
+                PROMPT as f64 / t.prefill,
+                NEW as f64 / t.decode
+            );
+            results[3 + i].1.push(t);
+        }
         if let Some(python) = &pytorch {
             let out = Command::new(python).arg(&script).output()?;
             let text = String::from_utf8_lossy(&out.stdout);
@@ -197,8 +221,59 @@ fn main() -> AnyResult<()> {
     println!("\nmedians over {rounds} rounds (f32, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):");
     for (name, timings) in &results {
         let prefill = median(timings.iter().map(|t| PROMPT as f64 / t.prefill).collect());
-        let decode = median(timings.iter().map(|t| NEW as f64 / t.decode).collect());
-        println!("{name:32} prefill {prefill:6.0} tokens/s   decode {decode:5.1} tokens/s");
+        let rates: Vec<f64> = timings.iter().map(|t| NEW as f64 / t.decode).collect();
+        let (lo, hi) = rates
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        let decode = median(rates);
+        println!(
+            "{name:32} prefill {prefill:6.0} tokens/s   decode {decode:5.1} tokens/s ({lo:.1}–{hi:.1})"
+        );
     }
+    Ok(())
+}
+
+/// `$QUANTIZE`'s kinds (`q8_0,q4_0`), each a model read from `dir` and quantized with `"**"`.
+fn quantized_models(dir: &Path, device: &Device) -> AnyResult<Vec<(String, LlamaForCausalLM)>> {
+    let Ok(kinds) = std::env::var("QUANTIZE") else {
+        return Ok(Vec::new());
+    };
+    let mut models = Vec::new();
+    for name in kinds.split(',').filter(|k| !k.is_empty()) {
+        let model = LlamaForCausalLM::from_pretrained(dir, device)?;
+        let report = quantize(&model, "**", parse_quant_kind(name)?)?;
+        println!(
+            "{name}: {} Linear layers quantized, {} kept in float32 (rows not a multiple of the block)",
+            report.quantized.len(),
+            report.kept_float.len()
+        );
+        models.push((name.to_owned(), model));
+    }
+    Ok(models)
+}
+
+/// A random Llama shaped like SmolLM-135M, made in Rust (PyTorch's default initializations) and
+/// saved to `dir` with its `config.json`, for a run without PyTorch.
+fn make_random_model(dir: &Path) -> AnyResult<()> {
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": true, "bos_token_id": 0,
+        "eos_token_id": 0,
+    });
+    let config = LlamaConfig::from_json(&json)?;
+    eprintln!(
+        "making a random SmolLM-135M-shaped model in {}",
+        dir.display()
+    );
+    let model = LlamaForCausalLM::new(&config, &Device::Cpu)?;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    model.save_safetensors(dir.join("model.safetensors"))?;
     Ok(())
 }

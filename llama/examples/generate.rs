@@ -12,6 +12,15 @@
 //! them. With `--text` (the folder needs a `tokenizer.json`) each stdin line is text, encoded with
 //! the tokenizer's special tokens, and each output line is the generated text as a JSON string.
 //! Nothing else goes to stdout.
+//!
+//! Quantized weights: `--quantize q8_0` (or `q4_0`, `q4_k`, …) quantizes the model's `Linear`
+//! layers after loading; `--model` may also be a llama.cpp `.gguf` file (quantized or not; its
+//! tokenizer is not read, so no `--text`):
+//!
+//! ```text
+//! echo '[242, 175, 307]' | cargo run --release -p llama --example generate -- \
+//!     --model llama/tests/fixtures/tiny-llama-q8_0.gguf --max-new-tokens 40
+//! ```
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -20,15 +29,19 @@ use candle_module::device_or_env;
 use clap::Parser;
 use llama::json_lines::generate_json_lines;
 use llama::{generate, GenerationConfig, LlamaForCausalLM};
+use module_runtime::nn::{parse_quant_kind, quantize};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 /// Generate after each prompt on stdin (JSON arrays of token ids, or text with --text).
 #[derive(Parser)]
 struct Args {
-    /// The checkpoint folder (config.json, model.safetensors or its index; tokenizer.json for --text)
+    /// The checkpoint folder (config.json, model.safetensors or its index; tokenizer.json for --text), or a .gguf file
     #[arg(long, value_name = "DIR")]
     model: PathBuf,
+    /// Quantize the Linear layers' weights after loading: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, …
+    #[arg(long, value_name = "KIND")]
+    quantize: Option<String>,
     /// The most tokens to generate per prompt
     #[arg(long, value_name = "N")]
     max_new_tokens: usize,
@@ -60,7 +73,19 @@ fn main() -> AnyResult<()> {
     module_runtime::reuse_freed_memory();
     let args = Args::parse();
     let device = device_or_env(args.device.as_deref())?;
-    let model = LlamaForCausalLM::from_pretrained(&args.model, &device)?;
+    let model = if args.model.extension().is_some_and(|e| e == "gguf") {
+        LlamaForCausalLM::from_gguf(&args.model, &device)?
+    } else {
+        LlamaForCausalLM::from_pretrained(&args.model, &device)?
+    };
+    if let Some(kind) = &args.quantize {
+        let report = quantize(&model, "**", parse_quant_kind(kind)?)?;
+        eprintln!(
+            "{kind}: {} Linear layers quantized, {} kept in float (rows not a multiple of the block)",
+            report.quantized.len(),
+            report.kept_float.len()
+        );
+    }
     let config = GenerationConfig {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,

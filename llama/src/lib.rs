@@ -6,6 +6,7 @@
 //! - [`model`]: the layers (attention, SwiGLU, decoder layer, stack);
 //! - [`causal_lm`]: the model with its head, loading, prefill (`scan`) and decoding (`step`);
 //! - [`cache`]: the key/value cache;
+//! - [`gguf`]: llama.cpp's GGUF files (quantized weights) by Hugging Face's names;
 //! - [`generate`](mod@generate): logits processing, sampling and the generation loop;
 //! - [`json_lines`]: the `generate` example's JSON-lines input and output.
 
@@ -13,6 +14,7 @@ pub mod cache;
 pub mod causal_lm;
 pub mod config;
 pub mod generate;
+pub mod gguf;
 pub mod json_lines;
 pub mod model;
 
@@ -20,3 +22,4 @@ pub use cache::KvCache;
 pub use causal_lm::LlamaForCausalLM;
 pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{generate, GenerationConfig};
+pub use gguf::{config_from_gguf, llama_names};

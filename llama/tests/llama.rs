@@ -12,6 +12,8 @@ use module_runtime::prelude::*;
 
 #[path = "llama/gqa.rs"]
 mod gqa;
+#[path = "llama/quant.rs"]
+mod quant;
 #[path = "llama/sampling.rs"]
 mod sampling;
 

@@ -82,8 +82,8 @@ pub use module_core::{
     py_bool, py_float, py_tuple, reuse_freed_memory, short_type_name, without_grad, Buffer, Child,
     ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward, GradModeGuard,
     HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode, Module, Name,
-    Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind, Result, Shared, Summary,
-    SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
+    Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind, QuantizeError, Result,
+    Shared, Summary, SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
@@ -93,7 +93,10 @@ pub use module_hooks::{
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
 };
 pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
-pub use module_state::{Checkpoint, IncompatibleKeys, LoadOptions, LoadPostHookFn, StateDict};
+pub use module_state::{
+    permute_rows, Checkpoint, GgufFile, GgufValue, IncompatibleKeys, LoadOptions, LoadPostHookFn,
+    NameMap, StateDict,
+};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///
@@ -135,9 +138,10 @@ pub use candle_nn;
 ///
 /// It also brings the inference and loading helpers the README writes bare: [`no_grad`],
 /// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
-/// [`expect_outputs`](crate::FunctionalExt::expect_outputs).
+/// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
+/// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
 pub mod prelude {
-    pub use crate::nn::Linear;
+    pub use crate::nn::{quantize, GgmlDType, Linear};
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, no_grad, without_grad};
     pub use crate::{

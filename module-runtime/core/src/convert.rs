@@ -8,8 +8,14 @@ use crate::module::Module;
 use crate::names::{named_buffers, named_parameters, Names};
 use crate::param::Param;
 
-/// Moves every parameter and buffer under `root` to `device`.
+/// Moves every parameter and buffer under `root` to `device`; quantized weights move with their
+/// parameters.
 pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
+    let quantized: Vec<(Param, _)> = named_parameters(root, &Names::new())
+        .into_iter()
+        .filter(|(_, p)| p.is_quantized())
+        .map(|(_, p)| p.quant_on(device).map(|q| (p, q)))
+        .collect::<Result<_>>()?;
     convert(
         root,
         |p| match p.device().same_device(device) {
@@ -20,7 +26,11 @@ pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
             true => Ok(None),
             false => Ok(Some(b.current().to_device(device)?)),
         },
-    )
+    )?;
+    for (p, q) in quantized {
+        p.replace_quant(q);
+    }
+    Ok(())
 }
 
 /// Converts every floating-point parameter and buffer under `root` to the floating-point `dtype`.

@@ -14,9 +14,9 @@
 //! |---|---|
 //! | `type_name`, `lazy_shape`, `pattern`, `entries` | names, lazy shapes, path patterns, values by key in insertion order |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
-//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`); its message helpers and conversions (`messages`) |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
-//! | `param`, `buffer`, `scope` | leaves, the functional scope |
+//! | `param`, `quant`, `buffer`, `scope` | leaves (a parameter's quantized weight: `quant`), the functional scope |
 //! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
 //! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
@@ -65,6 +65,8 @@ pub mod path;
 #[doc(hidden)]
 pub mod pattern;
 #[doc(hidden)]
+pub mod quant;
+#[doc(hidden)]
 pub mod report;
 #[doc(hidden)]
 pub mod repr;
@@ -86,7 +88,9 @@ mod memory;
 
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
-pub use error::{DistributedError, Error, OutputDivergence, PthErrorKind, Result, Tolerance};
+pub use error::{
+    DistributedError, Error, OutputDivergence, PthErrorKind, QuantizeError, Result, Tolerance,
+};
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
 pub use grad_mode::{

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::identity::{self, ModeMarks};
 use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
+use crate::quant::QuantSlot;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
 ///
@@ -46,13 +47,15 @@ use crate::lazy_shape::LazyShape;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 #[derive(Clone)]
-pub struct Param(Arc<ParamInner>);
+pub struct Param(pub(crate) Arc<ParamInner>);
 
-struct ParamInner {
+pub(crate) struct ParamInner {
     /// Train/eval flags of the modules this is the first leaf of.
     modes: ModeMarks,
-    var: LazyCell<Var>,
+    pub(crate) var: LazyCell<Var>,
     requires_grad: AtomicBool,
+    /// The quantized weight, when the parameter is quantized (`quant.rs`).
+    pub(crate) quant: QuantSlot,
 }
 
 impl Param {
@@ -76,6 +79,7 @@ impl Param {
             modes: ModeMarks::default(),
             var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(true),
+            quant: QuantSlot::default(),
         }))
     }
 
@@ -105,6 +109,7 @@ impl Param {
             modes: ModeMarks::default(),
             var: LazyCell::lazy(shape, init, dtype, device)?,
             requires_grad: AtomicBool::new(true),
+            quant: QuantSlot::default(),
         })))
     }
 
@@ -140,6 +145,7 @@ impl Param {
             modes: ModeMarks::default(),
             var: LazyCell::init(&shape.into(), init, fan_in, dtype, device)?,
             requires_grad: AtomicBool::new(true),
+            quant: QuantSlot::default(),
         })))
     }
 
@@ -259,12 +265,15 @@ impl Param {
         self.read().clone()
     }
 
-    /// Whether the parameter is trained (PyTorch's `requires_grad`). New parameters are.
+    /// Whether the parameter is trained (PyTorch's `requires_grad`). New parameters are; a
+    /// [quantized](Self::quantize) one never is.
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad.load(Ordering::Relaxed)
+        self.0.requires_grad.load(Ordering::Relaxed) && !self.is_quantized()
     }
 
-    /// Freezes (`false`) or unfreezes (`true`) this parameter and every alias of it.
+    /// Freezes (`false`) or unfreezes (`true`) this parameter and every alias of it. A
+    /// [quantized](Self::quantize) parameter stays frozen until it is
+    /// [dequantized](Self::dequantize); the flag is kept for then.
     pub fn set_requires_grad(&self, requires_grad: bool) {
         self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
     }
@@ -294,7 +303,18 @@ impl Param {
     ///
     /// An unbuilt parameter is built from `value` instead (its init recipe is not used): the
     /// shape must be one its [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
+    ///
+    /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again (its float
+    /// value becomes the quantized one's, as [`quantize`](Self::quantize) leaves it).
     pub fn set(&self, value: &Tensor) -> Result<()> {
+        match self.quantized_dtype() {
+            Some(kind) => self.set_requantized(value, kind),
+            None => self.set_value(value),
+        }
+    }
+
+    /// [`set`](Self::set) without quantizing.
+    pub(crate) fn set_value(&self, value: &Tensor) -> Result<()> {
         if self.0.var.build_from(value)? {
             return Ok(());
         }
@@ -318,21 +338,36 @@ impl Param {
     ///
     /// The shape must be the parameter's (or one an unbuilt parameter accepts) and the dtype a
     /// floating-point one.
+    ///
+    /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again, as
+    /// [`set`](Self::set) does.
     pub fn assign(&self, value: &Tensor) -> Result<()> {
         check_float(value)?;
         let value = value.to_device(&self.0.var.device())?;
-        self.0.var.assign(value)
+        match self.quantized_dtype() {
+            Some(kind) => {
+                let (q, deq) = crate::quant::quantize_value(&value, kind, value.dtype())?;
+                self.0.var.assign(deq)?;
+                self.0.quant.store(Some(q));
+                Ok(())
+            }
+            None => self.0.var.assign(value),
+        }
     }
 
-    /// Moves the parameter to `device` (a no-op when it is already there).
+    /// Moves the parameter to `device` (a no-op when it is already there); a quantized weight
+    /// moves with it.
     pub fn to_device(&self, device: &Device) -> Result<()> {
+        let quant = self.quant_on(device)?;
         self.replace_with(|t| {
             if t.device().same_device(device) {
                 Ok(None)
             } else {
                 Ok(Some(t.to_device(device)?))
             }
-        })
+        })?;
+        self.0.quant.store(quant);
+        Ok(())
     }
 
     /// Converts the parameter to the floating-point `dtype` (a no-op when it already has it).
@@ -373,7 +408,8 @@ impl Param {
         Ok(Self(Arc::new(ParamInner {
             modes: self.0.modes.snapshot(),
             var: LazyCell::eager(Var::from_tensor(&value)?),
-            requires_grad: AtomicBool::new(self.requires_grad()),
+            requires_grad: AtomicBool::new(self.0.requires_grad.load(Ordering::Relaxed)),
+            quant: QuantSlot::with(self.0.quant.load()),
         })))
     }
 
@@ -404,6 +440,9 @@ impl std::fmt::Debug for Param {
             Some(shape) => f.field("unbuilt", &format_args!("{shape}")),
             None => f.field("shape", &var.shape().dims()),
         };
+        if let Some(kind) = self.quantized_dtype() {
+            f.field("quantized", &kind);
+        }
         f.field("dtype", &var.dtype())
             .field("device", &var.device().location())
             .field("requires_grad", &self.requires_grad())

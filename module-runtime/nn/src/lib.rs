@@ -92,7 +92,15 @@ pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActiv
 
 mod linear;
 
-pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
+pub use linear::{
+    LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, QUANTIZED_MAX_ROWS,
+};
+
+// Quantized weights: `quantize(&model, pattern, kind)`.
+mod quantize;
+
+pub use candle_core::quantized::GgmlDType;
+pub use quantize::{parse_quant_kind, quantize, QuantizeReport};
 
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;

@@ -13,6 +13,7 @@
 //! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values |
 //! | `io` | safetensors reading and writing, sharded Hugging Face checkpoints |
 //! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
+//! | `gguf` | [`GgufFile`]: llama.cpp's GGUF files, quantized tensors loaded through a [`NameMap`] |
 #![warn(missing_docs)]
 
 // The core's modules and items, under the names this crate's files use (`crate::param::Param`).
@@ -25,6 +26,8 @@ use module_core::{KeyFix, KeyRule};
 #[doc(hidden)]
 pub mod checkpoint;
 #[doc(hidden)]
+pub mod gguf;
+#[doc(hidden)]
 pub mod io;
 #[doc(hidden)]
 pub mod load_hooks;
@@ -36,5 +39,6 @@ pub mod state;
 pub mod suggest;
 
 pub use checkpoint::Checkpoint;
+pub use gguf::{permute_rows, GgufFile, GgufValue, NameMap};
 pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
 pub use state::{LoadOptions, StateDict};

@@ -7,11 +7,13 @@ mod distributed;
 mod divergence;
 mod messages;
 mod pth;
+mod quantize;
 
 pub use distributed::DistributedError;
 pub use divergence::{OutputDivergence, Tolerance};
 pub use messages::location_name;
 pub use pth::PthErrorKind;
+pub use quantize::QuantizeError;
 
 use messages::{
     at, at_offset, file_prefix, flattened_fields, list_children, module_at, near_matches,
@@ -254,6 +256,11 @@ pub enum Error {
     /// built different models; see [`DistributedError`](DistributedError).
     #[error(transparent)]
     Distributed(#[from] DistributedError),
+
+    /// Quantized weights: a pattern matching no `Linear`, a weight the kind's blocks do not fit,
+    /// an unusable GGUF file; see [`QuantizeError`].
+    #[error(transparent)]
+    Quantize(#[from] QuantizeError),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]

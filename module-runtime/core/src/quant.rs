@@ -1,0 +1,212 @@
+//! Quantized parameters: a [`Param`] that holds a quantized weight (candle's [`QTensor`]) for
+//! `Linear` layers to multiply with, PyTorch's dynamically quantized weights.
+//!
+//! The design, in short: the quantized weight lives in the parameter's shared cell, next to its
+//! `Var`, so every alias of a tied weight sees it, and the model's type does not change (a
+//! quantized `Linear` is still a `Linear`). The `Var` keeps the *dequantized* values — exactly
+//! what the model computes with — so everything that reads the parameter as a tensor stays
+//! right: an `Embedding` tied to a quantized head looks up the quantized table (as llama.cpp does
+//! with a quantized `token_embd`), `state_dict` saves the values the model uses (dequantized,
+//! nothing lost, nothing silently different), and shape, dtype and device are the logical ones.
+//! The price is memory: the float copy stays resident beside the quantized one.
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{QuantizeError, Result};
+use crate::param::Param;
+
+/// Where a [`Param`] keeps its quantized weight: a flag read on every forward (one relaxed atomic
+/// load, so float parameters pay nothing more) and the weight behind a lock.
+#[derive(Default)]
+pub(crate) struct QuantSlot {
+    on: AtomicBool,
+    weight: RwLock<Option<Arc<QTensor>>>,
+}
+
+impl QuantSlot {
+    /// A slot holding `weight`.
+    pub(crate) fn with(weight: Option<Arc<QTensor>>) -> Self {
+        let slot = Self::default();
+        slot.store(weight);
+        slot
+    }
+
+    #[inline]
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn load(&self) -> Option<Arc<QTensor>> {
+        if !self.is_on() {
+            return None;
+        }
+        self.weight
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn store(&self, weight: Option<Arc<QTensor>>) {
+        let mut slot = self.weight.write().unwrap_or_else(|e| e.into_inner());
+        self.on.store(weight.is_some(), Ordering::Release);
+        *slot = weight;
+    }
+}
+
+/// Checks that `kind` is a quantization whose blocks fit the rows of a weight of shape `dims`.
+pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<()> {
+    if matches!(kind, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+        return Err(QuantizeError::FloatKind { kind }.into());
+    }
+    let block_size = kind.block_size();
+    match dims {
+        [_, cols] if cols % block_size == 0 => Ok(()),
+        _ => Err(QuantizeError::BlockSize {
+            path: path.to_owned(),
+            shape: dims.into(),
+            kind,
+            block_size,
+        }
+        .into()),
+    }
+}
+
+/// `value` quantized to `kind`, and the quantized values back as floats of `dtype`.
+pub(crate) fn quantize_value(
+    value: &Tensor,
+    kind: GgmlDType,
+    dtype: DType,
+) -> Result<(Arc<QTensor>, Tensor)> {
+    check_quantizable("parameter", value.dims(), kind)?;
+    let q = QTensor::quantize(&value.contiguous()?, kind)?;
+    let deq = q.dequantize(value.device())?.to_dtype(dtype)?;
+    Ok((Arc::new(q), deq))
+}
+
+/// `q` on `device` (the same tensor when it is there already).
+fn qtensor_on(q: &Arc<QTensor>, device: &Device) -> Result<Arc<QTensor>> {
+    if q.device().same_device(device) {
+        return Ok(q.clone());
+    }
+    let storage = QStorage::from_data(Cow::Borrowed(&q.data()?), device, q.dtype())?;
+    Ok(Arc::new(QTensor::new(storage, q.shape().clone())?))
+}
+
+impl Param {
+    /// Quantizes the parameter in place to `kind` (`GgmlDType::Q8_0`, `Q4_0`, `Q4K`, …), for
+    /// every alias at once: PyTorch's dynamically quantized weight. `Linear` layers holding it
+    /// multiply with candle's quantized matmul from then on.
+    ///
+    /// The parameter keeps its logical shape, dtype and device, and its float value becomes the
+    /// quantized one's (dequantized): reading it as a tensor ([`tensor`](Self::tensor), a state
+    /// dict) gives the values the model computes with. A quantized parameter is not trained:
+    /// [`requires_grad`](Self::requires_grad) is `false` and it is left out of
+    /// `trainable_vars`, until [`dequantize`](Self::dequantize). Loading a value into it
+    /// ([`set`](Self::set), a state dict) quantizes the value again.
+    ///
+    /// The weight must be a built matrix whose rows (`in_features`) are a multiple of the kind's
+    /// block size (32 for `q8_0`/`q4_0`, 256 for the k-quants), else
+    /// [`QuantizeError::BlockSize`]; float kinds are [`QuantizeError::FloatKind`]. Whole models
+    /// are quantized by path pattern with `module_runtime::nn::quantize`.
+    ///
+    /// ```
+    /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, DType, Device, Tensor}};
+    /// let w = Param::new(Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?)?;
+    /// let before = w.tensor()?.copy()?; // `tensor()` shares the Var's storage
+    /// w.quantize(GgmlDType::Q8_0)?;
+    /// assert_eq!((w.quantized_dtype(), w.requires_grad()), (Some(GgmlDType::Q8_0), false));
+    /// assert_eq!((w.shape().dims(), w.dtype()), (&[4usize, 64][..], DType::F32)); // the logical shape
+    /// let err = (w.tensor()? - before)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(err > 0.0 && err < 0.05); // the dequantized values, within q8_0's step
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn quantize(&self, kind: GgmlDType) -> Result<()> {
+        let value = self.var()?.as_tensor().detach();
+        let (q, deq) = quantize_value(&value, kind, value.dtype())?;
+        self.set_value(&deq)?;
+        self.0.quant.store(Some(q));
+        Ok(())
+    }
+
+    /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value: its
+    /// float value becomes `weight` dequantized (to the parameter's dtype, on its device, where the
+    /// quantized weight is moved too), and `Linear` layers multiply with `weight`, as after
+    /// [`quantize`](Self::quantize). The shape must be the parameter's (an unbuilt parameter is
+    /// built with it). A float `weight` (`F32`, `F16`, `BF16`) is loaded as a plain value.
+    pub fn set_quantized(&self, weight: impl Into<Arc<QTensor>>) -> Result<()> {
+        let weight: Arc<QTensor> = weight.into();
+        let device = self.0.var.device();
+        let deq = weight.dequantize(&device)?.to_dtype(self.0.var.dtype())?;
+        if matches!(
+            weight.dtype(),
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+        ) {
+            return self.set(&deq);
+        }
+        let weight = qtensor_on(&weight, &device)?;
+        self.set_value(&deq)?;
+        self.0.quant.store(Some(weight));
+        Ok(())
+    }
+
+    /// The quantized weight to multiply with, if the parameter is quantized — `None` for a float
+    /// parameter (one atomic load: cheap enough for every forward) and inside a functional call
+    /// that substitutes the parameter (the substituted tensor is what counts then).
+    #[inline]
+    pub fn quantized(&self) -> Option<Arc<QTensor>> {
+        if !self.0.quant.is_on() {
+            return None;
+        }
+        if crate::scope::active() && crate::scope::param(self.id()).is_some() {
+            return None;
+        }
+        self.0.quant.load()
+    }
+
+    /// Whether the parameter holds a quantized weight.
+    #[inline]
+    pub fn is_quantized(&self) -> bool {
+        self.0.quant.is_on()
+    }
+
+    /// The kind of the quantized weight (`Q8_0`, …), or `None` for a float parameter.
+    pub fn quantized_dtype(&self) -> Option<GgmlDType> {
+        self.0.quant.load().map(|q| q.dtype())
+    }
+
+    /// Drops the quantized weight: the parameter keeps its (dequantized) float value, `Linear`
+    /// layers multiply with it again, and it trains again unless it was frozen before. A no-op on
+    /// a float parameter.
+    pub fn dequantize(&self) {
+        self.0.quant.store(None);
+    }
+
+    /// The quantized weight moved to `device`, for a move that commits it afterwards (`None` when
+    /// the parameter is not quantized).
+    pub fn quant_on(&self, device: &Device) -> Result<Option<Arc<QTensor>>> {
+        self.0
+            .quant
+            .load()
+            .map(|q| qtensor_on(&q, device))
+            .transpose()
+    }
+
+    /// Installs a quantized weight computed by [`quant_on`](Self::quant_on) (a model's move).
+    pub fn replace_quant(&self, weight: Option<Arc<QTensor>>) {
+        self.0.quant.store(weight);
+    }
+
+    /// [`set`](Self::set) on a quantized parameter: `value` quantized to `kind`, then taken.
+    pub(crate) fn set_requantized(&self, value: &Tensor, kind: GgmlDType) -> Result<()> {
+        let value = value.to_device(&self.0.var.device())?;
+        let (q, deq) = quantize_value(&value, kind, self.0.var.dtype())?;
+        self.set_value(&deq)?;
+        self.0.quant.store(Some(q));
+        Ok(())
+    }
+}
