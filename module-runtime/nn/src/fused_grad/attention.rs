@@ -53,28 +53,7 @@ pub(crate) fn attention(
     } else {
         None
     };
-    attention_with_draws(q, k, v, mask, options, d, draws)
-}
-
-/// [`attention`] with given dropout draws (`[B, Hq, L, S]`, contiguous).
-fn attention_with_draws(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    options: AttentionOptions,
-    d: &Dims,
-    draws: Option<Tensor>,
-) -> Result<Tensor> {
-    let op = Attention {
-        mask: mask.cloned(),
-        draws,
-        causal: options.causal,
-        scale: options.scale as f32,
-        p: options.dropout_p as f32,
-        keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
-        dims: [d.b, d.hq, d.h, d.l, d.s, d.e, d.ev],
-    };
+    let op = Attention::new(mask, options, d, draws);
     Ok(q.apply_op3(k, v, op)?.transpose(1, 2)?)
 }
 
@@ -105,6 +84,25 @@ fn cpu<'a>(storage: &'a Storage, what: &str) -> candle_core::Result<&'a CpuStora
 }
 
 impl Attention {
+    /// The op over `mask` (broadcast to `[B, Hq, L, S]`) with dropout's `draws` (`[B, Hq, L, S]`,
+    /// contiguous; `None` without dropout).
+    fn new(
+        mask: Option<&Tensor>,
+        options: AttentionOptions,
+        d: &Dims,
+        draws: Option<Tensor>,
+    ) -> Self {
+        Self {
+            mask: mask.cloned(),
+            draws,
+            causal: options.causal,
+            scale: options.scale as f32,
+            p: options.dropout_p as f32,
+            keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
+            dims: [d.b, d.hq, d.h, d.l, d.s, d.e, d.ev],
+        }
+    }
+
     fn dims(&self) -> Dims {
         let [b, hq, h, l, s, e, ev] = self.dims;
         Dims {
@@ -358,8 +356,8 @@ mod tests {
             dropout_p: p,
         };
         let full_mask = mask.broadcast_as((b, h, l, s))?;
-        let fused =
-            attention_with_draws(&q, &k, &v, Some(&full_mask), options, &dims, Some(draws))?;
+        let op = Attention::new(Some(&full_mask), options, &dims, Some(draws));
+        let fused = q.apply_op3(&k, &v, op)?.transpose(1, 2)?;
         let reference = composed(&q, &k, &v, &mask, scale, &factors)?;
         let upstream = Tensor::randn(0f32, 1., (b, h, l, e), &dev)?;
         let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
