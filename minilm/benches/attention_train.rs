@@ -22,19 +22,14 @@ use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{without_fusion, Dropout, Softmax};
 use module_runtime::prelude::*;
 
+#[path = "support/mod.rs"]
+mod support;
+
 /// Forward and backward milliseconds of one call.
 type Timing = (f64, f64);
 
 fn main() -> Result<()> {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // SAFETY: single-threaded here: nothing reads the environment concurrently.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", "2") };
-    }
-    let rounds: usize = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with('-'))
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(50);
+    let rounds = support::threads_and_rounds(50);
     let dev = Device::Cpu;
     let (b, h, l, e) = (8, 12, 25, 32);
     let scale = 1.0 / (e as f64).sqrt();

@@ -46,16 +46,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     // Freed tensors' memory reused from step to step, as the README advises (glibc's allocator
     // would hand it back and fault it in again every step).
     module_runtime::reuse_freed_memory();
-    // Two threads, as PyTorch's side (`torch.set_num_threads(2)`). Set, the variable also spares
-    // candle's every matmul a read of /proc/cpuinfo (to count physical cores). Still
-    // single-threaded here: nothing reads the environment concurrently.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", "2");
-    }
-    let rounds: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(30);
+    let rounds = support::threads_and_rounds(30);
     let Some(dir) = minilm_dir() else {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return Ok(());

@@ -13,17 +13,12 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
+#[path = "support/mod.rs"]
+mod support;
+
 fn main() -> candle_core::Result<()> {
     // Two threads, as the other benchmarks (and PyTorch's side of them).
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        // SAFETY: single-threaded here: nothing reads the environment concurrently.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", "2") };
-    }
-    let rounds: usize = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with('-'))
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(40);
+    let rounds = support::threads_and_rounds(40);
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (32 * 25, 384), &dev)?;
     let weights = (0..3)

@@ -8,6 +8,21 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert;
 
+/// What every benchmark sets first: two threads, as PyTorch's side (`torch.set_num_threads(2)`),
+/// unless `RAYON_NUM_THREADS` says otherwise (set, the variable also spares candle's every matmul a
+/// read of /proc/cpuinfo to count physical cores); and the number of rounds, the first numeric
+/// argument (`default` without one). Call it before any other thread starts: it writes the
+/// environment.
+pub fn threads_and_rounds(default: usize) -> usize {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "2");
+    }
+    std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Sentences per batch (DESIGN.md §6).
 pub const BATCH: usize = 32;
 /// Tokens per sentence.
