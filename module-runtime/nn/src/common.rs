@@ -456,6 +456,20 @@ impl PyValue for bool {
     }
 }
 
+/// The largest absolute difference between two tensors of one shape: what the crate's unit tests
+/// compare paths with.
+#[cfg(test)]
+pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     /// The in-place bias add gives `broadcast_add`'s values bit for bit, along any dimension.

@@ -1,18 +1,8 @@
 //! Tests of `layer_norm.rs`: fused and composed paths agree, float64 norms, `call_residual`, shapes.
 
 use super::*;
+use crate::common::max_diff;
 use crate::{Forward, ModuleExt};
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
 
 /// With frozen parameters and a plain input nothing needs a gradient: the fused kernel runs, and
 /// it agrees with the differentiable path.

@@ -221,21 +221,9 @@ fn weight_path(layer: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::common::max_diff;
     use crate::{Forward, ModuleExt};
     use candle_core::{Device, Tensor, Var};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
 
     /// The quantized matmul gives the float matmul over the dequantized weight, up to the
     /// blockwise quantization of the input it does; a gradient still reaches the input.

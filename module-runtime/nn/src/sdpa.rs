@@ -70,16 +70,18 @@ pub fn scaled_dot_product_attention(
     let (shape, mask) = check(query, key, value, attn_mask, &options)?;
     let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
     let mask = mask.as_ref();
-    if options.dropout_p == 0.0 && fast_path_applies(query, key, value, mask) {
-        return inference(query, key, value, mask, options.is_causal, scale, &shape);
-    }
-    if fused_grad::can_fuse_attention(query, key, value, mask) {
-        let op = fused_grad::AttentionOptions {
-            causal: options.is_causal,
-            scale,
-            dropout_p: options.dropout_p,
-        };
-        return fused_grad::attention(query, key, value, mask, op, &shape);
+    if kernels_apply(query, key, value, mask) {
+        if [query, key, value].iter().any(|t| t.track_op()) {
+            let op = fused_grad::AttentionOptions {
+                causal: options.is_causal,
+                scale,
+                dropout_p: options.dropout_p,
+            };
+            return fused_grad::attention(query, key, value, mask, op, &shape);
+        }
+        if options.dropout_p == 0.0 {
+            return inference(query, key, value, mask, options.is_causal, scale, &shape);
+        }
     }
     composed(query, key, value, mask, &options, scale, &shape)
 }
@@ -174,17 +176,18 @@ fn check(
     Ok((dims, mask))
 }
 
-/// Whether the one-pass kernel may run: CPU float32 tensors that record no gradient, each with
-/// its last dimension contiguous, fusion on.
-fn fast_path_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
-    let plain = |t: &Tensor| {
-        t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op() && t.stride()[3] == 1
-    };
+/// Whether the one-pass float32 CPU kernels may run (the inference pass, or the training op when
+/// a gradient is recorded): fusion is on, the queries, keys and values are float32 CPU tensors
+/// with their last dimension contiguous, and the mask (if any) is a `u8` or float32 CPU tensor
+/// that records no gradient.
+fn kernels_apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
+    let readable =
+        |t: &&Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.stride()[3] == 1;
     crate::is_fusion_enabled()
-        && plain(q)
-        && plain(k)
-        && plain(v)
-        && mask.is_none_or(|m| !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8))
+        && [q, k, v].iter().all(readable)
+        && mask.is_none_or(|m| {
+            m.device().is_cpu() && !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8)
+        })
 }
 
 /// The composed path: candle's differentiable ops.

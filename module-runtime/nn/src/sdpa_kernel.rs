@@ -1,14 +1,15 @@
 //! The float32 CPU kernels of `scaled_dot_product_attention`: reading the heads where they lie (any
 //! strides, the last dimension contiguous), the attention weights of one query row (scores, mask,
-//! softmax in one pass), and the inference pass built on them. The training op
-//! (`fused_grad::attention`) computes its rows with the same [`Scores`], so both paths give the
-//! same weights to the bit.
+//! softmax in one pass), and the output rows built on them ([`attend`]), which the inference pass
+//! and the training op's forward (`fused_grad::attention`) both run: the two paths give the same
+//! weights to the bit, and the op's backward recomputes them with the same [`Scores`].
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
 use crate::error::{Error, Result};
 
 /// A tensor's float32 values and the offset and strides to read them with.
+#[derive(Clone, Copy)]
 pub(crate) struct View<'a> {
     data: &'a [f32],
     offset: usize,
@@ -112,6 +113,7 @@ impl Scores<'_> {
 
 /// The dimensions involved: batch, query heads, key/value heads, query and key lengths, the
 /// query/key size and the value size.
+#[derive(Clone, Copy)]
 pub(crate) struct Dims {
     pub(crate) b: usize,
     pub(crate) hq: usize,
@@ -166,7 +168,21 @@ pub(crate) fn inference(
         group: d.hq / d.h,
         e: d.e,
     };
-    let values = View::new(vc, vl)?;
+    let out = attend(&scores, View::new(vc, vl)?, d, |_, _| {});
+    drop((qs, ks, vs, mask_guard));
+    Ok(Tensor::from_vec(out, (d.b, d.l, d.hq, d.ev), q.device())?.transpose(1, 2)?)
+}
+
+/// The attention output as `[B, L, Hq, Ev]` values, split over candle's thread pool: per (batch,
+/// query head), per query, the weights over the keys (from `scores`, then changed in place by
+/// `reweight`, which the training op uses for dropout) and their sum of the values. Serves the
+/// inference pass and the training op's forward alike.
+pub(crate) fn attend(
+    scores: &Scores,
+    values: View,
+    d: &Dims,
+    reweight: impl Fn([usize; 3], &mut [f32]) + Sync,
+) -> Vec<f32> {
     let mut out = vec![0f32; d.b * d.l * d.hq * d.ev];
     let ptr = Out(out.as_mut_ptr());
     // Over candle's barrier pool, whose threads are awake right after the projections' kernels
@@ -174,28 +190,27 @@ pub(crate) fn inference(
     let head = |pair: usize| {
         let (b, h) = (pair / d.hq, pair % d.hq);
         let kh = h / scores.group;
-        let mut probs = vec![0f32; d.s];
+        let mut weights = vec![0f32; d.s];
         for i in 0..d.l {
-            scores.probs(b, h, i, &mut probs);
+            scores.probs(b, h, i, &mut weights);
+            reweight([b, h, i], &mut weights);
             // SAFETY: row (b, i, h) of `out` is written by this (b, h) pair only, and `out`
             // outlives the loop.
             let row = unsafe { ptr.slice(((b * d.l + i) * d.hq + h) * d.ev, d.ev) };
-            for (j, &weight) in probs.iter().enumerate() {
-                if weight == 0.0 {
-                    continue;
+            for (j, &weight) in weights.iter().enumerate() {
+                if weight != 0.0 {
+                    axpy(weight, values.row([b, kh, j], d.ev), row);
                 }
-                axpy(weight, values.row([b, kh, j], d.ev), row);
             }
         }
     };
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.hq, |range| range.for_each(head));
-    drop((qs, ks, vs, mask_guard));
-    Ok(Tensor::from_vec(out, (d.b, d.l, d.hq, d.ev), q.device())?.transpose(1, 2)?)
+    out
 }
 
 /// The output buffer, written by several threads at disjoint places.
 struct Out(*mut f32);
-// SAFETY: every (batch, head) pair writes only its own rows of the buffer (see `inference`).
+// SAFETY: every (batch, head) pair writes only its own rows of the buffer (see `attend`).
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 

@@ -8,28 +8,11 @@
 //! `S` values: cheaper than keeping them) and writes the query, key and value gradients in one pass
 //! per (batch, key/value head), the query heads that share it included.
 
-use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
-use crate::fused_grad::{applies, par_map};
-use crate::sdpa_kernel::{axpy, dot, Dims, Mask, Scores, View};
-
-/// Whether [`attention`] can replace the composed attention over `q`, `k`, `v` (`[B, H, L, E]`
-/// views whose last dimension is contiguous) and `mask` (broadcast to `[B, Hq, L, S]`): a
-/// gradient is recorded through the queries, keys or values, all are float32 CPU tensors, and the
-/// mask (if any) is `u8` or a float32 that records none.
-pub(crate) fn can_fuse_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-) -> bool {
-    applies(&[q, k, v])
-        && [q, k, v].iter().all(|t| t.stride()[3] == 1)
-        && mask.is_none_or(|m| {
-            m.device().is_cpu() && !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8)
-        })
-}
+use crate::fused_grad::par_map;
+use crate::sdpa_kernel::{attend, axpy, dot, Dims, Mask, Scores, View};
 
 /// The options of [`attention`] besides the mask.
 pub(crate) struct AttentionOptions {
@@ -69,8 +52,7 @@ struct Attention {
     p: f32,
     /// What a kept weight is multiplied by (`1 / (1 - p)`).
     keep_scale: f32,
-    /// `[b, hq, h, l, s, e, ev]`.
-    dims: [usize; 7],
+    dims: Dims,
 }
 
 /// The CPU storage of one of the op's tensors (a typed error for another device).
@@ -99,28 +81,15 @@ impl Attention {
             scale: options.scale as f32,
             p: options.dropout_p as f32,
             keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
-            dims: [d.b, d.hq, d.h, d.l, d.s, d.e, d.ev],
-        }
-    }
-
-    fn dims(&self) -> Dims {
-        let [b, hq, h, l, s, e, ev] = self.dims;
-        Dims {
-            b,
-            hq,
-            h,
-            l,
-            s,
-            e,
-            ev,
+            dims: *d,
         }
     }
 
     /// Runs `f` with the weights' inputs (queries, keys, the mask) and the dropout draws.
     fn with_scores<R>(
         &self,
-        q: (&CpuStorage, &Layout),
-        k: (&CpuStorage, &Layout),
+        q: View,
+        k: View,
         f: impl FnOnce(&Scores, Option<&[f32]>) -> R,
     ) -> candle_core::Result<R> {
         let mask_lock = self.mask.as_ref().map(Tensor::storage_and_layout);
@@ -134,28 +103,44 @@ impl Attention {
             None => None,
         };
         let scores = Scores {
-            q: View::new(q.0, q.1)?,
-            k: View::new(k.0, k.1)?,
+            q,
+            k,
             mask,
             causal: self.causal,
             scale: self.scale,
-            group: self.dims[1] / self.dims[2],
-            e: self.dims[5],
+            group: self.dims.hq / self.dims.h,
+            e: self.dims.e,
         };
         Ok(f(&scores, draws))
     }
 
-    /// Dropout's factors for the weights of query `i` of (batch `b`, query head `h`):
-    /// `keep_scale` where a weight is kept, zero where it is dropped, one without dropout.
-    fn keep_factors(&self, draws: Option<&[f32]>, [b, h, i]: [usize; 3], factors: &mut [f32]) {
-        let Some(draws) = draws else {
-            factors.fill(1.0);
-            return;
-        };
-        let [_, hq, _, l, s, ..] = self.dims;
+    /// Dropout's draws for the weights of query `i` of (batch `b`, query head `h`).
+    fn draws_row<'a>(&self, draws: &'a [f32], [b, h, i]: [usize; 3]) -> &'a [f32] {
+        let Dims { hq, l, s, .. } = self.dims;
         let at = ((b * hq + h) * l + i) * s;
-        for (f, &u) in factors.iter_mut().zip(&draws[at..at + s]) {
-            *f = if u >= self.p { self.keep_scale } else { 0.0 };
+        &draws[at..at + s]
+    }
+
+    /// What dropout multiplies a weight by, given its draw: `keep_scale` where it is kept, zero
+    /// where it is dropped.
+    fn keep(&self, draw: f32) -> f32 {
+        if draw >= self.p {
+            self.keep_scale
+        } else {
+            0.0
+        }
+    }
+
+    /// Dropout's factors for the weights of query `i` of (batch `b`, query head `h`), one
+    /// without dropout.
+    fn keep_factors(&self, draws: Option<&[f32]>, at: [usize; 3], factors: &mut [f32]) {
+        match draws {
+            Some(draws) => {
+                for (f, &u) in factors.iter_mut().zip(self.draws_row(draws, at)) {
+                    *f = self.keep(u);
+                }
+            }
+            None => factors.fill(1.0),
         }
     }
 }
@@ -174,36 +159,18 @@ impl candle_core::CustomOp3 for Attention {
         v: &CpuStorage,
         v_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = self.dims();
+        let d = self.dims;
+        let (q, k) = (View::new(q, q_layout)?, View::new(k, k_layout)?);
         let values = View::new(v, v_layout)?;
-        let rows = self.with_scores((q, q_layout), (k, k_layout), |scores, draws| {
-            // One job per (batch, query head): its `[L, Ev]` rows of the output.
-            par_map((0..d.b * d.hq).collect(), |pair| {
-                let (b, h) = (pair / d.hq, pair % d.hq);
-                let kh = h / scores.group;
-                let mut out = vec![0f32; d.l * d.ev];
-                let (mut probs, mut factors) = (vec![0f32; d.s], vec![0f32; d.s]);
-                for (i, row) in out.chunks_exact_mut(d.ev).enumerate() {
-                    scores.probs(b, h, i, &mut probs);
-                    self.keep_factors(draws, [b, h, i], &mut factors);
-                    for (j, (&p, &f)) in probs.iter().zip(&factors).enumerate() {
-                        let w = p * f;
-                        if w != 0.0 {
-                            axpy(w, values.row([b, kh, j], d.ev), row);
-                        }
+        let out = self.with_scores(q, k, |scores, draws| {
+            attend(scores, values, &d, |at, weights| {
+                if let Some(draws) = draws {
+                    for (w, &u) in weights.iter_mut().zip(self.draws_row(draws, at)) {
+                        *w *= self.keep(u);
                     }
                 }
-                out
             })
         })?;
-        let mut out = vec![0f32; d.b * d.l * d.hq * d.ev];
-        for (pair, rows) in rows.iter().enumerate() {
-            let (b, h) = (pair / d.hq, pair % d.hq);
-            for (i, row) in rows.chunks_exact(d.ev).enumerate() {
-                let at = ((b * d.l + i) * d.hq + h) * d.ev;
-                out[at..at + d.ev].copy_from_slice(row);
-            }
-        }
         Ok((CpuStorage::F32(out), Shape::from((d.b, d.l, d.hq, d.ev))))
     }
 
@@ -218,7 +185,7 @@ impl candle_core::CustomOp3 for Attention {
         _out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = self.dims();
+        let d = self.dims;
         let grad = grad.contiguous()?;
         let (q_lock, k_lock, v_lock, g_lock) = (
             q.storage_and_layout(),
@@ -231,9 +198,7 @@ impl candle_core::CustomOp3 for Attention {
         let values = View::new(cpu(&v_lock.0, "values")?, v_lock.1)?;
         let g = View::new(cpu(&g_lock.0, "gradient")?, g_lock.1)?;
         let group = d.hq / d.h;
-        let q_in = (cpu(&q_lock.0, "queries")?, q_lock.1);
-        let k_in = (cpu(&k_lock.0, "keys")?, k_lock.1);
-        let parts = self.with_scores(q_in, k_in, |scores, draws| {
+        let parts = self.with_scores(queries, keys, |scores, draws| {
             par_map((0..d.b * d.h).collect(), |pair| {
                 let (b, kh) = (pair / d.h, pair % d.h);
                 let mut dq = vec![0f32; group * d.l * d.e];
@@ -298,9 +263,10 @@ impl candle_core::CustomOp3 for Attention {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var, D};
+    use candle_core::{DType, Device, Var, D};
 
     use super::*;
+    use crate::common::max_diff;
 
     /// `dropout(softmax(q·kᵀ · scale + mask)) · v` composed of candle's differentiable ops, with
     /// the dropout factors given.
@@ -360,10 +326,7 @@ mod tests {
         let fused = q.apply_op3(&k, &v, op)?.transpose(1, 2)?;
         let reference = composed(&q, &k, &v, &mask, scale, &factors)?;
         let upstream = Tensor::randn(0f32, 1., (b, h, l, e), &dev)?;
-        let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
-            (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-        };
-        assert!(diff(&fused, &reference)? < 1e-5);
+        assert!(max_diff(&fused, &reference) < 1e-5);
         let g_fused = (fused * &upstream)?.sum_all()?.backward()?;
         let g_ref = (reference * &upstream)?.sum_all()?.backward()?;
         for (name, var) in [("query", &qv), ("key", &kv), ("value", &vv)] {
@@ -371,7 +334,7 @@ mod tests {
                 g_fused.get(var.as_tensor()).unwrap(),
                 g_ref.get(var.as_tensor()).unwrap(),
             );
-            let d = diff(a, r)?;
+            let d = max_diff(a, r);
             assert!(d < 1e-5, "grad.{name} differs by {d}");
         }
         Ok(())

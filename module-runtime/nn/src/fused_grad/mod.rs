@@ -25,7 +25,7 @@ mod layer_norm;
 mod linear;
 mod softmax;
 
-pub(crate) use attention::{attention, can_fuse_attention, AttentionOptions};
+pub(crate) use attention::{attention, AttentionOptions};
 pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
