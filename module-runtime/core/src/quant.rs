@@ -58,11 +58,17 @@ impl QuantSlot {
     }
 }
 
-/// Checks that `kind` is a quantization whose blocks fit the rows of a weight of shape `dims`.
-pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<()> {
+/// Checks that `kind` is a quantization, not a float kind (`F32`, `F16`, `BF16`).
+pub fn check_quantized_kind(kind: GgmlDType) -> Result<()> {
     if matches!(kind, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
         return Err(QuantizeError::FloatKind { kind }.into());
     }
+    Ok(())
+}
+
+/// Checks that `kind` is a quantization whose blocks fit the rows of a weight of shape `dims`.
+pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<()> {
+    check_quantized_kind(kind)?;
     let block_size = kind.block_size();
     match dims {
         [_, cols] if cols % block_size == 0 => Ok(()),
@@ -126,11 +132,7 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn quantize(&self, kind: GgmlDType) -> Result<()> {
-        let value = self.var()?.as_tensor().detach();
-        let (q, deq) = quantize_value(&value, kind, value.dtype())?;
-        self.set_value(&deq)?;
-        self.0.quant.store(Some(q));
-        Ok(())
+        self.set_requantized(&self.var()?.as_tensor().detach(), kind)
     }
 
     /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value: its

@@ -12,7 +12,7 @@ use crate::linear::{LazyLinear, Linear};
 use crate::{Module, Param};
 use module_core::error::QuantizeError;
 use module_core::names::{named_modules, named_parameters};
-use module_core::quant::check_quantizable;
+use module_core::quant::{check_quantizable, check_quantized_kind};
 use module_core::{Names, PathPattern};
 
 /// What [`quantize`] did: the layers it quantized, those it left in float, and the other paths
@@ -91,9 +91,7 @@ pub struct QuantizeReport {
 /// ```
 pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<QuantizeReport> {
     let pattern = PathPattern::new(pattern)?;
-    if matches!(kind, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
-        return Err(QuantizeError::FloatKind { kind }.into());
-    }
+    check_quantized_kind(kind)?;
     let linears = linear_layers(model);
     let matched: Vec<&(String, &Linear)> = linears
         .iter()
