@@ -242,7 +242,7 @@ impl BertModel {
     /// mode. Load a checkpoint into it with `load_state_dict(path, ..)`.
     pub fn new(cfg: &BertConfig, device: &Device) -> Result<Self> {
         let h = cfg.hidden_size;
-        if cfg.num_attention_heads == 0 || h % cfg.num_attention_heads != 0 {
+        if cfg.num_attention_heads == 0 || !h.is_multiple_of(cfg.num_attention_heads) {
             return Err(invalid(format!(
                 "hidden_size {h} is not a multiple of num_attention_heads {}",
                 cfg.num_attention_heads

@@ -177,10 +177,10 @@ pub fn named_modules<'a>(root: &'a dyn Module, names: &Names) -> Vec<(String, &'
 pub fn named_children(root: &dyn Module) -> Vec<(String, &dyn Module)> {
     let mut out = Vec::new();
     Names::new().recurse(false).walk(root, &mut |path, v| {
-        if let Visit::Module(m) = v {
-            if !path.is_empty() {
-                out.push((path.to_owned(), m));
-            }
+        if let Visit::Module(m) = v
+            && !path.is_empty()
+        {
+            out.push((path.to_owned(), m));
         }
     });
     out

@@ -35,11 +35,11 @@ pub fn check_keys(root: &dyn Module) -> Result<()> {
             if result.is_err() {
                 return;
             }
-            if let Name::Field(key) = &name {
-                if !is_segment(key) {
-                    result = check_key("BTreeMap", path, key);
-                    return;
-                }
+            if let Name::Field(key) = &name
+                && !is_segment(key)
+            {
+                result = check_key("BTreeMap", path, key);
+                return;
             }
             if let Child::Module { module, .. } = child {
                 let len = path.len();

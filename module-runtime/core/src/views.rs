@@ -17,10 +17,10 @@ pub fn apply(root: &dyn Module, f: &mut dyn FnMut(&dyn Module)) {
     let mut children: Vec<&dyn Module> = Vec::new();
     let mut seen = IdentitySet::default();
     root.visit_children(&mut |_, child| {
-        if let Child::Module { module, shared } = child {
-            if shared.is_none_or(|s| seen.insert(s.id)) {
-                children.push(module);
-            }
+        if let Child::Module { module, shared } = child
+            && shared.is_none_or(|s| seen.insert(s.id))
+        {
+            children.push(module);
         }
     });
     for child in children {
@@ -165,10 +165,10 @@ pub fn ensure_built(root: &dyn Module, action: &'static str) -> Result<()> {
 pub fn ensure_cells_built(root: &dyn Module, action: &'static str) -> Result<()> {
     let mut paths = Vec::new();
     walk(root, true, &mut |path, v| {
-        if let Visit::Module(m) = v {
-            if m.__unbuilt() {
-                paths.push(path.to_owned());
-            }
+        if let Visit::Module(m) = v
+            && m.__unbuilt()
+        {
+            paths.push(path.to_owned());
         }
         true
     });

@@ -92,13 +92,13 @@ impl<'a> Walker<'a, '_> {
                     self.child(name, child)
                 }
             });
-            if kind == Kind::Buffer {
-                if let Some(extra) = extra_state(module) {
-                    let len = self.path.len();
-                    Name::Field(crate::extra_state::EXTRA_STATE_KEY).push_to(&mut self.path);
-                    (self.f)(&self.path, Visit::Extra(extra));
-                    self.path.truncate(len);
-                }
+            if kind == Kind::Buffer
+                && let Some(extra) = extra_state(module)
+            {
+                let len = self.path.len();
+                Name::Field(crate::extra_state::EXTRA_STATE_KEY).push_to(&mut self.path);
+                (self.f)(&self.path, Visit::Extra(extra));
+                self.path.truncate(len);
             }
         }
     }

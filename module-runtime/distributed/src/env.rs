@@ -166,21 +166,20 @@ impl DistEnv {
                 )));
             }
         }
-        if let Some(first) = found.first() {
-            if let Some(other) = found
+        if let Some(first) = found.first()
+            && let Some(other) = found
                 .iter()
                 .find(|e| (e.rank, e.world_size) != (first.rank, first.world_size))
-            {
-                return Err(env_error(format!(
-                    "the {:?} variables say rank {} of {}, the {:?} variables rank {} of {}",
-                    first.launcher,
-                    first.rank,
-                    first.world_size,
-                    other.launcher,
-                    other.rank,
-                    other.world_size
-                )));
-            }
+        {
+            return Err(env_error(format!(
+                "the {:?} variables say rank {} of {}, the {:?} variables rank {} of {}",
+                first.launcher,
+                first.rank,
+                first.world_size,
+                other.launcher,
+                other.rank,
+                other.world_size
+            )));
         }
         // torchrun's variables first (they carry the rendezvous); fill a missing local rank from
         // the MPI launcher.

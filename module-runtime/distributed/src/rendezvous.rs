@@ -195,10 +195,10 @@ impl RendezvousServer {
         };
         let mut send_failed = Vec::new();
         for (rank, peer) in peers.iter_mut().enumerate() {
-            if let Some(stream) = peer {
-                if let Err(e) = send(stream, status, &payload) {
-                    send_failed.push(format!("rank {rank}: {e}"));
-                }
+            if let Some(stream) = peer
+                && let Err(e) = send(stream, status, &payload)
+            {
+                send_failed.push(format!("rank {rank}: {e}"));
             }
         }
         for stream in &mut culprits {

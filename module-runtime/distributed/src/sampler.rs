@@ -97,7 +97,7 @@ impl DistributedSampler {
 
     /// How many indices each rank gets (PyTorch's `len(sampler)`).
     pub fn num_samples(&self) -> usize {
-        if self.drop_last && self.len % self.num_replicas != 0 {
+        if self.drop_last && !self.len.is_multiple_of(self.num_replicas) {
             self.len / self.num_replicas
         } else {
             self.len.div_ceil(self.num_replicas)

@@ -235,10 +235,10 @@ pub trait FunctionalExt: Module + Sized {
         let out = run(self)?;
         let mut updated = StateDict::new();
         for (path, slot) in crate::state::slots(root) {
-            if let crate::state::Slot::Buffer(b) = slot {
-                if let Some(t) = scope.buffer(b.id()) {
-                    updated.insert(path, t);
-                }
+            if let crate::state::Slot::Buffer(b) = slot
+                && let Some(t) = scope.buffer(b.id())
+            {
+                updated.insert(path, t);
             }
         }
         Ok((out, updated))

@@ -240,7 +240,7 @@ impl MultiheadAttention {
         config: MultiheadAttentionConfig,
         device: &Device,
     ) -> Result<Self> {
-        if num_heads == 0 || embed_dim % num_heads != 0 {
+        if num_heads == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(Error::InvalidConfig {
                 layer: "MultiheadAttention",
                 message: format!(

@@ -83,7 +83,7 @@ impl GroupNorm {
         config: GroupNormConfig,
         device: &Device,
     ) -> Result<Self> {
-        if num_groups == 0 || num_channels % num_groups != 0 {
+        if num_groups == 0 || !num_channels.is_multiple_of(num_groups) {
             return Err(Error::InvalidConfig {
                 layer: "GroupNorm",
                 message: format!(

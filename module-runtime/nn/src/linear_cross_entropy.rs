@@ -110,13 +110,13 @@ impl LinearCrossEntropyLoss {
             layer: "LinearCrossEntropyLoss",
             message,
         };
-        if let Some(w) = &config.weight {
-            if w.dims() != [num_classes] {
-                return Err(invalid(format!(
-                    "expected weight shape to be [{num_classes}], got {:?}",
-                    w.dims()
-                )));
-            }
+        if let Some(w) = &config.weight
+            && w.dims() != [num_classes]
+        {
+            return Err(invalid(format!(
+                "expected weight shape to be [{num_classes}], got {:?}",
+                w.dims()
+            )));
         }
         if !(0.0..=1.0).contains(&config.label_smoothing) {
             return Err(invalid(format!(

@@ -138,15 +138,16 @@ fn check(
             v.dtype()
         )));
     }
-    if let Some(m) = mask {
-        if m.dtype() != DType::U8 && m.dtype() != q.dtype() {
-            return Err(bad(format!(
-                "attn_mask must be u8 (which keys to attend to) or {:?} (added to the scores), \
+    if let Some(m) = mask
+        && m.dtype() != DType::U8
+        && m.dtype() != q.dtype()
+    {
+        return Err(bad(format!(
+            "attn_mask must be u8 (which keys to attend to) or {:?} (added to the scores), \
                  got {:?}",
-                q.dtype(),
-                m.dtype()
-            )));
-        }
+            q.dtype(),
+            m.dtype()
+        )));
     }
     let mask = mask
         .map(|m| {

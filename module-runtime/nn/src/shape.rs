@@ -267,7 +267,7 @@ layer_repr!(ChannelShuffle: groups);
 layer_forward!(ChannelShuffle, |layer, x| {
     let g = layer.groups;
     let dims = x.dims();
-    if dims.len() < 3 || g == 0 || dims[1] % g != 0 {
+    if dims.len() < 3 || g == 0 || !dims[1].is_multiple_of(g) {
         let expected = format!("[N, C, *] with C divisible by groups = {g}");
         return Err(input_shape_error("ChannelShuffle", expected, x));
     }

@@ -298,7 +298,7 @@ impl Decay {
 impl LrScheduler for Decay {
     fn step(&mut self, opt: &mut dyn Optimizer) {
         self.last_epoch += 1;
-        if self.last_epoch % self.step_size == 0 {
+        if self.last_epoch.is_multiple_of(self.step_size) {
             let lrs: Vec<f64> = opt.lrs().iter().map(|lr| lr * self.gamma).collect();
             set_all(opt, &lrs);
         }

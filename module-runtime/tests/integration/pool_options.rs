@@ -202,7 +202,7 @@ fn cases(avg: bool) -> Vec<Case> {
         for (wi, &aw) in axes.iter().enumerate() {
             // A deterministic sample of the pairs, always including the equal ones.
             n += 1;
-            if hi != wi && n % 7 != 0 {
+            if hi != wi && !n.is_multiple_of(7) {
                 continue;
             }
             for ceil in [false, true] {

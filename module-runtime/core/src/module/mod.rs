@@ -284,10 +284,10 @@ impl Mode {
     /// Inside [`call_and_update`](../module_runtime/trait.FunctionalExt.html#method.call_and_update), the flags of the called
     /// model read as training on the calling thread only (the flag itself is not changed).
     pub fn is_training(&self) -> bool {
-        if crate::scope::active() {
-            if let Some(training) = crate::scope::training(self.addr()) {
-                return training;
-            }
+        if crate::scope::active()
+            && let Some(training) = crate::scope::training(self.addr())
+        {
+            return training;
         }
         self.flag.load(Ordering::Relaxed)
     }

@@ -140,7 +140,7 @@ fn check_groups(
     out_channels: usize,
     groups: usize,
 ) -> Result<()> {
-    if groups == 0 || in_channels % groups != 0 || out_channels % groups != 0 {
+    if groups == 0 || !in_channels.is_multiple_of(groups) || !out_channels.is_multiple_of(groups) {
         return Err(Error::InvalidConfig {
             layer,
             message: format!(

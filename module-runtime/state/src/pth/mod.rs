@@ -320,10 +320,10 @@ fn candidates(p: &Pickle, items: &[(Value, Value)]) -> Vec<String> {
                 continue;
             }
             for (k2, v2) in inner {
-                if let Value::Str(name2) = k2 {
-                    if is_state_dict(p, v2, &mut cache) {
-                        out.push(format!("{name}.{name2}"));
-                    }
+                if let Value::Str(name2) = k2
+                    && is_state_dict(p, v2, &mut cache)
+                {
+                    out.push(format!("{name}.{name2}"));
                 }
             }
         }

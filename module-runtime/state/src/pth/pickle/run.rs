@@ -254,7 +254,7 @@ impl Vm<'_> {
 }
 
 fn pairs(items: Vec<Value>) -> Option<Vec<(Value, Value)>> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return None;
     }
     let mut out = Vec::with_capacity(items.len() / 2);
