@@ -10,9 +10,10 @@
 //! nothing lost, nothing silently different), and shape, dtype and device are the logical ones.
 //! The price is memory: the float copy stays resident beside the quantized one.
 
+use std::any::Any;
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -25,7 +26,14 @@ use crate::param::Param;
 #[derive(Default)]
 pub(crate) struct QuantSlot {
     on: AtomicBool,
-    weight: RwLock<Option<Arc<QTensor>>>,
+    weight: RwLock<Option<Arc<Entry>>>,
+}
+
+/// A quantized weight and the layout a kernel made of it ([`Param::quantized_layout`]), kept
+/// together so that a layout always belongs to the weight it was made from.
+struct Entry {
+    weight: Arc<QTensor>,
+    layout: OnceLock<Option<Arc<dyn Any + Send + Sync>>>,
 }
 
 impl QuantSlot {
@@ -41,7 +49,7 @@ impl QuantSlot {
         self.on.load(Ordering::Acquire)
     }
 
-    pub(crate) fn load(&self) -> Option<Arc<QTensor>> {
+    fn entry(&self) -> Option<Arc<Entry>> {
         if !self.is_on() {
             return None;
         }
@@ -51,10 +59,20 @@ impl QuantSlot {
             .clone()
     }
 
+    pub(crate) fn load(&self) -> Option<Arc<QTensor>> {
+        self.entry().map(|e| e.weight.clone())
+    }
+
     pub(crate) fn store(&self, weight: Option<Arc<QTensor>>) {
+        let entry = weight.map(|weight| {
+            Arc::new(Entry {
+                weight,
+                layout: OnceLock::new(),
+            })
+        });
         let mut slot = self.weight.write().unwrap_or_else(|e| e.into_inner());
-        self.on.store(weight.is_some(), Ordering::Release);
-        *slot = weight;
+        self.on.store(entry.is_some(), Ordering::Release);
+        *slot = entry;
     }
 }
 
@@ -106,7 +124,7 @@ fn qtensor_on(q: &Arc<QTensor>, device: &Device) -> Result<Arc<QTensor>> {
 impl Param {
     /// Quantizes the parameter in place to `kind` (`GgmlDType::Q8_0`, `Q4_0`, `Q4K`, …), for
     /// every alias at once: PyTorch's dynamically quantized weight. `Linear` layers holding it
-    /// multiply with candle's quantized matmul from then on.
+    /// multiply with a quantized matmul from then on.
     ///
     /// The parameter keeps its logical shape, dtype and device, and its float value becomes the
     /// quantized one's (dequantized): reading it as a tensor ([`tensor`](Self::tensor), a state
@@ -168,6 +186,42 @@ impl Param {
             return None;
         }
         self.0.quant.load()
+    }
+
+    /// A layout of the quantized weight that a kernel reads in its own order (repacked blocks),
+    /// made by `make` from the weight on first use and kept with that weight until it changes (a
+    /// load, a move, [`dequantize`](Self::dequantize)): `Linear`'s `q8_0` kernel keeps its tiles
+    /// here, so they are made once per weight, not once per forward. `make` returning `None` (the
+    /// layout does not apply to this weight) is kept as well.
+    ///
+    /// `None` where [`quantized`](Self::quantized) is `None`, where `make` gave `None`, or where
+    /// a layout of another type was made first (one layout per weight).
+    ///
+    /// ```
+    /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, Device, Tensor}};
+    /// let w = Param::new(Tensor::ones((2, 32), module_runtime::candle_core::DType::F32, &Device::Cpu)?)?;
+    /// w.quantize(GgmlDType::Q8_0)?;
+    /// let bytes = w.quantized_layout(|q| Some(q.data().ok()?.len())).unwrap();
+    /// assert_eq!(*bytes, 2 * 34); // two rows of one 34-byte block
+    /// let again = w.quantized_layout(|_| -> Option<usize> { unreachable!("made once") }).unwrap();
+    /// assert_eq!(*again, 68);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn quantized_layout<T: Any + Send + Sync>(
+        &self,
+        make: impl FnOnce(&QTensor) -> Option<T>,
+    ) -> Option<Arc<T>> {
+        if !self.0.quant.is_on() {
+            return None;
+        }
+        if crate::scope::active() && crate::scope::param(self.id()).is_some() {
+            return None;
+        }
+        let entry = self.0.quant.entry()?;
+        let layout = entry
+            .layout
+            .get_or_init(|| make(&entry.weight).map(|t| Arc::new(t) as Arc<dyn Any + Send + Sync>));
+        layout.clone()?.downcast::<T>().ok()
     }
 
     /// Whether the parameter holds a quantized weight.

@@ -97,6 +97,7 @@ pub use linear::{
 };
 
 // Quantized weights: `quantize(&model, pattern, kind)`.
+mod q8_0_matmul;
 mod quantize;
 
 pub use candle_core::quantized::GgmlDType;

@@ -175,22 +175,23 @@ impl Linear {
 
 layer_forward!(Linear, |layer, x| {
     match layer.weight.quantized() {
-        // A quantized weight (`quantize`): candle's quantized matmul for a few rows (decoding),
+        // A quantized weight (`quantize`): a quantized matmul for a few rows (decoding),
         // unless a gradient must flow back through the input (that op records none). Otherwise
         // the float path takes the weight's dequantized values, the same numbers: with many rows
         // (a prompt's prefill) the float GEMM is faster than candle's quantized kernel, which
         // has no blocking across rows (llama.cpp also dequantizes for large batches).
         Some(w) if rows(x) <= QUANTIZED_MAX_ROWS && !(x.track_op() && is_grad_enabled()) => {
-            quantized_linear(x, &w, param_tensor(&layer.bias)?)
+            quantized_linear(x, &layer.weight, &w, param_tensor(&layer.bias)?)
         }
         // The weight first: an unloaded layer's error names its weight.
         _ => linear(x, &layer.weight.tensor()?, param_tensor(&layer.bias)?),
     }
 });
 
-/// The most input rows a quantized `Linear` runs candle's quantized matmul for; above, the float
-/// GEMM over the dequantized weight is faster (measured on the SmolLM-135M-shaped decoder's
-/// 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16).
+/// The most input rows a quantized `Linear` runs the quantized matmul for; above, the float
+/// GEMM over the dequantized weight is faster (measured with candle's kernel on the
+/// SmolLM-135M-shaped decoder's 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4,
+/// 0.4–0.8× at 8–16).
 pub const QUANTIZED_MAX_ROWS: usize = 4;
 
 /// The number of rows of `x` (every dimension but the last).
@@ -200,9 +201,16 @@ fn rows(x: &Tensor) -> usize {
         .map_or(0, |(_, batch)| batch.iter().product())
 }
 
-/// `x Wᵀ + b` with a quantized `W` `[out, in]`: candle's quantized matmul over the rows of `x`
-/// as float32 (which it quantizes blockwise itself), the output in `x`'s dtype.
-fn quantized_linear(x: &Tensor, w: &QTensor, bias: Option<Tensor>) -> Result<Tensor> {
+/// `x Wᵀ + b` with a quantized `W` `[out, in]` (held by `param`), over the rows of `x` as float32
+/// (quantized blockwise by the kernel), the output in `x`'s dtype: a CPU `q8_0` weight through
+/// this crate's kernel (`q8_0_matmul`, on tiles made once per weight), anything else through
+/// candle's quantized matmul.
+fn quantized_linear(
+    x: &Tensor,
+    param: &Param,
+    w: &QTensor,
+    bias: Option<Tensor>,
+) -> Result<Tensor> {
     if !w.device().same_device(x.device()) {
         return Err(Error::DeviceMismatch {
             path: "Linear.weight".to_owned(),
@@ -225,7 +233,10 @@ fn quantized_linear(x: &Tensor, w: &QTensor, bias: Option<Tensor>) -> Result<Ten
         .to_dtype(DType::F32)?
         .reshape((rows, in_features))?
         .contiguous()?;
-    let y = x2.apply_op1_no_bwd(w)?;
+    let y = match crate::q8_0_matmul::q8_0_matmul(&x2, param)? {
+        Some(y) => y,
+        None => x2.apply_op1_no_bwd(w)?,
+    };
     let mut out_dims = dims[..dims.len() - 1].to_vec();
     out_dims.push(out_features);
     add_bias(y.reshape(out_dims)?.to_dtype(x.dtype())?, bias)

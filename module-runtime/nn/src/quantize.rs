@@ -1,5 +1,5 @@
 //! `quantize(&model, pattern, kind)`: the matching `Linear` layers' weights replaced in place by
-//! candle's quantized matmul (PyTorch's `torch.ao.quantization.quantize_dynamic`, by path
+//! quantized ones, multiplied by a quantized matmul (PyTorch's `torch.ao.quantization.quantize_dynamic`, by path
 //! pattern, for any derived model).
 
 use std::sync::Arc;
@@ -37,7 +37,8 @@ pub struct QuantizeReport {
 /// Quantizes, in place, the weights of the `Linear` layers (and built `LazyLinear`s) whose
 /// module path matches `pattern` ([`PathPattern`]: `**` for all of them,
 /// `model.layers.*.mlp.*`, `lm_head`), to `kind` (`GgmlDType::Q8_0`, `Q4_0`, `Q4K`, …): from
-/// then on they multiply with candle's quantized matmul. PyTorch's `quantize_dynamic`,
+/// then on they multiply with a quantized matmul (this crate's kernel for `q8_0` on the CPU,
+/// candle's for other kinds and devices). PyTorch's `quantize_dynamic`,
 /// selecting layers by path pattern instead of by class.
 ///
 /// The model's type does not change: a quantized `Linear` is still a `Linear`, whose `weight`

@@ -1,0 +1,488 @@
+//! The product of a few input rows with a CPU `q8_0` weight: decoding's matmul, where every weight
+//! is read once per token and the speed is the speed at which the weights stream from memory.
+//!
+//! Each input row is rounded to 8 bits per block of 32 (ggml's `quantize_row_q8_0`, as candle
+//! does: a scale `max|x| / 127` stored as float16, the values `round(x / scale)`), then each
+//! output is `Σ_blocks scale_w · scale_x · Σ w_q x_q`, the integer sums exact: candle's numbers up
+//! to the order of the float additions.
+//!
+//! The weight is read in a layout of its own, [`Q8Tiles`], made once per weight and kept with it
+//! ([`Param::quantized_layout`]): per tile of 16 output rows and one block of 32 inputs, the 16
+//! rows' float16 scales together, and their bytes four inputs at a time across the 16 rows, so one
+//! 64-byte load holds 4 inputs of 16 rows and one instruction (`vpdpbusd`) adds their products
+//! into 16 lanes, one per output, with no horizontal sums. The bytes are stored plus 128
+//! (unsigned, as `vpdpbusd` takes them); the block's input sum times 128 is taken off after. x86-64
+//! CPUs with AVX-512 VNNI run that; AVX2 ones the same layout eight rows at a time (bytes made
+//! signed again, llama.cpp's sign trick); others a scalar loop. Row tiles are split over rayon's
+//! threads.
+//!
+//! Candle 0.11's kernel for the same product reads a `q8_0` weight whose rows are not a multiple
+//! of 256 at about 10 GB/s on two cores here, one 32-block at a time with a horizontal sum each
+//! (BENCHMARKS.md, "Quantized weights"); this one streams it at float32's rate.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+
+use crate::error::Result;
+use crate::Param;
+
+/// Inputs per `q8_0` block.
+const BLOCK: usize = 32;
+/// Bytes per `q8_0` block in ggml's layout: a float16 scale, then 32 signed bytes.
+const BLOCK_BYTES: usize = 2 + BLOCK;
+/// Output rows per tile: one 512-bit register of 32-bit lanes.
+const ROWS: usize = 16;
+/// The most input rows the kernel takes at once (`QUANTIZED_MAX_ROWS`).
+const MAX_M: usize = 4;
+
+/// 64 bytes, aligned for whole-register loads: four inputs of the 16 rows of a tile.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Quad([u8; 64]);
+
+/// A `q8_0` weight `[n, k]` in tiles of 16 rows by one block (see the module's docs).
+pub(crate) struct Q8Tiles {
+    n: usize,
+    k: usize,
+    /// Per tile (row tile major, then block): 8 quads; quad `g` holds inputs `4g..4g+4` of the
+    /// block for rows 0..16, row after row, each byte plus 128.
+    quads: Vec<Quad>,
+    /// Per tile: the 16 rows' scales (float16 bits; 0 for the rows that pad the last tile).
+    scales: Vec<[u16; ROWS]>,
+}
+
+impl Q8Tiles {
+    /// The tiles of `w`, or `None` when it is not a CPU `q8_0` matrix.
+    fn new(w: &QTensor) -> Option<Self> {
+        if w.dtype() != GgmlDType::Q8_0 || !w.device().is_cpu() {
+            return None;
+        }
+        let (n, k) = w.shape().dims2().ok()?;
+        let data = w.data().ok()?;
+        let nb = k / BLOCK;
+        if k % BLOCK != 0 || data.len() != n * nb * BLOCK_BYTES {
+            return None;
+        }
+        let tiles = n.div_ceil(ROWS);
+        let mut quads = vec![Quad([128; 64]); tiles * nb * 8];
+        let mut scales = vec![[0u16; ROWS]; tiles * nb];
+        for row in 0..n {
+            let (t, r) = (row / ROWS, row % ROWS);
+            for b in 0..nb {
+                let block = &data[(row * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                scales[t * nb + b][r] = u16::from_le_bytes([block[0], block[1]]);
+                for (g, four) in block[2..].chunks_exact(4).enumerate() {
+                    let quad = &mut quads[(t * nb + b) * 8 + g].0[r * 4..r * 4 + 4];
+                    for (q, v) in quad.iter_mut().zip(four) {
+                        *q = (*v as i8 as i16 + 128) as u8;
+                    }
+                }
+            }
+        }
+        Some(Self {
+            n,
+            k,
+            quads,
+            scales,
+        })
+    }
+}
+
+/// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Q8Tiles`], or `None`
+/// when the kernel does not apply (another kind or device, a non-float32 input, more than four
+/// rows): the caller then takes candle's quantized matmul.
+pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let (m, k) = x.dims2()?;
+    if m == 0 || m > MAX_M {
+        return Ok(None);
+    }
+    let Some(w) = param.quantized_layout(Q8Tiles::new) else {
+        return Ok(None);
+    };
+    if w.k != k {
+        return Ok(None);
+    }
+    let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(Some(matmul(&x, m, &w)?))
+}
+
+/// The product, `[m, n]`.
+fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
+    let xq = Quantized::new(x, m, w.k);
+    let nb = w.k / BLOCK;
+    let tiles = w.n.div_ceil(ROWS);
+    let kernel = Kernel::detect();
+    // Per tile, the m rows' 16 outputs; then laid out as [m, n].
+    let mut tiled = vec![0f32; tiles * m * ROWS];
+    let per_tile = m * ROWS;
+    let tiled_at = SharedOut(tiled.as_mut_ptr());
+    // Candle's own pool for its CPU kernels (the calling thread works too, and waits spinning):
+    // a product takes tens of microseconds, less than a sleeping rayon worker takes to wake.
+    candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
+        for t in range {
+            // SAFETY: every tile index is handed to exactly one call, and tile `t` writes only
+            // its own `per_tile` values of `tiled`, which outlives the pool's call.
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(tiled_at.at(t * per_tile), per_tile) };
+            let quads = &w.quads[t * nb * 8..(t + 1) * nb * 8];
+            let scales = &w.scales[t * nb..(t + 1) * nb];
+            kernel.tile(quads, scales, &xq, out);
+        }
+    });
+    let mut out = vec![0f32; m * w.n];
+    for (t, tile) in tiled.chunks_exact(m * ROWS).enumerate() {
+        for (r, row) in tile.chunks_exact(ROWS).enumerate() {
+            let first = t * ROWS;
+            let count = ROWS.min(w.n - first);
+            out[r * w.n + first..][..count].copy_from_slice(&row[..count]);
+        }
+    }
+    Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
+}
+
+/// The output buffer, written by the pool's threads at disjoint tiles.
+struct SharedOut(*mut f32);
+
+// SAFETY: the threads write disjoint ranges (see `matmul`).
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    fn at(&self, offset: usize) -> *mut f32 {
+        // SAFETY: the offsets stay within the buffer (`matmul`).
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Input rows rounded to `q8_0`: row `r`'s values at `q[r * k..]`; per block, its scale
+/// (float16-rounded, as candle and ggml store it) and 128 times the sum of its values.
+struct Quantized {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    offset: Vec<f32>,
+    m: usize,
+    k: usize,
+}
+
+impl Quantized {
+    fn new(x: &[f32], m: usize, k: usize) -> Self {
+        let mut q = vec![0i8; m * k];
+        let mut d = vec![0f32; m * k / BLOCK];
+        let mut offset = vec![0f32; m * k / BLOCK];
+        for (((xb, qb), db), ob) in x
+            .chunks_exact(BLOCK)
+            .zip(q.chunks_exact_mut(BLOCK))
+            .zip(d.iter_mut())
+            .zip(offset.iter_mut())
+        {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let mut sum = 0i32;
+            for (v, o) in xb.iter().zip(qb.iter_mut()) {
+                *o = (v * inv).round() as i8;
+                sum += *o as i32;
+            }
+            *db = f16::from_f32(scale).to_f32();
+            *ob = 128.0 * sum as f32;
+        }
+        Self { q, d, offset, m, k }
+    }
+}
+
+/// The inner loop this CPU runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
+                return Kernel::Vnni;
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                return Kernel::Avx2;
+            }
+        }
+        Kernel::Scalar
+    }
+
+    /// One tile's outputs for every input row: `out[r * 16 + i]` is row `r`'s output `i`.
+    fn tile(self, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+        debug_assert_eq!(quads.len(), scales.len() * 8);
+        debug_assert_eq!(x.k, scales.len() * BLOCK);
+        match self {
+            Kernel::Scalar => scalar(quads, scales, x, out),
+            // SAFETY: `detect` picked these only where the CPU has the features they are
+            // compiled for; the lengths are the ones asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { x86::tile_avx2(quads, scales, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => unsafe { x86::tile_vnni(quads, scales, x, out) },
+        }
+    }
+}
+
+/// The portable inner loop: exact integer sums per block, scaled and added in `f32`.
+fn scalar(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+    for r in 0..x.m {
+        let xq = &x.q[r * x.k..(r + 1) * x.k];
+        let nb = x.k / BLOCK;
+        for i in 0..ROWS {
+            let mut acc = 0f32;
+            for (b, scale) in scales.iter().enumerate() {
+                let mut sum = 0i32;
+                for g in 0..8 {
+                    let w = &quads[b * 8 + g].0[i * 4..i * 4 + 4];
+                    for j in 0..4 {
+                        sum += (w[j] as i32 - 128) * xq[b * BLOCK + g * 4 + j] as i32;
+                    }
+                }
+                acc += f16::from_bits(scale[i]).to_f32() * x.d[r * nb + b] * sum as f32;
+            }
+            out[r * ROWS + i] = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Quad, Quantized, BLOCK, MAX_M, ROWS};
+    use std::arch::x86_64::*;
+
+    /// Four input bytes of row `r` at `at`, repeated in every 32-bit lane.
+    #[inline(always)]
+    fn four(x: &Quantized, r: usize, at: usize) -> i32 {
+        let q = &x.q[r * x.k + at..][..4];
+        i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8])
+    }
+
+    /// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI; `quads` holds 8 quads per entry of `scales`, `x` has
+    /// `scales.len()` blocks per row and `out` `x.m * 16` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile_vnni(
+        quads: &[Quad],
+        scales: &[[u16; ROWS]],
+        x: &Quantized,
+        out: &mut [f32],
+    ) {
+        let nb = scales.len();
+        let mut acc = [_mm512_setzero_ps(); MAX_M];
+        for (b, scale) in scales.iter().enumerate() {
+            // Two sums per input row (even and odd quads): two independent chains of `vpdpbusd`.
+            let mut sums = [[_mm512_setzero_si512(); 2]; MAX_M];
+            for g in 0..8 {
+                // SAFETY: an aligned quad of 64 bytes.
+                let w = unsafe { _mm512_load_si512(quads[b * 8 + g].0.as_ptr().cast()) };
+                for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
+                    let xs = _mm512_set1_epi32(four(x, r, b * BLOCK + g * 4));
+                    sum[g & 1] = _mm512_dpbusd_epi32(sum[g & 1], w, xs);
+                }
+            }
+            // SAFETY: 16 float16 scales, 32 bytes.
+            let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
+            for r in 0..x.m {
+                let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+                let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b]));
+                let dx = _mm512_set1_ps(x.d[r * nb + b]);
+                acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), acc[r]);
+            }
+        }
+        for r in 0..x.m {
+            // SAFETY: `out` holds 16 values per input row.
+            unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), acc[r]) };
+        }
+    }
+
+    /// A tile with AVX2: two halves of eight rows, each byte made signed again and multiplied
+    /// by the sign trick (`|w|` unsigned times `x` with `w`'s sign, at most 2·128·127 per 16-bit
+    /// pair: no saturation).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; lengths as for [`tile_vnni`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_avx2(
+        quads: &[Quad],
+        scales: &[[u16; ROWS]],
+        x: &Quantized,
+        out: &mut [f32],
+    ) {
+        let nb = scales.len();
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let mut acc = [[_mm256_setzero_ps(); 2]; MAX_M];
+        for (b, scale) in scales.iter().enumerate() {
+            let mut sums = [[_mm256_setzero_si256(); 2]; MAX_M];
+            for g in 0..8 {
+                let quad = quads[b * 8 + g].0.as_ptr();
+                for half in 0..2 {
+                    // SAFETY: 32 of the quad's 64 bytes.
+                    let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
+                    let w = _mm256_xor_si256(w, flip);
+                    let magnitude = _mm256_sign_epi8(w, w);
+                    for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
+                        let xs = _mm256_set1_epi32(four(x, r, b * BLOCK + g * 4));
+                        let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, w));
+                        sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
+            for half in 0..2 {
+                // SAFETY: 8 float16 scales, 16 bytes.
+                let dw =
+                    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
+                for r in 0..x.m {
+                    let dx = _mm256_set1_ps(x.d[r * nb + b]);
+                    let total = _mm256_cvtepi32_ps(sums[r][half]);
+                    acc[r][half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[r][half]);
+                }
+            }
+        }
+        for r in 0..x.m {
+            for half in 0..2 {
+                // SAFETY: `out` holds 16 values per input row.
+                unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), acc[r][half]) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use std::sync::Arc;
+
+    /// A weight `[n, k]` and input `[rows, k]` with values of both signs, exact zeros and a zero
+    /// row (a zero scale).
+    fn case(n: usize, k: usize, rows: usize) -> (Param, Tensor) {
+        let dev = Device::Cpu;
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let zero = i % 97 == 0 || i / k == 1;
+                if zero {
+                    0.0
+                } else {
+                    (i * 7919 % 1000) as f32 / 500.0 - 1.0
+                }
+            })
+            .collect();
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 104729 % 997) as f32 / 498.5 - 1.0) * 3.0)
+            .collect();
+        let w = Param::new(Tensor::from_vec(w, (n, k), &dev).unwrap()).unwrap();
+        w.quantize(GgmlDType::Q8_0).unwrap();
+        (w, Tensor::from_vec(x, (rows, k), &dev).unwrap())
+    }
+
+    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
+        a.iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+    }
+
+    #[test]
+    fn equals_candles_quantized_matmul() {
+        // Partial last tiles, one to four rows, blocks counts that are not multiples of 8.
+        for (n, k, rows) in [
+            (64, 96, 1),
+            (37, 576, 1),
+            (130, 64, 3),
+            (5, 32, 4),
+            (16, 64, 2),
+        ] {
+            let (w, x) = case(n, k, rows);
+            let ours = q8_0_matmul(&x, &w).unwrap().expect("applies");
+            let candle = x.apply_op1_no_bwd(&*w.quantized().unwrap()).unwrap();
+            assert_eq!(ours.dims(), [rows, n]);
+            let diff = max_rel_diff(&ours, &candle);
+            assert!(diff < 1e-5, "{n}x{k}, {rows} rows: {diff}");
+        }
+    }
+
+    #[test]
+    fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
+        let (w, x) = case(21, 256, 3);
+        let tiles = Q8Tiles::new(&w.quantized().unwrap()).unwrap();
+        let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let xq = Quantized::new(&x, 3, 256);
+        let nb = 256 / BLOCK;
+        let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            kernels.push(Kernel::Avx2);
+        }
+        for t in 0..2 {
+            let quads = &tiles.quads[t * nb * 8..(t + 1) * nb * 8];
+            let scales = &tiles.scales[t * nb..(t + 1) * nb];
+            let mut expected = vec![0f32; 3 * ROWS];
+            Kernel::Scalar.tile(quads, scales, &xq, &mut expected);
+            for kernel in &kernels {
+                let mut out = vec![0f32; 3 * ROWS];
+                kernel.tile(quads, scales, &xq, &mut out);
+                for (a, b) in out.iter().zip(&expected) {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                        "{kernel:?}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_tiles_are_made_once_per_weight() {
+        let (w, x) = case(32, 64, 1);
+        let first = w.quantized_layout(Q8Tiles::new).unwrap();
+        q8_0_matmul(&x, &w).unwrap().unwrap();
+        assert!(Arc::ptr_eq(
+            &first,
+            &w.quantized_layout(Q8Tiles::new).unwrap()
+        ));
+        // A new weight gets new tiles: the product follows it.
+        w.set(&Tensor::ones((32, 64), DType::F32, &Device::Cpu).unwrap())
+            .unwrap();
+        assert!(!Arc::ptr_eq(
+            &first,
+            &w.quantized_layout(Q8Tiles::new).unwrap()
+        ));
+        let y = q8_0_matmul(&x, &w).unwrap().unwrap();
+        let expected = x.sum_keepdim(1).unwrap().broadcast_as((1, 32)).unwrap();
+        assert!(max_rel_diff(&y, &expected) < 1e-2);
+    }
+
+    #[test]
+    fn other_kinds_dtypes_and_row_counts_are_left_to_candle() {
+        let (_, x) = case(4, 64, 1);
+        let w = Param::new(Tensor::ones((4, 64), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        w.quantize(GgmlDType::Q4_0).unwrap();
+        assert!(q8_0_matmul(&x, &w).unwrap().is_none());
+        w.quantize(GgmlDType::Q8_0).unwrap();
+        assert!(q8_0_matmul(&x.to_dtype(DType::F16).unwrap(), &w)
+            .unwrap()
+            .is_none());
+        let five = Tensor::ones((5, 64), DType::F32, &Device::Cpu).unwrap();
+        assert!(q8_0_matmul(&five, &w).unwrap().is_none());
+        assert!(q8_0_matmul(&x, &w).unwrap().is_some());
+    }
+}
