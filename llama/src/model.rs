@@ -6,8 +6,8 @@
 //! writes its new keys and values into its layer's buffers, in place, and attends over every
 //! filled slot. [`LlamaForCausalLM`](crate::LlamaForCausalLM) drives them (`scan`, `step`).
 
-use module_runtime::candle_nn::ops::softmax_last_dim;
 use module_runtime::candle_nn::rotary_emb::rope_thd;
+use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use module_runtime::prelude::*;
 
@@ -172,23 +172,17 @@ impl Forward<LayerInput> for LlamaAttention {
         input.values.slice_set(&v, 2, input.filled)?;
         let keys = input.keys.narrow(2, 0, total)?;
         let values = input.values.narrow(2, 0, total)?;
-        // The query heads of one key/value head side by side: `[batch, kv, rep * new, head_dim]`
-        // against that head's keys, without repeating the keys.
-        let q = q.reshape((b, kv, (heads / kv) * s, d))?;
-        let scores = q.matmul(&keys.t()?)?;
-        let scores = match &input.mask {
-            Some(mask) => scores
-                .reshape((b, heads, s, total))?
-                .broadcast_add(mask)?
-                .reshape((b, kv, (heads / kv) * s, total))?,
-            None => scores,
+        // Every query head against its key/value head (`enable_gqa`: no repeated keys), the
+        // cache's filled part read in place, `q` already scaled.
+        let options = SdpaOptions {
+            scale: Some(1.0),
+            enable_gqa: heads != kv,
+            ..SdpaOptions::default()
         };
-        let probs = softmax_last_dim(&scores)?;
-        let context = probs
-            .matmul(&values)?
-            .reshape((b, heads, s, d))?
-            .transpose(1, 2)?
-            .reshape((b, s, heads * d))?;
+        let context =
+            scaled_dot_product_attention(&q, &keys, &values, input.mask.as_ref(), options)?
+                .transpose(1, 2)?
+                .reshape((b, s, heads * d))?;
         self.o_proj.call(&context)
     }
 }
