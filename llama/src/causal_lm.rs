@@ -86,18 +86,25 @@ impl LlamaForCausalLM {
     pub fn from_pretrained(dir: &Path, device: &Device) -> Result<Self> {
         let cfg = LlamaConfig::from_json_file(&dir.join("config.json"))?;
         let model = module_runtime::build_empty(|| Self::new(&cfg, device))?;
-        let mut options = LoadOptions::default();
-        if cfg.tie_word_embeddings {
-            // The head is the embedding: the checkpoint names it once, under the embedding's path
-            // (transformers' `_tied_weights_keys`); a checkpoint that saved both loads as well.
-            options = options.post_hook(|_, keys| {
-                keys.missing_keys.retain(|k| k != "lm_head.weight");
-                Ok(())
-            });
-        }
-        model.load_state_dict(dir, &options)?;
+        model.load_state_dict(dir, &Self::load_options(&cfg))?;
         model.eval();
         Ok(model)
+    }
+
+    /// The options a checkpoint of `cfg` loads with ([`from_pretrained`](Self::from_pretrained),
+    /// [`from_gguf`](Self::from_gguf), or a model built by hand): strict, and with
+    /// `tie_word_embeddings` the head is the embedding, which the checkpoint names once, under
+    /// the embedding's path (transformers' `_tied_weights_keys`, llama.cpp's `token_embd`); a
+    /// checkpoint that saved both loads as well.
+    pub fn load_options(cfg: &LlamaConfig) -> LoadOptions {
+        let options = LoadOptions::default();
+        if !cfg.tie_word_embeddings {
+            return options;
+        }
+        options.post_hook(|_, keys| {
+            keys.missing_keys.retain(|k| k != "lm_head.weight");
+            Ok(())
+        })
     }
 
     /// The last hidden states `[batch, new, hidden]` of `ids` `[batch, new]` after the tokens in

@@ -4,30 +4,39 @@
 //! modules a transformers checkpoint loads into.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use module_runtime::candle_core::quantized::{GgmlDType, QTensor};
 use module_runtime::prelude::*;
-use module_runtime::{permute_rows, GgufFile, NameMap};
+use module_runtime::{permute_rows, GgufFile, KeyRule};
 
 use crate::config::LlamaConfig;
 use crate::LlamaForCausalLM;
 
 /// llama.cpp's names of a Llama's tensors (`blk.N.attn_q.weight`) as Hugging Face's
-/// (`model.layers.N.self_attn.q_proj.weight`): the table [`LlamaForCausalLM::from_gguf`]
-/// loads with. Biases (`attention_bias`, `mlp_bias`) are mapped as well.
-pub fn llama_names() -> NameMap {
-    let mut map = NameMap::new()
-        .rule("token_embd.weight", "model.embed_tokens.weight")
-        .rule("output_norm.weight", "model.norm.weight")
-        .rule("output.weight", "lm_head.weight")
-        .rule(
+/// (`model.layers.N.self_attn.q_proj.weight`): the key rules [`LlamaForCausalLM::from_gguf`]
+/// loads with (`LoadOptions::rule`). Biases (`attention_bias`, `mlp_bias`) are mapped as well.
+///
+/// ```
+/// use module_runtime::LoadOptions;
+/// let options = llama::llama_names().into_iter().fold(LoadOptions::default(), LoadOptions::rule);
+/// assert_eq!(options.map_key("blk.3.ffn_down.weight"), "model.layers.3.mlp.down_proj.weight");
+/// ```
+pub fn llama_names() -> Vec<KeyRule> {
+    let rule = |from: &str, to: &str| KeyRule::RenameKey(from.to_owned(), to.to_owned());
+    let mut rules = vec![
+        rule("token_embd.weight", "model.embed_tokens.weight"),
+        rule("output_norm.weight", "model.norm.weight"),
+        rule("output.weight", "lm_head.weight"),
+        rule(
             "blk.*.attn_norm.weight",
             "model.layers.*.input_layernorm.weight",
-        )
-        .rule(
+        ),
+        rule(
             "blk.*.ffn_norm.weight",
             "model.layers.*.post_attention_layernorm.weight",
-        );
+        ),
+    ];
     let linears = [
         ("attn_q", "self_attn.q_proj"),
         ("attn_k", "self_attn.k_proj"),
@@ -39,13 +48,13 @@ pub fn llama_names() -> NameMap {
     ];
     for (gguf, hf) in linears {
         for what in ["weight", "bias"] {
-            map = map.rule(
+            rules.push(rule(
                 &format!("blk.*.{gguf}.{what}"),
                 &format!("model.layers.*.{hf}.{what}"),
-            );
+            ));
         }
     }
-    map
+    rules
 }
 
 /// The configuration a GGUF Llama's metadata gives (`llama.embedding_length`,
@@ -188,10 +197,13 @@ impl LlamaForCausalLM {
             } else {
                 continue;
             };
-            *t = unpermute_heads(t, heads)?;
+            *t = Arc::new(unpermute_heads(t, heads)?);
         }
         let model = module_runtime::build_empty(|| Self::new(&cfg, device))?;
-        file.load_into(&model, &llama_names())?;
+        let options = llama_names()
+            .into_iter()
+            .fold(Self::load_options(&cfg), LoadOptions::rule);
+        model.load_state_dict(&file, &options)?;
         model.eval();
         Ok(model)
     }

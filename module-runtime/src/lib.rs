@@ -95,7 +95,7 @@ pub use module_hooks::{
 pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
 pub use module_state::{
     permute_rows, Checkpoint, GgufFile, GgufValue, IncompatibleKeys, LoadOptions, LoadPostHookFn,
-    NameMap, StateDict,
+    StateDict,
 };
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.

@@ -246,13 +246,14 @@ fn gguf_missing_or_unexpected_tensor_is_a_typed_error_and_loads_nothing() {
     let cfg = model().config;
     let empty =
         || module_runtime::build_empty(|| LlamaForCausalLM::new(&cfg, &Device::Cpu)).unwrap();
+    let options = llama::llama_names()
+        .into_iter()
+        .fold(LlamaForCausalLM::load_options(&cfg), LoadOptions::rule);
 
     let mut missing = file();
     missing.tensors.remove("blk.1.ffn_up.weight").unwrap();
     let target = empty();
-    let err = missing
-        .load_into(&target, &llama::llama_names())
-        .unwrap_err();
+    let err = target.load_state_dict(&missing, &options).unwrap_err();
     let Error::Load(report) = &err else {
         panic!("{err}")
     };
@@ -264,9 +265,7 @@ fn gguf_missing_or_unexpected_tensor_is_a_typed_error_and_loads_nothing() {
     let mut extra = file();
     let t = extra.tensors.remove("blk.0.attn_v.weight").unwrap();
     extra.tensors.insert("blk.7.attn_v.weight".into(), t);
-    let err = extra
-        .load_into(&empty(), &llama::llama_names())
-        .unwrap_err();
+    let err = empty().load_state_dict(&extra, &options).unwrap_err();
     let Error::Load(report) = &err else {
         panic!("{err}")
     };
@@ -280,6 +279,33 @@ fn gguf_missing_or_unexpected_tensor_is_a_typed_error_and_loads_nothing() {
             .contains("model.layers.7.self_attn.v_proj.weight"),
         "{err}"
     );
+
+    // A tensor of the wrong shape: reported, and nothing loaded, not even the quantized
+    // weights that fit.
+    let mut misshapen = file();
+    let t = misshapen.tensors["blk.0.attn_q.weight"].clone();
+    misshapen.tensors.insert("blk.0.attn_k.weight".into(), t);
+    let target = empty();
+    let err = target.load_state_dict(&misshapen, &options).unwrap_err();
+    let Error::Load(report) = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(report.mismatched.len(), 1, "{err}");
+    assert_eq!(
+        report.mismatched[0].key,
+        "model.layers.0.self_attn.k_proj.weight"
+    );
+    let q_proj = &target.model.layers[0].self_attn.q_proj.weight;
+    assert!(q_proj.tensor().is_err() && !q_proj.is_quantized());
+
+    // The path of a GGUF file loads as any checkpoint's does, quantized weights included (for
+    // a Llama, `from_gguf` also puts the q/k rows back in Hugging Face's order).
+    let target = empty();
+    target
+        .load_state_dict(gguf("tiny-llama-q8_0.gguf"), &options)
+        .unwrap();
+    let q_proj = &target.model.layers[0].self_attn.q_proj.weight;
+    assert_eq!(q_proj.quantized_dtype(), Some(GgmlDType::Q8_0));
 
     let Err(err) = LlamaForCausalLM::from_gguf(&gguf("no-such.gguf"), &Device::Cpu) else {
         panic!("a missing file loaded")

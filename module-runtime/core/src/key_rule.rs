@@ -13,6 +13,12 @@ pub enum KeyRule {
     /// Replaces a run of whole path segments: `Rename("gamma", "weight")` turns `ln.gamma` into
     /// `ln.weight`, and leaves `ln.gammas` alone.
     Rename(String, String),
+    /// Renames a whole key that matches the dotted pattern `from`, in which a `*` segment
+    /// matches any one segment, to `to`, whose `*` segments take the matched ones in order:
+    /// `RenameKey("blk.*.attn_q.weight", "model.layers.*.self_attn.q_proj.weight")` turns
+    /// llama.cpp's `blk.3.attn_q.weight` into Hugging Face's
+    /// `model.layers.3.self_attn.q_proj.weight`. A key that does not match is left alone.
+    RenameKey(String, String),
 }
 
 impl KeyRule {
@@ -37,6 +43,9 @@ impl KeyRule {
                 "" => key.to_owned(),
                 prefix => format!("{prefix}.{key}"),
             },
+            KeyRule::RenameKey(from, to) => {
+                rename_key(from, to, key).unwrap_or_else(|| key.to_owned())
+            }
             KeyRule::Rename(from, to) => {
                 let padded = format!(".{key}.");
                 match padded.find(&format!(".{from}.")) {
@@ -50,6 +59,32 @@ impl KeyRule {
             }
         }
     }
+}
+
+/// `key` renamed by the pattern `from` → `to` ([`KeyRule::RenameKey`]), if it matches.
+fn rename_key(from: &str, to: &str, key: &str) -> Option<String> {
+    let (pattern, parts): (Vec<&str>, Vec<&str>) =
+        (from.split('.').collect(), key.split('.').collect());
+    if pattern.len() != parts.len() {
+        return None;
+    }
+    let mut captured = Vec::new();
+    for (p, part) in pattern.iter().zip(&parts) {
+        match *p {
+            "*" => captured.push(*part),
+            p if p == *part => {}
+            _ => return None,
+        }
+    }
+    let mut captured = captured.into_iter();
+    let renamed: Vec<&str> = to
+        .split('.')
+        .map(|s| match s {
+            "*" => captured.next().unwrap_or("*"),
+            s => s,
+        })
+        .collect();
+    Some(renamed.join("."))
 }
 
 /// A key rewrite that would make most keys of a failed load match: a checkpoint saved from
@@ -79,6 +114,7 @@ impl KeyFix {
                 KeyRule::StripPrefix(p) => code.push_str(&format!(".strip_prefix({p:?})")),
                 KeyRule::AddPrefix(p) => code.push_str(&format!(".add_prefix({p:?})")),
                 KeyRule::Rename(a, b) => code.push_str(&format!(".rename({a:?}, {b:?})")),
+                KeyRule::RenameKey(a, b) => code.push_str(&format!(".rename_key({a:?}, {b:?})")),
             }
         }
         code

@@ -113,7 +113,7 @@ pub(crate) fn quantize_value(
 }
 
 /// `q` on `device` (the same tensor when it is there already).
-fn qtensor_on(q: &Arc<QTensor>, device: &Device) -> Result<Arc<QTensor>> {
+pub fn qtensor_on(q: &Arc<QTensor>, device: &Device) -> Result<Arc<QTensor>> {
     if q.device().same_device(device) {
         return Ok(q.clone());
     }

@@ -98,7 +98,7 @@ fn fix_line(fix: &KeyFix, missing: usize) -> String {
     let (strip, add) = fix.rules.iter().fold((None, None), |(s, a), r| match r {
         KeyRule::StripPrefix(p) => (Some(p.trim_end_matches('.')), a),
         KeyRule::AddPrefix(p) => (s, Some(p.trim_end_matches('.'))),
-        KeyRule::Rename(..) => (s, a),
+        KeyRule::Rename(..) | KeyRule::RenameKey(..) => (s, a),
     });
     let what = match (strip, add) {
         (Some(s), Some(a)) => {

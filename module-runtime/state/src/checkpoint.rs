@@ -41,6 +41,7 @@ enum Format {
     PthZip,
     PthLegacy,
     Index,
+    Gguf,
 }
 
 fn sniff(path: &Path) -> Result<Format> {
@@ -57,6 +58,8 @@ fn sniff(path: &Path) -> Result<Format> {
     Ok(
         if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
             Format::PthZip
+        } else if head.starts_with(b"GGUF") {
+            Format::Gguf
         } else if head.len() == 9 && head[8] == b'{' {
             // Before the pickle test: a header length's first byte may be 0x80.
             Format::Safetensors
@@ -70,7 +73,7 @@ fn sniff(path: &Path) -> Result<Format> {
                 path: path.to_owned(),
                 reason: format!(
                 "not a checkpoint format this crate reads (safetensors, a PyTorch zip or legacy \
-                 pickle, or a Hugging Face index); it starts with {:02x?}",
+                 pickle, a Hugging Face index, or GGUF); it starts with {:02x?}",
                 head
             ),
             });
@@ -102,6 +105,7 @@ pub fn open(path: &Path, nested: Option<&str>) -> Result<Box<dyn Source>> {
         Format::Safetensors => Box::new(SafetensorsFile::open(path)?),
         Format::PthZip | Format::PthLegacy => Box::new(PthFile::open(path, nested)?),
         Format::Index => Box::new(Sharded::open(path, nested)?),
+        Format::Gguf => Box::new(crate::gguf::GgufFile::read(path, &Device::Cpu)?),
     })
 }
 
@@ -120,6 +124,15 @@ pub enum Checkpoint<'a> {
     StateDict(&'a StateDict),
     /// A checkpoint file or model folder (PyTorch's `model.load_state_dict(torch.load(path))`).
     Path(Cow<'a, Path>),
+    /// A GGUF file read into memory (whose tensors a model package may have rearranged first,
+    /// as `llama`'s `from_gguf` does).
+    Gguf(&'a crate::gguf::GgufFile),
+}
+
+impl<'a> From<&'a crate::gguf::GgufFile> for Checkpoint<'a> {
+    fn from(file: &'a crate::gguf::GgufFile) -> Self {
+        Checkpoint::Gguf(file)
+    }
 }
 
 impl<'a> From<&'a StateDict> for Checkpoint<'a> {
@@ -172,6 +185,7 @@ pub fn load(
 ) -> Result<LoadReport> {
     match checkpoint {
         Checkpoint::StateDict(state) => crate::state::load(root, state, options),
+        Checkpoint::Gguf(file) => crate::state::load(root, file, options),
         Checkpoint::Path(path) => {
             let source = open(&path, options.nested_key())?;
             crate::state::load(root, source.as_ref(), options)

@@ -1,103 +1,76 @@
-//! GGUF files (llama.cpp's format): [`GgufFile`], its tensors (quantized or not) and metadata, and
-//! their strict, all-or-nothing load into a model through a table of name rules, [`NameMap`].
+//! GGUF files (llama.cpp's format): [`GgufFile`], its tensors (quantized or not) and metadata, a
+//! checkpoint source like any other: loaded by `load_state_dict` (strict, all or nothing, key
+//! rules such as [`LoadOptions::rename_key`](crate::LoadOptions::rename_key)), its quantized
+//! tensors becoming quantized parameters.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-use candle_core::{DType, Device, Shape};
+use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::buffer::Buffer;
 use crate::error::{Error, Result};
-use crate::module::Module;
-use crate::param::Param;
-use crate::report::{LoadReport, Mismatch};
-use module_core::names::{named_buffers, named_parameters};
-use module_core::{Names, QuantizeError};
+use crate::state::Source;
+use module_core::quant::check_quantized_kind;
+use module_core::QuantizeError;
 
 /// A value of a GGUF file's metadata (candle's `gguf_file::Value`).
 pub use candle_core::quantized::gguf_file::Value as GgufValue;
 
-/// A table of rules that rename a file's tensors to model paths: llama.cpp's
-/// `blk.N.attn_q.weight` to Hugging Face's `model.layers.N.self_attn.q_proj.weight`.
-///
-/// A rule's `from` is a dotted name in which a `*` segment matches any one segment; its `to`
-/// puts the matched segments back, in order, where it has `*`. The first rule that matches a
-/// name renames it; a name no rule matches is kept as it is (so a file with the model's own
-/// names needs no rules).
-///
-/// ```
-/// use module_runtime::NameMap;
-/// let map = NameMap::new()
-///     .rule("token_embd.weight", "model.embed_tokens.weight")
-///     .rule("blk.*.attn_q.weight", "model.layers.*.self_attn.q_proj.weight");
-/// assert_eq!(map.apply("blk.7.attn_q.weight"), "model.layers.7.self_attn.q_proj.weight");
-/// assert_eq!(map.apply("token_embd.weight"), "model.embed_tokens.weight");
-/// assert_eq!(map.apply("lm_head.weight"), "lm_head.weight"); // no rule: unchanged
-/// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NameMap {
-    rules: Vec<(Vec<String>, String)>,
-}
-
-impl NameMap {
-    /// An empty table: every name is kept.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// The table with one more rule, tried after the others.
-    pub fn rule(mut self, from: &str, to: &str) -> Self {
-        self.rules
-            .push((from.split('.').map(str::to_owned).collect(), to.to_owned()));
-        self
-    }
-
-    /// The model path of the file's `name`, if a rule matches it.
-    pub fn map(&self, name: &str) -> Option<String> {
-        let parts: Vec<&str> = name.split('.').collect();
-        self.rules.iter().find_map(|(from, to)| {
-            if from.len() != parts.len() {
-                return None;
-            }
-            let mut captured = Vec::new();
-            for (pattern, part) in from.iter().zip(&parts) {
-                match pattern.as_str() {
-                    "*" => captured.push(*part),
-                    p if p == *part => {}
-                    _ => return None,
-                }
-            }
-            let mut captured = captured.into_iter();
-            let out: Vec<String> = to
-                .split('.')
-                .map(|s| match s {
-                    "*" => captured.next().unwrap_or("*").to_owned(),
-                    s => s.to_owned(),
-                })
-                .collect();
-            Some(out.join("."))
-        })
-    }
-
-    /// The model path of `name`: [`map`](Self::map)'s, or `name` itself.
-    pub fn apply(&self, name: &str) -> String {
-        self.map(name).unwrap_or_else(|| name.to_owned())
-    }
-}
-
 /// A GGUF file read into memory: its metadata and its tensors by the file's names, each a
 /// candle [`QTensor`] (quantized, or `F32`/`F16`/`BF16`) on the device it was read to.
 ///
-/// [`load_into`](Self::load_into) loads it into a model. A model package adds what its
-/// architecture needs: `llama`'s `LlamaForCausalLM::from_gguf` reads the configuration from the
-/// `llama.*` metadata and undoes the row order llama.cpp's converter gives `attn_q`/`attn_k`.
+/// It loads into a model as any checkpoint does, through
+/// [`load_state_dict`](../module_runtime/trait.ModuleExt.html#method.load_state_dict) — given
+/// as `&file`, or as the file's path (read on the CPU) — with the same strict, all-or-nothing
+/// checks and key rules: llama.cpp names tensors its own way, so the load's options rename
+/// them ([`LoadOptions::rename_key`](crate::LoadOptions::rename_key)). A quantized tensor
+/// becomes a quantized parameter ([`Param::set_quantized`](crate::Param::set_quantized):
+/// `Linear` layers multiply with it; the parameter reads as its dequantized values); a float one
+/// (and any tensor loaded into a buffer) is loaded as a plain value, converted to the slot's
+/// dtype. [`StateDict::read`](crate::StateDict::read) reads the tensors dequantized.
+///
+/// A model package adds what its architecture needs: `llama`'s `LlamaForCausalLM::from_gguf`
+/// reads the configuration from the `llama.*` metadata and undoes the row order llama.cpp's
+/// converter gives `attn_q`/`attn_k` before loading.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::{GgufFile, LoadOptions};
+/// # let dir = std::env::temp_dir().join(format!("gguf-doc-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir)?;
+/// # let path = dir.join("fc.gguf");
+/// # {
+/// #     use module_runtime::candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+/// #     let w = QTensor::quantize(&Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?, GgmlDType::Q8_0)?;
+/// #     let b = QTensor::quantize(&Tensor::zeros(4, DType::F32, &Device::Cpu)?, GgmlDType::F32)?;
+/// #     let mut out = std::fs::File::create(&path)?;
+/// #     gguf_file::write(&mut out, &[], &[("fc.weight", &w), ("fc.bias", &b)])?;
+/// # }
+/// let model = Linear::new(64, 4, &Device::Cpu)?;
+/// let file = GgufFile::read(&path, &Device::Cpu)?; // tensors `fc.weight`, `fc.bias`
+/// model.load_state_dict(&file, &LoadOptions::default().strip_prefix("fc"))?;
+/// assert_eq!(model.weight.quantized_dtype(), Some(GgmlDType::Q8_0));
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct GgufFile {
     path: PathBuf,
     /// The metadata (`general.architecture`, `llama.block_count`, …).
     pub metadata: HashMap<String, GgufValue>,
     /// The tensors, by the file's names (`blk.0.attn_q.weight`).
-    pub tensors: BTreeMap<String, QTensor>,
+    pub tensors: BTreeMap<String, Arc<QTensor>>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
 }
 
 impl GgufFile {
@@ -121,7 +94,7 @@ impl GgufFile {
             .into_iter()
             .map(|name| {
                 let t = content.tensor(&mut reader, name, device).map_err(bad)?;
-                Ok((name.clone(), t))
+                Ok((name.clone(), Arc::new(t)))
             })
             .collect::<Result<_>>()?;
         Ok(Self {
@@ -179,86 +152,33 @@ impl GgufFile {
         }
         .into()
     }
+}
 
-    /// Loads the tensors into `model`, each renamed by `map`, strictly and all or nothing: every
-    /// parameter and persistent buffer of the model must get exactly one tensor of its shape, and
-    /// every tensor must name one; otherwise [`Error::Load`] reports every missing, unexpected
-    /// (after renaming) and misshapen entry at once, and the model is not changed. A tied weight
-    /// is one entry, under its first path (llama.cpp's files hold no `output.weight` for a tied
-    /// head).
-    ///
-    /// A quantized tensor becomes a quantized parameter ([`Param::set_quantized`]: `Linear`
-    /// layers multiply with it, the parameter reads as its dequantized values); a float one is
-    /// loaded as a plain value, converted to the parameter's dtype. Returns how many entries
-    /// were loaded.
-    pub fn load_into(self, model: &dyn Module, map: &NameMap) -> Result<usize> {
-        enum Slot {
-            Param(Param),
-            Buffer(Buffer),
-        }
-        let mut slots: BTreeMap<String, Slot> = named_parameters(model, &Names::new())
-            .into_iter()
-            .map(|(k, p)| (k, Slot::Param(p)))
-            .collect();
-        for (k, b) in named_buffers(model, &Names::new()) {
-            if b.is_persistent() {
-                slots.insert(k, Slot::Buffer(b));
-            }
-        }
-        let mut report = LoadReport::default();
-        let mut found: BTreeMap<String, QTensor> = BTreeMap::new();
-        for (name, q) in self.tensors {
-            let key = map.apply(&name);
-            let Some(slot) = slots.get(&key) else {
-                report.unexpected.push(key);
-                continue;
-            };
-            if found.contains_key(&key) {
-                report
-                    .unexpected
-                    .push(format!("{key} (again, from `{name}`)"));
-                continue;
-            }
-            let (shape, dtype, lazy) = match slot {
-                Slot::Param(p) => (p.shape(), p.dtype(), p.lazy_shape()),
-                Slot::Buffer(b) => (b.shape(), b.dtype(), b.lazy_shape()),
-            };
-            let fits = match &lazy {
-                Some(lazy) => lazy.accepts(q.shape().dims()),
-                None => shape == *q.shape(),
-            };
-            if !fits {
-                report.mismatched.push(Mismatch {
-                    key,
-                    expected_shape: shape,
-                    expected_dtype: dtype,
-                    shape: q.shape().clone(),
-                    dtype: float_dtype(q.dtype()),
-                    unbuilt: lazy,
-                });
-                continue;
-            }
-            found.insert(key, q);
-        }
-        report.missing = slots
-            .keys()
-            .filter(|k| !found.contains_key(*k))
-            .cloned()
-            .collect();
-        if !report.is_complete() {
-            return Err(Error::Load(Box::new(report)));
-        }
-        let loaded = found.len();
-        for (key, q) in found {
-            match &slots[&key] {
-                Slot::Param(p) => p.set_quantized(q)?,
-                Slot::Buffer(b) => {
-                    let t = q.dequantize(&b.device())?.to_dtype(b.dtype())?;
-                    b.set(&t)?
-                }
-            }
-        }
-        Ok(loaded)
+impl Source for GgufFile {
+    fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
+        Ok(self
+            .tensors
+            .iter()
+            .map(|(name, q)| (name.clone(), q.shape().clone(), float_dtype(q.dtype())))
+            .collect())
+    }
+
+    fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
+        let q = self.tensor(key)?;
+        Ok(q.dequantize(device)?.to_dtype(float_dtype(q.dtype()))?)
+    }
+
+    fn load_quantized(&self, key: &str) -> Result<Option<Arc<QTensor>>> {
+        let q = self.tensor(key)?;
+        Ok(check_quantized_kind(q.dtype()).is_ok().then(|| q.clone()))
+    }
+}
+
+impl GgufFile {
+    fn tensor(&self, key: &str) -> Result<&Arc<QTensor>> {
+        self.tensors
+            .get(key)
+            .ok_or_else(|| self.error(format!("no tensor `{key}`")))
     }
 }
 

@@ -13,7 +13,7 @@
 //! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values |
 //! | `io` | safetensors reading and writing, sharded Hugging Face checkpoints |
 //! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
-//! | `gguf` | [`GgufFile`]: llama.cpp's GGUF files, quantized tensors loaded through a [`NameMap`] |
+//! | `gguf` | [`GgufFile`]: llama.cpp's GGUF files, a checkpoint source whose quantized tensors load as quantized parameters |
 #![warn(missing_docs)]
 
 // The core's modules and items, under the names this crate's files use (`crate::param::Param`).
@@ -39,6 +39,6 @@ pub mod state;
 pub mod suggest;
 
 pub use checkpoint::Checkpoint;
-pub use gguf::{permute_rows, GgufFile, GgufValue, NameMap};
+pub use gguf::{permute_rows, GgufFile, GgufValue};
 pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
 pub use state::{LoadOptions, StateDict};

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
@@ -176,6 +177,22 @@ impl LoadOptions {
     /// Renames whole path segments in checkpoint keys.
     pub fn rename(self, from: impl Into<String>, to: impl Into<String>) -> Self {
         self.rule(KeyRule::Rename(from.into(), to.into()))
+    }
+
+    /// Renames whole checkpoint keys by pattern ([`KeyRule::RenameKey`]: a `*` segment matches
+    /// any one segment and is put back where `to` has `*`): a file that names its tensors its
+    /// own way, as llama.cpp's GGUF files do.
+    ///
+    /// ```
+    /// use module_runtime::LoadOptions;
+    /// let options = LoadOptions::default()
+    ///     .rename_key("token_embd.weight", "model.embed_tokens.weight")
+    ///     .rename_key("blk.*.attn_q.weight", "model.layers.*.self_attn.q_proj.weight");
+    /// assert_eq!(options.map_key("blk.7.attn_q.weight"), "model.layers.7.self_attn.q_proj.weight");
+    /// assert_eq!(options.map_key("lm_head.weight"), "lm_head.weight"); // no rule matches
+    /// ```
+    pub fn rename_key(self, from: impl Into<String>, to: impl Into<String>) -> Self {
+        self.rule(KeyRule::RenameKey(from.into(), to.into()))
     }
 
     /// Requires every checkpoint value to have the model's dtype exactly: a value of another dtype
@@ -404,6 +421,12 @@ pub trait Source {
     fn entries(&self) -> Result<Vec<(String, Shape, DType)>>;
     /// The value of `key` on `device`.
     fn load(&self, key: &str, device: &Device) -> Result<Tensor>;
+    /// The value of `key` as a quantized weight, when the source holds it quantized (a GGUF
+    /// file's `Q8_0` tensor): a parameter takes it with [`Param::set_quantized`]. `None` (the
+    /// default) loads [`load`](Self::load)'s float value.
+    fn load_quantized(&self, _key: &str) -> Result<Option<Arc<QTensor>>> {
+        Ok(None)
+    }
 }
 
 impl Source for StateDict {
@@ -528,9 +551,17 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
         return Err(Error::Load(Box::new(report)));
     }
 
-    // Stage: read and convert every value before touching the model.
+    // Stage: read and convert every value before touching the model. A quantized weight is moved
+    // to its parameter's device here and taken as is (`set_quantized` dequantizes it).
     let mut staged = Vec::with_capacity(plan.len());
+    let mut staged_quantized = Vec::new();
     for (slot, key, dtype) in plan {
+        if let Slot::Param(p) = slot
+            && let Some(q) = source.load_quantized(key)?
+        {
+            staged_quantized.push((p, module_core::quant::qtensor_on(&q, &p.device())?));
+            continue;
+        }
         let value = source.load(key, &slot.device())?;
         let value = if value.dtype() == dtype || options.assign {
             value
@@ -554,6 +585,9 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
             (Slot::Buffer(b), true) => b.assign(value)?,
         }
     }
-    report.loaded = staged.len() + staged_extras.len();
+    for (p, q) in staged_quantized.iter() {
+        p.set_quantized(q.clone())?;
+    }
+    report.loaded = staged.len() + staged_quantized.len() + staged_extras.len();
     Ok(report)
 }
