@@ -8,7 +8,9 @@
 //! right: an `Embedding` tied to a quantized head looks up the quantized table (as llama.cpp does
 //! with a quantized `token_embd`), `state_dict` saves the values the model uses (dequantized,
 //! nothing lost, nothing silently different), and shape, dtype and device are the logical ones.
-//! The price is memory: the float copy stays resident beside the quantized one.
+//! The price is memory: the float copy stays resident beside the quantized one (and, once a
+//! `Linear` has multiplied with a `q8_0` weight on the CPU, its kernel's tiles: as large again as
+//! the quantized weight; see [`Param::quantized_layout`]).
 
 use std::any::Any;
 use std::borrow::Cow;
