@@ -26,7 +26,7 @@ pub use candle_core::quantized::gguf_file::Value as GgufValue;
 /// as `&file`, or as the file's path (read on the CPU) — with the same strict, all-or-nothing
 /// checks and key rules: llama.cpp names tensors its own way, so the load's options rename
 /// them ([`LoadOptions::rename_key`](crate::LoadOptions::rename_key)). A quantized tensor
-/// becomes a quantized parameter ([`Param::set_quantized`](crate::Param::set_quantized):
+/// becomes a quantized parameter ([`Param::set_quantized`](module_core::Param::set_quantized):
 /// `Linear` layers multiply with it; the parameter reads as its dequantized values); a float one
 /// (and any tensor loaded into a buffer) is loaded as a plain value, converted to the slot's
 /// dtype. [`StateDict::read`](crate::StateDict::read) reads the tensors dequantized.
