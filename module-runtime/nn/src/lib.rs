@@ -93,7 +93,7 @@ pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActiv
 mod linear;
 
 pub use linear::{
-    LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, QUANTIZED_MAX_ROWS,
+    LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
 
 // Quantized weights: `quantize(&model, pattern, kind)`.

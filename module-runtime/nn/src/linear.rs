@@ -175,12 +175,12 @@ impl Linear {
 
 layer_forward!(Linear, |layer, x| {
     match layer.weight.quantized() {
-        // A quantized weight (`quantize`): a quantized matmul for a few rows (decoding),
-        // unless a gradient must flow back through the input (that op records none). Otherwise
-        // the float path takes the weight's dequantized values, the same numbers: with many rows
-        // (a prompt's prefill) the float GEMM is faster than candle's quantized kernel, which
-        // has no blocking across rows (llama.cpp also dequantizes for large batches).
-        Some(w) if rows(x) <= QUANTIZED_MAX_ROWS && !(x.track_op() && is_grad_enabled()) => {
+        // A quantized weight (`quantize`): a quantized matmul for a few rows (decoding, short
+        // prompts, small batches), unless a gradient must flow back through the input (that op
+        // records none). Otherwise the float path takes the weight's dequantized values, the
+        // same numbers: with many rows (a long prompt's prefill) the float GEMM is as fast or
+        // faster (llama.cpp also dequantizes for large batches).
+        Some(w) if rows(x) <= max_quantized_rows(&w) && !(x.track_op() && is_grad_enabled()) => {
             quantized_linear(x, &layer.weight, &w, param_tensor(&layer.bias)?)
         }
         // The weight first: an unloaded layer's error names its weight.
@@ -188,11 +188,26 @@ layer_forward!(Linear, |layer, x| {
     }
 });
 
-/// The most input rows a quantized `Linear` runs the quantized matmul for; above, the float
-/// GEMM over the dequantized weight is faster (measured with candle's kernel on the
-/// SmolLM-135M-shaped decoder's 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4,
-/// 0.4–0.8× at 8–16).
+/// The most input rows a quantized `Linear` runs candle's quantized matmul for; above, the float
+/// GEMM over the dequantized weight is faster (measured on the SmolLM-135M-shaped decoder's
+/// 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16). `q8_0` weights
+/// on CPUs with AVX2 take this crate's kernel instead, up to [`Q8_0_MAX_ROWS`].
 pub const QUANTIZED_MAX_ROWS: usize = 4;
+
+/// The most input rows a quantized `Linear` runs this crate's `q8_0` kernel for (CPUs with AVX2);
+/// above, the float GEMM over the dequantized weight. Measured on the SmolLM-135M-shaped
+/// decoder's weights, cold in memory, against the float GEMM: 3.6–5.0× faster at 1 row,
+/// 2.6–4.3× at 8, 1.2–1.6× at 32, 1.0–1.3× at 64, 0.8–1.1× at 128.
+pub const Q8_0_MAX_ROWS: usize = 32;
+
+/// The most input rows `w` is multiplied with in its quantized form.
+fn max_quantized_rows(w: &QTensor) -> usize {
+    if crate::q8_0_matmul::applies(w) {
+        Q8_0_MAX_ROWS
+    } else {
+        QUANTIZED_MAX_ROWS
+    }
+}
 
 /// The number of rows of `x` (every dimension but the last).
 fn rows(x: &Tensor) -> usize {

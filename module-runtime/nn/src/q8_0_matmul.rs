@@ -34,7 +34,8 @@ const BLOCK: usize = 32;
 const BLOCK_BYTES: usize = 2 + BLOCK;
 /// Output rows per tile: one 512-bit register of 32-bit lanes.
 const ROWS: usize = 16;
-/// The most input rows the kernel takes at once (`QUANTIZED_MAX_ROWS`).
+/// Input rows one pass over a tile multiplies (its accumulators stay in registers); more rows
+/// take further passes over the same tile, whose bytes are in the L1 cache by then.
 const MAX_M: usize = 4;
 
 /// 64 bytes, aligned for whole-register loads: four inputs of the 16 rows of a tile.
@@ -90,15 +91,20 @@ impl Q8Tiles {
     }
 }
 
+/// Whether [`q8_0_matmul`] runs for `w` on this CPU (a CPU `q8_0` weight, AVX2 or better).
+pub(crate) fn applies(w: &QTensor) -> bool {
+    w.dtype() == GgmlDType::Q8_0 && w.device().is_cpu() && Kernel::detect() != Kernel::Scalar
+}
+
 /// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Q8Tiles`], or `None`
-/// when the kernel does not apply (another kind or device, a non-float32 input, more than four
-/// rows, a CPU without AVX2): the caller then takes candle's quantized matmul.
+/// when the kernel does not apply (another kind or device, a non-float32 input, a CPU without
+/// AVX2): the caller then takes candle's quantized matmul.
 pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
     if !x.device().is_cpu() || x.dtype() != DType::F32 || Kernel::detect() == Kernel::Scalar {
         return Ok(None);
     }
     let (m, k) = x.dims2()?;
-    if m == 0 || m > MAX_M {
+    if m == 0 {
         return Ok(None);
     }
     let Some(w) = param.quantized_layout(Q8Tiles::new) else {
@@ -113,7 +119,11 @@ pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
 
 /// The product, `[m, n]`.
 fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
-    let xq = Quantized::new(x, m, w.k);
+    // The rows in groups of up to `MAX_M`, each group one pass over a tile.
+    let groups: Vec<Quantized> = x
+        .chunks(MAX_M * w.k)
+        .map(|rows| Quantized::new(rows, rows.len() / w.k, w.k))
+        .collect();
     let nb = w.k / BLOCK;
     let tiles = w.n.div_ceil(ROWS);
     let kernel = Kernel::detect();
@@ -131,7 +141,9 @@ fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
                 unsafe { std::slice::from_raw_parts_mut(tiled_at.at(t * per_tile), per_tile) };
             let quads = &w.quads[t * nb * 8..(t + 1) * nb * 8];
             let scales = &w.scales[t * nb..(t + 1) * nb];
-            kernel.tile(quads, scales, &xq, out);
+            for (xq, out) in groups.iter().zip(out.chunks_mut(MAX_M * ROWS)) {
+                kernel.tile(quads, scales, xq, out);
+            }
         }
     });
     let mut out = vec![0f32; m * w.n];
@@ -221,8 +233,9 @@ impl Kernel {
 
     /// One tile's outputs for every input row: `out[r * 16 + i]` is row `r`'s output `i`.
     fn tile(self, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
-        debug_assert_eq!(quads.len(), scales.len() * 8);
-        debug_assert_eq!(x.k, scales.len() * BLOCK);
+        // What the SIMD loops' unchecked loads and stores rely on.
+        assert!(quads.len() == scales.len() * 8 && x.k == scales.len() * BLOCK);
+        assert!(x.m <= MAX_M && out.len() >= x.m * ROWS);
         match self {
             Kernel::Scalar => scalar(quads, scales, x, out),
             // SAFETY: `detect` picked these only where the CPU has the features they are
@@ -480,7 +493,7 @@ mod tests {
     }
 
     #[test]
-    fn other_kinds_dtypes_and_row_counts_are_left_to_candle() {
+    fn other_kinds_and_dtypes_are_left_to_candle() {
         let (_, x) = case(4, 64, 1);
         let w = Param::new(Tensor::ones((4, 64), DType::F32, &Device::Cpu).unwrap()).unwrap();
         w.quantize(GgmlDType::Q4_0).unwrap();
@@ -489,8 +502,6 @@ mod tests {
         assert!(q8_0_matmul(&x.to_dtype(DType::F16).unwrap(), &w)
             .unwrap()
             .is_none());
-        let five = Tensor::ones((5, 64), DType::F32, &Device::Cpu).unwrap();
-        assert!(q8_0_matmul(&five, &w).unwrap().is_none());
         let simd = Kernel::detect() != Kernel::Scalar;
         assert_eq!(q8_0_matmul(&x, &w).unwrap().is_some(), simd);
     }

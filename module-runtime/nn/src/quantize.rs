@@ -50,10 +50,11 @@ pub struct QuantizeReport {
 /// input. `print(model)` shows `quantized=Q8_0` on each such layer. Biases stay in float.
 ///
 /// The quantized matmul runs for inputs of up to [`QUANTIZED_MAX_ROWS`](crate::QUANTIZED_MAX_ROWS)
-/// rows (decoding); for more (a prompt's prefill) the layer multiplies with the dequantized weight
-/// in float, which candle's kernels do faster, as llama.cpp dequantizes for large batches. Both
-/// use the quantized weight's values; the quantized kernel also rounds the input rows to 8 bits
-/// per block.
+/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) for `q8_0` on CPUs with AVX2, whose
+/// kernel is this crate's); for more (a long prompt's prefill) the layer multiplies with the
+/// dequantized weight in float, which is as fast or faster there, as llama.cpp dequantizes for
+/// large batches. Both use the quantized weight's values; the quantized kernel also rounds the
+/// input rows to 8 bits per block.
 ///
 /// Tied weights stay tied: quantizing a `Linear` quantizes its weight for every alias. Another
 /// `Linear` holding it multiplies with the quantized weight too, and any other reader (a tied
