@@ -28,7 +28,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let kind = parse_quant_kind(&kind_name)?;
     println!("{kind_name}: kernel up to {Q8_0_MAX_ROWS} rows (q8_0) / {QUANTIZED_MAX_ROWS} (other kinds)");
     let dev = Device::Cpu;
-    for (out, inp, copies) in [(1536usize, 576usize, 60usize), (576, 1536, 60), (49152, 576, 3)] {
+    for (out, inp, copies) in [
+        (1536usize, 576usize, 60usize),
+        (576, 1536, 60),
+        (49152, 576, 3),
+    ] {
         let float: Vec<Linear> = (0..copies)
             .map(|_| Linear::no_bias(inp, out, &dev))
             .collect::<Result<_>>()?;

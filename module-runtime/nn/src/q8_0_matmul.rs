@@ -146,6 +146,11 @@ fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
             }
         }
     });
+    if m == 1 {
+        // One row: the tiles' outputs are already in order.
+        tiled.truncate(w.n);
+        return Ok(Tensor::from_vec(tiled, (1, w.n), &Device::Cpu)?);
+    }
     let mut out = vec![0f32; m * w.n];
     for (t, tile) in tiled.chunks_exact(m * ROWS).enumerate() {
         for (r, row) in tile.chunks_exact(ROWS).enumerate() {
@@ -196,7 +201,7 @@ impl Quantized {
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
             let mut sum = 0i32;
             for (v, o) in xb.iter().zip(qb.iter_mut()) {
-                *o = (v * inv).round() as i8;
+                *o = round_half_away(v * inv) as i8;
                 sum += *o as i32;
             }
             *db = f16::from_f32(scale).to_f32();
@@ -204,6 +209,16 @@ impl Quantized {
         }
         Self { q, d, offset, m, k }
     }
+}
+
+/// `v` rounded to the nearest integer, halves away from zero: `f32::round` (ggml's `roundf`) for
+/// the values here (|v| ≤ 127), without the call to libm's `roundf` that `f32::round` is on
+/// x86-64's baseline (a truncating conversion and a compare, which the compiler vectorizes).
+#[inline(always)]
+fn round_half_away(v: f32) -> i32 {
+    let t = v as i32; // toward zero
+    let frac = v - t as f32; // exact: |v| < 2^23
+    t + (frac >= 0.5) as i32 - (frac <= -0.5) as i32
 }
 
 /// The inner loop this CPU runs.
@@ -432,6 +447,29 @@ mod tests {
             assert_eq!(ours.dims(), [rows, n]);
             let diff = max_rel_diff(&ours, &candle);
             assert!(diff < 1e-5, "{n}x{k}, {rows} rows: {diff}");
+        }
+    }
+
+    #[test]
+    fn rounding_is_f32_round() {
+        for v in [
+            0.0f32,
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            -127.0,
+            3.7,
+        ] {
+            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+        }
+        for i in -127_000..=127_000 {
+            let v = i as f32 / 1000.0;
+            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
         }
     }
 
