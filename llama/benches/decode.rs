@@ -237,6 +237,20 @@ fn main() -> AnyResult<()> {
             "{name:32} prefill {prefill:6.0} tokens/s   decode {decode:5.1} tokens/s ({lo:.1}–{hi:.1})"
         );
     }
+    // Each quantized kind's decode speed over float32's (ours, `prefill`), round by round: the
+    // same round's runs met the same moment of the machine.
+    for (i, (name, _)) in quantized.iter().enumerate() {
+        let ratios: Vec<f64> = (results[3 + i].1.iter().zip(&results[1].1))
+            .map(|(q, f)| f.decode / q.decode)
+            .collect();
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        println!(
+            "{name} decode over float32's, per round: median {:.2}x ({lo:.2}–{hi:.2}x)",
+            median(ratios.clone())
+        );
+    }
     drop(ballast);
     Ok(())
 }
