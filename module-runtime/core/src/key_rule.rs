@@ -135,3 +135,40 @@ impl KeyFix {
         KeyRule::apply_all(&self.rules, key)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rename_key_matches_whole_keys_segment_by_segment() {
+        let rule = KeyRule::RenameKey("blk.*.ffn_*.weight".into(), "layers.*.mlp.*.w".into());
+        assert_eq!(rule.apply("blk.3.ffn_*.weight"), "layers.3.mlp.*.w");
+        // `*` is a whole segment, not a glob inside one: `ffn_up` is not `ffn_*`.
+        assert_eq!(rule.apply("blk.3.ffn_up.weight"), "blk.3.ffn_up.weight");
+        let rule = KeyRule::RenameKey("blk.*.*.weight".into(), "layers.*.*.w".into());
+        assert_eq!(rule.apply("blk.3.attn_q.weight"), "layers.3.attn_q.w");
+        // Another number of segments, or another fixed segment: left alone.
+        assert_eq!(rule.apply("blk.3.attn_q.weight.x"), "blk.3.attn_q.weight.x");
+        assert_eq!(rule.apply("blk.3.attn_q.bias"), "blk.3.attn_q.bias");
+        // Rules apply in order, each to the key the one before made.
+        let rules = [
+            KeyRule::RenameKey("token_embd.weight".into(), "embed.weight".into()),
+            KeyRule::AddPrefix("model".into()),
+        ];
+        assert_eq!(
+            KeyRule::apply_all(&rules, "token_embd.weight"),
+            "model.embed.weight"
+        );
+    }
+
+    #[test]
+    fn a_fix_spells_rename_key_as_load_options_code() {
+        let given = vec![KeyRule::RenameKey("a.*".into(), "b.*".into())];
+        let fix = KeyFix::new(vec![KeyRule::StripPrefix("module".into())], 3, given);
+        assert_eq!(
+            fix.options_code(),
+            r#"LoadOptions::default().rename_key("a.*", "b.*").strip_prefix("module")"#
+        );
+    }
+}
