@@ -15,7 +15,7 @@
 //!
 //! Quantized weights: `--quantize q8_0` (or `q4_0`, `q4_k`, …) quantizes the model's `Linear`
 //! layers after loading; `--model` may also be a llama.cpp `.gguf` file (quantized or not; its
-//! tokenizer is not read, so no `--text`):
+//! embedded tokenizer is not read: `--text` takes the `tokenizer.json` in the file's folder):
 //!
 //! ```text
 //! echo '[242, 175, 307]' | cargo run --release -p llama --example generate -- \
@@ -60,7 +60,7 @@ struct Args {
     /// The sampling seed
     #[arg(long, value_name = "S", default_value = "0")]
     seed: u64,
-    /// Stdin lines are text and outputs are text (needs DIR/tokenizer.json)
+    /// Stdin lines are text and outputs are text (needs DIR/tokenizer.json, or one beside the .gguf file)
     #[arg(long)]
     text: bool,
     /// cpu, cuda:0, metal:0 [default: $MODULE_DEVICE, else cpu]
@@ -100,7 +100,12 @@ fn main() -> AnyResult<()> {
     if !args.text {
         return Ok(generate_json_lines(&model, &config, stdin, stdout)?);
     }
-    let path = args.model.join("tokenizer.json");
+    // A checkpoint folder holds its tokenizer; a `.gguf` file is read with the one beside it.
+    let folder = match args.model.is_file() {
+        true => args.model.parent().unwrap_or(std::path::Path::new(".")),
+        false => &args.model,
+    };
+    let path = folder.join("tokenizer.json");
     if !path.is_file() {
         return Err(format!("--text needs {}", path.display()).into());
     }
