@@ -257,7 +257,9 @@ fn attention_bias(
     device: &Device,
 ) -> Result<Option<Tensor>> {
     let padded = padding.iter().any(|p| *p > 0);
-    if new == 1 && !padded {
+    // One new token sees every slot; new tokens after an empty cache are plain causal attention,
+    // which the attention applies itself (skipping the masked half of the scores).
+    if !padded && (new == 1 || filled == 0) {
         return Ok(None);
     }
     let total = filled + new;

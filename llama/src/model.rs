@@ -84,7 +84,8 @@ pub struct LayerInput {
     /// `sin` of the same angles.
     pub sin: Tensor,
     /// Additive attention bias `[batch or 1, 1, new, filled + new]` (0 or the lowest float), or
-    /// `None` when every new token may see every filled slot and every other new token.
+    /// `None` when none is needed: one new token (it sees every slot), or new tokens after an
+    /// empty cache (causal attention, which the layer applies itself).
     pub mask: Option<Tensor>,
     /// The layer's key buffer `[batch, kv_heads, capacity, head_dim]`, written in place.
     pub keys: Tensor,
@@ -177,6 +178,8 @@ impl Forward<LayerInput> for LlamaAttention {
         let options = SdpaOptions {
             scale: Some(1.0),
             enable_gqa: heads != kv,
+            // No bias for several new tokens: they start an empty cache (see `LayerInput::mask`).
+            is_causal: input.mask.is_none() && s > 1,
             ..SdpaOptions::default()
         };
         let context =
