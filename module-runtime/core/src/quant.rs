@@ -78,9 +78,15 @@ impl QuantSlot {
     }
 }
 
-/// Checks that `kind` is a quantization, not a float kind (`F32`, `F16`, `BF16`).
+/// Whether `kind` is one of the float kinds (`F32`, `F16`, `BF16`) a GGUF tensor may have,
+/// rather than a quantization.
+pub fn is_float_kind(kind: GgmlDType) -> bool {
+    matches!(kind, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+/// Checks that `kind` is a quantization, not a float kind ([`is_float_kind`]).
 pub fn check_quantized_kind(kind: GgmlDType) -> Result<()> {
-    if matches!(kind, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+    if is_float_kind(kind) {
         return Err(QuantizeError::FloatKind { kind }.into());
     }
     Ok(())
@@ -164,10 +170,7 @@ impl Param {
         let weight: Arc<QTensor> = weight.into();
         let device = self.0.var.device();
         let deq = weight.dequantize(&device)?.to_dtype(self.0.var.dtype())?;
-        if matches!(
-            weight.dtype(),
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-        ) {
+        if is_float_kind(weight.dtype()) {
             return self.set(&deq);
         }
         let weight = qtensor_on(&weight, &device)?;
@@ -181,13 +184,20 @@ impl Param {
     /// that substitutes the parameter (the substituted tensor is what counts then).
     #[inline]
     pub fn quantized(&self) -> Option<Arc<QTensor>> {
+        self.quant_entry().map(|e| e.weight.clone())
+    }
+
+    /// The quantized weight's entry, where [`quantized`](Self::quantized) gives one: the
+    /// parameter is quantized (one atomic load first) and no functional call substitutes it.
+    #[inline]
+    fn quant_entry(&self) -> Option<Arc<Entry>> {
         if !self.0.quant.is_on() {
             return None;
         }
         if crate::scope::active() && crate::scope::param(self.id()).is_some() {
             return None;
         }
-        self.0.quant.load()
+        self.0.quant.entry()
     }
 
     /// A layout of the quantized weight that a kernel reads in its own order (repacked blocks),
@@ -213,13 +223,7 @@ impl Param {
         &self,
         make: impl FnOnce(&QTensor) -> Option<T>,
     ) -> Option<Arc<T>> {
-        if !self.0.quant.is_on() {
-            return None;
-        }
-        if crate::scope::active() && crate::scope::param(self.id()).is_some() {
-            return None;
-        }
-        let entry = self.0.quant.entry()?;
+        let entry = self.quant_entry()?;
         let layout = entry
             .layout
             .get_or_init(|| make(&entry.weight).map(|t| Arc::new(t) as Arc<dyn Any + Send + Sync>));

@@ -100,7 +100,8 @@ pub(crate) fn applies(w: &QTensor) -> bool {
 /// when the kernel does not apply (another kind or device, a non-float32 input, a CPU without
 /// AVX2): the caller then takes candle's quantized matmul.
 pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
-    if !x.device().is_cpu() || x.dtype() != DType::F32 || Kernel::detect() == Kernel::Scalar {
+    let kernel = Kernel::detect();
+    if !x.device().is_cpu() || x.dtype() != DType::F32 || kernel == Kernel::Scalar {
         return Ok(None);
     }
     let (m, k) = x.dims2()?;
@@ -114,11 +115,11 @@ pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(Some(matmul(&x, m, &w)?))
+    Ok(Some(matmul(&x, m, &w, kernel)?))
 }
 
 /// The product, `[m, n]`.
-fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
+fn matmul(x: &[f32], m: usize, w: &Q8Tiles, kernel: Kernel) -> Result<Tensor> {
     // The rows in groups of up to `MAX_M`, each group one pass over a tile.
     let groups: Vec<Quantized> = x
         .chunks(MAX_M * w.k)
@@ -126,7 +127,6 @@ fn matmul(x: &[f32], m: usize, w: &Q8Tiles) -> Result<Tensor> {
         .collect();
     let nb = w.k / BLOCK;
     let tiles = w.n.div_ceil(ROWS);
-    let kernel = Kernel::detect();
     // Per tile, the m rows' 16 outputs; then laid out as [m, n].
     let mut tiled = vec![0f32; tiles * m * ROWS];
     let per_tile = m * ROWS;
@@ -418,13 +418,16 @@ mod tests {
         (w, Tensor::from_vec(x, (rows, k), &dev).unwrap())
     }
 
+    /// The largest difference relative to `b`'s largest magnitude (at least 1).
     fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
-        a.iter()
-            .zip(&b)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+        let scale = b
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        crate::common::max_diff(a, b) / scale.max(1.0)
     }
 
     #[test]

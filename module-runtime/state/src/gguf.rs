@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::state::Source;
-use module_core::quant::check_quantized_kind;
+use module_core::quant::is_float_kind;
 use module_core::QuantizeError;
 
 /// A value of a GGUF file's metadata (candle's `gguf_file::Value`).
@@ -192,7 +192,7 @@ impl Source for GgufFile {
 
     fn load_quantized(&self, key: &str) -> Result<Option<Arc<QTensor>>> {
         let q = self.tensor(key)?;
-        Ok(check_quantized_kind(q.dtype()).is_ok().then(|| q.clone()))
+        Ok((!is_float_kind(q.dtype())).then(|| q.clone()))
     }
 }
 
