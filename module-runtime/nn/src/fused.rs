@@ -11,10 +11,10 @@
 use std::cell::Cell;
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::common::{can_add_bias_in_place, f32_slice, f32_slice_mut, is_plain_cpu_f32};
 use crate::error::Result;
+use crate::fused_grad::{block_len, par_map};
 use crate::{Forward, Module};
 
 thread_local! {
@@ -217,26 +217,8 @@ fn bias_then(y: &mut [f32], bias: Option<&[f32]>, f: impl Fn(f32) -> f32 + Sync)
     };
     // Without a bias every value is a row of its own.
     let width = bias.map_or(1, <[f32]>::len);
-    match block_len(y.len(), width) {
-        Some(block) => y.par_chunks_mut(block).for_each(pass),
-        None => pass(y),
-    }
-}
-
-/// Below this many values a pass stays on the calling thread: handing it to the thread pool
-/// would cost more than the second core saves.
-const PARALLEL_MIN_VALUES: usize = 1 << 16;
-
-/// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
-/// split into, one per thread of rayon's pool (the pool candle's CPU kernels use); `None` for a
-/// pass that runs on the calling thread.
-fn block_len(len: usize, width: usize) -> Option<usize> {
-    let threads = rayon::current_num_threads();
-    if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
-        return None;
-    }
-    let rows = len / width;
-    Some(rows.div_ceil(threads).max(1) * width)
+    let block = block_len(y.len(), width);
+    par_map(y.chunks_mut(block).collect(), pass);
 }
 
 impl candle_core::InplaceOp1 for BiasActivation {
@@ -394,14 +376,13 @@ impl candle_core::CustomOp2 for ResidualLayerNorm {
                 self.row(x, r, o);
             }
         };
-        match block_len(x.len(), width) {
-            Some(block) => out
-                .par_chunks_mut(block)
-                .zip(x.par_chunks(block))
-                .zip(residual.par_chunks(block))
-                .for_each(|((o, x), r)| rows(x, r, o)),
-            None => rows(x, residual, &mut out),
-        }
+        let block = block_len(x.len(), width);
+        let jobs = out
+            .chunks_mut(block)
+            .zip(x.chunks(block))
+            .zip(residual.chunks(block))
+            .collect();
+        par_map(jobs, |((o, x), r)| rows(x, r, o));
         Ok((CpuStorage::F32(out), shape.clone()))
     }
 }

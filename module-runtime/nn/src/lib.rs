@@ -91,6 +91,7 @@ pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};
 
 mod linear;
+mod matmul;
 
 pub use linear::{
     LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,

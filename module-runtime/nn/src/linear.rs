@@ -274,12 +274,12 @@ fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
     // reads in place (no transpose copy).
     let y = match x.dims() {
-        [_, _] => x.matmul(&w.t()?)?,
+        [_, _] => crate::matmul::matmul(x, &w.t()?)?,
         dims => {
             let (batch, in_features) = dims.split_at(dims.len().saturating_sub(1));
             let rows = batch.iter().product::<usize>();
             let y = x.reshape((rows, in_features.iter().product::<usize>()))?;
-            let y = y.matmul(&w.t()?)?;
+            let y = crate::matmul::matmul(&y, &w.t()?)?;
             let mut out_dims = batch.to_vec();
             out_dims.push(w.dim(0)?);
             y.reshape(out_dims)?

@@ -4,19 +4,23 @@
 //! matmul, broadcast the bias, add), and their backward hands the weight its gradient transposed
 //! (`xᵀ g`, `[in, out]`, added into `[out, in]` with strided reads) and sums the bias gradient with
 //! candle's reduction over the first dimension, which computes an index per element. Here the
-//! backward is `dx = g W`, `dW = gᵀ x` (already `[out, in]`) and `db = Σ g` over rows, in one pass
-//! split over threads.
+//! forward is one product on the barrier pool with the bias written into the output first
+//! ([`matmul::product`](crate::matmul::product)), and the backward is `dx = g W`, `dW = gᵀ x`
+//! (already `[out, in]`) and `db = Σ g` over rows, in one pass split over threads.
+//!
+//! Unlike the other fused training ops it also serves inference (nothing records a gradient): the
+//! op then records nothing, and the bias costs no pass over the output of its own.
 
-use std::sync::Mutex;
-
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 
 use crate::common::f32_slice;
 use crate::error::Result;
-use crate::fused_grad::{applies, block_len, map_rows, par_map, with_f32};
+use crate::fused::is_fusion_enabled;
+use crate::fused_grad::{block_len, par_map, with_f32};
+use crate::matmul::{matmul_candle, product, Matrix};
 
 /// Whether [`linear`] can compute `x Wᵀ + b`: `x` `[…, in]` and `weight` `[out, in]` with a
-/// `bias` `[out]`, none of the sizes zero.
+/// `bias` `[out]`, none of the sizes zero, all float32 CPU tensors, fusion on.
 pub(crate) fn can_fuse_linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> bool {
     let (Some(&in_features), [out_features, w_in]) = (x.dims().last(), weight.dims()) else {
         return false;
@@ -25,26 +29,18 @@ pub(crate) fn can_fuse_linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> boo
         && *w_in == in_features
         && *out_features > 0
         && bias.dims() == [*out_features]
-        && applies(&[x, weight, bias])
+        && is_fusion_enabled()
+        && [x, weight, bias]
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
 }
 
-/// `x Wᵀ + b` over the last dimension of `x`, recording a backward that computes the input,
-/// weight and bias gradients directly (see [`can_fuse_linear`]).
-///
-/// The matmul runs first, on values that record nothing (candle's kernel); the op then adds the
-/// bias into its own output as the composed path's broadcast add would, and stands in the graph
-/// for the whole layer.
+/// `x Wᵀ + b` over the last dimension of `x` (see [`can_fuse_linear`]), recording, when any of
+/// them records a gradient, a backward that computes the input, weight and bias gradients
+/// directly.
 pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    let x = x.contiguous()?;
-    let (rows, in_features) = fold(&x);
-    let product = x
-        .detach()
-        .reshape((rows, in_features))?
-        .matmul(&weight.detach().t()?)?;
-    let op = Linear {
-        product: Mutex::new(Some(product)),
-    };
-    Ok(x.apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)?)
+    Ok(x.contiguous()?
+        .apply_op3(&weight.contiguous()?, &bias.contiguous()?, Linear)?)
 }
 
 /// The number of rows of `x` with its batch dimensions folded, and its last dimension.
@@ -54,10 +50,7 @@ fn fold(x: &Tensor) -> (usize, usize) {
 }
 
 /// The candle op of [`linear`]: its arguments are the input, the weight and the bias.
-struct Linear {
-    /// `x Wᵀ`, `[rows, out]`, computed before the op and taken by its forward.
-    product: Mutex<Option<Tensor>>,
-}
+struct Linear;
 
 impl candle_core::CustomOp3 for Linear {
     fn name(&self) -> &'static str {
@@ -66,34 +59,37 @@ impl candle_core::CustomOp3 for Linear {
 
     fn cpu_fwd(
         &self,
-        _x: &CpuStorage,
+        x: &CpuStorage,
         x_layout: &Layout,
-        _w: &CpuStorage,
-        _w_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let bias = f32_slice(b, b_layout, name)?;
-        let product = self
-            .product
-            .lock()
-            .map_err(|_| candle_core::Error::Msg(format!("{name}: poisoned")))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{name}: runs once")))?;
-        let width = bias.len();
-        let y = with_f32([&product], name, |inputs| {
-            map_rows(inputs, width, |y, [p]| {
-                for (y, p) in y.chunks_exact_mut(width).zip(p.chunks_exact(width)) {
-                    for ((y, p), b) in y.iter_mut().zip(p).zip(bias) {
-                        *y = p + b;
-                    }
-                }
-            })
-        })?;
+        let (x, w, bias) = (
+            f32_slice(x, x_layout, name)?,
+            f32_slice(w, w_layout, name)?,
+            f32_slice(b, b_layout, name)?,
+        );
+        let (out_features, in_features) = w_layout.shape().dims2()?;
+        if in_features == 0 || x.len() % in_features != 0 {
+            return Err(candle_core::Error::ShapeMismatchBinaryOp {
+                lhs: x_layout.shape().clone(),
+                rhs: w_layout.shape().clone(),
+                op: name,
+            });
+        }
+        let rows = x.len() / in_features;
+        let y = product(
+            Matrix::rows(x, in_features),
+            Matrix::transposed(w, in_features),
+            (rows, out_features, in_features),
+            Some(bias),
+        )?;
         let mut dims = x_layout.shape().dims().to_vec();
         if let Some(last) = dims.last_mut() {
-            *last = width;
+            *last = out_features;
         }
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
@@ -111,12 +107,15 @@ impl candle_core::CustomOp3 for Linear {
         let out_features = b.elem_count();
         let g = grad.contiguous()?.reshape((rows, out_features))?;
         let dx = if x.track_op() {
-            Some(g.matmul(&w.detach())?.reshape(x.shape())?)
+            Some(matmul_candle(&g, &w.detach())?.reshape(x.shape())?)
         } else {
             None
         };
         let dw = if w.track_op() {
-            Some(g.t()?.matmul(&x.detach().reshape((rows, in_features))?)?)
+            Some(matmul_candle(
+                &g.t()?,
+                &x.detach().reshape((rows, in_features))?,
+            )?)
         } else {
             None
         };

@@ -79,7 +79,7 @@ const PARALLEL_MIN_VALUES: usize = 1 << 16;
 /// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
 /// split into: one block per thread of [`par_map`], or one block for a pass that stays on the
 /// calling thread. Never zero.
-fn block_len(len: usize, width: usize) -> usize {
+pub(crate) fn block_len(len: usize, width: usize) -> usize {
     let threads = candle_core::utils::barrier_pool().n_workers() + 1;
     if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
         return len.max(1);
@@ -89,10 +89,11 @@ fn block_len(len: usize, width: usize) -> usize {
 
 /// `f` of each job, in order, the jobs spread over candle's barrier pool: the threads of candle's
 /// own elementwise kernels, with the calling thread as one of them. Those threads are awake right
-/// after a candle kernel, which in a backward pass is always just before; handing the jobs to
-/// another pool (rayon's, which candle's matmul uses) would leave them spinning beside it on the
-/// same cores. One job runs on the calling thread.
-fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> {
+/// after a candle kernel or a product of [`matmul`](crate::matmul), which in a forward or backward
+/// pass is always just before; handing the jobs to another pool (rayon's) would leave them
+/// spinning beside it on the same cores. One job runs on the calling thread. The inference passes
+/// of [`fused`](crate::fused) use it too.
+pub(crate) fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> {
     if jobs.len() <= 1 {
         return jobs.into_iter().map(f).collect();
     }

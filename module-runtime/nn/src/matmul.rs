@@ -1,0 +1,397 @@
+//! Float32 matrix products on the CPU, split over candle's barrier pool.
+//!
+//! candle's CPU matmul calls the `gemm` crate with rayon's parallelism inside one call. On the
+//! development machine (2 cores) that made the same product's time vary by up to 1.9× from call
+//! to call: the median of the MiniLM and SmolLM projections ran at 90–180 GFLOP/s where the
+//! fastest calls reached 200 (BENCHMARKS.md, "Matmuls on the barrier pool"). Here the output is
+//! split into one block of columns (or of rows) per thread, fixed in advance, and each thread runs
+//! `gemm`'s single-threaded kernel on its block, on the pool candle's own elementwise kernels use
+//! (its threads wait spinning between calls, so a call starts without waking anyone). The kernel
+//! is the same, and so is each output's sum over the shared dimension: the result equals candle's.
+//!
+//! [`matmul`] is one candle op with a backward (`da = g bᵀ`, `db = aᵀ g`, the same products
+//! again), so a graph through it trains. It serves float32 CPU matrices; anything else goes to
+//! candle's `matmul`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+
+use crate::error::Result;
+
+/// `a b` for matrices `a` `[m, k]` and `b` `[k, n]` (any strides: a transposed view is read in
+/// place), as candle's `matmul` computes it, recording the same gradient. Float32 CPU matrices
+/// run on the barrier pool (see the module's documentation); other dtypes, devices and ranks go
+/// to candle's `matmul`.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    Ok(matmul_candle(a, b)?)
+}
+
+/// [`matmul`] with candle's error type, for the backward passes.
+pub(crate) fn matmul_candle(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let applies = a.rank() == 2
+        && b.rank() == 2
+        && a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && a.device().is_cpu()
+        && b.device().is_cpu()
+        && a.dim(1)? == b.dim(0)?;
+    if applies {
+        a.apply_op2(b, MatMul)
+    } else {
+        a.matmul(b)
+    }
+}
+
+/// Below this many multiply-adds a product stays on the calling thread: handing half of a few
+/// microseconds' work to another thread costs about as much as it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 18;
+
+/// The candle op of [`matmul`]: `a b` for two float32 matrices.
+struct MatMul;
+
+impl candle_core::CustomOp2 for MatMul {
+    fn name(&self) -> &'static str {
+        "matmul-pool"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        a_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (a, b) else {
+            return Err(candle_core::Error::UnsupportedDTypeForOp(a.dtype(), name));
+        };
+        let (m, k) = a_layout.shape().dims2()?;
+        let (k2, n) = b_layout.shape().dims2()?;
+        if k != k2 {
+            return Err(candle_core::Error::ShapeMismatchBinaryOp {
+                lhs: a_layout.shape().clone(),
+                rhs: b_layout.shape().clone(),
+                op: name,
+            });
+        }
+        let product = product(
+            Matrix::new(a, a_layout),
+            Matrix::new(b, b_layout),
+            (m, n, k),
+            None,
+        )?;
+        Ok((CpuStorage::F32(product), Shape::from((m, n))))
+    }
+
+    /// `da = g bᵀ` and `db = aᵀ g`, each only for an argument that records a gradient.
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let da = match a.track_op() {
+            true => Some(matmul_candle(grad, &b.detach().t()?)?),
+            false => None,
+        };
+        let db = match b.track_op() {
+            true => Some(matmul_candle(&a.detach().t()?, grad)?),
+            false => None,
+        };
+        Ok((da, db))
+    }
+}
+
+/// A strided float32 matrix in a CPU storage: its values from its first one on, and the distance
+/// between rows and between columns.
+#[derive(Clone, Copy)]
+pub(crate) struct Matrix<'a> {
+    values: &'a [f32],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Matrix<'a> {
+    /// The matrix a rank-2 layout describes in `values` (checked against them by candle).
+    pub(crate) fn new(values: &'a [f32], layout: &Layout) -> Self {
+        let stride = layout.stride();
+        Self {
+            values: &values[layout.start_offset()..],
+            row_stride: stride[0],
+            col_stride: stride[1],
+        }
+    }
+
+    /// The transpose of the row-major matrix of rows `width` long in `values`: `values` read
+    /// column by column.
+    pub(crate) fn transposed(values: &'a [f32], width: usize) -> Self {
+        Self {
+            values,
+            row_stride: 1,
+            col_stride: width,
+        }
+    }
+
+    /// An error unless the values hold a `[rows, cols]` matrix (both non-zero) at these strides.
+    fn check(&self, rows: usize, cols: usize) -> candle_core::Result<()> {
+        let last = (rows - 1)
+            .checked_mul(self.row_stride)
+            .zip((cols - 1).checked_mul(self.col_stride))
+            .and_then(|(r, c)| r.checked_add(c));
+        match last {
+            Some(last) if last < self.values.len() => Ok(()),
+            _ => Err(candle_core::Error::Msg(format!(
+                "matmul: {} values cannot hold a [{rows}, {cols}] matrix at strides [{}, {}]",
+                self.values.len(),
+                self.row_stride,
+                self.col_stride
+            ))),
+        }
+    }
+
+    /// The row-major matrix of rows `width` long in `values`.
+    pub(crate) fn rows(values: &'a [f32], width: usize) -> Self {
+        Self {
+            values,
+            row_stride: width,
+            col_stride: 1,
+        }
+    }
+}
+
+/// `a b + bias`, `[m, n]` row-major, with `a` `[m, k]`, `b` `[k, n]` and an optional `bias` `[n]`
+/// added to every row: split into one block per thread and run by `gemm`'s single-threaded kernel
+/// on each. The bias is written into each block first and the kernel adds the product to it, so
+/// it costs no pass of its own.
+///
+/// An error if `a` or `b` is too short for its matrix, or `bias` is not `n` long.
+pub(crate) fn product(
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, n, k): (usize, usize, usize),
+    bias: Option<&[f32]>,
+) -> candle_core::Result<Vec<f32>> {
+    if let Some(bias) = bias.filter(|bias| bias.len() != n) {
+        return Err(candle_core::Error::Msg(format!(
+            "matmul: a bias of {} values for {n} output columns",
+            bias.len()
+        )));
+    }
+    if k == 0 || m == 0 || n == 0 {
+        return Ok(match bias {
+            Some(bias) => bias.repeat(m),
+            None => vec![0f32; m * n],
+        });
+    }
+    a.check(m, k)?;
+    b.check(k, n)?;
+    let mut out = Vec::<f32>::with_capacity(m * n);
+    let dst = SharedOut(out.as_mut_ptr());
+    let blocks = Blocks::new(m, n, k);
+    let run = |block: usize| {
+        let (rows, cols) = blocks.get(block);
+        if let Some(bias) = bias {
+            for row in rows.clone() {
+                // SAFETY: as for `gemm` below: this block's own outputs.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst.at(row * n + cols.start), cols.len())
+                };
+                out.copy_from_slice(&bias[cols.clone()]);
+            }
+        }
+        // SAFETY: `rows × cols` is inside `[m, n]` and no other block overlaps it, so each thread
+        // writes its own outputs; `gemm` reads `a` and `b` only inside the `[m, k]` and `[k, n]`
+        // matrices the caller guarantees; with `read_dst` false it writes every output of the
+        // block before reading any back, and with a bias it reads the values written above.
+        unsafe {
+            gemm::gemm(
+                rows.len(),
+                cols.len(),
+                k,
+                dst.at(rows.start * n + cols.start),
+                1,
+                n as isize,
+                bias.is_some(),
+                a.values.as_ptr().add(rows.start * a.row_stride),
+                a.col_stride as isize,
+                a.row_stride as isize,
+                b.values.as_ptr().add(cols.start * b.col_stride),
+                b.col_stride as isize,
+                b.row_stride as isize,
+                if bias.is_some() { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    match blocks.count {
+        1 => run(0),
+        count => candle_core::utils::barrier_pool().execute_chunked(count, |range| {
+            range.for_each(run);
+        }),
+    }
+    // SAFETY: the blocks cover `[m, n]`, and each was written (`k > 0`).
+    unsafe { out.set_len(m * n) };
+    Ok(out)
+}
+
+/// The output pointer, shared by the threads that write disjoint blocks through it.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: the threads write disjoint blocks (see `product`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer to output `offset`.
+    ///
+    /// # Safety
+    /// `offset` is inside the output.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: the caller's.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// How a `[m, n]` output is split: into `count` blocks of whole columns (each at least
+/// [`MIN_COLS`] wide, a multiple of 16: `gemm`'s widest tile), or of whole rows when the columns are
+/// too few, one block per thread of candle's pool.
+struct Blocks {
+    count: usize,
+    m: usize,
+    n: usize,
+    /// Whether the blocks are columns (else rows).
+    by_cols: bool,
+    /// The columns (or rows) of each block but the last.
+    len: usize,
+}
+
+/// The narrowest block of columns a product is split into.
+const MIN_COLS: usize = 32;
+
+/// The fewest rows in a block of rows.
+const MIN_ROWS: usize = 16;
+
+impl Blocks {
+    fn new(m: usize, n: usize, k: usize) -> Self {
+        let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+        let one = Self {
+            count: 1,
+            m,
+            n,
+            by_cols: true,
+            len: n,
+        };
+        if threads == 1 || m.saturating_mul(n).saturating_mul(k) < PARALLEL_MIN_MACS {
+            return one;
+        }
+        let (by_cols, extent, align, min) = if n >= 2 * MIN_COLS || m < 2 * MIN_ROWS {
+            (true, n, 16, MIN_COLS)
+        } else {
+            (false, m, 8, MIN_ROWS)
+        };
+        let parts = threads.min(extent / min).max(1);
+        let len = extent.div_ceil(parts).next_multiple_of(align).min(extent);
+        Self {
+            count: extent.div_ceil(len),
+            m,
+            n,
+            by_cols,
+            len,
+        }
+    }
+
+    /// The rows and columns of block `i`.
+    fn get(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let extent = if self.by_cols { self.n } else { self.m };
+        let part = i * self.len..((i + 1) * self.len).min(extent);
+        match self.by_cols {
+            true => (0..self.m, part),
+            false => (part, 0..self.n),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Every split (one block, columns, rows, ragged last blocks) and every stride pattern equals
+    /// candle's matmul.
+    #[test]
+    fn equals_candle_for_shapes_and_strides() {
+        let dev = Device::Cpu;
+        for (m, k, n) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (800, 384, 384),
+            (200, 96, 1536),
+            (100, 64, 40),
+            (97, 33, 65),
+            (1000, 70, 20),
+            (5, 0, 4),
+        ] {
+            let a = Tensor::randn(0f32, 1., (m, k), &dev).unwrap();
+            let bt = Tensor::randn(0f32, 1., (n, k), &dev).unwrap();
+            let b = bt.t().unwrap().contiguous().unwrap();
+            let at = a.t().unwrap().contiguous().unwrap();
+            for (a, b) in [
+                (a.clone(), b.clone()),
+                (a.clone(), bt.t().unwrap()),
+                (at.t().unwrap(), b.clone()),
+                (at.t().unwrap(), bt.t().unwrap()),
+            ] {
+                let ours = matmul(&a, &b).unwrap();
+                let theirs = a.matmul(&b).unwrap();
+                assert_eq!(ours.dims(), [m, n]);
+                let scale = (k as f32).sqrt().max(1.);
+                assert!(max_diff(&ours, &theirs) <= 1e-5 * scale, "{m}x{k}x{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_equal_candles() {
+        let dev = Device::Cpu;
+        let a = Var::randn(0f32, 1., (70, 40), &dev).unwrap();
+        let b = Var::randn(0f32, 1., (40, 90), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1., (70, 90), &dev).unwrap();
+        let ours = (matmul(&a, &b).unwrap() * &w).unwrap().sum_all().unwrap();
+        let theirs = (a.matmul(&b).unwrap() * &w).unwrap().sum_all().unwrap();
+        let (g1, g2) = (ours.backward().unwrap(), theirs.backward().unwrap());
+        for v in [&a, &b] {
+            let d = max_diff(g1.get(v).unwrap(), g2.get(v).unwrap());
+            assert!(d < 1e-4, "{d}");
+        }
+    }
+
+    #[test]
+    fn other_dtypes_and_ranks_take_candles_matmul() {
+        let dev = Device::Cpu;
+        let a = Tensor::randn(0f64, 1., (2, 3, 4), &dev).unwrap();
+        let b = Tensor::randn(0f64, 1., (2, 4, 5), &dev).unwrap();
+        assert_eq!(matmul(&a, &b).unwrap().dims(), [2, 3, 5]);
+        let a = Tensor::randn(0f32, 1., (3, 4), &dev).unwrap();
+        let b = Tensor::randn(0f32, 1., (5, 6), &dev).unwrap();
+        assert!(matmul(&a, &b).is_err());
+    }
+}
