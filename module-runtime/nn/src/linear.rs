@@ -120,11 +120,12 @@ impl Linear {
     }
 
     /// `activation(self(x))`, as `activation.call(&linear.call(x)?)` computes it — and during CPU
-    /// float32 inference in one pass: the bias is added and the activation applied together, in
-    /// place, in the matmul's fresh output, instead of one pass and one fresh output each.
+    /// float32 inference without a second output: the activation is applied in place in the
+    /// layer's fresh output (the bias is already in it: the product is added onto it), instead of
+    /// one more pass into a fresh tensor.
     ///
-    /// The fused pass runs when nothing records a gradient ([`no_grad`](module_core::no_grad) or frozen
-    /// parameters), on float32 CPU tensors, with no hooks attached (hooks see each module's own
+    /// The in-place pass runs when nothing records a gradient ([`no_grad`](module_core::no_grad) or
+    /// frozen parameters), on float32 CPU tensors, with no hooks attached (hooks see each module's own
     /// output, so both are called as usual) and fusion not turned off
     /// ([`without_fusion`](crate::without_fusion)); its result is the unfused one bit for bit.
     /// Otherwise, and for an activation that is not elementwise (an
@@ -148,28 +149,17 @@ impl Linear {
         x: &Tensor,
         activation: &A,
     ) -> Result<Tensor> {
-        let Some(f) = activation
-            .elementwise()
-            .filter(|_| fusion_applies() && !self.weight.is_quantized())
-        else {
+        let Some(f) = activation.elementwise().filter(|_| fusion_applies()) else {
             return activation.call(&self.call(x)?);
         };
-        let fused = || -> Result<(Tensor, bool)> {
-            let w = self.weight.tensor()?;
-            let bias = param_tensor(&self.bias)?;
-            check_input_device("Linear.weight", &w, x)?;
-            let y = matmul(x, &w)?;
-            if can_fuse_bias_activation(&y, bias.as_ref()) {
-                bias_activation_in_place(&y, bias.as_ref(), f)?;
-                return Ok((y, true));
-            }
-            Ok((add_bias(y, bias)?, false))
-        };
-        match fused() {
-            Ok((y, true)) => Ok(y),
-            Ok((y, false)) => activation.call(&y),
-            Err(error) => Err(crate::trace::forward_error(self, error)),
+        // The layer's own output (in training the fused op that records its gradient), then
+        // the activation in place over it when nothing records a gradient.
+        let y = self.call(x)?;
+        if can_fuse_bias_activation(&y, None) {
+            bias_activation_in_place(&y, None, f)?;
+            return Ok(y);
         }
+        activation.call(&y)
     }
 }
 

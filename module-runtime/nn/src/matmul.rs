@@ -395,3 +395,54 @@ mod tests {
         assert!(matmul(&a, &b).is_err());
     }
 }
+
+#[cfg(test)]
+mod timing_tmp {
+    use super::*;
+    use candle_core::Device;
+    #[test]
+    #[ignore]
+    fn timing() {
+        let dev = Device::Cpu;
+        for (name, m, k, n, ta, tb) in [
+            ("fwd qkv", 200, 384, 384, false, true),
+            ("fwd up", 200, 384, 1536, false, true),
+            ("fwd down", 200, 1536, 384, false, true),
+            ("dx qkv", 200, 384, 384, false, false),
+            ("dx up", 200, 1536, 384, false, false),
+            ("dx down", 200, 384, 1536, false, false),
+            ("dW qkv", 384, 200, 384, true, false),
+            ("dW up", 1536, 200, 384, true, false),
+            ("dW down", 384, 200, 1536, true, false),
+        ] {
+            let a = if ta {
+                Tensor::randn(0f32, 1., (k, m), &dev).unwrap().t().unwrap()
+            } else {
+                Tensor::randn(0f32, 1., (m, k), &dev).unwrap()
+            };
+            let b = if tb {
+                Tensor::randn(0f32, 1., (n, k), &dev).unwrap().t().unwrap()
+            } else {
+                Tensor::randn(0f32, 1., (k, n), &dev).unwrap()
+            };
+            for _ in 0..20 {
+                matmul(&a, &b).unwrap();
+            }
+            let mut ts = vec![];
+            for _ in 0..200 {
+                let t = std::time::Instant::now();
+                matmul(&a, &b).unwrap();
+                ts.push(t.elapsed().as_secs_f64());
+            }
+            ts.sort_by(f64::total_cmp);
+            let f = 2.0 * (m * n * k) as f64;
+            println!(
+                "{name} {m}x{k}x{n}: med {:.3} ms ({:.0} GF/s) min {:.3} ({:.0})",
+                ts[100] * 1e3,
+                f / ts[100] / 1e9,
+                ts[0] * 1e3,
+                f / ts[0] / 1e9
+            );
+        }
+    }
+}
