@@ -27,6 +27,7 @@ impl<'a> View<'a> {
     }
 
     /// The `len` values from index `[i0, i1, i2, 0]` on (the last dimension is contiguous).
+    #[inline(always)]
     pub(crate) fn row(&self, i: [usize; 3], len: usize) -> &'a [f32] {
         let at =
             self.offset + i[0] * self.stride[0] + i[1] * self.stride[1] + i[2] * self.stride[2];
@@ -55,14 +56,29 @@ impl<'a> Mask<'a> {
         }
     }
 
-    /// `score` for query `i` and key `j` of (batch `b`, query head `h`), masked.
-    fn apply(&self, [b, h, i, j]: [usize; 4], score: f32) -> f32 {
+    /// The scores of query `i` of (batch `b`, query head `h`) over the keys, masked in place.
+    #[inline(always)]
+    fn apply_row(&self, [b, h, i]: [usize; 3], scores: &mut [f32]) {
         let s = &self.stride;
-        let at = self.offset + b * s[0] + h * s[1] + i * s[2] + j * s[3];
+        let at = self.offset + b * s[0] + h * s[1] + i * s[2];
         match self.values {
-            CpuStorage::U8(m) if m[at] == 0 => f32::NEG_INFINITY,
-            CpuStorage::F32(m) => score + m[at],
-            _ => score,
+            CpuStorage::U8(m) => {
+                for (j, score) in scores.iter_mut().enumerate() {
+                    if m[at + j * s[3]] == 0 {
+                        *score = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            CpuStorage::F32(m) if s[3] == 1 => {
+                let m = &m[at..at + scores.len()];
+                scores.iter_mut().zip(m).for_each(|(score, m)| *score += m);
+            }
+            CpuStorage::F32(m) => {
+                for (j, score) in scores.iter_mut().enumerate() {
+                    *score += m[at + j * s[3]];
+                }
+            }
+            _ => {}
         }
     }
 }
@@ -84,31 +100,104 @@ pub(crate) struct Scores<'a> {
 impl Scores<'_> {
     /// The softmax weights of query `i` of (batch `b`, query head `h`) over the keys, written into
     /// `probs` (one per key). A query that may attend to no key gets NaN weights, as PyTorch's
-    /// composed path gives.
+    /// composed path gives. Compiled for AVX2 and FMA when the CPU has them (see [`simd`]): every
+    /// caller gets the same weights to the bit, which the training op's backward relies on.
     pub(crate) fn probs(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd() {
+            // SAFETY: the CPU has AVX2 and FMA (`simd`).
+            return unsafe { self.probs_avx2(b, h, i, probs) };
+        }
+        self.probs_body(b, h, i, probs);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn probs_avx2(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
+        self.probs_body(b, h, i, probs);
+    }
+
+    #[inline(always)]
+    fn probs_body(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
         let kh = h / self.group;
         let qrow = self.q.row([b, h, i], self.e);
-        let mut max = f32::NEG_INFINITY;
         for (j, score) in probs.iter_mut().enumerate() {
-            let mut x = if self.causal && j > i {
-                f32::NEG_INFINITY
-            } else {
-                dot(qrow, self.k.row([b, kh, j], self.e)) * self.scale
-            };
-            if let Some(mask) = &self.mask {
-                x = mask.apply([b, h, i, j], x);
-            }
-            *score = x;
-            max = max.max(x);
+            *score = dot(qrow, self.k.row([b, kh, j], self.e)) * self.scale;
         }
-        let mut sum = 0f32;
-        for score in probs.iter_mut() {
-            *score = (*score - max).exp();
-            sum += *score;
+        if self.causal && i + 1 < probs.len() {
+            probs[i + 1..].fill(f32::NEG_INFINITY);
         }
-        let inv = 1.0 / sum;
-        probs.iter_mut().for_each(|p| *p *= inv);
+        if let Some(mask) = &self.mask {
+            mask.apply_row([b, h, i], probs);
+        }
+        softmax_in_place(probs);
     }
+}
+
+/// `x ↦ exp(x − max) / Σ exp(x − max)` in place. The exponentials are [`exp`]'s (vectorized when
+/// the caller is); a row whose largest value is not finite (every key masked, or an infinite or
+/// NaN score) takes the standard library's `exp`, so its NaNs are PyTorch's.
+#[inline(always)]
+fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if max.is_finite() {
+        x.iter_mut().for_each(|v| *v = exp(*v - max));
+    } else {
+        x.iter_mut().for_each(|v| *v = (*v - max).exp());
+    }
+    let sum = lane_sum(x);
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|p| *p *= inv);
+}
+
+/// `eˣ` for `x ≤ 0` (a score minus its row's maximum) within 2 ulp, written so that a loop over
+/// it vectorizes: `2ⁿ · p(r)` with `x = n ln 2 + r`, `|r| ≤ ln 2 / 2` (Cody–Waite split of ln 2)
+/// and a degree-6 polynomial for `eʳ`; 0 below −87.3 (where `eˣ` leaves the normal range, and
+/// for −∞: a masked key), NaN for NaN.
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOW: f32 = -87.336_55;
+    let c = x.clamp(LOW, 88.0);
+    let n = (c * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = c - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 0.166_666_65;
+    let p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < LOW {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+/// The sum of `values` with eight running sums (so it vectorizes).
+#[inline(always)]
+fn lane_sum(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] += c[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// Whether this CPU runs the kernels' AVX2 + FMA builds (detected once).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn simd() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    })
 }
 
 /// The dimensions involved: batch, query heads, key/value heads, query and key lengths, the
@@ -197,11 +286,7 @@ pub(crate) fn attend(
             // SAFETY: row (b, i, h) of `out` is written by this (b, h) pair only, and `out`
             // outlives the loop.
             let row = unsafe { ptr.slice(((b * d.l + i) * d.hq + h) * d.ev, d.ev) };
-            for (j, &weight) in weights.iter().enumerate() {
-                if weight != 0.0 {
-                    axpy(weight, values.row([b, kh, j], d.ev), row);
-                }
-            }
+            weighted_sum(&weights, |j| values.row([b, kh, j], d.ev), row);
         }
     };
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.hq, |range| range.for_each(head));
@@ -227,7 +312,32 @@ impl Out {
     }
 }
 
+/// `out += Σⱼ weights[j] · row(j)` (rows of `out.len()` values), skipping zero weights; compiled
+/// for AVX2 and FMA when the CPU has them.
+pub(crate) fn weighted_sum<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
+            weighted_sum_body(weights, row, out);
+        }
+        // SAFETY: the CPU has AVX2 and FMA (`simd`).
+        return unsafe { avx2(weights, row, out) };
+    }
+    weighted_sum_body(weights, row, out);
+}
+
+#[inline(always)]
+fn weighted_sum_body<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
+    for (j, &weight) in weights.iter().enumerate() {
+        if weight != 0.0 {
+            axpy(weight, row(j), out);
+        }
+    }
+}
+
 /// `y += a * x`.
+#[inline(always)]
 pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
         *y += a * x;
@@ -235,6 +345,7 @@ pub(crate) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// `a · b` with eight running sums (so it vectorizes).
+#[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -250,4 +361,60 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     lanes.iter().sum::<f32>() + rest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp_of_the_standard_librarys() {
+        let mut x = -87.3f32;
+        while x <= 0.0 {
+            let (ours, std) = (exp(x), x.exp());
+            assert!(
+                (ours - std).abs() <= 2.5e-7 * std,
+                "exp({x}): {ours} vs {std}"
+            );
+            x += 0.0007;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-1e30), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    /// The AVX2 build of the weights (on a CPU that has it) and the portable one agree.
+    #[test]
+    fn the_simd_and_portable_weights_agree() {
+        let (b, h, l, e) = (2, 3, 5, 24);
+        let values: Vec<f32> = (0..b * h * l * e)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let view = View {
+            data: &values,
+            offset: 0,
+            stride: [h * l * e, l * e, e, 1],
+        };
+        for causal in [false, true] {
+            let scores = Scores {
+                q: view,
+                k: view,
+                mask: None,
+                causal,
+                scale: 0.3,
+                group: 1,
+                e,
+            };
+            let (mut fast, mut portable) = (vec![0f32; l], vec![0f32; l]);
+            for i in 0..l {
+                scores.probs(1, 2, i, &mut fast);
+                scores.probs_body(1, 2, i, &mut portable);
+                for (f, p) in fast.iter().zip(&portable) {
+                    assert!((f - p).abs() <= 1e-6, "{fast:?} vs {portable:?}");
+                }
+                assert!((fast.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            }
+        }
+    }
 }

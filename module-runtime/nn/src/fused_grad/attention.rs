@@ -12,6 +12,8 @@ use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
 use crate::fused_grad::par_map;
+#[cfg(target_arch = "x86_64")]
+use crate::sdpa_kernel::simd;
 use crate::sdpa_kernel::{attend, axpy, dot, Dims, Mask, Scores, View};
 
 /// The options of [`attention`] besides the mask.
@@ -145,6 +147,83 @@ impl Attention {
     }
 }
 
+/// What one (batch, key/value head) pair's gradients are computed from.
+struct PairInputs<'s, 'a> {
+    scores: &'s Scores<'a>,
+    draws: Option<&'s [f32]>,
+    values: View<'a>,
+    /// The output's gradient, `[B, L, Hq, Ev]`.
+    g: View<'a>,
+    /// The batch and the key/value head.
+    pair: (usize, usize),
+}
+
+/// One pair's gradients: the queries' of its query heads (`[group, L, E]`), the keys'
+/// (`[S, E]`) and the values' (`[S, Ev]`).
+type PairGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+impl Attention {
+    /// The gradients of one (batch, key/value head) pair, the query heads that share it included:
+    /// per query, its weights recomputed, then `dv += p·g`, `dp = g·v`, `ds = p (dp − Σ p dp)`,
+    /// `dq += ds·k`, `dk += ds·q`. Compiled for AVX2 and FMA when the CPU has them.
+    fn pair_grads(&self, inputs: &PairInputs) -> PairGrads {
+        #[cfg(target_arch = "x86_64")]
+        if simd() {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2(op: &Attention, inputs: &PairInputs) -> PairGrads {
+                op.pair_grads_body(inputs)
+            }
+            // SAFETY: the CPU has AVX2 and FMA (`simd`).
+            return unsafe { avx2(self, inputs) };
+        }
+        self.pair_grads_body(inputs)
+    }
+
+    #[inline(always)]
+    fn pair_grads_body(&self, inputs: &PairInputs) -> PairGrads {
+        let d = self.dims;
+        let group = d.hq / d.h;
+        let PairInputs {
+            scores,
+            draws,
+            values,
+            g,
+            pair: (b, kh),
+        } = *inputs;
+        let keys = scores.k;
+        let queries = scores.q;
+        let mut dq = vec![0f32; group * d.l * d.e];
+        let mut dk = vec![0f32; d.s * d.e];
+        let mut dv = vec![0f32; d.s * d.ev];
+        let (mut probs, mut factors, mut dp) = (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]);
+        for (n, dq) in dq.chunks_exact_mut(d.l * d.e).enumerate() {
+            let h = kh * group + n;
+            for (i, dq) in dq.chunks_exact_mut(d.e).enumerate() {
+                scores.probs(b, h, i, &mut probs);
+                self.keep_factors(draws, [b, h, i], &mut factors);
+                let g_row = g.row([b, i, h], d.ev);
+                for j in 0..d.s {
+                    dp[j] = dot(g_row, values.row([b, kh, j], d.ev)) * factors[j];
+                    let kept = probs[j] * factors[j];
+                    if kept != 0.0 {
+                        axpy(kept, g_row, &mut dv[j * d.ev..(j + 1) * d.ev]);
+                    }
+                }
+                let sum: f32 = probs.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                let q_row = queries.row([b, h, i], d.e);
+                for j in 0..d.s {
+                    let ds = probs[j] * (dp[j] - sum) * scores.scale;
+                    if ds != 0.0 {
+                        axpy(ds, keys.row([b, kh, j], d.e), dq);
+                        axpy(ds, q_row, &mut dk[j * d.e..(j + 1) * d.e]);
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+}
+
 impl candle_core::CustomOp3 for Attention {
     fn name(&self) -> &'static str {
         "scaled-dot-product-attention-fused"
@@ -200,37 +279,14 @@ impl candle_core::CustomOp3 for Attention {
         let group = d.hq / d.h;
         let parts = self.with_scores(queries, keys, |scores, draws| {
             par_map((0..d.b * d.h).collect(), |pair| {
-                let (b, kh) = (pair / d.h, pair % d.h);
-                let mut dq = vec![0f32; group * d.l * d.e];
-                let mut dk = vec![0f32; d.s * d.e];
-                let mut dv = vec![0f32; d.s * d.ev];
-                let (mut probs, mut factors, mut dp) =
-                    (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]);
-                for (n, dq) in dq.chunks_exact_mut(d.l * d.e).enumerate() {
-                    let h = kh * group + n;
-                    for (i, dq) in dq.chunks_exact_mut(d.e).enumerate() {
-                        scores.probs(b, h, i, &mut probs);
-                        self.keep_factors(draws, [b, h, i], &mut factors);
-                        let g_row = g.row([b, i, h], d.ev);
-                        for j in 0..d.s {
-                            dp[j] = dot(g_row, values.row([b, kh, j], d.ev)) * factors[j];
-                            let kept = probs[j] * factors[j];
-                            if kept != 0.0 {
-                                axpy(kept, g_row, &mut dv[j * d.ev..(j + 1) * d.ev]);
-                            }
-                        }
-                        let sum: f32 = probs.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
-                        let q_row = queries.row([b, h, i], d.e);
-                        for j in 0..d.s {
-                            let ds = probs[j] * (dp[j] - sum) * scores.scale;
-                            if ds != 0.0 {
-                                axpy(ds, keys.row([b, kh, j], d.e), dq);
-                                axpy(ds, q_row, &mut dk[j * d.e..(j + 1) * d.e]);
-                            }
-                        }
-                    }
-                }
-                (dq, dk, dv)
+                let inputs = PairInputs {
+                    scores,
+                    draws,
+                    values,
+                    g,
+                    pair: (pair / d.h, pair % d.h),
+                };
+                self.pair_grads(&inputs)
             })
         })?;
         let mut dq = vec![0f32; d.b * d.l * d.hq * d.e];
