@@ -11,7 +11,9 @@
 //!
 //! [`matmul`] is one candle op with a backward (`da = g bᵀ`, `db = aᵀ g`, the same products
 //! again), so a graph through it trains. It serves float32 CPU matrices; anything else goes to
-//! candle's `matmul`.
+//! candle's `matmul`. Built with candle's `mkl` or `accelerate` features, these products still run
+//! here (candle's other kernels use those libraries): on the development machine this path ran
+//! level with or ahead of PyTorch's MKL products in the same minute.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
