@@ -324,18 +324,7 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use crate::common::max_diff;
 
     /// Every split (one block, columns, rows, ragged last blocks) and every stride pattern equals
     /// candle's matmul.
