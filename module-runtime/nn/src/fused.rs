@@ -4,9 +4,10 @@
 //! They run only during CPU float32 inference ([`no_grad`](crate::no_grad) or frozen parameters,
 //! so nothing records a gradient), with no hooks attached (hooks must see each module's own output)
 //! and with fusion enabled ([`without_fusion`] turns it off, to compare or to measure). Everywhere
-//! else the layers take their unfused path, which the fused one matches: bit for bit for the bias
-//! and activation ([`Linear::call_then`](crate::Linear::call_then)), within float32 rounding for
-//! the norm ([`LayerNorm::call_residual`](crate::LayerNorm::call_residual)).
+//! else the layers take their unfused path, which the fused one matches within float32 rounding:
+//! the activation applied in place after a `Linear` ([`Linear::call_then`](crate::Linear::call_then):
+//! the layer's output is the same, the bias already added inside its product), and the residual
+//! sum and norm ([`LayerNorm::call_residual`](crate::LayerNorm::call_residual)).
 
 use std::cell::Cell;
 

@@ -12,8 +12,9 @@
 //! forward and backward. Both paths compute the same values.
 //!
 //! The runtime's own fused inference passes follow the same rule, and run on float32 CPU tensors
-//! with no hooks attached: [`Linear::call_then`] (bias and activation in one pass; [`Sequential`]
-//! uses it for a `Linear` followed by an activation) and [`LayerNorm::call_residual`] (residual sum
+//! with no hooks attached: [`Linear::call_then`] (the activation in place in the layer's output,
+//! whose bias is added inside the product; [`Sequential`] uses it for a `Linear` followed by an
+//! activation) and [`LayerNorm::call_residual`] (residual sum
 //! and norm in one pass). [`without_fusion`] turns them off on a thread.
 //!
 //! When a gradient *is* recorded, on float32 CPU tensors, [`Linear`] (with a bias), [`LayerNorm`]

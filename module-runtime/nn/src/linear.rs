@@ -127,7 +127,8 @@ impl Linear {
     /// The in-place pass runs when nothing records a gradient ([`no_grad`](module_core::no_grad) or
     /// frozen parameters), on float32 CPU tensors, with no hooks attached (hooks see each module's own
     /// output, so both are called as usual) and fusion not turned off
-    /// ([`without_fusion`](crate::without_fusion)); its result is the unfused one bit for bit.
+    /// ([`without_fusion`](crate::without_fusion)); its result is the two calls' (with fusion on:
+    /// turning it off also moves the bias out of the product, a float32 rounding's difference).
     /// Otherwise, and for an activation that is not elementwise (an
     /// [`Activation`](crate::Activation) holding a softmax), this is the two calls.
     /// [`Sequential`](crate::Sequential) uses it for a `Linear` followed by an activation.
@@ -489,6 +490,31 @@ mod tests {
         ] {
             check_call_then(&act)?;
         }
+        Ok(())
+    }
+
+    /// In training `call_then` is the two calls: the same output and the same input, weight and
+    /// bias gradients (the layer's fused op records them; nothing is applied in place).
+    #[test]
+    fn call_then_in_training_records_the_two_calls_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let fc = Linear::new(7, 24, &dev)?;
+        let x = candle_core::Var::randn(0f32, 1., (3, 5, 7), &dev)?;
+        let x = x.as_tensor();
+        let grads = |y: Tensor| -> Result<Vec<Vec<f32>>> {
+            let g = (y.sqr()?.sum_all()?).backward()?;
+            let w = fc.weight.tensor()?;
+            let b = fc.bias.as_ref().unwrap().tensor()?;
+            Ok([x, &w, &b]
+                .iter()
+                .map(|t| values(g.get(t).expect("a gradient")))
+                .collect())
+        };
+        let fused = fc.call_then(x, &GELU::new())?;
+        assert!(fused.track_op());
+        let two = GELU::new().call(&fc.call(x)?)?;
+        assert_eq!(values(&fused), values(&two));
+        assert_eq!(grads(fused)?, grads(two)?);
         Ok(())
     }
 
