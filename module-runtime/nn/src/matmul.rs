@@ -3,9 +3,10 @@
 //! candle's CPU matmul calls the `gemm` crate with rayon's parallelism inside one call. On the
 //! development machine (2 cores) that made the same product's time vary by up to 1.9× from call
 //! to call: the median of the MiniLM and SmolLM projections ran at 90–180 GFLOP/s where the
-//! fastest calls reached 200 (BENCHMARKS.md, "Matmuls on the barrier pool"). Here the output is
-//! split into one block of columns (or of rows) per thread, fixed in advance, and each thread runs
-//! `gemm`'s single-threaded kernel on its block, on the pool candle's own elementwise kernels use
+//! fastest calls reached 200 (BENCHMARKS.md, "Matmuls on candle's barrier pool"). Here the output
+//! is split into a grid of at most one block per thread, fixed in advance (on two threads, halves
+//! of the rows or of the columns), and each thread runs `gemm`'s single-threaded kernel on its
+//! block, on the pool candle's own elementwise kernels use
 //! (its threads wait spinning between calls, so a call starts without waking anyone). The kernel
 //! is the same, and so is each output's sum over the shared dimension: the result equals candle's.
 //!
@@ -188,9 +189,19 @@ pub(crate) fn product(
     }
     a.check(m, k)?;
     b.check(k, n)?;
+    Ok(product_in(a, b, (m, n, k), bias, Blocks::new(m, n, k)))
+}
+
+/// [`product`] over the given blocks (checked operands, `k`, `m`, `n` non-zero).
+fn product_in(
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, n, k): (usize, usize, usize),
+    bias: Option<&[f32]>,
+    blocks: Blocks,
+) -> Vec<f32> {
     let mut out = Vec::<f32>::with_capacity(m * n);
     let dst = SharedOut(out.as_mut_ptr());
-    let blocks = Blocks::new(m, n, k);
     let run = |block: usize| {
         let (rows, cols) = blocks.get(block);
         if let Some(bias) = bias {
@@ -238,7 +249,7 @@ pub(crate) fn product(
     }
     // SAFETY: the blocks cover `[m, n]`, and each was written (`k > 0`).
     unsafe { out.set_len(m * n) };
-    Ok(out)
+    out
 }
 
 /// The output pointer, shared by the threads that write disjoint blocks through it.
@@ -260,20 +271,29 @@ impl SharedOut {
     }
 }
 
-/// How a `[m, n]` output is split: into `count` blocks of whole columns (each at least
-/// [`MIN_COLS`] wide, a multiple of 16: `gemm`'s widest tile), or of whole rows when the columns are
-/// too few, one block per thread of candle's pool.
+/// How a `[m, n]` output is split: a grid of blocks, at most one per thread of
+/// candle's pool. Each block's thread packs its own rows of `a` and columns of `b` (what `gemm`
+/// does before its kernel), so the grid is the one whose largest block costs least, its products
+/// plus [`PACK_COST`] per packed value: on two threads one block of rows or of columns each, on
+/// many a grid that packs neither operand once per thread.
+#[derive(Debug)]
 struct Blocks {
-    count: usize,
     m: usize,
     n: usize,
-    /// Whether the blocks are columns (else rows).
-    by_cols: bool,
-    /// The columns (or rows) of each block but the last.
-    len: usize,
+    /// The rows (columns) of each block but the last of its column (row).
+    row_len: usize,
+    col_len: usize,
+    /// The blocks across.
+    cols: usize,
+    /// The blocks, `cols` in each row of blocks.
+    count: usize,
 }
 
-/// The narrowest block of columns a product is split into.
+/// What packing one value of an operand costs, in multiply-adds (a load and a store against the
+/// kernel's 16 multiply-adds a cycle per core).
+const PACK_COST: usize = 8;
+
+/// The narrowest block of columns a product is split into (`gemm`'s widest tile is 16).
 const MIN_COLS: usize = 32;
 
 /// The fewest rows in a block of rows.
@@ -282,40 +302,49 @@ const MIN_ROWS: usize = 16;
 impl Blocks {
     fn new(m: usize, n: usize, k: usize) -> Self {
         let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-        let one = Self {
-            count: 1,
-            m,
-            n,
-            by_cols: true,
-            len: n,
+        Self::for_threads(m, n, k, threads)
+    }
+
+    fn for_threads(m: usize, n: usize, k: usize, threads: usize) -> Self {
+        let grid = |row_len: usize, col_len: usize| {
+            let cols = n.div_ceil(col_len);
+            Self {
+                m,
+                n,
+                row_len,
+                col_len,
+                cols,
+                count: m.div_ceil(row_len) * cols,
+            }
         };
-        if threads == 1 || m.saturating_mul(n).saturating_mul(k) < PARALLEL_MIN_MACS {
+        let one = grid(m.max(1), n.max(1));
+        if threads <= 1 || m.saturating_mul(n).saturating_mul(k) < PARALLEL_MIN_MACS {
             return one;
         }
-        let (by_cols, extent, align, min) = if n >= 2 * MIN_COLS || m < 2 * MIN_ROWS {
-            (true, n, 16, MIN_COLS)
-        } else {
-            (false, m, 8, MIN_ROWS)
-        };
-        let parts = threads.min(extent / min).max(1);
-        let len = extent.div_ceil(parts).next_multiple_of(align).min(extent);
-        Self {
-            count: extent.div_ceil(len),
-            m,
-            n,
-            by_cols,
-            len,
+        let cost = |b: &Self| b.row_len * b.col_len * k + PACK_COST * (b.row_len + b.col_len) * k;
+        let mut best = one;
+        for down in 1..=threads {
+            let across = threads / down;
+            if (down > 1 && m / down < MIN_ROWS) || (across > 1 && n / across < MIN_COLS) {
+                continue;
+            }
+            let row_len = m.div_ceil(down).next_multiple_of(8).min(m);
+            let col_len = n.div_ceil(across).next_multiple_of(16).min(n);
+            let candidate = grid(row_len, col_len);
+            if cost(&candidate) < cost(&best) {
+                best = candidate;
+            }
         }
+        best
     }
 
     /// The rows and columns of block `i`.
     fn get(&self, i: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let extent = if self.by_cols { self.n } else { self.m };
-        let part = i * self.len..((i + 1) * self.len).min(extent);
-        match self.by_cols {
-            true => (0..self.m, part),
-            false => (part, 0..self.n),
-        }
+        let (r, c) = (i / self.cols, i % self.cols);
+        (
+            r * self.row_len..((r + 1) * self.row_len).min(self.m),
+            c * self.col_len..((c + 1) * self.col_len).min(self.n),
+        )
     }
 }
 
@@ -358,6 +387,49 @@ mod tests {
                 assert!(max_diff(&ours, &theirs) <= 1e-5 * scale, "{m}x{k}x{n}");
             }
         }
+    }
+
+    /// For any thread count the blocks cover the output once, and two threads split MiniLM's
+    /// and a decoder's products in two.
+    #[test]
+    fn blocks_cover_the_output_once() {
+        for (m, n, k) in [
+            (800, 384, 384),
+            (1, 1536, 576),
+            (1536, 384, 200),
+            (97, 65, 300),
+        ] {
+            for threads in 1..=16 {
+                let blocks = Blocks::for_threads(m, n, k, threads);
+                assert!(blocks.count <= threads.max(1), "{blocks:?}");
+                let mut covered = vec![0u8; m * n];
+                for i in 0..blocks.count {
+                    let (rows, cols) = blocks.get(i);
+                    for r in rows {
+                        cols.clone().for_each(|c| covered[r * n + c] += 1);
+                    }
+                }
+                assert!(
+                    covered.iter().all(|&c| c == 1),
+                    "{m}x{n}, {threads}: {blocks:?}"
+                );
+            }
+        }
+        // A grid of blocks gives the single block's values, with and without a bias.
+        let (m, n, k) = (97, 130, 50);
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 - 8.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.5).collect();
+        let bias: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let (a, b) = (Matrix::rows(&a, k), Matrix::rows(&b, n));
+        for bias in [None, Some(&bias[..])] {
+            let one = product_in(a, b, (m, n, k), bias, Blocks::for_threads(m, n, k, 1));
+            let grid = Blocks::for_threads(m, n, k, 12);
+            assert!(grid.count > grid.cols && grid.cols > 1, "{grid:?}");
+            assert_eq!(product_in(a, b, (m, n, k), bias, grid), one);
+        }
+        assert_eq!(Blocks::for_threads(800, 384, 384, 2).count, 2);
+        assert_eq!(Blocks::for_threads(1, 1536, 576, 2).cols, 2);
+        assert!(Blocks::for_threads(800, 384, 384, 16).count > 8);
     }
 
     #[test]
