@@ -95,7 +95,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!(
         "AdamW step over {total} float32 values, {} threads, median of 7 (ms): fused {:.1}, composed {:.1}, candle-nn {:.1}",
-        rayon::current_num_threads(),
+        candle_core::utils::barrier_pool().n_workers() + 1,
         median(tf),
         median(tc),
         median(tn)

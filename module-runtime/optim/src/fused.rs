@@ -1,5 +1,5 @@
 //! The fused CPU float32 update: one pass over a parameter, its gradient and its state buffers,
-//! written in place and split over rayon's thread pool (the pool candle's CPU kernels use).
+//! written in place and split over candle's barrier pool (the pool candle's CPU kernels use).
 //!
 //! Each optimizer's element-wise rule is written so that it computes exactly what its composed
 //! path (candle tensor ops, one per PyTorch op) computes, rounding for rounding: the same
@@ -7,9 +7,9 @@
 //! So the two paths give the same bits, and the choice between them is only one of speed.
 
 use std::cell::RefCell;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{CpuStorage, DType, Layout, Tensor};
-use rayon::prelude::*;
 
 use crate::error::Result;
 
@@ -80,8 +80,8 @@ fn chunk_best<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::S
     R::chunk(k, p, g, state);
 }
 
-/// The update `R` over a whole parameter, in chunks of [`CHUNK`] values split over rayon's
-/// threads (a parameter of one chunk stays on the calling thread).
+/// The update `R` over a whole parameter, in chunks of [`CHUNK`] values split over candle's
+/// barrier pool (a parameter of one chunk stays on the calling thread).
 pub(crate) fn pass<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
     if p.len() <= CHUNK {
         return chunk_best::<R>(k, p, g, state);
@@ -96,9 +96,18 @@ pub(crate) fn pass<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state:
         (p, g, state) = (p_tail, g_tail, s_tail);
     }
     chunks.push((p, g, state));
-    chunks
-        .into_par_iter()
-        .for_each(|(p, g, state)| chunk_best::<R>(k, p, g, state));
+    // On candle's barrier pool, whose threads spin between calls: the step runs one pass per
+    // parameter, right after the backward's kernels ran on the same pool; rayon's sleeping
+    // workers would be woken (and left spinning beside it) once per parameter.
+    let chunks: Vec<_> = chunks.into_iter().map(|c| Mutex::new(Some(c))).collect();
+    candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
+        for chunk in &chunks[range] {
+            let taken = chunk.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some((p, g, state)) = taken {
+                chunk_best::<R>(k, p, g, state);
+            }
+        }
+    });
 }
 
 /// Runs `f(param values, gradient values)` with the values of the parameter tensor `p` writable
