@@ -6,9 +6,10 @@
 //! fastest calls reached 200 (BENCHMARKS.md, "Matmuls on candle's barrier pool"). Here the output
 //! is split into a grid of at most one block per thread, fixed in advance (on two threads, halves
 //! of the rows or of the columns), and each thread runs `gemm`'s single-threaded kernel on its
-//! block, on the pool candle's own elementwise kernels use
-//! (its threads wait spinning between calls, so a call starts without waking anyone). The kernel
-//! is the same, and so is each output's sum over the shared dimension: the result equals candle's.
+//! block, on the pool candle's own elementwise kernels use (its threads wait spinning between
+//! calls, so a call starts without waking anyone). The kernel is the same, and so is each output's
+//! sum over the shared dimension up to `gemm`'s blocking of it: the result is candle's within
+//! float32 rounding (to the bit for the products the benchmarks run).
 //!
 //! [`matmul`] is one candle op with a backward (`da = g bᵀ`, `db = aᵀ g`, the same products
 //! again), so a graph through it trains. It serves float32 CPU matrices; anything else goes to
