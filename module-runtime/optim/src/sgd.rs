@@ -159,12 +159,14 @@ impl Optimizer for SGD {
             let state = state.get_or_insert(SgdState {
                 momentum_buffer: None,
             });
-            if fused_on && fused::is_cpu_f32(var.as_tensor()) && fused::is_cpu_f32(g) {
-                step_fused(var.as_tensor(), g, state, o)
+            // Half-precision parameters: float32 copies, state and arithmetic.
+            let (p, g) = fused::in_state_dtype(var.as_tensor(), g)?;
+            if fused_on && fused::is_cpu_f32(&p) && fused::is_cpu_f32(&g) {
+                step_fused(&p, &g, state, o)?;
+                fused::write_back(var, &p)
             } else {
-                let p = var.as_tensor();
-                let new = step_composed(p, g, state, o)?;
-                var.set(&new)?;
+                let new = step_composed(&p, &g, state, o)?;
+                var.set(&new.to_dtype(var.dtype())?)?;
                 Ok(())
             }
         })

@@ -138,8 +138,9 @@ impl Buf {
     }
 }
 
-/// Checks a state tensor against its parameter and moves it to the parameter's device and dtype
-/// (PyTorch's `load_state_dict` casts floating state to the parameter's).
+/// Checks a state tensor against its parameter and moves it to the parameter's device and state
+/// dtype (PyTorch's `load_state_dict` casts floating state to the parameter's dtype; here float16
+/// and bfloat16 parameters keep float32 state, see `fused::state_dtype`).
 pub(crate) fn param_like(t: Tensor, key: &str, param: &Param) -> Result<Tensor> {
     if t.shape() != &param.shape() {
         return Err(StateError::ShapeMismatch {
@@ -156,7 +157,8 @@ pub(crate) fn param_like(t: Tensor, key: &str, param: &Param) -> Result<Tensor> 
         }
         .into());
     }
-    Ok(t.to_device(&param.device())?.to_dtype(param.dtype())?)
+    let dtype = crate::fused::state_dtype(param.dtype());
+    Ok(t.to_device(&param.device())?.to_dtype(dtype)?)
 }
 
 /// The value of a 0-dimensional tensor, as `f64`.

@@ -35,7 +35,9 @@ use crate::state::{Buf, Core};
 ///
 /// Scalars are computed in `f64` and used in the parameter's dtype, as PyTorch does. Contiguous
 /// CPU float32 parameters are updated by one fused in-place pass per parameter, split over threads
-/// (see [`set_fused`](Self::set_fused)); others by candle ops.
+/// (see [`set_fused`](Self::set_fused)); others by candle ops. Float16 and bfloat16 parameters
+/// keep their state in float32 and are updated in float32, the result rounded into the parameter
+/// (PyTorch keeps such state in the parameter's dtype; a `.pth` state is converted on load).
 ///
 /// ```
 /// use module_optim::{Adam, AdamOptions, Optimizer};
@@ -79,7 +81,9 @@ impl Optimizer for Adam {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let fused_on = self.fused;
         self.core.each_with_grad(grads, |o, var, g, state| {
-            let p = var.as_tensor();
+            // Half-precision parameters: float32 copies, state and arithmetic.
+            let (p, g) = fused::in_state_dtype(var.as_tensor(), g)?;
+            let (p, g) = (&p, &g);
             let fused = fused_on && fused::is_cpu_f32(p) && fused::is_cpu_f32(g);
             if state.is_none() {
                 *state = Some(AdamState::zeros(p, o.amsgrad, fused)?);
@@ -93,10 +97,11 @@ impl Optimizer for Adam {
             state.step += 1;
             let s = Scalars::new(o, state.step);
             if fused {
-                step_fused(p, g, state, o, &s)
+                step_fused(p, g, state, o, &s)?;
+                fused::write_back(var, p)
             } else {
                 let new = step_composed(p, g, state, o, &s)?;
-                var.set(&new)?;
+                var.set(&new.to_dtype(var.dtype())?)?;
                 Ok(())
             }
         })

@@ -5,6 +5,7 @@
 
 mod groups;
 mod parity;
+mod precision;
 mod pth;
 mod readme;
 mod rules;
