@@ -1,5 +1,6 @@
-//! Fused inference passes: a layer's bias and the activation after it, or a residual sum and the
-//! norm after it, in one pass over memory instead of one pass (and one fresh output) per operation.
+//! Fused inference passes: the activation after a layer applied in place in the layer's output,
+//! or a residual sum and the norm after it in one pass, instead of one pass (and one fresh output)
+//! per operation.
 //!
 //! They run only during CPU float32 inference ([`no_grad`](crate::no_grad) or frozen parameters,
 //! so nothing records a gradient), with no hooks attached (hooks must see each module's own output)
@@ -13,7 +14,7 @@ use std::cell::Cell;
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
-use crate::common::{can_add_bias_in_place, f32_slice, f32_slice_mut, is_plain_cpu_f32};
+use crate::common::{f32_slice, f32_slice_mut, is_plain_cpu_f32};
 use crate::error::Result;
 use crate::fused_grad::{block_len, par_map};
 use crate::{Forward, Module};
@@ -117,8 +118,8 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// An activation layer that [`Linear::call_then`](crate::Linear::call_then) can fuse with the
-/// bias add before it: [`ReLU`](crate::ReLU), [`GELU`](crate::GELU) (exact or tanh),
+/// An activation layer that [`Linear::call_then`](crate::Linear::call_then) can apply in place in
+/// the layer's output: [`ReLU`](crate::ReLU), [`GELU`](crate::GELU) (exact or tanh),
 /// [`SiLU`](crate::SiLU), [`Sigmoid`](crate::Sigmoid), [`Tanh`](crate::Tanh), and
 /// [`Activation`](crate::Activation) holding one of those (holding a softmax, it runs unfused).
 pub trait ElementwiseActivation:
@@ -162,93 +163,51 @@ elementwise_activation! {
     },
 }
 
-/// Whether [`bias_activation_in_place`] can run on a layer's fresh output `y` with `bias` along its
-/// last dimension: nothing records a gradient, float32 on the CPU, contiguous, and the bias (if
-/// any) one value per output feature. The caller guarantees that no one else holds `y`.
-pub(crate) fn can_fuse_bias_activation(y: &Tensor, bias: Option<&Tensor>) -> bool {
-    y.rank() > 0
-        && match bias {
-            Some(b) => can_add_bias_in_place(y, b, y.rank() - 1),
-            None => is_plain_cpu_f32(y),
-        }
+/// Whether [`activation_in_place`] can run on a layer's fresh output `y`: nothing records a
+/// gradient, float32 on the CPU, contiguous. The caller guarantees that no one else holds `y`.
+pub(crate) fn can_activate_in_place(y: &Tensor) -> bool {
+    y.rank() > 0 && is_plain_cpu_f32(y)
 }
 
-/// `y = f(y + bias)` in place, in one pass (see [`can_fuse_bias_activation`]).
-pub(crate) fn bias_activation_in_place(
-    y: &Tensor,
-    bias: Option<&Tensor>,
-    f: Elementwise,
-) -> Result<()> {
-    let op = BiasActivation(f);
-    match bias {
-        Some(b) => y.inplace_op2(b, &op)?,
-        None => y.inplace_op1(&op)?,
-    }
-    Ok(())
+/// `y = f(y)` in place, in one pass split over the threads (see [`can_activate_in_place`]).
+pub(crate) fn activation_in_place(y: &Tensor, f: Elementwise) -> Result<()> {
+    Ok(y.inplace_op1(&ActivationInPlace(f))?)
 }
 
-/// `y = f(y + b)` with the bias along the last dimension, over a contiguous float32 `y`.
-struct BiasActivation(Elementwise);
+/// `y = f(y)` over a contiguous float32 `y`.
+struct ActivationInPlace(Elementwise);
 
-impl BiasActivation {
-    fn run(&self, y: &mut [f32], bias: Option<&[f32]>) {
+impl ActivationInPlace {
+    fn run(&self, y: &mut [f32]) {
         // One monomorphized loop per function, so each inlines (and ReLU and the exact GELU
         // vectorize) instead of dispatching per element.
         match self.0 {
-            Elementwise::Relu => bias_then(y, bias, |v| Elementwise::Relu.apply_f32(v)),
-            Elementwise::GeluErf => bias_then(y, bias, |v| Elementwise::GeluErf.apply_f32(v)),
-            Elementwise::GeluTanh => bias_then(y, bias, |v| Elementwise::GeluTanh.apply_f32(v)),
-            Elementwise::Silu => bias_then(y, bias, |v| Elementwise::Silu.apply_f32(v)),
-            Elementwise::Sigmoid => bias_then(y, bias, |v| Elementwise::Sigmoid.apply_f32(v)),
-            Elementwise::Tanh => bias_then(y, bias, |v| Elementwise::Tanh.apply_f32(v)),
+            Elementwise::Relu => apply(y, |v| Elementwise::Relu.apply_f32(v)),
+            Elementwise::GeluErf => apply(y, |v| Elementwise::GeluErf.apply_f32(v)),
+            Elementwise::GeluTanh => apply(y, |v| Elementwise::GeluTanh.apply_f32(v)),
+            Elementwise::Silu => apply(y, |v| Elementwise::Silu.apply_f32(v)),
+            Elementwise::Sigmoid => apply(y, |v| Elementwise::Sigmoid.apply_f32(v)),
+            Elementwise::Tanh => apply(y, |v| Elementwise::Tanh.apply_f32(v)),
         }
     }
 }
 
-fn bias_then(y: &mut [f32], bias: Option<&[f32]>, f: impl Fn(f32) -> f32 + Sync) {
-    let pass = |block: &mut [f32]| match bias {
-        Some(b) => {
-            for row in block.chunks_exact_mut(b.len()) {
-                for (v, c) in row.iter_mut().zip(b) {
-                    *v = f(*v + c);
-                }
-            }
-        }
-        None => block.iter_mut().for_each(|v| *v = f(*v)),
-    };
-    // Without a bias every value is a row of its own.
-    let width = bias.map_or(1, <[f32]>::len);
-    let block = block_len(y.len(), width);
-    par_map(y.chunks_mut(block).collect(), pass);
+/// `y = f(y)` in blocks over the threads of [`par_map`].
+fn apply(y: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
+    let block = block_len(y.len(), 1);
+    par_map(y.chunks_mut(block).collect(), |block: &mut [f32]| {
+        block.iter_mut().for_each(|v| *v = f(*v))
+    });
 }
 
-impl candle_core::InplaceOp1 for BiasActivation {
+impl candle_core::InplaceOp1 for ActivationInPlace {
     fn name(&self) -> &'static str {
         "activation-in-place"
     }
 
     fn cpu_fwd(&self, y: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let name = candle_core::InplaceOp1::name(self);
-        self.run(f32_slice_mut(y, layout, name)?, None);
-        Ok(())
-    }
-}
-
-impl candle_core::InplaceOp2 for BiasActivation {
-    fn name(&self) -> &'static str {
-        "bias-activation-in-place"
-    }
-
-    fn cpu_fwd(
-        &self,
-        y: &mut CpuStorage,
-        y_layout: &Layout,
-        b: &CpuStorage,
-        b_layout: &Layout,
-    ) -> candle_core::Result<()> {
-        let name = candle_core::InplaceOp2::name(self);
-        let b = f32_slice(b, b_layout, name)?;
-        self.run(f32_slice_mut(y, y_layout, name)?, Some(b));
+        self.run(f32_slice_mut(y, layout, name)?);
         Ok(())
     }
 }
@@ -332,7 +291,9 @@ impl ResidualLayerNorm {
 }
 
 /// `Σ f(v)` with eight running sums, which the compiler keeps in one vector register (a single
-/// float sum must be added in order and does not vectorize).
+/// float sum must be added in order and does not vectorize). Always inlined, so it vectorizes
+/// for the instruction set of its caller (the attention's AVX2 build included).
+#[inline(always)]
 pub(crate) fn lane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 8];
     let chunks = values.chunks_exact(8);

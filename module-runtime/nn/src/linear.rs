@@ -11,7 +11,7 @@ use crate::common::{
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::fused::{
-    bias_activation_in_place, can_fuse_bias_activation, fusion_applies, ElementwiseActivation,
+    activation_in_place, can_activate_in_place, fusion_applies, ElementwiseActivation,
 };
 use crate::fused_grad;
 use crate::{is_grad_enabled, Init, Module, ModuleExt, Param};
@@ -156,8 +156,8 @@ impl Linear {
         // The layer's own output (in training the fused op that records its gradient), then
         // the activation in place over it when nothing records a gradient.
         let y = self.call(x)?;
-        if can_fuse_bias_activation(&y, None) {
-            bias_activation_in_place(&y, None, f)?;
+        if can_activate_in_place(&y) {
+            activation_in_place(&y, f)?;
             return Ok(y);
         }
         activation.call(&y)

@@ -7,6 +7,7 @@
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
 use crate::error::{Error, Result};
+use crate::fused::lane_sum;
 
 /// A tensor's float32 values and the offset and strides to read them with.
 #[derive(Clone, Copy)]
@@ -145,7 +146,7 @@ fn softmax_in_place(x: &mut [f32]) {
     } else {
         x.iter_mut().for_each(|v| *v = (*v - max).exp());
     }
-    let sum = lane_sum(x);
+    let sum = lane_sum(x, |v| v);
     let inv = 1.0 / sum;
     x.iter_mut().for_each(|p| *p *= inv);
 }
@@ -175,29 +176,12 @@ pub(crate) fn exp(x: f32) -> f32 {
     }
 }
 
-/// The sum of `values` with eight running sums (so it vectorizes).
-#[inline(always)]
-fn lane_sum(values: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let chunks = values.chunks_exact(8);
-    let rest: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for l in 0..8 {
-            lanes[l] += c[l];
-        }
-    }
-    lanes.iter().sum::<f32>() + rest
-}
-
-/// Whether this CPU runs the kernels' AVX2 + FMA builds (detected once).
+/// Whether this CPU runs the kernels' AVX2 + FMA builds (the standard library caches the
+/// detection).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn simd() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    })
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// The dimensions involved: batch, query heads, key/value heads, query and key lengths, the

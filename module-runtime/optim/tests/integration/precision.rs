@@ -15,6 +15,14 @@ fn layers(dtype: DType) -> (Linear, Linear) {
     (half, full)
 }
 
+/// The two layers' parameters, side by side.
+fn pairs<'a>(half: &'a Linear, full: &'a Linear) -> [(&'a Param, &'a Param); 2] {
+    [
+        (&half.weight, &full.weight),
+        (half.bias.as_ref().unwrap(), full.bias.as_ref().unwrap()),
+    ]
+}
+
 /// One step of `opt_half` on `half` from a loss in its dtype, and of `opt_full` on `full` from a
 /// loss whose gradients are the same values in float32.
 fn step_both(
@@ -41,10 +49,7 @@ fn step_both(
     let grads = loss.backward().unwrap();
     // The float32 loss Σ p·G has the half gradients G, converted exactly, as its gradients.
     let mut surrogate = Tensor::new(0f32, &Device::Cpu).unwrap();
-    for (hp, fp) in [
-        (&half.weight, &full.weight),
-        (half.bias.as_ref().unwrap(), full.bias.as_ref().unwrap()),
-    ] {
+    for (hp, fp) in pairs(half, full) {
         let g = grads.get(&hp.tensor().unwrap()).unwrap();
         assert_eq!(g.dtype(), dtype);
         let g = g.to_dtype(DType::F32).unwrap();
@@ -68,12 +73,10 @@ fn values(p: &Param) -> Vec<f32> {
 }
 
 /// The half model after each step is the float32 model's values rounded to its dtype (both start
-/// equal and see the same gradients; only the rounding of the result differs).
-fn check(half: &Linear, full: &Linear, dtype: DType) {
-    for (hp, fp) in [
-        (&half.weight, &full.weight),
-        (half.bias.as_ref().unwrap(), full.bias.as_ref().unwrap()),
-    ] {
+/// equal and see the same gradients; only the rounding of the result differs). Then the float32
+/// model takes those rounded values, as the half one holds them, for the next step.
+fn check_and_align(half: &Linear, full: &Linear, dtype: DType) {
+    for (hp, fp) in pairs(half, full) {
         assert_eq!(hp.tensor().unwrap().dtype(), dtype);
         let rounded = fp
             .tensor()
@@ -86,6 +89,7 @@ fn check(half: &Linear, full: &Linear, dtype: DType) {
             values(hp),
             rounded.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
+        fp.set(&rounded).unwrap();
     }
 }
 
@@ -100,13 +104,8 @@ fn adamw_keeps_float32_state_for_half_parameters() {
             opt_half.set_fused(fused);
             opt_full.set_fused(fused);
             for k in [1.0, -0.5, 2.0] {
-                // The float32 model is re-rounded each step, as the half one is by its dtype.
                 step_both(&half, &full, &mut opt_half, &mut opt_full, k);
-                check(&half, &full, dtype);
-                for p in [&full.weight, full.bias.as_ref().unwrap()] {
-                    let rounded = p.tensor().unwrap().to_dtype(dtype).unwrap();
-                    p.set(&rounded.to_dtype(DType::F32).unwrap()).unwrap();
-                }
+                check_and_align(&half, &full, dtype);
             }
             let sd = opt_half.state_dict().unwrap();
             for key in [
@@ -119,7 +118,7 @@ fn adamw_keeps_float32_state_for_half_parameters() {
                     .unwrap_or_else(|| panic!("{key} in the state dict"));
                 assert_eq!(t.dtype(), DType::F32, "{key} ({dtype:?}, fused {fused})");
             }
-            // Loaded back, the state stays float32 and the next step is the same.
+            // Loaded back, the state stays float32.
             let mut again = AdamW::new(&half, AdamW::options().lr(1e-2).amsgrad(true)).unwrap();
             again.load_state_dict(&sd).unwrap();
             assert_eq!(
@@ -147,11 +146,7 @@ fn sgd_momentum_keeps_float32_state_for_half_parameters() {
             opt_full.set_fused(fused);
             for k in [1.0, 0.5] {
                 step_both(&half, &full, &mut opt_half, &mut opt_full, k);
-                check(&half, &full, dtype);
-                for p in [&full.weight, full.bias.as_ref().unwrap()] {
-                    let rounded = p.tensor().unwrap().to_dtype(dtype).unwrap();
-                    p.set(&rounded.to_dtype(DType::F32).unwrap()).unwrap();
-                }
+                check_and_align(&half, &full, dtype);
             }
             let sd = opt_half.state_dict().unwrap();
             let buffer = sd
