@@ -109,17 +109,25 @@ impl Scores<'_> {
             // SAFETY: the CPU has AVX2 and FMA (`simd`).
             return unsafe { self.probs_avx2(b, h, i, probs) };
         }
-        self.probs_body(b, h, i, probs);
+        self.probs_body(b, h, i, probs, dot);
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn probs_avx2(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
-        self.probs_body(b, h, i, probs);
+        // SAFETY: the CPU has AVX2 and FMA (this function's features).
+        self.probs_body(b, h, i, probs, |q, k| unsafe { avx2::dot(q, k) });
     }
 
     #[inline(always)]
-    fn probs_body(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
+    fn probs_body(
+        &self,
+        b: usize,
+        h: usize,
+        i: usize,
+        probs: &mut [f32],
+        dot: impl Fn(&[f32], &[f32]) -> f32,
+    ) {
         let kh = h / self.group;
         let qrow = self.q.row([b, h, i], self.e);
         for (j, score) in probs.iter_mut().enumerate() {
@@ -296,19 +304,132 @@ impl Out {
     }
 }
 
-/// `out += Σⱼ weights[j] · row(j)` (rows of `out.len()` values), skipping zero weights; compiled
-/// for AVX2 and FMA when the CPU has them.
+/// `out += Σⱼ weights[j] · row(j)` (rows of at least `out.len()` values), skipping zero weights;
+/// with AVX2 and FMA when the CPU has them ([`avx2::weighted_sum`]).
 pub(crate) fn weighted_sum<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if simd() {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
-            weighted_sum_body(weights, row, out);
-        }
         // SAFETY: the CPU has AVX2 and FMA (`simd`).
-        return unsafe { avx2(weights, row, out) };
+        return unsafe { avx2::weighted_sum(weights, row, out) };
     }
     weighted_sum_body(weights, row, out);
+}
+
+/// The AVX2 + FMA builds of the two inner loops: a query's scores and its sum of values.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// `a · b` over the shorter length, in two registers of fused multiply-adds.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY (every load): `i + 8 ≤ n` values from `i` lie in both slices.
+        while i + 16 <= n {
+            s0 = _mm256_fmadd_ps(
+                unsafe { _mm256_loadu_ps(pa.add(i)) },
+                unsafe { _mm256_loadu_ps(pb.add(i)) },
+                s0,
+            );
+            s1 = _mm256_fmadd_ps(
+                unsafe { _mm256_loadu_ps(pa.add(i + 8)) },
+                unsafe { _mm256_loadu_ps(pb.add(i + 8)) },
+                s1,
+            );
+            i += 16;
+        }
+        if i + 8 <= n {
+            s0 = _mm256_fmadd_ps(
+                unsafe { _mm256_loadu_ps(pa.add(i)) },
+                unsafe { _mm256_loadu_ps(pb.add(i)) },
+                s0,
+            );
+            i += 8;
+        }
+        let s = _mm256_add_ps(s0, s1);
+        let x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        let x = _mm_add_ss(x, _mm_shuffle_ps::<1>(x, x));
+        let mut total = _mm_cvtss_f32(x);
+        for (x, y) in a[i..n].iter().zip(&b[i..n]) {
+            total += x * y;
+        }
+        total
+    }
+
+    /// `out += Σⱼ weights[j] · row(j)`, skipping zero weights: the columns in blocks of 64 (then
+    /// 8) summed over every row in registers, and `out` read and written once per block — not
+    /// once per row, whose loads then wait on the previous row's stores.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum<'r>(
+        weights: &[f32],
+        row: impl Fn(usize) -> &'r [f32],
+        out: &mut [f32],
+    ) {
+        let n = out.len();
+        let mut c = 0;
+        while c + 64 <= n {
+            // SAFETY: the CPU has AVX2 and FMA; columns `c..c + 64` lie in `out`.
+            unsafe { block::<8>(weights, &row, out, c) };
+            c += 64;
+        }
+        while c + 8 <= n {
+            // SAFETY: as above, for `c..c + 8`.
+            unsafe { block::<1>(weights, &row, out, c) };
+            c += 8;
+        }
+        if c < n {
+            for (j, &weight) in weights.iter().enumerate() {
+                if weight != 0.0 {
+                    super::axpy(weight, &row(j)[c..n], &mut out[c..]);
+                }
+            }
+        }
+    }
+
+    /// Columns `c..c + 8 R` of [`weighted_sum`], in `R` registers.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `c + 8 R ≤ out.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block<'r, const R: usize>(
+        weights: &[f32],
+        row: &impl Fn(usize) -> &'r [f32],
+        out: &mut [f32],
+        c: usize,
+    ) {
+        let end = c + 8 * R;
+        let out = &mut out[c..end];
+        // SAFETY (every load and store): `out` and each row's `c..end` hold `8 R` values.
+        let mut sums = [_mm256_setzero_ps(); R];
+        for (r, sum) in sums.iter_mut().enumerate() {
+            *sum = unsafe { _mm256_loadu_ps(out.as_ptr().add(8 * r)) };
+        }
+        for (j, &weight) in weights.iter().enumerate() {
+            if weight != 0.0 {
+                let v = &row(j)[c..end];
+                let w = _mm256_set1_ps(weight);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    *sum =
+                        _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.as_ptr().add(8 * r)) }, *sum);
+                }
+            }
+        }
+        for (r, sum) in sums.iter().enumerate() {
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * r), *sum) };
+        }
+    }
 }
 
 #[inline(always)]
@@ -370,6 +491,40 @@ mod tests {
 
     /// The AVX2 build of the weights (on a CPU that has it) and the portable one agree.
     #[test]
+    fn the_simd_and_portable_weighted_sums_agree() {
+        // 64-column blocks, 8-column blocks and a tail; a zero weight skips a row of NaNs.
+        for width in [5, 24, 64, 70, 136] {
+            let rows: Vec<Vec<f32>> = (0..9)
+                .map(|j| {
+                    let nan = j == 4;
+                    (0..width)
+                        .map(|c| {
+                            if nan {
+                                f32::NAN
+                            } else {
+                                ((j * 31 + c * 7) % 23) as f32 - 11.0
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let weights: Vec<f32> = (0..9)
+                .map(|j| if j == 4 { 0.0 } else { 0.1 * j as f32 - 0.3 })
+                .collect();
+            let start: Vec<f32> = (0..width).map(|c| c as f32 * 0.5).collect();
+            let (mut fast, mut portable) = (start.clone(), start);
+            weighted_sum(&weights, |j| &rows[j], &mut fast);
+            weighted_sum_body(&weights, |j| &rows[j], &mut portable);
+            for (f, p) in fast.iter().zip(&portable) {
+                assert!(
+                    (f - p).abs() <= 1e-5 * p.abs().max(1.0),
+                    "{width}: {f} vs {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_simd_and_portable_weights_agree() {
         let (b, h, l, e) = (2, 3, 5, 24);
         let values: Vec<f32> = (0..b * h * l * e)
@@ -393,7 +548,7 @@ mod tests {
             let (mut fast, mut portable) = (vec![0f32; l], vec![0f32; l]);
             for i in 0..l {
                 scores.probs(1, 2, i, &mut fast);
-                scores.probs_body(1, 2, i, &mut portable);
+                scores.probs_body(1, 2, i, &mut portable, dot);
                 for (f, p) in fast.iter().zip(&portable) {
                     assert!((f - p).abs() <= 1e-6, "{fast:?} vs {portable:?}");
                 }
