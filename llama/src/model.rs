@@ -160,15 +160,12 @@ impl Forward<LayerInput> for LlamaAttention {
             let t = rope_thd(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
-        let q = (self.q_proj.call(&input.hidden)? * (d as f64).powf(-0.5))?;
-        let q = rotated(q, heads)?;
-        let k = rotated(self.k_proj.call(&input.hidden)?, kv)?;
-        let v = self
-            .v_proj
-            .call(&input.hidden)?
-            .reshape((b, s, kv, d))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        // The three projections of one input: one pass of the q8_0 kernel when quantized.
+        let [q, k, v] =
+            Linear::call_each([&self.q_proj, &self.k_proj, &self.v_proj], &input.hidden)?;
+        let q = rotated((q * (d as f64).powf(-0.5))?, heads)?;
+        let k = rotated(k, kv)?;
+        let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?;
         input.keys.slice_set(&k, 2, input.filled)?;
         input.values.slice_set(&v, 2, input.filled)?;
         let keys = input.keys.narrow(2, 0, total)?;
@@ -195,9 +192,8 @@ impl Forward<&Tensor> for LlamaMlp {
 
     /// `[…, hidden]` → `[…, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.call(x)?.silu()?;
-        let up = self.up_proj.call(x)?;
-        self.down_proj.call(&(gate * up)?)
+        let [gate, up] = Linear::call_each([&self.gate_proj, &self.up_proj], x)?;
+        self.down_proj.call(&(gate.silu()? * up)?)
     }
 }
 

@@ -92,6 +92,7 @@ pub use common::{PerDim, Size};
 pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};
 
 mod linear;
+mod linear_each;
 mod matmul;
 
 pub use linear::{

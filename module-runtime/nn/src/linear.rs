@@ -192,7 +192,7 @@ pub const QUANTIZED_MAX_ROWS: usize = 4;
 pub const Q8_0_MAX_ROWS: usize = 32;
 
 /// The most input rows `w` is multiplied with in its quantized form.
-fn max_quantized_rows(w: &QTensor) -> usize {
+pub(crate) fn max_quantized_rows(w: &QTensor) -> usize {
     if crate::q8_0_matmul::applies(w) {
         Q8_0_MAX_ROWS
     } else {
@@ -201,7 +201,7 @@ fn max_quantized_rows(w: &QTensor) -> usize {
 }
 
 /// The number of rows of `x` (every dimension but the last).
-fn rows(x: &Tensor) -> usize {
+pub(crate) fn rows(x: &Tensor) -> usize {
     x.dims()
         .split_last()
         .map_or(0, |(_, batch)| batch.iter().product())
@@ -280,7 +280,7 @@ fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// `y + b` along the last dimension, for the fresh output `y` of [`matmul`].
-fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+pub(crate) fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
         // Inference on the CPU: add the bias into the matmul's fresh output, in place, instead of
         // allocating (and page-faulting in) a second output of the same size.

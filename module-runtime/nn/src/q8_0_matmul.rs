@@ -100,66 +100,110 @@ pub(crate) fn applies(w: &QTensor) -> bool {
 /// when the kernel does not apply (another kind or device, a non-float32 input, a CPU without
 /// AVX2): the caller then takes candle's quantized matmul.
 pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
+    Ok(q8_0_matmul_each(x, &[param])?.and_then(|products| products.into_iter().next()))
+}
+
+/// `x · wᵀ` for every weight of `params` (all with `k` inputs), as one pass over the thread pool:
+/// the rows are rounded to 8 bits once, and the tiles of every weight are one list that the
+/// pool's threads share out. `None` when the kernel does not apply to `x` or to any of the
+/// weights (see [`q8_0_matmul`]).
+pub(crate) fn q8_0_matmul_each(x: &Tensor, params: &[&Param]) -> Result<Option<Vec<Tensor>>> {
     let kernel = Kernel::detect();
     if !x.device().is_cpu() || x.dtype() != DType::F32 || kernel == Kernel::Scalar {
         return Ok(None);
     }
     let (m, k) = x.dims2()?;
-    if m == 0 {
+    if m == 0 || params.is_empty() {
         return Ok(None);
     }
-    let Some(w) = param.quantized_layout(Q8Tiles::new) else {
+    let mut weights = Vec::with_capacity(params.len());
+    for param in params {
+        match param.quantized_layout(Q8Tiles::new) {
+            Some(w) if w.k == k => weights.push(w),
+            _ => return Ok(None),
+        }
+    }
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(storage) = &*storage else {
         return Ok(None);
     };
-    if w.k != k {
-        return Ok(None);
-    }
-    let x = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(Some(matmul(&x, m, &w, kernel)?))
+    // Read in place: the rows are only rounded to 8 bits, never kept.
+    let values = crate::common::f32_slice(storage, layout, "q8_0 matmul")?;
+    let weights: Vec<&Q8Tiles> = weights.iter().map(|w| &**w).collect();
+    Ok(Some(matmul(values, m, k, &weights, kernel)?))
 }
 
-/// The product, `[m, n]`.
-fn matmul(x: &[f32], m: usize, w: &Q8Tiles, kernel: Kernel) -> Result<Tensor> {
+/// The products `[m, n]` of the rows `x` (`m` rows of `k`) with each weight.
+fn matmul(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    weights: &[&Q8Tiles],
+    kernel: Kernel,
+) -> Result<Vec<Tensor>> {
     // The rows in groups of up to `MAX_M`, each group one pass over a tile.
     let groups: Vec<Quantized> = x
-        .chunks(MAX_M * w.k)
-        .map(|rows| Quantized::new(rows, rows.len() / w.k, w.k))
+        .chunks(MAX_M * k)
+        .map(|rows| Quantized::new(rows, rows.len() / k, k))
         .collect();
-    let nb = w.k / BLOCK;
-    let tiles = w.n.div_ceil(ROWS);
-    // Per tile, the m rows' 16 outputs; then laid out as [m, n].
-    let mut tiled = vec![0f32; tiles * m * ROWS];
+    let nb = k / BLOCK;
+    // Weight `i`'s tiles are numbers `first[i]..first[i + 1]` of one list.
+    let mut first = vec![0];
+    for w in weights {
+        first.push(first[first.len() - 1] + w.n.div_ceil(ROWS));
+    }
+    let tiles = first[weights.len()];
+    // Per tile, the m rows' 16 outputs; then laid out as [m, n] per weight.
     let per_tile = m * ROWS;
+    let mut tiled = vec![0f32; tiles * per_tile];
     let tiled_at = SharedOut(tiled.as_mut_ptr());
     // Candle's own pool for its CPU kernels (the calling thread works too, and waits spinning):
     // a product takes tens of microseconds, less than a sleeping rayon worker takes to wake.
     candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
         for t in range {
+            let i = first.partition_point(|&f| f <= t) - 1;
+            let (w, local) = (weights[i], t - first[i]);
             // SAFETY: every tile index is handed to exactly one call, and tile `t` writes only
             // its own `per_tile` values of `tiled`, which outlives the pool's call.
             let out =
                 unsafe { std::slice::from_raw_parts_mut(tiled_at.at(t * per_tile), per_tile) };
-            let quads = &w.quads[t * nb * 8..(t + 1) * nb * 8];
-            let scales = &w.scales[t * nb..(t + 1) * nb];
+            let quads = &w.quads[local * nb * 8..(local + 1) * nb * 8];
+            let scales = &w.scales[local * nb..(local + 1) * nb];
             for (xq, out) in groups.iter().zip(out.chunks_mut(MAX_M * ROWS)) {
                 kernel.tile(quads, scales, xq, out);
             }
         }
     });
-    if m == 1 {
-        // One row: the tiles' outputs are already in order.
-        tiled.truncate(w.n);
-        return Ok(Tensor::from_vec(tiled, (1, w.n), &Device::Cpu)?);
+    if m == 1 && weights.len() == 1 {
+        // One row, one weight: the tiles' outputs are already in order.
+        tiled.truncate(weights[0].n);
+        return Ok(vec![Tensor::from_vec(
+            tiled,
+            (1, weights[0].n),
+            &Device::Cpu,
+        )?]);
     }
-    let mut out = vec![0f32; m * w.n];
-    for (t, tile) in tiled.chunks_exact(m * ROWS).enumerate() {
-        for (r, row) in tile.chunks_exact(ROWS).enumerate() {
-            let first = t * ROWS;
-            let count = ROWS.min(w.n - first);
-            out[r * w.n + first..][..count].copy_from_slice(&row[..count]);
-        }
-    }
-    Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
+    weights
+        .iter()
+        .zip(&first)
+        .map(|(w, &first)| {
+            let mut out = vec![0f32; m * w.n];
+            let tiled = &tiled[first * per_tile..];
+            for (t, tile) in tiled
+                .chunks_exact(per_tile)
+                .take(w.n.div_ceil(ROWS))
+                .enumerate()
+            {
+                for (r, row) in tile.chunks_exact(ROWS).enumerate() {
+                    let col = t * ROWS;
+                    let count = ROWS.min(w.n - col);
+                    out[r * w.n + col..][..count].copy_from_slice(&row[..count]);
+                }
+            }
+            Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
+        })
+        .collect()
 }
 
 /// The output buffer, written by the pool's threads at disjoint tiles.

@@ -6,6 +6,7 @@ mod nn_activations;
 mod nn_dropout;
 mod nn_embedding;
 mod nn_fixture;
+mod nn_linear_each;
 mod nn_losses;
 mod nn_pool_norm;
 mod nn_sdpa;
