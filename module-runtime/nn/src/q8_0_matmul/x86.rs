@@ -1,0 +1,103 @@
+//! The x86-64 inner loops of the `q8_0` product: one tile of 16 output rows for up to four
+//! input rows, with AVX-512 VNNI (16 lanes) or AVX2 (two halves of eight).
+
+use super::{Quad, Quantized, BLOCK, MAX_M, ROWS};
+use std::arch::x86_64::*;
+
+/// Four input bytes of row `r` at `at`, repeated in every 32-bit lane.
+#[inline(always)]
+fn four(x: &Quantized, r: usize, at: usize) -> i32 {
+    let q = &x.q[r * x.k + at..][..4];
+    i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8])
+}
+
+/// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `quads` holds 8 quads per entry of `scales`, `x` has
+/// `scales.len()` blocks per row and `out` `x.m * 16` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile_vnni(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+) {
+    let nb = scales.len();
+    let mut acc = [_mm512_setzero_ps(); MAX_M];
+    for (b, scale) in scales.iter().enumerate() {
+        // Two sums per input row (even and odd quads): two independent chains of `vpdpbusd`.
+        let mut sums = [[_mm512_setzero_si512(); 2]; MAX_M];
+        for g in 0..8 {
+            // SAFETY: an aligned quad of 64 bytes.
+            let w = unsafe { _mm512_load_si512(quads[b * 8 + g].0.as_ptr().cast()) };
+            for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
+                let xs = _mm512_set1_epi32(four(x, r, b * BLOCK + g * 4));
+                sum[g & 1] = _mm512_dpbusd_epi32(sum[g & 1], w, xs);
+            }
+        }
+        // SAFETY: 16 float16 scales, 32 bytes.
+        let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
+        for r in 0..x.m {
+            let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+            let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b]));
+            let dx = _mm512_set1_ps(x.d[r * nb + b]);
+            acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), acc[r]);
+        }
+    }
+    for r in 0..x.m {
+        // SAFETY: `out` holds 16 values per input row.
+        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), acc[r]) };
+    }
+}
+
+/// A tile with AVX2: two halves of eight rows, each byte made signed again and multiplied
+/// by the sign trick (`|w|` unsigned times `x` with `w`'s sign, at most 2·128·127 per 16-bit
+/// pair: no saturation).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; lengths as for [`tile_vnni`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tile_avx2(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+) {
+    let nb = scales.len();
+    let ones = _mm256_set1_epi16(1);
+    let flip = _mm256_set1_epi8(-128);
+    let mut acc = [[_mm256_setzero_ps(); 2]; MAX_M];
+    for (b, scale) in scales.iter().enumerate() {
+        let mut sums = [[_mm256_setzero_si256(); 2]; MAX_M];
+        for g in 0..8 {
+            let quad = quads[b * 8 + g].0.as_ptr();
+            for half in 0..2 {
+                // SAFETY: 32 of the quad's 64 bytes.
+                let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
+                let w = _mm256_xor_si256(w, flip);
+                let magnitude = _mm256_sign_epi8(w, w);
+                for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
+                    let xs = _mm256_set1_epi32(four(x, r, b * BLOCK + g * 4));
+                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, w));
+                    sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for half in 0..2 {
+            // SAFETY: 8 float16 scales, 16 bytes.
+            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
+            for r in 0..x.m {
+                let dx = _mm256_set1_ps(x.d[r * nb + b]);
+                let total = _mm256_cvtepi32_ps(sums[r][half]);
+                acc[r][half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[r][half]);
+            }
+        }
+    }
+    for r in 0..x.m {
+        for half in 0..2 {
+            // SAFETY: `out` holds 16 values per input row.
+            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), acc[r][half]) };
+        }
+    }
+}
