@@ -224,9 +224,8 @@ fn quantized_linear(
             got: x.device().location(),
         });
     }
-    let (out_features, in_features) = w.shape().dims2()?;
-    let dims = x.dims();
-    if dims.last() != Some(&in_features) {
+    let (_, in_features) = w.shape().dims2()?;
+    if x.dims().last() != Some(&in_features) {
         return Err(candle_core::Error::ShapeMismatchBinaryOp {
             lhs: x.shape().clone(),
             rhs: w.shape().clone(),
@@ -234,18 +233,28 @@ fn quantized_linear(
         }
         .into());
     }
-    let rows = x.elem_count() / in_features;
-    let x2 = x
-        .to_dtype(DType::F32)?
-        .reshape((rows, in_features))?
-        .contiguous()?;
+    let x2 = float_rows(x, in_features)?;
     let y = match crate::q8_0_matmul::q8_0_matmul(&x2, param)? {
         Some(y) => y,
         None => x2.apply_op1_no_bwd(w)?,
     };
-    let mut out_dims = dims[..dims.len() - 1].to_vec();
-    out_dims.push(out_features);
-    add_bias(y.reshape(out_dims)?.to_dtype(x.dtype())?, bias)
+    from_rows(y, x, bias)
+}
+
+/// `x` `[…, in_features]` as contiguous float32 rows `[rows, in_features]`: what the quantized
+/// kernels multiply.
+pub(crate) fn float_rows(x: &Tensor, in_features: usize) -> Result<Tensor> {
+    Ok(x.to_dtype(DType::F32)?
+        .reshape((rows(x), in_features))?
+        .contiguous()?)
+}
+
+/// A quantized product `y` `[rows, out]` of [`float_rows`] of `x`, back in `x`'s leading
+/// dimensions and dtype, plus the bias.
+pub(crate) fn from_rows(y: Tensor, x: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+    let mut dims = x.dims()[..x.rank() - 1].to_vec();
+    dims.push(y.dim(1)?);
+    add_bias(y.reshape(dims)?.to_dtype(x.dtype())?, bias)
 }
 
 /// `x Wᵀ + b`.
@@ -280,7 +289,7 @@ fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// `y + b` along the last dimension, for the fresh output `y` of [`matmul`].
-pub(crate) fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
+fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
         // Inference on the CPU: add the bias into the matmul's fresh output, in place, instead of
         // allocating (and page-faulting in) a second output of the same size.

@@ -1,12 +1,12 @@
 //! Several `Linear` layers on one input (a decoder's query, key and value projections), computed
 //! together where that is faster: [`Linear::call_each`].
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use crate::common::param_tensor;
 use crate::error::Result;
 use crate::fused::fusion_applies;
-use crate::linear::{add_bias, max_quantized_rows, rows};
+use crate::linear::{float_rows, from_rows, max_quantized_rows, rows};
 use crate::q8_0_matmul::{applies, q8_0_matmul_each};
 use crate::{is_grad_enabled, Linear, ModuleExt};
 
@@ -64,7 +64,7 @@ fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>>
     if x.track_op() && is_grad_enabled() {
         return Ok(None);
     }
-    let Some((&in_features, batch)) = x.dims().split_last() else {
+    let Some(&in_features) = x.dims().last() else {
         return Ok(None);
     };
     for layer in layers {
@@ -76,23 +76,14 @@ fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>>
             return Ok(None);
         }
     }
-    let x2 = x
-        .to_dtype(DType::F32)?
-        .reshape((rows(x), in_features))?
-        .contiguous()?;
     let params: Vec<_> = layers.iter().map(|layer| &layer.weight).collect();
-    let Some(products) = q8_0_matmul_each(&x2, &params)? else {
+    let Some(products) = q8_0_matmul_each(&float_rows(x, in_features)?, &params)? else {
         return Ok(None);
     };
     layers
         .iter()
         .zip(products)
-        .map(|(layer, y)| {
-            let mut dims = batch.to_vec();
-            dims.push(y.dim(1)?);
-            let y = y.reshape(dims)?.to_dtype(x.dtype())?;
-            add_bias(y, param_tensor(&layer.bias)?)
-        })
+        .map(|(layer, y)| from_rows(y, x, param_tensor(&layer.bias)?))
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
