@@ -21,6 +21,14 @@
 //!
 //! Both candle sides run on `RAYON_NUM_THREADS` threads (2 unless set).
 //!
+//! The device is `MODULE_DEVICE`'s (the CPU when unset). On another device (`cuda:0`) PyTorch's
+//! side is `pytorch_decode_device.py` beside this file unless `$PYTORCH_DECODE` names a script:
+//! the same seeded model moved to that device, timed with the device synchronized:
+//!
+//! ```text
+//! MODULE_DEVICE=cuda:0 PYTORCH=python3 QUANTIZE=q8_0 cargo bench -p llama --features cuda --bench decode
+//! ```
+//!
 //! Quantized weights (issue 30's item 4): `QUANTIZE=q8_0,q4_0,q4_k` adds, per kind, our model with
 //! `quantize(&model, "**", kind)` (`prefill` and decode), interleaved with the others in each round:
 //!
@@ -126,11 +134,17 @@ fn main() -> AnyResult<()> {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(5);
+    let device = candle_module::device_from_env()?;
     let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
     let script = std::env::var_os("PYTORCH_DECODE")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/perf/pytorch_decode.py")
+            let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+            if device.is_cpu() {
+                here.join("../../shared/perf/pytorch_decode.py")
+            } else {
+                here.join("benches/pytorch_decode_device.py")
+            }
         });
     let dir = std::env::var_os("LLAMA_BENCH_DIR")
         .map(PathBuf::from)
@@ -146,7 +160,6 @@ fn main() -> AnyResult<()> {
             None => make_random_model(&dir)?,
         }
     }
-    let device = Device::Cpu;
     // Memory first: on the machine these numbers come from (a virtual machine), the first
     // gigabyte or so a process writes streams ~20% slower than memory it takes later (the same
     // matmuls over the weights of a model loaded first: 21 ms a pass; loaded after another
@@ -225,7 +238,10 @@ fn main() -> AnyResult<()> {
             NEW as f64 / last(2).decode,
         );
     }
-    println!("\nmedians over {rounds} rounds (f32, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):");
+    println!(
+        "\nmedians over {rounds} rounds on {:?} (f32, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):",
+        device.location()
+    );
     for (name, timings) in &results {
         let prefill = median(timings.iter().map(|t| PROMPT as f64 / t.prefill).collect());
         let rates: Vec<f64> = timings.iter().map(|t| NEW as f64 / t.decode).collect();

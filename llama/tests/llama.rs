@@ -1,7 +1,8 @@
 //! The tiny random Llama transformers saved (`tests/fixtures/tiny-llama`: multi-query attention,
 //! tied embeddings) through the public API: logits and greedy generations against transformers',
 //! the KV cache against recomputing, left-padded batches against single prompts, cache clones and
-//! truncation, RoPE scaling, and the `generate` example's code path.
+//! truncation, RoPE scaling, and the `generate` example's code path. The device is
+//! `MODULE_DEVICE`'s (the CPU when unset), as for the workspace's other tests.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,16 +18,21 @@ mod quant;
 #[path = "llama/sampling.rs"]
 mod sampling;
 
+/// The device under test: `MODULE_DEVICE` (`cuda:0`), else the CPU.
+fn device() -> Device {
+    candle_module::device_from_env().expect("MODULE_DEVICE names a usable device")
+}
+
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama")
 }
 
 fn model() -> LlamaForCausalLM {
-    LlamaForCausalLM::from_pretrained(&fixture(), &Device::Cpu).unwrap()
+    LlamaForCausalLM::from_pretrained(&fixture(), &device()).unwrap()
 }
 
 fn reference() -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture().join("reference.safetensors"), &Device::Cpu).unwrap()
+    candle_core::safetensors::load(fixture().join("reference.safetensors"), &device()).unwrap()
 }
 
 /// The reference prompts and transformers' 40 greedy tokens after each, from `reference.json`.
@@ -54,7 +60,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 fn ids(rows: &[Vec<u32>]) -> Tensor {
     let width = rows[0].len();
     let flat: Vec<u32> = rows.iter().flatten().copied().collect();
-    Tensor::from_vec(flat, (rows.len(), width), &Device::Cpu).unwrap()
+    Tensor::from_vec(flat, (rows.len(), width), &device()).unwrap()
 }
 
 #[test]
@@ -84,7 +90,7 @@ fn loads_strictly_by_hugging_face_names_with_tied_head() {
 fn untied_checkpoint_needs_its_head() {
     let mut cfg = LlamaConfig::from_json_file(&fixture().join("config.json")).unwrap();
     cfg.tie_word_embeddings = false;
-    let model = LlamaForCausalLM::new(&cfg, &Device::Cpu).unwrap();
+    let model = LlamaForCausalLM::new(&cfg, &device()).unwrap();
     let err = model
         .load_state_dict(fixture().join("model.safetensors"), &LoadOptions::default())
         .unwrap_err();
@@ -103,7 +109,7 @@ fn logits_match_transformers() {
     let diff = max_diff(&logits, &reference["logits"]);
     assert!(diff < 1e-4, "max logit difference {diff}");
     // Out-of-vocabulary ids and a cache of another batch size are errors, not panics.
-    let bad = Tensor::new(&[[1u32, 1000]], &Device::Cpu).unwrap();
+    let bad = Tensor::new(&[[1u32, 1000]], &device()).unwrap();
     assert!(model.scan(&bad, model.initial_state(1).unwrap()).is_err());
     let err = model
         .scan(&prompts, model.initial_state(2).unwrap())
@@ -169,7 +175,7 @@ fn cached_decoding_equals_recomputing_every_step() {
         .unwrap();
     for t in 7..seq.len() {
         let (step, next) = model
-            .step(&Tensor::new(&[seq[t]], &Device::Cpu).unwrap(), cache)
+            .step(&Tensor::new(&[seq[t]], &device()).unwrap(), cache)
             .unwrap();
         cache = next;
         let (full, _) = model
@@ -206,7 +212,7 @@ fn left_padded_batch_equals_prompts_one_by_one() {
         .scan_masked(&ids(&padded), &ids(&mask), model.initial_state(3).unwrap())
         .unwrap();
     assert_eq!(cache.padding(), [4, 0, 2]);
-    let next = Tensor::new(&[5u32, 6, 7], &Device::Cpu).unwrap();
+    let next = Tensor::new(&[5u32, 6, 7], &device()).unwrap();
     let (stepped, next_cache) = model.step(&next, cache).unwrap();
     cache = next_cache;
     assert_eq!(cache.positions(), [4, 8, 6]);
@@ -221,7 +227,7 @@ fn left_padded_batch_equals_prompts_one_by_one() {
         let real = row.narrow(1, width - p.len(), p.len()).unwrap();
         let diff = max_diff(&real, &alone);
         assert!(diff < 1e-4, "row {i}: {diff}");
-        let token = Tensor::new(&[[5u32, 6, 7][i]], &Device::Cpu).unwrap();
+        let token = Tensor::new(&[[5u32, 6, 7][i]], &device()).unwrap();
         let (alone_step, _) = model.step(&token, alone_cache).unwrap();
         let diff = max_diff(&stepped.narrow(0, i, 1).unwrap(), &alone_step);
         assert!(diff < 1e-4, "row {i}, next step: {diff}");
@@ -248,7 +254,7 @@ fn left_padded_batch_equals_prompts_one_by_one() {
 /// The logits of one more token after `cache`.
 fn next_logits(model: &LlamaForCausalLM, cache: KvCache, token: u32) -> (Tensor, KvCache) {
     model
-        .step(&Tensor::new(&[token], &Device::Cpu).unwrap(), cache)
+        .step(&Tensor::new(&[token], &device()).unwrap(), cache)
         .unwrap()
 }
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use llama::{generate, GenerationConfig, LlamaForCausalLM, RopeScaling};
 use module_runtime::prelude::*;
 
-use super::max_diff;
+use super::{device, max_diff};
 
 fn dir() -> PathBuf {
     super::fixture().join("../tiny-llama-gqa")
@@ -16,7 +16,7 @@ fn dir() -> PathBuf {
 
 #[test]
 fn sharded_untied_gqa_llama3_matches_transformers() {
-    let model = LlamaForCausalLM::from_pretrained(&dir(), &Device::Cpu).unwrap();
+    let model = LlamaForCausalLM::from_pretrained(&dir(), &device()).unwrap();
     let cfg = &model.config;
     assert_eq!((cfg.num_attention_heads, cfg.num_key_value_heads), (4, 2));
     assert!(!cfg.tie_word_embeddings);
@@ -30,7 +30,7 @@ fn sharded_untied_gqa_llama3_matches_transformers() {
     assert!(names.contains(&"lm_head.weight".to_owned()));
 
     let reference =
-        candle_core::safetensors::load(dir().join("reference.safetensors"), &Device::Cpu).unwrap();
+        candle_core::safetensors::load(dir().join("reference.safetensors"), &device()).unwrap();
     let prompts = reference["prompts"].to_dtype(DType::U32).unwrap();
     let (logits, _) = model
         .scan(&prompts, model.initial_state(2).unwrap())

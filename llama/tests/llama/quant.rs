@@ -9,7 +9,7 @@ use module_runtime::nn::{quantize, GgmlDType};
 use module_runtime::prelude::*;
 use module_runtime::{GgufFile, QuantizeError};
 
-use super::{ids, max_diff, model, reference_json};
+use super::{device, ids, max_diff, model, reference_json};
 
 fn gguf(name: &str) -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -135,11 +135,11 @@ fn quantize_reports_layers_and_keeps_the_tied_embedding_working() {
     assert_eq!(embed.quantized_dtype(), Some(GgmlDType::Q8_0));
     let table = embed.tensor().unwrap();
     let q = model.lm_head.weight.quantized().unwrap();
-    assert_eq!(max_diff(&table, &q.dequantize(&Device::Cpu).unwrap()), 0.0);
+    assert_eq!(max_diff(&table, &q.dequantize(&device()).unwrap()), 0.0);
     let row = model
         .model
         .embed_tokens
-        .call(&Tensor::new(&[[5u32]], &Device::Cpu).unwrap())
+        .call(&Tensor::new(&[[5u32]], &device()).unwrap())
         .unwrap();
     assert_eq!(
         max_diff(&row.squeeze(0).unwrap(), &table.narrow(0, 5, 1).unwrap()),
@@ -196,8 +196,7 @@ fn quantize_errors_are_typed_and_change_nothing() {
 /// float16.
 #[test]
 fn f16_gguf_loads_like_the_safetensors_model() {
-    let from_gguf =
-        LlamaForCausalLM::from_gguf(&gguf("tiny-llama-f16.gguf"), &Device::Cpu).unwrap();
+    let from_gguf = LlamaForCausalLM::from_gguf(&gguf("tiny-llama-f16.gguf"), &device()).unwrap();
     assert_eq!(from_gguf.config, model().config);
     let rounded = model();
     for p in rounded.parameters() {
@@ -217,8 +216,7 @@ fn f16_gguf_loads_like_the_safetensors_model() {
 /// permuted q/k rows put back), logits and greedy tokens.
 #[test]
 fn q8_0_gguf_equals_quantize_of_the_safetensors_model() {
-    let from_gguf =
-        LlamaForCausalLM::from_gguf(&gguf("tiny-llama-q8_0.gguf"), &Device::Cpu).unwrap();
+    let from_gguf = LlamaForCausalLM::from_gguf(&gguf("tiny-llama-q8_0.gguf"), &device()).unwrap();
     let ours = quantized(GgmlDType::Q8_0);
     let theirs = from_gguf.state_dict().unwrap();
     for (path, p) in ours.named_parameters() {
@@ -242,10 +240,9 @@ fn q8_0_gguf_equals_quantize_of_the_safetensors_model() {
 
 #[test]
 fn gguf_missing_or_unexpected_tensor_is_a_typed_error_and_loads_nothing() {
-    let file = || GgufFile::read(gguf("tiny-llama-q8_0.gguf"), &Device::Cpu).unwrap();
+    let file = || GgufFile::read(gguf("tiny-llama-q8_0.gguf"), &device()).unwrap();
     let cfg = model().config;
-    let empty =
-        || module_runtime::build_empty(|| LlamaForCausalLM::new(&cfg, &Device::Cpu)).unwrap();
+    let empty = || module_runtime::build_empty(|| LlamaForCausalLM::new(&cfg, &device())).unwrap();
     let options = llama::llama_names()
         .into_iter()
         .fold(LlamaForCausalLM::load_options(&cfg), LoadOptions::rule);
@@ -307,7 +304,7 @@ fn gguf_missing_or_unexpected_tensor_is_a_typed_error_and_loads_nothing() {
     let q_proj = &target.model.layers[0].self_attn.q_proj.weight;
     assert_eq!(q_proj.quantized_dtype(), Some(GgmlDType::Q8_0));
 
-    let Err(err) = LlamaForCausalLM::from_gguf(&gguf("no-such.gguf"), &Device::Cpu) else {
+    let Err(err) = LlamaForCausalLM::from_gguf(&gguf("no-such.gguf"), &device()) else {
         panic!("a missing file loaded")
     };
     assert!(matches!(err, Error::Io { .. }), "{err}");
