@@ -30,7 +30,14 @@
 //! ```
 //!
 //! Quantized weights (issue 30's item 4): `QUANTIZE=q8_0,q4_0,q4_k` adds, per kind, our model with
-//! `quantize(&model, "**", kind)` (`prefill` and decode), interleaved with the others in each round:
+//! `quantize(&model, "**", kind)` (`prefill` and decode) and candle-transformers'
+//! `quantized_llama` on the same quantized weights, interleaved with the others in each round. The
+//! peer reads GGUF files only: the float checkpoint is written as one (`model-KIND.gguf` in the
+//! model's folder, llama.cpp's names and metadata, `attn_q`/`attn_k` rows in llama.cpp's
+//! interleaved order), every matrix rounded by candle's `QTensor::quantize` as `quantize` rounds
+//! ours (rows move whole, so the values are the same). The greedy tokens of the two are compared
+//! once, after the warm-up. A kind some matrix cannot take (`q4_k` needs rows of 256) has no peer:
+//! ours keeps such layers in float, llama.cpp's files cannot.
 //!
 //! ```text
 //! QUANTIZE=q8_0,q4_0 LLAMA_BENCH_DIR=/tmp/smollm cargo bench -p llama --bench decode -- 5
@@ -47,7 +54,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_transformers::models::llama as peer;
+use candle_transformers::models::quantized_llama as quantized_peer;
 use llama::{LlamaConfig, LlamaForCausalLM};
+use module_runtime::candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use module_runtime::candle_nn::VarBuilder;
 use module_runtime::nn::{parse_quant_kind, quantize};
 use module_runtime::prelude::*;
@@ -57,10 +66,11 @@ const NEW: usize = 64;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-/// Seconds of one prefill and of the decode steps after it.
+/// Seconds of one prefill and of the decode steps after it, and the greedy tokens.
 struct Timing {
     prefill: f64,
     decode: f64,
+    tokens: Vec<u32>,
 }
 
 fn argmax(logits: &Tensor) -> Result<u32> {
@@ -79,21 +89,20 @@ fn ours(model: &LlamaForCausalLM, prompt: &Tensor, all_logits: bool) -> Result<T
     };
     let mut token = argmax(&logits)?;
     let prefill = start.elapsed().as_secs_f64();
+    let mut tokens = Vec::with_capacity(NEW + 1);
+    tokens.push(token);
     let start = Instant::now();
     for _ in 0..NEW {
         let (logits, next) = model.step(&Tensor::new(&[token], prompt.device())?, cache)?;
         cache = next;
         token = argmax(&logits)?;
+        tokens.push(token);
     }
-    black_box_token(token);
     Ok(Timing {
         prefill,
         decode: start.elapsed().as_secs_f64(),
+        tokens,
     })
-}
-
-fn black_box_token(token: u32) {
-    std::hint::black_box(token);
 }
 
 /// candle-transformers: `forward` on the prompt, then `NEW` one-token `forward`s.
@@ -106,15 +115,42 @@ fn candle_transformers(
     let mut cache = peer::Cache::new(true, DType::F32, config, prompt.device())?;
     let mut token = argmax(&model.forward(prompt, 0, &mut cache)?)?;
     let prefill = start.elapsed().as_secs_f64();
+    let mut tokens = Vec::with_capacity(NEW + 1);
+    tokens.push(token);
     let start = Instant::now();
     for i in 0..NEW {
         let input = Tensor::new(&[[token]], prompt.device())?;
         token = argmax(&model.forward(&input, PROMPT + i, &mut cache)?)?;
+        tokens.push(token);
     }
-    black_box_token(token);
     Ok(Timing {
         prefill,
         decode: start.elapsed().as_secs_f64(),
+        tokens,
+    })
+}
+
+/// candle-transformers' `quantized_llama`: `forward` on the prompt at position 0 (which starts
+/// its cache afresh), then `NEW` one-token `forward`s.
+fn candle_transformers_quantized(
+    model: &mut quantized_peer::ModelWeights,
+    prompt: &Tensor,
+) -> Result<Timing> {
+    let start = Instant::now();
+    let mut token = argmax(&model.forward(prompt, 0)?)?;
+    let prefill = start.elapsed().as_secs_f64();
+    let mut tokens = Vec::with_capacity(NEW + 1);
+    tokens.push(token);
+    let start = Instant::now();
+    for i in 0..NEW {
+        let input = Tensor::new(&[[token]], prompt.device())?;
+        token = argmax(&model.forward(&input, PROMPT + i)?)?;
+        tokens.push(token);
+    }
+    Ok(Timing {
+        prefill,
+        decode: start.elapsed().as_secs_f64(),
+        tokens,
     })
 }
 
@@ -186,13 +222,28 @@ fn main() -> AnyResult<()> {
         })
         .collect();
     let prompt = Tensor::from_vec(ids, (1, PROMPT), &device)?;
-    let quantized = quantized_models(&dir, &device)?;
+    let mut quantized = quantized_models(&dir, &device)?;
 
     // Warm-up: page in the weights, size the allocators.
     ours(&model, &prompt, false)?;
     candle_transformers(&candle, &config, &prompt)?;
-    for (_, q) in &quantized {
-        ours(q, &prompt, false)?;
+    for q in &mut quantized {
+        let mine = ours(&q.ours, &prompt, false)?;
+        if let Some(peer) = &mut q.peer {
+            // The same quantized weights: the same greedy tokens, up to the order of float sums.
+            let theirs = candle_transformers_quantized(peer, &prompt)?;
+            let same = mine
+                .tokens
+                .iter()
+                .zip(&theirs.tokens)
+                .take_while(|(a, b)| a == b);
+            println!(
+                "{}: ours and quantized_llama agree on the first {} of {} greedy tokens",
+                q.name,
+                same.count(),
+                mine.tokens.len()
+            );
+        }
     }
 
     let mut results: Vec<(String, Vec<Timing>)> = vec![
@@ -200,8 +251,14 @@ fn main() -> AnyResult<()> {
         ("ours, prefill (last logits)".to_owned(), Vec::new()),
         ("candle-transformers llama".to_owned(), Vec::new()),
     ];
-    for (name, _) in &quantized {
-        results.push((format!("ours {name}, prefill"), Vec::new()));
+    // Per kind: ours, then the peer's row when it has one.
+    let mut rows = Vec::new();
+    for q in &quantized {
+        rows.push(results.len());
+        results.push((format!("ours {}, prefill", q.name), Vec::new()));
+        if q.peer.is_some() {
+            results.push((format!("quantized_llama {}", q.name), Vec::new()));
+        }
     }
     for round in 0..rounds {
         results[0].1.push(ours(&model, &prompt, true)?);
@@ -209,14 +266,25 @@ fn main() -> AnyResult<()> {
         results[2]
             .1
             .push(candle_transformers(&candle, &config, &prompt)?);
-        for (i, (name, q)) in quantized.iter().enumerate() {
-            let t = ours(q, &prompt, false)?;
-            println!(
-                "round {round}: ours {name} prefill {:.0} tokens/s, decode {:.1} tokens/s",
+        for (q, &row) in quantized.iter_mut().zip(&rows) {
+            let t = ours(&q.ours, &prompt, false)?;
+            let mut line = format!(
+                "round {round}: ours {} prefill {:.0} tokens/s, decode {:.1} tokens/s",
+                q.name,
                 PROMPT as f64 / t.prefill,
                 NEW as f64 / t.decode
             );
-            results[3 + i].1.push(t);
+            results[row].1.push(t);
+            if let Some(peer) = &mut q.peer {
+                let t = candle_transformers_quantized(peer, &prompt)?;
+                line += &format!(
+                    "; quantized_llama prefill {:.0} tokens/s, decode {:.1} tokens/s",
+                    PROMPT as f64 / t.prefill,
+                    NEW as f64 / t.decode
+                );
+                results[row + 1].1.push(t);
+            }
+            println!("{line}");
         }
         if let Some(python) = &pytorch {
             let out = Command::new(python).arg(&script).output()?;
@@ -239,7 +307,7 @@ fn main() -> AnyResult<()> {
         );
     }
     println!(
-        "\nmedians over {rounds} rounds on {:?} (f32, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):",
+        "\nmedians over {rounds} rounds on {:?} (f32 unless named, batch 1, {PROMPT}-token prompt, {NEW} greedy tokens):",
         device.location()
     );
     for (name, timings) in &results {
@@ -253,41 +321,215 @@ fn main() -> AnyResult<()> {
             "{name:32} prefill {prefill:6.0} tokens/s   decode {decode:5.1} tokens/s ({lo:.1}–{hi:.1})"
         );
     }
-    // Each quantized kind's decode speed over float32's (ours, `prefill`), round by round: the
-    // same round's runs met the same moment of the machine.
-    for (i, (name, _)) in quantized.iter().enumerate() {
-        let ratios: Vec<f64> = (results[3 + i].1.iter().zip(&results[1].1))
+    // Each quantized kind's decode speed over float32's (ours, `prefill`), and over the peer's
+    // on the same weights, round by round: the same round's runs met the same moment of the
+    // machine.
+    let per_round = |what: &str, num: &[Timing], den: &[Timing]| {
+        let ratios: Vec<f64> = num
+            .iter()
+            .zip(den)
             .map(|(q, f)| f.decode / q.decode)
             .collect();
         let (lo, hi) = ratios
             .iter()
             .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         println!(
-            "{name} decode over float32's, per round: median {:.2}x ({lo:.2}–{hi:.2}x)",
+            "{what}, per round: median {:.2}x ({lo:.2}–{hi:.2}x)",
             median(ratios.clone())
         );
+    };
+    for (q, &row) in quantized.iter().zip(&rows) {
+        per_round(
+            &format!("{} decode over float32's", q.name),
+            &results[row].1,
+            &results[1].1,
+        );
+        if q.peer.is_some() {
+            per_round(
+                &format!("{} decode over quantized_llama's", q.name),
+                &results[row].1,
+                &results[row + 1].1,
+            );
+        }
     }
     drop(ballast);
     Ok(())
 }
 
-/// `$QUANTIZE`'s kinds (`q8_0,q4_0`), each a model read from `dir` and quantized with `"**"`.
-fn quantized_models(dir: &Path, device: &Device) -> AnyResult<Vec<(String, LlamaForCausalLM)>> {
+/// One `$QUANTIZE` kind: ours, and candle-transformers' `quantized_llama` on the same weights
+/// where llama.cpp's format can hold them.
+struct Quantized {
+    name: String,
+    ours: LlamaForCausalLM,
+    peer: Option<quantized_peer::ModelWeights>,
+}
+
+/// `$QUANTIZE`'s kinds (`q8_0,q4_0`), each our model read from `dir` and quantized with `"**"`,
+/// and the peer read from `dir/model-KIND.gguf` (written first when missing).
+fn quantized_models(dir: &Path, device: &Device) -> AnyResult<Vec<Quantized>> {
     let Ok(kinds) = std::env::var("QUANTIZE") else {
         return Ok(Vec::new());
     };
     let mut models = Vec::new();
     for name in kinds.split(',').filter(|k| !k.is_empty()) {
+        let kind = parse_quant_kind(name)?;
         let model = LlamaForCausalLM::from_pretrained(dir, device)?;
-        let report = quantize(&model, "**", parse_quant_kind(name)?)?;
+        let report = quantize(&model, "**", kind)?;
         println!(
             "{name}: {} Linear layers quantized, {} kept in float32 (rows not a multiple of the block)",
             report.quantized.len(),
             report.kept_float.len()
         );
-        models.push((name.to_owned(), model));
+        let path = dir.join(format!("model-{name}.gguf"));
+        let peer = match gguf_peer(dir, &path, kind, device) {
+            Ok(peer) => Some(peer),
+            Err(e) => {
+                println!("{name}: no quantized_llama peer: {e}");
+                None
+            }
+        };
+        models.push(Quantized {
+            name: name.to_owned(),
+            ours: model,
+            peer,
+        });
     }
     Ok(models)
+}
+
+/// candle-transformers' `quantized_llama` from `path`, which is first written from the float
+/// checkpoint in `dir` when missing (see [`write_gguf`]).
+fn gguf_peer(
+    dir: &Path,
+    path: &Path,
+    kind: GgmlDType,
+    device: &Device,
+) -> AnyResult<quantized_peer::ModelWeights> {
+    if !path.is_file() {
+        write_gguf(dir, path, kind)?;
+    }
+    let mut file = std::fs::File::open(path)?;
+    let content = gguf_file::Content::read(&mut file)?;
+    Ok(quantized_peer::ModelWeights::from_gguf(
+        content, &mut file, device,
+    )?)
+}
+
+/// The float checkpoint in `dir` as llama.cpp's converter writes a Llama: its names
+/// (`blk.N.attn_q.weight`), its `llama.*` metadata, each head's rows of `attn_q`/`attn_k`
+/// interleaved (Hugging Face's row `h·d + j·d/2 + i` at `h·d + 2i + j`), matrices in `kind`,
+/// norms in float32.
+fn write_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> AnyResult<()> {
+    let cfg = LlamaConfig::from_json(&serde_json::from_str(&std::fs::read_to_string(
+        dir.join("config.json"),
+    )?)?)?;
+    let weights = module_runtime::candle_core::safetensors::load(
+        dir.join("model.safetensors"),
+        &Device::Cpu,
+    )?;
+    let interleaved = |heads: usize, rows: usize| -> Vec<usize> {
+        let (d, half) = (rows / heads, rows / heads / 2);
+        (0..rows)
+            .map(|r| {
+                let (h, k) = (r / d, r % d);
+                h * d + (k % 2) * half + k / 2
+            })
+            .collect()
+    };
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, t) in &weights {
+        if name == "lm_head.weight" && cfg.tie_word_embeddings {
+            continue; // tied: the head is the embedding, as the converter writes it
+        }
+        let gguf = match name.as_str() {
+            "model.embed_tokens.weight" => "token_embd.weight".to_owned(),
+            "model.norm.weight" => "output_norm.weight".to_owned(),
+            "lm_head.weight" => "output.weight".to_owned(),
+            _ => {
+                let rest = name
+                    .strip_prefix("model.layers.")
+                    .ok_or_else(|| format!("unexpected tensor {name}"))?;
+                let (layer, what) = rest.split_once('.').ok_or("a layer's tensor")?;
+                let short = match what {
+                    "input_layernorm.weight" => "attn_norm.weight",
+                    "post_attention_layernorm.weight" => "ffn_norm.weight",
+                    "self_attn.q_proj.weight" => "attn_q.weight",
+                    "self_attn.k_proj.weight" => "attn_k.weight",
+                    "self_attn.v_proj.weight" => "attn_v.weight",
+                    "self_attn.o_proj.weight" => "attn_output.weight",
+                    "mlp.gate_proj.weight" => "ffn_gate.weight",
+                    "mlp.up_proj.weight" => "ffn_up.weight",
+                    "mlp.down_proj.weight" => "ffn_down.weight",
+                    _ => return Err(format!("unexpected tensor {name}").into()),
+                };
+                format!("blk.{layer}.{short}")
+            }
+        };
+        let q = if t.rank() == 1 {
+            QTensor::quantize(t, GgmlDType::F32)?
+        } else {
+            QTensor::quantize(t, kind)?
+        };
+        let heads = if gguf.ends_with(".attn_q.weight") {
+            Some(cfg.num_attention_heads)
+        } else if gguf.ends_with(".attn_k.weight") {
+            Some(cfg.num_key_value_heads)
+        } else {
+            None
+        };
+        let q = match heads {
+            Some(heads) => module_runtime::permute_rows(&q, &interleaved(heads, t.dim(0)?))?,
+            None => q,
+        };
+        tensors.push((gguf, q));
+    }
+    let u32_value = |v: usize| gguf_file::Value::U32(v as u32);
+    let metadata = [
+        (
+            "general.architecture",
+            gguf_file::Value::String("llama".to_owned()),
+        ),
+        ("llama.block_count", u32_value(cfg.num_hidden_layers)),
+        ("llama.embedding_length", u32_value(cfg.hidden_size)),
+        (
+            "llama.feed_forward_length",
+            u32_value(cfg.intermediate_size),
+        ),
+        (
+            "llama.attention.head_count",
+            u32_value(cfg.num_attention_heads),
+        ),
+        (
+            "llama.attention.head_count_kv",
+            u32_value(cfg.num_key_value_heads),
+        ),
+        ("llama.attention.key_length", u32_value(cfg.head_dim)),
+        ("llama.rope.dimension_count", u32_value(cfg.head_dim)),
+        (
+            "llama.context_length",
+            u32_value(cfg.max_position_embeddings),
+        ),
+        ("llama.vocab_size", u32_value(cfg.vocab_size)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            gguf_file::Value::F32(cfg.rms_norm_eps as f32),
+        ),
+        (
+            "llama.rope.freq_base",
+            gguf_file::Value::F32(cfg.rope_theta as f32),
+        ),
+    ];
+    let metadata: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    // Written beside and renamed into place: an interrupted run leaves no partial file behind.
+    let partial = path.with_extension("gguf.partial");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&partial)?);
+    gguf_file::write(&mut file, &metadata, &tensors)?;
+    std::io::Write::flush(&mut file)?;
+    drop(file);
+    std::fs::rename(&partial, path)?;
+    println!("wrote {}", path.display());
+    Ok(())
 }
 
 /// A random Llama shaped like SmolLM-135M, made in Rust (PyTorch's default initializations) and
