@@ -435,33 +435,36 @@ mod tests {
 
     #[test]
     fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
-        let (w, x) = case(21, 256, 3);
-        let tiles = Q8Tiles::new(&w.quantized().unwrap()).unwrap();
-        let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let xq = Quantized::new(&x, 3, 256);
-        let nb = 256 / BLOCK;
-        let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
-            kernels.push(Kernel::Avx2);
-        }
-        for t in 0..2 {
-            let quads = &tiles.quads[t * nb * 8..(t + 1) * nb * 8];
-            let scales = &tiles.scales[t * nb..(t + 1) * nb];
-            let mut expected = vec![0f32; 3 * ROWS];
-            Kernel::Scalar.tile(quads, scales, &xq, &mut expected, false);
-            // Streaming (prefetching past the tile's end, into the next tile) or not.
-            for (kernel, stream) in kernels.iter().flat_map(|k| [(k, false), (k, true)]) {
-                let mut out = vec![0f32; 3 * ROWS];
-                kernel.tile(quads, scales, &xq, &mut out, stream);
-                for (a, b) in out.iter().zip(&expected) {
-                    assert!(
-                        (a - b).abs() <= 1e-4 * b.abs().max(1.0),
-                        "{kernel:?} (stream: {stream}): {a} vs {b}"
-                    );
+        // Every row count a pass takes (each is its own build of the SIMD loops).
+        for rows in 1..=MAX_M {
+            let (w, x) = case(21, 256, rows);
+            let tiles = Q8Tiles::new(&w.quantized().unwrap()).unwrap();
+            let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let xq = Quantized::new(&x, rows, 256);
+            let nb = 256 / BLOCK;
+            let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                kernels.push(Kernel::Avx2);
+            }
+            for t in 0..2 {
+                let quads = &tiles.quads[t * nb * 8..(t + 1) * nb * 8];
+                let scales = &tiles.scales[t * nb..(t + 1) * nb];
+                let mut expected = vec![0f32; rows * ROWS];
+                Kernel::Scalar.tile(quads, scales, &xq, &mut expected, false);
+                // Streaming (prefetching past the tile's end, into the next tile) or not.
+                for (kernel, stream) in kernels.iter().flat_map(|k| [(k, false), (k, true)]) {
+                    let mut out = vec![0f32; rows * ROWS];
+                    kernel.tile(quads, scales, &xq, &mut out, stream);
+                    for (a, b) in out.iter().zip(&expected) {
+                        assert!(
+                            (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                            "{kernel:?} ({rows} rows, stream: {stream}): {a} vs {b}"
+                        );
+                    }
                 }
             }
         }

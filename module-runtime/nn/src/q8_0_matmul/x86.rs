@@ -21,11 +21,19 @@ fn prefetch_ahead(quads: &[Quad], scales: &[[u16; ROWS]], b: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_NTA>(scales.as_ptr().wrapping_add(b + AHEAD).cast()) };
 }
 
-/// Four input bytes of row `r` at `at`, repeated in every 32-bit lane.
+/// Four input bytes of row `r` at `at`, as one 32-bit integer.
+///
+/// # Safety
+/// `r < x.m` and `at + 4 <= x.k`.
 #[inline(always)]
-fn four(x: &Quantized, r: usize, at: usize) -> i32 {
-    let q = &x.q[r * x.k + at..][..4];
-    i32::from_le_bytes([q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8])
+unsafe fn four(x: &Quantized, r: usize, at: usize) -> i32 {
+    // SAFETY: row `r` holds `x.k` bytes at `r * x.k` (the caller's bounds).
+    unsafe {
+        x.q.as_ptr()
+            .add(r * x.k + at)
+            .cast::<i32>()
+            .read_unaligned()
+    }
 }
 
 /// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows.
@@ -41,34 +49,61 @@ pub(super) unsafe fn tile_vnni(
     out: &mut [f32],
     stream: bool,
 ) {
+    // One build per row count: its sums and accumulators are then registers (with a run-time
+    // count they were an array on the stack, each `vpdpbusd` waiting on a store and a load).
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe {
+        match x.m {
+            1 => vnni_rows::<1>(quads, scales, x, out, stream),
+            2 => vnni_rows::<2>(quads, scales, x, out, stream),
+            3 => vnni_rows::<3>(quads, scales, x, out, stream),
+            _ => vnni_rows::<MAX_M>(quads, scales, x, out, stream),
+        }
+    }
+}
+
+/// [`tile_vnni`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile_vnni`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn vnni_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
     let nb = scales.len();
-    let mut acc = [_mm512_setzero_ps(); MAX_M];
+    let mut acc = [_mm512_setzero_ps(); M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
             prefetch_ahead(quads, scales, b);
         }
         // Two sums per input row (even and odd quads): two independent chains of `vpdpbusd`.
-        let mut sums = [[_mm512_setzero_si512(); 2]; MAX_M];
+        let mut sums = [[_mm512_setzero_si512(); 2]; M];
         for g in 0..8 {
             // SAFETY: an aligned quad of 64 bytes.
             let w = unsafe { _mm512_load_si512(quads[b * 8 + g].0.as_ptr().cast()) };
-            for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
-                let xs = _mm512_set1_epi32(four(x, r, b * BLOCK + g * 4));
+            for (r, sum) in sums.iter_mut().enumerate() {
+                // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
+                let xs = _mm512_set1_epi32(unsafe { four(x, r, b * BLOCK + g * 4) });
                 sum[g & 1] = _mm512_dpbusd_epi32(sum[g & 1], w, xs);
             }
         }
         // SAFETY: 16 float16 scales, 32 bytes.
         let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
-        for r in 0..x.m {
-            let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r][0], sums[r][1]));
+        for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+            let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1]));
             let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b]));
             let dx = _mm512_set1_ps(x.d[r * nb + b]);
-            acc[r] = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), acc[r]);
+            *acc = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), *acc);
         }
     }
-    for r in 0..x.m {
+    for (r, acc) in acc.iter().enumerate() {
         // SAFETY: `out` holds 16 values per input row.
-        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), acc[r]) };
+        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), *acc) };
     }
 }
 
@@ -86,15 +121,40 @@ pub(super) unsafe fn tile_avx2(
     out: &mut [f32],
     stream: bool,
 ) {
+    // One build per row count, as for `tile_vnni`.
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe {
+        match x.m {
+            1 => avx2_rows::<1>(quads, scales, x, out, stream),
+            2 => avx2_rows::<2>(quads, scales, x, out, stream),
+            3 => avx2_rows::<3>(quads, scales, x, out, stream),
+            _ => avx2_rows::<MAX_M>(quads, scales, x, out, stream),
+        }
+    }
+}
+
+/// [`tile_avx2`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile_avx2`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn avx2_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
     let nb = scales.len();
     let ones = _mm256_set1_epi16(1);
     let flip = _mm256_set1_epi8(-128);
-    let mut acc = [[_mm256_setzero_ps(); 2]; MAX_M];
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
             prefetch_ahead(quads, scales, b);
         }
-        let mut sums = [[_mm256_setzero_si256(); 2]; MAX_M];
+        let mut sums = [[_mm256_setzero_si256(); 2]; M];
         for g in 0..8 {
             let quad = quads[b * 8 + g].0.as_ptr();
             for half in 0..2 {
@@ -102,8 +162,9 @@ pub(super) unsafe fn tile_avx2(
                 let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
                 let w = _mm256_xor_si256(w, flip);
                 let magnitude = _mm256_sign_epi8(w, w);
-                for (r, sum) in sums.iter_mut().enumerate().take(x.m) {
-                    let xs = _mm256_set1_epi32(four(x, r, b * BLOCK + g * 4));
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
+                    let xs = _mm256_set1_epi32(unsafe { four(x, r, b * BLOCK + g * 4) });
                     let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, w));
                     sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
                 }
@@ -112,17 +173,17 @@ pub(super) unsafe fn tile_avx2(
         for half in 0..2 {
             // SAFETY: 8 float16 scales, 16 bytes.
             let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
-            for r in 0..x.m {
+            for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
                 let dx = _mm256_set1_ps(x.d[r * nb + b]);
-                let total = _mm256_cvtepi32_ps(sums[r][half]);
-                acc[r][half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[r][half]);
+                let total = _mm256_cvtepi32_ps(sum[half]);
+                acc[half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[half]);
             }
         }
     }
-    for r in 0..x.m {
-        for half in 0..2 {
+    for (r, acc) in acc.iter().enumerate() {
+        for (half, acc) in acc.iter().enumerate() {
             // SAFETY: `out` holds 16 values per input row.
-            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), acc[r][half]) };
+            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), *acc) };
         }
     }
 }
