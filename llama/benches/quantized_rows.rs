@@ -1,4 +1,4 @@
-//! A quantized `Linear` against the float one at 1 to 128 input rows: decoding (1 row), batched
+//! A quantized `Linear` against the float one at 1 to 512 input rows: decoding (1 row), batched
 //! decoding and short prompts (a few rows), prefill (many). Weights shaped like the
 //! SmolLM-135M-shaped decoder's (`gate_proj` 1536×576, `down_proj` 576×1536, the tied head
 //! 49152×576), enough copies of each that they are cold in memory, as in a decoder.
@@ -43,7 +43,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 Ok(layer)
             })
             .collect::<Result<_>>()?;
-        for rows in [1usize, 4, 8, 16, 32, 64, 128] {
+        for rows in [1usize, 4, 8, 16, 32, 64, 128, 256, 512] {
             let x = Tensor::randn(0f32, 1., (rows, inp), &dev)?;
             let time = |layers: &[Linear]| -> Result<f64> {
                 without_grad(|| {

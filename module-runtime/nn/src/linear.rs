@@ -187,9 +187,11 @@ pub const QUANTIZED_MAX_ROWS: usize = 4;
 
 /// The most input rows a quantized `Linear` runs this crate's `q8_0` kernel for (CPUs with AVX2);
 /// above, the float GEMM over the dequantized weight. Measured on the SmolLM-135M-shaped
-/// decoder's weights, cold in memory, against the float GEMM: 3.6–5.0× faster at 1 row,
-/// 2.6–4.3× at 8, 1.2–1.6× at 32, 1.0–1.3× at 64, 0.8–1.1× at 128.
-pub const Q8_0_MAX_ROWS: usize = 32;
+/// decoder's weights, cold in memory, against the float GEMM (2 threads): 3.6–4.0× faster at 1
+/// row, 3.0–4.0× at 32, 1.5–2.2× at 128, 1.2–1.9× at 512 (`benches/quantized_rows.rs` in the
+/// `llama` package): a prompt's prefill takes it too. Beyond, each tile's pass over every row
+/// reads the rounded input again, and no longer measured here.
+pub const Q8_0_MAX_ROWS: usize = 512;
 
 /// The most input rows `w` is multiplied with in its quantized form.
 pub(crate) fn max_quantized_rows(w: &QTensor) -> usize {

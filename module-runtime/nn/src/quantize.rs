@@ -50,8 +50,8 @@ pub struct QuantizeReport {
 /// input. `print(model)` shows `quantized=Q8_0` on each such layer. Biases stay in float.
 ///
 /// The quantized matmul runs for inputs of up to [`QUANTIZED_MAX_ROWS`](crate::QUANTIZED_MAX_ROWS)
-/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) for `q8_0` on CPUs with AVX2, whose
-/// kernel is this crate's); for more (a long prompt's prefill) the layer multiplies with the
+/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS), prompts included, for `q8_0` on
+/// CPUs with AVX2, whose kernel is this crate's); for more the layer multiplies with the
 /// dequantized weight in float, which is as fast or faster there, as llama.cpp dequantizes for
 /// large batches. Both use the quantized weight's values; the quantized kernel also rounds the
 /// input rows to 8 bits per block.
