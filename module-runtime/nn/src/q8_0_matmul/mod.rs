@@ -143,10 +143,29 @@ fn matmul(
     kernel: Kernel,
 ) -> Result<Vec<Tensor>> {
     // The rows in groups of up to `MAX_M`, each group one pass over a tile.
-    let groups: Vec<Quantized> = x
-        .chunks(MAX_M * k)
-        .map(|rows| Quantized::new(rows, rows.len() / k, k))
-        .collect();
+    let groups: Vec<Quantized> = if m > MAX_M {
+        // Several groups (a prompt): rounded on the pool's threads, a group at a time (on the
+        // calling thread alone this was a tenth of a 128-token prefill, the other thread idle).
+        let chunks: Vec<&[f32]> = x.chunks(MAX_M * k).collect();
+        let mut slots: Vec<Option<Quantized>> = chunks.iter().map(|_| None).collect();
+        let slots_at = SharedOut(slots.as_mut_ptr());
+        candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
+            for g in range {
+                let rows = chunks[g];
+                // SAFETY: every group index is handed to exactly one call, which writes only
+                // its own slot; `slots` outlives the pool's call.
+                unsafe { *slots_at.at(g) = Some(Quantized::new(rows, rows.len() / k, k)) };
+            }
+        });
+        slots
+            .into_iter()
+            .map(|group| group.expect("the pool rounds every group"))
+            .collect()
+    } else {
+        x.chunks(MAX_M * k)
+            .map(|rows| Quantized::new(rows, rows.len() / k, k))
+            .collect()
+    };
     let nb = k / BLOCK;
     // Weight `i`'s tiles are numbers `first[i]..first[i + 1]` of one list.
     let mut first = vec![0];
@@ -209,14 +228,15 @@ fn matmul(
         .collect()
 }
 
-/// The output buffer, written by the pool's threads at disjoint tiles.
-struct SharedOut(*mut f32);
+/// A buffer written by the pool's threads at disjoint places (tiles' outputs, rounded groups).
+struct SharedOut<T>(*mut T);
 
-// SAFETY: the threads write disjoint ranges (see `matmul`).
-unsafe impl Sync for SharedOut {}
+// SAFETY: the threads write disjoint ranges (see `matmul`), of values that may move between
+// threads.
+unsafe impl<T: Send> Sync for SharedOut<T> {}
 
-impl SharedOut {
-    fn at(&self, offset: usize) -> *mut f32 {
+impl<T> SharedOut<T> {
+    fn at(&self, offset: usize) -> *mut T {
         // SAFETY: the offsets stay within the buffer (`matmul`).
         unsafe { self.0.add(offset) }
     }
@@ -389,13 +409,16 @@ mod tests {
 
     #[test]
     fn equals_candles_quantized_matmul() {
-        // Partial last tiles, one to four rows, blocks counts that are not multiples of 8.
+        // Partial last tiles, one to four rows, blocks counts that are not multiples of 8; and
+        // several groups of rows (rounded on the pool), the last one partial.
         for (n, k, rows) in [
             (64, 96, 1),
             (37, 576, 1),
             (130, 64, 3),
             (5, 32, 4),
             (16, 64, 2),
+            (37, 576, 13),
+            (130, 64, 9),
         ] {
             let (w, x) = case(n, k, rows);
             let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
