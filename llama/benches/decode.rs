@@ -77,25 +77,20 @@ fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
 }
 
-/// Ours: `scan` (all logits) when `all_logits`, else `prefill`; then `NEW` steps.
-fn ours(model: &LlamaForCausalLM, prompt: &Tensor, all_logits: bool) -> Result<Timing> {
+/// Times a prefill (`prefill`, returning the first greedy token), then `NEW` greedy steps
+/// (`step(token, i)` returning the next), keeping the tokens.
+fn timed(
+    prefill: impl FnOnce() -> Result<u32>,
+    mut step: impl FnMut(u32, usize) -> Result<u32>,
+) -> Result<Timing> {
     let start = Instant::now();
-    let cache = model.initial_state(1)?;
-    let (logits, mut cache) = if all_logits {
-        let (logits, cache) = model.scan(prompt, cache)?;
-        (logits.narrow(1, PROMPT - 1, 1)?, cache)
-    } else {
-        model.prefill(prompt, cache)?
-    };
-    let mut token = argmax(&logits)?;
+    let mut token = prefill()?;
     let prefill = start.elapsed().as_secs_f64();
     let mut tokens = Vec::with_capacity(NEW + 1);
     tokens.push(token);
     let start = Instant::now();
-    for _ in 0..NEW {
-        let (logits, next) = model.step(&Tensor::new(&[token], prompt.device())?, cache)?;
-        cache = next;
-        token = argmax(&logits)?;
+    for i in 0..NEW {
+        token = step(token, i)?;
         tokens.push(token);
     }
     Ok(Timing {
@@ -103,6 +98,30 @@ fn ours(model: &LlamaForCausalLM, prompt: &Tensor, all_logits: bool) -> Result<T
         decode: start.elapsed().as_secs_f64(),
         tokens,
     })
+}
+
+/// Ours: `scan` (all logits) when `all_logits`, else `prefill`; then `NEW` steps.
+fn ours(model: &LlamaForCausalLM, prompt: &Tensor, all_logits: bool) -> Result<Timing> {
+    let cache = std::cell::RefCell::new(None);
+    timed(
+        || {
+            let start = model.initial_state(1)?;
+            let (logits, filled) = if all_logits {
+                let (logits, filled) = model.scan(prompt, start)?;
+                (logits.narrow(1, PROMPT - 1, 1)?, filled)
+            } else {
+                model.prefill(prompt, start)?
+            };
+            *cache.borrow_mut() = Some(filled);
+            argmax(&logits)
+        },
+        |token, _| {
+            let state = cache.borrow_mut().take().expect("the prefill's cache");
+            let (logits, next) = model.step(&Tensor::new(&[token], prompt.device())?, state)?;
+            *cache.borrow_mut() = Some(next);
+            argmax(&logits)
+        },
+    )
 }
 
 /// candle-transformers: `forward` on the prompt, then `NEW` one-token `forward`s.
@@ -111,23 +130,22 @@ fn candle_transformers(
     config: &peer::Config,
     prompt: &Tensor,
 ) -> Result<Timing> {
-    let start = Instant::now();
-    let mut cache = peer::Cache::new(true, DType::F32, config, prompt.device())?;
-    let mut token = argmax(&model.forward(prompt, 0, &mut cache)?)?;
-    let prefill = start.elapsed().as_secs_f64();
-    let mut tokens = Vec::with_capacity(NEW + 1);
-    tokens.push(token);
-    let start = Instant::now();
-    for i in 0..NEW {
-        let input = Tensor::new(&[[token]], prompt.device())?;
-        token = argmax(&model.forward(&input, PROMPT + i, &mut cache)?)?;
-        tokens.push(token);
-    }
-    Ok(Timing {
-        prefill,
-        decode: start.elapsed().as_secs_f64(),
-        tokens,
-    })
+    // Made within the timed prefill, as ours is (`initial_state`).
+    let cache = std::cell::RefCell::new(None);
+    timed(
+        || {
+            let mut fresh = peer::Cache::new(true, DType::F32, config, prompt.device())?;
+            let token = argmax(&model.forward(prompt, 0, &mut fresh)?);
+            *cache.borrow_mut() = Some(fresh);
+            token
+        },
+        |token, i| {
+            let input = Tensor::new(&[[token]], prompt.device())?;
+            let mut cache = cache.borrow_mut();
+            let cache = cache.as_mut().expect("the prefill's cache");
+            argmax(&model.forward(&input, PROMPT + i, cache)?)
+        },
+    )
 }
 
 /// candle-transformers' `quantized_llama`: `forward` on the prompt at position 0 (which starts
@@ -136,22 +154,14 @@ fn candle_transformers_quantized(
     model: &mut quantized_peer::ModelWeights,
     prompt: &Tensor,
 ) -> Result<Timing> {
-    let start = Instant::now();
-    let mut token = argmax(&model.forward(prompt, 0)?)?;
-    let prefill = start.elapsed().as_secs_f64();
-    let mut tokens = Vec::with_capacity(NEW + 1);
-    tokens.push(token);
-    let start = Instant::now();
-    for i in 0..NEW {
-        let input = Tensor::new(&[[token]], prompt.device())?;
-        token = argmax(&model.forward(&input, PROMPT + i)?)?;
-        tokens.push(token);
-    }
-    Ok(Timing {
-        prefill,
-        decode: start.elapsed().as_secs_f64(),
-        tokens,
-    })
+    let model = std::cell::RefCell::new(model);
+    timed(
+        || argmax(&model.borrow_mut().forward(prompt, 0)?),
+        |token, i| {
+            let input = Tensor::new(&[[token]], prompt.device())?;
+            argmax(&model.borrow_mut().forward(&input, PROMPT + i)?)
+        },
+    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
