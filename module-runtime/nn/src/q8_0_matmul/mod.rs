@@ -182,7 +182,7 @@ fn matmul(
     let tiled_at = SharedOut(tiled.as_mut_ptr());
     // Candle's own pool for its CPU kernels (the calling thread works too, and waits spinning):
     // a product takes tens of microseconds, less than a sleeping rayon worker takes to wake.
-    candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
+    let body = |range: std::ops::Range<usize>| {
         for t in range {
             let i = first.partition_point(|&f| f <= t) - 1;
             let (w, local) = (weights[i], t - first[i]);
@@ -195,6 +195,23 @@ fn matmul(
             for (xq, out) in groups.iter().zip(out.chunks_mut(MAX_M * ROWS)) {
                 kernel.tile(quads, scales, xq, out, stream);
             }
+        }
+    };
+    // The tiles in one contiguous run per thread: each thread's reads are then one stream, which
+    // the hardware prefetcher follows from start to end. Handed out in sixteenths from a shared
+    // cursor, each thread's runs were interleaved with the other's, and every jump restarted the
+    // prefetcher on cold memory: one-row decoding ran 15-18% slower (paired ratios of this way
+    // over that one 1.176, 1.219, 1.204, 1.181 in one process; a prompt's rows, compute-bound,
+    // 0.992). The runs still go through the cursor (`execute_chunked`, one run a grab): a thread
+    // that starts late leaves its run to one that is done, and a call from within the pool runs
+    // inline.
+    let pool = candle_core::utils::barrier_pool();
+    let runs = pool.n_workers() + 1;
+    let per_run = tiles.div_ceil(runs);
+    pool.execute_chunked(runs, |range| {
+        for run in range {
+            let start = (run * per_run).min(tiles);
+            body(start..(start + per_run).min(tiles));
         }
     });
     if m == 1 && weights.len() == 1 {
