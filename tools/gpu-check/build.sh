@@ -4,7 +4,7 @@
 # the module-runtime and root integration tests (the torch.nn fixtures and the parity tests take
 # their device from MODULE_DEVICE) and the train_digits example; strips them and packs them into
 # .gpu/bin.tar.xz (about 12 MB: every binary holds the same PTX of candle's kernels, ~55 MB, which
-# one 256 MiB xz dictionary stores once). Add `/.gpu/` to .git/info/exclude; a device call carries
+# one 256 MiB xz dictionary stores once). `.gpu/` is in .gitignore; a device call carries
 # `.gpu` and runs `bash tools/gpu-check/run.sh`.
 #
 # Needs the CUDA 13 toolkit that .ci/run assembles (~/.cache/candle-module/cuda13: run .ci/run once
