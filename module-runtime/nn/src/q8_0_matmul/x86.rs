@@ -36,6 +36,18 @@ unsafe fn four(x: &Quantized, r: usize, at: usize) -> i32 {
     }
 }
 
+/// `f::<M>(args)` for the row count `m` (1 to [`MAX_M`]): one build of the loop per count.
+macro_rules! per_row_count {
+    ($m:expr, $f:ident($($arg:expr),*)) => {
+        match $m {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<MAX_M>($($arg),*),
+        }
+    };
+}
+
 /// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows.
 ///
 /// # Safety
@@ -52,14 +64,7 @@ pub(super) unsafe fn tile_vnni(
     // One build per row count: its sums and accumulators are then registers (with a run-time
     // count they were an array on the stack, each `vpdpbusd` waiting on a store and a load).
     // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe {
-        match x.m {
-            1 => vnni_rows::<1>(quads, scales, x, out, stream),
-            2 => vnni_rows::<2>(quads, scales, x, out, stream),
-            3 => vnni_rows::<3>(quads, scales, x, out, stream),
-            _ => vnni_rows::<MAX_M>(quads, scales, x, out, stream),
-        }
-    }
+    unsafe { per_row_count!(x.m, vnni_rows(quads, scales, x, out, stream)) }
 }
 
 /// [`tile_vnni`] for `M` input rows (`x.m == M`).
@@ -123,14 +128,7 @@ pub(super) unsafe fn tile_avx2(
 ) {
     // One build per row count, as for `tile_vnni`.
     // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe {
-        match x.m {
-            1 => avx2_rows::<1>(quads, scales, x, out, stream),
-            2 => avx2_rows::<2>(quads, scales, x, out, stream),
-            3 => avx2_rows::<3>(quads, scales, x, out, stream),
-            _ => avx2_rows::<MAX_M>(quads, scales, x, out, stream),
-        }
-    }
+    unsafe { per_row_count!(x.m, avx2_rows(quads, scales, x, out, stream)) }
 }
 
 /// [`tile_avx2`] for `M` input rows (`x.m == M`).
