@@ -281,7 +281,6 @@ pub(crate) fn attend(
             weighted_sum(&weights, |j| values.row([b, kh, j], d.ev), row);
         }
     };
-    let pool = candle_core::utils::barrier_pool();
     let pairs = d.b * d.hq;
     if d.l == 1 {
         // Decoding (one query a head): each pair's work is reading its key/value head, cold.
@@ -289,15 +288,9 @@ pub(crate) fn attend(
         // where heads handed out one at a time read every one on both: paired ratios of a q8_0
         // decode step 1.039, 1.031, 1.023 in one process. Several queries a head (a prompt) are
         // compute, and keep the finer split's balance.
-        let runs = pool.n_workers() + 1;
-        let per_run = pairs.div_ceil(runs);
-        pool.execute_chunked(runs, |range| {
-            for run in range {
-                ((run * per_run).min(pairs)..((run + 1) * per_run).min(pairs)).for_each(&head);
-            }
-        });
+        crate::fused_grad::par_runs(pairs, |range| range.for_each(&head));
     } else {
-        pool.execute_chunked(pairs, |range| range.for_each(&head));
+        candle_core::utils::barrier_pool().execute_chunked(pairs, |range| range.for_each(&head));
     }
     out
 }

@@ -115,6 +115,23 @@ pub(crate) fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync)
         .collect()
 }
 
+/// `f` over `0..items` in one contiguous run per thread of candle's barrier pool (the last run
+/// shorter), each run handed to the first free thread: where each item is a read of cold memory
+/// in order, each thread's reads are then one stream the hardware prefetcher follows from start
+/// to end, which items handed out a few at a time break at every jump (the `q8_0` products and
+/// decode attention, BENCHMARKS.md). A call from within the pool runs inline.
+pub(crate) fn par_runs(items: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    let pool = candle_core::utils::barrier_pool();
+    let runs = pool.n_workers() + 1;
+    let per_run = items.div_ceil(runs);
+    pool.execute_chunked(runs, |range| {
+        for run in range {
+            let start = (run * per_run).min(items);
+            f(start..(start + per_run).min(items));
+        }
+    });
+}
+
 /// A fresh output as long as the inputs, filled by `f` block by block over [`par_map`]: each
 /// call gets a block of whole rows (of `width` values) of the output and the same block of each
 /// input, and returns what the pass keeps of that block (a partial sum), in block order. The

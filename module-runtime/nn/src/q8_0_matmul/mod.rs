@@ -144,30 +144,13 @@ fn matmul(
     weights: &[&Q8Tiles],
     kernel: Kernel,
 ) -> Result<Vec<Tensor>> {
-    // The rows in groups of up to `MAX_M`, each group one pass over a tile.
-    let groups: Vec<Quantized> = if m > MAX_M {
-        // Several groups (a prompt): rounded on the pool's threads, a group at a time (on the
-        // calling thread alone this was a tenth of a 128-token prefill, the other thread idle).
-        let chunks: Vec<&[f32]> = x.chunks(MAX_M * k).collect();
-        let mut slots: Vec<Option<Quantized>> = chunks.iter().map(|_| None).collect();
-        let slots_at = SharedOut(slots.as_mut_ptr());
-        candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
-            for g in range {
-                let rows = chunks[g];
-                // SAFETY: every group index is handed to exactly one call, which writes only
-                // its own slot; `slots` outlives the pool's call.
-                unsafe { *slots_at.at(g) = Some(Quantized::new(rows, rows.len() / k, k)) };
-            }
+    // The rows in groups of up to `MAX_M`, each group one pass over a tile; a prompt's groups are
+    // rounded on the pool's threads (on the calling thread alone this was a tenth of a 128-token
+    // prefill, the other thread idle).
+    let groups: Vec<Quantized> =
+        crate::fused_grad::par_map(x.chunks(MAX_M * k).collect(), |rows| {
+            Quantized::new(rows, rows.len() / k, k)
         });
-        slots
-            .into_iter()
-            .map(|group| group.expect("the pool rounds every group"))
-            .collect()
-    } else {
-        x.chunks(MAX_M * k)
-            .map(|rows| Quantized::new(rows, rows.len() / k, k))
-            .collect()
-    };
     let nb = k / BLOCK;
     // Weight `i`'s tiles are numbers `first[i]..first[i + 1]` of one list.
     let mut first = vec![0];
@@ -199,23 +182,12 @@ fn matmul(
             }
         }
     };
-    // The tiles in one contiguous run per thread: each thread's reads are then one stream, which
-    // the hardware prefetcher follows from start to end. Handed out in sixteenths from a shared
-    // cursor, each thread's runs were interleaved with the other's, and every jump restarted the
-    // prefetcher on cold memory: one-row decoding ran 15-18% slower (paired ratios of this way
-    // over that one 1.176, 1.219, 1.204, 1.181 in one process; a prompt's rows, compute-bound,
-    // 0.992). The runs still go through the cursor (`execute_chunked`, one run a grab): a thread
-    // that starts late leaves its run to one that is done, and a call from within the pool runs
-    // inline.
-    let pool = candle_core::utils::barrier_pool();
-    let runs = pool.n_workers() + 1;
-    let per_run = tiles.div_ceil(runs);
-    pool.execute_chunked(runs, |range| {
-        for run in range {
-            let start = (run * per_run).min(tiles);
-            body(start..(start + per_run).min(tiles));
-        }
-    });
+    // The tiles in one contiguous run per thread (`par_runs`). Handed out in sixteenths from a
+    // shared cursor, each thread's runs were interleaved with the other's, and every jump
+    // restarted the prefetcher on cold memory: one-row decoding ran 15-18% slower (paired ratios
+    // of this way over that one 1.176, 1.219, 1.204, 1.181 in one process; a prompt's rows,
+    // compute-bound, 0.992).
+    crate::fused_grad::par_runs(tiles, body);
     if m == 1 && weights.len() == 1 {
         // One row, one weight: the tiles' outputs are already in order.
         tiled.truncate(weights[0].n);
@@ -247,15 +219,14 @@ fn matmul(
         .collect()
 }
 
-/// A buffer written by the pool's threads at disjoint places (tiles' outputs, rounded groups).
-struct SharedOut<T>(*mut T);
+/// The output buffer, written by the pool's threads at disjoint tiles.
+struct SharedOut(*mut f32);
 
-// SAFETY: the threads write disjoint ranges (see `matmul`), of values that may move between
-// threads.
-unsafe impl<T: Send> Sync for SharedOut<T> {}
+// SAFETY: the threads write disjoint ranges (see `matmul`).
+unsafe impl Sync for SharedOut {}
 
-impl<T> SharedOut<T> {
-    fn at(&self, offset: usize) -> *mut T {
+impl SharedOut {
+    fn at(&self, offset: usize) -> *mut f32 {
         // SAFETY: the offsets stay within the buffer (`matmul`).
         unsafe { self.0.add(offset) }
     }
