@@ -60,6 +60,7 @@ use module_runtime::candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use module_runtime::candle_nn::VarBuilder;
 use module_runtime::nn::{parse_quant_kind, quantize};
 use module_runtime::prelude::*;
+use module_runtime::KeyRule;
 
 const PROMPT: usize = 128;
 const NEW: usize = 64;
@@ -430,9 +431,16 @@ fn gguf_peer(
 /// interleaved (Hugging Face's row `h·d + j·d/2 + i` at `h·d + 2i + j`), matrices in `kind`,
 /// norms in float32.
 fn write_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> AnyResult<()> {
-    let cfg = LlamaConfig::from_json(&serde_json::from_str(&std::fs::read_to_string(
-        dir.join("config.json"),
-    )?)?)?;
+    let cfg = LlamaConfig::from_json_file(&dir.join("config.json"))?;
+    // llama.cpp's names: `llama_names`' rules (which load a GGUF file by Hugging Face's names),
+    // each turned around.
+    let to_gguf = llama::llama_names()
+        .into_iter()
+        .map(|rule| match rule {
+            KeyRule::RenameKey(gguf, hf) => KeyRule::RenameKey(hf, gguf),
+            other => other,
+        })
+        .fold(LoadOptions::default(), LoadOptions::rule);
     let weights = module_runtime::candle_core::safetensors::load(
         dir.join("model.safetensors"),
         &Device::Cpu,
@@ -451,30 +459,10 @@ fn write_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> AnyResult<()> {
         if name == "lm_head.weight" && cfg.tie_word_embeddings {
             continue; // tied: the head is the embedding, as the converter writes it
         }
-        let gguf = match name.as_str() {
-            "model.embed_tokens.weight" => "token_embd.weight".to_owned(),
-            "model.norm.weight" => "output_norm.weight".to_owned(),
-            "lm_head.weight" => "output.weight".to_owned(),
-            _ => {
-                let rest = name
-                    .strip_prefix("model.layers.")
-                    .ok_or_else(|| format!("unexpected tensor {name}"))?;
-                let (layer, what) = rest.split_once('.').ok_or("a layer's tensor")?;
-                let short = match what {
-                    "input_layernorm.weight" => "attn_norm.weight",
-                    "post_attention_layernorm.weight" => "ffn_norm.weight",
-                    "self_attn.q_proj.weight" => "attn_q.weight",
-                    "self_attn.k_proj.weight" => "attn_k.weight",
-                    "self_attn.v_proj.weight" => "attn_v.weight",
-                    "self_attn.o_proj.weight" => "attn_output.weight",
-                    "mlp.gate_proj.weight" => "ffn_gate.weight",
-                    "mlp.up_proj.weight" => "ffn_up.weight",
-                    "mlp.down_proj.weight" => "ffn_down.weight",
-                    _ => return Err(format!("unexpected tensor {name}").into()),
-                };
-                format!("blk.{layer}.{short}")
-            }
-        };
+        let gguf = to_gguf.map_key(name);
+        if gguf == *name {
+            return Err(format!("unexpected tensor {name}").into());
+        }
         let q = if t.rank() == 1 {
             QTensor::quantize(t, GgmlDType::F32)?
         } else {
