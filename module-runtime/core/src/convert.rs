@@ -20,7 +20,7 @@ pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
         root,
         |p| match p.device().same_device(device) {
             true => Ok(None),
-            false => Ok(Some(p.current_var().as_tensor().to_device(device)?)),
+            false => Ok(Some(p.read().as_tensor().to_device(device)?)),
         },
         |b| match b.device().same_device(device) {
             true => Ok(None),
@@ -42,7 +42,7 @@ pub fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
         root,
         |p| match p.dtype() == dtype {
             true => Ok(None),
-            false => Ok(Some(p.current_var().as_tensor().to_dtype(dtype)?)),
+            false => Ok(Some(p.read().as_tensor().to_dtype(dtype)?)),
         },
         |b| match !b.dtype().is_float() || b.dtype() == dtype {
             true => Ok(None),

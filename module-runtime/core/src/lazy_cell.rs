@@ -183,6 +183,21 @@ impl<T: CellValue> LazyCell<T> {
         Ok(())
     }
 
+    /// Builds an unbuilt cell as one of shape `dims` that holds `stand_in` (a quantized
+    /// parameter's empty stand-in: its values live in the quantized weight), its recipe unused:
+    /// `dims` must be a shape it accepts. Returns whether this call built it; `false` for a built
+    /// cell.
+    pub fn build_as(&self, dims: &[usize], stand_in: T) -> Result<bool> {
+        let Some(lazy) = self.unbuilt() else {
+            return Ok(false);
+        };
+        lazy.build_once(|recipe| {
+            check_accepts(&recipe.shape, dims)?;
+            self.replace(stand_in);
+            Ok(())
+        })
+    }
+
     /// Builds an unbuilt cell from `value` (its recipe unused): the shape must be one it accepts and
     /// the dtype its own. Returns whether this call built it; `false` for a built cell.
     pub fn build_from(&self, value: &Tensor) -> Result<bool> {

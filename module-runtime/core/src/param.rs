@@ -175,7 +175,7 @@ impl Param {
             return check_built_dims(t, dims);
         }
         self.0.var.materialize(dims, fan_in)?;
-        check_built_dims(self.current(), dims)
+        check_built_dims(self.current()?, dims)
     }
 
     /// The value to compute with in a forward pass, or [`Error::NotLoaded`]
@@ -205,7 +205,7 @@ impl Param {
             return Ok(t);
         }
         match self.0.var.unbuilt_error("parameter") {
-            None => Ok(self.current()),
+            None => self.current(),
             Some(e) => Err(e),
         }
     }
@@ -213,16 +213,24 @@ impl Param {
     /// What [`tensor`](Self::tensor) returns, without the unbuilt check: an unbuilt parameter
     /// reads as its empty `[0]` placeholder. For the runtime's own walks (moves, state dicts of
     /// checked models), never for computing.
-    pub fn current(&self) -> Tensor {
+    ///
+    /// A [quantized](Self::quantize) parameter keeps no float copy of its values: they are
+    /// dequantized into a fresh tensor on every call (the only error this returns).
+    pub fn current(&self) -> Result<Tensor> {
         if let Some(t) = self.substituted() {
-            return t;
+            return Ok(t);
+        }
+        if let Some(q) = self.0.quant.load() {
+            return self.dequantized(&q);
         }
         let var = self.read();
-        if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
-            var.as_tensor().clone()
-        } else {
-            var.as_tensor().detach()
-        }
+        Ok(
+            if self.requires_grad() && crate::grad_mode::is_grad_enabled() {
+                var.as_tensor().clone()
+            } else {
+                var.as_tensor().detach()
+            },
+        )
     }
 
     /// The tensor a functional scope on this thread substitutes for this parameter, if one is
@@ -252,17 +260,24 @@ impl Param {
     /// The candle `Var` behind the parameter (whether frozen or not), for candle's optimizers
     /// and `GradStore` lookups; [`Error::NotLoaded`] when the parameter
     /// is not built (see [`tensor`](Self::tensor)).
+    ///
+    /// A [quantized](Self::quantize) parameter has no `Var` of its values: this is a fresh one
+    /// holding them dequantized (writing to it leaves the parameter as it is).
     pub fn var(&self) -> Result<Var> {
         match self.0.var.unbuilt_error("parameter") {
-            None => Ok(self.current_var()),
+            None => self.current_var(),
             Some(e) => Err(e),
         }
     }
 
     /// The `Var` behind the parameter, an unbuilt one's empty placeholder included (see
-    /// [`current`](Self::current)).
-    pub fn current_var(&self) -> Var {
-        self.read().clone()
+    /// [`current`](Self::current)); for a quantized parameter a fresh one, as [`var`](Self::var)
+    /// says.
+    pub fn current_var(&self) -> Result<Var> {
+        match self.0.quant.load() {
+            Some(q) => Ok(Var::from_tensor(&self.dequantized(&q)?)?),
+            None => Ok(self.read().clone()),
+        }
     }
 
     /// Whether the parameter is trained (PyTorch's `requires_grad`). New parameters are; a
@@ -278,9 +293,12 @@ impl Param {
         self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
     }
 
-    /// The parameter's shape.
+    /// The parameter's shape (a quantized parameter's is its weight's).
     pub fn shape(&self) -> Shape {
-        self.read().shape().clone()
+        match self.0.quant.load() {
+            Some(q) => q.shape().clone(),
+            None => self.read().shape().clone(),
+        }
     }
 
     /// The parameter's dtype.
@@ -295,7 +313,7 @@ impl Param {
 
     /// Number of scalar values.
     pub fn elem_count(&self) -> usize {
-        self.read().elem_count()
+        self.shape().elem_count()
     }
 
     /// Copies `value` into the parameter in place (every alias, and optimizers holding its `Var`,
@@ -346,10 +364,8 @@ impl Param {
         let value = value.to_device(&self.0.var.device())?;
         match self.quantized_dtype() {
             Some(kind) => {
-                let (q, deq) = crate::quant::quantize_value(&value, kind, value.dtype())?;
-                self.0.var.assign(deq)?;
-                self.0.quant.store(Some(q));
-                Ok(())
+                let q = crate::quant::quantize_value(&value, kind)?;
+                self.store_quantized(q, value.dtype())
             }
             None => self.0.var.assign(value),
         }
@@ -413,7 +429,9 @@ impl Param {
         })))
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Var> {
+    /// The `Var` the cell holds: a quantized parameter's empty stand-in, which moves and dtype
+    /// conversions change like any value (it carries the parameter's dtype and device).
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, Var> {
         self.0.var.read()
     }
 }
@@ -434,11 +452,12 @@ identity::leaf_identity!(Param, "parameter");
 impl std::fmt::Debug for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let lazy_shape = self.lazy_shape();
+        let shape = self.shape();
         let var = self.read();
         let mut f = f.debug_struct("Param");
         match &lazy_shape {
             Some(shape) => f.field("unbuilt", &format_args!("{shape}")),
-            None => f.field("shape", &var.shape().dims()),
+            None => f.field("shape", &shape.dims()),
         };
         if let Some(kind) = self.quantized_dtype() {
             f.field("quantized", &kind);

@@ -3,14 +3,16 @@
 //!
 //! The design, in short: the quantized weight lives in the parameter's shared cell, next to its
 //! `Var`, so every alias of a tied weight sees it, and the model's type does not change (a
-//! quantized `Linear` is still a `Linear`). The `Var` keeps the *dequantized* values — exactly
-//! what the model computes with — so everything that reads the parameter as a tensor stays
-//! right: an `Embedding` tied to a quantized head looks up the quantized table (as llama.cpp does
-//! with a quantized `token_embd`), `state_dict` saves the values the model uses (dequantized,
-//! nothing lost, nothing silently different), and shape, dtype and device are the logical ones.
-//! The price is memory: the float copy stays resident beside the quantized one (and, once a
-//! `Linear` has multiplied with a `q8_0` weight on the CPU, its kernel's tiles: as large again as
-//! the quantized weight; see [`Param::quantized_layout`]).
+//! quantized `Linear` is still a `Linear`). No float copy of the values stays resident (that is
+//! what quantizing is for: a 7B model's `q4_0` GGUF is 3.8 GB, its float32 values 28 GB): the
+//! parameter's `Var` becomes an empty stand-in that carries its dtype and device, its shape is
+//! the weight's, and everything that reads it as a tensor ([`Param::tensor`], `state_dict`, a
+//! functional call's copy) gets the quantized values dequantized into a fresh tensor — exactly
+//! what the model computes with, so a state dict saves what the model uses, nothing silently
+//! different. An `Embedding` tied to a quantized head looks up its rows in the quantized table
+//! (as llama.cpp does with a quantized `token_embd`) without dequantizing the rest. The memory
+//! kept is the quantized weight and, once a `Linear` has multiplied with a `q8_0` weight on the
+//! CPU, its kernel's tiles (as large again; see [`Param::quantized_layout`]).
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -18,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{QuantizeError, Result};
 use crate::param::Param;
@@ -108,16 +110,10 @@ pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<
     }
 }
 
-/// `value` quantized to `kind`, and the quantized values back as floats of `dtype`.
-pub(crate) fn quantize_value(
-    value: &Tensor,
-    kind: GgmlDType,
-    dtype: DType,
-) -> Result<(Arc<QTensor>, Tensor)> {
+/// `value` quantized to `kind`.
+pub(crate) fn quantize_value(value: &Tensor, kind: GgmlDType) -> Result<Arc<QTensor>> {
     check_quantizable("parameter", value.dims(), kind)?;
-    let q = QTensor::quantize(&value.contiguous()?, kind)?;
-    let deq = q.dequantize(value.device())?.to_dtype(dtype)?;
-    Ok((Arc::new(q), deq))
+    Ok(Arc::new(QTensor::quantize(&value.contiguous()?, kind)?))
 }
 
 /// `q` on `device` (the same tensor when it is there already).
@@ -134,9 +130,9 @@ impl Param {
     /// every alias at once: PyTorch's dynamically quantized weight. `Linear` layers holding it
     /// multiply with a quantized matmul from then on.
     ///
-    /// The parameter keeps its logical shape, dtype and device, and its float value becomes the
-    /// quantized one's (dequantized): reading it as a tensor ([`tensor`](Self::tensor), a state
-    /// dict) gives the values the model computes with. A quantized parameter is not trained:
+    /// The parameter keeps its logical shape, dtype and device, and its float values are freed:
+    /// reading it as a tensor ([`tensor`](Self::tensor), a state dict) dequantizes the weight
+    /// into a fresh tensor, the values the model computes with. A quantized parameter is not trained:
     /// [`requires_grad`](Self::requires_grad) is `false` and it is left out of
     /// `trainable_vars`, until [`dequantize`](Self::dequantize). Loading a value into it
     /// ([`set`](Self::set), a state dict) quantizes the value again.
@@ -161,22 +157,20 @@ impl Param {
         self.set_requantized(&self.var()?.as_tensor().detach(), kind)
     }
 
-    /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value: its
-    /// float value becomes `weight` dequantized (to the parameter's dtype, on its device, where the
-    /// quantized weight is moved too), and `Linear` layers multiply with `weight`, as after
-    /// [`quantize`](Self::quantize). The shape must be the parameter's (an unbuilt parameter is
-    /// built with it). A float `weight` (`F32`, `F16`, `BF16`) is loaded as a plain value.
+    /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value, moved
+    /// to the parameter's device: `Linear` layers multiply with it and the float values are
+    /// freed, as after [`quantize`](Self::quantize). The shape must be the parameter's (an unbuilt
+    /// parameter is built with it, without ever holding float values). A float `weight` (`F32`,
+    /// `F16`, `BF16`) is loaded as a plain value.
     pub fn set_quantized(&self, weight: impl Into<Arc<QTensor>>) -> Result<()> {
         let weight: Arc<QTensor> = weight.into();
         let device = self.0.var.device();
-        let deq = weight.dequantize(&device)?.to_dtype(self.0.var.dtype())?;
         if is_float_kind(weight.dtype()) {
-            return self.set(&deq);
+            let value = weight.dequantize(&device)?.to_dtype(self.0.var.dtype())?;
+            return self.set(&value);
         }
         let weight = qtensor_on(&weight, &device)?;
-        self.set_value(&deq)?;
-        self.0.quant.store(Some(weight));
-        Ok(())
+        self.store_quantized(weight, self.0.var.dtype())
     }
 
     /// The quantized weight to multiply with, if the parameter is quantized — `None` for a float
@@ -241,11 +235,60 @@ impl Param {
         self.0.quant.load().map(|q| q.dtype())
     }
 
-    /// Drops the quantized weight: the parameter keeps its (dequantized) float value, `Linear`
-    /// layers multiply with it again, and it trains again unless it was frozen before. A no-op on
-    /// a float parameter.
-    pub fn dequantize(&self) {
+    /// Drops the quantized weight: the parameter holds its values dequantized as floats again,
+    /// `Linear` layers multiply with them, and it trains again unless it was frozen before. A
+    /// no-op on a float parameter.
+    ///
+    /// ```
+    /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, Device, Tensor}};
+    /// let w = Param::new(Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?)?;
+    /// w.quantize(GgmlDType::Q8_0)?;
+    /// let values = w.tensor()?; // dequantized, a fresh tensor
+    /// w.dequantize()?;
+    /// assert!(!w.is_quantized() && w.requires_grad());
+    /// assert_eq!((w.tensor()? - values)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn dequantize(&self) -> Result<()> {
+        let Some(q) = self.0.quant.load() else {
+            return Ok(());
+        };
+        let values = Var::from_tensor(&self.dequantized(&q)?)?;
+        self.0.var.replace(values);
         self.0.quant.store(None);
+        Ok(())
+    }
+
+    /// `q`'s values as floats of the parameter's dtype on its device (a fresh tensor).
+    pub(crate) fn dequantized(&self, q: &QTensor) -> Result<Tensor> {
+        let var = self.read();
+        Ok(q.dequantize(var.device())?.to_dtype(var.dtype())?)
+    }
+
+    /// Makes `weight` the parameter's value, its float values freed: the cell keeps an empty
+    /// stand-in of `dtype` (built as the weight's shape when unbuilt; a built parameter must have
+    /// that shape already).
+    pub(crate) fn store_quantized(&self, weight: Arc<QTensor>, dtype: DType) -> Result<()> {
+        let dims = weight.shape().dims();
+        let stand_in = Var::zeros(0, dtype, &self.0.var.device())?;
+        if !self.0.var.build_as(dims, stand_in.clone())? {
+            let shape = self.shape();
+            if shape.dims() != dims {
+                return Err(crate::Error::ValueMismatch {
+                    expected_shape: shape,
+                    expected_dtype: self.dtype(),
+                    shape: weight.shape().clone(),
+                    dtype,
+                });
+            }
+            // The weight first: a reader in between sees the new weight's values, never the
+            // stand-in as the parameter's.
+            self.0.quant.store(Some(weight));
+            self.0.var.replace(stand_in);
+            return Ok(());
+        }
+        self.0.quant.store(Some(weight));
+        Ok(())
     }
 
     /// The quantized weight moved to `device`, for a move that commits it afterwards (`None` when
@@ -266,9 +309,11 @@ impl Param {
     /// [`set`](Self::set) on a quantized parameter: `value` quantized to `kind`, then taken.
     pub(crate) fn set_requantized(&self, value: &Tensor, kind: GgmlDType) -> Result<()> {
         let value = value.to_device(&self.0.var.device())?;
-        let (q, deq) = quantize_value(&value, kind, self.0.var.dtype())?;
-        self.set_value(&deq)?;
-        self.0.quant.store(Some(q));
-        Ok(())
+        let q = quantize_value(&value, kind)?;
+        self.store_quantized(q, self.0.var.dtype())
     }
 }
+
+#[cfg(test)]
+#[path = "quant_tests.rs"]
+mod tests;

@@ -274,7 +274,11 @@ impl<'a, M: ?Sized> DistributedDataParallel<'a, M> {
     /// after `loss.backward()` and before the optimizer step, on every rank.
     pub fn reduce_gradients(&self, grads: &mut GradStore) -> Result<()> {
         let world = self.comm.world_size();
-        let vars: Vec<_> = self.params.iter().map(|(_, p)| p.current_var()).collect();
+        let vars = self
+            .params
+            .iter()
+            .map(|(_, p)| p.current_var())
+            .collect::<Result<Vec<_>>>()?;
         // Which parameters have a gradient on how many ranks, agreed by all.
         let present: Vec<f32> = vars
             .iter()
@@ -448,8 +452,8 @@ fn broadcast_params(comm: &dyn Collective, params: &[(String, Param)], cap: usiz
     for bucket in plan_buckets(&sizes, cap) {
         let pieces = bucket
             .iter()
-            .map(|&i| params[i].1.current_var().as_tensor().flatten_all())
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .map(|&i| Ok(params[i].1.current_var()?.as_tensor().flatten_all()?))
+            .collect::<Result<Vec<_>>>()?;
         let flat = Tensor::cat(&pieces, 0)?;
         comm.broadcast(&flat, 0)?;
         let mut offset = 0;

@@ -380,12 +380,16 @@ impl Leaf {
         }
     }
 
-    /// The model's own value (not a scope's: it is what a substitution must fit); an unbuilt
-    /// leaf's is its empty placeholder, with the dtype and device it will have.
-    fn value(&self) -> Tensor {
+    /// The shape, dtype and device of the model's own value (not a scope's: it is what a
+    /// substitution must fit); an unbuilt leaf's shape is its empty placeholder's, `[0]`, with
+    /// the dtype and device it will have.
+    fn layout(&self) -> (candle_core::Shape, candle_core::DType, candle_core::Device) {
         match self {
-            Leaf::Param(p) => p.current_var().as_tensor().detach(),
-            Leaf::Buffer(b) => b.own_tensor(),
+            Leaf::Param(p) => (p.shape(), p.dtype(), p.device()),
+            Leaf::Buffer(b) => {
+                let own = b.own_tensor();
+                (own.shape().clone(), own.dtype(), own.device().clone())
+            }
         }
     }
 
@@ -434,27 +438,27 @@ fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> 
             continue;
         };
         let leaf = &leaves[i].1;
-        let own = leaf.value();
+        let (own_shape, own_dtype, own_device) = leaf.layout();
         let unbuilt = leaf.lazy_shape();
         let shape_ok = match &unbuilt {
             Some(lazy) => lazy.accepts(value.dims()),
-            None => value.shape() == own.shape(),
+            None => *value.shape() == own_shape,
         };
-        if !shape_ok || value.dtype() != own.dtype() {
+        if !shape_ok || value.dtype() != own_dtype {
             report.mismatched.push(Mismatch {
                 key: key.to_owned(),
-                expected_shape: own.shape().clone(),
-                expected_dtype: own.dtype(),
+                expected_shape: own_shape,
+                expected_dtype: own_dtype,
                 shape: value.shape().clone(),
                 dtype: value.dtype(),
                 unbuilt,
             });
             continue;
         }
-        if !value.device().same_device(own.device()) {
+        if !value.device().same_device(&own_device) {
             return Err(Error::DeviceMismatch {
                 path: key.to_owned(),
-                expected: own.device().location(),
+                expected: own_device.location(),
                 got: value.device().location(),
             });
         }
@@ -474,7 +478,7 @@ fn plan(root: &dyn Module, tensors: &StateDict, options: &FunctionalOptions) -> 
     let missing: Vec<(String, crate::suggest::Expected)> = (leaves.iter())
         .filter(|(_, leaf)| !given.contains_key(&leaf.id()))
         .map(|(path, leaf)| {
-            let shape = leaf.value().shape().clone();
+            let shape = leaf.layout().0;
             (
                 path.clone(),
                 crate::suggest::expected(leaf.lazy_shape(), shape),

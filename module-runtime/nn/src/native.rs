@@ -259,8 +259,8 @@ impl<L: NativeLayer> Native<L> {
             .collect::<Result<Vec<_>>>()?;
         let tensors: Vec<Tensor> = params
             .iter()
-            .map(|(_, p)| p.current_var().as_tensor().clone())
-            .collect();
+            .map(|(_, p)| Ok(p.current_var()?.as_tensor().clone()))
+            .collect::<Result<_>>()?;
         Ok(Self {
             layer: layer.with_weights(&tensors),
             params,
@@ -268,12 +268,12 @@ impl<L: NativeLayer> Native<L> {
     }
 
     /// The candle-nn layer, holding the current parameter values.
-    pub fn layer(&self) -> L {
-        self.layer.with_weights(&self.current())
+    pub fn layer(&self) -> Result<L> {
+        Ok(self.layer.with_weights(&self.current()?))
     }
 
     /// The parameter tensors as a forward pass reads them.
-    fn current(&self) -> Vec<Tensor> {
+    fn current(&self) -> Result<Vec<Tensor>> {
         self.params.iter().map(|(_, p)| p.current()).collect()
     }
 }
@@ -319,7 +319,7 @@ impl<L: NativeLayer> Forward<&Tensor> for Native<L> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let needs_grad =
             crate::is_grad_enabled() && self.params.iter().any(|(_, p)| p.requires_grad());
-        Ok(self.layer().forward_native(x, needs_grad)?)
+        Ok(self.layer()?.forward_native(x, needs_grad)?)
     }
 }
 

@@ -269,9 +269,45 @@ mod tests {
         assert_eq!(max_diff(&deq, &fc.weight.tensor().unwrap()), 0.0);
         assert!(max_diff(&deq, &new) > 0.0); // q4_0's rounding
         assert!(!fc.weight.requires_grad());
-        fc.weight.dequantize();
+        fc.weight.dequantize().unwrap();
         assert!(fc.weight.requires_grad() && fc.weight.quantized().is_none());
         assert_eq!(fc.trainable_vars().unwrap().len(), 1);
+    }
+
+    /// An `Embedding` whose table is a quantized weight (tied to a quantized head) looks its
+    /// rows up in the quantized table: the dequantized table's rows, any id dtype and shape; an
+    /// id outside the table is a typed error.
+    #[test]
+    fn an_embedding_tied_to_a_quantized_head_reads_its_rows_quantized() {
+        let dev = Device::Cpu;
+        let head = Linear::no_bias(64, 10, &dev).unwrap();
+        let mut table = crate::Embedding::new(10, 64, &dev).unwrap();
+        table.weight = head.weight.clone();
+        let _ = quantize(&head, "**", GgmlDType::Q4_0).unwrap();
+        let deq = head.weight.quantized().unwrap().dequantize(&dev).unwrap();
+        for ids in [
+            Tensor::new(&[[3u32, 0, 9], [3, 3, 1]], &dev).unwrap(),
+            Tensor::new(&[7i64, 2], &dev).unwrap(),
+            Tensor::new(&[5u8], &dev).unwrap(),
+        ] {
+            let rows = table.forward(&ids).unwrap();
+            let flat = ids.flatten_all().unwrap().to_dtype(candle_core::DType::U32);
+            let want = deq.index_select(&flat.unwrap(), 0).unwrap();
+            let mut dims = ids.dims().to_vec();
+            dims.push(64);
+            assert_eq!(rows.dims(), dims.as_slice());
+            assert_eq!(
+                max_diff(&rows.flatten_to(ids.rank() - 1).unwrap(), &want),
+                0.0
+            );
+        }
+        for bad in [Tensor::new(&[10u32], &dev), Tensor::new(&[-1i64], &dev)] {
+            let err = table.forward(&bad.unwrap()).unwrap_err();
+            assert!(
+                err.to_string().contains("outside the table's 10 rows"),
+                "{err}"
+            );
+        }
     }
 
     /// A `LazyLinear` is quantized once built; before, its unbuilt weight is an error and

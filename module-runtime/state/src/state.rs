@@ -359,11 +359,12 @@ impl Slot {
         }
     }
 
-    fn tensor(&self) -> Tensor {
-        match self {
-            Slot::Param(p) => p.current_var().as_tensor().detach(),
+    /// The values, detached (a quantized parameter's dequantized into a fresh tensor).
+    fn tensor(&self) -> Result<Tensor> {
+        Ok(match self {
+            Slot::Param(p) => p.current_var()?.as_tensor().detach(),
             Slot::Buffer(b) => b.current(),
-        }
+        })
     }
 }
 
@@ -391,22 +392,22 @@ pub fn state_dict(root: &dyn Module) -> Result<StateDict> {
     let mut sd = StateDict::new();
     let mut failed = None;
     walk(root, false, &mut |path, v| {
+        if failed.is_some() {
+            return true;
+        }
         let value = match v {
             Visit::Param(p) => Slot::Param(p.clone()).tensor(),
             Visit::Buffer(b) if b.is_persistent() => Slot::Buffer(b.clone()).tensor(),
-            Visit::Extra(e) if failed.is_none() => match e.get_extra_state() {
-                Ok(t) => t,
-                Err(source) => {
-                    failed = Some(Error::ExtraState {
-                        path: path.to_owned(),
-                        source: Box::new(source),
-                    });
-                    return true;
-                }
-            },
+            Visit::Extra(e) => e.get_extra_state().map_err(|source| Error::ExtraState {
+                path: path.to_owned(),
+                source: Box::new(source),
+            }),
             _ => return true,
         };
-        sd.insert(path, value);
+        match value {
+            Ok(value) => sd.insert(path, value),
+            Err(e) => failed = Some(e),
+        }
         true
     });
     match failed {

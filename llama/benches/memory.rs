@@ -1,0 +1,101 @@
+//! Resident memory of the SmolLM-135M-shaped decoder (135M parameters; float32 540 MB, `q8_0`
+//! 143 MB): loaded in float32, after `quantize(&model, "**", q8_0)` (the float values freed),
+//! after a first decode step (the `q8_0` kernel's tiles made), and loaded from a `q8_0` GGUF
+//! (never holding float values). Each case runs in a fresh process (this one, again), read from
+//! `/proc/self/status` (Linux).
+//!
+//! The checkpoint is the decode benchmark's (`$LLAMA_BENCH_DIR`, default `smollm-135m-random` in
+//! the system's temp folder), and the GGUF the one it writes with `QUANTIZE=q8_0`: run it first.
+//!
+//! ```text
+//! QUANTIZE=q8_0 cargo bench -p llama --bench decode -- 1   # makes the checkpoint and the GGUF
+//! cargo bench -p llama --bench memory
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use llama::LlamaForCausalLM;
+use module_runtime::nn::quantize;
+use module_runtime::prelude::*;
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// The case a child process measures.
+const CASE: &str = "MEMORY_BENCH_CASE";
+
+/// Resident memory now, in MB (`None` off Linux).
+fn resident_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn report(what: &str) {
+    match resident_mb() {
+        Some(mb) => println!("{what:44} {mb:6.0} MB resident"),
+        None => println!("{what:44} (resident memory is read on Linux only)"),
+    }
+}
+
+/// A 16-token prefill and one decode step.
+fn first_step(model: &LlamaForCausalLM) -> AnyResult<()> {
+    let device = Device::Cpu;
+    let prompt = Tensor::from_vec((1..17u32).collect::<Vec<_>>(), (1, 16), &device)?;
+    let (logits, cache) = model.prefill(&prompt, model.initial_state(1)?)?;
+    let token = logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?;
+    let _ = model.step(&Tensor::new(&[token], &device)?, cache)?;
+    Ok(())
+}
+
+fn measure(case: &str, dir: &Path) -> AnyResult<()> {
+    if case == "gguf" {
+        let model = LlamaForCausalLM::from_gguf(&dir.join("model-q8_0.gguf"), &Device::Cpu)?;
+        report("q8_0 GGUF loaded");
+        first_step(&model)?;
+        report("q8_0 GGUF, after the first step (tiles)");
+        return Ok(());
+    }
+    let model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
+    report("float32 loaded");
+    let _ = quantize(&model, "**", GgmlDType::Q8_0)?;
+    report("quantized to q8_0");
+    first_step(&model)?;
+    report("q8_0, after the first step (tiles)");
+    Ok(())
+}
+
+fn main() -> AnyResult<()> {
+    let dir = std::env::var_os("LLAMA_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
+    if let Ok(case) = std::env::var(CASE) {
+        return measure(&case, &dir);
+    }
+    if !dir.join("model.safetensors").exists() {
+        return Err(format!(
+            "no checkpoint in {}: run the decode benchmark first",
+            dir.display()
+        )
+        .into());
+    }
+    let mut cases = vec!["float"];
+    if dir.join("model-q8_0.gguf").exists() {
+        cases.push("gguf");
+    } else {
+        println!(
+            "(no model-q8_0.gguf in {}: `QUANTIZE=q8_0` on the decode benchmark writes it)",
+            dir.display()
+        );
+    }
+    for case in cases {
+        let status = Command::new(std::env::current_exe()?)
+            .env(CASE, case)
+            .status()?;
+        if !status.success() {
+            return Err(format!("the {case} case failed: {status}").into());
+        }
+    }
+    Ok(())
+}
