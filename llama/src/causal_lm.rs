@@ -172,7 +172,9 @@ impl LlamaForCausalLM {
 
     /// A fresh cache for `batch` rows with room for `capacity` tokens before it grows.
     pub fn cache_with_capacity(&self, batch: usize, capacity: usize) -> Result<KvCache> {
-        let embed = self.model.embed_tokens.weight.tensor()?;
+        // The embedding's dtype and device (read without its values: a quantized table has no
+        // float copy to read).
+        let embed = &self.model.embed_tokens.weight;
         KvCache::new(
             self.model.layers.len(),
             batch,
@@ -180,7 +182,7 @@ impl LlamaForCausalLM {
             self.config.head_dim,
             capacity,
             embed.dtype(),
-            embed.device(),
+            &embed.device(),
         )
     }
 
@@ -213,7 +215,7 @@ impl LlamaForCausalLM {
                 }
             }
         }
-        let dtype = self.model.embed_tokens.weight.tensor()?.dtype();
+        let dtype = self.model.embed_tokens.weight.dtype();
         let table = |v: Vec<f32>| -> Result<Tensor> {
             let t = Tensor::from_vec(v, (rows.len(), new, half), device)?.to_dtype(dtype)?;
             Ok(if rows.len() == 1 { t.squeeze(0)? } else { t })

@@ -214,7 +214,7 @@ pub fn generate(
             "token id {t} is out of the vocabulary ({vocab})"
         )));
     }
-    let device = model.model.embed_tokens.weight.tensor()?.device().clone();
+    let device = model.model.embed_tokens.weight.device();
     let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let padding: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
     let mut ids = Vec::with_capacity(prompts.len() * width);
