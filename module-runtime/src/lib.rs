@@ -82,8 +82,8 @@ pub use module_core::{
     py_bool, py_float, py_tuple, reuse_freed_memory, short_type_name, without_grad, Buffer, Child,
     ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward, GradModeGuard,
     HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode, Module, Name,
-    Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind, QuantizeError, Result,
-    Shared, Summary, SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
+    Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind, QuantizeError,
+    QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]

@@ -134,7 +134,7 @@ fn quantize_reports_layers_and_keeps_the_tied_embedding_working() {
     assert!(embed.same_as(&model.lm_head.weight));
     assert_eq!(embed.quantized_dtype(), Some(GgmlDType::Q8_0));
     let table = embed.tensor().unwrap();
-    let q = model.lm_head.weight.quantized().unwrap();
+    let q = model.lm_head.weight.quantized().unwrap().unwrap();
     assert_eq!(max_diff(&table, &q.dequantize(&device()).unwrap()), 0.0);
     let row = model
         .model

@@ -16,7 +16,7 @@
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
-//! | `param`, `quant`, `buffer`, `scope` | leaves (a parameter's quantized weight: `quant`), the functional scope |
+//! | `param`, `quant`, `quant_slot`, `buffer`, `scope` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`), the functional scope |
 //! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
 //! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
@@ -66,6 +66,7 @@ pub mod path;
 pub mod pattern;
 #[doc(hidden)]
 pub mod quant;
+mod quant_slot;
 #[doc(hidden)]
 pub mod report;
 #[doc(hidden)]
@@ -107,6 +108,7 @@ pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
+pub use quant_slot::QuantizedLayout;
 pub use report::{LoadReport, Mismatch};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::identity::{self, ModeMarks};
 use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
-use crate::quant::QuantSlot;
+use crate::quant_slot::QuantSlot;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
 ///
@@ -220,8 +220,8 @@ impl Param {
         if let Some(t) = self.substituted() {
             return Ok(t);
         }
-        if let Some(q) = self.0.quant.load() {
-            return self.dequantized(&q);
+        if let Some(entry) = self.0.quant.entry() {
+            return self.dequantized(&*entry.weight()?);
         }
         let var = self.read();
         Ok(
@@ -274,8 +274,8 @@ impl Param {
     /// [`current`](Self::current)); for a quantized parameter a fresh one, as [`var`](Self::var)
     /// says.
     pub fn current_var(&self) -> Result<Var> {
-        match self.0.quant.load() {
-            Some(q) => Ok(Var::from_tensor(&self.dequantized(&q)?)?),
+        match self.0.quant.entry() {
+            Some(entry) => Ok(Var::from_tensor(&self.dequantized(&*entry.weight()?)?)?),
             None => Ok(self.read().clone()),
         }
     }
@@ -295,8 +295,8 @@ impl Param {
 
     /// The parameter's shape (a quantized parameter's is its weight's).
     pub fn shape(&self) -> Shape {
-        match self.0.quant.load() {
-            Some(q) => q.shape().clone(),
+        match self.0.quant.entry() {
+            Some(entry) => entry.shape().clone(),
             None => self.read().shape().clone(),
         }
     }
@@ -425,7 +425,7 @@ impl Param {
             modes: self.0.modes.snapshot(),
             var: LazyCell::eager(Var::from_tensor(&value)?),
             requires_grad: AtomicBool::new(self.0.requires_grad.load(Ordering::Relaxed)),
-            quant: QuantSlot::with(self.0.quant.load()),
+            quant: QuantSlot::with_entry(self.0.quant.entry()),
         })))
     }
 

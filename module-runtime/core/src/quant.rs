@@ -10,75 +10,19 @@
 //! functional call's copy) gets the quantized values dequantized into a fresh tensor — exactly
 //! what the model computes with, so a state dict saves what the model uses, nothing silently
 //! different. An `Embedding` tied to a quantized head looks up its rows in the quantized table
-//! (as llama.cpp does with a quantized `token_embd`) without dequantizing the rest. The memory
-//! kept is the quantized weight and, once a `Linear` has multiplied with a `q8_0` weight on the
-//! CPU, its kernel's tiles (as large again; see [`Param::quantized_layout`]).
+//! (as llama.cpp does with a quantized `token_embd`) without dequantizing the rest. A kernel's
+//! layout of the weight that holds all of its bytes (the `q8_0` kernel's tiles on the CPU) takes
+//! the weight's place once made ([`QuantizedLayout`]), so the weight is in memory once.
 
-use std::any::Any;
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{QuantizeError, Result};
 use crate::param::Param;
-
-/// Where a [`Param`] keeps its quantized weight: a flag read on every forward (one relaxed atomic
-/// load, so float parameters pay nothing more) and the weight behind a lock.
-#[derive(Default)]
-pub(crate) struct QuantSlot {
-    on: AtomicBool,
-    weight: RwLock<Option<Arc<Entry>>>,
-}
-
-/// A quantized weight and the layout a kernel made of it ([`Param::quantized_layout`]), kept
-/// together so that a layout always belongs to the weight it was made from.
-struct Entry {
-    weight: Arc<QTensor>,
-    layout: OnceLock<Option<Arc<dyn Any + Send + Sync>>>,
-}
-
-impl QuantSlot {
-    /// A slot holding `weight`.
-    pub(crate) fn with(weight: Option<Arc<QTensor>>) -> Self {
-        let slot = Self::default();
-        slot.store(weight);
-        slot
-    }
-
-    #[inline]
-    pub(crate) fn is_on(&self) -> bool {
-        self.on.load(Ordering::Acquire)
-    }
-
-    fn entry(&self) -> Option<Arc<Entry>> {
-        if !self.is_on() {
-            return None;
-        }
-        self.weight
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    pub(crate) fn load(&self) -> Option<Arc<QTensor>> {
-        self.entry().map(|e| e.weight.clone())
-    }
-
-    pub(crate) fn store(&self, weight: Option<Arc<QTensor>>) {
-        let entry = weight.map(|weight| {
-            Arc::new(Entry {
-                weight,
-                layout: OnceLock::new(),
-            })
-        });
-        let mut slot = self.weight.write().unwrap_or_else(|e| e.into_inner());
-        self.on.store(entry.is_some(), Ordering::Release);
-        *slot = entry;
-    }
-}
+use crate::quant_slot::{Entry, QuantizedLayout};
 
 /// Whether `kind` is one of the float kinds (`F32`, `F16`, `BF16`) a GGUF tensor may have,
 /// rather than a quantization.
@@ -176,9 +120,27 @@ impl Param {
     /// The quantized weight to multiply with, if the parameter is quantized — `None` for a float
     /// parameter (one atomic load: cheap enough for every forward) and inside a functional call
     /// that substitutes the parameter (the substituted tensor is what counts then).
-    #[inline]
-    pub fn quantized(&self) -> Option<Arc<QTensor>> {
-        self.quant_entry().map(|e| e.weight.clone())
+    ///
+    /// Once a kernel's layout holds the whole weight ([`QuantizedLayout`]: the `q8_0` kernel's
+    /// tiles on the CPU), the weight's own bytes are gone and this makes it again from the layout:
+    /// a copy, for what reads the weight whole (a move, a state dict), not for every forward.
+    pub fn quantized(&self) -> Result<Option<Arc<QTensor>>> {
+        self.quant_entry().map(|e| e.weight()).transpose()
+    }
+
+    /// Rows `rows` of a quantized matrix weight `[n, k]` as a quantized `[rows.len(), k]` CPU
+    /// tensor, read from the weight or the layout that holds it without making the rest (an
+    /// embedding's lookup in a quantized table); `None` for a float parameter. A row outside the
+    /// weight is [`QuantizeError::Row`].
+    pub fn quantized_rows(&self, rows: &[usize]) -> Result<Option<QTensor>> {
+        let Some(entry) = self.quant_entry() else {
+            return Ok(None);
+        };
+        let (n, _) = entry.shape().dims2()?;
+        if let Some(&row) = rows.iter().find(|&&r| r >= n) {
+            return Err(QuantizeError::Row { row, rows: n }.into());
+        }
+        Ok(Some(entry.rows(rows)?))
     }
 
     /// The quantized weight's entry, where [`quantized`](Self::quantized) gives one: the
@@ -198,30 +160,30 @@ impl Param {
     /// made by `make` from the weight on first use and kept with that weight until it changes (a
     /// load, a move, [`dequantize`](Self::dequantize)): `Linear`'s `q8_0` kernel keeps its tiles
     /// here, so they are made once per weight, not once per forward. `make` returning `None` (the
-    /// layout does not apply to this weight) is kept as well.
+    /// layout does not apply to this weight) is kept as well. A layout that holds the whole
+    /// weight replaces the weight's own bytes (see [`QuantizedLayout`]).
     ///
     /// `None` where [`quantized`](Self::quantized) is `None`, where `make` gave `None`, or where
     /// a layout of another type was made first (one layout per weight).
     ///
     /// ```
-    /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, Device, Tensor}};
+    /// use module_runtime::{Param, QuantizedLayout, candle_core::{quantized::GgmlDType, Device, Tensor}};
+    /// /// How many bytes the weight has (a layout that keeps none of them).
+    /// struct Size(usize);
+    /// impl QuantizedLayout for Size {}
     /// let w = Param::new(Tensor::ones((2, 32), module_runtime::candle_core::DType::F32, &Device::Cpu)?)?;
     /// w.quantize(GgmlDType::Q8_0)?;
-    /// let bytes = w.quantized_layout(|q| Some(q.data().ok()?.len())).unwrap();
-    /// assert_eq!(*bytes, 2 * 34); // two rows of one 34-byte block
-    /// let again = w.quantized_layout(|_| -> Option<usize> { unreachable!("made once") }).unwrap();
-    /// assert_eq!(*again, 68);
+    /// let size = w.quantized_layout(|q| Some(Size(q.data().ok()?.len()))).unwrap();
+    /// assert_eq!(size.0, 2 * 34); // two rows of one 34-byte block
+    /// let again = w.quantized_layout(|_| -> Option<Size> { unreachable!("made once") }).unwrap();
+    /// assert_eq!(again.0, 68);
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
-    pub fn quantized_layout<T: Any + Send + Sync>(
+    pub fn quantized_layout<T: QuantizedLayout>(
         &self,
         make: impl FnOnce(&QTensor) -> Option<T>,
     ) -> Option<Arc<T>> {
-        let entry = self.quant_entry()?;
-        let layout = entry
-            .layout
-            .get_or_init(|| make(&entry.weight).map(|t| Arc::new(t) as Arc<dyn Any + Send + Sync>));
-        layout.clone()?.downcast::<T>().ok()
+        self.quant_entry()?.layout(make)
     }
 
     /// Whether the parameter holds a quantized weight.
@@ -232,7 +194,7 @@ impl Param {
 
     /// The kind of the quantized weight (`Q8_0`, …), or `None` for a float parameter.
     pub fn quantized_dtype(&self) -> Option<GgmlDType> {
-        self.0.quant.load().map(|q| q.dtype())
+        self.0.quant.entry().map(|e| e.kind())
     }
 
     /// Drops the quantized weight: the parameter holds its values dequantized as floats again,
@@ -250,10 +212,10 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn dequantize(&self) -> Result<()> {
-        let Some(q) = self.0.quant.load() else {
+        let Some(entry) = self.0.quant.entry() else {
             return Ok(());
         };
-        let values = Var::from_tensor(&self.dequantized(&q)?)?;
+        let values = Var::from_tensor(&self.dequantized(&*entry.weight()?)?)?;
         self.0.var.replace(values);
         self.0.quant.store(None);
         Ok(())
@@ -296,8 +258,8 @@ impl Param {
     pub fn quant_on(&self, device: &Device) -> Result<Option<Arc<QTensor>>> {
         self.0
             .quant
-            .load()
-            .map(|q| qtensor_on(&q, device))
+            .entry()
+            .map(|e| qtensor_on(&e.weight()?, device))
             .transpose()
     }
 

@@ -1,9 +1,6 @@
 //! Embedding tables, and what [`EmbeddingBag`](crate::EmbeddingBag) shares with them: the ids'
 //! dtype check, `padding_idx` and the `max_norm` renormalisation.
 
-use std::borrow::Cow;
-
-use candle_core::quantized::{QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use module_core::py_float;
 
@@ -235,16 +232,13 @@ pub(crate) fn detach_padding(
     Ok(is_pad.where_cond(&rows.detach(), &rows)?)
 }
 
-/// The rows `ids` (any shape) of the quantized CPU table `q` `[rows, dim]`, dequantized to
-/// `dtype`: `[…ids, dim]`. Only those rows' blocks are read; an id outside the table is
-/// [`Error::InvalidInput`].
-fn quantized_rows(q: &QTensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
-    let (rows, dim) = q.shape().dims2()?;
-    let kind = q.dtype();
-    let row_bytes = dim / kind.block_size() * kind.type_size();
-    let data = q.data()?;
+/// The rows `ids` (any shape) of the quantized table `weight` `[rows, dim]`, dequantized to its
+/// dtype: `[…ids, dim]`. Only those rows are read (from the weight, or the kernel's layout that
+/// holds it); an id outside the table is [`Error::InvalidInput`].
+fn quantized_rows(weight: &Param, ids: &Tensor) -> Result<Option<Tensor>> {
+    let (rows, dim) = weight.shape().dims2()?;
     let wanted: Vec<i64> = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?;
-    let mut bytes = Vec::with_capacity(wanted.len() * row_bytes);
+    let mut picked = Vec::with_capacity(wanted.len());
     for &id in &wanted {
         let Some(row) = usize::try_from(id).ok().filter(|&r| r < rows) else {
             return Err(Error::InvalidInput {
@@ -252,16 +246,18 @@ fn quantized_rows(q: &QTensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
                 message: format!("id {id} is outside the table's {rows} rows"),
             });
         };
-        bytes.extend_from_slice(&data[row * row_bytes..(row + 1) * row_bytes]);
+        picked.push(row);
     }
-    let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, kind)?;
-    let picked = QTensor::new(storage, (wanted.len(), dim))?;
+    let Some(q) = weight.quantized_rows(&picked)? else {
+        return Ok(None);
+    };
     let mut dims = ids.dims().to_vec();
     dims.push(dim);
-    Ok(picked
-        .dequantize(&Device::Cpu)?
-        .to_dtype(dtype)?
-        .reshape(dims)?)
+    Ok(Some(
+        q.dequantize(&Device::Cpu)?
+            .to_dtype(weight.dtype())?
+            .reshape(dims)?,
+    ))
 }
 
 impl Forward<&Tensor> for Embedding {
@@ -272,14 +268,11 @@ impl Forward<&Tensor> for Embedding {
         // are dequantized, not the table (which `tensor()` would dequantize whole). Off the CPU,
         // or with `max_norm` (which renormalizes rows of the table), the dequantized table.
         let gather = self.max_norm.is_none() && ids.device().is_cpu();
-        if let Some(q) = self
-            .weight
-            .quantized()
-            .filter(|q| gather && q.device().is_cpu())
-        {
+        if gather && self.weight.is_quantized() && self.weight.device().is_cpu() {
             check_ids("Embedding", "ids", ids)?;
-            let rows = quantized_rows(&q, ids, self.weight.dtype())?;
-            return detach_padding(rows, ids, self.padding_idx);
+            if let Some(rows) = quantized_rows(&self.weight, ids)? {
+                return detach_padding(rows, ids, self.padding_idx);
+            }
         }
         let weight = self.weight.tensor()?;
         check_input_device("Embedding.weight", &weight, ids)?;

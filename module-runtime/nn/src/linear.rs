@@ -1,6 +1,6 @@
 //! Fully connected layers: `Linear` and its lazy twin `LazyLinear`.
 
-use candle_core::quantized::QTensor;
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::common::layer_repr;
@@ -165,14 +165,17 @@ impl Linear {
 }
 
 layer_forward!(Linear, |layer, x| {
-    match layer.weight.quantized() {
+    match layer.weight.quantized_dtype() {
         // A quantized weight (`quantize`): a quantized matmul for a few rows (decoding, short
         // prompts, small batches), unless a gradient must flow back through the input (that op
         // records none). Otherwise the float path takes the weight's dequantized values, the
         // same numbers: with many rows (a long prompt's prefill) the float GEMM is as fast or
         // faster (llama.cpp also dequantizes for large batches).
-        Some(w) if rows(x) <= max_quantized_rows(&w) && !(x.track_op() && is_grad_enabled()) => {
-            quantized_linear(x, &layer.weight, &w, param_tensor(&layer.bias)?)
+        Some(kind)
+            if rows(x) <= max_quantized_rows(kind, &layer.weight.device())
+                && !(x.track_op() && is_grad_enabled()) =>
+        {
+            quantized_linear(x, &layer.weight, param_tensor(&layer.bias)?)
         }
         // The weight first: an unloaded layer's error names its weight.
         _ => linear(x, &layer.weight.tensor()?, param_tensor(&layer.bias)?),
@@ -193,9 +196,9 @@ pub const QUANTIZED_MAX_ROWS: usize = 4;
 /// reads the rounded input again, and no longer measured here.
 pub const Q8_0_MAX_ROWS: usize = 512;
 
-/// The most input rows `w` is multiplied with in its quantized form.
-pub(crate) fn max_quantized_rows(w: &QTensor) -> usize {
-    if crate::q8_0_matmul::applies(w) {
+/// The most input rows a weight of `kind` on `device` is multiplied with in its quantized form.
+pub(crate) fn max_quantized_rows(kind: GgmlDType, device: &Device) -> usize {
+    if crate::q8_0_matmul::applies(kind, device) {
         Q8_0_MAX_ROWS
     } else {
         QUANTIZED_MAX_ROWS
@@ -213,24 +216,21 @@ pub(crate) fn rows(x: &Tensor) -> usize {
 /// (quantized blockwise by the kernel), the output in `x`'s dtype: a CPU `q8_0` weight through
 /// this crate's kernel (`q8_0_matmul`, on tiles made once per weight), anything else through
 /// candle's quantized matmul.
-fn quantized_linear(
-    x: &Tensor,
-    param: &Param,
-    w: &QTensor,
-    bias: Option<Tensor>,
-) -> Result<Tensor> {
-    if !w.device().same_device(x.device()) {
+fn quantized_linear(x: &Tensor, param: &Param, bias: Option<Tensor>) -> Result<Tensor> {
+    let device = param.device();
+    if !device.same_device(x.device()) {
         return Err(Error::DeviceMismatch {
             path: "Linear.weight".to_owned(),
-            expected: w.device().location(),
+            expected: device.location(),
             got: x.device().location(),
         });
     }
-    let (_, in_features) = w.shape().dims2()?;
+    let shape = param.shape();
+    let (_, in_features) = shape.dims2()?;
     if x.dims().last() != Some(&in_features) {
         return Err(candle_core::Error::ShapeMismatchBinaryOp {
             lhs: x.shape().clone(),
-            rhs: w.shape().clone(),
+            rhs: shape,
             op: "quantized linear",
         }
         .into());
@@ -238,7 +238,12 @@ fn quantized_linear(
     let x2 = float_rows(x, in_features)?;
     let y = match crate::q8_0_matmul::q8_0_matmul(&x2, param)? {
         Some(y) => y,
-        None => x2.apply_op1_no_bwd(w)?,
+        // Other kinds and devices: candle's quantized matmul over the weight, which no layout
+        // replaced (only the `q8_0` kernel's tiles do, on the CPU).
+        None => match param.quantized()? {
+            Some(w) => x2.apply_op1_no_bwd(&*w)?,
+            None => return linear(x, &param.tensor()?, bias),
+        },
     };
     from_rows(y, x, bias)
 }

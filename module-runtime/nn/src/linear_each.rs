@@ -68,11 +68,15 @@ fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>>
         return Ok(None);
     };
     for layer in layers {
-        let Some(w) = layer.weight.quantized() else {
+        let Some(kind) = layer.weight.quantized_dtype() else {
             return Ok(None);
         };
-        let (_, k) = w.shape().dims2()?;
-        if !applies(&w) || k != in_features || rows(x) > max_quantized_rows(&w) {
+        let device = layer.weight.device();
+        let (_, k) = layer.weight.shape().dims2()?;
+        if !applies(kind, &device)
+            || k != in_features
+            || rows(x) > max_quantized_rows(kind, &device)
+        {
             return Ok(None);
         }
     }
@@ -105,7 +109,7 @@ mod tests {
         a.weight.quantize(GgmlDType::Q8_0)?;
         assert!(quantized_each(&[&a, &b], &x)?.is_none());
         b.weight.quantize(GgmlDType::Q8_0)?;
-        let simd = applies(&a.weight.quantized().unwrap());
+        let simd = applies(GgmlDType::Q8_0, &Device::Cpu);
         let together = quantized_each(&[&a, &b], &x)?;
         assert_eq!(together.is_some(), simd);
         if let Some(together) = together {

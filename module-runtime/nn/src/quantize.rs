@@ -260,17 +260,17 @@ mod tests {
         let dev = Device::Cpu;
         let fc = Linear::no_bias(32, 4, &dev).unwrap();
         let _ = quantize(&fc, "**", GgmlDType::Q4_0).unwrap();
-        let before = fc.weight.quantized().unwrap();
+        let before = fc.weight.quantized().unwrap().unwrap();
         let new = Tensor::randn(0f32, 1., (4, 32), &dev).unwrap();
         fc.weight.set(&new).unwrap();
-        let after = fc.weight.quantized().unwrap();
+        let after = fc.weight.quantized().unwrap().unwrap();
         assert!(!Arc::ptr_eq(&before, &after));
         let deq = after.dequantize(&dev).unwrap();
         assert_eq!(max_diff(&deq, &fc.weight.tensor().unwrap()), 0.0);
         assert!(max_diff(&deq, &new) > 0.0); // q4_0's rounding
         assert!(!fc.weight.requires_grad());
         fc.weight.dequantize().unwrap();
-        assert!(fc.weight.requires_grad() && fc.weight.quantized().is_none());
+        assert!(fc.weight.requires_grad() && fc.weight.quantized().unwrap().is_none());
         assert_eq!(fc.trainable_vars().unwrap().len(), 1);
     }
 
@@ -284,7 +284,13 @@ mod tests {
         let mut table = crate::Embedding::new(10, 64, &dev).unwrap();
         table.weight = head.weight.clone();
         let _ = quantize(&head, "**", GgmlDType::Q4_0).unwrap();
-        let deq = head.weight.quantized().unwrap().dequantize(&dev).unwrap();
+        let deq = head
+            .weight
+            .quantized()
+            .unwrap()
+            .unwrap()
+            .dequantize(&dev)
+            .unwrap();
         for ids in [
             Tensor::new(&[[3u32, 0, 9], [3, 3, 1]], &dev).unwrap(),
             Tensor::new(&[7i64, 2], &dev).unwrap(),
@@ -308,6 +314,50 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    /// Once the `q8_0` kernel has made its tiles, they are the weight's only copy: the weight,
+    /// its rows, its values and a tied embedding's rows come back from them exactly, and the
+    /// products stay the same.
+    #[test]
+    fn the_q8_0_tiles_replace_the_weight_exactly() {
+        let dev = Device::Cpu;
+        if !crate::q8_0_matmul::applies(GgmlDType::Q8_0, &dev) {
+            return; // no AVX2: candle's kernel, no tiles
+        }
+        // 40 rows: the last tile is padded.
+        let head = Linear::no_bias(64, 40, &dev).unwrap();
+        let mut table = crate::Embedding::new(40, 64, &dev).unwrap();
+        table.weight = head.weight.clone();
+        let _ = quantize(&head, "**", GgmlDType::Q8_0).unwrap();
+        let original = head.weight.quantized().unwrap().unwrap();
+        let bytes = original.data().unwrap().to_vec();
+        let values = head.weight.tensor().unwrap();
+        drop(original);
+        let x = Tensor::randn(0f32, 1., (1, 64), &dev).unwrap();
+        let before = crate::without_grad(|| head.forward(&x)).unwrap();
+        // The tiles exist now; the weight is made again from them on each call.
+        let a = head.weight.quantized().unwrap().unwrap();
+        let b = head.weight.quantized().unwrap().unwrap();
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert_eq!(a.data().unwrap().as_ref(), bytes.as_slice());
+        let rows = head.weight.quantized_rows(&[39, 0, 17]).unwrap().unwrap();
+        let row = 2 * 34; // two blocks of 34 bytes
+        let want: Vec<u8> = [39, 0, 17]
+            .iter()
+            .flat_map(|&r| bytes[r * row..(r + 1) * row].to_vec())
+            .collect();
+        assert_eq!(rows.data().unwrap().as_ref(), want.as_slice());
+        assert!(head.weight.quantized_rows(&[40]).is_err());
+        assert_eq!(max_diff(&head.weight.tensor().unwrap(), &values), 0.0);
+        let ids = Tensor::new(&[39u32, 3], &dev).unwrap();
+        let looked_up = table.forward(&ids).unwrap();
+        let want = values.index_select(&ids, 0).unwrap();
+        assert_eq!(max_diff(&looked_up, &want), 0.0);
+        let after = crate::without_grad(|| head.forward(&x)).unwrap();
+        assert_eq!(max_diff(&before, &after), 0.0);
+        head.weight.dequantize().unwrap();
+        assert_eq!(max_diff(&head.weight.tensor().unwrap(), &values), 0.0);
     }
 
     /// A `LazyLinear` is quantized once built; before, its unbuilt weight is an error and

@@ -49,6 +49,15 @@ pub enum QuantizeError {
         kind: GgmlDType,
     },
 
+    /// A row outside a quantized weight's rows (an id beyond an embedding's quantized table).
+    #[error("row {row} is outside the quantized weight's {rows} rows")]
+    Row {
+        /// The row asked for.
+        row: usize,
+        /// The weight's rows.
+        rows: usize,
+    },
+
     /// A GGUF file lacks a metadata entry the model needs, or holds one it cannot use.
     #[error("GGUF `{}`: {reason}", file.display())]
     Gguf {

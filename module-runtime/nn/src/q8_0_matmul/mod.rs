@@ -29,6 +29,7 @@ use half::f16;
 
 use crate::error::Result;
 use crate::Param;
+use module_core::QuantizedLayout;
 
 /// Inputs per `q8_0` block.
 const BLOCK: usize = 32;
@@ -93,9 +94,33 @@ impl Q8Tiles {
     }
 }
 
-/// Whether [`q8_0_matmul`] runs for `w` on this CPU (a CPU `q8_0` weight, AVX2 or better).
-pub(crate) fn applies(w: &QTensor) -> bool {
-    w.dtype() == GgmlDType::Q8_0 && w.device().is_cpu() && Kernel::detect() != Kernel::Scalar
+/// The tiles hold every byte of the weight (regrouped, each byte plus 128): once they are made,
+/// the weight's own bytes are dropped and its rows come back from here.
+impl QuantizedLayout for Q8Tiles {
+    fn holds_weight(&self) -> bool {
+        true
+    }
+
+    fn row_bytes(&self, rows: &[usize]) -> Vec<u8> {
+        let nb = self.k / BLOCK;
+        let mut bytes = Vec::with_capacity(rows.len() * nb * BLOCK_BYTES);
+        for &row in rows {
+            let (t, r) = (row / ROWS, row % ROWS);
+            for b in 0..nb {
+                bytes.extend_from_slice(&self.scales[t * nb + b][r].to_le_bytes());
+                for quad in &self.quads[(t * nb + b) * 8..(t * nb + b + 1) * 8] {
+                    bytes.extend(quad.0[r * 4..r * 4 + 4].iter().map(|q| q.wrapping_sub(128)));
+                }
+            }
+        }
+        bytes
+    }
+}
+
+/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0`
+/// weight, AVX2 or better).
+pub(crate) fn applies(kind: GgmlDType, device: &Device) -> bool {
+    kind == GgmlDType::Q8_0 && device.is_cpu() && Kernel::detect() != Kernel::Scalar
 }
 
 /// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Q8Tiles`], or `None`
@@ -416,7 +441,9 @@ mod tests {
                 assert_eq!(Kernel::detect(), Kernel::Scalar);
                 continue;
             };
-            let candle = x.apply_op1_no_bwd(&*w.quantized().unwrap()).unwrap();
+            let candle = x
+                .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
+                .unwrap();
             assert_eq!(ours.dims(), [rows, n]);
             let diff = max_rel_diff(&ours, &candle);
             assert!(diff < 1e-5, "{n}x{k}, {rows} rows: {diff}");
@@ -451,7 +478,7 @@ mod tests {
         // Every row count a pass takes (each is its own build of the SIMD loops).
         for rows in 1..=MAX_M {
             let (w, x) = case(21, 256, rows);
-            let tiles = Q8Tiles::new(&w.quantized().unwrap()).unwrap();
+            let tiles = Q8Tiles::new(&w.quantized().unwrap().unwrap()).unwrap();
             let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let xq = Quantized::new(&x, rows, 256);
             let nb = 256 / BLOCK;
