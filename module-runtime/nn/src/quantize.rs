@@ -316,20 +316,26 @@ mod tests {
         }
     }
 
-    /// Once the `q8_0` kernel has made its tiles, they are the weight's only copy: the weight,
-    /// its rows, its values and a tied embedding's rows come back from them exactly, and the
-    /// products stay the same.
+    /// Once the kernel has made its tiles (`q8_0`, `q4_0`), they are the weight's only copy:
+    /// the weight, its rows, its values and a tied embedding's rows come back from them
+    /// exactly, and the products stay the same.
     #[test]
-    fn the_q8_0_tiles_replace_the_weight_exactly() {
+    fn the_tiles_replace_the_weight_exactly() {
+        for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+            tiles_replace_the_weight_exactly(kind);
+        }
+    }
+
+    fn tiles_replace_the_weight_exactly(kind: GgmlDType) {
         let dev = Device::Cpu;
-        if !crate::q8_0_matmul::applies(GgmlDType::Q8_0, &dev) {
+        if !crate::q8_0_matmul::applies(kind, &dev) {
             return; // no AVX2: candle's kernel, no tiles
         }
         // 40 rows: the last tile is padded.
         let head = Linear::no_bias(64, 40, &dev).unwrap();
         let mut table = crate::Embedding::new(40, 64, &dev).unwrap();
         table.weight = head.weight.clone();
-        let _ = quantize(&head, "**", GgmlDType::Q8_0).unwrap();
+        let _ = quantize(&head, "**", kind).unwrap();
         let original = head.weight.quantized().unwrap().unwrap();
         let bytes = original.data().unwrap().to_vec();
         let values = head.weight.tensor().unwrap();
@@ -342,7 +348,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(a.data().unwrap().as_ref(), bytes.as_slice());
         let rows = head.weight.quantized_rows(&[39, 0, 17]).unwrap().unwrap();
-        let row = 2 * 34; // two blocks of 34 bytes
+        let row = 2 * kind.type_size(); // two blocks
         let want: Vec<u8> = [39, 0, 17]
             .iter()
             .flat_map(|&r| bytes[r * row..(r + 1) * row].to_vec())

@@ -1,129 +1,57 @@
-//! The product of input rows with a CPU `q8_0` weight: decoding's matmul, where every weight is read
-//! once per token and the speed is the speed at which the weights stream from memory, and a
-//! prompt's (up to [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) rows), where it is arithmetic and
-//! `vpdpbusd`'s 64 byte products an instruction beat the float GEMM's 16.
+//! The product of input rows with a CPU `q8_0` or `q4_0` weight: decoding's matmul, where every
+//! weight is read once per token and the speed is the speed at which the weights stream from
+//! memory, and a prompt's (up to [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) rows), where it is
+//! arithmetic and `vpdpbusd`'s 64 byte products an instruction beat the float GEMM's 16.
 //!
 //! Each input row is rounded to 8 bits per block of 32 (ggml's `quantize_row_q8_0`, as candle
-//! does: a scale `max|x| / 127` stored as float16, the values `round(x / scale)`), then each
-//! output is `Σ_blocks scale_w · scale_x · Σ w_q x_q`, the integer sums exact: candle's numbers up
-//! to the order of the float additions.
+//! does for both kinds: a scale `max|x| / 127` stored as float16, the values `round(x / scale)`),
+//! then each output is `Σ_blocks scale_w · scale_x · Σ w_q x_q`, the integer sums exact: candle's
+//! numbers up to the order of the float additions.
 //!
-//! The weight is read in a layout of its own, [`Q8Tiles`], made once per weight and kept with it
-//! ([`Param::quantized_layout`]): per tile of 16 output rows and one block of 32 inputs, the 16
-//! rows' float16 scales together, and their bytes four inputs at a time across the 16 rows, so one
-//! 64-byte load holds 4 inputs of 16 rows and one instruction (`vpdpbusd`) adds their products
-//! into 16 lanes, one per output, with no horizontal sums. The bytes are stored plus 128
-//! (unsigned, as `vpdpbusd` takes them); the block's input sum times 128 is taken off after. x86-64
-//! CPUs with AVX-512 VNNI run that; AVX2 ones the same layout eight rows at a time (bytes made
-//! signed again, llama.cpp's sign trick). Other CPUs keep candle's kernel (NEON on ARM): the
-//! scalar loop here is the reference the tests check the SIMD loops against. Row tiles are split
-//! over candle's barrier pool, one contiguous run per thread.
+//! The weight is read in a layout of its own, [`Tiles`] (`tiles.rs`), made once per weight and
+//! kept with it ([`Param::quantized_layout`]), in place of the weight's own bytes: per tile of 16
+//! output rows and one block of 32 inputs, the 16 rows' float16 scales together, and their bytes
+//! four at a time across the 16 rows, so one 64-byte load holds 4 bytes of 16 rows and one
+//! instruction (`vpdpbusd`) adds their products into 16 lanes, one per output, with no horizontal
+//! sums. `q8_0` bytes are stored plus 128 (unsigned, as `vpdpbusd` takes them), and the block's
+//! input sum times 128 is taken off after; `q4_0`'s bytes are ggml's, two weights each, whose
+//! nibbles (the weight plus 8) are split in registers, and the input sum times 8 is taken off.
+//! x86-64 CPUs with AVX-512 VNNI run that; AVX2 ones the same layout eight rows at a time
+//! (`q8_0` bytes made signed again, llama.cpp's sign trick; `q4_0` nibbles are unsigned already).
+//! Other CPUs keep candle's kernel (NEON on ARM): the scalar loop here is the reference the tests
+//! check the SIMD loops against. Row tiles are split over candle's barrier pool, one contiguous
+//! run per thread.
 //!
-//! Candle 0.11's kernel for the same product reads a `q8_0` weight whose rows are not a multiple
+//! Candle 0.11's kernels for the same products read a `q8_0` weight whose rows are not a multiple
 //! of 256 at about 10 GB/s on two cores here, one 32-block at a time with a horizontal sum each
-//! (BENCHMARKS.md, "Quantized weights"); this one streams it at float32's rate.
+//! (BENCHMARKS.md, "Quantized weights"), and decode a `q4_0` model at 80 tokens/s where these
+//! decode it at 215–268.
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 use crate::error::Result;
 use crate::Param;
-use module_core::QuantizedLayout;
+use tiles::{Format, Quad, Tiles};
 
-/// Inputs per `q8_0` block.
+/// Inputs per `q8_0` (and `q4_0`) block.
 const BLOCK: usize = 32;
-/// Bytes per `q8_0` block in ggml's layout: a float16 scale, then 32 signed bytes.
-const BLOCK_BYTES: usize = 2 + BLOCK;
 /// Output rows per tile: one 512-bit register of 32-bit lanes.
 const ROWS: usize = 16;
 /// Input rows one pass over a tile multiplies (its accumulators stay in registers); more rows
 /// take further passes over the same tile, whose bytes are in the L1 cache by then.
 const MAX_M: usize = 4;
 
-/// 64 bytes, aligned for whole-register loads: four inputs of the 16 rows of a tile.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Quad([u8; 64]);
-
-/// A `q8_0` weight `[n, k]` in tiles of 16 rows by one block (see the module's docs).
-pub(crate) struct Q8Tiles {
-    n: usize,
-    k: usize,
-    /// Per tile (row tile major, then block): 8 quads; quad `g` holds inputs `4g..4g+4` of the
-    /// block for rows 0..16, row after row, each byte plus 128.
-    quads: Vec<Quad>,
-    /// Per tile: the 16 rows' scales (float16 bits; 0 for the rows that pad the last tile).
-    scales: Vec<[u16; ROWS]>,
-}
-
-impl Q8Tiles {
-    /// The tiles of `w`, or `None` when it is not a CPU `q8_0` matrix.
-    fn new(w: &QTensor) -> Option<Self> {
-        if w.dtype() != GgmlDType::Q8_0 || !w.device().is_cpu() {
-            return None;
-        }
-        let (n, k) = w.shape().dims2().ok()?;
-        let data = w.data().ok()?;
-        let nb = k / BLOCK;
-        if k % BLOCK != 0 || data.len() != n * nb * BLOCK_BYTES {
-            return None;
-        }
-        let tiles = n.div_ceil(ROWS);
-        let mut quads = vec![Quad([128; 64]); tiles * nb * 8];
-        let mut scales = vec![[0u16; ROWS]; tiles * nb];
-        for row in 0..n {
-            let (t, r) = (row / ROWS, row % ROWS);
-            for b in 0..nb {
-                let block = &data[(row * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
-                scales[t * nb + b][r] = u16::from_le_bytes([block[0], block[1]]);
-                for (g, four) in block[2..].chunks_exact(4).enumerate() {
-                    let quad = &mut quads[(t * nb + b) * 8 + g].0[r * 4..r * 4 + 4];
-                    for (q, v) in quad.iter_mut().zip(four) {
-                        *q = (*v as i8 as i16 + 128) as u8;
-                    }
-                }
-            }
-        }
-        Some(Self {
-            n,
-            k,
-            quads,
-            scales,
-        })
-    }
-}
-
-/// The tiles hold every byte of the weight (regrouped, each byte plus 128): once they are made,
-/// the weight's own bytes are dropped and its rows come back from here.
-impl QuantizedLayout for Q8Tiles {
-    fn holds_weight(&self) -> bool {
-        true
-    }
-
-    fn row_bytes(&self, rows: &[usize]) -> Vec<u8> {
-        let nb = self.k / BLOCK;
-        let mut bytes = Vec::with_capacity(rows.len() * nb * BLOCK_BYTES);
-        for &row in rows {
-            let (t, r) = (row / ROWS, row % ROWS);
-            for b in 0..nb {
-                bytes.extend_from_slice(&self.scales[t * nb + b][r].to_le_bytes());
-                for quad in &self.quads[(t * nb + b) * 8..(t * nb + b + 1) * 8] {
-                    bytes.extend(quad.0[r * 4..r * 4 + 4].iter().map(|q| q.wrapping_sub(128)));
-                }
-            }
-        }
-        bytes
-    }
-}
-
-/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0`
-/// weight, AVX2 or better).
+/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0` or
+/// `q4_0` weight, AVX2 or better).
 pub(crate) fn applies(kind: GgmlDType, device: &Device) -> bool {
-    kind == GgmlDType::Q8_0 && device.is_cpu() && Kernel::detect() != Kernel::Scalar
+    matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0)
+        && device.is_cpu()
+        && Kernel::detect() != Kernel::Scalar
 }
 
-/// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Q8Tiles`], or `None`
+/// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Tiles`], or `None`
 /// when the kernel does not apply (another kind or device, a non-float32 input, a CPU without
 /// AVX2): the caller then takes candle's quantized matmul.
 pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
@@ -145,7 +73,7 @@ pub(crate) fn q8_0_matmul_each(x: &Tensor, params: &[&Param]) -> Result<Option<V
     }
     let mut weights = Vec::with_capacity(params.len());
     for param in params {
-        match param.quantized_layout(Q8Tiles::new) {
+        match param.quantized_layout(Tiles::new) {
             Some(w) if w.k == k => weights.push(w),
             _ => return Ok(None),
         }
@@ -157,7 +85,7 @@ pub(crate) fn q8_0_matmul_each(x: &Tensor, params: &[&Param]) -> Result<Option<V
     };
     // Read in place: the rows are only rounded to 8 bits, never kept.
     let values = crate::common::f32_slice(storage, layout, "q8_0 matmul")?;
-    let weights: Vec<&Q8Tiles> = weights.iter().map(|w| &**w).collect();
+    let weights: Vec<&Tiles> = weights.iter().map(|w| &**w).collect();
     Ok(Some(matmul(values, m, k, &weights, kernel)?))
 }
 
@@ -166,7 +94,7 @@ fn matmul(
     x: &[f32],
     m: usize,
     k: usize,
-    weights: &[&Q8Tiles],
+    weights: &[&Tiles],
     kernel: Kernel,
 ) -> Result<Vec<Tensor>> {
     // The rows in groups of up to `MAX_M`, each group one pass over a tile; a prompt's groups are
@@ -176,7 +104,6 @@ fn matmul(
         crate::fused_grad::par_map(x.chunks(MAX_M * k).collect(), |rows| {
             Quantized::new(rows, rows.len() / k, k)
         });
-    let nb = k / BLOCK;
     // Weight `i`'s tiles are numbers `first[i]..first[i + 1]` of one list.
     let mut first = vec![0];
     for w in weights {
@@ -200,10 +127,9 @@ fn matmul(
             // its own `per_tile` values of `tiled`, which outlives the pool's call.
             let out =
                 unsafe { std::slice::from_raw_parts_mut(tiled_at.at(t * per_tile), per_tile) };
-            let quads = &w.quads[local * nb * 8..(local + 1) * nb * 8];
-            let scales = &w.scales[local * nb..(local + 1) * nb];
+            let (quads, scales) = w.tile(local);
             for (xq, out) in groups.iter().zip(out.chunks_mut(MAX_M * ROWS)) {
-                kernel.tile(quads, scales, xq, out, stream);
+                kernel.tile(w.format, quads, scales, xq, out, stream);
             }
         }
     };
@@ -336,6 +262,7 @@ impl Kernel {
     /// and the activations, which the step reads again, out of the L2 and L3 caches.
     fn tile(
         self,
+        format: Format,
         quads: &[Quad],
         scales: &[[u16; ROWS]],
         x: &Quantized,
@@ -343,33 +270,45 @@ impl Kernel {
         stream: bool,
     ) {
         // What the SIMD loops' unchecked loads and stores rely on.
-        assert!(quads.len() == scales.len() * 8 && x.k == scales.len() * BLOCK);
+        assert!(quads.len() == scales.len() * format.quads() && x.k == scales.len() * BLOCK);
         assert!(x.m <= MAX_M && out.len() >= x.m * ROWS);
-        match self {
-            Kernel::Scalar => scalar(quads, scales, x, out),
+        match (self, format) {
+            (Kernel::Scalar, _) => scalar(format, quads, scales, x, out),
             // SAFETY: `detect` picked these only where the CPU has the features they are
             // compiled for; the lengths are the ones asserted above.
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { x86::tile_avx2(quads, scales, x, out, stream) },
+            (Kernel::Avx2, Format::Q8) => unsafe { x86::tile_avx2(quads, scales, x, out, stream) },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Vnni => unsafe { x86::tile_vnni(quads, scales, x, out, stream) },
+            (Kernel::Vnni, Format::Q8) => unsafe { x86::tile_vnni(quads, scales, x, out, stream) },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Avx2, Format::Q4) => unsafe { x86::tile4_avx2(quads, scales, x, out, stream) },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Vnni, Format::Q4) => unsafe { x86::tile4_vnni(quads, scales, x, out, stream) },
         }
     }
 }
 
 /// The portable inner loop: exact integer sums per block, scaled and added in `f32`.
-fn scalar(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+fn scalar(format: Format, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+    let qpb = format.quads();
     for r in 0..x.m {
         let xq = &x.q[r * x.k..(r + 1) * x.k];
         let nb = x.k / BLOCK;
         for i in 0..ROWS {
             let mut acc = 0f32;
             for (b, scale) in scales.iter().enumerate() {
+                let xb = &xq[b * BLOCK..(b + 1) * BLOCK];
                 let mut sum = 0i32;
-                for g in 0..8 {
-                    let w = &quads[b * 8 + g].0[i * 4..i * 4 + 4];
+                for g in 0..qpb {
+                    let w = &quads[b * qpb + g].0[i * 4..i * 4 + 4];
                     for j in 0..4 {
-                        sum += (w[j] as i32 - 128) * xq[b * BLOCK + g * 4 + j] as i32;
+                        sum += match format {
+                            Format::Q8 => (w[j] as i32 - 128) * xb[g * 4 + j] as i32,
+                            Format::Q4 => {
+                                (((w[j] & 15) as i32) - 8) * xb[g * 4 + j] as i32
+                                    + (((w[j] >> 4) as i32) - 8) * xb[16 + g * 4 + j] as i32
+                            }
+                        };
                     }
                 }
                 acc += f16::from_bits(scale[i]).to_f32() * x.d[r * nb + b] * sum as f32;
@@ -379,172 +318,9 @@ fn scalar(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]
     }
 }
 
+mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-    use std::sync::Arc;
-
-    /// A weight `[n, k]` and input `[rows, k]` with values of both signs, exact zeros and a zero
-    /// row (a zero scale).
-    fn case(n: usize, k: usize, rows: usize) -> (Param, Tensor) {
-        let dev = Device::Cpu;
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| {
-                let zero = i % 97 == 0 || i / k == 1;
-                if zero {
-                    0.0
-                } else {
-                    (i * 7919 % 1000) as f32 / 500.0 - 1.0
-                }
-            })
-            .collect();
-        let x: Vec<f32> = (0..rows * k)
-            .map(|i| ((i * 104729 % 997) as f32 / 498.5 - 1.0) * 3.0)
-            .collect();
-        let w = Param::new(Tensor::from_vec(w, (n, k), &dev).unwrap()).unwrap();
-        w.quantize(GgmlDType::Q8_0).unwrap();
-        (w, Tensor::from_vec(x, (rows, k), &dev).unwrap())
-    }
-
-    /// The largest difference relative to `b`'s largest magnitude (at least 1).
-    fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let scale = b
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        crate::common::max_diff(a, b) / scale.max(1.0)
-    }
-
-    #[test]
-    fn equals_candles_quantized_matmul() {
-        // Partial last tiles, one to four rows, blocks counts that are not multiples of 8; and
-        // several groups of rows (rounded on the pool), the last one partial.
-        for (n, k, rows) in [
-            (64, 96, 1),
-            (37, 576, 1),
-            (130, 64, 3),
-            (5, 32, 4),
-            (16, 64, 2),
-            (37, 576, 13),
-            (130, 64, 9),
-        ] {
-            let (w, x) = case(n, k, rows);
-            let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
-                // No SIMD loop on this CPU: candle's kernel runs instead.
-                assert_eq!(Kernel::detect(), Kernel::Scalar);
-                continue;
-            };
-            let candle = x
-                .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
-                .unwrap();
-            assert_eq!(ours.dims(), [rows, n]);
-            let diff = max_rel_diff(&ours, &candle);
-            assert!(diff < 1e-5, "{n}x{k}, {rows} rows: {diff}");
-        }
-    }
-
-    #[test]
-    fn rounding_is_f32_round() {
-        for v in [
-            0.0f32,
-            0.5,
-            -0.5,
-            1.5,
-            -1.5,
-            2.5,
-            0.49999997,
-            -0.49999997,
-            126.5,
-            -127.0,
-            3.7,
-        ] {
-            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
-        }
-        for i in -127_000..=127_000 {
-            let v = i as f32 / 1000.0;
-            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
-        }
-    }
-
-    #[test]
-    fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
-        // Every row count a pass takes (each is its own build of the SIMD loops).
-        for rows in 1..=MAX_M {
-            let (w, x) = case(21, 256, rows);
-            let tiles = Q8Tiles::new(&w.quantized().unwrap().unwrap()).unwrap();
-            let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let xq = Quantized::new(&x, rows, 256);
-            let nb = 256 / BLOCK;
-            let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                kernels.push(Kernel::Avx2);
-            }
-            for t in 0..2 {
-                let quads = &tiles.quads[t * nb * 8..(t + 1) * nb * 8];
-                let scales = &tiles.scales[t * nb..(t + 1) * nb];
-                let mut expected = vec![0f32; rows * ROWS];
-                Kernel::Scalar.tile(quads, scales, &xq, &mut expected, false);
-                // Streaming (prefetching past the tile's end, into the next tile) or not.
-                for (kernel, stream) in kernels.iter().flat_map(|k| [(k, false), (k, true)]) {
-                    let mut out = vec![0f32; rows * ROWS];
-                    kernel.tile(quads, scales, &xq, &mut out, stream);
-                    for (a, b) in out.iter().zip(&expected) {
-                        assert!(
-                            (a - b).abs() <= 1e-4 * b.abs().max(1.0),
-                            "{kernel:?} ({rows} rows, stream: {stream}): {a} vs {b}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_tiles_are_made_once_per_weight() {
-        if Kernel::detect() == Kernel::Scalar {
-            return; // candle's kernel runs on this CPU
-        }
-        let (w, x) = case(32, 64, 1);
-        let first = w.quantized_layout(Q8Tiles::new).unwrap();
-        q8_0_matmul(&x, &w).unwrap().unwrap();
-        assert!(Arc::ptr_eq(
-            &first,
-            &w.quantized_layout(Q8Tiles::new).unwrap()
-        ));
-        // A new weight gets new tiles: the product follows it.
-        w.set(&Tensor::ones((32, 64), DType::F32, &Device::Cpu).unwrap())
-            .unwrap();
-        assert!(!Arc::ptr_eq(
-            &first,
-            &w.quantized_layout(Q8Tiles::new).unwrap()
-        ));
-        let y = q8_0_matmul(&x, &w).unwrap().unwrap();
-        let expected = x.sum_keepdim(1).unwrap().broadcast_as((1, 32)).unwrap();
-        assert!(max_rel_diff(&y, &expected) < 1e-2);
-    }
-
-    #[test]
-    fn other_kinds_and_dtypes_are_left_to_candle() {
-        let (_, x) = case(4, 64, 1);
-        let w = Param::new(Tensor::ones((4, 64), DType::F32, &Device::Cpu).unwrap()).unwrap();
-        w.quantize(GgmlDType::Q4_0).unwrap();
-        assert!(q8_0_matmul(&x, &w).unwrap().is_none());
-        w.quantize(GgmlDType::Q8_0).unwrap();
-        assert!(q8_0_matmul(&x.to_dtype(DType::F16).unwrap(), &w)
-            .unwrap()
-            .is_none());
-        let simd = Kernel::detect() != Kernel::Scalar;
-        assert_eq!(q8_0_matmul(&x, &w).unwrap().is_some(), simd);
-    }
-}
+mod tests;

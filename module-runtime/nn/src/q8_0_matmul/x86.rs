@@ -1,24 +1,26 @@
-//! The x86-64 inner loops of the `q8_0` product: one tile of 16 output rows for up to four
-//! input rows, with AVX-512 VNNI (16 lanes) or AVX2 (two halves of eight).
+//! The x86-64 inner loops of the `q8_0` and `q4_0` products: one tile of 16 output rows for up
+//! to four input rows, with AVX-512 VNNI (16 lanes) or AVX2 (two halves of eight).
 
 use super::{Quad, Quantized, BLOCK, MAX_M, ROWS};
 use std::arch::x86_64::*;
 
-/// How many blocks ahead a streaming tile prefetches (2 KiB of quads: measured against 4 and 8
-/// KiB on the decoder benchmark's model, within one process, the nearer the better).
-const AHEAD: usize = 4;
+/// How far ahead a streaming tile prefetches: 2 KiB of quads (measured against 1, 4 and 8 KiB
+/// on the decoder benchmark's `q8_0` model, within one process, the nearer the better).
+const AHEAD_BYTES: usize = 2048;
 
-/// Prefetches block `b + AHEAD`'s quads and scales with the non-temporal hint (a prefetch never
-/// faults: past the tile's end it reads the next tile, or nothing).
+/// Prefetches the quads and scales of the block 2 KiB of quads after block `b` (`QPB` quads a
+/// block) with the non-temporal hint (a prefetch never faults: past the tile's end it reads the
+/// next tile, or nothing).
 #[inline(always)]
-fn prefetch_ahead(quads: &[Quad], scales: &[[u16; ROWS]], b: usize) {
-    let quad = quads.as_ptr().wrapping_add((b + AHEAD) * 8);
-    for g in 0..8 {
+fn prefetch_ahead<const QPB: usize>(quads: &[Quad], scales: &[[u16; ROWS]], b: usize) {
+    let ahead = b + AHEAD_BYTES / (QPB * 64);
+    let quad = quads.as_ptr().wrapping_add(ahead * QPB);
+    for g in 0..QPB {
         // SAFETY: a prefetch reads nothing into the program and cannot fault.
         unsafe { _mm_prefetch::<_MM_HINT_NTA>(quad.wrapping_add(g).cast()) };
     }
     // SAFETY: as above.
-    unsafe { _mm_prefetch::<_MM_HINT_NTA>(scales.as_ptr().wrapping_add(b + AHEAD).cast()) };
+    unsafe { _mm_prefetch::<_MM_HINT_NTA>(scales.as_ptr().wrapping_add(ahead).cast()) };
 }
 
 /// Four input bytes of row `r` at `at`, as one 32-bit integer.
@@ -84,7 +86,7 @@ unsafe fn vnni_rows<const M: usize>(
     let mut acc = [_mm512_setzero_ps(); M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
-            prefetch_ahead(quads, scales, b);
+            prefetch_ahead::<8>(quads, scales, b);
         }
         // Two sums per input row (even and odd quads): two independent chains of `vpdpbusd`.
         let mut sums = [[_mm512_setzero_si512(); 2]; M];
@@ -150,7 +152,7 @@ unsafe fn avx2_rows<const M: usize>(
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
-            prefetch_ahead(quads, scales, b);
+            prefetch_ahead::<8>(quads, scales, b);
         }
         let mut sums = [[_mm256_setzero_si256(); 2]; M];
         for g in 0..8 {
@@ -175,6 +177,159 @@ unsafe fn avx2_rows<const M: usize>(
                 let dx = _mm256_set1_ps(x.d[r * nb + b]);
                 let total = _mm256_cvtepi32_ps(sum[half]);
                 acc[half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[half]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (half, acc) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16 values per input row.
+            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), *acc) };
+        }
+    }
+}
+
+/// A `q4_0` tile with AVX-512 VNNI: each quad's low and high nibbles are the weights of two
+/// groups of four inputs (plus 8, unsigned as `vpdpbusd` takes them; the block's input sum times
+/// 8 is taken off after).
+///
+/// # Safety
+/// As [`tile_vnni`], with 4 quads per entry of `scales`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile4_vnni(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe { per_row_count!(x.m, vnni4_rows(quads, scales, x, out, stream)) }
+}
+
+/// [`tile4_vnni`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile4_vnni`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn vnni4_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    let nb = scales.len();
+    let low = _mm512_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); M];
+    for (b, scale) in scales.iter().enumerate() {
+        if stream {
+            prefetch_ahead::<4>(quads, scales, b);
+        }
+        let mut sums = [[_mm512_setzero_si512(); 2]; M];
+        for g in 0..4 {
+            // SAFETY: an aligned quad of 64 bytes.
+            let w = unsafe { _mm512_load_si512(quads[b * 4 + g].0.as_ptr().cast()) };
+            let lo = _mm512_and_si512(w, low);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            for (r, sum) in sums.iter_mut().enumerate() {
+                // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
+                let (xl, xh) = unsafe {
+                    (
+                        four(x, r, b * BLOCK + g * 4),
+                        four(x, r, b * BLOCK + 16 + g * 4),
+                    )
+                };
+                sum[0] = _mm512_dpbusd_epi32(sum[0], lo, _mm512_set1_epi32(xl));
+                sum[1] = _mm512_dpbusd_epi32(sum[1], hi, _mm512_set1_epi32(xh));
+            }
+        }
+        // SAFETY: 16 float16 scales, 32 bytes.
+        let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
+        for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+            let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1]));
+            // `offset` is 128 times the block's input sum: the nibbles' 8 is a sixteenth of it.
+            let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b] / 16.0));
+            let dx = _mm512_set1_ps(x.d[r * nb + b]);
+            *acc = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), *acc);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16 values per input row.
+        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), *acc) };
+    }
+}
+
+/// A `q4_0` tile with AVX2: two halves of eight rows, the nibbles (unsigned, at most 15) times
+/// the signed input bytes by `vpmaddubsw` (no saturation: 2·15·127 per 16-bit pair, twice).
+///
+/// # Safety
+/// As [`tile_avx2`], with 4 quads per entry of `scales`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tile4_avx2(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe { per_row_count!(x.m, avx2_4_rows(quads, scales, x, out, stream)) }
+}
+
+/// [`tile4_avx2`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile4_avx2`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn avx2_4_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    let nb = scales.len();
+    let ones = _mm256_set1_epi16(1);
+    let low = _mm256_set1_epi8(0x0f);
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    for (b, scale) in scales.iter().enumerate() {
+        if stream {
+            prefetch_ahead::<4>(quads, scales, b);
+        }
+        let mut sums = [[_mm256_setzero_si256(); 2]; M];
+        for g in 0..4 {
+            let quad = quads[b * 4 + g].0.as_ptr();
+            for half in 0..2 {
+                // SAFETY: 32 of the quad's 64 bytes.
+                let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
+                let lo = _mm256_and_si256(w, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
+                    let (xl, xh) = unsafe {
+                        (
+                            four(x, r, b * BLOCK + g * 4),
+                            four(x, r, b * BLOCK + 16 + g * 4),
+                        )
+                    };
+                    let pairs = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)),
+                    );
+                    sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for half in 0..2 {
+            // SAFETY: 8 float16 scales, 16 bytes.
+            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
+            for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+                let total = _mm256_cvtepi32_ps(sum[half]);
+                let exact = _mm256_sub_ps(total, _mm256_set1_ps(x.offset[r * nb + b] / 16.0));
+                let dx = _mm256_set1_ps(x.d[r * nb + b]);
+                acc[half] = _mm256_fmadd_ps(exact, _mm256_mul_ps(dw, dx), acc[half]);
             }
         }
     }
