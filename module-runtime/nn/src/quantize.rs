@@ -37,21 +37,22 @@ pub struct QuantizeReport {
 /// Quantizes, in place, the weights of the `Linear` layers (and built `LazyLinear`s) whose
 /// module path matches `pattern` ([`PathPattern`]: `**` for all of them,
 /// `model.layers.*.mlp.*`, `lm_head`), to `kind` (`GgmlDType::Q8_0`, `Q4_0`, `Q4K`, …): from
-/// then on they multiply with a quantized matmul (this crate's kernel for `q8_0` on the CPU,
-/// candle's for other kinds and devices). PyTorch's `quantize_dynamic`,
+/// then on they multiply with a quantized matmul (this crate's kernel for `q8_0` and `q4_0` on
+/// the CPU, candle's for other kinds and devices). PyTorch's `quantize_dynamic`,
 /// selecting layers by path pattern instead of by class.
 ///
 /// The model's type does not change: a quantized `Linear` is still a `Linear`, whose `weight`
-/// [`Param`] holds the quantized weight (see [`Param::quantize`]). That parameter reads as the
-/// quantized values dequantized — its shape, dtype and device are the logical ones, a
+/// [`Param`] holds the quantized weight instead of its float values (see [`Param::quantize`]).
+/// That parameter reads as the quantized values dequantized — its shape, dtype and device are
+/// the logical ones, a
 /// `state_dict` saves the dequantized values (what the model computes with; a later load
 /// quantizes again) — and it is not trained: it is left out of `trainable_vars` (PyTorch's
 /// quantized layers have no parameters either). A gradient still flows back to the layer's
 /// input. `print(model)` shows `quantized=Q8_0` on each such layer. Biases stay in float.
 ///
 /// The quantized matmul runs for inputs of up to [`QUANTIZED_MAX_ROWS`](crate::QUANTIZED_MAX_ROWS)
-/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS), prompts included, for `q8_0` on
-/// CPUs with AVX2, whose kernel is this crate's); for more the layer multiplies with the
+/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS), prompts included, for `q8_0` and
+/// `q4_0` on CPUs with AVX2, whose kernel is this crate's); for more the layer multiplies with the
 /// dequantized weight in float, which is as fast or faster there, as llama.cpp dequantizes for
 /// large batches. Both use the quantized weight's values; the quantized kernel also rounds the
 /// input rows to 8 bits per block.
