@@ -216,8 +216,21 @@ fn f16_gguf_loads_like_the_safetensors_model() {
 /// permuted q/k rows put back), logits and greedy tokens.
 #[test]
 fn q8_0_gguf_equals_quantize_of_the_safetensors_model() {
-    let from_gguf = LlamaForCausalLM::from_gguf(&gguf("tiny-llama-q8_0.gguf"), &device()).unwrap();
-    let ours = quantized(GgmlDType::Q8_0);
+    // numpy rounds halves to even, candle away from zero: a rare value one step apart.
+    gguf_equals_quantize("tiny-llama-q8_0.gguf", GgmlDType::Q8_0, 2e-3, 1e-3);
+}
+
+/// The same for the Q4_0 file (module-nn's own kernel multiplies both).
+#[test]
+fn q4_0_gguf_equals_quantize_of_the_safetensors_model() {
+    gguf_equals_quantize("tiny-llama-q4_0.gguf", GgmlDType::Q4_0, 2e-3, 1e-3);
+}
+
+/// `file`'s model against `quantize(&model, "**", kind)`: each weight of the same kind and
+/// within `weight_tol`, logits within `logit_tol`, the same greedy tokens.
+fn gguf_equals_quantize(file: &str, kind: GgmlDType, weight_tol: f32, logit_tol: f32) {
+    let from_gguf = LlamaForCausalLM::from_gguf(&gguf(file), &device()).unwrap();
+    let ours = quantized(kind);
     let theirs = from_gguf.state_dict().unwrap();
     for (path, p) in ours.named_parameters() {
         assert_eq!(
@@ -226,12 +239,11 @@ fn q8_0_gguf_equals_quantize_of_the_safetensors_model() {
             "{path}"
         );
         let diff = max_diff(theirs.get(&path).unwrap(), &p.tensor().unwrap());
-        // numpy rounds halves to even, candle away from zero: a rare value one step apart.
-        assert!(diff < 2e-3, "{path}: {diff}");
+        assert!(diff < weight_tol, "{file} {path}: {diff}");
     }
     let (prompts, _) = reference_json();
     let diff = max_diff(&logits(&from_gguf, &prompts), &logits(&ours, &prompts));
-    assert!(diff < 1e-3, "max logit difference {diff}");
+    assert!(diff < logit_tol, "{file}: max logit difference {diff}");
     assert_eq!(
         greedy(&from_gguf, &prompts, 40),
         greedy(&ours, &prompts, 40)
