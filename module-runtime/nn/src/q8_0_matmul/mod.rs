@@ -277,13 +277,21 @@ impl Kernel {
             // SAFETY: `detect` picked these only where the CPU has the features they are
             // compiled for; the lengths are the ones asserted above.
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2, Format::Q8) => unsafe { x86::tile_avx2(quads, scales, x, out, stream) },
+            (Kernel::Avx2, Format::Q8) => unsafe {
+                x86::tile_avx2::<false>(quads, scales, x, out, stream)
+            },
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Vnni, Format::Q8) => unsafe { x86::tile_vnni(quads, scales, x, out, stream) },
+            (Kernel::Vnni, Format::Q8) => unsafe {
+                x86::tile_vnni::<false>(quads, scales, x, out, stream)
+            },
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2, Format::Q4) => unsafe { x86::tile4_avx2(quads, scales, x, out, stream) },
+            (Kernel::Avx2, Format::Q4) => unsafe {
+                x86::tile_avx2::<true>(quads, scales, x, out, stream)
+            },
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Vnni, Format::Q4) => unsafe { x86::tile4_vnni(quads, scales, x, out, stream) },
+            (Kernel::Vnni, Format::Q4) => unsafe {
+                x86::tile_vnni::<true>(quads, scales, x, out, stream)
+            },
         }
     }
 }

@@ -38,25 +38,41 @@ unsafe fn four(x: &Quantized, r: usize, at: usize) -> i32 {
     }
 }
 
-/// `f::<M>(args)` for the row count `m` (1 to [`MAX_M`]): one build of the loop per count.
+/// `f::<M, Q4>(args)` for the row count `m` (1 to [`MAX_M`]): one build of the loop per count
+/// and format.
 macro_rules! per_row_count {
-    ($m:expr, $f:ident($($arg:expr),*)) => {
+    ($m:expr, $q4:ident, $f:ident($($arg:expr),*)) => {
         match $m {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            _ => $f::<MAX_M>($($arg),*),
+            1 => $f::<1, $q4>($($arg),*),
+            2 => $f::<2, $q4>($($arg),*),
+            3 => $f::<3, $q4>($($arg),*),
+            _ => $f::<MAX_M, $q4>($($arg),*),
         }
     };
 }
 
-/// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows.
+/// What a block's input sum times 128 (`Quantized::offset`) is divided by to give what the
+/// stored weights' offset added to the block's products: 1 for `q8_0` (bytes plus 128), 16 for
+/// `q4_0` (nibbles plus 8).
+#[inline(always)]
+fn offset_divisor(q4: bool) -> f32 {
+    if q4 {
+        16.0
+    } else {
+        1.0
+    }
+}
+
+/// A tile with AVX-512 VNNI: 16 lanes, one per output row, for up to four input rows. `q8_0`
+/// (`Q4` false): each quad's bytes are four inputs' weights plus 128, one `vpdpbusd` each, in
+/// two chains (even and odd quads). `q4_0` (`Q4`): each quad's low and high nibbles are the
+/// weights plus 8 of two groups of four inputs, split in registers, a chain each.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW and VNNI; `quads` holds 8 quads per entry of `scales`, `x` has
-/// `scales.len()` blocks per row and `out` `x.m * 16` values.
+/// The CPU has AVX-512 F, BW and VNNI; `quads` holds 8 (`q8_0`) or 4 (`q4_0`) quads per entry
+/// of `scales`, `x` has `scales.len()` blocks per row and `out` `x.m * 16` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn tile_vnni(
+pub(super) unsafe fn tile_vnni<const Q4: bool>(
     quads: &[Quad],
     scales: &[[u16; ROWS]],
     x: &Quantized,
@@ -66,7 +82,7 @@ pub(super) unsafe fn tile_vnni(
     // One build per row count: its sums and accumulators are then registers (with a run-time
     // count they were an array on the stack, each `vpdpbusd` waiting on a store and a load).
     // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe { per_row_count!(x.m, vnni_rows(quads, scales, x, out, stream)) }
+    unsafe { per_row_count!(x.m, Q4, vnni_rows(quads, scales, x, out, stream)) }
 }
 
 /// [`tile_vnni`] for `M` input rows (`x.m == M`).
@@ -75,144 +91,7 @@ pub(super) unsafe fn tile_vnni(
 /// As [`tile_vnni`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn vnni_rows<const M: usize>(
-    quads: &[Quad],
-    scales: &[[u16; ROWS]],
-    x: &Quantized,
-    out: &mut [f32],
-    stream: bool,
-) {
-    let nb = scales.len();
-    let mut acc = [_mm512_setzero_ps(); M];
-    for (b, scale) in scales.iter().enumerate() {
-        if stream {
-            prefetch_ahead::<8>(quads, scales, b);
-        }
-        // Two sums per input row (even and odd quads): two independent chains of `vpdpbusd`.
-        let mut sums = [[_mm512_setzero_si512(); 2]; M];
-        for g in 0..8 {
-            // SAFETY: an aligned quad of 64 bytes.
-            let w = unsafe { _mm512_load_si512(quads[b * 8 + g].0.as_ptr().cast()) };
-            for (r, sum) in sums.iter_mut().enumerate() {
-                // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
-                let xs = _mm512_set1_epi32(unsafe { four(x, r, b * BLOCK + g * 4) });
-                sum[g & 1] = _mm512_dpbusd_epi32(sum[g & 1], w, xs);
-            }
-        }
-        // SAFETY: 16 float16 scales, 32 bytes.
-        let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
-        for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
-            let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1]));
-            let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b]));
-            let dx = _mm512_set1_ps(x.d[r * nb + b]);
-            *acc = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), *acc);
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16 values per input row.
-        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), *acc) };
-    }
-}
-
-/// A tile with AVX2: two halves of eight rows, each byte made signed again and multiplied
-/// by the sign trick (`|w|` unsigned times `x` with `w`'s sign, at most 2·128·127 per 16-bit
-/// pair: no saturation).
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C; lengths as for [`tile_vnni`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile_avx2(
-    quads: &[Quad],
-    scales: &[[u16; ROWS]],
-    x: &Quantized,
-    out: &mut [f32],
-    stream: bool,
-) {
-    // One build per row count, as for `tile_vnni`.
-    // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe { per_row_count!(x.m, avx2_rows(quads, scales, x, out, stream)) }
-}
-
-/// [`tile_avx2`] for `M` input rows (`x.m == M`).
-///
-/// # Safety
-/// As [`tile_avx2`].
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn avx2_rows<const M: usize>(
-    quads: &[Quad],
-    scales: &[[u16; ROWS]],
-    x: &Quantized,
-    out: &mut [f32],
-    stream: bool,
-) {
-    let nb = scales.len();
-    let ones = _mm256_set1_epi16(1);
-    let flip = _mm256_set1_epi8(-128);
-    let mut acc = [[_mm256_setzero_ps(); 2]; M];
-    for (b, scale) in scales.iter().enumerate() {
-        if stream {
-            prefetch_ahead::<8>(quads, scales, b);
-        }
-        let mut sums = [[_mm256_setzero_si256(); 2]; M];
-        for g in 0..8 {
-            let quad = quads[b * 8 + g].0.as_ptr();
-            for half in 0..2 {
-                // SAFETY: 32 of the quad's 64 bytes.
-                let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
-                let w = _mm256_xor_si256(w, flip);
-                let magnitude = _mm256_sign_epi8(w, w);
-                for (r, sum) in sums.iter_mut().enumerate() {
-                    // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
-                    let xs = _mm256_set1_epi32(unsafe { four(x, r, b * BLOCK + g * 4) });
-                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, w));
-                    sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
-                }
-            }
-        }
-        for half in 0..2 {
-            // SAFETY: 8 float16 scales, 16 bytes.
-            let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
-            for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
-                let dx = _mm256_set1_ps(x.d[r * nb + b]);
-                let total = _mm256_cvtepi32_ps(sum[half]);
-                acc[half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[half]);
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        for (half, acc) in acc.iter().enumerate() {
-            // SAFETY: `out` holds 16 values per input row.
-            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), *acc) };
-        }
-    }
-}
-
-/// A `q4_0` tile with AVX-512 VNNI: each quad's low and high nibbles are the weights of two
-/// groups of four inputs (plus 8, unsigned as `vpdpbusd` takes them; the block's input sum times
-/// 8 is taken off after).
-///
-/// # Safety
-/// As [`tile_vnni`], with 4 quads per entry of `scales`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn tile4_vnni(
-    quads: &[Quad],
-    scales: &[[u16; ROWS]],
-    x: &Quantized,
-    out: &mut [f32],
-    stream: bool,
-) {
-    // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe { per_row_count!(x.m, vnni4_rows(quads, scales, x, out, stream)) }
-}
-
-/// [`tile4_vnni`] for `M` input rows (`x.m == M`).
-///
-/// # Safety
-/// As [`tile4_vnni`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-unsafe fn vnni4_rows<const M: usize>(
+unsafe fn vnni_rows<const M: usize, const Q4: bool>(
     quads: &[Quad],
     scales: &[[u16; ROWS]],
     x: &Quantized,
@@ -224,32 +103,45 @@ unsafe fn vnni4_rows<const M: usize>(
     let mut acc = [_mm512_setzero_ps(); M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
-            prefetch_ahead::<4>(quads, scales, b);
+            if Q4 {
+                prefetch_ahead::<4>(quads, scales, b);
+            } else {
+                prefetch_ahead::<8>(quads, scales, b);
+            }
         }
+        // Two independent chains of `vpdpbusd` per input row.
         let mut sums = [[_mm512_setzero_si512(); 2]; M];
-        for g in 0..4 {
-            // SAFETY: an aligned quad of 64 bytes.
-            let w = unsafe { _mm512_load_si512(quads[b * 4 + g].0.as_ptr().cast()) };
-            let lo = _mm512_and_si512(w, low);
-            let hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        let mut add = |w, chain: usize, at: usize| {
             for (r, sum) in sums.iter_mut().enumerate() {
                 // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
-                let (xl, xh) = unsafe {
-                    (
-                        four(x, r, b * BLOCK + g * 4),
-                        four(x, r, b * BLOCK + 16 + g * 4),
-                    )
-                };
-                sum[0] = _mm512_dpbusd_epi32(sum[0], lo, _mm512_set1_epi32(xl));
-                sum[1] = _mm512_dpbusd_epi32(sum[1], hi, _mm512_set1_epi32(xh));
+                let xs = _mm512_set1_epi32(unsafe { four(x, r, b * BLOCK + at) });
+                sum[chain] = _mm512_dpbusd_epi32(sum[chain], w, xs);
+            }
+        };
+        if Q4 {
+            for g in 0..4 {
+                // SAFETY: an aligned quad of 64 bytes.
+                let w = unsafe { _mm512_load_si512(quads[b * 4 + g].0.as_ptr().cast()) };
+                add(_mm512_and_si512(w, low), 0, g * 4);
+                add(
+                    _mm512_and_si512(_mm512_srli_epi16(w, 4), low),
+                    1,
+                    16 + g * 4,
+                );
+            }
+        } else {
+            for g in 0..8 {
+                // SAFETY: an aligned quad of 64 bytes.
+                let w = unsafe { _mm512_load_si512(quads[b * 8 + g].0.as_ptr().cast()) };
+                add(w, g & 1, g * 4);
             }
         }
         // SAFETY: 16 float16 scales, 32 bytes.
         let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(scale.as_ptr().cast()) });
         for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
             let total = _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1]));
-            // `offset` is 128 times the block's input sum: the nibbles' 8 is a sixteenth of it.
-            let exact = _mm512_sub_ps(total, _mm512_set1_ps(x.offset[r * nb + b] / 16.0));
+            let offset = x.offset[r * nb + b] / offset_divisor(Q4);
+            let exact = _mm512_sub_ps(total, _mm512_set1_ps(offset));
             let dx = _mm512_set1_ps(x.d[r * nb + b]);
             *acc = _mm512_fmadd_ps(exact, _mm512_mul_ps(dw, dx), *acc);
         }
@@ -260,30 +152,33 @@ unsafe fn vnni4_rows<const M: usize>(
     }
 }
 
-/// A `q4_0` tile with AVX2: two halves of eight rows, the nibbles (unsigned, at most 15) times
-/// the signed input bytes by `vpmaddubsw` (no saturation: 2·15·127 per 16-bit pair, twice).
+/// A tile with AVX2: two halves of eight rows. `q8_0`: each byte made signed again and
+/// multiplied by the sign trick (`|w|` unsigned times `x` with `w`'s sign, at most 2·128·127 per
+/// 16-bit pair: no saturation). `q4_0`: the nibbles (unsigned, at most 15) times the signed input
+/// bytes directly (2·15·127 per pair, two pairs added), the input sum times 8 taken off after.
 ///
 /// # Safety
-/// As [`tile_avx2`], with 4 quads per entry of `scales`.
+/// The CPU has AVX2, FMA and F16C; lengths as for [`tile_vnni`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile4_avx2(
+pub(super) unsafe fn tile_avx2<const Q4: bool>(
     quads: &[Quad],
     scales: &[[u16; ROWS]],
     x: &Quantized,
     out: &mut [f32],
     stream: bool,
 ) {
+    // One build per row count, as for `tile_vnni`.
     // SAFETY: the caller's contract, and `x.m` rows.
-    unsafe { per_row_count!(x.m, avx2_4_rows(quads, scales, x, out, stream)) }
+    unsafe { per_row_count!(x.m, Q4, avx2_rows(quads, scales, x, out, stream)) }
 }
 
-/// [`tile4_avx2`] for `M` input rows (`x.m == M`).
+/// [`tile_avx2`] for `M` input rows (`x.m == M`).
 ///
 /// # Safety
-/// As [`tile4_avx2`].
+/// As [`tile_avx2`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn avx2_4_rows<const M: usize>(
+unsafe fn avx2_rows<const M: usize, const Q4: bool>(
     quads: &[Quad],
     scales: &[[u16; ROWS]],
     x: &Quantized,
@@ -292,32 +187,38 @@ unsafe fn avx2_4_rows<const M: usize>(
 ) {
     let nb = scales.len();
     let ones = _mm256_set1_epi16(1);
+    let flip = _mm256_set1_epi8(-128);
     let low = _mm256_set1_epi8(0x0f);
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
     for (b, scale) in scales.iter().enumerate() {
         if stream {
-            prefetch_ahead::<4>(quads, scales, b);
+            if Q4 {
+                prefetch_ahead::<4>(quads, scales, b);
+            } else {
+                prefetch_ahead::<8>(quads, scales, b);
+            }
         }
         let mut sums = [[_mm256_setzero_si256(); 2]; M];
-        for g in 0..4 {
-            let quad = quads[b * 4 + g].0.as_ptr();
+        for g in 0..if Q4 { 4 } else { 8 } {
+            let quad = quads[b * if Q4 { 4 } else { 8 } + g].0.as_ptr();
             for half in 0..2 {
                 // SAFETY: 32 of the quad's 64 bytes.
                 let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
-                let lo = _mm256_and_si256(w, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
                 for (r, sum) in sums.iter_mut().enumerate() {
                     // SAFETY: `r < M == x.m`, and the block's bytes are within the row.
-                    let (xl, xh) = unsafe {
-                        (
-                            four(x, r, b * BLOCK + g * 4),
-                            four(x, r, b * BLOCK + 16 + g * 4),
+                    let at = |i: usize| _mm256_set1_epi32(unsafe { four(x, r, b * BLOCK + i) });
+                    let pairs = if Q4 {
+                        let lo = _mm256_and_si256(w, low);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, at(g * 4)),
+                            _mm256_maddubs_epi16(hi, at(16 + g * 4)),
                         )
+                    } else {
+                        let w = _mm256_xor_si256(w, flip);
+                        let magnitude = _mm256_sign_epi8(w, w);
+                        _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(at(g * 4), w))
                     };
-                    let pairs = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)),
-                    );
                     sum[half] = _mm256_add_epi32(sum[half], _mm256_madd_epi16(pairs, ones));
                 }
             }
@@ -326,10 +227,13 @@ unsafe fn avx2_4_rows<const M: usize>(
             // SAFETY: 8 float16 scales, 16 bytes.
             let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(scale[half * 8..].as_ptr().cast()) });
             for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
-                let total = _mm256_cvtepi32_ps(sum[half]);
-                let exact = _mm256_sub_ps(total, _mm256_set1_ps(x.offset[r * nb + b] / 16.0));
+                let mut total = _mm256_cvtepi32_ps(sum[half]);
+                if Q4 {
+                    let offset = x.offset[r * nb + b] / offset_divisor(Q4);
+                    total = _mm256_sub_ps(total, _mm256_set1_ps(offset));
+                }
                 let dx = _mm256_set1_ps(x.d[r * nb + b]);
-                acc[half] = _mm256_fmadd_ps(exact, _mm256_mul_ps(dw, dx), acc[half]);
+                acc[half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[half]);
             }
         }
     }
