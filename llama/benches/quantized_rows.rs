@@ -8,9 +8,9 @@
 //! RAYON_NUM_THREADS=2 cargo bench -p llama --bench quantized_rows -- q4_0    # another kind
 //! ```
 //!
-//! Up to `Q8_0_MAX_ROWS` rows a `q8_0` layer runs module-nn's kernel (CPUs with AVX2), up to
-//! `QUANTIZED_MAX_ROWS` other kinds run candle's; above, both multiply with the dequantized
-//! weight in float (the ratio is then about 1).
+//! Up to `Q8_0_MAX_ROWS` rows a `q8_0` or `q4_0` layer runs module-nn's kernel (CPUs with AVX2),
+//! up to `QUANTIZED_MAX_ROWS` other kinds run candle's; above, both multiply with the
+//! dequantized weight in float (the ratio is then about 1).
 
 use std::time::Instant;
 
@@ -26,7 +26,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         .find(|a| !a.starts_with('-'))
         .unwrap_or_else(|| "q8_0".to_owned());
     let kind = parse_quant_kind(&kind_name)?;
-    println!("{kind_name}: kernel up to {Q8_0_MAX_ROWS} rows (q8_0) / {QUANTIZED_MAX_ROWS} (other kinds)");
+    println!(
+        "{kind_name}: kernel up to {Q8_0_MAX_ROWS} rows (q8_0, q4_0) / {QUANTIZED_MAX_ROWS} (other kinds)"
+    );
     let dev = Device::Cpu;
     for (out, inp, copies) in [
         (1536usize, 576usize, 60usize),

@@ -192,7 +192,8 @@ pub const QUANTIZED_MAX_ROWS: usize = 4;
 /// (CPUs with AVX2); above, the float GEMM over the dequantized weight. Measured on the
 /// SmolLM-135M-shaped
 /// decoder's weights, cold in memory, against the float GEMM (2 threads): 3.6–4.0× faster at 1
-/// row, 3.0–4.0× at 32, 1.5–2.2× at 128, 1.2–1.9× at 512 (`benches/quantized_rows.rs` in the
+/// row, 3.0–4.0× at 32, 1.5–2.2× at 128, 1.2–1.9× at 512 in `q8_0`; in `q4_0` 4.3–7.5× at 1
+/// row, 2.9–3.7× at 32, 2.1–2.5× at 128, 1.25–2.6× at 512 (`benches/quantized_rows.rs` in the
 /// `llama` package): a prompt's prefill takes it too. Beyond, each tile's pass over every row
 /// reads the rounded input again, and no longer measured here.
 pub const Q8_0_MAX_ROWS: usize = 512;
