@@ -1,14 +1,16 @@
 //! Resident memory of the SmolLM-135M-shaped decoder (135M parameters; float32 540 MB, `q8_0`
-//! 143 MB): loaded in float32, after `quantize(&model, "**", q8_0)` (the float values freed),
-//! after a first decode step (the `q8_0` kernel's tiles made), and loaded from a `q8_0` GGUF
-//! (never holding float values). Each case runs in a fresh process (this one, again), read from
-//! `/proc/self/status` (Linux).
+//! 143 MB, `q4_0` 76 MB): loaded in float32, after `quantize(&model, "**", kind)` (the float
+//! values freed), after a first decode step (the kernel's tiles made, replacing the weights'
+//! bytes), and loaded from a GGUF of the kind (never holding float values), for `q8_0` and
+//! `q4_0`. Each case runs in a fresh process (this one, again), read from `/proc/self/status`
+//! (Linux).
 //!
 //! The checkpoint is the decode benchmark's (`$LLAMA_BENCH_DIR`, default `smollm-135m-random` in
-//! the system's temp folder), and the GGUF the one it writes with `QUANTIZE=q8_0`: run it first.
+//! the system's temp folder), and the GGUF files the ones it writes with `QUANTIZE=q8_0,q4_0`:
+//! run it first.
 //!
 //! ```text
-//! QUANTIZE=q8_0 cargo bench -p llama --bench decode -- 1   # makes the checkpoint and the GGUF
+//! QUANTIZE=q8_0,q4_0 cargo bench -p llama --bench decode -- 1   # the checkpoint and GGUF files
 //! cargo bench -p llama --bench memory
 //! ```
 
@@ -49,20 +51,30 @@ fn first_step(model: &LlamaForCausalLM) -> AnyResult<()> {
     Ok(())
 }
 
+/// The kinds measured, with their names.
+const KINDS: [(&str, GgmlDType); 2] = [("q8_0", GgmlDType::Q8_0), ("q4_0", GgmlDType::Q4_0)];
+
+/// One case: `KIND` (the checkpoint quantized) or `KIND.gguf` (the GGUF file).
 fn measure(case: &str, dir: &Path) -> AnyResult<()> {
-    if case == "gguf" {
-        let model = LlamaForCausalLM::from_gguf(&dir.join("model-q8_0.gguf"), &Device::Cpu)?;
-        report("q8_0 GGUF loaded");
+    if let Some(name) = case.strip_suffix(".gguf") {
+        let model =
+            LlamaForCausalLM::from_gguf(&dir.join(format!("model-{name}.gguf")), &Device::Cpu)?;
+        report(&format!("{name} GGUF loaded"));
         first_step(&model)?;
-        report("q8_0 GGUF, after the first step (tiles)");
+        report(&format!("{name} GGUF, after the first step (tiles)"));
         return Ok(());
     }
+    let kind = KINDS
+        .iter()
+        .find(|(name, _)| *name == case)
+        .ok_or_else(|| format!("unknown case {case}"))?
+        .1;
     let model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
     report("float32 loaded");
-    let _ = quantize(&model, "**", GgmlDType::Q8_0)?;
-    report("quantized to q8_0");
+    let _ = quantize(&model, "**", kind)?;
+    report(&format!("quantized to {case}"));
     first_step(&model)?;
-    report("q8_0, after the first step (tiles)");
+    report(&format!("{case}, after the first step (tiles)"));
     Ok(())
 }
 
@@ -80,16 +92,19 @@ fn main() -> AnyResult<()> {
         )
         .into());
     }
-    let mut cases = vec!["float"];
-    if dir.join("model-q8_0.gguf").exists() {
-        cases.push("gguf");
-    } else {
-        println!(
-            "(no model-q8_0.gguf in {}: `QUANTIZE=q8_0` on the decode benchmark writes it)",
-            dir.display()
-        );
+    let mut cases = Vec::new();
+    for (name, _) in KINDS {
+        cases.push(name.to_owned());
+        if dir.join(format!("model-{name}.gguf")).exists() {
+            cases.push(format!("{name}.gguf"));
+        } else {
+            println!(
+                "(no model-{name}.gguf in {}: `QUANTIZE={name}` on the decode benchmark writes it)",
+                dir.display()
+            );
+        }
     }
-    for case in cases {
+    for case in &cases {
         let status = Command::new(std::env::current_exe()?)
             .env(CASE, case)
             .status()?;
