@@ -8,7 +8,8 @@
 //! RAYON_NUM_THREADS=2 cargo bench -p llama --bench quantized_rows -- q4_0    # another kind
 //! ```
 //!
-//! Up to `Q8_0_MAX_ROWS` rows a `q8_0` or `q4_0` layer runs module-nn's kernel (CPUs with AVX2),
+//! Up to `Q8_0_MAX_ROWS` rows a `q8_0`, `q4_0` or `q4_K` layer runs module-nn's kernel (CPUs
+//! with AVX2; shapes whose rows the kind's blocks do not fit are skipped),
 //! up to `QUANTIZED_MAX_ROWS` other kinds run candle's; above, both multiply with the
 //! dequantized weight in float (the ratio is then about 1).
 
@@ -27,7 +28,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "q8_0".to_owned());
     let kind = parse_quant_kind(&kind_name)?;
     println!(
-        "{kind_name}: kernel up to {Q8_0_MAX_ROWS} rows (q8_0, q4_0) / {QUANTIZED_MAX_ROWS} (other kinds)"
+        "{kind_name}: kernel up to {Q8_0_MAX_ROWS} rows (q8_0, q4_0, q4_k) / {QUANTIZED_MAX_ROWS} (other kinds)"
     );
     let dev = Device::Cpu;
     for (out, inp, copies) in [
@@ -35,6 +36,13 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         (576, 1536, 60),
         (49152, 576, 3),
     ] {
+        if inp % kind.block_size() != 0 {
+            println!(
+                "{out}x{inp}: rows of {inp} do not fit {kind_name}'s blocks of {}",
+                kind.block_size()
+            );
+            continue;
+        }
         let float: Vec<Linear> = (0..copies)
             .map(|_| Linear::no_bias(inp, out, &dev))
             .collect::<Result<_>>()?;

@@ -184,18 +184,17 @@ layer_forward!(Linear, |layer, x| {
 
 /// The most input rows a quantized `Linear` runs candle's quantized matmul for; above, the float
 /// GEMM over the dequantized weight is faster (measured on the SmolLM-135M-shaped decoder's
-/// 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16). `q8_0` and
-/// `q4_0` weights on CPUs with AVX2 take this crate's kernel instead, up to [`Q8_0_MAX_ROWS`].
+/// 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16). `q8_0`, `q4_0`
+/// and `q4_K` weights on CPUs with AVX2 take this crate's kernel instead, up to
+/// [`Q8_0_MAX_ROWS`].
 pub const QUANTIZED_MAX_ROWS: usize = 4;
 
-/// The most input rows a quantized `Linear` runs this crate's `q8_0` (and `q4_0`) kernel for
-/// (CPUs with AVX2); above, the float GEMM over the dequantized weight. Measured on the
-/// SmolLM-135M-shaped
-/// decoder's weights, cold in memory, against the float GEMM (2 threads): 3.6–4.0× faster at 1
-/// row, 3.0–4.0× at 32, 1.5–2.2× at 128, 1.2–1.9× at 512 in `q8_0`; in `q4_0` 4.3–7.5× at 1
-/// row, 2.9–3.7× at 32, 2.1–2.5× at 128, 1.25–2.6× at 512 (`benches/quantized_rows.rs` in the
-/// `llama` package): a prompt's prefill takes it too. Beyond, each tile's pass over every row
-/// reads the rounded input again, and no longer measured here.
+/// The most input rows a quantized `Linear` runs this crate's `q8_0` (`q4_0`, `q4_K`) kernel for
+/// (CPUs with AVX2); above, the float GEMM over the dequantized weight. Against the float GEMM on
+/// the SmolLM-135M-shaped decoder's weights, cold, 2 threads (`benches/quantized_rows.rs` in the
+/// `llama` package), at 1 / 32 / 128 / 512 rows: `q8_0` 3.6–4.0× / 3.0–4.0× / 1.5–2.2× /
+/// 1.2–1.9×, `q4_0` 4.3–7.5× / 2.9–3.7× / 2.1–2.5× / 1.25–2.6×, `q4_K` 5.6× / 2.6× / 1.8× / 1.8×:
+/// prompts take it too. Beyond, each tile's pass over every row reads the rounded input again.
 pub const Q8_0_MAX_ROWS: usize = 512;
 
 /// The most input rows a weight of `kind` on `device` is multiplied with in its quantized form.
@@ -215,7 +214,7 @@ pub(crate) fn rows(x: &Tensor) -> usize {
 }
 
 /// `x Wᵀ + b` with a quantized `W` `[out, in]` (held by `param`), over the rows of `x` as float32
-/// (quantized blockwise by the kernel), the output in `x`'s dtype: a CPU `q8_0`/`q4_0` weight through
+/// (quantized blockwise by the kernel), the output in `x`'s dtype: a CPU `q8_0`/`q4_0`/`q4_K` weight through
 /// this crate's kernel (`q8_0_matmul`, on tiles made once per weight), anything else through
 /// candle's quantized matmul.
 fn quantized_linear(x: &Tensor, param: &Param, bias: Option<Tensor>) -> Result<Tensor> {
@@ -241,7 +240,7 @@ fn quantized_linear(x: &Tensor, param: &Param, bias: Option<Tensor>) -> Result<T
     let y = match crate::q8_0_matmul::q8_0_matmul(&x2, param)? {
         Some(y) => y,
         // Other kinds and devices: candle's quantized matmul over the weight, which no layout
-        // replaced (only the `q8_0`/`q4_0` kernel's tiles do, on the CPU).
+        // replaced (only the `q8_0`/`q4_0`/`q4_K` kernel's tiles do, on the CPU).
         None => match param.quantized()? {
             Some(w) => x2.apply_op1_no_bwd(&*w)?,
             None => return linear(x, &param.tensor()?, bias),

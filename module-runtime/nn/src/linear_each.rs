@@ -15,7 +15,7 @@ impl Linear {
     /// attention's query, key and value projections or SwiGLU's gate and up projections.
     ///
     /// The values are the separate calls'. It is faster in one case: weights quantized to `q8_0`
-    /// or `q4_0` ([`quantize`](crate::quantize)) on a CPU with AVX2, up to
+    /// `q4_0` or `q4_K` ([`quantize`](crate::quantize)) on a CPU with AVX2, up to
     /// [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) rows (decoding, prompts). There the rows are rounded to 8 bits
     /// once and every layer's product is one pass over the thread pool instead of one each: a
     /// decoding step's products last microseconds, and a Llama decoder's step runs 6–9% faster

@@ -37,8 +37,8 @@ pub struct QuantizeReport {
 /// Quantizes, in place, the weights of the `Linear` layers (and built `LazyLinear`s) whose
 /// module path matches `pattern` ([`PathPattern`]: `**` for all of them,
 /// `model.layers.*.mlp.*`, `lm_head`), to `kind` (`GgmlDType::Q8_0`, `Q4_0`, `Q4K`, …): from
-/// then on they multiply with a quantized matmul (this crate's kernel for `q8_0` and `q4_0` on
-/// the CPU, candle's for other kinds and devices). PyTorch's `quantize_dynamic`,
+/// then on they multiply with a quantized matmul (this crate's kernel for `q8_0`, `q4_0` and
+/// `q4_K` on the CPU, candle's for other kinds and devices). PyTorch's `quantize_dynamic`,
 /// selecting layers by path pattern instead of by class.
 ///
 /// The model's type does not change: a quantized `Linear` is still a `Linear`, whose `weight`
@@ -51,8 +51,8 @@ pub struct QuantizeReport {
 /// input. `print(model)` shows `quantized=Q8_0` on each such layer. Biases stay in float.
 ///
 /// The quantized matmul runs for inputs of up to [`QUANTIZED_MAX_ROWS`](crate::QUANTIZED_MAX_ROWS)
-/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS), prompts included, for `q8_0` and
-/// `q4_0` on CPUs with AVX2, whose kernel is this crate's); for more the layer multiplies with the
+/// rows (decoding; [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS), prompts included, for `q8_0`,
+/// `q4_0` and `q4_K` on CPUs with AVX2, whose kernel is this crate's); for more the layer multiplies with the
 /// dequantized weight in float, which is as fast or faster there, as llama.cpp dequantizes for
 /// large batches. Both use the quantized weight's values; the quantized kernel also rounds the
 /// input rows to 8 bits per block.
@@ -317,12 +317,12 @@ mod tests {
         }
     }
 
-    /// Once the kernel has made its tiles (`q8_0`, `q4_0`), they are the weight's only copy:
+    /// Once the kernel has made its tiles (`q8_0`, `q4_0`, `q4_K`), they are the weight's only copy:
     /// the weight, its rows, its values and a tied embedding's rows come back from them
     /// exactly, and the products stay the same.
     #[test]
     fn the_tiles_replace_the_weight_exactly() {
-        for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K] {
             tiles_replace_the_weight_exactly(kind);
         }
     }
@@ -333,15 +333,15 @@ mod tests {
             return; // no AVX2: candle's kernel, no tiles
         }
         // 40 rows: the last tile is padded.
-        let head = Linear::no_bias(64, 40, &dev).unwrap();
-        let mut table = crate::Embedding::new(40, 64, &dev).unwrap();
+        let head = Linear::no_bias(256, 40, &dev).unwrap();
+        let mut table = crate::Embedding::new(40, 256, &dev).unwrap();
         table.weight = head.weight.clone();
         let _ = quantize(&head, "**", kind).unwrap();
         let original = head.weight.quantized().unwrap().unwrap();
         let bytes = original.data().unwrap().to_vec();
         let values = head.weight.tensor().unwrap();
         drop(original);
-        let x = Tensor::randn(0f32, 1., (1, 64), &dev).unwrap();
+        let x = Tensor::randn(0f32, 1., (1, 256), &dev).unwrap();
         let before = crate::without_grad(|| head.forward(&x)).unwrap();
         // The tiles exist now; the weight is made again from them on each call.
         let a = head.weight.quantized().unwrap().unwrap();
@@ -349,7 +349,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(a.data().unwrap().as_ref(), bytes.as_slice());
         let rows = head.weight.quantized_rows(&[39, 0, 17]).unwrap().unwrap();
-        let row = 2 * kind.type_size(); // two blocks
+        let row = 256 / kind.block_size() * kind.type_size();
         let want: Vec<u8> = [39, 0, 17]
             .iter()
             .flat_map(|&r| bytes[r * row..(r + 1) * row].to_vec())

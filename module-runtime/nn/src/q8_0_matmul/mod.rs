@@ -1,4 +1,4 @@
-//! The product of input rows with a CPU `q8_0` or `q4_0` weight: decoding's matmul, where every
+//! The product of input rows with a CPU `q8_0`, `q4_0` or `q4_K` weight: decoding's matmul, where every
 //! weight is read once per token and the speed is the speed at which the weights stream from
 //! memory, and a prompt's (up to [`Q8_0_MAX_ROWS`](crate::Q8_0_MAX_ROWS) rows), where it is
 //! arithmetic and `vpdpbusd`'s 64 byte products an instruction beat the float GEMM's 16.
@@ -15,7 +15,10 @@
 //! instruction (`vpdpbusd`) adds their products into 16 lanes, one per output, with no horizontal
 //! sums. `q8_0` bytes are stored plus 128 (unsigned, as `vpdpbusd` takes them), and the block's
 //! input sum times 128 is taken off after; `q4_0`'s bytes are ggml's, two weights each, whose
-//! nibbles (the weight plus 8) are split in registers, and the input sum times 8 is taken off.
+//! nibbles (the weight plus 8) are split in registers, and the input sum times 8 is taken off;
+//! `q4_K`'s nibbles likewise, per block `d·sc·Σ q·x − dmin·m·Σ x` with the 16 rows' 6-bit
+//! scales and minimums decoded in lanes (the input is rounded per block of 32 here, per 256 in
+//! candle and llama.cpp: results differ by that rounding, the tests bound it).
 //! x86-64 CPUs with AVX-512 VNNI run that; AVX2 ones the same layout eight rows at a time
 //! (`q8_0` bytes made signed again, llama.cpp's sign trick; `q4_0` nibbles are unsigned already).
 //! Other CPUs keep candle's kernel (NEON on ARM): the scalar loop here is the reference the tests
@@ -24,8 +27,8 @@
 //!
 //! Candle 0.11's kernels for the same products read a `q8_0` weight whose rows are not a multiple
 //! of 256 at about 10 GB/s on two cores here, one 32-block at a time with a horizontal sum each
-//! (BENCHMARKS.md, "Quantized weights"), and decode a `q4_0` model at 80 tokens/s where these
-//! decode it at 215–268.
+//! (BENCHMARKS.md, "Quantized weights"), decode a `q4_0` model at 80 tokens/s where these
+//! decode it at 215–280, and read `q4_K` at 14 GB/s where this reads it at 27–34.
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
@@ -33,7 +36,7 @@ use half::f16;
 
 use crate::error::Result;
 use crate::Param;
-use tiles::{Format, Quad, Tiles};
+use tiles::{q4k_header, q4k_scale_min, Format, Quad, Tiles, Q4K_BLOCKS};
 
 /// Inputs per `q8_0` (and `q4_0`) block.
 const BLOCK: usize = 32;
@@ -46,7 +49,7 @@ const MAX_M: usize = 4;
 /// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0` or
 /// `q4_0` weight, AVX2 or better).
 pub(crate) fn applies(kind: GgmlDType, device: &Device) -> bool {
-    matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0)
+    matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K)
         && device.is_cpu()
         && Kernel::detect() != Kernel::Scalar
 }
@@ -271,6 +274,7 @@ impl Kernel {
     ) {
         // What the SIMD loops' unchecked loads and stores rely on.
         assert!(quads.len() == scales.len() * format.quads() && x.k == scales.len() * BLOCK);
+        assert!(format != Format::Q4K || scales.len().is_multiple_of(Q4K_BLOCKS));
         assert!(x.m <= MAX_M && out.len() >= x.m * ROWS);
         match (self, format) {
             (Kernel::Scalar, _) => scalar(format, quads, scales, x, out),
@@ -292,12 +296,23 @@ impl Kernel {
             (Kernel::Vnni, Format::Q4) => unsafe {
                 x86::tile_vnni::<true>(quads, scales, x, out, stream)
             },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Avx2, Format::Q4K) => unsafe {
+                x86::tile_avx2_q4k(quads, scales, x, out, stream)
+            },
+            #[cfg(target_arch = "x86_64")]
+            (Kernel::Vnni, Format::Q4K) => unsafe {
+                x86::tile_vnni_q4k(quads, scales, x, out, stream)
+            },
         }
     }
 }
 
 /// The portable inner loop: exact integer sums per block, scaled and added in `f32`.
 fn scalar(format: Format, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+    if format == Format::Q4K {
+        return scalar_q4k(quads, scales, x, out);
+    }
     let qpb = format.quads();
     for r in 0..x.m {
         let xq = &x.q[r * x.k..(r + 1) * x.k];
@@ -310,12 +325,12 @@ fn scalar(format: Format, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized,
                 for g in 0..qpb {
                     let w = &quads[b * qpb + g].0[i * 4..i * 4 + 4];
                     for j in 0..4 {
-                        sum += match format {
-                            Format::Q8 => (w[j] as i32 - 128) * xb[g * 4 + j] as i32,
-                            Format::Q4 => {
-                                (((w[j] & 15) as i32) - 8) * xb[g * 4 + j] as i32
-                                    + (((w[j] >> 4) as i32) - 8) * xb[16 + g * 4 + j] as i32
-                            }
+                        // `q4_K` returned above: `q8_0` or `q4_0`.
+                        sum += if format == Format::Q8 {
+                            (w[j] as i32 - 128) * xb[g * 4 + j] as i32
+                        } else {
+                            (((w[j] & 15) as i32) - 8) * xb[g * 4 + j] as i32
+                                + (((w[j] >> 4) as i32) - 8) * xb[16 + g * 4 + j] as i32
                         };
                     }
                 }
@@ -327,6 +342,40 @@ fn scalar(format: Format, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized,
 }
 
 mod tiles;
+/// [`scalar`] for `q4_K` tiles: per block `dx · (d·sc·Σ q·x − dmin·m·Σ x)`.
+fn scalar_q4k(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
+    let nb = x.k / BLOCK;
+    for r in 0..x.m {
+        let xq = &x.q[r * x.k..(r + 1) * x.k];
+        for i in 0..ROWS {
+            let mut acc = 0f32;
+            for (s, entries) in scales.chunks_exact(Q4K_BLOCKS).enumerate() {
+                let d = f16::from_bits(entries[0][i]).to_f32();
+                let dmin = f16::from_bits(entries[1][i]).to_f32();
+                let header = q4k_header(entries);
+                let bytes: [u8; 12] = std::array::from_fn(|k| header[16 * k + i]);
+                for j in 0..Q4K_BLOCKS {
+                    let (sc, m) = q4k_scale_min(j, &bytes);
+                    let b = s * Q4K_BLOCKS + j;
+                    let mut sum = 0i32;
+                    for g in 0..8 {
+                        let quad = &quads[(s * Q4K_BLOCKS) * 4 + (j / 2) * 8 + g].0;
+                        for t in 0..4 {
+                            let byte = quad[i * 4 + t];
+                            let q = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
+                            sum += q as i32 * xq[b * BLOCK + g * 4 + t] as i32;
+                        }
+                    }
+                    let xsum = x.offset[r * nb + b] / 128.0;
+                    let w = d * sc as f32 * sum as f32 - dmin * m as f32 * xsum;
+                    acc += x.d[r * nb + b] * w;
+                }
+            }
+            out[r * ROWS + i] = acc;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -6,7 +6,7 @@ use candle_core::Device;
 use std::sync::Arc;
 
 /// The kinds the kernels take.
-const KINDS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_0];
+const KINDS: [GgmlDType; 3] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K];
 
 /// A weight `[n, k]` quantized to `kind` and input `[rows, k]` with values of both signs, exact
 /// zeros and a zero row (a zero scale).
@@ -60,7 +60,7 @@ fn equals_candles_quantized_matmul() {
         (37, 576, 13),
         (130, 64, 9),
     ] {
-        for kind in KINDS {
+        for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
             let (w, x) = case_of(kind, n, k, rows);
             // Candle's product first: the kernel's tiles then replace the weight's bytes.
             let candle = x
@@ -75,6 +75,36 @@ fn equals_candles_quantized_matmul() {
             let diff = max_rel_diff(&ours, &candle);
             assert!(diff < 1e-5, "{kind:?} {n}x{k}, {rows} rows: {diff}");
         }
+    }
+}
+
+/// `q4_K`: candle (as llama.cpp) rounds the input per 256 (`q8_K`), this kernel per 32 as for the
+/// other kinds, so both are checked against the float product of the dequantized weight with
+/// the input as it is: within the rounding of the input, and the kernel no further than candle.
+#[test]
+fn q4k_is_the_dequantized_product_within_the_inputs_rounding() {
+    for (n, k, rows) in [
+        (64, 256, 1),
+        (37, 512, 1),
+        (130, 256, 3),
+        (5, 768, 4),
+        (37, 512, 13),
+    ] {
+        let (w, x) = case_of(GgmlDType::Q4K, n, k, rows);
+        let exact = x.matmul(&w.tensor().unwrap().t().unwrap()).unwrap();
+        let candle = x
+            .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
+            .unwrap();
+        let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
+            assert_eq!(Kernel::detect(), Kernel::Scalar);
+            continue;
+        };
+        assert_eq!(ours.dims(), [rows, n]);
+        let (ours, candle) = (max_rel_diff(&ours, &exact), max_rel_diff(&candle, &exact));
+        assert!(
+            ours < 1e-2 && ours <= candle * 1.5,
+            "{n}x{k}, {rows} rows: {ours} (candle {candle})"
+        );
     }
 }
 
@@ -105,10 +135,10 @@ fn rounding_is_f32_round() {
 fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
     // Every row count a pass takes (each is its own build of the SIMD loops).
     for (rows, kind) in (1..=MAX_M).flat_map(|rows| KINDS.map(|kind| (rows, kind))) {
-        let (w, x) = case_of(kind, 21, 256, rows);
+        let (w, x) = case_of(kind, 21, 512, rows);
         let tiles = Tiles::new(&w.quantized().unwrap().unwrap()).unwrap();
         let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let xq = Quantized::new(&x, rows, 256);
+        let xq = Quantized::new(&x, rows, 512);
         let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2")
@@ -168,7 +198,7 @@ fn other_kinds_and_dtypes_are_left_to_candle() {
     for kind in [
         GgmlDType::Q4_1,
         GgmlDType::Q5_0,
-        GgmlDType::Q4K,
+        GgmlDType::Q5K,
         GgmlDType::Q6K,
     ] {
         w.quantize(kind).unwrap();

@@ -1,7 +1,7 @@
 //! The x86-64 inner loops of the `q8_0` and `q4_0` products: one tile of 16 output rows for up
 //! to four input rows, with AVX-512 VNNI (16 lanes) or AVX2 (two halves of eight).
 
-use super::{Quad, Quantized, BLOCK, MAX_M, ROWS};
+use super::{q4k_header, Quad, Quantized, BLOCK, MAX_M, Q4K_BLOCKS, ROWS};
 use std::arch::x86_64::*;
 
 /// How far ahead a streaming tile prefetches: 2 KiB of quads (measured against 1, 4 and 8 KiB
@@ -41,6 +41,14 @@ unsafe fn four(x: &Quantized, r: usize, at: usize) -> i32 {
 /// `f::<M, Q4>(args)` for the row count `m` (1 to [`MAX_M`]): one build of the loop per count
 /// and format.
 macro_rules! per_row_count {
+    ($m:expr, $f:ident($($arg:expr),*)) => {
+        match $m {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<MAX_M>($($arg),*),
+        }
+    };
     ($m:expr, $q4:ident, $f:ident($($arg:expr),*)) => {
         match $m {
             1 => $f::<1, $q4>($($arg),*),
@@ -234,6 +242,235 @@ unsafe fn avx2_rows<const M: usize, const Q4: bool>(
                 }
                 let dx = _mm256_set1_ps(x.d[r * nb + b]);
                 acc[half] = _mm256_fmadd_ps(total, _mm256_mul_ps(dw, dx), acc[half]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (half, acc) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16 values per input row.
+            unsafe { _mm256_storeu_ps(out[r * ROWS + half * 8..].as_mut_ptr(), *acc) };
+        }
+    }
+}
+
+/// A `q4_K` tile with AVX-512 VNNI: per super-block, the 16 rows' 6-bit scales and minimums
+/// decoded from their bytes (16 rows, 16 lanes) and multiplied by `d` and `dmin`; per pair of
+/// blocks, the quads' low and high nibbles (the two blocks' weights) into two `vpdpbusd` chains;
+/// per block `dx · (d·sc·Σ q·x − dmin·m·Σ x)`.
+///
+/// # Safety
+/// As [`tile_vnni`], with 4 quads per entry of `scales` and whole super-blocks (8 entries).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile_vnni_q4k(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe { per_row_count!(x.m, vnni_q4k_rows(quads, scales, x, out, stream)) }
+}
+
+/// [`tile_vnni_q4k`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile_vnni_q4k`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn vnni_q4k_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    let nb = scales.len();
+    let low = _mm512_set1_epi8(0x0f);
+    let (six_bits, four_bits) = (_mm512_set1_epi32(63), _mm512_set1_epi32(15));
+    let mut acc = [_mm512_setzero_ps(); M];
+    for (s, entries) in scales.chunks_exact(Q4K_BLOCKS).enumerate() {
+        // SAFETY: 16 float16 values, 32 bytes each.
+        let d = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(entries[0].as_ptr().cast()) });
+        let dmin = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(entries[1].as_ptr().cast()) });
+        let header = q4k_header(entries);
+        // Scale byte `k` of the 16 rows, one per lane.
+        // SAFETY: the header holds 12 × 16 bytes.
+        let byte = |k: usize| {
+            _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(header[16 * k..].as_ptr().cast()) })
+        };
+        // Block `j`'s `d·sc` and `dmin·m` (ggml's `get_scale_min_k4`, in lanes).
+        let scale_min = |j: usize| {
+            let (sc, m) = if j < 4 {
+                (
+                    _mm512_and_si512(byte(j), six_bits),
+                    _mm512_and_si512(byte(j + 4), six_bits),
+                )
+            } else {
+                let both = byte(j + 4);
+                let top = |k: usize| _mm512_slli_epi32(_mm512_srli_epi32(byte(k), 6), 4);
+                (
+                    _mm512_or_si512(_mm512_and_si512(both, four_bits), top(j - 4)),
+                    _mm512_or_si512(_mm512_srli_epi32(both, 4), top(j)),
+                )
+            };
+            (
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)),
+                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)),
+            )
+        };
+        for pair in 0..Q4K_BLOCKS / 2 {
+            let b = s * Q4K_BLOCKS + 2 * pair;
+            if stream {
+                prefetch_ahead::<4>(quads, scales, b);
+                prefetch_ahead::<4>(quads, scales, b + 1);
+            }
+            let mut sums = [[_mm512_setzero_si512(); 2]; M];
+            for g in 0..8 {
+                // SAFETY: an aligned quad of 64 bytes.
+                let w = unsafe { _mm512_load_si512(quads[b * 4 + g].0.as_ptr().cast()) };
+                let lo = _mm512_and_si512(w, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+                for (r, sum) in sums.iter_mut().enumerate() {
+                    // SAFETY: `r < M == x.m`, and both blocks' bytes are within the row.
+                    let (xl, xh) = unsafe {
+                        (
+                            four(x, r, b * BLOCK + g * 4),
+                            four(x, r, (b + 1) * BLOCK + g * 4),
+                        )
+                    };
+                    sum[0] = _mm512_dpbusd_epi32(sum[0], lo, _mm512_set1_epi32(xl));
+                    sum[1] = _mm512_dpbusd_epi32(sum[1], hi, _mm512_set1_epi32(xh));
+                }
+            }
+            for (h, (sc, m)) in [scale_min(2 * pair), scale_min(2 * pair + 1)]
+                .into_iter()
+                .enumerate()
+            {
+                for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+                    let at = r * nb + b + h;
+                    let xsum = _mm512_set1_ps(x.offset[at] / 128.0);
+                    let w = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[h]), sc, _mm512_mul_ps(m, xsum));
+                    *acc = _mm512_fmadd_ps(w, _mm512_set1_ps(x.d[at]), *acc);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16 values per input row.
+        unsafe { _mm512_storeu_ps(out[r * ROWS..].as_mut_ptr(), *acc) };
+    }
+}
+
+/// A `q4_K` tile with AVX2: [`tile_vnni_q4k`] in two halves of eight rows, the nibbles times
+/// the input bytes by `vpmaddubsw` (2·15·127 per 16-bit pair: no saturation).
+///
+/// # Safety
+/// As [`tile_avx2`], with 4 quads per entry of `scales` and whole super-blocks (8 entries).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tile_avx2_q4k(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    // SAFETY: the caller's contract, and `x.m` rows.
+    unsafe { per_row_count!(x.m, avx2_q4k_rows(quads, scales, x, out, stream)) }
+}
+
+/// [`tile_avx2_q4k`] for `M` input rows (`x.m == M`).
+///
+/// # Safety
+/// As [`tile_avx2_q4k`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn avx2_q4k_rows<const M: usize>(
+    quads: &[Quad],
+    scales: &[[u16; ROWS]],
+    x: &Quantized,
+    out: &mut [f32],
+    stream: bool,
+) {
+    let nb = scales.len();
+    let ones = _mm256_set1_epi16(1);
+    let low = _mm256_set1_epi8(0x0f);
+    let (six_bits, four_bits) = (_mm256_set1_epi32(63), _mm256_set1_epi32(15));
+    let mut acc = [[_mm256_setzero_ps(); 2]; M];
+    for (s, entries) in scales.chunks_exact(Q4K_BLOCKS).enumerate() {
+        let header = q4k_header(entries);
+        // Block `j`'s `d·sc` and `dmin·m` for rows `8 half..8 half + 8`.
+        let scale_min = |j: usize, half: usize| {
+            // SAFETY: 8 float16 values, 16 bytes; the header holds 12 × 16 bytes.
+            let (d, dmin, byte) = unsafe {
+                let f16s = |e: usize| _mm_loadu_si128(entries[e][half * 8..].as_ptr().cast());
+                let byte = |k: usize| {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        header[16 * k + 8 * half..].as_ptr().cast(),
+                    ))
+                };
+                (_mm256_cvtph_ps(f16s(0)), _mm256_cvtph_ps(f16s(1)), byte)
+            };
+            let (sc, m) = if j < 4 {
+                (
+                    _mm256_and_si256(byte(j), six_bits),
+                    _mm256_and_si256(byte(j + 4), six_bits),
+                )
+            } else {
+                let both = byte(j + 4);
+                let top = |k: usize| _mm256_slli_epi32(_mm256_srli_epi32(byte(k), 6), 4);
+                (
+                    _mm256_or_si256(_mm256_and_si256(both, four_bits), top(j - 4)),
+                    _mm256_or_si256(_mm256_srli_epi32(both, 4), top(j)),
+                )
+            };
+            (
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)),
+                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)),
+            )
+        };
+        for pair in 0..Q4K_BLOCKS / 2 {
+            let b = s * Q4K_BLOCKS + 2 * pair;
+            if stream {
+                prefetch_ahead::<4>(quads, scales, b);
+                prefetch_ahead::<4>(quads, scales, b + 1);
+            }
+            // Per input row, per half, per block of the pair.
+            let mut sums = [[[_mm256_setzero_si256(); 2]; 2]; M];
+            for g in 0..8 {
+                let quad = quads[b * 4 + g].0.as_ptr();
+                for half in 0..2 {
+                    // SAFETY: 32 of the quad's 64 bytes.
+                    let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
+                    let lo = _mm256_and_si256(w, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    for (r, sum) in sums.iter_mut().enumerate() {
+                        // SAFETY: `r < M == x.m`, and both blocks' bytes are within the row.
+                        let (xl, xh) = unsafe {
+                            (
+                                four(x, r, b * BLOCK + g * 4),
+                                four(x, r, (b + 1) * BLOCK + g * 4),
+                            )
+                        };
+                        let pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl));
+                        let ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh));
+                        let sum = &mut sum[half];
+                        sum[0] = _mm256_add_epi32(sum[0], _mm256_madd_epi16(pl, ones));
+                        sum[1] = _mm256_add_epi32(sum[1], _mm256_madd_epi16(ph, ones));
+                    }
+                }
+            }
+            for half in 0..2 {
+                for h in 0..2 {
+                    let (sc, m) = scale_min(2 * pair + h, half);
+                    for (r, (acc, sum)) in acc.iter_mut().zip(&sums).enumerate() {
+                        let at = r * nb + b + h;
+                        let xsum = _mm256_set1_ps(x.offset[at] / 128.0);
+                        let total = _mm256_cvtepi32_ps(sum[half][h]);
+                        let w = _mm256_fmsub_ps(total, sc, _mm256_mul_ps(m, xsum));
+                        acc[half] = _mm256_fmadd_ps(w, _mm256_set1_ps(x.d[at]), acc[half]);
+                    }
+                }
             }
         }
     }
