@@ -28,7 +28,7 @@
 //! Candle 0.11's kernels for the same products read a `q8_0` weight whose rows are not a multiple
 //! of 256 at about 10 GB/s on two cores here, one 32-block at a time with a horizontal sum each
 //! (BENCHMARKS.md, "Quantized weights"), decode a `q4_0` model at 80 tokens/s where these
-//! decode it at 215–280, and read `q4_K` at 14 GB/s where this reads it at 27–34.
+//! decode it at 215–280, and read `q4_K` at 14–18 GB/s where this reads it at 27–34.
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
