@@ -55,7 +55,6 @@ pub(crate) struct Entry {
 }
 
 /// A layout as its own type (for `downcast`) and as what gives the weight's rows back.
-#[derive(Clone)]
 struct Layout {
     any: Arc<dyn Any + Send + Sync>,
     rows: Arc<dyn QuantizedLayout>,
