@@ -220,8 +220,8 @@ impl Param {
         if let Some(t) = self.substituted() {
             return Ok(t);
         }
-        if let Some(entry) = self.0.quant.entry() {
-            return self.dequantized(&*entry.weight()?);
+        if self.is_quantized() {
+            return self.own_tensor();
         }
         let var = self.read();
         Ok(
@@ -274,9 +274,26 @@ impl Param {
     /// [`current`](Self::current)); for a quantized parameter a fresh one, as [`var`](Self::var)
     /// says.
     pub fn current_var(&self) -> Result<Var> {
+        if self.is_quantized() {
+            return Ok(Var::from_tensor(&self.own_tensor()?)?);
+        }
+        Ok(self.read().clone())
+    }
+
+    /// The parameter's own values, whatever a functional scope substitutes, detached (as
+    /// [`Buffer::own_tensor`](crate::Buffer::own_tensor)): what a state dict saves. A
+    /// [quantized](Self::quantize) parameter's are dequantized into a fresh tensor (the only
+    /// error this returns); an unbuilt one reads as its empty placeholder.
+    pub fn own_tensor(&self) -> Result<Tensor> {
         match self.0.quant.entry() {
-            Some(entry) => Ok(Var::from_tensor(&self.dequantized(&*entry.weight()?)?)?),
-            None => Ok(self.read().clone()),
+            Some(entry) => {
+                let var = self.read();
+                Ok(entry
+                    .weight()?
+                    .dequantize(var.device())?
+                    .to_dtype(var.dtype())?)
+            }
+            None => Ok(self.read().as_tensor().detach()),
         }
     }
 

@@ -212,44 +212,38 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn dequantize(&self) -> Result<()> {
-        let Some(entry) = self.0.quant.entry() else {
+        if !self.is_quantized() {
             return Ok(());
-        };
-        let values = Var::from_tensor(&self.dequantized(&*entry.weight()?)?)?;
+        }
+        let values = Var::from_tensor(&self.own_tensor()?)?;
         self.0.var.replace(values);
         self.0.quant.store(None);
         Ok(())
-    }
-
-    /// `q`'s values as floats of the parameter's dtype on its device (a fresh tensor).
-    pub(crate) fn dequantized(&self, q: &QTensor) -> Result<Tensor> {
-        let var = self.read();
-        Ok(q.dequantize(var.device())?.to_dtype(var.dtype())?)
     }
 
     /// Makes `weight` the parameter's value, its float values freed: the cell keeps an empty
     /// stand-in of `dtype` (built as the weight's shape when unbuilt; a built parameter must have
     /// that shape already).
     pub(crate) fn store_quantized(&self, weight: Arc<QTensor>, dtype: DType) -> Result<()> {
-        let dims = weight.shape().dims();
         let stand_in = Var::zeros(0, dtype, &self.0.var.device())?;
-        if !self.0.var.build_as(dims, stand_in.clone())? {
-            let shape = self.shape();
-            if shape.dims() != dims {
-                return Err(crate::Error::ValueMismatch {
-                    expected_shape: shape,
-                    expected_dtype: self.dtype(),
-                    shape: weight.shape().clone(),
-                    dtype,
-                });
-            }
-            // The weight first: a reader in between sees the new weight's values, never the
-            // stand-in as the parameter's.
-            self.0.quant.store(Some(weight));
-            self.0.var.replace(stand_in);
-            return Ok(());
+        let built = self
+            .0
+            .var
+            .build_as(weight.shape().dims(), stand_in.clone())?;
+        if !built && self.shape() != *weight.shape() {
+            return Err(crate::Error::ValueMismatch {
+                expected_shape: self.shape(),
+                expected_dtype: self.dtype(),
+                shape: weight.shape().clone(),
+                dtype,
+            });
         }
+        // The weight first: a reader in between sees the new weight's values, never the
+        // stand-in as the parameter's.
         self.0.quant.store(Some(weight));
+        if !built {
+            self.0.var.replace(stand_in);
+        }
         Ok(())
     }
 

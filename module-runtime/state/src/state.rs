@@ -362,7 +362,7 @@ impl Slot {
     /// The values, detached (a quantized parameter's dequantized into a fresh tensor).
     fn tensor(&self) -> Result<Tensor> {
         Ok(match self {
-            Slot::Param(p) => p.current_var()?.as_tensor().detach(),
+            Slot::Param(p) => p.own_tensor()?,
             Slot::Buffer(b) => b.current(),
         })
     }
