@@ -253,11 +253,12 @@ fn product_in(
     out
 }
 
-/// The output pointer, shared by the threads that write disjoint blocks through it.
+/// An output pointer, shared by the threads that write disjoint parts of it through it (this
+/// file's blocks of a product, the `q8_0` kernel's tiles).
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+pub(crate) struct SharedOut(pub(crate) *mut f32);
 
-// SAFETY: the threads write disjoint blocks (see `product`).
+// SAFETY: the threads write disjoint parts (each user says which).
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
@@ -266,7 +267,7 @@ impl SharedOut {
     ///
     /// # Safety
     /// `offset` is inside the output.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut f32 {
         // SAFETY: the caller's.
         unsafe { self.0.add(offset) }
     }

@@ -35,10 +35,11 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 use crate::error::Result;
+use crate::matmul::SharedOut;
 use crate::Param;
 use tiles::{q4k_header, q4k_scale_min, Format, Quad, Tiles, Q4K_BLOCKS};
 
-/// Inputs per `q8_0` (and `q4_0`) block.
+/// Inputs per block of every kind here (`q4_K`'s super-blocks are 8 of them).
 const BLOCK: usize = 32;
 /// Output rows per tile: one 512-bit register of 32-bit lanes.
 const ROWS: usize = 16;
@@ -46,8 +47,8 @@ const ROWS: usize = 16;
 /// take further passes over the same tile, whose bytes are in the L1 cache by then.
 const MAX_M: usize = 4;
 
-/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0` or
-/// `q4_0` weight, AVX2 or better).
+/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0`,
+/// `q4_0` or `q4_K` weight, AVX2 or better).
 pub(crate) fn applies(kind: GgmlDType, device: &Device) -> bool {
     matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K)
         && device.is_cpu()
@@ -171,19 +172,6 @@ fn matmul(
             Ok(Tensor::from_vec(out, (m, w.n), &Device::Cpu)?)
         })
         .collect()
-}
-
-/// The output buffer, written by the pool's threads at disjoint tiles.
-struct SharedOut(*mut f32);
-
-// SAFETY: the threads write disjoint ranges (see `matmul`).
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    fn at(&self, offset: usize) -> *mut f32 {
-        // SAFETY: the offsets stay within the buffer (`matmul`).
-        unsafe { self.0.add(offset) }
-    }
 }
 
 /// Input rows rounded to `q8_0`: row `r`'s values at `q[r * k..]`; per block, its scale

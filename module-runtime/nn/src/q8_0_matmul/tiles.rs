@@ -35,6 +35,9 @@ pub(super) enum Format {
 /// Blocks of 32 inputs per `q4_K` super-block.
 pub(super) const Q4K_BLOCKS: usize = 8;
 
+/// ggml's bytes per `q4_K` super-block of one row: `d`, `dmin`, 12 scale bytes, 128 nibble bytes.
+const Q4K_BYTES: usize = 144;
+
 /// The 12 scale bytes of a tile's `q4_K` super-block as bytes: byte `k` of row `r` at `16k + r`
 /// (`entries` are the super-block's 8 scale entries; the bytes are the last 6).
 pub(super) fn q4k_header(entries: &[[u16; ROWS]]) -> &[u8] {
@@ -106,7 +109,8 @@ impl Format {
     }
 }
 
-/// A `q8_0` or `q4_0` weight `[n, k]` in tiles of 16 rows by one block (see the module's docs).
+/// A `q8_0`, `q4_0` or `q4_K` weight `[n, k]` in tiles of 16 rows by one block (see the
+/// module's docs).
 pub(crate) struct Tiles {
     pub(super) format: Format,
     pub(super) n: usize,
@@ -147,21 +151,9 @@ impl Tiles {
         };
         let mut quads = vec![Quad([pad; 64]); tiles * nb * qpb];
         let mut scales = vec![[0u16; ROWS]; tiles * nb];
-        if format == Format::Q4K {
-            fill_q4k(&data, n, nb, &mut quads, &mut scales);
-        }
-        for row in (0..n).filter(|_| format != Format::Q4K) {
-            let (t, r) = (row / ROWS, row % ROWS);
-            for b in 0..nb {
-                let block = &data[(row * nb + b) * bytes..][..bytes];
-                scales[t * nb + b][r] = u16::from_le_bytes([block[0], block[1]]);
-                for (g, four) in block[2..].chunks_exact(4).enumerate() {
-                    let quad = &mut quads[(t * nb + b) * qpb + g].0[r * 4..r * 4 + 4];
-                    for (q, v) in quad.iter_mut().zip(four) {
-                        *q = format.stored(*v);
-                    }
-                }
-            }
+        match format {
+            Format::Q4K => fill_q4k(&data, n, nb, &mut quads, &mut scales),
+            _ => fill_blocks(format, &data, n, nb, &mut quads, &mut scales),
         }
         Some(Self {
             format,
@@ -182,14 +174,40 @@ impl Tiles {
     }
 }
 
+/// [`Tiles::new`]'s filling for `q8_0` and `q4_0`: `data` is `n` rows of `nb` blocks, each its
+/// float16 scale then its weight bytes.
+fn fill_blocks(
+    format: Format,
+    data: &[u8],
+    n: usize,
+    nb: usize,
+    quads: &mut [Quad],
+    scales: &mut [[u16; ROWS]],
+) {
+    let (qpb, bytes) = (format.quads(), format.block_bytes());
+    for row in 0..n {
+        let (t, r) = (row / ROWS, row % ROWS);
+        for b in 0..nb {
+            let block = &data[(row * nb + b) * bytes..][..bytes];
+            scales[t * nb + b][r] = u16::from_le_bytes([block[0], block[1]]);
+            for (g, four) in block[2..].chunks_exact(4).enumerate() {
+                let quad = &mut quads[(t * nb + b) * qpb + g].0[r * 4..r * 4 + 4];
+                for (q, v) in quad.iter_mut().zip(four) {
+                    *q = format.stored(*v);
+                }
+            }
+        }
+    }
+}
+
 /// [`Tiles::new`]'s filling for `q4_K` (see [`Format::Q4K`]): `data` is `n` rows of `nb / 8`
-/// super-blocks of 144 bytes (`d`, `dmin`, 12 scale bytes, 128 nibble bytes).
+/// super-blocks of [`Q4K_BYTES`].
 fn fill_q4k(data: &[u8], n: usize, nb: usize, quads: &mut [Quad], scales: &mut [[u16; ROWS]]) {
     let supers = nb / Q4K_BLOCKS;
     for row in 0..n {
         let (t, r) = (row / ROWS, row % ROWS);
         for s in 0..supers {
-            let ggml = &data[(row * supers + s) * 144..][..144];
+            let ggml = &data[(row * supers + s) * Q4K_BYTES..][..Q4K_BYTES];
             let first = t * nb + s * Q4K_BLOCKS;
             let entries = &mut scales[first..first + Q4K_BLOCKS];
             entries[0][r] = u16::from_le_bytes([ggml[0], ggml[1]]);
@@ -209,7 +227,7 @@ fn fill_q4k(data: &[u8], n: usize, nb: usize, quads: &mut [Quad], scales: &mut [
 fn q4k_row_bytes(tiles: &Tiles, rows: &[usize]) -> Vec<u8> {
     let nb = tiles.k / BLOCK;
     let supers = nb / Q4K_BLOCKS;
-    let mut bytes = Vec::with_capacity(rows.len() * supers * 144);
+    let mut bytes = Vec::with_capacity(rows.len() * supers * Q4K_BYTES);
     for &row in rows {
         let (t, r) = (row / ROWS, row % ROWS);
         for s in 0..supers {
@@ -227,6 +245,23 @@ fn q4k_row_bytes(tiles: &Tiles, rows: &[usize]) -> Vec<u8> {
     bytes
 }
 
+/// [`QuantizedLayout::row_bytes`] of `q8_0` and `q4_0` tiles.
+fn block_row_bytes(tiles: &Tiles, rows: &[usize]) -> Vec<u8> {
+    let (nb, qpb, format) = (tiles.k / BLOCK, tiles.format.quads(), tiles.format);
+    let mut bytes = Vec::with_capacity(rows.len() * nb * format.block_bytes());
+    for &row in rows {
+        let (t, r) = (row / ROWS, row % ROWS);
+        for b in 0..nb {
+            bytes.extend_from_slice(&tiles.scales[t * nb + b][r].to_le_bytes());
+            for quad in &tiles.quads[(t * nb + b) * qpb..(t * nb + b + 1) * qpb] {
+                let four = &quad.0[r * 4..r * 4 + 4];
+                bytes.extend(four.iter().map(|&q| format.ggml(q)));
+            }
+        }
+    }
+    bytes
+}
+
 /// The tiles hold every byte of the weight (regrouped; `q8_0`'s bytes plus 128): once they are
 /// made, the weight's own bytes are dropped and its rows come back from here.
 impl QuantizedLayout for Tiles {
@@ -235,21 +270,9 @@ impl QuantizedLayout for Tiles {
     }
 
     fn row_bytes(&self, rows: &[usize]) -> Vec<u8> {
-        if self.format == Format::Q4K {
-            return q4k_row_bytes(self, rows);
+        match self.format {
+            Format::Q4K => q4k_row_bytes(self, rows),
+            _ => block_row_bytes(self, rows),
         }
-        let (nb, qpb) = (self.k / BLOCK, self.format.quads());
-        let mut bytes = Vec::with_capacity(rows.len() * nb * self.format.block_bytes());
-        for &row in rows {
-            let (t, r) = (row / ROWS, row % ROWS);
-            for b in 0..nb {
-                bytes.extend_from_slice(&self.scales[t * nb + b][r].to_le_bytes());
-                for quad in &self.quads[(t * nb + b) * qpb..(t * nb + b + 1) * qpb] {
-                    let four = &quad.0[r * 4..r * 4 + 4];
-                    bytes.extend(four.iter().map(|&q| self.format.ggml(q)));
-                }
-            }
-        }
-        bytes
     }
 }

@@ -207,8 +207,9 @@ unsafe fn avx2_rows<const M: usize, const Q4: bool>(
             }
         }
         let mut sums = [[_mm256_setzero_si256(); 2]; M];
-        for g in 0..if Q4 { 4 } else { 8 } {
-            let quad = quads[b * if Q4 { 4 } else { 8 } + g].0.as_ptr();
+        let qpb = if Q4 { 4 } else { 8 };
+        for g in 0..qpb {
+            let quad = quads[b * qpb + g].0.as_ptr();
             for half in 0..2 {
                 // SAFETY: 32 of the quad's 64 bytes.
                 let w = unsafe { _mm256_load_si256(quad.add(half * 32).cast()) };
