@@ -47,6 +47,27 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     crate::common::max_diff(a, b) / scale.max(1.0)
 }
 
+/// For [`case_of`]: the weight, the input, candle's quantized product (taken first: the kernel's
+/// tiles then replace the weight's bytes) and ours, of the right shape; `None` where this CPU has
+/// no SIMD loop (candle's kernel runs instead).
+fn products(
+    kind: GgmlDType,
+    n: usize,
+    k: usize,
+    rows: usize,
+) -> Option<(Param, Tensor, Tensor, Tensor)> {
+    let (w, x) = case_of(kind, n, k, rows);
+    let candle = x
+        .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
+        .unwrap();
+    let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
+        assert_eq!(Kernel::detect(), Kernel::Scalar);
+        return None;
+    };
+    assert_eq!(ours.dims(), [rows, n]);
+    Some((w, x, candle, ours))
+}
+
 #[test]
 fn equals_candles_quantized_matmul() {
     // Partial last tiles, one to four rows, blocks counts that are not multiples of 8; and
@@ -61,17 +82,9 @@ fn equals_candles_quantized_matmul() {
         (130, 64, 9),
     ] {
         for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
-            let (w, x) = case_of(kind, n, k, rows);
-            // Candle's product first: the kernel's tiles then replace the weight's bytes.
-            let candle = x
-                .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
-                .unwrap();
-            let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
-                // No SIMD loop on this CPU: candle's kernel runs instead.
-                assert_eq!(Kernel::detect(), Kernel::Scalar);
+            let Some((_, _, candle, ours)) = products(kind, n, k, rows) else {
                 continue;
             };
-            assert_eq!(ours.dims(), [rows, n]);
             let diff = max_rel_diff(&ours, &candle);
             assert!(diff < 1e-5, "{kind:?} {n}x{k}, {rows} rows: {diff}");
         }
@@ -90,16 +103,11 @@ fn q4k_is_the_dequantized_product_within_the_inputs_rounding() {
         (5, 768, 4),
         (37, 512, 13),
     ] {
-        let (w, x) = case_of(GgmlDType::Q4K, n, k, rows);
-        let exact = x.matmul(&w.tensor().unwrap().t().unwrap()).unwrap();
-        let candle = x
-            .apply_op1_no_bwd(&*w.quantized().unwrap().unwrap())
-            .unwrap();
-        let Some(ours) = q8_0_matmul(&x, &w).unwrap() else {
-            assert_eq!(Kernel::detect(), Kernel::Scalar);
+        let Some((w, x, candle, ours)) = products(GgmlDType::Q4K, n, k, rows) else {
             continue;
         };
-        assert_eq!(ours.dims(), [rows, n]);
+        // The weight's values, made again from the tiles (the same: `quantize.rs` tests it).
+        let exact = x.matmul(&w.tensor().unwrap().t().unwrap()).unwrap();
         let (ours, candle) = (max_rel_diff(&ours, &exact), max_rel_diff(&candle, &exact));
         assert!(
             ours < 1e-2 && ours <= candle * 1.5,
