@@ -1,5 +1,5 @@
-//! Resident memory of the SmolLM-135M-shaped decoder (135M parameters; float32 540 MB, `q8_0`
-//! 143 MB, `q4_0` 76 MB): loaded in float32, after `quantize(&model, "**", kind)` (the float
+//! Resident memory of the SmolLM-135M-shaped decoder (135M parameters; float32 513 MiB, `q8_0`
+//! 136 MiB, `q4_0` 72 MiB): loaded in float32, after `quantize(&model, "**", kind)` (the float
 //! values freed), after a first decode step (the kernel's tiles made, replacing the weights'
 //! bytes), and loaded from a GGUF of the kind (never holding float values), for `q8_0` and
 //! `q4_0`. Each case runs in a fresh process (this one, again), read from `/proc/self/status`
@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use candle_module::process_memory_mib;
 use llama::LlamaForCausalLM;
 use module_runtime::nn::quantize;
 use module_runtime::prelude::*;
@@ -26,18 +27,12 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// The case a child process measures.
 const CASE: &str = "MEMORY_BENCH_CASE";
 
-/// Resident memory now, in MB (`None` off Linux).
-fn resident_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
-
 fn report(what: &str) {
-    match resident_mb() {
-        Some(mb) => println!("{what:44} {mb:6.0} MB resident"),
-        None => println!("{what:44} (resident memory is read on Linux only)"),
+    let (resident, _) = process_memory_mib();
+    if resident.is_nan() {
+        println!("{what:44} (resident memory is read on Linux only)");
+    } else {
+        println!("{what:44} {resident:6.0} MiB resident");
     }
 }
 

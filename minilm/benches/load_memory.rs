@@ -16,23 +16,10 @@ use candle_nn::VarBuilder;
 
 #[path = "support/mod.rs"]
 mod support;
+use candle_module::process_memory_mib;
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
 use module_runtime::prelude::*;
-
-/// `VmRSS` and `VmHWM` (peak) of this process, in MiB.
-fn memory() -> (f64, f64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<f64>().ok())
-            .map_or(f64::NAN, |kb| kb / 1024.0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let which = std::env::args()
@@ -46,25 +33,25 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let path = dir.join("model.safetensors");
     let file_mib = std::fs::metadata(&path)?.len() as f64 / (1024.0 * 1024.0);
     let device = Device::Cpu;
-    let (rss_before, _) = memory();
+    let (rss_before, _) = process_memory_mib();
     // Each arm measures while it still holds what it loaded.
     let (held, rss_model, (rss_after, peak)) = match which.as_str() {
         "derived" => {
             let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
-            let (rss_model, _) = memory();
+            let (rss_model, _) = process_memory_mib();
             model.load_state_dict(&path, &LoadOptions::default())?;
-            (model.num_parameters(), rss_model, memory())
+            (model.num_parameters(), rss_model, process_memory_mib())
         }
         "empty" => {
             let model =
                 module_runtime::build_empty(|| BertModel::new(&BertConfig::minilm_l6(), &device))?;
-            let (rss_model, _) = memory();
+            let (rss_model, _) = process_memory_mib();
             model.load_state_dict(&path, &LoadOptions::default())?;
-            (model.num_parameters(), rss_model, memory())
+            (model.num_parameters(), rss_model, process_memory_mib())
         }
         "candle_transformers" => {
             let _model = support::peer(&dir, &device)?;
-            (0, rss_before, memory())
+            (0, rss_before, process_memory_mib())
         }
         "varbuilder" => {
             // SAFETY: the checkpoint is not modified while mapped.
@@ -77,7 +64,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 }
             }
             let held = tensors.iter().map(|t| t.elem_count()).sum();
-            (held, rss_before, memory())
+            (held, rss_before, process_memory_mib())
         }
         other => {
             return Err(format!(
