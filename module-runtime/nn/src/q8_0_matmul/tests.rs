@@ -140,13 +140,46 @@ fn rounding_is_f32_round() {
 }
 
 #[test]
+fn rounding_the_input_is_the_same_on_this_cpu() {
+    // Blocks of several ranges, with exact halves after scaling (a block whose largest value is
+    // 127 scales by one), zeros, a zero block and subnormal values.
+    let mut blocks: Vec<[f32; BLOCK]> = (0..400u32)
+        .map(|b| {
+            std::array::from_fn(|i| {
+                let h =
+                    (b.wrapping_mul(2654435761) ^ (i as u32 * 40503)).wrapping_mul(2246822519) >> 8;
+                let v = h as f32 / (1 << 24) as f32 * 2.0 - 1.0;
+                v * [1e-3, 1.0, 37.5, 1e6][b as usize % 4]
+            })
+        })
+        .collect();
+    blocks.push(std::array::from_fn(|i| {
+        i as f32 * 4.0 - 62.5 - if i == 0 { 64.5 } else { 0.0 }
+    }));
+    blocks.push(std::array::from_fn(|i| (i as f32 - 16.0) + 0.5));
+    blocks.push([0.0; BLOCK]);
+    blocks.push(std::array::from_fn(|i| f32::from_bits(i as u32 + 1)));
+    let kernel = Kernel::detect();
+    for x in &blocks {
+        let (mut a, mut b) = ([0i8; BLOCK], [0i8; BLOCK]);
+        let want = round_block(x, &mut a);
+        let got = kernel.round_block(x, &mut b);
+        assert_eq!(
+            (want.0.to_bits(), want.1, a),
+            (got.0.to_bits(), got.1, b),
+            "{x:?}"
+        );
+    }
+}
+
+#[test]
 fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
     // Every row count a pass takes (each is its own build of the SIMD loops).
     for (rows, kind) in (1..=MAX_M).flat_map(|rows| KINDS.map(|kind| (rows, kind))) {
         let (w, x) = case_of(kind, 21, 512, rows);
         let tiles = Tiles::new(&w.quantized().unwrap().unwrap()).unwrap();
         let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let xq = Quantized::new(&x, rows, 512);
+        let xq = Quantized::new(&x, rows, 512, Kernel::detect());
         let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2")

@@ -23,6 +23,47 @@ fn prefetch_ahead<const QPB: usize>(quads: &[Quad], scales: &[[u16; ROWS]], b: u
     unsafe { _mm_prefetch::<_MM_HINT_NTA>(scales.as_ptr().wrapping_add(ahead).cast()) };
 }
 
+/// [`super::round_block`] with AVX-512: the same scale, values and sum for every finite input
+/// (the same steps: the largest magnitude, the values times its reciprocal, each truncated and
+/// moved one away from zero where the remainder is half or more). A NaN input gives a NaN
+/// scale here, where the scalar loop skips it in the maximum.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn round_block_avx512(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32) {
+    // SAFETY: `x` holds 32 values, `q` 32 bytes: two loads and two stores of 16.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_ps(x.as_ptr()),
+            _mm512_loadu_ps(x.as_ptr().add(16)),
+        )
+    };
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    let scale = amax / 127.0;
+    let inv = _mm512_set1_ps(if scale != 0.0 { 1.0 / scale } else { 0.0 });
+    let (lo, hi) = (
+        round16(_mm512_mul_ps(lo, inv)),
+        round16(_mm512_mul_ps(hi, inv)),
+    );
+    unsafe {
+        _mm_storeu_si128(q.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(hi));
+    }
+    (scale, _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi)))
+}
+
+/// 16 values rounded to the nearest integer, halves away from zero ([`super::round_half_away`]).
+#[target_feature(enable = "avx512f")]
+fn round16(v: __m512) -> __m512i {
+    let t = _mm512_cvttps_epi32(v); // toward zero
+    let frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(t)); // exact: |v| < 2^23
+    let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
+    let down = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, _mm512_set1_ps(-0.5));
+    let one = _mm512_set1_epi32(1);
+    _mm512_mask_sub_epi32(_mm512_mask_add_epi32(t, up, t, one), down, t, one)
+}
+
 /// Four input bytes of row `r` at `at`, as one 32-bit integer.
 ///
 /// # Safety
