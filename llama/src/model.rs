@@ -8,7 +8,7 @@
 
 use module_runtime::candle_nn::rotary_emb::rope_thd;
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
-use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig};
+use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig, SiLU};
 use module_runtime::prelude::*;
 
 use crate::config::LlamaConfig;
@@ -34,7 +34,8 @@ pub struct LlamaAttention {
     pub head_dim: usize,
 }
 
-/// The SwiGLU feed-forward block: `down_proj(silu(gate_proj(x)) * up_proj(x))`.
+/// The SwiGLU feed-forward block: `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, `act_fn` the
+/// SiLU.
 #[derive(Module)]
 #[module(paths)]
 pub struct LlamaMlp {
@@ -44,6 +45,9 @@ pub struct LlamaMlp {
     pub up_proj: Linear,
     /// `[hidden, intermediate]`.
     pub down_proj: Linear,
+    /// The activation of the gate, as transformers' `act_fn` (a module, so hooks can read or
+    /// change it: `model.layers.N.mlp.act_fn`).
+    pub act_fn: SiLU,
 }
 
 /// One pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
@@ -130,6 +134,7 @@ impl LlamaModel {
                     gate_proj: linear(h, cfg.intermediate_size, mb, device)?,
                     up_proj: linear(h, cfg.intermediate_size, mb, device)?,
                     down_proj: linear(cfg.intermediate_size, h, mb, device)?,
+                    act_fn: SiLU::new(),
                 },
                 input_layernorm: norm()?,
                 post_attention_layernorm: norm()?,
@@ -193,7 +198,7 @@ impl Forward<&Tensor> for LlamaMlp {
     /// `[…, hidden]` → `[…, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = Linear::call_each([&self.gate_proj, &self.up_proj], x)?;
-        self.down_proj.call(&(gate.silu()? * up)?)
+        self.down_proj.call(&(self.act_fn.call(&gate)? * up)?)
     }
 }
 

@@ -86,6 +86,60 @@ fn loads_strictly_by_hugging_face_names_with_tied_head() {
     );
 }
 
+/// The MLP's activation is a module, as transformers' `act_fn`: hooks see every layer's gate
+/// activations by path, and a hook that replaces them changes the logits.
+#[test]
+fn hooks_see_and_replace_the_mlp_activation() {
+    let model = model();
+    let prompts = reference()["prompts"].to_dtype(DType::U32).unwrap();
+    let run = |hooks: &Hooks| {
+        hooks
+            .run(&model, |m| m.scan(&prompts, m.initial_state(3)?))
+            .unwrap()
+            .0
+    };
+    let plain = run(&Hooks::new());
+    let hooks = Hooks::new();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    hooks
+        .register_forward_hook(
+            "model.layers.*.mlp.act_fn",
+            move |ctx, input, output| {
+                // The SiLU of the gate, here a vectorized kernel: within float32 rounding of
+                // candle's.
+                let want = input[0].silu()?;
+                let diff = (&output[0] - want)?.abs()?.flatten_all()?.max(0)?;
+                record.lock().unwrap().push((
+                    ctx.path().to_string(),
+                    output[0].dims().to_vec(),
+                    diff.to_scalar::<f32>()?,
+                ));
+                Ok(None)
+            },
+            HookOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(max_diff(&run(&hooks), &plain), 0.0);
+    let seen = seen.lock().unwrap();
+    let layers = model.model.layers.len();
+    assert_eq!(seen.len(), layers);
+    for (i, (path, dims, diff)) in seen.iter().enumerate() {
+        assert_eq!(path, &format!("model.layers.{i}.mlp.act_fn"));
+        assert_eq!(dims, &[3, 7, 176]);
+        assert!(*diff < 1e-6, "{path}: {diff}");
+    }
+    let zeroed = Hooks::new();
+    zeroed
+        .register_forward_hook(
+            "model.layers.0.mlp.act_fn",
+            |_, _, output| Ok(Some(vec![output[0].zeros_like()?])),
+            HookOptions::default(),
+        )
+        .unwrap();
+    assert!(max_diff(&run(&zeroed), &plain) > 1e-3);
+}
+
 #[test]
 fn untied_checkpoint_needs_its_head() {
     let mut cfg = LlamaConfig::from_json_file(&fixture().join("config.json")).unwrap();

@@ -74,7 +74,7 @@ pub enum Elementwise {
     GeluErf,
     /// The tanh-approximated [`GELU`](crate::GELU).
     GeluTanh,
-    /// [`SiLU`](crate::SiLU): `x / (1 + e⁻ˣ)`.
+    /// [`SiLU`](crate::SiLU): `x / (1 + e⁻ˣ)`, with its vectorized `exp`.
     Silu,
     /// [`Sigmoid`](crate::Sigmoid): `1 / (e⁻ˣ + 1)`.
     Sigmoid,
@@ -105,7 +105,7 @@ impl Elementwise {
             Self::GeluTanh => {
                 0.5 * x * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * x * (1.0 + 0.044715 * x * x)))
             }
-            Self::Silu => x / (1.0 + (-x).exp()),
+            Self::Silu => crate::vector_exp::silu_vectorized(x),
             Self::Sigmoid => ((-x).exp() + 1.0).recip(),
             Self::Tanh => x.tanh(),
         }
@@ -179,24 +179,32 @@ struct ActivationInPlace(Elementwise);
 
 impl ActivationInPlace {
     fn run(&self, y: &mut [f32]) {
-        // One monomorphized loop per function, so each inlines (and ReLU and the exact GELU
-        // vectorize) instead of dispatching per element.
-        match self.0 {
-            Elementwise::Relu => apply(y, |v| Elementwise::Relu.apply_f32(v)),
-            Elementwise::GeluErf => apply(y, |v| Elementwise::GeluErf.apply_f32(v)),
-            Elementwise::GeluTanh => apply(y, |v| Elementwise::GeluTanh.apply_f32(v)),
-            Elementwise::Silu => apply(y, |v| Elementwise::Silu.apply_f32(v)),
-            Elementwise::Sigmoid => apply(y, |v| Elementwise::Sigmoid.apply_f32(v)),
-            Elementwise::Tanh => apply(y, |v| Elementwise::Tanh.apply_f32(v)),
-        }
+        apply_in_place(y, self.0);
     }
 }
 
-/// `y = f(y)` in blocks over the threads of [`par_map`].
-fn apply(y: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
+/// `y = f(y)` in place: in blocks over the threads of [`par_map`] (one block, on the calling
+/// thread, below its threshold), each block in a loop built for the CPU's widest vectors
+/// ([`map_in_place`](crate::vector_exp::map_in_place)). The layers' own inference passes
+/// ([`GELU`](crate::GELU), [`SiLU`](crate::SiLU)) run this too, so fused and unfused passes
+/// give the same bits.
+pub(crate) fn apply_in_place(y: &mut [f32], f: Elementwise) {
+    // One monomorphized loop per function, so each inlines (and ReLU, the exact GELU and the
+    // SiLU vectorize) instead of dispatching per element.
+    match f {
+        Elementwise::Relu => apply(y, |v| Elementwise::Relu.apply_f32(v)),
+        Elementwise::GeluErf => apply(y, |v| Elementwise::GeluErf.apply_f32(v)),
+        Elementwise::GeluTanh => apply(y, |v| Elementwise::GeluTanh.apply_f32(v)),
+        Elementwise::Silu => apply(y, |v| Elementwise::Silu.apply_f32(v)),
+        Elementwise::Sigmoid => apply(y, |v| Elementwise::Sigmoid.apply_f32(v)),
+        Elementwise::Tanh => apply(y, |v| Elementwise::Tanh.apply_f32(v)),
+    }
+}
+
+fn apply(y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Copy) {
     let block = block_len(y.len(), 1);
     par_map(y.chunks_mut(block).collect(), |block: &mut [f32]| {
-        block.iter_mut().for_each(|v| *v = f(*v))
+        crate::vector_exp::map_in_place(block, f)
     });
 }
 

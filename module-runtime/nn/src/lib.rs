@@ -81,6 +81,7 @@ mod fused_grad;
 mod layer_macros;
 mod sdpa;
 mod sdpa_kernel;
+mod vector_exp;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
 /// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).
