@@ -89,8 +89,8 @@ const SQRT_TWO_OVER_PI: f32 = 0.79788456080286535587989211986876373;
 
 impl Elementwise {
     /// `f(x)` in float32: the same formula, operation for operation, as the layer's CPU float32
-    /// inference path (candle's scalar kernels, or the runtime's vectorized exact GELU), so a fused
-    /// pass gives the unfused pass's bits.
+    /// inference path (candle's scalar kernels, or the runtime's vectorized exact GELU and
+    /// SiLU), so a fused pass gives the unfused pass's bits.
     ///
     /// ```
     /// use module_runtime::nn::Elementwise;
