@@ -4,8 +4,8 @@
 //! decode step (`q8_0`, SmolLM-135M shape) the SiLU of each layer's 1536 gate values was 2.6% of
 //! the main thread's time. [`exp_vectorized`] is Cephes' `expf` — `x = n ln 2 + r` with
 //! `|r| ≤ ln 2 / 2`, a degree-6 polynomial for `eʳ`, times `2ⁿ` put into the exponent bits —
-//! with only multiplies, adds, conversions and a clamp, so a loop over it runs 8 or 16 lanes at a
-//! time. It is within 2 float32 ulps of `exp` over float32's normal range (see the tests);
+//! with only multiplies, adds, a clamp and integer shifts, so a loop over it runs 8 or 16 lanes at
+//! a time. It is within 2 float32 ulps of `exp` over float32's normal range (see the tests);
 //! PyTorch's CPU kernels also compute `exp` and the SiLU with a vectorized approximation (Sleef's).
 
 /// `eˣ` in float32, within 2 ulps of the exact value for `x` in `[-87.3, 88.7]` (the results are
@@ -34,8 +34,8 @@ pub(crate) fn exp_vectorized(x: f32) -> f32 {
         p = p * r + c;
     }
     let er = p * r * r + r + 1.0;
-    // 2ⁿ: `n` is an integer in [-126, 128); 2¹²⁸ is not a float, so the top of the range
-    // multiplies by 2ⁿ⁻¹ twice.
+    // 2ⁿ: `n` is an integer in [-126, 128], and 2¹²⁸ is not a float: two factors, `2^(n/2)`
+    // rounded and the rest, each within [2⁻⁶³, 2⁶⁴].
     let half = n * 0.5;
     let n1 = (half + ROUND) - ROUND;
     er * pow2(n1) * pow2(n - n1)
