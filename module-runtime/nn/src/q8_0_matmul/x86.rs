@@ -441,17 +441,20 @@ unsafe fn avx2_q4k_rows<const M: usize>(
     let mut acc = [[_mm256_setzero_ps(); 2]; M];
     for (s, entries) in scales.chunks_exact(Q4K_BLOCKS).enumerate() {
         let header = q4k_header(entries);
+        // The super-block's `d` and `dmin` for rows `8 half..8 half + 8`, read once.
+        let d_dmin: [(__m256, __m256); 2] = std::array::from_fn(|half| {
+            // SAFETY: 8 float16 values, 16 bytes.
+            let f16s = |e: usize| unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(entries[e][half * 8..].as_ptr().cast()))
+            };
+            (f16s(0), f16s(1))
+        });
         // Block `j`'s `d·sc` and `dmin·m` for rows `8 half..8 half + 8`.
         let scale_min = |j: usize, half: usize| {
-            // SAFETY: 8 float16 values, 16 bytes; the header holds 12 × 16 bytes.
-            let (d, dmin, byte) = unsafe {
-                let f16s = |e: usize| _mm_loadu_si128(entries[e][half * 8..].as_ptr().cast());
-                let byte = |k: usize| {
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                        header[16 * k + 8 * half..].as_ptr().cast(),
-                    ))
-                };
-                (_mm256_cvtph_ps(f16s(0)), _mm256_cvtph_ps(f16s(1)), byte)
+            let (d, dmin) = d_dmin[half];
+            // SAFETY: the header holds 12 × 16 bytes.
+            let byte = |k: usize| unsafe {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(header[16 * k + 8 * half..].as_ptr().cast()))
             };
             let (sc, m) = if j < 4 {
                 (
