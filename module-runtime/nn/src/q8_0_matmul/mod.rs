@@ -240,11 +240,18 @@ impl Kernel {
             if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
                 return Kernel::Vnni;
             }
-            if has!("avx2") && has!("fma") && has!("f16c") {
+            if Self::has_avx2() {
                 return Kernel::Avx2;
             }
         }
         Kernel::Scalar
+    }
+
+    /// Whether this CPU runs the AVX2 loops (also where it has the VNNI ones).
+    #[cfg(target_arch = "x86_64")]
+    fn has_avx2() -> bool {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx2") && has!("fma") && has!("f16c")
     }
 
     /// [`round_block`] of one block, with AVX-512 where the CPU has it (the decoder rounds every
@@ -342,7 +349,6 @@ fn scalar(format: Format, quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized,
     }
 }
 
-mod tiles;
 /// [`scalar`] for `q4_K` tiles: per block `dx · (d·sc·Σ q·x − dmin·m·Σ x)`.
 fn scalar_q4k(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [f32]) {
     let nb = x.k / BLOCK;
@@ -377,6 +383,7 @@ fn scalar_q4k(quads: &[Quad], scales: &[[u16; ROWS]], x: &Quantized, out: &mut [
     }
 }
 
+mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -182,10 +182,7 @@ fn every_inner_loop_on_this_cpu_gives_the_same_sums() {
         let xq = Quantized::new(&x, rows, 512, Kernel::detect());
         let mut kernels = vec![Kernel::Scalar, Kernel::detect()];
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
+        if Kernel::has_avx2() {
             kernels.push(Kernel::Avx2);
         }
         for t in 0..2 {
