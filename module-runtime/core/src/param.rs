@@ -339,11 +339,11 @@ impl Param {
     /// An unbuilt parameter is built from `value` instead (its init recipe is not used): the
     /// shape must be one its [`lazy_shape`](Self::lazy_shape) accepts and the dtype its own.
     ///
-    /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again (its float
-    /// value becomes the quantized one's, as [`quantize`](Self::quantize) leaves it).
+    /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again (and keeps no
+    /// float copy of it, as [`quantize`](Self::quantize) leaves it).
     pub fn set(&self, value: &Tensor) -> Result<()> {
         match self.quantized_dtype() {
-            Some(kind) => self.set_requantized(value, kind),
+            Some(kind) => self.set_requantized(value, kind, self.0.var.dtype()),
             None => self.set_value(value),
         }
     }
@@ -380,10 +380,7 @@ impl Param {
         check_float(value)?;
         let value = value.to_device(&self.0.var.device())?;
         match self.quantized_dtype() {
-            Some(kind) => {
-                let q = crate::quant::quantize_value(&value, kind)?;
-                self.store_quantized(q, value.dtype())
-            }
+            Some(kind) => self.set_requantized(&value, kind, value.dtype()),
             None => self.0.var.assign(value),
         }
     }

@@ -98,7 +98,7 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn quantize(&self, kind: GgmlDType) -> Result<()> {
-        self.set_requantized(&self.var()?.as_tensor().detach(), kind)
+        self.set_requantized(&self.var()?.as_tensor().detach(), kind, self.0.var.dtype())
     }
 
     /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value, moved
@@ -262,11 +262,18 @@ impl Param {
         self.0.quant.store(weight);
     }
 
-    /// [`set`](Self::set) on a quantized parameter: `value` quantized to `kind`, then taken.
-    pub(crate) fn set_requantized(&self, value: &Tensor, kind: GgmlDType) -> Result<()> {
+    /// [`set`](Self::set) and [`assign`](Self::assign) on a quantized parameter: `value`
+    /// quantized to `kind` on the parameter's device, then taken, the parameter's dtype becoming
+    /// `dtype` (its own for `set`, the value's for `assign`).
+    pub(crate) fn set_requantized(
+        &self,
+        value: &Tensor,
+        kind: GgmlDType,
+        dtype: DType,
+    ) -> Result<()> {
         let value = value.to_device(&self.0.var.device())?;
         let q = quantize_value(&value, kind)?;
-        self.store_quantized(q, self.0.var.dtype())
+        self.store_quantized(q, dtype)
     }
 }
 
