@@ -1,6 +1,6 @@
 //! Single float32 products `x Wᵀ` of the shapes the MiniLM and SmolLM benchmarks run: the
 //! runtime's `Linear` (without a bias, under `no_grad`: its products run on candle's barrier pool,
-//! `module-runtime/nn/src/matmul.rs`) against candle's `matmul` on the same tensors, interleaved
+//! `module-runtime/kernels/src/matmul.rs`) against candle's `matmul` on the same tensors, interleaved
 //! call by call, and, with `PYTORCH` set, `torch.nn.functional.linear` in the same run
 //! (`support/pytorch_products.py`, 2 threads). Medians of the calls, in GFLOP/s.
 //!

@@ -9,14 +9,14 @@
 //! zero-sized fields of one struct can share an address. The layers without configuration hold a
 //! [`Mode`] (PyTorch's `training` flag, which every `nn.Module` has), which gives them a real byte.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use crate::common::{
     config_layer, forward_by_value, layer_forward, layer_repr, resolve_dim, unit_layer,
 };
 use crate::error::Result;
-use crate::fused_grad;
-use crate::{Elementwise, Forward, Module};
+use crate::{Forward, Module};
+use module_kernels::softmax;
 
 unit_layer! {
     /// `max(x, 0)`: PyTorch's `nn.ReLU`. Any shape in, the same shape out.
@@ -86,83 +86,9 @@ impl Forward<&Tensor> for GELU {
     /// through candle's differentiable ops.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self.approximate {
-            GeluApproximation::None
-                if !x.track_op() && x.dtype() == DType::F32 && x.device().is_cpu() =>
-            {
-                x.contiguous()?
-                    .apply_op1_no_bwd(&Vectorized(Elementwise::GeluErf))?
-            }
-            GeluApproximation::None if fused_grad::can_fuse_gelu_erf(x) => fused_grad::gelu_erf(x)?,
-            GeluApproximation::None => x.gelu_erf()?,
+            GeluApproximation::None => module_kernels::gelu_erf(x)?,
             GeluApproximation::Tanh => x.gelu()?,
         })
-    }
-}
-
-/// `x Φ(x) = x (1 + erf(x / √2)) / 2` on float32, written so the compiler vectorizes it.
-///
-/// candle's `gelu_erf` calls the scalar `erf` of `libm` element by element, which profiles of
-/// BERT inference on the CPU put at a tenth of the forward pass. This uses a rational minimax
-/// approximation of `erf` on `[-4, 4]` (the form and coefficients of Eigen's
-/// `generic_fast_erf_float`), and ±1 beyond ±3.9, where float32 rounds `erf` to ±1: multiplies,
-/// adds, one division, a clamp and a select, eight lanes at a time. Its absolute error is below 4e-7 for `erf` and
-/// below 2e-6 for the GELU (a few float32 ulps at |x| ≈ 6, where the GELU is ≈ 6); see the tests.
-#[inline(always)]
-pub(crate) fn gelu_erf_vectorized(x: f32) -> f32 {
-    let z = (x * std::f32::consts::FRAC_1_SQRT_2).clamp(-4.0, 4.0);
-    let z2 = z * z;
-    // Numerator: z times an odd polynomial's coefficients in z², highest degree first.
-    let mut p = -2.726_142_3e-10_f32;
-    for c in [
-        2.770_681_4e-8,
-        -2.101_024e-6,
-        -5.692_506_4e-5,
-        -7.349_906_3e-4,
-        -2.954_6e-3,
-        -1.609_603_3e-2,
-    ] {
-        p = p * z2 + c;
-    }
-    let mut q = -1.456_607_2e-5_f32;
-    for c in [-2.133_740_6e-4, -1.682_827e-3, -7.373_329e-3, -1.426_474e-2] {
-        q = q * z2 + c;
-    }
-    // Beyond 3.9, erf rounds to ±1 in float32: exact there, so the GELU of a large negative input
-    // is exactly 0 and of a large positive one exactly x, as in PyTorch.
-    let erf = if z.abs() >= 3.9 {
-        z.signum()
-    } else {
-        z * p / q
-    };
-    0.5 * x * (1.0 + erf)
-}
-
-/// The forward-only candle op running an [`Elementwise`] function over a contiguous float32
-/// tensor: the exact GELU with [`gelu_erf_vectorized`], the SiLU with its vectorized `exp`.
-struct Vectorized(Elementwise);
-
-impl candle_core::CustomOp1 for Vectorized {
-    fn name(&self) -> &'static str {
-        "elementwise-vectorized"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let candle_core::CpuStorage::F32(data) = storage else {
-            return Err(candle_core::Error::UnsupportedDTypeForOp(
-                candle_core::backend::BackendStorage::dtype(storage),
-                self.name(),
-            ));
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
-        };
-        let mut out = data[start..end].to_vec();
-        crate::fused::apply_in_place(&mut out, self.0);
-        Ok((candle_core::CpuStorage::F32(out), layout.shape().clone()))
     }
 }
 
@@ -180,14 +106,7 @@ impl Forward<&Tensor> for SiLU {
     /// `exp` within 2 ulps, the SiLU within 3; candle's calls libm's `expf` per element);
     /// everything else goes through candle's differentiable `silu`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(
-            if !x.track_op() && x.dtype() == DType::F32 && x.device().is_cpu() {
-                x.contiguous()?
-                    .apply_op1_no_bwd(&Vectorized(Elementwise::Silu))?
-            } else {
-                x.silu()?
-            },
-        )
+        module_kernels::silu(x)
     }
 }
 
@@ -211,22 +130,6 @@ unit_layer! {
 }
 
 layer_forward!(Tanh, |_, x| Ok(x.tanh()?));
-
-/// `softmax(x)` along `dim`, differentiable unless nothing needs a gradient.
-///
-/// The fused kernel (`candle_nn::ops::softmax_last_dim`) records no gradient (candle #3011), so it
-/// is used only when the input tracks no gradient (`!x.track_op()`) and `dim` is the last one.
-pub(crate) fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
-    if dim + 1 == x.rank() && !x.track_op() {
-        return Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?);
-    }
-    if dim + 1 == x.rank() && fused_grad::can_fuse_softmax_last_dim(x) {
-        return fused_grad::softmax_last_dim(x);
-    }
-    let shifted = x.broadcast_sub(&x.max_keepdim(dim)?.detach())?;
-    let exp = shifted.exp()?;
-    Ok(exp.broadcast_div(&exp.sum_keepdim(dim)?)?)
-}
 
 /// `log(softmax(x))` along `dim`, computed stably (`x - max - log Σ exp(x - max)`).
 pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
@@ -390,43 +293,6 @@ forward_by_value!(ReLU, GELU, SiLU, Sigmoid, Tanh, Softmax, LogSoftmax, Activati
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
-
-    /// `erf` in f64: its Maclaurin series up to |x| = 3 (where cancellation stays below 1e-12), the
-    /// asymptotic series of `erfc` beyond (its truncation error there is below 1e-8).
-    fn erf_reference(x: f64) -> f64 {
-        if x.abs() > 3.0 {
-            let z2 = x * x;
-            let mut term = 1.0;
-            let mut sum = 1.0;
-            for n in 1..6 {
-                term *= -((2 * n - 1) as f64) / (2.0 * z2);
-                sum += term;
-            }
-            let erfc = (-z2).exp() / (x.abs() * std::f64::consts::PI.sqrt()) * sum;
-            return x.signum() * (1.0 - erfc);
-        }
-        let mut term = x;
-        let mut sum = x;
-        for n in 1..100 {
-            term *= -x * x / n as f64;
-            sum += term / (2 * n + 1) as f64;
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    }
-
-    #[test]
-    fn vectorized_gelu_matches_the_exact_gelu() {
-        let mut worst = 0f64;
-        for i in -8000..=8000 {
-            let x = i as f64 * 1e-3;
-            let exact = 0.5 * x * (1.0 + erf_reference(x / std::f64::consts::SQRT_2));
-            let fast = f64::from(gelu_erf_vectorized(x as f32));
-            worst = worst.max((exact - fast).abs());
-        }
-        assert!(worst < 2e-6, "largest error {worst:e}");
-        assert_eq!(gelu_erf_vectorized(-100.0), 0.0);
-        assert_eq!(gelu_erf_vectorized(100.0), 100.0);
-    }
 
     #[test]
     fn gelu_fast_path_and_differentiable_path_agree() -> Result<()> {

@@ -3,7 +3,6 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::activation::softmax;
 use crate::common::{
     config_layer, forward_by_value, input_shape_error, layer_forward, layer_repr, resolve_dim,
     unit_layer,
@@ -11,6 +10,7 @@ use crate::common::{
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Module, Param};
+use module_kernels::softmax;
 
 /// How a [`PReLU`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]

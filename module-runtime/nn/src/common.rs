@@ -2,15 +2,16 @@
 //! and per-channel helpers, the fan-in initialization, typed shape errors, and the helpers with
 //! which a lazy layer builds its parameters from its first input.
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, D};
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 // The layer macros, where the layers' files have always found them.
 pub(crate) use crate::layer_macros::{
     config_layer, default_new, forward_by_value, layer_forward, layer_repr, unit_layer,
 };
+// The normalizations' composed step, which the kernels' `layer_norm` takes too.
 use crate::{Buffer, Init, LazyShape, Param};
+pub(crate) use module_kernels::{compute_dtype, standardize_last_dim};
 
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
 /// (`[3, 5]`), or for two dimensions as `(height, width)`: PyTorch's "int or tuple" arguments
@@ -173,119 +174,9 @@ pub(crate) fn add_channel_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor
 /// place during CPU float32 inference (no second output allocated), else as `add_channel_bias`.
 pub(crate) fn add_channel_bias_to_fresh(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
     match bias {
-        Some(b) if can_add_bias_in_place(&y, &b, 1) => {
-            add_bias_in_place(&y, &b, 1)?;
-            Ok(y)
-        }
-        other => add_channel_bias(y, other),
+        Some(b) => Ok(module_kernels::add_bias(y, &b, 1)?),
+        None => Ok(y),
     }
-}
-
-/// Whether `t` is what the runtime's in-place and fused CPU passes work on: float32, on the CPU,
-/// contiguous, and recording no gradient.
-pub(crate) fn is_plain_cpu_f32(t: &Tensor) -> bool {
-    !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
-}
-
-/// Whether `b` can be added to `y` along dimension `dim` in place: both
-/// [plain CPU float32](is_plain_cpu_f32), `b` one non-empty value per index of `dim`. The caller
-/// guarantees that `y` is a kernel's fresh output that no one else holds.
-pub(crate) fn can_add_bias_in_place(y: &Tensor, b: &Tensor, dim: usize) -> bool {
-    is_plain_cpu_f32(y)
-        && is_plain_cpu_f32(b)
-        && b.rank() == 1
-        && b.elem_count() > 0
-        && y.dims().get(dim) == Some(&b.elem_count())
-}
-
-/// `y[.., j, ..] += b[j]` along dimension `dim`, in place (see [`can_add_bias_in_place`]).
-pub(crate) fn add_bias_in_place(y: &Tensor, b: &Tensor, dim: usize) -> Result<()> {
-    let inner = y.dims()[dim + 1..].iter().product();
-    Ok(y.inplace_op2(b, &AddBiasInPlace { inner })?)
-}
-
-/// `y += b` over a contiguous float32 `y` viewed as `[outer, b.len(), inner]`.
-struct AddBiasInPlace {
-    inner: usize,
-}
-
-impl candle_core::InplaceOp2 for AddBiasInPlace {
-    fn name(&self) -> &'static str {
-        "add-bias-in-place"
-    }
-
-    fn cpu_fwd(
-        &self,
-        y: &mut candle_core::CpuStorage,
-        y_layout: &candle_core::Layout,
-        b: &candle_core::CpuStorage,
-        b_layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let b = f32_slice(b, b_layout, self.name())?;
-        let y = f32_slice_mut(y, y_layout, self.name())?;
-        if self.inner == 0 || y.is_empty() {
-            return Ok(());
-        }
-        for block in y.chunks_exact_mut(b.len() * self.inner) {
-            for (run, c) in block.chunks_exact_mut(self.inner).zip(b) {
-                for v in run {
-                    *v += c;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The contiguous float32 values of `storage` under `layout`, for the CPU op `op`.
-pub(crate) fn f32_slice<'a>(
-    storage: &'a CpuStorage,
-    layout: &Layout,
-    op: &'static str,
-) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(data) = storage else {
-        return Err(candle_core::Error::UnsupportedDTypeForOp(
-            storage.dtype(),
-            op,
-        ));
-    };
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op }),
-    }
-}
-
-/// [`f32_slice`], mutably.
-pub(crate) fn f32_slice_mut<'a>(
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-    op: &'static str,
-) -> candle_core::Result<&'a mut [f32]> {
-    let dtype = storage.dtype();
-    let CpuStorage::F32(data) = storage else {
-        return Err(candle_core::Error::UnsupportedDTypeForOp(dtype, op));
-    };
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&mut data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op }),
-    }
-}
-
-/// The dtype a normalization computes in: half-precision inputs are normalized in `f32`, as
-/// PyTorch does.
-pub(crate) fn compute_dtype(dtype: DType) -> DType {
-    match dtype {
-        DType::F16 | DType::BF16 => DType::F32,
-        d => d,
-    }
-}
-
-/// `(x - mean) / sqrt(var + eps)` along the last dimension, with the biased variance; composed of
-/// differentiable ops.
-pub(crate) fn standardize_last_dim(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(centered.broadcast_div(&(var + eps)?.sqrt()?)?)
 }
 
 /// A parameter of shape `dims` drawn as PyTorch initializes `Linear`, convolution and recurrent
@@ -472,43 +363,6 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    /// The in-place bias add gives `broadcast_add`'s values bit for bit, along any dimension.
-    #[test]
-    fn in_place_bias_add_matches_broadcast_add() -> Result<()> {
-        let dev = Device::Cpu;
-        let y = Tensor::randn(0f32, 1., (2, 3, 4, 5), &dev)?;
-        for dim in 0..4 {
-            let b = Tensor::randn(0f32, 1., y.dim(dim)?, &dev)?;
-            let mut shape = vec![1; 4];
-            shape[dim] = y.dim(dim)?;
-            let expected = y.broadcast_add(&b.reshape(shape)?)?;
-            let fresh = y.copy()?;
-            assert!(can_add_bias_in_place(&fresh, &b, dim));
-            add_bias_in_place(&fresh, &b, dim)?;
-            assert_eq!(
-                fresh.flatten_all()?.to_vec1::<f32>()?,
-                expected.flatten_all()?.to_vec1::<f32>()?,
-                "dim {dim}"
-            );
-        }
-        // Not for a tensor that records a gradient, another dtype, or an empty bias.
-        let var = candle_core::Var::from_tensor(&y)?;
-        let b = Tensor::ones(3, DType::F32, &dev)?;
-        assert!(!can_add_bias_in_place(var.as_tensor(), &b, 1));
-        assert!(!can_add_bias_in_place(
-            &y.to_dtype(DType::F64)?,
-            &b.to_dtype(DType::F64)?,
-            1
-        ));
-        let empty = Tensor::zeros((2, 0), DType::F32, &dev)?;
-        assert!(!can_add_bias_in_place(
-            &empty,
-            &Tensor::zeros(0, DType::F32, &dev)?,
-            1
-        ));
-        Ok(())
-    }
-
     use super::*;
 
     #[test]

@@ -1,10 +1,7 @@
 //! Dropout.
 
-use candle_core::{DType, Tensor};
-
 use crate::common::layer_repr;
 use crate::common::{forward_by_value, layer_forward};
-use crate::fused_grad;
 use crate::{Mode, Module};
 use module_core::py_float;
 
@@ -63,15 +60,7 @@ layer_forward!(Dropout, |layer, x| {
     if layer.p == 1.0 {
         return Ok(x.zeros_like()?);
     }
-    if fused_grad::can_fuse_dropout(x) {
-        return fused_grad::dropout(x, layer.p);
-    }
-    // The mask is a constant of the graph: gradients flow through the kept elements, scaled.
-    let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
-        .ge(layer.p)?
-        .to_dtype(DType::F32)?;
-    let mask = (keep * (1.0 / (1.0 - layer.p)))?.to_dtype(x.dtype())?;
-    Ok(x.mul(&mask)?)
+    module_kernels::dropout(x, layer.p)
 });
 
 layer_repr!(Dropout, |layer| dropout_repr(layer.p));
@@ -90,6 +79,7 @@ mod tests {
     use crate::Forward;
     use crate::ModuleExt;
     use candle_core::Device;
+    use candle_core::{DType, Tensor};
 
     #[test]
     fn training_drops_about_p_and_keeps_the_mean() -> Result<()> {

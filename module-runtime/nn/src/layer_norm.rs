@@ -4,19 +4,18 @@
 //! See the [`nn`](crate) docs for when candle's fused kernels run. Half-precision inputs (`f16`,
 //! `bf16`) are normalized in `f32` and converted back, as PyTorch does.
 
-use candle_core::{DType, Device, Shape, Tensor, D};
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::common::layer_repr;
 use crate::common::{
-    compute_dtype, forward_by_value, input_shape_error, layer_forward, layer_param, lazy_param,
-    param_tensor, standardize_last_dim,
+    forward_by_value, input_shape_error, layer_forward, layer_param, lazy_param, param_tensor,
 };
 use crate::device::check_input_device;
 use crate::error::Result;
-use crate::fused::{can_fuse_residual_norm, fusion_applies, residual_layer_norm};
-use crate::fused_grad;
+use crate::fused::fusion_applies;
 use crate::{Init, Module, ModuleExt, Param};
 use module_core::{py_bool, py_float, py_tuple};
+use module_kernels::{can_fuse_residual_norm, residual_layer_norm};
 
 /// How a [`LayerNorm`] or [`LazyLayerNorm`] is built: PyTorch's keyword arguments, with PyTorch's
 /// defaults.
@@ -159,7 +158,9 @@ impl LayerNorm {
                 if !can_fuse_residual_norm(x, residual, weight, bias) {
                     return Ok(None);
                 }
-                residual_layer_norm(x, residual, weight, bias, self.eps).map(Some)
+                Ok(Some(residual_layer_norm(
+                    x, residual, weight, bias, self.eps,
+                )?))
             };
             match fused() {
                 Ok(Some(y)) => return Ok(y),
@@ -190,44 +191,8 @@ fn layer_norm(
     if let Some(w) = &weight {
         check_input_device("LayerNorm.weight", w, x)?;
     }
-    let fused =
-        match (&weight, &bias) {
-            (Some(w), Some(b)) if fused_kernel_applies(&[x, w, b]) => Some(
-                candle_nn::ops::layer_norm(&folded.contiguous()?, w, b, eps as f32)?,
-            ),
-            (Some(w), Some(b)) if fused_grad::can_fuse_layer_norm(&folded, w, b) => {
-                Some(fused_grad::layer_norm(&folded, w, b, eps)?)
-            }
-            _ => None,
-        };
-    let y = match fused {
-        Some(y) => y,
-        None => {
-            let dtype = x.dtype();
-            let normed = standardize_last_dim(&folded.to_dtype(compute_dtype(dtype))?, eps)?
-                .to_dtype(dtype)?;
-            let scaled = match &weight {
-                Some(w) => normed.broadcast_mul(w)?,
-                None => normed,
-            };
-            match &bias {
-                Some(b) => scaled.broadcast_add(b)?,
-                None => scaled,
-            }
-        }
-    };
+    let y = module_kernels::layer_norm(&folded, weight.as_ref(), bias.as_ref(), eps)?;
     Ok(y.reshape(x.shape())?)
-}
-
-/// Whether candle's fused norm kernel can run on `tensors` (the input and the parameters): nothing
-/// needs a gradient (the kernel records none), and all share one dtype the kernel takes (`f32`,
-/// `f16`, `bf16`: it rejects `f64`, which then goes through the composed path).
-fn fused_kernel_applies(tensors: &[&Tensor]) -> bool {
-    let dtype = tensors.first().map(|t| t.dtype());
-    matches!(dtype, Some(DType::F32 | DType::F16 | DType::BF16))
-        && tensors
-            .iter()
-            .all(|t| !t.track_op() && Some(t.dtype()) == dtype)
 }
 
 /// Checks that `x` ends with `normalized_shape` and folds those dimensions into one.
@@ -440,21 +405,7 @@ layer_forward!(RmsNorm, |layer, x| {
         check_input_device("RmsNorm.weight", w, x)?;
     }
     let eps = layer.eps_for(x.dtype());
-    let y = match &weight {
-        Some(w) if fused_kernel_applies(&[x, w]) => {
-            candle_nn::ops::rms_norm(&folded.contiguous()?, w, eps as f32)?
-        }
-        _ => {
-            let dtype = x.dtype();
-            let xc = folded.to_dtype(compute_dtype(dtype))?;
-            let ms = xc.sqr()?.mean_keepdim(D::Minus1)?;
-            let normed = xc.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dtype)?;
-            match &weight {
-                Some(w) => normed.broadcast_mul(w)?,
-                None => normed,
-            }
-        }
-    };
+    let y = module_kernels::rms_norm(&folded, weight.as_ref(), eps)?;
     Ok(y.reshape(x.shape())?)
 });
 

@@ -77,31 +77,25 @@ pub use recurrent::Recurrent;
 
 mod common;
 mod fused;
-mod fused_grad;
 mod layer_macros;
-mod sdpa;
-mod sdpa_kernel;
-mod vector_exp;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
 /// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).
 pub mod functional {
-    pub use crate::sdpa::{scaled_dot_product_attention, SdpaOptions};
+    pub use module_kernels::{scaled_dot_product_attention, SdpaOptions};
 }
 
 pub use common::{PerDim, Size};
-pub use fused::{is_fusion_enabled, without_fusion, Elementwise, ElementwiseActivation};
+pub use fused::ElementwiseActivation;
+pub use module_kernels::{is_fusion_enabled, without_fusion, Elementwise};
 
 mod linear;
 mod linear_each;
-mod matmul;
 
-pub use linear::{
-    LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
-};
+pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
+pub use module_kernels::{Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS};
 
 // Quantized weights: `quantize(&model, pattern, kind)`.
-mod q8_0_matmul;
 mod quantize;
 
 pub use candle_core::quantized::GgmlDType;

@@ -1,21 +1,17 @@
 //! Fully connected layers: `Linear` and its lazy twin `LazyLinear`.
 
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::common::layer_repr;
 use crate::common::{
-    add_bias_in_place, can_add_bias_in_place, fit_param, forward_by_value, layer_forward,
-    lazy_param, param_tensor, uniform_fan_in,
+    fit_param, forward_by_value, layer_forward, lazy_param, param_tensor, uniform_fan_in,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
-use crate::fused::{
-    activation_in_place, can_activate_in_place, fusion_applies, ElementwiseActivation,
-};
-use crate::fused_grad;
-use crate::{is_grad_enabled, Init, Module, ModuleExt, Param};
+use crate::fused::{fusion_applies, ElementwiseActivation};
+use crate::{Init, Module, ModuleExt, Param};
 use module_core::py_bool;
+use module_kernels::{activation_in_place, can_activate_in_place};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -165,149 +161,32 @@ impl Linear {
 }
 
 layer_forward!(Linear, |layer, x| {
-    match layer.weight.quantized_dtype() {
-        // A quantized weight (`quantize`): a quantized matmul for a few rows (decoding, short
-        // prompts, small batches), unless a gradient must flow back through the input (that op
-        // records none). Otherwise the float path takes the weight's dequantized values, the
-        // same numbers: with many rows (a long prompt's prefill) the float GEMM is as fast or
-        // faster (llama.cpp also dequantizes for large batches).
-        Some(kind)
-            if rows(x) <= max_quantized_rows(kind, &layer.weight.device())
-                && !(x.track_op() && is_grad_enabled()) =>
-        {
-            quantized_linear(x, &layer.weight, param_tensor(&layer.bias)?)
-        }
-        // The weight first: an unloaded layer's error names its weight.
-        _ => linear(x, &layer.weight.tensor()?, param_tensor(&layer.bias)?),
+    if layer.weight.is_quantized() {
+        // A quantized weight (`quantize`): the kernels choose the quantized product or the float
+        // one over the dequantized values.
+        check_quantized_device(&layer.weight, x)?;
+        let bias = param_tensor(&layer.bias)?;
+        return module_kernels::quantized_linear(x, &layer.weight, bias.as_ref());
     }
+    // The weight first: an unloaded layer's error names its weight.
+    let weight = layer.weight.tensor()?;
+    check_input_device("Linear.weight", &weight, x)?;
+    let bias = param_tensor(&layer.bias)?;
+    module_kernels::linear(x, &weight, bias.as_ref())
 });
 
-/// The most input rows a quantized `Linear` runs candle's quantized matmul for; above, the float
-/// GEMM over the dequantized weight is faster (measured on the SmolLM-135M-shaped decoder's
-/// 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16). `q8_0`, `q4_0`
-/// and `q4_K` weights on CPUs with AVX2 take this crate's kernel instead, up to
-/// [`Q8_0_MAX_ROWS`].
-pub const QUANTIZED_MAX_ROWS: usize = 4;
-
-/// The most input rows a quantized `Linear` runs this crate's `q8_0` (`q4_0`, `q4_K`) kernel for
-/// (CPUs with AVX2); above, the float GEMM over the dequantized weight. Against the float GEMM on
-/// the SmolLM-135M-shaped decoder's weights, cold, 2 threads (`benches/quantized_rows.rs` in the
-/// `llama` package), at 1 / 32 / 128 / 512 rows: `q8_0` 3.6–4.0× / 3.0–4.0× / 1.5–2.2× /
-/// 1.2–1.9×, `q4_0` 4.3–7.5× / 2.9–3.7× / 2.1–2.5× / 1.25–2.6×, `q4_K` 5.6× / 2.6× / 1.8× / 1.8×:
-/// prompts take it too. Beyond, each tile's pass over every row reads the rounded input again.
-pub const Q8_0_MAX_ROWS: usize = 512;
-
-/// The most input rows a weight of `kind` on `device` is multiplied with in its quantized form.
-pub(crate) fn max_quantized_rows(kind: GgmlDType, device: &Device) -> usize {
-    if crate::q8_0_matmul::applies(kind, device) {
-        Q8_0_MAX_ROWS
-    } else {
-        QUANTIZED_MAX_ROWS
+/// A quantized weight holds no float tensor to compare devices with: its own device against the
+/// input's, named as [`check_input_device`] names a float weight.
+fn check_quantized_device(weight: &Param, x: &Tensor) -> Result<()> {
+    let device = weight.device();
+    if device.same_device(x.device()) {
+        return Ok(());
     }
-}
-
-/// The number of rows of `x` (every dimension but the last).
-pub(crate) fn rows(x: &Tensor) -> usize {
-    x.dims()
-        .split_last()
-        .map_or(0, |(_, batch)| batch.iter().product())
-}
-
-/// `x Wᵀ + b` with a quantized `W` `[out, in]` (held by `param`), over the rows of `x` as float32
-/// (quantized blockwise by the kernel), the output in `x`'s dtype: a CPU `q8_0`/`q4_0`/`q4_K` weight through
-/// this crate's kernel (`q8_0_matmul`, on tiles made once per weight), anything else through
-/// candle's quantized matmul.
-fn quantized_linear(x: &Tensor, param: &Param, bias: Option<Tensor>) -> Result<Tensor> {
-    let device = param.device();
-    if !device.same_device(x.device()) {
-        return Err(Error::DeviceMismatch {
-            path: "Linear.weight".to_owned(),
-            expected: device.location(),
-            got: x.device().location(),
-        });
-    }
-    let shape = param.shape();
-    let (_, in_features) = shape.dims2()?;
-    if x.dims().last() != Some(&in_features) {
-        return Err(candle_core::Error::ShapeMismatchBinaryOp {
-            lhs: x.shape().clone(),
-            rhs: shape,
-            op: "quantized linear",
-        }
-        .into());
-    }
-    let x2 = float_rows(x, in_features)?;
-    let y = match crate::q8_0_matmul::q8_0_matmul(&x2, param)? {
-        Some(y) => y,
-        // Other kinds and devices: candle's quantized matmul over the weight, which no layout
-        // replaced (only the `q8_0`/`q4_0`/`q4_K` kernel's tiles do, on the CPU).
-        None => match param.quantized()? {
-            Some(w) => x2.apply_op1_no_bwd(&*w)?,
-            None => return linear(x, &param.tensor()?, bias),
-        },
-    };
-    from_rows(y, x, bias)
-}
-
-/// `x` `[…, in_features]` as contiguous float32 rows `[rows, in_features]`: what the quantized
-/// kernels multiply.
-pub(crate) fn float_rows(x: &Tensor, in_features: usize) -> Result<Tensor> {
-    Ok(x.to_dtype(DType::F32)?
-        .reshape((rows(x), in_features))?
-        .contiguous()?)
-}
-
-/// A quantized product `y` `[rows, out]` of [`float_rows`] of `x`, back in `x`'s leading
-/// dimensions and dtype, plus the bias.
-pub(crate) fn from_rows(y: Tensor, x: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
-    let mut dims = x.dims()[..x.rank() - 1].to_vec();
-    dims.push(y.dim(1)?);
-    add_bias(y.reshape(dims)?.to_dtype(x.dtype())?, bias)
-}
-
-/// `x Wᵀ + b`.
-fn linear(x: &Tensor, w: &Tensor, bias: Option<Tensor>) -> Result<Tensor> {
-    check_input_device("Linear.weight", w, x)?;
-    if let Some(b) = bias
-        .as_ref()
-        .filter(|b| fused_grad::can_fuse_linear(x, w, b))
-    {
-        return fused_grad::linear(x, w, b);
-    }
-    add_bias(matmul(x, w)?, bias)
-}
-
-/// `x Wᵀ`, a fresh output.
-fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    // Fold the batch dimensions into one so a single 2-D matmul runs against Wᵀ, which candle
-    // reads in place (no transpose copy).
-    let y = match x.dims() {
-        [_, _] => crate::matmul::matmul(x, &w.t()?)?,
-        dims => {
-            let (batch, in_features) = dims.split_at(dims.len().saturating_sub(1));
-            let rows = batch.iter().product::<usize>();
-            let y = x.reshape((rows, in_features.iter().product::<usize>()))?;
-            let y = crate::matmul::matmul(&y, &w.t()?)?;
-            let mut out_dims = batch.to_vec();
-            out_dims.push(w.dim(0)?);
-            y.reshape(out_dims)?
-        }
-    };
-    Ok(y)
-}
-
-/// `y + b` along the last dimension, for the fresh output `y` of [`matmul`].
-fn add_bias(y: Tensor, bias: Option<Tensor>) -> Result<Tensor> {
-    match bias {
-        // Inference on the CPU: add the bias into the matmul's fresh output, in place, instead of
-        // allocating (and page-faulting in) a second output of the same size.
-        Some(b) if can_add_bias_in_place(&y, &b, y.rank().saturating_sub(1)) => {
-            add_bias_in_place(&y, &b, y.rank() - 1)?;
-            Ok(y)
-        }
-        Some(b) => Ok(y.broadcast_add(&b)?),
-        None => Ok(y),
-    }
+    Err(Error::DeviceMismatch {
+        path: "Linear.weight".to_owned(),
+        expected: device.location(),
+        got: x.device().location(),
+    })
 }
 
 /// A [`Linear`] layer whose `in_features` is the last dimension of its first input: PyTorch's
@@ -442,7 +321,7 @@ mod tests {
         let dev = Device::Cpu;
         let x = Tensor::randn(0f32, 1., (2, 5, 7), &dev)?;
         let fc = Linear::new(7, 4, &dev)?;
-        let plain = linear(&x, &fc.weight.tensor()?.detach(), None)?
+        let plain = module_kernels::linear(&x, &fc.weight.tensor()?.detach(), None)?
             .broadcast_add(&fc.bias.as_ref().unwrap().tensor()?.detach())?;
         let fast = crate::without_grad(|| fc.forward(&x))?;
         assert_eq!(fast.to_vec3::<f32>()?, plain.to_vec3::<f32>()?);

@@ -6,9 +6,7 @@ use candle_core::Tensor;
 use crate::common::param_tensor;
 use crate::error::Result;
 use crate::fused::fusion_applies;
-use crate::linear::{float_rows, from_rows, max_quantized_rows, rows};
-use crate::q8_0_matmul::{applies, q8_0_matmul_each};
-use crate::{is_grad_enabled, Linear, ModuleExt};
+use crate::{Linear, ModuleExt};
 
 impl Linear {
     /// `[layers[0].call(x), layers[1].call(x), …]`: several layers on the same input, such as
@@ -57,39 +55,15 @@ impl Linear {
 /// The layers' outputs from one pass of the `q8_0` kernel, or `None` where any of them would not
 /// take that kernel when called alone (or a hook or the switch rules fusion out).
 fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-    if layers.len() < 2 || !fusion_applies() || !x.device().is_cpu() {
+    if !fusion_applies() {
         return Ok(None);
     }
-    // As `Linear`'s forward decides: the quantized kernel records no gradient.
-    if x.track_op() && is_grad_enabled() {
-        return Ok(None);
-    }
-    let Some(&in_features) = x.dims().last() else {
-        return Ok(None);
-    };
-    for layer in layers {
-        let Some(kind) = layer.weight.quantized_dtype() else {
-            return Ok(None);
-        };
-        let device = layer.weight.device();
-        let (_, k) = layer.weight.shape().dims2()?;
-        if !applies(kind, &device)
-            || k != in_features
-            || rows(x) > max_quantized_rows(kind, &device)
-        {
-            return Ok(None);
-        }
-    }
-    let params: Vec<_> = layers.iter().map(|layer| &layer.weight).collect();
-    let Some(products) = q8_0_matmul_each(&float_rows(x, in_features)?, &params)? else {
-        return Ok(None);
-    };
-    layers
+    let weights: Vec<_> = layers.iter().map(|layer| &layer.weight).collect();
+    let biases = layers
         .iter()
-        .zip(products)
-        .map(|(layer, y)| from_rows(y, x, param_tensor(&layer.bias)?))
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
+        .map(|layer| param_tensor(&layer.bias))
+        .collect::<Result<Vec<_>>>()?;
+    module_kernels::quantized_linear_each(x, &weights, &biases)
 }
 
 #[cfg(test)]
@@ -109,7 +83,7 @@ mod tests {
         a.weight.quantize(GgmlDType::Q8_0)?;
         assert!(quantized_each(&[&a, &b], &x)?.is_none());
         b.weight.quantize(GgmlDType::Q8_0)?;
-        let simd = applies(GgmlDType::Q8_0, &Device::Cpu);
+        let simd = module_kernels::q8_0_kernel_applies(GgmlDType::Q8_0, &Device::Cpu);
         let together = quantized_each(&[&a, &b], &x)?;
         assert_eq!(together.is_some(), simd);
         if let Some(together) = together {

@@ -329,7 +329,7 @@ mod tests {
 
     fn tiles_replace_the_weight_exactly(kind: GgmlDType) {
         let dev = Device::Cpu;
-        if !crate::q8_0_matmul::applies(kind, &dev) {
+        if !module_kernels::q8_0_kernel_applies(kind, &dev) {
             return; // no AVX2: candle's kernel, no tiles
         }
         // 40 rows: the last tile is padded.

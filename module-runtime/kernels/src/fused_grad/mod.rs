@@ -11,8 +11,8 @@
 //! elementwise kernels (see [`par_map`]).
 //!
 //! They run when a gradient is recorded (the input or a parameter tracks one: the inference passes
-//! in [`fused`](super::fused) and candle's kernels serve the other case), on float32 CPU tensors,
-//! with fusion enabled ([`without_fusion`](super::without_fusion) turns them off, to compare or to
+//! of this crate (`elementwise.rs`, `residual_norm.rs`) and candle's kernels serve the other case), on float32 CPU tensors,
+//! with fusion enabled ([`without_fusion`](crate::without_fusion) turns them off, to compare or to
 //! measure). Everywhere else the layers keep their composed path, which these ops match within
 //! float32 rounding: values and gradients are checked against it and against PyTorch in
 //! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
@@ -32,12 +32,11 @@ pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 
-use std::sync::{Mutex, PoisonError};
-
 use candle_core::{DType, Storage, Tensor};
 
-use crate::common::f32_slice;
-use crate::fused::is_fusion_enabled;
+use crate::cpu::f32_slice;
+use crate::fusion::is_fusion_enabled;
+use crate::pool::{block_len, par_map};
 
 /// Whether a fused training op may replace the composed ops over `tensors` (an input and the
 /// parameters it meets): fusion is on, all are float32 CPU tensors, and at least one records a
@@ -70,66 +69,6 @@ fn with_f32<const N: usize, R>(
         };
     }
     Ok(f(values))
-}
-
-/// Below this many values a pass stays on the calling thread (candle's elementwise kernels use the
-/// same threshold): handing it out would cost more than the other threads save.
-const PARALLEL_MIN_VALUES: usize = 1 << 16;
-
-/// The length of the blocks of whole rows (of `width` values) that a pass over `len` values is
-/// split into: one block per thread of [`par_map`], or one block for a pass that stays on the
-/// calling thread. Never zero.
-pub(crate) fn block_len(len: usize, width: usize) -> usize {
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    if len < PARALLEL_MIN_VALUES || threads < 2 || width == 0 {
-        return len.max(1);
-    }
-    (len / width).div_ceil(threads).max(1) * width
-}
-
-/// `f` of each job, in order, the jobs spread over candle's barrier pool: the threads of candle's
-/// own elementwise kernels, with the calling thread as one of them. Those threads are awake right
-/// after a candle kernel or a product of [`matmul`](crate::matmul), which in a forward or backward
-/// pass is always just before; handing the jobs to another pool (rayon's) would leave them
-/// spinning beside it on the same cores. One job runs on the calling thread. The inference passes
-/// of [`fused`](crate::fused) use it too.
-pub(crate) fn par_map<J: Send, R: Send>(jobs: Vec<J>, f: impl Fn(J) -> R + Sync) -> Vec<R> {
-    if jobs.len() <= 1 {
-        return jobs.into_iter().map(f).collect();
-    }
-    let slots: Vec<Mutex<(Option<J>, Option<R>)>> = jobs
-        .into_iter()
-        .map(|j| Mutex::new((Some(j), None)))
-        .collect();
-    candle_core::utils::barrier_pool().execute_chunked(slots.len(), |range| {
-        for slot in &slots[range] {
-            let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(job) = slot.0.take() {
-                slot.1 = Some(f(job));
-            }
-        }
-    });
-    slots
-        .into_iter()
-        .filter_map(|s| s.into_inner().unwrap_or_else(PoisonError::into_inner).1)
-        .collect()
-}
-
-/// `f` over `0..items` in one contiguous run per thread of candle's barrier pool (the last run
-/// shorter), each run handed to the first free thread: where each item is a read of cold memory
-/// in order, each thread's reads are then one stream the hardware prefetcher follows from start
-/// to end, which items handed out a few at a time break at every jump (the `q8_0` products and
-/// decode attention, BENCHMARKS.md). A call from within the pool runs inline.
-pub(crate) fn par_runs(items: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
-    let pool = candle_core::utils::barrier_pool();
-    let runs = pool.n_workers() + 1;
-    let per_run = items.div_ceil(runs);
-    pool.execute_chunked(runs, |range| {
-        for run in range {
-            let start = (run * per_run).min(items);
-            f(start..(start + per_run).min(items));
-        }
-    });
 }
 
 /// A fresh output as long as the inputs, filled by `f` block by block over [`par_map`]: each
@@ -167,7 +106,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
-    use crate::without_fusion;
+    use crate::fusion::without_fusion;
 
     /// The fused ops stand in only where a gradient is recorded, on float32 CPU tensors, with
     /// fusion on: elsewhere the composed path (or an inference kernel) runs.
@@ -191,7 +130,7 @@ mod tests {
 
     /// The fused output is what the gradient flows through: one node, not the composed chain.
     #[test]
-    fn a_fused_op_is_one_node_of_the_graph() -> crate::Result<()> {
+    fn a_fused_op_is_one_node_of_the_graph() -> crate::error::Result<()> {
         let x = Var::randn(0f32, 1., (4, 8), &Device::Cpu)?;
         for y in [
             gelu_erf(x.as_tensor())?,

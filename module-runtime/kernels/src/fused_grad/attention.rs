@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
-use crate::fused_grad::par_map;
+use crate::pool::par_map;
 #[cfg(target_arch = "x86_64")]
 use crate::sdpa_kernel::simd;
 use crate::sdpa_kernel::{attend, axpy, dot, Dims, Mask, Scores, View};
@@ -322,7 +322,7 @@ mod tests {
     use candle_core::{DType, Device, Var, D};
 
     use super::*;
-    use crate::common::max_diff;
+    use crate::cpu::max_diff;
 
     /// `dropout(softmax(q·kᵀ · scale + mask)) · v` composed of candle's differentiable ops, with
     /// the dropout factors given.

@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 use crate::error::Result;
 use crate::fused_grad;
 use crate::sdpa_kernel::{bad, inference, Dims};
-use crate::{Forward, Softmax};
+use crate::softmax::softmax;
 
 /// The options of [`scaled_dot_product_attention`] besides the mask, with PyTorch's defaults
 /// (`SdpaOptions { is_causal: true, ..Default::default() }`).
@@ -184,7 +184,7 @@ fn check(
 fn kernels_apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
     let readable =
         |t: &&Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.stride()[3] == 1;
-    crate::is_fusion_enabled()
+    crate::fusion::is_fusion_enabled()
         && [q, k, v].iter().all(readable)
         && mask.is_none_or(|m| {
             m.device().is_cpu() && !m.track_op() && matches!(m.dtype(), DType::F32 | DType::U8)
@@ -232,7 +232,7 @@ fn composed(
             scores.broadcast_add(m)?
         };
     }
-    let mut probs = Forward::forward(&Softmax::new(-1), &scores)?;
+    let mut probs = softmax(&scores, scores.rank() - 1)?;
     if options.dropout_p > 0.0 {
         probs = candle_nn::ops::dropout(&probs, options.dropout_p as f32)?;
     }

@@ -6,8 +6,8 @@
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 
+use crate::cpu::lane_sum;
 use crate::error::{Error, Result};
-use crate::fused::lane_sum;
 
 /// A tensor's float32 values and the offset and strides to read them with.
 #[derive(Clone, Copy)]
@@ -288,7 +288,7 @@ pub(crate) fn attend(
         // where heads handed out one at a time read every one on both: paired ratios of a q8_0
         // decode step 1.039, 1.031, 1.023 in one process. Several queries a head (a prompt) are
         // compute, and keep the finer split's balance.
-        crate::fused_grad::par_runs(pairs, |range| range.for_each(&head));
+        crate::pool::par_runs(pairs, |range| range.for_each(&head));
     } else {
         candle_core::utils::barrier_pool().execute_chunked(pairs, |range| range.for_each(&head));
     }

@@ -47,25 +47,18 @@ const ROWS: usize = 16;
 /// take further passes over the same tile, whose bytes are in the L1 cache by then.
 const MAX_M: usize = 4;
 
-/// Whether [`q8_0_matmul`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0`,
+/// Whether [`q8_0_matmul_each`] runs for a weight of `kind` on `device` on this CPU (a CPU `q8_0`,
 /// `q4_0` or `q4_K` weight, AVX2 or better).
-pub(crate) fn applies(kind: GgmlDType, device: &Device) -> bool {
+pub(crate) fn q8_0_matmul_takes(kind: GgmlDType, device: &Device) -> bool {
     matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K)
         && device.is_cpu()
         && Kernel::detect() != Kernel::Scalar
 }
 
-/// `x · wᵀ` for `x` `[rows, k]` and the quantized weight of `param`, through [`Tiles`], or `None`
-/// when the kernel does not apply (another kind or device, a non-float32 input, a CPU without
-/// AVX2): the caller then takes candle's quantized matmul.
-pub(crate) fn q8_0_matmul(x: &Tensor, param: &Param) -> Result<Option<Tensor>> {
-    Ok(q8_0_matmul_each(x, &[param])?.and_then(|products| products.into_iter().next()))
-}
-
 /// `x · wᵀ` for every weight of `params` (all with `k` inputs), as one pass over the thread pool:
 /// the rows are rounded to 8 bits once, and the tiles of every weight are one list that the
 /// pool's threads share out. `None` when the kernel does not apply to `x` or to any of the
-/// weights (see [`q8_0_matmul`]).
+/// weights (a kind, device or CPU the kernel does not take, a non-float32 input: the caller then takes candle's quantized matmul).
 pub(crate) fn q8_0_matmul_each(x: &Tensor, params: &[&Param]) -> Result<Option<Vec<Tensor>>> {
     let kernel = Kernel::detect();
     if !x.device().is_cpu() || x.dtype() != DType::F32 || kernel == Kernel::Scalar {
@@ -88,7 +81,7 @@ pub(crate) fn q8_0_matmul_each(x: &Tensor, params: &[&Param]) -> Result<Option<V
         return Ok(None);
     };
     // Read in place: the rows are only rounded to 8 bits, never kept.
-    let values = crate::common::f32_slice(storage, layout, "q8_0 matmul")?;
+    let values = crate::cpu::f32_slice(storage, layout, "q8_0 matmul")?;
     let weights: Vec<&Tiles> = weights.iter().map(|w| &**w).collect();
     Ok(Some(matmul(values, m, k, &weights, kernel)?))
 }
@@ -104,10 +97,9 @@ fn matmul(
     // The rows in groups of up to `MAX_M`, each group one pass over a tile; a prompt's groups are
     // rounded on the pool's threads (on the calling thread alone this was a tenth of a 128-token
     // prefill, the other thread idle).
-    let groups: Vec<Quantized> =
-        crate::fused_grad::par_map(x.chunks(MAX_M * k).collect(), |rows| {
-            Quantized::new(rows, rows.len() / k, k, kernel)
-        });
+    let groups: Vec<Quantized> = crate::pool::par_map(x.chunks(MAX_M * k).collect(), |rows| {
+        Quantized::new(rows, rows.len() / k, k, kernel)
+    });
     // Weight `i`'s tiles are numbers `first[i]..first[i + 1]` of one list.
     let mut first = vec![0];
     for w in weights {
@@ -155,7 +147,7 @@ fn matmul(
     // restarted the prefetcher on cold memory: one-row decoding ran 15-18% slower (paired ratios
     // of this way over that one 1.176, 1.219, 1.204, 1.181 in one process; a prompt's rows,
     // compute-bound, 0.992).
-    crate::fused_grad::par_runs(first[weights.len()], body);
+    crate::pool::par_runs(first[weights.len()], body);
     weights
         .iter()
         .zip(outs)

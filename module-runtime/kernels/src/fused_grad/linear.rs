@@ -13,11 +13,12 @@
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 
-use crate::common::f32_slice;
+use crate::cpu::f32_slice;
 use crate::error::Result;
-use crate::fused::is_fusion_enabled;
-use crate::fused_grad::{block_len, par_map, with_f32};
+use crate::fused_grad::with_f32;
+use crate::fusion::is_fusion_enabled;
 use crate::matmul::{matmul_candle, product, Matrix};
+use crate::pool::{block_len, par_map};
 
 /// Whether [`linear`] can compute `x Wᵀ + b`: `x` `[…, in]` and `weight` `[out, in]` with a
 /// `bias` `[out]`, none of the sizes zero, all float32 CPU tensors, fusion on.

@@ -6,7 +6,7 @@
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
-use crate::common::f32_slice;
+use crate::cpu::f32_slice;
 use crate::error::Result;
 use crate::fused_grad::{applies, map_rows, with_f32};
 

@@ -355,7 +355,7 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    use crate::common::max_diff;
+    use crate::cpu::max_diff;
 
     /// Every split (one block, columns, rows, ragged last blocks) and every stride pattern equals
     /// candle's matmul.

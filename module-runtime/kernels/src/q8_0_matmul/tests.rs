@@ -5,6 +5,11 @@ use super::*;
 use candle_core::Device;
 use std::sync::Arc;
 
+/// The product with one weight, as [`q8_0_matmul_each`] computes it.
+fn q8_0_matmul(x: &Tensor, w: &Param) -> Result<Option<Tensor>> {
+    Ok(q8_0_matmul_each(x, &[w])?.and_then(|products| products.into_iter().next()))
+}
+
 /// The kinds the kernels take.
 const KINDS: [GgmlDType; 3] = [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K];
 
@@ -44,7 +49,7 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap();
-    crate::common::max_diff(a, b) / scale.max(1.0)
+    crate::cpu::max_diff(a, b) / scale.max(1.0)
 }
 
 /// For [`case_of`]: the weight, the input, candle's quantized product (taken first: the kernel's

@@ -11,9 +11,9 @@
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
-use crate::common::f32_slice;
+use crate::cpu::f32_slice;
+use crate::cpu::lane_sum;
 use crate::error::Result;
-use crate::fused::lane_sum;
 use crate::fused_grad::{applies, map_blocks, map_rows, with_f32};
 
 /// Whether [`layer_norm`] can normalize `x` over its last dimension with `weight` and `bias`:

@@ -6,8 +6,8 @@
 
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
-use crate::activation::gelu_erf_vectorized;
-use crate::common::f32_slice;
+use crate::cpu::f32_slice;
+use crate::elementwise::gelu_erf_vectorized;
 use crate::error::Result;
 use crate::fused_grad::{applies, map_rows, with_f32};
 

@@ -1,0 +1,201 @@
+//! `x Wᵀ + b`: the entries a `Linear` layer calls, for a float weight ([`linear`]) and a
+//! quantized one ([`quantized_linear`], [`quantized_linear_each`]), each choosing its kernel.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
+
+use crate::bias::add_bias;
+use crate::error::Result;
+use crate::fused_grad;
+use crate::matmul::matmul;
+use crate::q8_0_matmul::{q8_0_matmul_each, q8_0_matmul_takes};
+use crate::Param;
+
+/// The most input rows a quantized weight is multiplied with by candle's quantized matmul; above,
+/// the float GEMM over the dequantized weight is faster (measured on the SmolLM-135M-shaped
+/// decoder's 576×1536 weights: 1.6–2.8× faster at 1–2 rows, level at 4, 0.4–0.8× at 8–16).
+/// `q8_0`, `q4_0` and `q4_K` weights on CPUs with AVX2 take this crate's kernel instead, up to
+/// [`Q8_0_MAX_ROWS`].
+pub const QUANTIZED_MAX_ROWS: usize = 4;
+
+/// The most input rows a quantized weight is multiplied with by this crate's `q8_0` (`q4_0`,
+/// `q4_K`) kernel (CPUs with AVX2); above, the float GEMM over the dequantized weight. Against the
+/// float GEMM on the SmolLM-135M-shaped decoder's weights, cold, 2 threads
+/// (`benches/quantized_rows.rs` in the `llama` package), at 1 / 32 / 128 / 512 rows: `q8_0`
+/// 3.6–4.0× / 3.0–4.0× / 1.5–2.2× / 1.2–1.9×, `q4_0` 4.3–7.5× / 2.9–3.7× / 2.1–2.5× / 1.25–2.6×,
+/// `q4_K` 5.6× / 2.6× / 1.8× / 1.8×: prompts take it too. Beyond, each tile's pass over every row
+/// reads the rounded input again.
+pub const Q8_0_MAX_ROWS: usize = 512;
+
+/// `x Wᵀ + b` for `x` `[…, in]`, `w` `[out, in]` and `b` `[out]`, recording the gradient: with a
+/// bias, on float32 CPU tensors that record one (fusion on), one op whose backward is two products
+/// and one pass; otherwise the product (float32 CPU matrices on the barrier pool, anything else
+/// candle's `matmul`) and the bias, added in place into the product's fresh output where nothing
+/// records a gradient.
+///
+/// ```
+/// use module_runtime::candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[[1f32, 2.]], &Device::Cpu)?;
+/// let w = Tensor::new(&[[1f32, 0.], [0., 1.], [1., 1.]], &Device::Cpu)?;
+/// let b = Tensor::new(&[0f32, 0., 1.], &Device::Cpu)?;
+/// let y = module_kernels::linear(&x, &w, Some(&b))?;
+/// assert_eq!(y.to_vec2::<f32>()?, [[1., 2., 4.]]);
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(b) = bias.filter(|b| fused_grad::can_fuse_linear(x, w, b)) {
+        return fused_grad::linear(x, w, b);
+    }
+    let y = product(x, w)?;
+    match bias {
+        Some(b) => {
+            let last = y.rank().saturating_sub(1);
+            add_bias(y, b, last)
+        }
+        None => Ok(y),
+    }
+}
+
+/// `x Wᵀ`, a fresh output: the batch dimensions folded into one so a single 2-D product runs
+/// against Wᵀ, which is read in place (no transpose copy).
+fn product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(match x.dims() {
+        [_, _] => matmul(x, &w.t()?)?,
+        dims => {
+            let (batch, in_features) = dims.split_at(dims.len().saturating_sub(1));
+            let rows = batch.iter().product::<usize>();
+            let y = x.reshape((rows, in_features.iter().product::<usize>()))?;
+            let y = matmul(&y, &w.t()?)?;
+            let mut out_dims = batch.to_vec();
+            out_dims.push(w.dim(0)?);
+            y.reshape(out_dims)?
+        }
+    })
+}
+
+/// `x Wᵀ + b` with the quantized weight `W` `[out, in]` that `weight` holds
+/// ([`Param::quantize`]), the output in `x`'s dtype. For a few rows (decoding, prompts, small
+/// batches; see [`QUANTIZED_MAX_ROWS`], [`Q8_0_MAX_ROWS`]) and unless a gradient must flow back
+/// through `x` (no quantized product records one), the quantized product: a CPU
+/// `q8_0`/`q4_0`/`q4_K` weight through this crate's kernel (tiles made once per weight), anything
+/// else through candle's quantized matmul. Otherwise [`linear`] over the weight's dequantized
+/// values, the same numbers: with many rows (a long prompt's prefill) the float GEMM is as fast
+/// or faster (llama.cpp also dequantizes for large batches). A float `weight` takes [`linear`].
+pub fn quantized_linear(x: &Tensor, weight: &Param, bias: Option<&Tensor>) -> Result<Tensor> {
+    let takes_quantized = weight.quantized_dtype().is_some_and(|kind| {
+        rows(x) <= max_quantized_rows(kind, &weight.device())
+            && !(x.track_op() && module_core::is_grad_enabled())
+    });
+    if !takes_quantized {
+        return linear(x, &weight.tensor()?, bias);
+    }
+    let shape = weight.shape();
+    let (_, in_features) = shape.dims2()?;
+    if x.dims().last() != Some(&in_features) {
+        return Err(candle_core::Error::ShapeMismatchBinaryOp {
+            lhs: x.shape().clone(),
+            rhs: shape,
+            op: "quantized linear",
+        }
+        .into());
+    }
+    let x2 = float_rows(x, in_features)?;
+    let y = match q8_0_matmul_each(&x2, &[weight])? {
+        Some(mut y) => y.remove(0),
+        // Other kinds and devices: candle's quantized matmul over the weight, which no layout
+        // replaced (only the `q8_0`/`q4_0`/`q4_K` kernel's tiles do, on the CPU).
+        None => match weight.quantized()? {
+            Some(w) => x2.apply_op1_no_bwd(&*w)?,
+            None => return linear(x, &weight.tensor()?, bias),
+        },
+    };
+    from_rows(y, x, bias)
+}
+
+/// `[x W₀ᵀ + b₀, x W₁ᵀ + b₁, …]` in one pass of the `q8_0` kernel over the barrier pool (the rows
+/// rounded to 8 bits once, every weight's tiles one list the threads share out), or `None` where
+/// any weight would not take that kernel in [`quantized_linear`] (a float or other kind of
+/// weight, another device, too many rows, a CPU without AVX2, a gradient to record through `x`,
+/// weights of different widths): the caller then runs them one by one. The values are those of
+/// separate [`quantized_linear`] calls.
+pub fn quantized_linear_each(
+    x: &Tensor,
+    weights: &[&Param],
+    biases: &[Option<Tensor>],
+) -> Result<Option<Vec<Tensor>>> {
+    if weights.len() < 2 || !x.device().is_cpu() || (x.track_op() && module_core::is_grad_enabled())
+    {
+        return Ok(None);
+    }
+    let Some(&in_features) = x.dims().last() else {
+        return Ok(None);
+    };
+    for weight in weights {
+        let Some(kind) = weight.quantized_dtype() else {
+            return Ok(None);
+        };
+        let device = weight.device();
+        let (_, k) = weight.shape().dims2()?;
+        if !q8_0_matmul_takes(kind, &device)
+            || k != in_features
+            || rows(x) > max_quantized_rows(kind, &device)
+        {
+            return Ok(None);
+        }
+    }
+    let Some(products) = q8_0_matmul_each(&float_rows(x, in_features)?, weights)? else {
+        return Ok(None);
+    };
+    products
+        .into_iter()
+        .zip(biases)
+        .map(|(y, b)| from_rows(y, x, b.as_ref()))
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
+/// Whether a weight of `kind` on `device` takes this crate's `q8_0` kernel on this CPU (a CPU
+/// `q8_0`, `q4_0` or `q4_K` weight, AVX2 or better), which makes tiles of the weight that then
+/// replace its bytes.
+pub fn q8_0_kernel_applies(kind: GgmlDType, device: &Device) -> bool {
+    q8_0_matmul_takes(kind, device)
+}
+
+/// The most input rows a weight of `kind` on `device` is multiplied with in its quantized form.
+fn max_quantized_rows(kind: GgmlDType, device: &Device) -> usize {
+    if q8_0_matmul_takes(kind, device) {
+        Q8_0_MAX_ROWS
+    } else {
+        QUANTIZED_MAX_ROWS
+    }
+}
+
+/// The number of rows of `x` (every dimension but the last).
+fn rows(x: &Tensor) -> usize {
+    x.dims()
+        .split_last()
+        .map_or(0, |(_, batch)| batch.iter().product())
+}
+
+/// `x` `[…, in_features]` as contiguous float32 rows `[rows, in_features]`: what the quantized
+/// kernels multiply.
+fn float_rows(x: &Tensor, in_features: usize) -> Result<Tensor> {
+    Ok(x.to_dtype(DType::F32)?
+        .reshape((rows(x), in_features))?
+        .contiguous()?)
+}
+
+/// A quantized product `y` `[rows, out]` of [`float_rows`] of `x`, back in `x`'s leading
+/// dimensions and dtype, plus the bias.
+fn from_rows(y: Tensor, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let mut dims = x.dims()[..x.rank() - 1].to_vec();
+    dims.push(y.dim(1)?);
+    let y = y.reshape(dims)?.to_dtype(x.dtype())?;
+    match bias {
+        Some(b) => {
+            let last = y.rank() - 1;
+            add_bias(y, b, last)
+        }
+        None => Ok(y),
+    }
+}
