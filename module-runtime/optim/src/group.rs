@@ -24,6 +24,12 @@ macro_rules! setters {
 }
 pub(crate) use setters;
 
+/// A boolean hyperparameter as a state dict value, 0 or 1 (what [`GroupOptions`] records for a
+/// flag it sets, and what an optimizer's state dict holds).
+pub(crate) fn flag(b: bool) -> f64 {
+    f64::from(u8::from(b))
+}
+
 /// Hyperparameters a parameter group overrides; everything left unset is the optimizer's
 /// default. Which options exist depends on the optimizer: setting one it does not have (`betas`
 /// on [`SGD`](crate::SGD)) is an [`Error::NotApplicable`] when the optimizer is made.
@@ -75,18 +81,18 @@ impl GroupOptions {
     /// (`betas` sets `betas.0` and `betas.1`) and that value (booleans as 0 or 1), in the
     /// fields' order.
     pub(crate) fn values(&self) -> Vec<(&'static str, &'static str, f64)> {
-        let flag = |b: Option<bool>| b.map(crate::state::flag);
+        let set_flag = |b: Option<bool>| b.map(flag);
         let values = [
             ("lr", "lr", self.lr),
             ("weight_decay", "weight_decay", self.weight_decay),
             ("betas", "betas.0", self.betas.map(|b| b.0)),
             ("betas", "betas.1", self.betas.map(|b| b.1)),
             ("eps", "eps", self.eps),
-            ("amsgrad", "amsgrad", flag(self.amsgrad)),
+            ("amsgrad", "amsgrad", set_flag(self.amsgrad)),
             ("momentum", "momentum", self.momentum),
             ("dampening", "dampening", self.dampening),
-            ("nesterov", "nesterov", flag(self.nesterov)),
-            ("maximize", "maximize", flag(self.maximize)),
+            ("nesterov", "nesterov", set_flag(self.nesterov)),
+            ("maximize", "maximize", set_flag(self.maximize)),
         ];
         values
             .into_iter()

@@ -14,6 +14,20 @@
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
+//! The files, bottom up (each uses only those above it):
+//!
+//! | file | what |
+//! |---|---|
+//! | `error` | [`Error`], [`StateError`] |
+//! | `fused` | the fused CPU update: an optimizer's element-wise rule over chunks of a parameter, split over threads |
+//! | `group` | [`ParamGroups`]: parameters chosen by path pattern, each group's overrides |
+//! | `state` | what every optimizer shares: groups, per-parameter state, hyperparameters by name, the path-keyed state dict |
+//! | `optimizer` | the [`Optimizer`] trait |
+//! | `sgd`, `adam/` | [`SGD`]; [`Adam`], [`AdamW`] |
+//! | `clip`, `accumulate` | [`clip_grad_norm`], [`clip_grad_value`]; [`GradAccumulator`] |
+//! | `schedule` | [`LrScheduler`]s |
+//! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
+//!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
 //! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
 //!

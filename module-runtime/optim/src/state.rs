@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use module_runtime::{Param, StateDict};
 
 use crate::error::{Error, Result, StateError};
-use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::group::{flag, GroupOptions, NamedParams, ParamGroup, ParamGroups};
 
 /// Whether `x >= 0` (`nan` is not).
 pub(crate) fn non_negative(x: f64) -> bool {
@@ -33,11 +33,6 @@ pub(crate) fn check(
             group,
         })
     }
-}
-
-/// A boolean hyperparameter as a state dict value, 0 or 1.
-pub(crate) fn flag(b: bool) -> f64 {
-    f64::from(u8::from(b))
 }
 
 /// An optimizer's per-group hyperparameters.
