@@ -1,8 +1,9 @@
 //! Trains a small network on the bundled handwritten digits, end to end: a model defined with
-//! `#[derive(Module)]`, trained as a PyTorch user would (module-optim's `AdamW` with no weight
-//! decay for biases, `clip_grad_norm_`, a linear schedule with warmup, a new shuffle every epoch),
-//! test accuracy, a checkpoint saved and reloaded into a fresh model, and a training checkpoint
-//! after every epoch that `--resume` continues from, bit for bit.
+//! `#[derive(Module)]`, trained as a PyTorch user would (`AdamW` from the prelude's
+//! `module_runtime::optim` with no weight decay for biases, `clip_grad_norm_`, a linear schedule
+//! with warmup, a new shuffle every epoch), test accuracy, a checkpoint saved and reloaded into a
+//! fresh model, and a training checkpoint after every epoch that `--resume` continues from, bit for
+//! bit.
 //!
 //! ```text
 //! cargo run --release --example train_digits -- [--epochs N] [--lr LR] [--batch-size N] [--device NAME] [--out PATH]
@@ -21,7 +22,6 @@ use std::time::Instant;
 
 use candle_module::{device_or_env, digits_path, DigitNet, Digits};
 use clap::Parser;
-use module_optim::{clip_grad_norm, AdamW, LambdaLr, LrScheduler, Optimizer, ParamGroups};
 use module_runtime::distributed::DistributedSampler;
 use module_runtime::prelude::*;
 use module_runtime::StateDict;

@@ -1,6 +1,7 @@
 //! Parameter groups: which parameters share hyperparameters, chosen by path pattern.
 
-use module_runtime::{ModuleExt, Param, PathPattern};
+use module_core::{Param, PathPattern};
+use module_hooks::ModuleExt;
 
 use crate::error::{Error, Result};
 
@@ -103,7 +104,7 @@ impl GroupOptions {
 
 /// How an optimizer's parameters are split into groups, each with its own hyperparameters:
 /// PyTorch's list of `param_groups` dicts, chosen by path pattern
-/// ([`PathPattern`](module_runtime::PathPattern): `**.bias`, `encoder.layer.*`, `encoder`)
+/// ([`PathPattern`](module_core::PathPattern): `**.bias`, `encoder.layer.*`, `encoder`)
 /// instead of by listing parameters.
 ///
 /// Groups come in the order they are declared. A pattern selects the parameters at or under the
@@ -122,7 +123,7 @@ impl GroupOptions {
 /// Hugging Face's Trainer habit, no weight decay for biases and LayerNorm weights:
 ///
 /// ```
-/// use module_optim::ParamGroups;
+/// use module_runtime::optim::ParamGroups;
 /// let groups = ParamGroups::new().group(["**.bias", "**.LayerNorm.weight"], |g| g.weight_decay(0.0));
 /// ```
 #[derive(Clone, Debug, Default)]
@@ -224,7 +225,7 @@ impl ParamGroups {
                     patterns
                         .iter()
                         .map(|p| PathPattern::new(p))
-                        .collect::<module_runtime::Result<_>>()?,
+                        .collect::<module_core::Result<_>>()?,
                 ),
                 Spec::Rest(_) => None,
             });

@@ -32,13 +32,11 @@
 //! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
 //!
 //! ```
-//! use module_optim::{
-//!     clip_grad_norm, AdamW, GradAccumulator, LambdaLr, LrScheduler, Optimizer, ParamGroups,
-//! };
+//! // One dependency, module-runtime: the prelude brings the model API and torch.optim's
+//! // AdamW, ParamGroups, clip_grad_norm, GradAccumulator, LambdaLr, the Optimizer trait.
 //! use module_runtime::candle_nn::loss::cross_entropy;
 //! use module_runtime::nn::LayerNorm;
 //! use module_runtime::prelude::*;
-//! use module_runtime::StateDict;
 //!
 //! #[derive(Module)]
 //! struct Classifier {

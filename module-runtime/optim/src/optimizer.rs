@@ -4,7 +4,8 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 use crate::error::Result;
 
@@ -90,7 +91,7 @@ pub trait Optimizer {
     /// Reads a safetensors file [`save_state`](Self::save_state) wrote and
     /// [loads](Self::load_state_dict) it.
     fn load_state(&mut self, path: &Path) -> Result<()> {
-        let state = StateDict::read(path, &module_runtime::LoadOptions::default())?;
+        let state = StateDict::read(path, &module_state::LoadOptions::default())?;
         self.load_state_dict(&state)
     }
 }

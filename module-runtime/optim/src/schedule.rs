@@ -4,7 +4,7 @@
 use std::f64::consts::PI;
 
 use candle_core::{DType, Device, Tensor};
-use module_runtime::StateDict;
+use module_state::StateDict;
 
 use crate::error::{Result, StateError};
 use crate::optimizer::Optimizer;

@@ -5,7 +5,8 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 use crate::error::{Error, Result, StateError};
 use crate::group::{flag, GroupOptions, NamedParams, ParamGroup, ParamGroups};

@@ -1,7 +1,9 @@
 //! The optimizer state dict: keyed by parameter path, saved through safetensors, loaded strictly
 //! and all or nothing, and a training run resumed from it bit for bit.
 
-use module_optim::{Adam, AdamW, Error, Optimizer, ParamGroups, SgdOptions, StateError, SGD};
+use module_runtime::optim::{
+    Adam, AdamW, Error, Optimizer, ParamGroups, SgdOptions, StateError, SGD,
+};
 use module_runtime::prelude::*;
 use module_runtime::StateDict;
 
@@ -342,7 +344,7 @@ fn load_takes_the_saved_hyperparameters() {
 /// the start, then both states are loaded (in either order).
 #[test]
 fn resume_with_a_schedule_is_bit_exact() {
-    use module_optim::{LambdaLr, LrScheduler};
+    use module_runtime::optim::{LambdaLr, LrScheduler};
     let run = |model: &Mlp, opt: &mut AdamW, s: &mut LambdaLr, steps: std::ops::Range<usize>| {
         for k in steps {
             opt.backward_step(&loss(model, k)).unwrap();
