@@ -91,8 +91,7 @@
 //!     std::fs::create_dir_all(&dir)?;
 //!     model.save_safetensors(dir.join("model.safetensors"))?;
 //!     optimizer.save_state(&dir.join("optimizer.safetensors"))?;
-//!     let sched = scheduler.state_dict()?.into_hash_map();
-//!     candle_core::safetensors::save(&sched, dir.join("scheduler.safetensors"))?;
+//!     scheduler.state_dict()?.save_safetensors(dir.join("scheduler.safetensors"))?;
 //!
 //!     // Resume: make everything as at the start, then load_state_dict each part.
 //!     let resumed = Classifier {

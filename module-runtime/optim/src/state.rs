@@ -1,7 +1,6 @@
 //! What every optimizer shares: its groups, its per-parameter state, and the path-keyed state dict.
 
 use std::collections::HashSet;
-use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -364,25 +363,4 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
         self.state = state;
         Ok(())
     }
-}
-
-/// Saves `state` as safetensors at `path` through a temporary file renamed over it.
-pub(crate) fn save(state: StateDict, path: &Path) -> Result<()> {
-    let name = path.file_name().map_or_else(
-        || std::ffi::OsString::from("optimizer"),
-        |n| n.to_os_string(),
-    );
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(&name);
-    tmp_name.push(format!(".optim-tmp-{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let result = candle_core::safetensors::save(&state.into_hash_map(), &tmp)
-        .map_err(Error::from)
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|e| Error::Candle(candle_core::Error::Io(e)))
-        });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
