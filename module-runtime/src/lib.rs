@@ -148,16 +148,15 @@ pub use candle_nn;
 /// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
 /// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
 ///
-/// And what a training loop needs from [`optim`](crate::optim), as PyTorch's `torch.optim` names
-/// it: the [`Optimizer`](crate::optim::Optimizer) trait and [`SGD`](crate::optim::SGD),
-/// [`Adam`](crate::optim::Adam), [`AdamW`](crate::optim::AdamW); [`ParamGroups`](crate::optim::ParamGroups);
-/// [`clip_grad_norm`](crate::optim::clip_grad_norm) (`clip_grad_norm_`),
-/// [`clip_grad_value`](crate::optim::clip_grad_value) and
-/// [`GradAccumulator`](crate::optim::GradAccumulator); the schedules
+/// And what a training loop needs from [`optim`], with `torch.optim`'s names: the
+/// [`Optimizer`](crate::optim::Optimizer) trait, [`SGD`](crate::optim::SGD),
+/// [`Adam`](crate::optim::Adam), [`AdamW`](crate::optim::AdamW),
+/// [`ParamGroups`](crate::optim::ParamGroups), [`clip_grad_norm`](crate::optim::clip_grad_norm)
+/// (`clip_grad_norm_`), [`clip_grad_value`](crate::optim::clip_grad_value),
+/// [`GradAccumulator`](crate::optim::GradAccumulator), and the schedules
 /// ([`LrScheduler`](crate::optim::LrScheduler), [`LambdaLr`](crate::optim::LambdaLr),
 /// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)). The
-/// optimizers' own `Error` and `Result` stay in [`optim`](crate::optim): the prelude's are the
-/// runtime's.
+/// optimizers' own `Error` and `Result` stay in [`optim`]: the prelude's are the runtime's.
 ///
 /// ```
 /// use module_runtime::prelude::*;

@@ -1,6 +1,6 @@
-//! A user's crate has one dependency, `module-runtime`, and one import, its prelude: a model is
-//! defined, trained with `torch.optim`'s AdamW (groups, clipping, a schedule) and saved with nothing
-//! else (issue 41). This package is such a crate: its manifest names no other runtime crate.
+//! A user's crate has one dependency, `module-runtime`, and one import, its prelude: with nothing
+//! else, a model is defined and trained with `torch.optim`'s AdamW, groups, clipping and a schedule
+//! (issue 41). This package is such a crate: its manifest names no other runtime crate.
 
 use module_runtime::prelude::*;
 
