@@ -1,8 +1,9 @@
 //! Trains a small network on the bundled handwritten digits, end to end: a model defined with
-//! `#[derive(Module)]`, trained as a PyTorch user would (module-optim's `AdamW` with no weight
-//! decay for biases, `clip_grad_norm_`, a linear schedule with warmup, a new shuffle every epoch),
-//! test accuracy, a checkpoint saved and reloaded into a fresh model, and a training checkpoint
-//! after every epoch that `--resume` continues from, bit for bit.
+//! `#[derive(Module)]`, trained as a PyTorch user would (`AdamW` from the prelude's
+//! `module_runtime::optim` with no weight decay for biases, `clip_grad_norm_`, a linear schedule
+//! with warmup, a new shuffle every epoch), test accuracy, a checkpoint saved and reloaded into a
+//! fresh model, and a training checkpoint after every epoch that `--resume` continues from, bit for
+//! bit.
 //!
 //! ```text
 //! cargo run --release --example train_digits -- [--epochs N] [--lr LR] [--batch-size N] [--device NAME] [--out PATH]
@@ -21,7 +22,6 @@ use std::time::Instant;
 
 use candle_module::{device_or_env, digits_path, DigitNet, Digits};
 use clap::Parser;
-use module_optim::{clip_grad_norm, AdamW, LambdaLr, LrScheduler, Optimizer, ParamGroups};
 use module_runtime::distributed::DistributedSampler;
 use module_runtime::prelude::*;
 use module_runtime::StateDict;
@@ -183,8 +183,12 @@ fn trainer_state(args: &Args, epoch: usize, step: usize) -> AnyResult<StateDict>
 }
 
 /// Writes the training checkpoint, Hugging Face Trainer's folder in safetensors: `model`,
-/// `optimizer`, `scheduler` and `trainer_state`. It is written beside the folder, then renamed
-/// over it, so an interrupted save leaves the previous epoch's checkpoint whole.
+/// `optimizer`, `scheduler` and `trainer_state`, each through `StateDict::save_safetensors` (a
+/// temporary file, flushed, renamed into place). The four are written into a folder beside the
+/// checkpoint (`<dir>.tmp`), which then takes its place: the previous checkpoint is renamed aside
+/// (`<dir>.old`), the new one into place, and the old one removed. So whole checkpoints only are
+/// ever on disk under these names, and an interrupted save leaves the previous epoch's one, under
+/// `<dir>` or (killed between the two renames) `<dir>.old`, which [`saved_checkpoint`] finds.
 fn save_checkpoint(
     args: &Args,
     epoch: usize,
@@ -193,7 +197,7 @@ fn save_checkpoint(
     schedule: &LambdaLr,
 ) -> AnyResult<()> {
     let dir = &args.checkpoint;
-    let tmp = dir.with_extension("tmp");
+    let (tmp, old) = (dir.with_extension("tmp"), dir.with_extension("old"));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
@@ -205,14 +209,30 @@ fn save_checkpoint(
         ("scheduler", schedule.state_dict()?),
         ("trainer_state", state),
     ] {
-        let path = tmp.join(format!("{name}.safetensors"));
-        candle_core::safetensors::save(&sd.into_hash_map(), path)?;
+        sd.save_safetensors(tmp.join(format!("{name}.safetensors")))?;
     }
     if dir.exists() {
-        std::fs::remove_dir_all(dir)?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old)?;
+        }
+        std::fs::rename(dir, &old)?;
     }
     std::fs::rename(&tmp, dir)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old)?;
+    }
     Ok(())
+}
+
+/// The folder holding the last whole training checkpoint: `--checkpoint`, or `<dir>.old` when a
+/// save was killed between moving the previous checkpoint aside and the new one into place.
+fn saved_checkpoint(args: &Args) -> PathBuf {
+    let old = args.checkpoint.with_extension("old");
+    if !args.checkpoint.exists() && old.exists() {
+        old
+    } else {
+        args.checkpoint.clone()
+    }
 }
 
 /// Loads the training checkpoint into the model, the optimizer and the schedule (made as at the
@@ -224,7 +244,7 @@ fn load_checkpoint(
     opt: &mut AdamW,
     schedule: &mut LambdaLr,
 ) -> AnyResult<usize> {
-    let dir: &Path = &args.checkpoint;
+    let dir: &Path = &saved_checkpoint(args);
     let saved = StateDict::read(
         dir.join("trainer_state.safetensors"),
         &LoadOptions::default(),

@@ -29,8 +29,8 @@ use candle_core::backprop::GradStore;
 use candle_nn::{Optimizer as _, ParamsAdamW};
 use minilm::bert::{BertConfig, BertModel};
 use minilm::minilm_dir;
-use module_optim::{AdamW, Optimizer as _};
 use module_runtime::nn::without_fusion;
+use module_runtime::optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
 
 #[path = "support/mod.rs"]
@@ -81,9 +81,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let optim_model = load()?;
-    let mut optim_adamw = module_optim::AdamW::new(&optim_model, AdamW::options().lr(1e-5))?;
+    let mut optim_adamw =
+        module_runtime::optim::AdamW::new(&optim_model, AdamW::options().lr(1e-5))?;
     let composed_model = load()?;
-    let mut composed_adamw = module_optim::AdamW::new(&composed_model, AdamW::options().lr(1e-5))?;
+    let mut composed_adamw =
+        module_runtime::optim::AdamW::new(&composed_model, AdamW::options().lr(1e-5))?;
     let step =
         |model: &BertModel, opt: &mut dyn FnMut(&GradStore) -> Result<()>| -> Result<Parts> {
             let start = Instant::now();

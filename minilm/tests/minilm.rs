@@ -303,7 +303,7 @@ fn a_module_prefixed_checkpoint_loads_with_strip_prefix() -> Result<()> {
         .collect();
     let path =
         std::env::temp_dir().join(format!("minilm-module-{}.safetensors", std::process::id()));
-    candle_core::safetensors::save(&prefixed.into_hash_map(), &path)?;
+    prefixed.save_safetensors(&path)?;
 
     let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
     let err = model

@@ -60,10 +60,12 @@
 //                      expect_outputs                                (on core, state, hooks)
 //   module-distributed DistributedDataParallel, collectives, DistributedSampler
 //                                                                           (on core, hooks)
-//   module-optim       optimizers, schedules, clipping (on this façade; not re-exported here)
+//   module-optim       optimizers, parameter groups, clipping, schedules, optimizer state
+//                                                                    (on core, state, hooks)
 //
 // Every public item keeps the path it had before the split (`module_runtime::Param`,
-// `module_runtime::nn::Linear`, `module_runtime::distributed::Mpi`).
+// `module_runtime::nn::Linear`, `module_runtime::distributed::Mpi`); the optimizers are
+// `module_runtime::optim`, the common ones also in the prelude.
 #[doc(inline)]
 pub use module_core::typed_path;
 /// Data-parallel training (the crate `module-distributed`).
@@ -73,6 +75,11 @@ pub use module_distributed as distributed;
 /// crate `module-nn`).
 #[doc(inline)]
 pub use module_nn as nn;
+/// PyTorch's `torch.optim` (the crate `module-optim`): `SGD`, `Adam`, `AdamW`, parameter groups
+/// by path pattern, gradient clipping and accumulation, learning-rate schedules, and the
+/// optimizer's state keyed by parameter path.
+#[doc(inline)]
+pub use module_optim as optim;
 
 #[doc(hidden)]
 pub use module_core::CallTarget;
@@ -140,8 +147,34 @@ pub use candle_nn;
 /// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
 /// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
 /// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
+///
+/// And what a training loop needs from [`optim`], with `torch.optim`'s names: the
+/// [`Optimizer`](crate::optim::Optimizer) trait, [`SGD`](crate::optim::SGD),
+/// [`Adam`](crate::optim::Adam), [`AdamW`](crate::optim::AdamW),
+/// [`ParamGroups`](crate::optim::ParamGroups), [`clip_grad_norm`](crate::optim::clip_grad_norm)
+/// (`clip_grad_norm_`), [`clip_grad_value`](crate::optim::clip_grad_value),
+/// [`GradAccumulator`](crate::optim::GradAccumulator), and the schedules
+/// ([`LrScheduler`](crate::optim::LrScheduler), [`LambdaLr`](crate::optim::LambdaLr),
+/// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)). The
+/// optimizers' own `Error` and `Result` stay in [`optim`]: the prelude's are the runtime's.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// let model = Linear::new(2, 1, &Device::Cpu)?;
+/// let mut opt = AdamW::new(&model, AdamW::options().lr(0.1))?;
+/// let x = Tensor::new(&[[1f32, 2.0]], &Device::Cpu)?;
+/// let loss = model.call(&x)?.sqr()?.sum_all()?;
+/// let mut grads = loss.backward()?;
+/// clip_grad_norm(&mut grads, opt.params(), 1.0, 2.0, false)?;
+/// opt.step(&grads)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub mod prelude {
     pub use crate::nn::{quantize, GgmlDType, Linear};
+    pub use crate::optim::{
+        clip_grad_norm, clip_grad_value, Adam, AdamW, ExponentialLr, GradAccumulator, LambdaLr,
+        LrScheduler, Optimizer, ParamGroups, StepLr, SGD,
+    };
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, no_grad, without_grad};
     pub use crate::{

@@ -93,22 +93,10 @@ fn write_shards(dir: &Path) -> Linear {
     let dev = Device::Cpu;
     let m = Linear::new(3, 2, &dev).unwrap();
     let sd = m.state_dict().unwrap();
-    let one = [("weight", sd.get("weight").unwrap().clone())];
-    let two = [("bias", sd.get("bias").unwrap().clone())];
-    candle_core::safetensors::save(
-        &one.iter()
-            .map(|(k, t)| (k.to_string(), t.clone()))
-            .collect(),
-        dir.join("a.safetensors"),
-    )
-    .unwrap();
-    candle_core::safetensors::save(
-        &two.iter()
-            .map(|(k, t)| (k.to_string(), t.clone()))
-            .collect(),
-        dir.join("b.safetensors"),
-    )
-    .unwrap();
+    for (key, file) in [("weight", "a.safetensors"), ("bias", "b.safetensors")] {
+        let shard: StateDict = [(key, sd.get(key).unwrap().clone())].into_iter().collect();
+        shard.save_safetensors(dir.join(file)).unwrap();
+    }
     write_index(
         dir,
         r#"{"weight": "a.safetensors", "bias": "b.safetensors"}"#,

@@ -219,7 +219,7 @@ fn a_nested_checkpoint_without_a_key_says_which_key_holds_the_state_dict() {
 /// gradient computed here at the same parameters. A buffer on the wrong path would not.
 #[test]
 fn the_nested_checkpoints_sgd_state_continues_here() {
-    use module_optim::{read_pth_state, Optimizer, SgdOptions, SGD};
+    use module_runtime::optim::{read_pth_state, SgdOptions};
 
     let net = GapNet::new(&Device::Cpu).unwrap();
     let path = fixtures().join("gapnet_nested.pt");

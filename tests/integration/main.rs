@@ -25,6 +25,7 @@ mod lazy;
 mod load_errors;
 mod module_api;
 mod new_user;
+mod one_dependency;
 mod parity_layers;
 mod parity_seq;
 mod parity_training;

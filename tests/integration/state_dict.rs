@@ -278,7 +278,7 @@ fn failed_save_keeps_the_previous_checkpoint() {
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()
-                .starts_with(".keep.safetensors.tmp-")
+                .starts_with(".keep.safetensors.module-tmp-")
         })
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");

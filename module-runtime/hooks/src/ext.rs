@@ -460,13 +460,14 @@ pub trait ModuleExt: Module {
         crate::checkpoint::load(self.as_dyn(), state.into(), options)
     }
 
-    /// Saves the state dict as a safetensors file, atomically: a temporary file beside `path`,
-    /// flushed, then renamed over it, so a failed save never destroys the previous checkpoint.
+    /// Saves the state dict as a safetensors file: `torch.save(model.state_dict(), path)`, through
+    /// [`StateDict::save_safetensors`], atomically (a temporary file beside `path`, flushed, then
+    /// renamed over it), so a failed save never destroys the previous checkpoint.
     ///
     /// Fails with [`Error::Unbuilt`](module_core::Error::Unbuilt) if the model is not built.
     fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         crate::views::ensure_built(self.as_dyn(), "save")?;
-        crate::io::save_safetensors(self.state_dict()?, path.as_ref())
+        self.state_dict()?.save_safetensors(path)
     }
 
     /// Moves every parameter and buffer to `device`, in place: every alias of a tied weight follows.

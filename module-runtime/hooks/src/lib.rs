@@ -23,7 +23,7 @@ use module_core::{
     summary, trace, type_name, typed_path, views, walk,
 };
 // The state layer's modules, likewise.
-use module_state::{checkpoint, io, state};
+use module_state::{checkpoint, state};
 
 #[doc(hidden)]
 pub mod dataflow;

@@ -12,9 +12,9 @@
 
 use std::time::Instant;
 
-use module_optim::{AdamW, Optimizer, ParamList, SgdOptions, SGD};
 use module_runtime::candle_core::{Device, Tensor};
 use module_runtime::candle_nn::{self, Optimizer as _};
+use module_runtime::optim::{AdamW, Optimizer, ParamList, SgdOptions, SGD};
 use module_runtime::Param;
 
 fn shapes() -> Vec<(String, Vec<usize>)> {

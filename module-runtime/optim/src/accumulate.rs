@@ -3,7 +3,7 @@
 use std::borrow::Borrow;
 
 use candle_core::backprop::GradStore;
-use module_runtime::Param;
+use module_core::Param;
 
 use crate::error::Result;
 
@@ -16,7 +16,7 @@ use crate::error::Result;
 /// [`zero_grad`](Self::zero_grad) clears the sums, as PyTorch's `optimizer.zero_grad()` does.
 ///
 /// ```
-/// use module_optim::{GradAccumulator, Optimizer, SgdOptions, SGD};
+/// use module_runtime::optim::{GradAccumulator, Optimizer, SgdOptions, SGD};
 /// use module_runtime::prelude::*;
 ///
 /// let model = Linear::new(4, 2, &Device::Cpu)?;

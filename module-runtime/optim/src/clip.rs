@@ -4,7 +4,7 @@ use std::borrow::Borrow;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
-use module_runtime::Param;
+use module_core::Param;
 
 use crate::error::{Error, Result};
 
@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 /// changed; without, the gradients are scaled anyway (by `nan` or 0), as in PyTorch.
 ///
 /// ```
-/// use module_optim::{clip_grad_norm, Optimizer, SgdOptions, SGD};
+/// use module_runtime::optim::{clip_grad_norm, Optimizer, SgdOptions, SGD};
 /// use module_runtime::prelude::*;
 ///
 /// let model = Linear::new(4, 2, &Device::Cpu)?;

@@ -15,7 +15,7 @@ pub enum Error {
 
     /// An error from `module-runtime` (an invalid pattern, reading a checkpoint, …).
     #[error(transparent)]
-    Runtime(#[from] module_runtime::Error),
+    Runtime(#[from] module_core::Error),
 
     /// A parameter group's pattern matches no parameter of the model.
     #[error("the parameter group pattern `{pattern}` matches no parameter{}", list_some(.available))]

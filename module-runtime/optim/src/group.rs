@@ -1,6 +1,7 @@
 //! Parameter groups: which parameters share hyperparameters, chosen by path pattern.
 
-use module_runtime::{ModuleExt, Param, PathPattern};
+use module_core::{Param, PathPattern};
+use module_hooks::ModuleExt;
 
 use crate::error::{Error, Result};
 
@@ -23,6 +24,12 @@ macro_rules! setters {
     )*};
 }
 pub(crate) use setters;
+
+/// A boolean hyperparameter as a state dict value, 0 or 1 (what [`GroupOptions`] records for a
+/// flag it sets, and what an optimizer's state dict holds).
+pub(crate) fn flag(b: bool) -> f64 {
+    f64::from(u8::from(b))
+}
 
 /// Hyperparameters a parameter group overrides; everything left unset is the optimizer's
 /// default. Which options exist depends on the optimizer: setting one it does not have (`betas`
@@ -75,18 +82,18 @@ impl GroupOptions {
     /// (`betas` sets `betas.0` and `betas.1`) and that value (booleans as 0 or 1), in the
     /// fields' order.
     pub(crate) fn values(&self) -> Vec<(&'static str, &'static str, f64)> {
-        let flag = |b: Option<bool>| b.map(crate::state::flag);
+        let set_flag = |b: Option<bool>| b.map(flag);
         let values = [
             ("lr", "lr", self.lr),
             ("weight_decay", "weight_decay", self.weight_decay),
             ("betas", "betas.0", self.betas.map(|b| b.0)),
             ("betas", "betas.1", self.betas.map(|b| b.1)),
             ("eps", "eps", self.eps),
-            ("amsgrad", "amsgrad", flag(self.amsgrad)),
+            ("amsgrad", "amsgrad", set_flag(self.amsgrad)),
             ("momentum", "momentum", self.momentum),
             ("dampening", "dampening", self.dampening),
-            ("nesterov", "nesterov", flag(self.nesterov)),
-            ("maximize", "maximize", flag(self.maximize)),
+            ("nesterov", "nesterov", set_flag(self.nesterov)),
+            ("maximize", "maximize", set_flag(self.maximize)),
         ];
         values
             .into_iter()
@@ -97,7 +104,7 @@ impl GroupOptions {
 
 /// How an optimizer's parameters are split into groups, each with its own hyperparameters:
 /// PyTorch's list of `param_groups` dicts, chosen by path pattern
-/// ([`PathPattern`](module_runtime::PathPattern): `**.bias`, `encoder.layer.*`, `encoder`)
+/// ([`PathPattern`](module_core::PathPattern): `**.bias`, `encoder.layer.*`, `encoder`)
 /// instead of by listing parameters.
 ///
 /// Groups come in the order they are declared. A pattern selects the parameters at or under the
@@ -116,7 +123,7 @@ impl GroupOptions {
 /// Hugging Face's Trainer habit, no weight decay for biases and LayerNorm weights:
 ///
 /// ```
-/// use module_optim::ParamGroups;
+/// use module_runtime::optim::ParamGroups;
 /// let groups = ParamGroups::new().group(["**.bias", "**.LayerNorm.weight"], |g| g.weight_decay(0.0));
 /// ```
 #[derive(Clone, Debug, Default)]
@@ -218,7 +225,7 @@ impl ParamGroups {
                     patterns
                         .iter()
                         .map(|p| PathPattern::new(p))
-                        .collect::<module_runtime::Result<_>>()?,
+                        .collect::<module_core::Result<_>>()?,
                 ),
                 Spec::Rest(_) => None,
             });

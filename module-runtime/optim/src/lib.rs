@@ -14,17 +14,29 @@
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
+//! The files, bottom up (each uses only those above it):
+//!
+//! | file | what |
+//! |---|---|
+//! | `error` | [`Error`], [`StateError`] |
+//! | `fused` | the fused CPU update: an optimizer's element-wise rule over chunks of a parameter, split over threads |
+//! | `group` | [`ParamGroups`]: parameters chosen by path pattern, each group's overrides |
+//! | `state` | what every optimizer shares: groups, per-parameter state, hyperparameters by name, the path-keyed state dict |
+//! | `optimizer` | the [`Optimizer`] trait |
+//! | `sgd`, `adam/` | [`SGD`]; [`Adam`], [`AdamW`] |
+//! | `clip`, `accumulate` | [`clip_grad_norm`], [`clip_grad_value`]; [`GradAccumulator`] |
+//! | `schedule` | [`LrScheduler`]s |
+//! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
+//!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
 //! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
 //!
 //! ```
-//! use module_optim::{
-//!     clip_grad_norm, AdamW, GradAccumulator, LambdaLr, LrScheduler, Optimizer, ParamGroups,
-//! };
+//! // One dependency, module-runtime: the prelude brings the model API and torch.optim's
+//! // AdamW, ParamGroups, clip_grad_norm, GradAccumulator, LambdaLr, the Optimizer trait.
 //! use module_runtime::candle_nn::loss::cross_entropy;
 //! use module_runtime::nn::LayerNorm;
 //! use module_runtime::prelude::*;
-//! use module_runtime::StateDict;
 //!
 //! #[derive(Module)]
 //! struct Classifier {
@@ -79,8 +91,7 @@
 //!     std::fs::create_dir_all(&dir)?;
 //!     model.save_safetensors(dir.join("model.safetensors"))?;
 //!     optimizer.save_state(&dir.join("optimizer.safetensors"))?;
-//!     let sched = scheduler.state_dict()?.into_hash_map();
-//!     candle_core::safetensors::save(&sched, dir.join("scheduler.safetensors"))?;
+//!     scheduler.state_dict()?.save_safetensors(dir.join("scheduler.safetensors"))?;
 //!
 //!     // Resume: make everything as at the start, then load_state_dict each part.
 //!     let resumed = Classifier {

@@ -4,7 +4,8 @@ use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 use crate::error::Result;
 
@@ -81,16 +82,19 @@ pub trait Optimizer {
     /// `load_state_dict` does); state tensors are moved to their parameter's device and dtype.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
 
-    /// Saves [`state_dict`](Self::state_dict) as a safetensors file, through a temporary file
-    /// beside `path` renamed over it, so a failed save leaves an earlier file intact.
+    /// Saves [`state_dict`](Self::state_dict) as a safetensors file, as
+    /// `torch.save(optimizer.state_dict(), path)` does, through [`StateDict::save_safetensors`]:
+    /// atomically (a temporary file beside `path`, flushed, renamed over it), so a failed save
+    /// leaves an earlier file intact and no temporary file behind. A path that is a folder or in
+    /// a missing folder is an [`Error::Runtime`](crate::Error::Runtime) naming it.
     fn save_state(&self, path: &Path) -> Result<()> {
-        crate::state::save(self.state_dict()?, path)
+        Ok(self.state_dict()?.save_safetensors(path)?)
     }
 
     /// Reads a safetensors file [`save_state`](Self::save_state) wrote and
     /// [loads](Self::load_state_dict) it.
     fn load_state(&mut self, path: &Path) -> Result<()> {
-        let state = StateDict::read(path, &module_runtime::LoadOptions::default())?;
+        let state = StateDict::read(path, &module_state::LoadOptions::default())?;
         self.load_state_dict(&state)
     }
 }

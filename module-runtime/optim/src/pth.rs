@@ -5,9 +5,9 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
-use module_runtime::StateDict;
 use module_state::pth::pickle::Value;
 use module_state::pth::tree::PthTree;
+use module_state::StateDict;
 
 use crate::error::{Error, Result, StateError};
 use crate::optimizer::Optimizer;
@@ -34,8 +34,8 @@ const ADDED_LATER: &[&str] = &["maximize", "decoupled_weight_decay", "amsgrad", 
 /// `optimizer.load_state_dict(torch.load(path)["optimizer"])` is
 ///
 /// ```no_run
-/// # use module_optim::{read_pth_state, Optimizer, SGD};
-/// # fn run(mut optimizer: SGD) -> module_optim::Result<()> {
+/// # use module_runtime::optim::{read_pth_state, Optimizer, SGD};
+/// # fn run(mut optimizer: SGD) -> module_runtime::optim::Result<()> {
 /// let state = read_pth_state("checkpoint.pt", Some("optimizer"), &optimizer)?;
 /// optimizer.load_state_dict(&state)?;
 /// # Ok(())

@@ -4,7 +4,7 @@
 use std::f64::consts::PI;
 
 use candle_core::{DType, Device, Tensor};
-use module_runtime::StateDict;
+use module_state::StateDict;
 
 use crate::error::{Result, StateError};
 use crate::optimizer::Optimizer;
@@ -28,6 +28,7 @@ pub trait LrScheduler {
     /// The schedule's progress: `last_epoch` (a 0-dimensional `f64`), `last_lr` (one `f64` per
     /// group) and, for [`LambdaLr`], `base_lrs`. The factor function itself is not saved (as
     /// PyTorch saves no lambdas): resume by making the same schedule and loading this into it.
+    /// [`StateDict::save_safetensors`] saves it to a file, atomically.
     fn state_dict(&self) -> Result<StateDict>;
 
     /// Loads a [`state_dict`](Self::state_dict), strictly and all or nothing, and sets `opt`'s

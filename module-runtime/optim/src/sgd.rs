@@ -2,7 +2,8 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Shape, Tensor};
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 use crate::error::Result;
 use crate::fused::{self, pass, ChunkRule};
@@ -132,7 +133,7 @@ impl ParamState<SgdOptions> for SgdState {
 /// ```
 ///
 /// ```
-/// use module_optim::{Optimizer, SgdOptions, SGD};
+/// use module_runtime::optim::{Optimizer, SgdOptions, SGD};
 /// use module_runtime::prelude::*;
 ///
 /// let model = Linear::new(4, 2, &Device::Cpu)?;

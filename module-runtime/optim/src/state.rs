@@ -1,14 +1,14 @@
 //! What every optimizer shares: its groups, its per-parameter state, and the path-keyed state dict.
 
 use std::collections::HashSet;
-use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 use crate::error::{Error, Result, StateError};
-use crate::group::{GroupOptions, NamedParams, ParamGroup, ParamGroups};
+use crate::group::{flag, GroupOptions, NamedParams, ParamGroup, ParamGroups};
 
 /// Whether `x >= 0` (`nan` is not).
 pub(crate) fn non_negative(x: f64) -> bool {
@@ -33,11 +33,6 @@ pub(crate) fn check(
             group,
         })
     }
-}
-
-/// A boolean hyperparameter as a state dict value, 0 or 1.
-pub(crate) fn flag(b: bool) -> f64 {
-    f64::from(u8::from(b))
 }
 
 /// An optimizer's per-group hyperparameters.
@@ -368,25 +363,4 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
         self.state = state;
         Ok(())
     }
-}
-
-/// Saves `state` as safetensors at `path` through a temporary file renamed over it.
-pub(crate) fn save(state: StateDict, path: &Path) -> Result<()> {
-    let name = path.file_name().map_or_else(
-        || std::ffi::OsString::from("optimizer"),
-        |n| n.to_os_string(),
-    );
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(&name);
-    tmp_name.push(format!(".optim-tmp-{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let result = candle_core::safetensors::save(&state.into_hash_map(), &tmp)
-        .map_err(Error::from)
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|e| Error::Candle(candle_core::Error::Io(e)))
-        });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }

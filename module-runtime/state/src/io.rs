@@ -1,4 +1,5 @@
-//! Safetensors files: written atomically, read with plain reads.
+//! Safetensors files: written atomically ([`StateDict::save_safetensors`], the one writer), read
+//! with plain reads.
 
 use std::fs::File;
 use std::io::Read;
@@ -19,40 +20,61 @@ use crate::state::{Source, StateDict};
 /// (`.model.safetensors.module-tmp-<pid>-<n>`), so a later save can tell its own leftovers.
 const TMP_MARK: &str = ".module-tmp-";
 
-/// Writes `state` to `path` atomically: into a temporary file beside the target, flushed to disk,
-/// then renamed over it. An interrupted or failed save leaves any previous file untouched, and the
-/// next save to that path removes temporary files left by saves that were killed.
-///
-/// As `torch.save`: a symlink is written through (its target is replaced, the link stays), a new
-/// file's permissions follow the umask and an existing file keeps its own.
-pub fn save_safetensors(state: StateDict, path: &Path) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let target = save_target(path)?;
-    let file_name = target
-        .file_name()
-        .ok_or_else(|| io_error(path, std::io::Error::other("the path names no file")))?;
-    let prefix = format!(".{}{TMP_MARK}", file_name.to_string_lossy());
-    remove_stale_temporaries(&target, &prefix);
-    let tmp = target.with_file_name(format!(
-        "{prefix}{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = (|| {
-        // `File::create` gives the umask's mode, as `torch.save`'s `open(f, "wb")` does.
-        let file = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-        write_safetensors(&state, &file).map_err(|e| io_error(&tmp, e))?;
-        if let Ok(existing) = std::fs::metadata(&target) {
-            file.set_permissions(existing.permissions())
-                .map_err(|e| io_error(&tmp, e))?;
+impl StateDict {
+    /// Saves the state dict as a safetensors file at `path`: `torch.save(state_dict, path)`, and
+    /// the one writer behind every file the runtime saves (a model's `save_safetensors`, an
+    /// optimizer's `save_state`, a schedule's or a training loop's own state dicts).
+    ///
+    /// The save is atomic: the file is written beside the target under a temporary name, flushed to
+    /// disk (`fsync`), then renamed over the target. A save that fails or is killed midway leaves
+    /// any previous file at `path` untouched; a failed save removes its temporary file, and the
+    /// next save to the same path removes the temporary files of saves that were killed. A path
+    /// that is a folder, or whose folder does not exist, is an [`Error::Io`] naming it.
+    ///
+    /// As `torch.save`: a symlink is written through (its target is replaced, the link stays), a
+    /// new file's permissions follow the umask and an existing file keeps its own.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// let mut sd = StateDict::new();
+    /// sd.insert("last_epoch", Tensor::new(3f64, &Device::Cpu)?);
+    /// let path = std::env::temp_dir().join(format!("sched-{}.safetensors", std::process::id()));
+    /// sd.save_safetensors(&path)?;
+    /// let read = StateDict::read(&path, &LoadOptions::default())?;
+    /// assert_eq!(read.get("last_epoch").unwrap().to_scalar::<f64>()?, 3.0);
+    /// # std::fs::remove_file(&path)?;
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let path = path.as_ref();
+        let target = save_target(path)?;
+        let file_name = target
+            .file_name()
+            .ok_or_else(|| io_error(path, std::io::Error::other("the path names no file")))?;
+        let prefix = format!(".{}{TMP_MARK}", file_name.to_string_lossy());
+        remove_stale_temporaries(&target, &prefix);
+        let tmp = target.with_file_name(format!(
+            "{prefix}{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let result = (|| {
+            // `File::create` gives the umask's mode, as `torch.save`'s `open(f, "wb")` does.
+            let file = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
+            write_safetensors(self, &file).map_err(|e| io_error(&tmp, e))?;
+            if let Ok(existing) = std::fs::metadata(&target) {
+                file.set_permissions(existing.permissions())
+                    .map_err(|e| io_error(&tmp, e))?;
+            }
+            file.sync_all().map_err(|e| io_error(&tmp, e))?;
+            std::fs::rename(&tmp, &target).map_err(|e| io_error(path, e))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
-        file.sync_all().map_err(|e| io_error(&tmp, e))?;
-        std::fs::rename(&tmp, &target).map_err(|e| io_error(path, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        result
     }
-    result
 }
 
 /// The file a save to `path` replaces: `path`, or the file a symlink at `path` points to (followed
@@ -452,7 +474,7 @@ mod tests {
         let path = dir.join("cut.safetensors");
         let t = Tensor::arange(0f32, 4096., &Device::Cpu).unwrap();
         let state: StateDict = [("a", t.clone()), ("b", t)].into_iter().collect();
-        save_safetensors(state, &path).unwrap();
+        state.save_safetensors(&path).unwrap();
         let file = SafetensorsFile::open(&path).unwrap();
         assert_eq!(file.entries().unwrap().len(), 2);
         std::fs::OpenOptions::new()
@@ -463,6 +485,53 @@ mod tests {
             .unwrap();
         let err = file.load("b", &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("changed while loading"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The names in `dir` that are temporary files of a save.
+    fn temporaries(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.contains(TMP_MARK))
+            .collect()
+    }
+
+    /// Saves that fail (into a folder that does not exist, onto a folder) are errors naming the
+    /// path, and leave the previous file as it was and no temporary file; a save over it replaces
+    /// it and leaves none either; a killed save's temporary file goes with the next save.
+    #[test]
+    fn failed_saves_keep_the_previous_file_and_leave_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("module-io-fail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("state.safetensors");
+        let first: StateDict = [("x", Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap())]
+            .into_iter()
+            .collect();
+        first.save_safetensors(&path).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let second: StateDict = [("x", Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap())]
+            .into_iter()
+            .collect();
+
+        let missing = dir.join("no/such/folder/state.safetensors");
+        let onto_folder = dir.join("a-folder");
+        std::fs::create_dir_all(&onto_folder).unwrap();
+        for bad in [&missing, &onto_folder] {
+            match second.save_safetensors(bad) {
+                Err(Error::Io { path, .. }) => assert_eq!(&path, bad),
+                other => panic!("{}: {other:?}", bad.display()),
+            }
+        }
+        assert!(onto_folder.is_dir());
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        assert_eq!(temporaries(&dir), Vec::<String>::new());
+
+        let killed = dir.join(format!(".state.safetensors{TMP_MARK}4000000000-0"));
+        std::fs::write(&killed, b"half a file").unwrap();
+        second.save_safetensors(&path).unwrap();
+        assert_ne!(std::fs::read(&path).unwrap(), before);
+        assert_eq!(temporaries(&dir), Vec::<String>::new());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -11,7 +11,7 @@
 //! | `suggest` | what a load that does not fit suggests (a prefix rule, "did you mean" pairs) |
 //! | `state` | [`StateDict`], [`LoadOptions`], the all-or-nothing load |
 //! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values |
-//! | `io` | safetensors reading and writing, sharded Hugging Face checkpoints |
+//! | `io` | safetensors reading, and writing: [`StateDict::save_safetensors`], the one atomic writer |
 //! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
 //! | `gguf` | [`GgufFile`]: llama.cpp's GGUF files, a checkpoint source whose quantized tensors load as quantized parameters |
 #![warn(missing_docs)]

@@ -10,7 +10,8 @@ mod state;
 mod update;
 
 use candle_core::backprop::GradStore;
-use module_runtime::{Param, StateDict};
+use module_core::Param;
+use module_state::StateDict;
 
 pub use self::options::AdamOptions;
 use self::state::AdamState;
@@ -40,7 +41,7 @@ use crate::state::{Buf, Core};
 /// (PyTorch keeps such state in the parameter's dtype; a `.pth` state is converted on load).
 ///
 /// ```
-/// use module_optim::{Adam, AdamOptions, Optimizer};
+/// use module_runtime::optim::{Adam, AdamOptions, Optimizer};
 /// use module_runtime::prelude::*;
 ///
 /// let model = Linear::new(4, 2, &Device::Cpu)?;
@@ -114,7 +115,7 @@ impl Optimizer for Adam {
 /// (`p *= 1 - lr * weight_decay` before the update) and a default weight decay of 1e-2.
 ///
 /// ```
-/// use module_optim::{AdamW, Optimizer, ParamGroups};
+/// use module_runtime::optim::{AdamW, Optimizer, ParamGroups};
 /// use module_runtime::prelude::*;
 ///
 /// let model = Linear::new(4, 2, &Device::Cpu)?;

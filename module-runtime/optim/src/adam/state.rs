@@ -2,7 +2,7 @@
 //! dict entries.
 
 use candle_core::{Device, Shape, Tensor};
-use module_runtime::Param;
+use module_core::Param;
 
 use super::AdamOptions;
 use crate::error::{Result, StateError};

@@ -1,11 +1,11 @@
 //! Parameter groups by path pattern, and learning-rate schedules against Hugging Face's and
 //! PyTorch's formulas.
 
-use module_optim::{
+use module_runtime::nn::LayerNorm;
+use module_runtime::optim::{
     Adam, AdamW, Error, ExponentialLr, LambdaLr, LrScheduler, Optimizer, ParamGroups, SgdOptions,
     StepLr, SGD,
 };
-use module_runtime::nn::LayerNorm;
 use module_runtime::prelude::*;
 
 #[derive(Module)]

@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use module_optim::{Adam, AdamW, Optimizer, SgdOptions, SGD};
 use module_runtime::candle_nn::loss::cross_entropy;
+use module_runtime::optim::{Adam, AdamW, Optimizer, SgdOptions, SGD};
 use module_runtime::prelude::*;
 
 #[derive(Module)]

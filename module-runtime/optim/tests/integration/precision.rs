@@ -2,7 +2,7 @@
 //! parameter's value and gradient and its result is rounded into the parameter, on the fused and
 //! the composed path alike.
 
-use module_optim::{AdamW, Optimizer, SgdOptions, SGD};
+use module_runtime::optim::{AdamW, Optimizer, SgdOptions, SGD};
 use module_runtime::prelude::*;
 
 /// A half-precision layer, and a float32 one with its values.

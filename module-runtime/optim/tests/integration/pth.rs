@@ -8,10 +8,10 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use module_optim::{
+use module_runtime::nn::LayerNorm;
+use module_runtime::optim::{
     read_pth_state, AdamW, Error, Optimizer, ParamGroups, SgdOptions, StateError, SGD,
 };
-use module_runtime::nn::LayerNorm;
 use module_runtime::prelude::*;
 
 /// `Net` of the fixture script: fc1 Linear(6, 8), norm LayerNorm(8), fc2 Linear(8, 3), tanh.

@@ -5,7 +5,7 @@
 //! chosen by the test.
 
 use candle_core::backprop::GradStore;
-use module_optim::{
+use module_runtime::optim::{
     clip_grad_norm, clip_grad_value, Adam, AdamOptions, AdamW, Optimizer, ParamList, SgdOptions,
     SGD,
 };
@@ -381,7 +381,7 @@ fn clip_grad_value_clamps() {
 /// on the sum.
 #[test]
 fn accumulation_sums_micro_batches() {
-    use module_optim::GradAccumulator;
+    use module_runtime::optim::GradAccumulator;
     let (a, b) = (param(&W0), param(&W0));
     let mut acc = GradAccumulator::new([&a]);
     for g in &GRADS[..3] {
@@ -414,7 +414,7 @@ fn a_parameter_listed_twice_is_an_error() {
     let twice = ParamList(vec![("a".to_owned(), a.clone()), ("b".to_owned(), a)]);
     let err = SGD::new(&twice, SgdOptions::new(0.1)).err().unwrap();
     assert!(
-        matches!(&err, module_optim::Error::DuplicateParam { path, first } if path == "b" && first == "a"),
+        matches!(&err, module_runtime::optim::Error::DuplicateParam { path, first } if path == "b" && first == "a"),
         "{err}"
     );
 }

@@ -1,7 +1,9 @@
 //! The optimizer state dict: keyed by parameter path, saved through safetensors, loaded strictly
 //! and all or nothing, and a training run resumed from it bit for bit.
 
-use module_optim::{Adam, AdamW, Error, Optimizer, ParamGroups, SgdOptions, StateError, SGD};
+use module_runtime::optim::{
+    Adam, AdamW, Error, Optimizer, ParamGroups, SgdOptions, StateError, SGD,
+};
 use module_runtime::prelude::*;
 use module_runtime::StateDict;
 
@@ -342,7 +344,7 @@ fn load_takes_the_saved_hyperparameters() {
 /// the start, then both states are loaded (in either order).
 #[test]
 fn resume_with_a_schedule_is_bit_exact() {
-    use module_optim::{LambdaLr, LrScheduler};
+    use module_runtime::optim::{LambdaLr, LrScheduler};
     let run = |model: &Mlp, opt: &mut AdamW, s: &mut LambdaLr, steps: std::ops::Range<usize>| {
         for k in steps {
             opt.backward_step(&loss(model, k)).unwrap();
@@ -395,4 +397,55 @@ fn resume_with_a_schedule_is_bit_exact() {
     assert!(s1
         .load_state_dict(&s.state_dict().unwrap(), &mut one)
         .is_err());
+}
+
+/// `save_state` is the runtime's one atomic writer (`StateDict::save_safetensors`): saves leave no
+/// temporary file behind, a save that fails (into a folder that does not exist, onto a folder) is
+/// an error naming the path and keeps the previous file whole, and a temporary file left by a save
+/// that was killed goes with the next save. (The optimizer had a copy of the writer that named no
+/// path on failure and never removed a killed save's temporary file.)
+#[test]
+fn saves_are_atomic_and_leave_no_temporary_files() {
+    let dir = std::env::temp_dir().join(format!("module-optim-save-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let names = || {
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let m = mlp();
+    let mut opt = AdamW::with_groups(&m, AdamW::options(), &groups()).unwrap();
+    train(&m, &mut opt, 0..1);
+    let path = dir.join("optimizer.safetensors");
+    opt.save_state(&path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    assert_eq!(names(), ["optimizer.safetensors"]);
+
+    train(&m, &mut opt, 1..2);
+    let folder = dir.join("a-folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    for bad in [dir.join("no/such/folder/optimizer.safetensors"), folder] {
+        match opt.save_state(&bad) {
+            Err(Error::Runtime(module_runtime::Error::Io { path, .. })) => assert_eq!(path, bad),
+            other => panic!("{}: {other:?}", bad.display()),
+        }
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    assert_eq!(names(), ["a-folder", "optimizer.safetensors"]);
+
+    // What a save killed mid-write leaves: the temporary file of a process that is gone.
+    let killed = dir.join(".optimizer.safetensors.module-tmp-4000000000-0");
+    std::fs::write(&killed, b"half a state").unwrap();
+    opt.save_state(&path).unwrap();
+    assert_eq!(names(), ["a-folder", "optimizer.safetensors"]);
+    let mut loaded = AdamW::with_groups(&m, AdamW::options(), &groups()).unwrap();
+    loaded.load_state(&path).unwrap();
+    assert_eq!(
+        loaded.state_dict().unwrap().len(),
+        opt.state_dict().unwrap().len()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
