@@ -21,15 +21,16 @@
 //! | [`layer_norm`], [`rms_norm`] | normalization over the last dimension | candle-nn's kernels; the fused training op; composed ops |
 //! | [`residual_layer_norm`] | `LayerNorm(x + residual)` | one pass (inference) |
 //! | [`scaled_dot_product_attention`] | `softmax(q kᵀ · scale + mask) v` | one pass per head (inference); the fused training op; composed ops |
+//! | [`chunked_update`] in [`update_in_place`] | an optimizer's element-wise step over a parameter | a [`ChunkRule`]'s loop, compiled for AVX2 where the CPU has it, in chunks over the barrier pool |
 //!
 //! [`without_fusion`] turns every fused kernel off on a thread (each entry then takes its
 //! composed path).
 //!
 //! # This crate
 //!
-//! `module-kernels` sits below `module-nn` (the layers), as candle-core's CPU backend sits below
-//! candle-nn, on `module-core` alone (for the runtime's error type and `Param`). It names no
-//! layer. All of the runtime's SIMD, its thread-pool plumbing and the `unsafe` they need are here,
+//! `module-kernels` sits below `module-nn` (the layers) and `module-optim` (the optimizers), as
+//! candle-core's CPU backend sits below candle-nn, on `module-core` alone (for the runtime's error type and `Param`). It names no
+//! layer and no optimizer. All of the runtime's SIMD, its thread-pool plumbing and the `unsafe` they need are here,
 //! each `unsafe` block with its SAFETY reasoning.
 #![warn(missing_docs)]
 
@@ -48,6 +49,7 @@ mod matmul;
 mod q8_0_matmul;
 mod residual_norm;
 mod sdpa_kernel;
+mod update;
 
 mod dropout;
 mod linear;
@@ -68,3 +70,4 @@ pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};
 pub use residual_norm::{can_fuse_residual_norm, residual_layer_norm};
 pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
 pub use softmax::softmax;
+pub use update::{chunked_update, update_in_place, ChunkRule, StateChunks};

@@ -6,10 +6,11 @@ use module_core::Param;
 use module_state::StateDict;
 
 use crate::error::Result;
-use crate::fused::{self, pass, ChunkRule};
+use crate::fused;
 use crate::group::{setters, NamedParams, ParamGroup, ParamGroups};
 use crate::optimizer::{core_methods, forward_to, Optimizer};
 use crate::state::{check, non_negative, param_like, Buf, Core, Field, Hyper, ParamState};
+use module_kernels::{chunked_update, update_in_place, ChunkRule};
 
 /// `SGD`'s hyperparameters (PyTorch's names and defaults; `lr` has no default).
 #[derive(Clone, Debug, PartialEq)]
@@ -281,7 +282,7 @@ fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
     macro_rules! pick {
         ($($mx:literal, $d:literal, $m:ident, $n:literal);* $(;)?) => {
             match (maximize, decay, momentum, nesterov) {
-                $(($mx, $d, $m, $n) => pass::<SgdRule<$mx, $d, $m, $n>>,)*
+                $(($mx, $d, $m, $n) => chunked_update::<SgdRule<$mx, $d, $m, $n>>,)*
                 (mx, d, _, _) => pick_plain(mx, d),
             }
         };
@@ -301,10 +302,10 @@ fn pass_for(maximize: bool, decay: bool, momentum: u8, nesterov: bool) -> Pass {
 /// The [`pass`] without momentum.
 fn pick_plain(maximize: bool, decay: bool) -> Pass {
     match (maximize, decay) {
-        (false, false) => pass::<SgdRule<false, false, NONE, false>>,
-        (false, true) => pass::<SgdRule<false, true, NONE, false>>,
-        (true, false) => pass::<SgdRule<true, false, NONE, false>>,
-        (true, true) => pass::<SgdRule<true, true, NONE, false>>,
+        (false, false) => chunked_update::<SgdRule<false, false, NONE, false>>,
+        (false, true) => chunked_update::<SgdRule<false, true, NONE, false>>,
+        (true, false) => chunked_update::<SgdRule<true, false, NONE, false>>,
+        (true, true) => chunked_update::<SgdRule<true, true, NONE, false>>,
     }
 }
 
@@ -319,7 +320,7 @@ fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> R
     let decay = o.weight_decay != 0.0;
     if o.momentum == 0.0 {
         let run = pass_for(o.maximize, decay, NONE, false);
-        return fused::update_in_place(p, g, |p, g| run(&k, p, g, None));
+        return Ok(update_in_place(p, g, |p, g| run(&k, p, g, None))?);
     }
     let momentum = if state.momentum_buffer.is_none() {
         FIRST
@@ -331,5 +332,7 @@ fn step_fused(p: &Tensor, g: &Tensor, state: &mut SgdState, o: &SgdOptions) -> R
         .momentum_buffer
         .get_or_insert_with(|| Buf::Host(vec![0.0; p.elem_count()]))
         .host()?;
-    fused::update_in_place(p, g, |p, g| run(&k, p, g, Some(buf.as_mut_slice())))
+    Ok(update_in_place(p, g, |p, g| {
+        run(&k, p, g, Some(buf.as_mut_slice()))
+    })?)
 }

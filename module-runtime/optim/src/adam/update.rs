@@ -6,8 +6,8 @@ use candle_core::{DType, Tensor};
 use super::state::AdamState;
 use super::AdamOptions;
 use crate::error::Result;
-use crate::fused::{self, pass, ChunkRule, StateChunks};
 use crate::state::Buf;
+use module_kernels::{chunked_update, update_in_place, ChunkRule, StateChunks};
 
 /// The step's scalars, computed in `f64` as PyTorch computes them in Python.
 pub(super) struct Scalars {
@@ -208,7 +208,7 @@ fn pass_for(maximize: bool, decay: u8, small: bool) -> Pass {
     macro_rules! pick {
         ($($mx:literal, $d:ident, $s:literal);* $(;)?) => {
             match (maximize, decay, small) {
-                $(($mx, $d, $s) => pass::<AdamRule<$mx, $d, $s>>,)*
+                $(($mx, $d, $s) => chunked_update::<AdamRule<$mx, $d, $s>>,)*
                 _ => unreachable!("decay is one of the three kinds"),
             }
         };
@@ -257,5 +257,5 @@ pub(super) fn step_fused(
             None => None,
         },
     };
-    fused::update_in_place(p, g, |p, g| run(&k, p, g, moments))
+    Ok(update_in_place(p, g, |p, g| run(&k, p, g, moments))?)
 }
