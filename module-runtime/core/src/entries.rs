@@ -23,6 +23,46 @@ pub struct Entries<V> {
     index: HashMap<String, usize>,
 }
 
+/// The read accessors of a dict holding its values in an [`Entries`] field named `entries`, with
+/// Python's dict names: `get`, `contains_key`, `len`, `is_empty`, `keys`, `iter`. `StateDict` and
+/// `ModuleDict` answer them alike, so they are written once, here; `$value` is the values' type,
+/// `$what` their name in the docs.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! dict_accessors {
+    ($value:ty, $what:literal) => {
+        #[doc = concat!("The ", $what, " under `key`.")]
+        pub fn get(&self, key: &str) -> Option<&$value> {
+            self.entries.get(key)
+        }
+
+        /// Whether `key` is present.
+        pub fn contains_key(&self, key: &str) -> bool {
+            self.entries.contains_key(key)
+        }
+
+        /// Number of entries.
+        pub fn len(&self) -> usize {
+            self.entries.len()
+        }
+
+        /// Whether there are no entries.
+        pub fn is_empty(&self) -> bool {
+            self.entries.is_empty()
+        }
+
+        /// The keys, in insertion order.
+        pub fn keys(&self) -> impl Iterator<Item = &str> {
+            self.entries.keys()
+        }
+
+        #[doc = concat!("`(key, ", $what, ")` pairs, in insertion order.")]
+        pub fn iter(&self) -> impl Iterator<Item = (&str, &$value)> {
+            self.entries.iter()
+        }
+    };
+}
+
 impl<V> Default for Entries<V> {
     fn default() -> Self {
         Self::new()

@@ -41,35 +41,7 @@ impl StateDict {
         self.entries.insert(key.into(), value);
     }
 
-    /// The tensor at `key`.
-    pub fn get(&self, key: &str) -> Option<&Tensor> {
-        self.entries.get(key)
-    }
-
-    /// Whether `key` is present.
-    pub fn contains_key(&self, key: &str) -> bool {
-        self.entries.contains_key(key)
-    }
-
-    /// Number of entries.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Whether there are no entries.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    /// The keys, in order.
-    pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys()
-    }
-
-    /// The entries, in order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.entries.iter()
-    }
+    module_core::dict_accessors!(Tensor, "tensor");
 
     /// The entries as a `HashMap` (what candle's safetensors writer takes).
     pub fn into_hash_map(self) -> HashMap<String, Tensor> {

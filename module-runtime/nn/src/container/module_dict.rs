@@ -67,44 +67,16 @@ impl<M> ModuleDict<M> {
         self.entries.remove(key)
     }
 
-    /// The module under `key`.
-    pub fn get(&self, key: &str) -> Option<&M> {
-        self.entries.get(key)
-    }
+    module_core::dict_accessors!(M, "module");
 
     /// The module under `key`, mutably.
     pub fn get_mut(&mut self, key: &str) -> Option<&mut M> {
         self.entries.get_mut(key)
     }
 
-    /// Whether `key` is present.
-    pub fn contains_key(&self, key: &str) -> bool {
-        self.entries.contains_key(key)
-    }
-
-    /// Number of entries.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Whether there are no entries.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    /// The keys, in insertion order.
-    pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys()
-    }
-
     /// The modules, in insertion order.
     pub fn values(&self) -> impl Iterator<Item = &M> {
         self.entries.values()
-    }
-
-    /// `(key, module)` pairs, in insertion order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &M)> {
-        self.entries.iter()
     }
 }
 
