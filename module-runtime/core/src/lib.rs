@@ -22,7 +22,6 @@
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
 //! | `typed_path/` | typed paths: module paths the compiler checks (`mod`); the path types of std types and containers (`containers`) |
 //! | `trace` | forward errors named by module path, as they travel up the calls |
-//! | `memory` | [`reuse_freed_memory`]: freed CPU tensor memory kept for the next tensors |
 #![warn(missing_docs)]
 
 // The derive's expansion names `::module_runtime`; inside this crate that is the crate itself.
@@ -85,8 +84,6 @@ pub mod views;
 #[doc(hidden)]
 pub mod walk;
 
-mod memory;
-
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
@@ -103,7 +100,6 @@ pub use identity::Shared;
 pub use key_rule::{KeyFix, KeyRule};
 pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn};
 pub use lazy_shape::LazyShape;
-pub use memory::reuse_freed_memory;
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use names::Names;
 pub use param::Param;

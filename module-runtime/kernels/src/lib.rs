@@ -30,8 +30,9 @@
 //!
 //! `module-kernels` sits below `module-nn` (the layers) and `module-optim` (the optimizers), as
 //! candle-core's CPU backend sits below candle-nn, on `module-core` alone (for the runtime's error type and `Param`). It names no
-//! layer and no optimizer. All of the runtime's SIMD, its thread-pool plumbing and the `unsafe` they need are here,
-//! each `unsafe` block with its SAFETY reasoning.
+//! layer and no optimizer. All of the runtime's SIMD, its thread-pool plumbing, the allocator setting
+//! [`reuse_freed_memory`] and the `unsafe` they need are here, each `unsafe` block with its SAFETY
+//! reasoning.
 #![warn(missing_docs)]
 
 // The lower crate's items, under the names this crate's files use (`crate::error::Result`).
@@ -39,6 +40,7 @@ use module_core::{error, Param};
 
 mod cpu;
 mod fusion;
+mod memory;
 mod pool;
 mod vector_exp;
 
@@ -66,6 +68,7 @@ pub use linear::{
     linear, q8_0_kernel_applies, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
 };
+pub use memory::reuse_freed_memory;
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};
 pub use residual_norm::{can_fuse_residual_norm, residual_layer_norm};
 pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
