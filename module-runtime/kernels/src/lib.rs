@@ -39,6 +39,8 @@
 use module_core::{error, Param};
 
 mod cpu;
+#[cfg(target_os = "linux")]
+mod file_read;
 mod fusion;
 mod memory;
 mod pool;
@@ -63,6 +65,8 @@ pub use bias::add_bias;
 pub use cpu::is_plain_cpu_f32;
 pub use dropout::dropout;
 pub use elementwise::{activation_in_place, can_activate_in_place, gelu_erf, silu, Elementwise};
+#[cfg(target_os = "linux")]
+pub use file_read::read_values_at;
 pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
     linear, q8_0_kernel_applies, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS,
