@@ -16,6 +16,7 @@ const EXTRA_STATE: &str = "extra_state";
 const PATHS: &str = "paths";
 const EXTRA_REPR: &str = "extra_repr";
 const NO_DISPLAY: &str = "no_display";
+const CLASS_NAME: &str = "class_name";
 
 /// A value set at most once, remembering where.
 struct Attr<T> {
@@ -58,6 +59,9 @@ pub struct Container {
     pub extra_repr: Option<Span>,
     /// `no_display`: no `Display` impl (the type has its own).
     pub no_display: Option<Span>,
+    /// `class_name = <expr>`: the type's class name (`Module::type_class_name`), an expression
+    /// that may use the type's parameters (`format!("Conv{D}d")`, `G::CLASS_NAME`).
+    pub class_name: Option<syn::Expr>,
 }
 
 impl Container {
@@ -68,6 +72,7 @@ impl Container {
         let mut paths = Attr::none(PATHS);
         let mut extra_repr = Attr::none(EXTRA_REPR);
         let mut no_display = Attr::none(NO_DISPLAY);
+        let mut class_name = Attr::none(CLASS_NAME);
         for attr in module_attrs(attrs) {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
@@ -102,6 +107,10 @@ impl Container {
                     if flag(cx, &meta)? {
                         no_display.set(cx, span, ());
                     }
+                } else if meta.path.is_ident(CLASS_NAME) {
+                    if let Some(expr) = expr_value(cx, &meta, "class_name = \"RMSNorm\"")? {
+                        class_name.set(cx, span, expr);
+                    }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -111,7 +120,7 @@ impl Container {
                 } else {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
-                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths` or `no_display`",
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths`, `no_display` or `class_name`",
                         path_name(&meta)
                     )));
                 }
@@ -128,6 +137,7 @@ impl Container {
             paths: paths.get().map(|(span, ())| span),
             extra_repr: extra_repr.get().map(|(span, ())| span),
             no_display: no_display.get().map(|(span, ())| span),
+            class_name: class_name.get().map(|(_, expr)| expr),
         }
     }
 }
@@ -184,7 +194,7 @@ impl Field {
                         }
                         rename.set(cx, span, (lit.span(), name));
                     }
-                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE, PATHS]) {
+                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE, PATHS, CLASS_NAME]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
                         "`{}` belongs on the type, not on a field",
@@ -268,6 +278,18 @@ fn string_value(
     let other: syn::Expr = value.parse()?;
     cx.error_spanned_by(other, message);
     Ok(None)
+}
+
+/// The expression after `key =`. Without `=`, the key is reported (showing `example`) and its
+/// value consumed.
+fn expr_value(cx: &Ctxt, meta: &ParseNestedMeta, example: &str) -> syn::Result<Option<syn::Expr>> {
+    if !meta.input.peek(syn::Token![=]) {
+        let name = path_name(meta);
+        skip_value(meta)?;
+        cx.syn_error(meta.error(format!("`{name}` takes a value: `{example}`")));
+        return Ok(None);
+    }
+    meta.value()?.parse().map(Some)
 }
 
 /// The path after `crate =`. Anything else (a string, as serde takes) is reported and consumed.

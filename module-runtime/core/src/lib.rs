@@ -112,7 +112,7 @@ pub use quant_slot::QuantizedLayout;
 pub use report::{LoadReport, Mismatch};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
-pub use type_name::short_type_name;
+pub use type_name::{generic_class_name, short_type_name};
 pub use typed_path::{HasPath, PathExt, TypedPath};
 
 pub use candle_core;

@@ -66,6 +66,7 @@ impl Default for RnnConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(bound = "G: Gates", class_name = G::CLASS_NAME)]
 pub struct RnnBase<G> {
     #[module(flatten)]
     weights: StackedWeights,
