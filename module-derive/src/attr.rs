@@ -1,4 +1,5 @@
-//! The `#[module(...)]` attribute grammar.
+//! The attribute grammars: `#[module(...)]` (the `Module` derive) and `#[tensor(...)]` (the
+//! `TensorStruct` derive).
 
 use proc_macro2::Span;
 use syn::meta::ParseNestedMeta;
@@ -7,6 +8,7 @@ use syn::spanned::Spanned;
 use crate::ctxt::Ctxt;
 
 const MODULE: &str = "module";
+const TENSOR: &str = "tensor";
 const CRATE: &str = "crate";
 const BOUND: &str = "bound";
 const SKIP: &str = "skip";
@@ -218,6 +220,50 @@ impl Field {
             rename: rename.get().map(|(_, r)| r),
             flatten: flatten.get().map(|(s, ())| s),
         }
+    }
+}
+
+/// `#[tensor(...)]` on a field of a `#[derive(TensorStruct)]` struct.
+pub struct TensorField {
+    /// `skip`: a plain value, carried over unchanged (not a tensor tree).
+    pub skip: Option<Span>,
+}
+
+impl TensorField {
+    pub fn from_ast(cx: &Ctxt, attrs: &[syn::Attribute]) -> Self {
+        let mut skip = Attr::none(SKIP);
+        for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+            let result = attr.parse_nested_meta(|meta| {
+                if meta.path.is_ident(SKIP)
+                    && (meta.input.is_empty() || meta.input.peek(syn::Token![,]))
+                {
+                    skip.set(cx, meta.path.span(), ());
+                } else {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(
+                        "unknown `#[tensor(...)]` argument: the only one is `skip` (a plain value \
+                         carried over unchanged)",
+                    ));
+                }
+                Ok(())
+            });
+            if let Err(e) = result {
+                cx.syn_error(e);
+            }
+        }
+        Self {
+            skip: skip.get().map(|(s, ())| s),
+        }
+    }
+}
+
+/// `#[tensor(...)]` belongs on fields: reports any on the type.
+pub fn reject_tensor_type_attrs(cx: &Ctxt, attrs: &[syn::Attribute]) {
+    for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+        cx.error_spanned_by(
+            attr,
+            "`#[tensor(...)]` goes on fields (`#[tensor(skip)]`), not on the type",
+        );
     }
 }
 
