@@ -426,7 +426,10 @@ mod json {
         assert_eq!(v.get("s").as_str(), "q\"\\é😀");
         assert_eq!(v.get("a").as_array().len(), 6);
         assert!(matches!(v.get("a").as_array()[1], Value::Number(ref n) if n == "-2.5e3"));
-        assert!(matches!(v.get("a").as_array()[2..4], [Value::Bool(true), Value::Bool(false)]));
+        assert!(matches!(
+            v.get("a").as_array()[2..4],
+            [Value::Bool(true), Value::Bool(false)]
+        ));
         assert!(v.get("e").as_array().is_empty());
         assert!(matches!(v.get("missing"), Value::Null));
     }
