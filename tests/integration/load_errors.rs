@@ -518,7 +518,7 @@ mod forward {
         match err {
             Error::Forward {
                 path, module_type, ..
-            } => (path.as_str(), module_type.clone()),
+            } => (path.as_str(), module_type.to_string()),
             other => panic!("expected a forward error, got {other:?}"),
         }
     }

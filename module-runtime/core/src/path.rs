@@ -69,7 +69,7 @@ fn check_flattened(module: &dyn Module, path: &str) -> Result<()> {
         Name::Field(name).push_to(&mut full);
         Err(Error::DuplicateName {
             path: full,
-            parent_type: module.class_name(),
+            parent_type: module.class_name().into(),
             first,
             second,
             fields,
@@ -206,7 +206,7 @@ pub fn submodule_mut<'a>(root: &'a mut dyn Module, path: &str) -> Result<&'a mut
                 return Err(Error::NoSubmodule {
                     path: path.to_owned(),
                     parent: walked,
-                    parent_type,
+                    parent_type: parent_type.into(),
                     missing: segment.to_owned(),
                     children,
                 });
@@ -261,7 +261,7 @@ fn no_child(
     Error::NoSubmodule {
         path: path.to_owned(),
         parent,
-        parent_type: parent_module.class_name(),
+        parent_type: parent_module.class_name().into(),
         missing: missing.to_owned(),
         children,
     }

@@ -54,7 +54,7 @@ pub enum Error {
         parent: String,
         /// That module's class name ([`Module::class_name`](crate::Module::class_name):
         /// `BatchNorm1d`, `Encoder`).
-        parent_type: String,
+        parent_type: Box<str>,
         /// The first segment that names nothing.
         missing: String,
         /// The children `parent` does have.
@@ -188,7 +188,7 @@ pub enum Error {
         path: String,
         /// The class name of the module holding both
         /// ([`Module::class_name`](crate::Module::class_name)).
-        parent_type: String,
+        parent_type: Box<str>,
         /// What the first is: `"parameter"`, `"buffer"`, `"module"` or `"extra state"`.
         first: &'static str,
         /// What the second is.
@@ -316,7 +316,7 @@ pub enum Error {
         path: String,
         /// Its class name ([`Module::class_name`](crate::Module::class_name): `Linear`,
         /// `BatchNorm1d`).
-        module_type: String,
+        module_type: Box<str>,
         /// The error it failed with.
         #[source]
         source: Box<Error>,
