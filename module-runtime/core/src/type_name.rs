@@ -53,8 +53,10 @@ pub fn short_type_name(full: &str) -> String {
 ///     generic_class_name("alloc::vec::Vec<my::Norm<1>>", &args),
 ///     "Vec<Norm1d>"
 /// );
-/// // `my::Norm<1>` does not stand alone in `my::Norm<1>x` or `my::Norm<1><..>`.
+/// // Only an argument's whole name is replaced: `my::Norm<2>` is another type, and so is
+/// // `my::Norm<1>x`.
 /// assert_eq!(generic_class_name("my::Block<my::Norm<2>>", &args), "Block<Norm<2>>");
+/// assert_eq!(generic_class_name("my::Pair<my::Norm<1>x>", &args), "Pair<Norm<1>x>");
 /// ```
 pub fn generic_class_name(full: &str, args: &[(&str, String)]) -> String {
     let mut out = String::with_capacity(full.len());
