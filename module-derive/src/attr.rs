@@ -1,4 +1,5 @@
-//! The `#[module(...)]` attribute grammar.
+//! The attribute grammars: `#[module(...)]` (the `Module` derive) and `#[tensor(...)]` (the
+//! `TensorStruct` derive).
 
 use proc_macro2::Span;
 use syn::meta::ParseNestedMeta;
@@ -7,6 +8,7 @@ use syn::spanned::Spanned;
 use crate::ctxt::Ctxt;
 
 const MODULE: &str = "module";
+const TENSOR: &str = "tensor";
 const CRATE: &str = "crate";
 const BOUND: &str = "bound";
 const SKIP: &str = "skip";
@@ -16,6 +18,7 @@ const EXTRA_STATE: &str = "extra_state";
 const PATHS: &str = "paths";
 const EXTRA_REPR: &str = "extra_repr";
 const NO_DISPLAY: &str = "no_display";
+const CLASS_NAME: &str = "class_name";
 
 /// A value set at most once, remembering where.
 struct Attr<T> {
@@ -58,6 +61,9 @@ pub struct Container {
     pub extra_repr: Option<Span>,
     /// `no_display`: no `Display` impl (the type has its own).
     pub no_display: Option<Span>,
+    /// `class_name = <expr>`: the type's class name (`Module::type_class_name`), an expression
+    /// that may use the type's parameters (`format!("Conv{D}d")`, `G::CLASS_NAME`).
+    pub class_name: Option<syn::Expr>,
 }
 
 impl Container {
@@ -68,6 +74,7 @@ impl Container {
         let mut paths = Attr::none(PATHS);
         let mut extra_repr = Attr::none(EXTRA_REPR);
         let mut no_display = Attr::none(NO_DISPLAY);
+        let mut class_name = Attr::none(CLASS_NAME);
         for attr in module_attrs(attrs) {
             let result = attr.parse_nested_meta(|meta| {
                 let span = meta.path.span();
@@ -102,6 +109,10 @@ impl Container {
                     if flag(cx, &meta)? {
                         no_display.set(cx, span, ());
                     }
+                } else if meta.path.is_ident(CLASS_NAME) {
+                    if let Some(expr) = expr_value(cx, &meta, "class_name = \"RMSNorm\"")? {
+                        class_name.set(cx, span, expr);
+                    }
                 } else if is_any(&meta, &[SKIP, RENAME, FLATTEN]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
@@ -111,7 +122,7 @@ impl Container {
                 } else {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
-                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths` or `no_display`",
+                        "unknown `#[module(...)]` key `{}` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths`, `no_display` or `class_name`",
                         path_name(&meta)
                     )));
                 }
@@ -128,6 +139,7 @@ impl Container {
             paths: paths.get().map(|(span, ())| span),
             extra_repr: extra_repr.get().map(|(span, ())| span),
             no_display: no_display.get().map(|(span, ())| span),
+            class_name: class_name.get().map(|(_, expr)| expr),
         }
     }
 }
@@ -184,7 +196,7 @@ impl Field {
                         }
                         rename.set(cx, span, (lit.span(), name));
                     }
-                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE, PATHS]) {
+                } else if is_any(&meta, &[CRATE, BOUND, EXTRA_STATE, PATHS, CLASS_NAME]) {
                     skip_value(&meta)?;
                     cx.syn_error(meta.error(format!(
                         "`{}` belongs on the type, not on a field",
@@ -208,6 +220,50 @@ impl Field {
             rename: rename.get().map(|(_, r)| r),
             flatten: flatten.get().map(|(s, ())| s),
         }
+    }
+}
+
+/// `#[tensor(...)]` on a field of a `#[derive(TensorStruct)]` struct.
+pub struct TensorField {
+    /// `skip`: a plain value, carried over unchanged (not a tensor tree).
+    pub skip: Option<Span>,
+}
+
+impl TensorField {
+    pub fn from_ast(cx: &Ctxt, attrs: &[syn::Attribute]) -> Self {
+        let mut skip = Attr::none(SKIP);
+        for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+            let result = attr.parse_nested_meta(|meta| {
+                if meta.path.is_ident(SKIP)
+                    && (meta.input.is_empty() || meta.input.peek(syn::Token![,]))
+                {
+                    skip.set(cx, meta.path.span(), ());
+                } else {
+                    skip_value(&meta)?;
+                    cx.syn_error(meta.error(
+                        "unknown `#[tensor(...)]` argument: the only one is `skip` (a plain value \
+                         carried over unchanged)",
+                    ));
+                }
+                Ok(())
+            });
+            if let Err(e) = result {
+                cx.syn_error(e);
+            }
+        }
+        Self {
+            skip: skip.get().map(|(s, ())| s),
+        }
+    }
+}
+
+/// `#[tensor(...)]` belongs on fields: reports any on the type.
+pub fn reject_tensor_type_attrs(cx: &Ctxt, attrs: &[syn::Attribute]) {
+    for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
+        cx.error_spanned_by(
+            attr,
+            "`#[tensor(...)]` goes on fields (`#[tensor(skip)]`), not on the type",
+        );
     }
 }
 
@@ -268,6 +324,18 @@ fn string_value(
     let other: syn::Expr = value.parse()?;
     cx.error_spanned_by(other, message);
     Ok(None)
+}
+
+/// The expression after `key =`. Without `=`, the key is reported (showing `example`) and its
+/// value consumed.
+fn expr_value(cx: &Ctxt, meta: &ParseNestedMeta, example: &str) -> syn::Result<Option<syn::Expr>> {
+    if !meta.input.peek(syn::Token![=]) {
+        let name = path_name(meta);
+        skip_value(meta)?;
+        cx.syn_error(meta.error(format!("`{name}` takes a value: `{example}`")));
+        return Ok(None);
+    }
+    meta.value()?.parse().map(Some)
 }
 
 /// The path after `crate =`. Anything else (a string, as serde takes) is reported and consumed.

@@ -1,4 +1,5 @@
-//! Rules across fields and attributes, checked before anything is generated.
+//! Rules across fields and attributes, checked before anything is generated: the `Module`
+//! derive's ([`check`]) and the `TensorStruct` derive's ([`tensor_struct_fields`]).
 
 use std::collections::BTreeMap;
 
@@ -181,6 +182,30 @@ fn check_names(cx: &Ctxt, fields: &[Field]) {
             ));
         } else {
             seen.insert(name, field);
+        }
+    }
+}
+
+/// `#[derive(TensorStruct)]` takes structs only: the struct's fields, or `None` with the error for
+/// an enum or a union.
+pub fn tensor_struct_fields<'a>(cx: &Ctxt, input: &'a syn::DeriveInput) -> Option<&'a syn::Fields> {
+    match &input.data {
+        syn::Data::Struct(s) => Some(&s.fields),
+        syn::Data::Enum(e) => {
+            cx.error_spanned_by(
+                e.enum_token,
+                "`#[derive(TensorStruct)]` supports structs only: hooks rebuild a value from its \
+                 tensors, which must not depend on a variant; write the `TensorStruct` impl by hand",
+            );
+            None
+        }
+        syn::Data::Union(u) => {
+            cx.error_spanned_by(
+                u.union_token,
+                "`#[derive(TensorStruct)]` does not support unions: a walk cannot know which field \
+                 is live; use a struct",
+            );
+            None
         }
     }
 }

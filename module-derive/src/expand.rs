@@ -110,6 +110,8 @@ fn expand(input: &Input) -> TokenStream {
 
     let flattened = flattened(input, &krate);
 
+    let class_name = class_name(input, &krate);
+
     let paths = match input.attrs.paths {
         Some(_) => crate::paths::expand(input, &krate),
         None => TokenStream::new(),
@@ -142,6 +144,8 @@ fn expand(input: &Input) -> TokenStream {
             #extra_repr
 
             #flattened
+
+            #class_name
         }
 
         #display
@@ -213,6 +217,54 @@ fn flattened(input: &Input, krate: &syn::Path) -> TokenStream {
             #body
         }
     }
+}
+
+/// `type_class_name` and `class_name`: the `#[module(class_name = ...)]` expression, or for a generic
+/// type whose fields include a bare type parameter (`layer: L`, which the impl requires to be a
+/// module), the Rust name with those arguments shown by their class names (`Block<Conv2d>`).
+/// Nothing for the others: the trait's defaults (the Rust name without paths) already agree.
+fn class_name(input: &Input, krate: &syn::Path) -> TokenStream {
+    let body = match &input.attrs.class_name {
+        Some(expr) => quote_spanned! {expr.span()=>
+            ::core::convert::Into::<::std::string::String>::into(#expr)
+        },
+        None => {
+            let params: Vec<&syn::Ident> = input
+                .generics
+                .type_params()
+                .map(|p| &p.ident)
+                .filter(|param| input.all_fields().any(|f| is_walked_param(f, param)))
+                .collect();
+            if params.is_empty() {
+                return TokenStream::new();
+            }
+            quote! {
+                #krate::generic_class_name(
+                    ::core::any::type_name::<Self>(),
+                    &[#((
+                        ::core::any::type_name::<#params>(),
+                        <#params as #krate::Module>::type_class_name(),
+                    )),*],
+                )
+            }
+        }
+    };
+    quote! {
+        fn type_class_name() -> ::std::string::String {
+            #body
+        }
+        fn class_name(&self) -> ::std::string::String {
+            <Self as #krate::Module>::type_class_name()
+        }
+    }
+}
+
+/// Whether `field` is walked and its type is exactly the type parameter `param`.
+fn is_walked_param(field: &Field, param: &syn::Ident) -> bool {
+    let syn::Type::Path(ty) = field.ty else {
+        return false;
+    };
+    field.attrs.skip.is_none() && ty.qself.is_none() && ty.path.is_ident(param)
 }
 
 /// One field's part of the walk. The trait is named through the field's type, spanned at it, so a

@@ -9,7 +9,9 @@
 //! naming, dedup, state dicts, hooks — is runtime code built on that walk. Input goes through
 //! three stages, never emitting code from half-validated input: `ast` reads the input into our own
 //! types, `attr` parses the `#[module(...)]` attributes, `check` applies the cross-field rules,
-//! and `expand` generates the impl. Every mistake in one input is reported in one compile.
+//! and `expand` generates the impl. `#[derive(TensorStruct)]` goes through the same `attr` (its
+//! `#[tensor(...)]` attributes) and `check` (structs only) before `tensor_struct` generates its
+//! impl. Every mistake in one input is reported in one compile.
 #![forbid(unsafe_code)]
 
 mod ast;

@@ -93,6 +93,36 @@ fn generic_struct_with_inferred_bounds() {
     );
 }
 
+/// A generic type whose field is a bare type parameter: its class name shows that argument's
+/// (`Block<Conv2d>`).
+#[test]
+fn generic_class_name() {
+    assert_snapshot(
+        "generic_class_name",
+        quote! {
+            struct Block<L, S> {
+                layer: L,
+                #[module(skip)]
+                scale: S,
+            }
+        },
+    );
+}
+
+/// `#[module(class_name = ...)]`: the expression, using the type's parameters.
+#[test]
+fn class_name_attribute() {
+    assert_snapshot(
+        "class_name_attribute",
+        quote! {
+            #[module(class_name = format!("Conv{D}d"))]
+            struct Conv<const D: usize> {
+                weight: Param,
+            }
+        },
+    );
+}
+
 #[test]
 fn explicit_bound() {
     assert_snapshot(

@@ -1,15 +1,14 @@
 //! `#[derive(TensorStruct)]`: a struct whose fields are tensors or tensor trees, walked in field
 //! order. Like the `Module` derive, it emits only the structural walk; what a tree is lives in the
-//! runtime (`TensorTree`).
+//! runtime (`TensorTree`). Its stages are the `Module` derive's: `attr` reads the `#[tensor(...)]`
+//! attributes, `check` refuses what it cannot derive, and this file generates the impl.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 
 use crate::ctxt::Ctxt;
-
-const TENSOR: &str = "tensor";
-const SKIP: &str = "skip";
+use crate::{attr, check};
 
 /// The derive on `proc_macro2` tokens: the impl, or the errors followed by a stub impl that keeps
 /// uses of the type from adding follow-on errors.
@@ -37,79 +36,21 @@ struct Field<'a> {
     skip: bool,
 }
 
-/// The struct's fields with their `#[tensor(...)]` attributes; `None` (with an error) for enums
-/// and unions.
+/// The struct's fields with their `#[tensor(...)]` attributes (read by `attr`); `None` (with an
+/// error, from `check`) for enums and unions.
 fn read<'a>(cx: &Ctxt, input: &'a syn::DeriveInput) -> Option<Vec<Field<'a>>> {
-    for attr in input.attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
-        cx.error_spanned_by(
-            attr,
-            "`#[tensor(...)]` goes on fields (`#[tensor(skip)]`), not on the type",
-        );
-    }
-    let fields = match &input.data {
-        syn::Data::Struct(s) => &s.fields,
-        syn::Data::Enum(e) => {
-            cx.error_spanned_by(
-                e.enum_token,
-                "`#[derive(TensorStruct)]` supports structs only: hooks rebuild a value from its \
-                 tensors, which must not depend on a variant; write the `TensorStruct` impl by hand",
-            );
-            return None;
-        }
-        syn::Data::Union(u) => {
-            cx.error_spanned_by(
-                u.union_token,
-                "`#[derive(TensorStruct)]` does not support unions: a walk cannot know which field \
-                 is live; use a struct",
-            );
-            return None;
-        }
-    };
+    attr::reject_tensor_type_attrs(cx, &input.attrs);
+    let fields = check::tensor_struct_fields(cx, input)?;
     let fields = fields
         .iter()
         .enumerate()
         .map(|(i, f)| Field {
             member: crate::ast::member(i, f),
             ty: &f.ty,
-            skip: skip_attr(cx, &f.attrs),
+            skip: attr::TensorField::from_ast(cx, &f.attrs).skip.is_some(),
         })
         .collect();
     Some(fields)
-}
-
-/// Whether the field is `#[tensor(skip)]`; other keys, values and repeats are reported.
-fn skip_attr(cx: &Ctxt, attrs: &[syn::Attribute]) -> bool {
-    let mut skip = false;
-    for attr in attrs.iter().filter(|a| a.path().is_ident(TENSOR)) {
-        let result = attr.parse_nested_meta(|meta| {
-            if meta.path.is_ident(SKIP)
-                && (meta.input.is_empty() || meta.input.peek(syn::Token![,]))
-            {
-                if skip {
-                    cx.syn_error(meta.error("`skip` is given twice here; keep one"));
-                }
-                skip = true;
-                return Ok(());
-            }
-            // Consume whatever follows, so that the rest of the list still parses.
-            if meta.input.peek(syn::Token![=]) {
-                meta.value()?.parse::<syn::Expr>()?;
-            } else if meta.input.peek(syn::token::Paren) {
-                let content;
-                syn::parenthesized!(content in meta.input);
-                content.parse::<TokenStream>()?;
-            }
-            cx.syn_error(meta.error(
-                "unknown `#[tensor(...)]` argument: the only one is `skip` (a plain value \
-                 carried over unchanged)",
-            ));
-            Ok(())
-        });
-        if let Err(e) = result {
-            cx.syn_error(e);
-        }
-    }
-    skip
 }
 
 /// The generics with `'static` for every parameter (a `TensorStruct` is `'static`) and

@@ -85,12 +85,13 @@ pub use module_optim as optim;
 pub use module_core::CallTarget;
 pub use module_core::{
     build_empty, device_name, empty_weights, enable_grad, extra_state_from_bytes,
-    extra_state_to_bytes, inference_mode, is_grad_enabled, module_repr, no_grad, parse_device,
-    py_bool, py_float, py_tuple, short_type_name, without_grad, Buffer, Child, ChildMut, ChildRepr,
-    EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward, GradModeGuard, HasPath, Init, InitFn,
-    KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode, Module, Name, Names, OutputDivergence,
-    Param, PathExt, PathPattern, PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared,
-    Summary, SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
+    extra_state_to_bytes, generic_class_name, inference_mode, is_grad_enabled, module_repr,
+    no_grad, parse_device, py_bool, py_float, py_tuple, short_type_name,
+    without_grad, Buffer, Child, ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr,
+    ExtraState, Forward, GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape,
+    LoadReport, Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern,
+    PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance,
+    TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
@@ -112,7 +113,8 @@ pub use module_state::{
 /// derive lists and how it names it, then each attribute with a runnable example: on fields
 /// `#[module(skip)]`, `#[module(rename = "…")]` and `#[module(flatten)]`; on the type
 /// `#[module(extra_state)]` (with [`ExtraState`]), `#[module(extra_repr)]` (with [`ExtraRepr`]),
-/// `#[module(no_display)]`, `#[module(paths)]` ([`typed_path`]),
+/// `#[module(no_display)]`, `#[module(class_name = …)]` ([`Module::type_class_name`]),
+/// `#[module(paths)]` ([`typed_path`]),
 /// `#[module(bound = "…")]` and `#[module(crate = path)]`; then tuple structs, enums and generics.
 /// The examples read the names through [`ModuleExt`] (`named_parameters`, `named_modules`,
 /// `state_dict`).

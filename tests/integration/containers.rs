@@ -138,10 +138,7 @@ fn functional_wraps_closures_and_candle_modules() {
         expected.to_vec1::<f32>().unwrap()
     );
     assert_eq!(gelu.num_parameters(), 0);
-    assert_eq!(
-        module_runtime::short_type_name(gelu.type_name()),
-        "Activation"
-    );
+    assert_eq!(gelu.class_name(), "Activation");
     // A closure may use this crate's error type.
     let double = Functional::new(|x: &Tensor| -> module_runtime::Result<Tensor> { Ok((x * 2.0)?) });
     assert_eq!(

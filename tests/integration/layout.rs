@@ -1,6 +1,6 @@
 //! The runtime's layout as docs/ARCHITECTURE.md maps it: every source file of every runtime crate
-//! is listed there (and every listed file exists), and no file is over 600 lines. The crates'
-//! direction needs no test: a crate cannot import one above it.
+//! is listed there (and every listed file exists), and no file is over 600 lines. Which crate may
+//! depend on which is `crate_order.rs`'s check of the same doc's crate table.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

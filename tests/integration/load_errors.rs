@@ -415,7 +415,7 @@ mod forward {
 
     use module_runtime::nn::Sequential;
     use module_runtime::prelude::*;
-    use module_runtime::{short_type_name, Error, Hooks};
+    use module_runtime::{Error, Hooks};
 
     use super::dev;
 
@@ -518,7 +518,7 @@ mod forward {
         match err {
             Error::Forward {
                 path, module_type, ..
-            } => (path.as_str(), short_type_name(module_type)),
+            } => (path.as_str(), module_type.to_string()),
             other => panic!("expected a forward error, got {other:?}"),
         }
     }

@@ -225,6 +225,54 @@ fn generic_layers_have_pytorch_class_names() {
     );
 }
 
+/// A user's generic module shows its module arguments by their class names (`Block<Conv2d>`), as
+/// a container does (`Option<BatchNorm1d>` while it is `None`); `print(model)` drops the
+/// arguments, as PyTorch's class names have none.
+#[test]
+fn a_generic_module_shows_its_arguments_class_names() {
+    use module_runtime::nn::{BatchNorm1d, Conv1d, Conv2d};
+    #[derive(Module)]
+    struct Block<L> {
+        layer: L,
+        norm: Option<BatchNorm1d>,
+    }
+    #[derive(Module)]
+    struct Net {
+        block: Block<Conv2d>,
+    }
+    let dev = Device::Cpu;
+    let net = Net {
+        block: Block {
+            layer: Conv2d::new(1, 1, 1, &dev).unwrap(),
+            norm: None,
+        },
+    };
+    assert_eq!(
+        <Block<Conv2d> as Module>::type_class_name(),
+        "Block<Conv2d>"
+    );
+    assert_eq!(net.block.class_name(), "Block<Conv2d>");
+    assert_eq!(
+        <Option<BatchNorm1d> as Module>::type_class_name(),
+        "Option<BatchNorm1d>"
+    );
+    let rows: Vec<String> = net
+        .summary()
+        .rows
+        .iter()
+        .map(|r| r.type_name.clone())
+        .collect();
+    assert_eq!(rows, ["Net", "Block<Conv2d>", "Conv2d"]);
+    assert!(net
+        .to_string()
+        .starts_with("Net(\n  (block): Block(\n    (layer): Conv2d("));
+    let err = net.get_submodule::<Block<Conv1d>>("block").err().unwrap();
+    assert_eq!(
+        err.to_string(),
+        "submodule `block` is a `Block<Conv2d>`, not a `Block<Conv1d>`"
+    );
+}
+
 /// PyTorch: each module has its own `training` flag; `model.drop.eval()` on a new model leaves
 /// `model.training` `True` (`torch/nn/modules/module.py`, `Module.train` sets `self.training` and
 /// recurses into children only).

@@ -1,5 +1,5 @@
 ::core::compile_error! {
-    "unknown `#[module(...)]` key `transparent` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths` or `no_display`"
+    "unknown `#[module(...)]` key `transparent` on a type: expected `crate`, `bound`, `extra_state`, `extra_repr`, `paths`, `no_display` or `class_name`"
 }
 ::core::compile_error! {
     "a skipped field has no name to `rename`; remove `rename`, or `skip` if the field is a module"

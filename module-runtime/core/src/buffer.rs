@@ -198,7 +198,7 @@ impl Buffer {
     /// Inside a functional call that substitutes or captures this buffer, the write goes to the
     /// call's copy and the buffer itself is left unchanged.
     pub fn set(&self, value: &Tensor) -> Result<()> {
-        if crate::scope::active() && crate::scope::assign_buffer(self, value)? {
+        if crate::scope::active() && crate::scope::assign_buffer(self.id(), value)? {
             return Ok(());
         }
         if self.0.value.build_from(value)? {

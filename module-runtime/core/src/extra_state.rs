@@ -4,8 +4,6 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::module::Module;
-use crate::walk::{walk, Visit};
 
 /// The key suffix PyTorch saves extra state under (`_EXTRA_STATE_KEY_SUFFIX` in
 /// `torch/nn/modules/module.py`): `"_extra_state"` for the root, `"enc._extra_state"` for the
@@ -93,19 +91,6 @@ pub fn extra_state_to_bytes(state: &Tensor) -> Result<Vec<u8>> {
         ))));
     }
     Ok(state.to_vec1::<u8>()?)
-}
-
-/// Every module's extra state under its key, each alias of a shared module under each path (as
-/// `state_dict` saves it).
-pub fn slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
-    let mut out = Vec::new();
-    walk(root, false, &mut |path, v| {
-        if let Visit::Extra(e) = v {
-            out.push((path.to_owned(), e));
-        }
-        true
-    });
-    out
 }
 
 /// Sets each module's extra state; if one fails, puts back the earlier ones' previous state and

@@ -16,9 +16,11 @@
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
-//! | `param`, `quant`, `quant_slot`, `buffer`, `scope` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`), the functional scope |
+//! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
+//! | `param`, `quant`, `quant_slot`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`) |
+//! | `extra_state` | [`ExtraState`]: a module's non-tensor state, its key, its all-or-nothing restore |
 //! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
-//! | `extra_state`, `walk`, `path`, `names`, `views` | the walk and what is built on it |
+//! | `walk`, `path`, `names`, `views` | the walk and what is built on it |
 //! | `convert`, `device`, `summary`, `forward` | moves, devices, summaries, `Forward` |
 //! | `typed_path/` | typed paths: module paths the compiler checks (`mod`); the path types of std types and containers (`containers`) |
 //! | `trace` | forward errors named by module path, as they travel up the calls |
@@ -108,7 +110,7 @@ pub use quant_slot::QuantizedLayout;
 pub use report::{LoadReport, Mismatch};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
-pub use type_name::short_type_name;
+pub use type_name::{generic_class_name, short_type_name};
 pub use typed_path::{HasPath, PathExt, TypedPath};
 
 pub use candle_core;

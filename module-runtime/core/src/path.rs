@@ -69,7 +69,7 @@ fn check_flattened(module: &dyn Module, path: &str) -> Result<()> {
         Name::Field(name).push_to(&mut full);
         Err(Error::DuplicateName {
             path: full,
-            parent_type: module.type_name(),
+            parent_type: module.class_name().into(),
             first,
             second,
             fields,
@@ -194,7 +194,7 @@ pub fn submodule_mut<'a>(root: &'a mut dyn Module, path: &str) -> Result<&'a mut
     let mut current = root;
     let mut walked = String::new();
     for segment in segments(path) {
-        let parent_type = current.type_name();
+        let parent_type = current.class_name();
         match find_child(move |f| current.visit_children_mut(f), segment) {
             Ok(ChildMut::Module(module)) => current = module,
             Ok(ChildMut::Shared(_)) => {
@@ -206,7 +206,7 @@ pub fn submodule_mut<'a>(root: &'a mut dyn Module, path: &str) -> Result<&'a mut
                 return Err(Error::NoSubmodule {
                     path: path.to_owned(),
                     parent: walked,
-                    parent_type,
+                    parent_type: parent_type.into(),
                     missing: segment.to_owned(),
                     children,
                 });
@@ -261,7 +261,7 @@ fn no_child(
     Error::NoSubmodule {
         path: path.to_owned(),
         parent,
-        parent_type: parent_module.type_name(),
+        parent_type: parent_module.class_name().into(),
         missing: missing.to_owned(),
         children,
     }
@@ -276,10 +276,9 @@ fn wrong_kind(path: &str, expected: &'static str, found: &'static str) -> Error 
 }
 
 fn wrong_type<T: Module>(path: &str, found: &dyn Module) -> Error {
-    use crate::type_name::short_type_name;
     Error::WrongModuleType {
         path: path.to_owned(),
-        expected: short_type_name(std::any::type_name::<T>()),
-        found: short_type_name(found.type_name()),
+        expected: T::type_class_name(),
+        found: found.class_name(),
     }
 }

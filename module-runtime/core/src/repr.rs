@@ -5,7 +5,6 @@
 use std::fmt::Write;
 
 use crate::module::{Child, Module};
-use crate::type_name::short_type_name;
 
 /// The text a module shows inside its parentheses when printed: PyTorch's
 /// `nn.Module.extra_repr` (`in_features=64, out_features=32, bias=True` for a `Linear`).
@@ -102,8 +101,9 @@ pub enum ChildRepr {
     Hidden,
 }
 
-/// How `print(model)` shows `m`: PyTorch's `nn.Module.__repr__`. The class name (PyTorch's for
-/// the runtime's layers, see [`short_type_name`], without type arguments), then the module's
+/// How `print(model)` shows `m`: PyTorch's `nn.Module.__repr__`. The class name (its
+/// [`class_name`](Module::class_name), PyTorch's for the runtime's layers, without type
+/// arguments), then the module's
 /// [`extra_repr`](Module::extra_repr) and its submodules, one `(name): repr` per line, indented
 /// by two spaces; a module with only a one-line `extra_repr` stays on one line
 /// (`Linear(in_features=4, out_features=2, bias=True)`). Parameters and buffers are not listed.
@@ -151,7 +151,7 @@ fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.
-    let full = short_type_name(m.type_name());
+    let full = m.class_name();
     let name = class.unwrap_or_else(|| full.split('<').next().unwrap_or(&full));
     let mut lines: Vec<String> = Vec::new();
     if m.__repr_collapses_repeats() {

@@ -19,7 +19,6 @@ use std::marker::PhantomData;
 
 use candle_core::Tensor;
 
-use crate::buffer::Buffer;
 use crate::error::Result;
 use crate::identity::{AddressHasher, IdentitySet};
 use crate::lazy_cell::check_same_layout;
@@ -137,17 +136,17 @@ impl Drop for ScopeGuard {
     }
 }
 
-/// A write to `target` inside a scope: goes to the innermost scope's copy when one holds it
-/// (`Ok(true)`), after the checks [`Buffer::set`] makes.
+/// A write to the buffer `id` inside a scope: goes to the innermost scope's copy when one holds it
+/// (`Ok(true)`), after the checks [`Buffer::set`](crate::Buffer::set) makes.
 #[cold]
-pub fn assign_buffer(target: &Buffer, value: &Tensor) -> Result<bool> {
-    let Some(current) = buffer(target.id()) else {
+pub fn assign_buffer(id: usize, value: &Tensor) -> Result<bool> {
+    let Some(current) = buffer(id) else {
         return Ok(false);
     };
     check_same_layout(&current, value)?;
     // Buffers take no part in autograd (PyTorch updates running statistics under `no_grad`).
     let value = value.to_device(current.device())?.detach();
-    let _ = write_buffer(target.id(), value);
+    let _ = write_buffer(id, value);
     Ok(true)
 }
 

@@ -3,7 +3,6 @@
 use std::fmt;
 
 use crate::module::Module;
-use crate::type_name::short_type_name;
 use crate::walk::{walk, Visit};
 
 /// One module of a [`Summary`].
@@ -96,7 +95,7 @@ impl Summary {
                     ancestors.push(rows.len());
                     rows.push(SummaryRow {
                         path: path.to_owned(),
-                        type_name: short_type_name(m.type_name()),
+                        type_name: m.class_name(),
                         depth,
                         params: 0,
                         trainable_params: 0,

@@ -53,7 +53,7 @@ fn wrap(module: &dyn Module, target: CallTarget, error: Error) -> Error {
                 // or held in a skipped field): this module's frame goes around it.
                 None => Error::Forward {
                     path: String::new(),
-                    module_type: module.type_name(),
+                    module_type: module.class_name().into(),
                     source: Box::new(Error::Forward {
                         path,
                         module_type,
@@ -70,7 +70,7 @@ fn wrap(module: &dyn Module, target: CallTarget, error: Error) -> Error {
         | Error::TensorTreeMismatch { .. }) => error,
         error => Error::Forward {
             path: String::new(),
-            module_type: module.type_name(),
+            module_type: module.class_name().into(),
             source: Box::new(explain(module, error)),
             frame: target,
         },

@@ -1,168 +1,27 @@
-//! Type names as messages and summaries show them.
+//! Type names as messages and summaries show them: Rust names without module paths, and the class
+//! names of generic types built from their type arguments' class names.
+//!
+//! Which class name a module type has is the type's own answer
+//! ([`Module::type_class_name`](crate::Module::type_class_name)); this file only spells names
+//! and knows no type.
 
 /// `std::any::type_name` without module paths: `alloc::vec::Vec<my::Block>` → `Vec<Block>`.
 ///
-/// The runtime's generic layers get PyTorch's class names: `BatchNorm<1>` is `BatchNorm1d`,
-/// `Conv<2>` is `Conv2d`, `Pool2d<Max>` is `MaxPool2d`, `RnnBase<LstmGates>` is `LSTM` (and so on
-/// for every alias in [`nn`](../module_runtime/nn/index.html)), wherever they appear in the name.
+/// This is the spelling of any type; a module's name as summaries and errors show it is its
+/// [`class_name`](crate::Module::class_name), which is this by default and PyTorch's class name
+/// for the runtime's generic layers (`BatchNorm<1>` is `BatchNorm1d`).
 ///
 /// ```
 /// use module_runtime::short_type_name;
-/// use module_runtime::nn::{BatchNorm1d, MaxPool2d};
 /// assert_eq!(short_type_name("alloc::vec::Vec<my::Block>"), "Vec<Block>");
-/// assert_eq!(short_type_name(std::any::type_name::<BatchNorm1d>()), "BatchNorm1d");
-/// assert_eq!(short_type_name(std::any::type_name::<Vec<MaxPool2d>>()), "Vec<MaxPool2d>");
+/// assert_eq!(
+///     short_type_name("core::option::Option<(my::A, alloc::string::String)>"),
+///     "Option<(A, String)>"
+/// );
 /// ```
 pub fn short_type_name(full: &str) -> String {
-    let mut renamed = None;
-    for (rust, pytorch) in PYTORCH_NAMES {
-        let current: &str = renamed.as_deref().unwrap_or(full);
-        if current.contains(rust) {
-            renamed = Some(current.replace(rust, pytorch));
-        }
-    }
-    strip_paths(renamed.as_deref().unwrap_or(full))
-}
-
-/// The layer crate's path, as `std::any::type_name` spells the layers' names.
-macro_rules! nn {
-    ($($path:literal),+) => {
-        concat!($("module_nn::", $path),+)
-    };
-}
-
-/// The runtime's generic layers, as `std::any::type_name` spells each instantiation, and
-/// PyTorch's class names for them (`RmsNorm` too, which PyTorch spells `RMSNorm`). The layers
-/// live above this crate, so the names are strings here; a test beside the layers checks every
-/// entry against `type_name` of its alias.
-#[doc(hidden)]
-pub const PYTORCH_NAMES: [(&str, &str); 48] = [
-    (nn!("batch_norm::BatchNorm<1>"), "BatchNorm1d"),
-    (nn!("batch_norm::BatchNorm<2>"), "BatchNorm2d"),
-    (nn!("batch_norm::LazyBatchNorm<1>"), "LazyBatchNorm1d"),
-    (nn!("batch_norm::LazyBatchNorm<2>"), "LazyBatchNorm2d"),
-    (nn!("conv::Conv<1>"), "Conv1d"),
-    (nn!("conv::Conv<2>"), "Conv2d"),
-    (nn!("conv::Conv<3>"), "Conv3d"),
-    (nn!("conv::lazy::LazyConv<1>"), "LazyConv1d"),
-    (nn!("conv::lazy::LazyConv<2>"), "LazyConv2d"),
-    (nn!("conv::transpose::ConvTranspose<1>"), "ConvTranspose1d"),
-    (nn!("conv::transpose::ConvTranspose<2>"), "ConvTranspose2d"),
-    (nn!("pool::Pool2d<", "pool::Max>"), "MaxPool2d"),
-    (nn!("pool::Pool2d<", "pool::Avg>"), "AvgPool2d"),
-    (
-        nn!("rnn::sequence::RnnBase<", "rnn::gates::LstmGates>"),
-        "LSTM",
-    ),
-    (
-        nn!("rnn::sequence::RnnBase<", "rnn::gates::GruGates>"),
-        "GRU",
-    ),
-    (
-        nn!("rnn::cell::RnnCellBase<", "rnn::gates::LstmGates>"),
-        "LSTMCell",
-    ),
-    (
-        nn!("rnn::cell::RnnCellBase<", "rnn::gates::GruGates>"),
-        "GRUCell",
-    ),
-    (nn!("layer_norm::RmsNorm"), "RMSNorm"),
-    (
-        nn!("adaptive_pool::AdaptivePool<1, ", "pool::Avg>"),
-        "AdaptiveAvgPool1d",
-    ),
-    (
-        nn!("adaptive_pool::AdaptivePool<2, ", "pool::Avg>"),
-        "AdaptiveAvgPool2d",
-    ),
-    (
-        nn!("adaptive_pool::AdaptivePool<1, ", "pool::Max>"),
-        "AdaptiveMaxPool1d",
-    ),
-    (
-        nn!("adaptive_pool::AdaptivePool<2, ", "pool::Max>"),
-        "AdaptiveMaxPool2d",
-    ),
-    (nn!("instance_norm::InstanceNorm<1>"), "InstanceNorm1d"),
-    (nn!("instance_norm::InstanceNorm<2>"), "InstanceNorm2d"),
-    (nn!("pool1d::Pool1d<", "pool::Max>"), "MaxPool1d"),
-    (nn!("pool1d::Pool1d<", "pool::Avg>"), "AvgPool1d"),
-    (nn!("pool1d::LpPool<1>"), "LPPool1d"),
-    (nn!("pool1d::LpPool<2>"), "LPPool2d"),
-    (
-        nn!(
-            "transformer::stack::TransformerStack<",
-            "transformer::encoder::TransformerEncoderLayer>"
-        ),
-        "TransformerEncoder",
-    ),
-    (
-        nn!(
-            "transformer::stack::TransformerStack<",
-            "transformer::decoder::TransformerDecoderLayer>"
-        ),
-        "TransformerDecoder",
-    ),
-    (nn!("padding::Pad<1, ", "padding::Zeros>"), "ZeroPad1d"),
-    (nn!("padding::Pad<2, ", "padding::Zeros>"), "ZeroPad2d"),
-    (nn!("padding::Pad<3, ", "padding::Zeros>"), "ZeroPad3d"),
-    (
-        nn!("padding::Pad<1, ", "padding::Constant>"),
-        "ConstantPad1d",
-    ),
-    (
-        nn!("padding::Pad<2, ", "padding::Constant>"),
-        "ConstantPad2d",
-    ),
-    (
-        nn!("padding::Pad<3, ", "padding::Constant>"),
-        "ConstantPad3d",
-    ),
-    (
-        nn!("padding::Pad<1, ", "padding::Reflect>"),
-        "ReflectionPad1d",
-    ),
-    (
-        nn!("padding::Pad<2, ", "padding::Reflect>"),
-        "ReflectionPad2d",
-    ),
-    (
-        nn!("padding::Pad<3, ", "padding::Reflect>"),
-        "ReflectionPad3d",
-    ),
-    (
-        nn!("padding::Pad<1, ", "padding::Replicate>"),
-        "ReplicationPad1d",
-    ),
-    (
-        nn!("padding::Pad<2, ", "padding::Replicate>"),
-        "ReplicationPad2d",
-    ),
-    (
-        nn!("padding::Pad<3, ", "padding::Replicate>"),
-        "ReplicationPad3d",
-    ),
-    (
-        nn!("padding::Pad<1, ", "padding::Circular>"),
-        "CircularPad1d",
-    ),
-    (
-        nn!("padding::Pad<2, ", "padding::Circular>"),
-        "CircularPad2d",
-    ),
-    (
-        nn!("padding::Pad<3, ", "padding::Circular>"),
-        "CircularPad3d",
-    ),
-    (nn!("dropout_variants::ChannelDropout<1>"), "Dropout1d"),
-    (nn!("dropout_variants::ChannelDropout<2>"), "Dropout2d"),
-    (nn!("dropout_variants::ChannelDropout<3>"), "Dropout3d"),
-];
-
-fn strip_paths(full: &str) -> String {
     let mut out = String::with_capacity(full.len());
     let mut token_start = 0;
-    let is_path_char = |c: char| c.is_alphanumeric() || c == '_' || c == ':';
     for (i, c) in full
         .char_indices()
         .chain(std::iter::once((full.len(), ' ')))
@@ -178,4 +37,57 @@ fn strip_paths(full: &str) -> String {
         token_start = i + c.len_utf8();
     }
     out
+}
+
+/// The class name of a generic type whose Rust name is `full`: `full` without module paths, with
+/// each of `args` (a type argument's Rust name and its class name) shown as its class name.
+///
+/// This is how a container or a generic module composes its class name from its arguments':
+/// `Vec<BatchNorm<1>>` is `Vec<BatchNorm1d>`. An argument is replaced only where its whole name
+/// stands (not inside a longer path, nor as the head of another generic type).
+///
+/// ```
+/// use module_runtime::generic_class_name;
+/// let args = [("my::Norm<1>", "Norm1d".to_owned())];
+/// assert_eq!(
+///     generic_class_name("alloc::vec::Vec<my::Norm<1>>", &args),
+///     "Vec<Norm1d>"
+/// );
+/// // Only an argument's whole name is replaced: `my::Norm<2>` is another type, and so is
+/// // `my::Norm<1>x`.
+/// assert_eq!(generic_class_name("my::Block<my::Norm<2>>", &args), "Block<Norm<2>>");
+/// assert_eq!(generic_class_name("my::Pair<my::Norm<1>x>", &args), "Pair<Norm<1>x>");
+/// ```
+pub fn generic_class_name(full: &str, args: &[(&str, String)]) -> String {
+    let mut out = String::with_capacity(full.len());
+    let mut i = 0;
+    'scan: while let Some(c) = full[i..].chars().next() {
+        let starts_token = full[..i]
+            .chars()
+            .next_back()
+            .is_none_or(|p| !is_path_char(p));
+        if starts_token {
+            for (rust, class) in args {
+                let end = i + rust.len();
+                let whole = full[i..].starts_with(rust)
+                    && full[end..]
+                        .chars()
+                        .next()
+                        .is_none_or(|n| !is_path_char(n) && n != '<');
+                if !rust.is_empty() && whole {
+                    out.push_str(class);
+                    i = end;
+                    continue 'scan;
+                }
+            }
+        }
+        out.push(c);
+        i += c.len_utf8();
+    }
+    short_type_name(&out)
+}
+
+/// A character of a path token: `my_crate::Block2`.
+fn is_path_char(c: char) -> bool {
+    c.is_alphanumeric() || c == '_' || c == ':'
 }

@@ -1,8 +1,10 @@
 //! The one walk every traversal is built on: depth first over the derive's
 //! [`visit_children`](crate::Module::visit_children), growing the dotted path in place, with
-//! PyTorch's memo set to list shared things once.
+//! PyTorch's memo set to list shared things once; every module's extra state by key (what the
+//! state dict saves), and the one search for a called module.
 
 use crate::buffer::Buffer;
+use crate::extra_state::{ExtraState, EXTRA_STATE_KEY};
 use crate::identity::{CallTarget, IdentitySet};
 use crate::module::{Child, Mode, Module, Name};
 use crate::param::Param;
@@ -11,7 +13,7 @@ use crate::param::Param;
 /// `#[module(flatten)]`ed fields lift to its level (a flattened field's children are listed as
 /// the parent's own, and so is its extra state). Two of them at one module are refused by the
 /// state dict and loads ([`check_keys`](crate::path::check_keys)).
-pub fn extra_state(module: &dyn Module) -> Option<&dyn crate::ExtraState> {
+pub fn extra_state(module: &dyn Module) -> Option<&dyn ExtraState> {
     let mut found = module.extra_state();
     if found.is_none() {
         module.__flattened(&mut |_, field| {
@@ -30,7 +32,7 @@ pub enum Visit<'a> {
     Buffer(&'a Buffer),
     Mode(&'a Mode),
     /// A module's extra state, at `<module path>._extra_state`.
-    Extra(&'a dyn crate::ExtraState),
+    Extra(&'a dyn ExtraState),
 }
 
 /// Walks `root` depth-first in PyTorch's order (each module's own parameters, own buffers, then
@@ -96,7 +98,7 @@ impl<'a> Walker<'a, '_> {
                 && let Some(extra) = extra_state(module)
             {
                 let len = self.path.len();
-                Name::Field(crate::extra_state::EXTRA_STATE_KEY).push_to(&mut self.path);
+                Name::Field(EXTRA_STATE_KEY).push_to(&mut self.path);
                 (self.f)(&self.path, Visit::Extra(extra));
                 self.path.truncate(len);
             }
@@ -130,6 +132,19 @@ impl<'a> Walker<'a, '_> {
         }
         self.path.truncate(len);
     }
+}
+
+/// Every module's extra state under its key, each alias of a shared module under each path (as
+/// `state_dict` saves it).
+pub fn extra_state_slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
+    let mut out = Vec::new();
+    walk(root, false, &mut |path, v| {
+        if let Visit::Extra(e) = v {
+            out.push((path.to_owned(), e));
+        }
+        true
+    });
+    out
 }
 
 /// The module called as `target` (a [`CallTarget`]: the module itself, or the `Arc` holding it)

@@ -20,7 +20,7 @@
 // The core's modules and items, under the names this crate's files use (`crate::module::Module`).
 use module_core::{
     buffer, convert, error, forward, identity, module, names, param, path, pattern, report,
-    summary, trace, type_name, typed_path, views, walk,
+    summary, trace, typed_path, views, walk,
 };
 // The state layer's modules, likewise.
 use module_state::{checkpoint, state};

@@ -60,6 +60,7 @@ impl AdaptiveReduction for Max {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(extra_repr)]
+#[module(bound = "R: AdaptiveReduction", class_name = R::LAYERS[D.clamp(1, 2) - 1])]
 pub struct AdaptivePool<const D: usize, R> {
     /// The output size per spatial dimension; `None` keeps the input's.
     pub output_size: [Option<usize>; D],

@@ -77,6 +77,7 @@ impl Default for BatchNormConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(class_name = format!("BatchNorm{D}d"))]
 pub struct BatchNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,
@@ -303,6 +304,7 @@ impl<const D: usize> Forward<&Tensor> for BatchNorm<D> {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(class_name = format!("LazyBatchNorm{D}d"))]
 pub struct LazyBatchNorm<const D: usize> {
     #[module(flatten)]
     norm: BatchNorm<D>,

@@ -85,6 +85,7 @@ fn channel_dims(x: &Tensor, lead: usize) -> Vec<usize> {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(class_name = format!("Dropout{D}d"))]
 pub struct ChannelDropout<const D: usize> {
     /// Probability of zeroing a channel, in `[0, 1]`.
     pub p: f64,
@@ -244,15 +245,3 @@ impl<const D: usize> module_core::ExtraRepr for ChannelDropout<D> {
 
 layer_repr!(AlphaDropout, |layer| dropout_repr(layer.p));
 layer_repr!(FeatureAlphaDropout, |layer| dropout_repr(layer.p));
-
-/// The Rust names of the channel dropouts and their PyTorch class names, for summaries and
-/// errors ([`pytorch_names`](super::pytorch_names)).
-#[cfg(test)]
-pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 3] {
-    use std::any::type_name;
-    [
-        (type_name::<Dropout1d>(), "Dropout1d"),
-        (type_name::<Dropout2d>(), "Dropout2d"),
-        (type_name::<Dropout3d>(), "Dropout3d"),
-    ]
-}

@@ -67,6 +67,7 @@ impl Default for InstanceNormConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(extra_repr)]
+#[module(class_name = format!("InstanceNorm{D}d"))]
 pub struct InstanceNorm<const D: usize> {
     /// `[C]`, if affine.
     pub weight: Option<Param>,

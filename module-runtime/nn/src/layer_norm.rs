@@ -350,6 +350,7 @@ impl Default for RmsNormConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(class_name = "RMSNorm")]
 pub struct RmsNorm {
     /// `normalized_shape`, if the layer is elementwise-affine.
     pub weight: Option<Param>,

@@ -181,6 +181,16 @@ impl<M: Module> Module for Lazy<M> {
             None => std::any::type_name::<Self>(),
         }
     }
+    fn class_name(&self) -> String {
+        match self.cell.get() {
+            Some(m) => m.class_name(),
+            None => Self::type_class_name(),
+        }
+    }
+    fn type_class_name() -> String {
+        let args = [(std::any::type_name::<M>(), M::type_class_name())];
+        module_core::generic_class_name(std::any::type_name::<Self>(), &args)
+    }
     fn extra_repr(&self) -> String {
         self.cell.get().map_or_else(String::new, |m| m.extra_repr())
     }

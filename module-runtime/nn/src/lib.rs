@@ -34,10 +34,11 @@
 //! A family that PyTorch spells once per spatial rank or per cell is one generic type here, with
 //! PyTorch's names as aliases: [`BatchNorm1d`] is `BatchNorm<1>`, [`Conv2d`] is `Conv<2>`,
 //! [`MaxPool2d`] is `Pool2d<Max>`, [`Lstm`] is `RnnBase<LstmGates>`, [`LstmCell`] is
-//! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Summaries,
-//! `Debug` and type errors show PyTorch's class name (`BatchNorm1d`, `Conv2d`, `MaxPool2d`, `LSTM`,
-//! `GRUCell`, …), not the generic one; [`Module::type_name`] is still the
-//! Rust name. A lazy layer is its eager twin with unbuilt parameters, which it
+//! `RnnCellBase<LstmGates>` (PyTorch's base classes are `RNNBase` and `RNNCellBase`). Each type
+//! gives its own class name ([`Module::type_class_name`], from its parameters: `Conv<D>` is
+//! `Conv{D}d`, `RnnBase<G>` asks its gates), so summaries, `print(model)`, `Debug` and type errors
+//! show PyTorch's class name (`BatchNorm1d`, `Conv2d`, `MaxPool2d`, `LSTM`, `GRUCell`, …), not the
+//! generic one; [`Module::type_name`] is still the Rust name. A lazy layer is its eager twin with unbuilt parameters, which it
 //! dereferences to: [`LazyLinear`] holds a [`Linear`], [`LazyConv2d`] a `Conv2d`.
 
 //! # This crate
@@ -270,61 +271,5 @@ pub use transformer::{
     TransformerStack, TransformerStackPath,
 };
 
-/// The Rust names (`std::any::type_name`) of the runtime's generic layers, and the PyTorch class
-/// each instantiation is. The core's `short_type_name` (summaries, `Debug`, type errors) reads
-/// them from a table of strings, since it cannot name this crate; the test below holds the two
-/// equal.
 #[cfg(test)]
-fn pytorch_names() -> impl Iterator<Item = (&'static str, &'static str)> {
-    use std::any::type_name;
-    let layers = [
-        (type_name::<BatchNorm1d>(), "BatchNorm1d"),
-        (type_name::<BatchNorm2d>(), "BatchNorm2d"),
-        (type_name::<LazyBatchNorm1d>(), "LazyBatchNorm1d"),
-        (type_name::<LazyBatchNorm2d>(), "LazyBatchNorm2d"),
-        (type_name::<Conv1d>(), "Conv1d"),
-        (type_name::<Conv2d>(), "Conv2d"),
-        (type_name::<Conv3d>(), "Conv3d"),
-        (type_name::<LazyConv1d>(), "LazyConv1d"),
-        (type_name::<LazyConv2d>(), "LazyConv2d"),
-        (type_name::<ConvTranspose1d>(), "ConvTranspose1d"),
-        (type_name::<ConvTranspose2d>(), "ConvTranspose2d"),
-        (type_name::<MaxPool2d>(), "MaxPool2d"),
-        (type_name::<AvgPool2d>(), "AvgPool2d"),
-        (type_name::<Lstm>(), "LSTM"),
-        (type_name::<Gru>(), "GRU"),
-        (type_name::<LstmCell>(), "LSTMCell"),
-        (type_name::<GruCell>(), "GRUCell"),
-        (type_name::<RmsNorm>(), "RMSNorm"),
-        (type_name::<AdaptiveAvgPool1d>(), "AdaptiveAvgPool1d"),
-        (type_name::<AdaptiveAvgPool2d>(), "AdaptiveAvgPool2d"),
-        (type_name::<AdaptiveMaxPool1d>(), "AdaptiveMaxPool1d"),
-        (type_name::<AdaptiveMaxPool2d>(), "AdaptiveMaxPool2d"),
-        (type_name::<InstanceNorm1d>(), "InstanceNorm1d"),
-        (type_name::<InstanceNorm2d>(), "InstanceNorm2d"),
-        (type_name::<MaxPool1d>(), "MaxPool1d"),
-        (type_name::<AvgPool1d>(), "AvgPool1d"),
-        (type_name::<LPPool1d>(), "LPPool1d"),
-        (type_name::<LPPool2d>(), "LPPool2d"),
-        (type_name::<TransformerEncoder>(), "TransformerEncoder"),
-        (type_name::<TransformerDecoder>(), "TransformerDecoder"),
-    ];
-    layers
-        .into_iter()
-        .chain(padding::pytorch_names())
-        .chain(dropout_variants::pytorch_names())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn every_generic_layer_alias_has_its_pytorch_name() {
-        for (rust, pytorch) in super::pytorch_names() {
-            assert!(
-                module_core::type_name::PYTORCH_NAMES.contains(&(rust, pytorch)),
-                "module-core's PYTORCH_NAMES lacks ({rust:?}, {pytorch:?})"
-            );
-            assert_eq!(crate::short_type_name(rust), pytorch);
-        }
-    }
-}
+mod class_names_tests;

@@ -259,6 +259,7 @@ impl Padding<3> for [usize; 6] {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(bound = "M: PadMode", class_name = M::LAYERS[N.clamp(1, 3) - 1])]
 pub struct Pad<const N: usize, M> {
     /// `(before, after)` per padded dimension, last dimension first (PyTorch's `padding` in pairs).
     #[module(skip)]
@@ -402,28 +403,4 @@ impl<const N: usize, M: PadMode> candle_core::Module for Pad<N, M> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(Forward::forward(self, x)?)
     }
-}
-
-/// The Rust names of the padding layers and their PyTorch class names, for summaries and errors
-/// ([`pytorch_names`](super::pytorch_names)).
-#[cfg(test)]
-pub(crate) fn pytorch_names() -> [(&'static str, &'static str); 15] {
-    use std::any::type_name;
-    [
-        (type_name::<ZeroPad1d>(), "ZeroPad1d"),
-        (type_name::<ZeroPad2d>(), "ZeroPad2d"),
-        (type_name::<ZeroPad3d>(), "ZeroPad3d"),
-        (type_name::<ConstantPad1d>(), "ConstantPad1d"),
-        (type_name::<ConstantPad2d>(), "ConstantPad2d"),
-        (type_name::<ConstantPad3d>(), "ConstantPad3d"),
-        (type_name::<ReflectionPad1d>(), "ReflectionPad1d"),
-        (type_name::<ReflectionPad2d>(), "ReflectionPad2d"),
-        (type_name::<ReflectionPad3d>(), "ReflectionPad3d"),
-        (type_name::<ReplicationPad1d>(), "ReplicationPad1d"),
-        (type_name::<ReplicationPad2d>(), "ReplicationPad2d"),
-        (type_name::<ReplicationPad3d>(), "ReplicationPad3d"),
-        (type_name::<CircularPad1d>(), "CircularPad1d"),
-        (type_name::<CircularPad2d>(), "CircularPad2d"),
-        (type_name::<CircularPad3d>(), "CircularPad3d"),
-    ]
 }

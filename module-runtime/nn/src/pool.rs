@@ -80,6 +80,8 @@ impl Default for Pool2dConfig {
 pub trait Reduction: Clone + Copy + Debug + Send + Sync + 'static {
     /// PyTorch's name for the layer (`"MaxPool2d"`).
     const LAYER: &'static str;
+    /// PyTorch's name for the one-dimensional layer, [`Pool1d`](crate::Pool1d) (`"MaxPool1d"`).
+    const LAYER_1D: &'static str;
 
     /// Whether the reduction is a mean (padding reads as zero, divisors apply, no dilation) rather
     /// than a maximum (padding reads as `-inf`).
@@ -116,6 +118,7 @@ pub struct Avg;
 
 impl Reduction for Max {
     const LAYER: &'static str = "MaxPool2d";
+    const LAYER_1D: &'static str = "MaxPool1d";
     const AVERAGE: bool = false;
 
     fn kernel(x: &Tensor, kernel: (usize, usize), stride: (usize, usize)) -> Result<Tensor> {
@@ -134,6 +137,7 @@ impl Reduction for Max {
 
 impl Reduction for Avg {
     const LAYER: &'static str = "AvgPool2d";
+    const LAYER_1D: &'static str = "AvgPool1d";
     const AVERAGE: bool = true;
 
     fn kernel(x: &Tensor, kernel: (usize, usize), stride: (usize, usize)) -> Result<Tensor> {
@@ -166,6 +170,7 @@ impl Reduction for Avg {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(bound = "R: Reduction", class_name = R::LAYER)]
 pub struct Pool2d<R> {
     /// Window size `(kH, kW)`.
     pub kernel_size: (usize, usize),

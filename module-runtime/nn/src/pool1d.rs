@@ -55,6 +55,7 @@ impl Default for Pool1dConfig {
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(extra_repr)]
+#[module(bound = "R: Reduction", class_name = R::LAYER_1D)]
 pub struct Pool1d<R> {
     /// Window size.
     pub kernel_size: usize,
@@ -172,6 +173,7 @@ fn pool_over_unit_height(
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(extra_repr)]
+#[module(class_name = format!("LPPool{D}d"))]
 pub struct LpPool<const D: usize> {
     /// The power `p`.
     pub norm_type: f64,

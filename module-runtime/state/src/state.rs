@@ -422,7 +422,7 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     crate::views::ensure_cells_built(root, "load a checkpoint into")?;
     crate::path::check_keys(root)?;
     let targets = slots(root);
-    let extras = crate::extra_state::slots(root);
+    let extras = crate::walk::extra_state_slots(root);
     let mut by_model_key: HashMap<String, (String, Shape, DType)> = HashMap::new();
     let mut unexpected = Vec::new();
     let model_keys: HashSet<&str> = (targets.iter().map(|(k, _)| k.as_str()))

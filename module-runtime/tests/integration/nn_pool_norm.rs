@@ -9,7 +9,7 @@ use module_runtime::nn::{
     ConvConfig, ConvTranspose1d, ConvTransposeConfig, InstanceNorm1d, InstanceNorm2d,
     InstanceNormConfig, LPPool1d, LPPool2d, LocalResponseNorm, MaxPool1d, Pool1dConfig,
 };
-use module_runtime::{short_type_name, Error, Module, ModuleExt};
+use module_runtime::{Error, Module, ModuleExt};
 
 use crate::nn_fixture::check_unary;
 
@@ -75,7 +75,7 @@ fn pools_1d_and_lp_pools_match_pytorch() {
             .contains("invalid configuration for AvgPool1d"),
         "{err}"
     );
-    assert_eq!(short_type_name(lp1.type_name()), "LPPool1d");
+    assert_eq!(lp1.class_name(), "LPPool1d");
 }
 
 #[test]
@@ -172,16 +172,10 @@ fn local_response_norms_match_pytorch() {
 #[test]
 fn names_and_errors() {
     let dev = Device::Cpu;
-    assert_eq!(
-        short_type_name(AdaptiveAvgPool2d::new(1).type_name()),
-        "AdaptiveAvgPool2d"
-    );
-    assert_eq!(
-        short_type_name(AdaptiveMaxPool1d::new(1).type_name()),
-        "AdaptiveMaxPool1d"
-    );
+    assert_eq!(AdaptiveAvgPool2d::new(1).class_name(), "AdaptiveAvgPool2d");
+    assert_eq!(AdaptiveMaxPool1d::new(1).class_name(), "AdaptiveMaxPool1d");
     let norm = InstanceNorm2d::new(3, &dev).unwrap();
-    assert_eq!(short_type_name(norm.type_name()), "InstanceNorm2d");
+    assert_eq!(norm.class_name(), "InstanceNorm2d");
     let x = Tensor::zeros((2, 3, 4), DType::F32, &dev).unwrap();
     let err = AdaptiveAvgPool2d::new(2)
         .call(&x.unsqueeze(0).unwrap().unsqueeze(0).unwrap())
@@ -272,7 +266,7 @@ fn conv3d_matches_pytorch() {
     assert_eq!(layer.weight.shape().dims(), [6, 2, 2, 3, 3]);
     check_unary("conv3d_strided_grouped", &layer);
     check_unary("conv3d_unbatched", &Conv3d::new(2, 3, 2, &dev).unwrap());
-    assert_eq!(short_type_name(layer.type_name()), "Conv3d");
+    assert_eq!(layer.class_name(), "Conv3d");
     let err = Conv3d::new(2, 3, 2, &dev)
         .unwrap()
         .call(

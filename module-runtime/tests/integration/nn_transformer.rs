@@ -182,7 +182,7 @@ fn encoder_stack_pre_norm_with_final_norm_and_padding() {
         .get(TransformerEncoder::path().layers().at(1).linear1())
         .is_some());
     assert_eq!(
-        module_runtime::short_type_name(std::any::type_name::<TransformerEncoder>()),
+        <TransformerEncoder as module_runtime::Module>::type_class_name(),
         "TransformerEncoder"
     );
     check(

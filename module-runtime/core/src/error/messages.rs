@@ -5,13 +5,11 @@
 use candle_core::DeviceLocation;
 
 use super::Error;
-use crate::type_name::short_type_name;
 
 /// `` `encoder.layer.3` (Layer)``, or the bare type for the module called.
-pub(super) fn module_at(path: &str, module_type: &str) -> String {
-    let ty = short_type_name(module_type);
+pub(super) fn module_at(path: &str, ty: &str) -> String {
     if path.is_empty() {
-        ty
+        ty.to_owned()
     } else {
         format!("`{path}` ({ty})")
     }
@@ -144,8 +142,7 @@ pub(super) fn flattened_fields(fields: &[&str], parent_type: &str) -> String {
     };
     format!(
         "the `#[module(flatten)]`ed field{s} {list} {verb} {its} children and extra state to \
-         `{}`'s level",
-        short_type_name(parent_type)
+         `{parent_type}`'s level"
     )
 }
 
@@ -231,7 +228,7 @@ mod tests {
         // Nested in a forward frame, too.
         let forward = Error::Forward {
             path: "fc".into(),
-            module_type: "my::Linear",
+            module_type: "Linear".into(),
             source: Box::new(Error::from(with_backtrace(candle_core::Error::Msg(
                 "shape mismatch".into(),
             )))),

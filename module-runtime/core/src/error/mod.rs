@@ -44,8 +44,7 @@ pub enum Error {
 
     /// `get_submodule` and friends: a segment of the path names no child.
     #[error(
-        "no submodule at `{path}`: `{parent}` ({}) has no child `{missing}`{}",
-        short_type_name(.parent_type),
+        "no submodule at `{path}`: `{parent}` ({parent_type}) has no child `{missing}`{}",
         list_children(.children)
     )]
     NoSubmodule {
@@ -53,8 +52,9 @@ pub enum Error {
         path: String,
         /// The path of the last module that was found.
         parent: String,
-        /// That module's type (its full Rust name; messages show it without module paths).
-        parent_type: &'static str,
+        /// That module's class name ([`Module::class_name`](crate::Module::class_name):
+        /// `BatchNorm1d`, `Encoder`).
+        parent_type: Box<str>,
         /// The first segment that names nothing.
         missing: String,
         /// The children `parent` does have.
@@ -177,9 +177,8 @@ pub enum Error {
     /// The derive cannot see a flattened type's children, so the state dict and loads check it
     /// (as PyTorch's `add_module` refuses a name that already exists).
     #[error(
-        "two children of `{}` are at `{path}` ({}, then {}): {}; `rename` the clashing field, or do \
-         not flatten",
-        short_type_name(.parent_type),
+        "two children of `{parent_type}` are at `{path}` ({}, then {}): {}; `rename` the clashing \
+         field, or do not flatten",
         with_article(.first),
         with_article(.second),
         flattened_fields(.fields, .parent_type)
@@ -187,9 +186,9 @@ pub enum Error {
     DuplicateName {
         /// The path both have (`"weight"`, `"enc.weight"`, `"enc._extra_state"`).
         path: String,
-        /// The type of the module holding both (its full Rust name; messages show it without
-        /// module paths).
-        parent_type: &'static str,
+        /// The class name of the module holding both
+        /// ([`Module::class_name`](crate::Module::class_name)).
+        parent_type: Box<str>,
         /// What the first is: `"parameter"`, `"buffer"`, `"module"` or `"extra state"`.
         first: &'static str,
         /// What the second is.
@@ -315,8 +314,9 @@ pub enum Error {
     Forward {
         /// The path of the module whose forward failed (`encoder.layer.3.intermediate.dense`).
         path: String,
-        /// Its type (its full Rust name; messages show it without module paths).
-        module_type: &'static str,
+        /// Its class name ([`Module::class_name`](crate::Module::class_name): `Linear`,
+        /// `BatchNorm1d`).
+        module_type: Box<str>,
         /// The error it failed with.
         #[source]
         source: Box<Error>,

@@ -45,9 +45,57 @@ pub trait Module: Any + Send + Sync {
     /// Like [`visit_children`](Self::visit_children), with mutable access.
     fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>));
 
-    /// The type's name, for summaries and error messages. Defaults to the Rust type name.
+    /// The type's Rust name (`std::any::type_name`). Summaries, `print(model)` and errors show the
+    /// [`class_name`](Self::class_name) instead.
     fn type_name(&self) -> &'static str {
         std::any::type_name::<Self>()
+    }
+
+    /// The module's class name, as summaries, `print(model)`, `Debug` of a `dyn Module`, the
+    /// dataflow graph and errors show it: [`type_class_name`](Self::type_class_name), or what a
+    /// wrapper holds (`Option`, `Box`, `Arc`, a built `Lazy` answer for their module).
+    ///
+    /// The default is the Rust type name without module paths. Do not implement it by hand: the
+    /// derive answers with `type_class_name`, which `#[module(class_name = ...)]` sets. A hand-written
+    /// impl that gives its own `type_class_name` gives this too, with the same answer.
+    fn class_name(&self) -> String {
+        crate::type_name::short_type_name(self.type_name())
+    }
+
+    /// The type's class name, without a value of it: PyTorch's class name for the runtime's
+    /// layers (`BatchNorm<1>` is `BatchNorm1d`, `RnnBase<LstmGates>` is `LSTM`), otherwise the
+    /// Rust name without module paths, with a container's or a generic type's module arguments
+    /// shown by their class names (`Vec<BatchNorm1d>`; see
+    /// [`generic_class_name`](crate::generic_class_name)). A type chooses its own with the
+    /// derive's `#[module(class_name = ...)]`, whose value may use the type's parameters:
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// /// PyTorch's `nn.ZeroPad1d` .. `ZeroPad3d`, as one type.
+    /// #[derive(Module)]
+    /// #[module(class_name = format!("ZeroPad{N}d"))]
+    /// struct ZeroPad<const N: usize> {
+    ///     padding: [usize; N],
+    /// }
+    ///
+    /// #[derive(Module)]
+    /// struct Net {
+    ///     pads: Vec<ZeroPad<2>>,
+    /// }
+    ///
+    /// assert_eq!(<ZeroPad<2> as Module>::type_class_name(), "ZeroPad2d");
+    /// let net = Net { pads: vec![ZeroPad { padding: [1, 1] }] };
+    /// assert_eq!(net.pads.class_name(), "Vec<ZeroPad2d>");
+    /// // The Rust name stays what `std::any::type_name` says.
+    /// assert!(net.pads[0].type_name().ends_with("ZeroPad<2>"));
+    /// assert_eq!(net.summary().rows[2].type_name, "ZeroPad2d");
+    /// ```
+    fn type_class_name() -> String
+    where
+        Self: Sized,
+    {
+        crate::type_name::short_type_name(std::any::type_name::<Self>())
     }
 
     /// How this value appears when it is a field of another module. Modules are nodes; `Param`,
@@ -164,7 +212,7 @@ impl dyn Module {
 
 impl std::fmt::Debug for dyn Module {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&crate::type_name::short_type_name(self.type_name()))
+        f.write_str(&self.class_name())
     }
 }
 

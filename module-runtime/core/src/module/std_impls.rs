@@ -10,6 +10,18 @@ use super::{Child, ChildMut, Mode, Module, Name};
 use crate::buffer::Buffer;
 use crate::identity::{CallTarget, Shared};
 use crate::param::Param;
+use crate::type_name::generic_class_name;
+
+/// The class name of `T`, a container of modules, with each module argument in `args` (their Rust
+/// names, from [`arg`]) shown by its class name: `Vec<BatchNorm1d>`.
+fn composed<T: ?Sized>(args: &[(&str, String)]) -> String {
+    generic_class_name(std::any::type_name::<T>(), args)
+}
+
+/// A module type argument as [`composed`] takes it: its Rust name and its class name.
+fn arg<M: Module>() -> (&'static str, String) {
+    (std::any::type_name::<M>(), M::type_class_name())
+}
 
 macro_rules! leaf {
     ($ty:ty, $variant:ident) => {
@@ -108,6 +120,15 @@ impl<M: Module> Module for Option<M> {
             None => std::any::type_name::<Self>(),
         }
     }
+    fn class_name(&self) -> String {
+        match self {
+            Some(m) => m.class_name(),
+            None => Self::type_class_name(),
+        }
+    }
+    fn type_class_name() -> String {
+        composed::<Self>(&[arg::<M>()])
+    }
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         self.as_ref().and_then(M::extra_state)
     }
@@ -132,6 +153,12 @@ macro_rules! pointee_methods {
     () => {
         fn type_name(&self) -> &'static str {
             (**self).type_name()
+        }
+        fn class_name(&self) -> String {
+            (**self).class_name()
+        }
+        fn type_class_name() -> String {
+            composed::<Self>(&[arg::<M>()])
         }
         fn extra_repr(&self) -> String {
             (**self).extra_repr()
@@ -242,6 +269,12 @@ macro_rules! container_of_m {
         fn is_config() -> bool {
             M::is_config()
         }
+        fn class_name(&self) -> String {
+            Self::type_class_name()
+        }
+        fn type_class_name() -> String {
+            composed::<Self>(&[arg::<M>()])
+        }
     };
 }
 
@@ -302,6 +335,12 @@ macro_rules! tuple {
             }
             fn is_config() -> bool {
                 true $(&& $t::is_config())+
+            }
+            fn class_name(&self) -> String {
+                Self::type_class_name()
+            }
+            fn type_class_name() -> String {
+                composed::<Self>(&[$(arg::<$t>()),+])
             }
         }
     };

@@ -10,7 +10,6 @@ use crate::error::Result;
 use crate::hooks::{HookOptions, Hooks, PreHookOptions};
 use crate::module::Module;
 use crate::param::Param;
-use crate::type_name::short_type_name;
 
 mod dot;
 
@@ -459,7 +458,7 @@ impl Recorder {
         let node = self.add_node(DataflowNode {
             kind: NodeKind::Call,
             path: path.to_owned(),
-            type_name: short_type_name(module.type_name()),
+            type_name: module.class_name(),
             parent: scope,
             depth: self.depth_in(scope),
             input_shapes: input.iter().map(|t| t.dims().to_vec()).collect(),

@@ -78,6 +78,10 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).type_name()
     }
 
+    fn class_name(&self) -> String {
+        (**self).class_name()
+    }
+
     fn extra_repr(&self) -> String {
         (**self).extra_repr()
     }

@@ -120,6 +120,15 @@ crate::layer_macros::display_as_repr!(impl<M: Module> for ModuleDict<M>);
 
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for ModuleDict<M> {
+    fn class_name(&self) -> String {
+        Self::type_class_name()
+    }
+
+    fn type_class_name() -> String {
+        let args = [(std::any::type_name::<M>(), M::type_class_name())];
+        module_core::generic_class_name(std::any::type_name::<Self>(), &args)
+    }
+
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (k, m) in self.entries.iter() {
             f(Name::Field(k), m.as_child());

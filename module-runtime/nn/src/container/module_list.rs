@@ -142,6 +142,15 @@ impl<M: Module> Module for ModuleList<M> {
         true
     }
 
+    fn class_name(&self) -> String {
+        Self::type_class_name()
+    }
+
+    fn type_class_name() -> String {
+        let args = [(std::any::type_name::<M>(), M::type_class_name())];
+        module_core::generic_class_name(std::any::type_name::<Self>(), &args)
+    }
+
     fn visit_children_mut<'a>(&'a mut self, f: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {
         self.items.visit_children_mut(f);
     }

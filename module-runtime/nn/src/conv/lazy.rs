@@ -30,6 +30,7 @@ use crate::{Forward, Init, Module};
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(class_name = format!("LazyConv{D}d"))]
 pub struct LazyConv<const D: usize> {
     #[module(flatten)]
     conv: Conv<D>,

@@ -309,6 +309,7 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(class_name = format!("Conv{D}d"))]
 pub struct Conv<const D: usize> {
     /// `[out_channels, in_channels / groups, *kernel_size]`.
     pub weight: Param,

@@ -62,6 +62,7 @@ impl Default for ConvTransposeConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(class_name = format!("ConvTranspose{D}d"))]
 pub struct ConvTranspose<const D: usize> {
     /// `[in_channels, out_channels / groups, *kernel]`.
     pub weight: Param,

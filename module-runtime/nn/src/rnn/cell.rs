@@ -50,6 +50,7 @@ impl Default for RnnCellConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(bound = "G: Gates", class_name = G::CELL_CLASS_NAME)]
 pub struct RnnCellBase<G> {
     #[module(flatten)]
     weights: LayerWeights,

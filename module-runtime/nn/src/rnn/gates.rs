@@ -14,6 +14,10 @@ pub trait Gates: Clone + Copy + Debug + Send + Sync + 'static {
     const NAME: &'static str;
     /// The cell's name in error messages (`"LstmCell"`).
     const CELL_NAME: &'static str;
+    /// PyTorch's class name of the layer (`"LSTM"`), which summaries show.
+    const CLASS_NAME: &'static str;
+    /// PyTorch's class name of the cell (`"LSTMCell"`).
+    const CELL_CLASS_NAME: &'static str;
     /// The first layer's input weight, `Lstm.weight_ih_l0`, named in device mismatch errors.
     const FIRST_WEIGHT: &'static str;
     /// The cell's input weight, `LstmCell.weight_ih`, named in device mismatch errors.
@@ -49,6 +53,8 @@ pub struct LstmGates;
 impl Gates for LstmGates {
     const NAME: &'static str = "Lstm";
     const CELL_NAME: &'static str = "LstmCell";
+    const CLASS_NAME: &'static str = "LSTM";
+    const CELL_CLASS_NAME: &'static str = "LSTMCell";
     const FIRST_WEIGHT: &'static str = "Lstm.weight_ih_l0";
     const CELL_WEIGHT: &'static str = "LstmCell.weight_ih";
     const GATES: usize = 4;
@@ -91,6 +97,8 @@ pub struct GruGates;
 impl Gates for GruGates {
     const NAME: &'static str = "Gru";
     const CELL_NAME: &'static str = "GruCell";
+    const CLASS_NAME: &'static str = "GRU";
+    const CELL_CLASS_NAME: &'static str = "GRUCell";
     const FIRST_WEIGHT: &'static str = "Gru.weight_ih_l0";
     const CELL_WEIGHT: &'static str = "GruCell.weight_ih";
     const GATES: usize = 3;

@@ -5,11 +5,20 @@
 //! [`Recurrent`]: `initial_state(batch)`, a one-step call that takes and returns the state, and a
 //! whole-sequence call from a state.
 
-mod cell;
+// Bottom up: each file uses only those above it. The gate math (the type parameter of both kinds),
+// the configuration of a stack, and the weights under PyTorch's names:
 mod gates;
-mod sequence;
+
+mod config;
+
 mod weights;
 
+// The cells and the stacks, on those three:
+mod cell;
+
+mod sequence;
+
 pub use cell::{GruCell, LstmCell, RnnCellBase, RnnCellBasePath, RnnCellConfig};
+pub use config::RnnConfig;
 pub use gates::{Gates, GruGates, LstmGates};
-pub use sequence::{Gru, Lstm, RnnBase, RnnBasePath, RnnConfig};
+pub use sequence::{Gru, Lstm, RnnBase, RnnBasePath};

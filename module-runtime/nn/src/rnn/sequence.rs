@@ -1,11 +1,11 @@
-//! [`RnnBase`]: a stack of recurrent layers over whole sequences (`nn.LSTM`, `nn.GRU`), and its
-//! configuration.
+//! [`RnnBase`]: a stack of recurrent layers over whole sequences (`nn.LSTM`, `nn.GRU`).
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
+use super::config::RnnConfig;
 use super::gates::{check_state, Gates, GruGates, LstmGates};
 use super::weights::{LayerWeights, StackedWeights};
 use std::fmt::Write;
@@ -14,34 +14,6 @@ use crate::device::check_input_device;
 use crate::error::{Error, Result};
 use crate::{Forward, Mode, Module, Recurrent};
 use module_core::{py_float, ExtraRepr};
-
-/// How an [`Lstm`] or a [`Gru`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RnnConfig {
-    /// Number of stacked layers (default 1).
-    pub num_layers: usize,
-    /// Whether the layers have biases (default `true`).
-    pub bias: bool,
-    /// Whether inputs and outputs are `[batch, seq, feature]` (`true`) or `[seq, batch, feature]`
-    /// (`false`, PyTorch's default).
-    pub batch_first: bool,
-    /// Dropout on the output of every layer but the last, in training mode only (default `0.0`).
-    pub dropout: f64,
-    /// The parameters' floating-point dtype (default `F32`).
-    pub dtype: DType,
-}
-
-impl Default for RnnConfig {
-    fn default() -> Self {
-        Self {
-            num_layers: 1,
-            bias: true,
-            batch_first: false,
-            dropout: 0.0,
-            dtype: DType::F32,
-        }
-    }
-}
 
 /// A stack of recurrent layers with the gate math `G`: PyTorch's `nn.LSTM` ([`Lstm`] =
 /// `RnnBase<LstmGates>`) and `nn.GRU` ([`Gru`] = `RnnBase<GruGates>`), unidirectional, without
@@ -66,6 +38,7 @@ impl Default for RnnConfig {
 #[module(crate = module_core)]
 #[module(paths)]
 #[module(extra_repr)]
+#[module(bound = "G: Gates", class_name = G::CLASS_NAME)]
 pub struct RnnBase<G> {
     #[module(flatten)]
     weights: StackedWeights,

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::sequence::RnnConfig;
+use super::config::RnnConfig;
 use crate::common::uniform_fan_in;
 use crate::error::Result;
 use crate::module::{Child, ChildMut, Name};

@@ -17,11 +17,27 @@ use crate::{LayerNorm, Module, ModuleList};
 #[derive(Module, Debug)]
 #[module(crate = module_core)]
 #[module(paths)]
+#[module(class_name = stack_class_name::<L>())]
 pub struct TransformerStack<L: Module> {
     /// The layers, in order.
     pub layers: ModuleList<L>,
     /// The final norm, if any.
     pub norm: Option<LayerNorm>,
+}
+
+/// The class name of a stack of `L`s: PyTorch's `TransformerEncoder` and `TransformerDecoder` for
+/// the two layers PyTorch stacks, `TransformerStack<L>` (with `L`'s class name) for any other.
+fn stack_class_name<L: Module>() -> String {
+    use std::any::{type_name, TypeId};
+    let layer = TypeId::of::<L>();
+    if layer == TypeId::of::<TransformerEncoderLayer>() {
+        "TransformerEncoder".to_owned()
+    } else if layer == TypeId::of::<TransformerDecoderLayer>() {
+        "TransformerDecoder".to_owned()
+    } else {
+        let stack = type_name::<TransformerStack<L>>();
+        module_core::generic_class_name(stack, &[(type_name::<L>(), L::type_class_name())])
+    }
 }
 
 impl<L: Module + Clone> TransformerStack<L> {
