@@ -53,6 +53,33 @@ fn traversal(c: &mut Criterion) {
     group.bench_function("derived_state_dict", |b| {
         b.iter(|| black_box(model.state_dict().unwrap()))
     });
+    // Attaching hooks to the model (a `run` that calls nothing): with a global hook only, and with
+    // a hook on one module (its pattern checked against every path).
+    let global = Hooks::new();
+    global.register_global_forward_hook(|_, _, _| Ok(None), HookOptions::default());
+    group.bench_function("derived_attach_global_hook", |b| {
+        b.iter(|| {
+            black_box(
+                global
+                    .run(&model, |_| Ok::<_, module_runtime::Error>(1))
+                    .unwrap(),
+            )
+        })
+    });
+    let last = model.named_modules().last().unwrap().0.clone();
+    let targeted = Hooks::new();
+    targeted
+        .register_forward_hook(&last, |_, _, _| Ok(None), HookOptions::default())
+        .unwrap();
+    group.bench_function("derived_attach_targeted_hook", |b| {
+        b.iter(|| {
+            black_box(
+                targeted
+                    .run(&model, |_| Ok::<_, module_runtime::Error>(1))
+                    .unwrap(),
+            )
+        })
+    });
     group.finish();
 }
 
