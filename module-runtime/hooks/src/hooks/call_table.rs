@@ -21,8 +21,6 @@ pub(super) struct Node {
     /// The `Arc` value the module is reached through at this path: a call through it is a call
     /// at this path.
     holder: Option<CallTarget>,
-    /// The first node of the same module: nodes of one module fire the same hooks.
-    pub(super) identity: usize,
 }
 
 /// The nodes a call target names: nearly always one.
@@ -64,18 +62,15 @@ impl CallTable {
             path: Arc::from(""),
             module: root.__call_target(),
             holder: None,
-            identity: 0,
         }];
         add_descendants(root, &mut String::new(), &mut nodes);
         Self::indexed(nodes)
     }
 
-    fn indexed(mut nodes: Vec<Node>) -> Self {
-        let mut index: HashMap<CallTarget, Slots, _> = HashMap::default();
-        let mut first: HashMap<CallTarget, usize, BuildHasherDefault<TargetHasher>> =
-            HashMap::default();
-        for (i, node) in nodes.iter_mut().enumerate() {
-            node.identity = *first.entry(node.module).or_insert(i);
+    fn indexed(nodes: Vec<Node>) -> Self {
+        let mut index: HashMap<CallTarget, Slots, _> =
+            HashMap::with_capacity_and_hasher(nodes.len(), BuildHasherDefault::default());
+        for (i, node) in nodes.iter().enumerate() {
             for target in std::iter::once(node.module).chain(node.holder) {
                 match index.get_mut(&target) {
                     Some(slots) => slots.push(i),
@@ -119,15 +114,25 @@ impl CallTable {
         }
     }
 
-    /// Every path of the module at node `i` (more than one for a module shared through `Arc`).
-    pub(super) fn paths_of(&self, i: usize) -> impl Iterator<Item = &str> {
+    /// The nodes of the module at node `i`, in walk order (more than one for a module shared
+    /// through `Arc`).
+    fn nodes_of(&self, i: usize) -> impl Iterator<Item = usize> {
         let module = self.nodes[i].module;
         let nodes = self.index.get(&module).map_or(&[][..], Slots::as_slice);
         nodes
             .iter()
-            .map(|&j| &self.nodes[j])
-            .filter(move |n| n.module == module)
-            .map(|n| &*n.path)
+            .copied()
+            .filter(move |&j| self.nodes[j].module == module)
+    }
+
+    /// The first node of the module at node `i`: nodes of one module fire the same hooks.
+    pub(super) fn identity(&self, i: usize) -> usize {
+        self.nodes_of(i).next().unwrap_or(i)
+    }
+
+    /// Every path of the module at node `i` (more than one for a module shared through `Arc`).
+    pub(super) fn paths_of(&self, i: usize) -> impl Iterator<Item = &str> {
+        self.nodes_of(i).map(|j| &*self.nodes[j].path)
     }
 
     /// Every path of the tree (a module shared through `Arc` under each of its paths).
@@ -188,7 +193,6 @@ fn add_descendants(parent: &dyn Module, path: &mut String, nodes: &mut Vec<Node>
                 path: Arc::from(path.as_str()),
                 module: CallTarget::of_dyn(module),
                 holder: shared.map(|s| s.holder),
-                identity: 0,
             });
             add_descendants(module, path, nodes);
             path.truncate(len);

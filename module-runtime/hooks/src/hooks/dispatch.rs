@@ -87,16 +87,17 @@ impl Session {
             .iter()
             .any(|(_, l)| !l.pre.is_empty() || !l.post.is_empty());
         let mut plans: Vec<Arc<Plan>> = Vec::with_capacity(self.table.len());
-        for (i, node) in self.table.nodes().iter().enumerate() {
+        let table = &self.table;
+        for i in 0..table.len() {
             if !targeted {
                 plans.push(global.clone());
                 continue;
             }
-            if node.identity != i {
-                plans.push(plans[node.identity].clone());
+            let identity = table.identity(i);
+            if identity != i {
+                plans.push(plans[identity].clone());
                 continue;
             }
-            let table = &self.table;
             let plan = Plan {
                 pre: armed(
                     &lists,
