@@ -1,7 +1,7 @@
 //! The module layer's own costs, each beside the same work written directly on candle / candle-nn:
 //! traversal and state dicts of a BERT-base-sized model (random weights), `to_dtype(F16)`, one AdamW
 //! step of the digits model, and `call` against `forward` on a tiny module (one and three levels
-//! deep, and a failing call's error path).
+//! deep, a failing call's error path, and calls with a no-op hook attached).
 //!
 //! ```text
 //! cargo bench -p minilm --bench modules
@@ -52,6 +52,33 @@ fn traversal(c: &mut Criterion) {
     });
     group.bench_function("derived_state_dict", |b| {
         b.iter(|| black_box(model.state_dict().unwrap()))
+    });
+    // Attaching hooks to the model (a `run` that calls nothing): with a global hook only, and with
+    // a hook on one module (its pattern checked against every path).
+    let global = Hooks::new();
+    global.register_global_forward_hook(|_, _, _| Ok(None), HookOptions::default());
+    group.bench_function("derived_attach_global_hook", |b| {
+        b.iter(|| {
+            black_box(
+                global
+                    .run(&model, |_| Ok::<_, module_runtime::Error>(1))
+                    .unwrap(),
+            )
+        })
+    });
+    let last = model.named_modules().last().unwrap().0.clone();
+    let targeted = Hooks::new();
+    targeted
+        .register_forward_hook(&last, |_, _, _| Ok(None), HookOptions::default())
+        .unwrap();
+    group.bench_function("derived_attach_targeted_hook", |b| {
+        b.iter(|| {
+            black_box(
+                targeted
+                    .run(&model, |_| Ok::<_, module_runtime::Error>(1))
+                    .unwrap(),
+            )
+        })
     });
     group.finish();
 }
@@ -214,6 +241,45 @@ fn call_overhead(c: &mut Criterion) {
     // The cold path, for the record: an error named by path through two frames.
     group.bench_function("call_error_3_deep", |b| {
         b.iter(|| black_box(outer.call(black_box(-2.0)).unwrap_err()))
+    });
+    // With a registry attached: what dispatch costs per call when every call must find its
+    // path and fire a hook. One `run` per three-deep call (attaching included), and one `run`
+    // around 100 of them (per-call dispatch dominates).
+    let global = Hooks::new();
+    global.register_global_forward_hook(|_, _, _| Ok(None), HookOptions::default());
+    group.bench_function("global_noop_hook_run_3_deep", |b| {
+        b.iter(|| black_box(global.run(&outer, |m| m.call(black_box(2.0))).unwrap()))
+    });
+    group.bench_function("global_noop_hook_100_calls_3_deep", |b| {
+        b.iter(|| {
+            global
+                .run(&outer, |m| -> Result<f64> {
+                    let mut sum = 0.0;
+                    for _ in 0..100 {
+                        sum += m.call(black_box(2.0))?;
+                    }
+                    Ok(sum)
+                })
+                .unwrap()
+        })
+    });
+    // A hook on the innermost module only: the other two calls find their path and fire nothing.
+    let targeted = Hooks::new();
+    targeted
+        .register_forward_hook("mid.inner", |_, _, _| Ok(None), HookOptions::default())
+        .unwrap();
+    group.bench_function("targeted_noop_hook_100_calls_3_deep", |b| {
+        b.iter(|| {
+            targeted
+                .run(&outer, |m| -> Result<f64> {
+                    let mut sum = 0.0;
+                    for _ in 0..100 {
+                        sum += m.call(black_box(2.0))?;
+                    }
+                    Ok(sum)
+                })
+                .unwrap()
+        })
     });
     group.finish();
 }

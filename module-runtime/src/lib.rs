@@ -198,7 +198,7 @@ pub mod __private {
         tree: T,
         f: &mut dyn FnMut(crate::candle_core::Tensor) -> crate::candle_core::Tensor,
     ) -> T {
-        module_hooks::hooks::dispatch::map_tree(tree, f)
+        module_hooks::scope::map_tree(tree, f)
     }
 
     /// `#[derive(TensorStruct)]`'s `clone_tree`: `Some(clone)` when the struct is `Clone`, `None`

@@ -19,6 +19,7 @@ mod distributed;
 mod functional;
 mod fused_grad;
 mod gapnet;
+mod hook_identity;
 mod hooks;
 mod inference;
 mod layout;

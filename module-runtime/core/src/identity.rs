@@ -131,8 +131,8 @@ impl Hasher for AddressHasher {
     }
 }
 
-/// The address and type of a value a module is called through: what hook dispatch looks for among
-/// a module's children. Not public API.
+/// The address and type of a value a module is called through: what hook dispatch looks up in the
+/// table of a hooked tree, and a forward error looks for among a module's children. Not public API.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CallTarget {

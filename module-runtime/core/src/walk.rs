@@ -150,8 +150,8 @@ pub fn extra_state_slots(root: &dyn Module) -> Vec<(String, &dyn ExtraState)> {
 /// The module called as `target` (a [`CallTarget`]: the module itself, or the `Arc` holding it)
 /// among the descendants of `parent`, with its path (`base` joined with the path from `parent`).
 /// Breadth of one level, then depth: the direct children of `parent` are checked before any of
-/// their own children, since that is where nearly every call goes. Hook dispatch finds a called
-/// module's path with it, and a forward error the path of the module that failed.
+/// their own children, since that is where nearly every call goes. A forward error finds the
+/// path of the module that failed with it (hook dispatch looks calls up in a table instead).
 pub fn find_call_target(
     parent: &dyn Module,
     target: CallTarget,

@@ -9,8 +9,11 @@
 //!
 //! | file | what |
 //! |---|---|
-//! | `hooks/dispatch` | the call path: the registries attached to a thread, hook dispatch |
+//! | `scope` | where a pre-hook's replacement of a borrowed input lives during the call (the crate's `unsafe`) |
 //! | `tensor_tree` | [`TensorTree`]: the tensors of a call's inputs and outputs |
+//! | `hooks/hook` | what a hook is, what it is told ([`HookCtx`]), a registry's lists |
+//! | `hooks/call_table` | the modules of a hooked tree by identity, at each of their paths |
+//! | `hooks/dispatch` | the call path: the registries attached to a thread, hook dispatch |
 //! | `hooks/registry`, `hooks/typed` | [`Hooks`]: forward and pre-forward hooks by pattern or typed path |
 //! | `hooks/observe` | [`Captures`]: outputs recorded by path, call order |
 //! | `dataflow/` | [`Dataflow`]: a run's graph of modules and the tensors between them (`mod`); as DOT, rendered (`dot`) |
@@ -20,7 +23,7 @@
 // The core's modules and items, under the names this crate's files use (`crate::module::Module`).
 use module_core::{
     buffer, convert, error, forward, identity, module, names, param, path, pattern, report,
-    summary, trace, typed_path, views, walk,
+    summary, trace, typed_path, views,
 };
 // The state layer's modules, likewise.
 use module_state::{checkpoint, state};
@@ -31,6 +34,8 @@ pub mod dataflow;
 pub mod ext;
 #[doc(hidden)]
 pub mod hooks;
+#[doc(hidden)]
+pub mod scope;
 #[doc(hidden)]
 pub mod tensor_tree;
 

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Tensor};
 
-pub use crate::hooks::dispatch::Scope;
+pub use crate::scope::Scope;
 
 pub mod sealed {
     pub trait Sealed {}

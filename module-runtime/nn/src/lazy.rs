@@ -47,7 +47,8 @@ use crate::walk::{walk, Visit};
 ///
 /// Built once, by the first of [`get_or_build`](Self::get_or_build) (usually through
 /// [`Build::built`] in `forward`), [`LazyExt::build`] or construction from a built value
-/// ([`Lazy::from`]); thread-safe, and a built cell costs one atomic load to read.
+/// ([`Lazy::from`]); thread-safe, and a built cell costs one atomic load to read (and
+/// [`get_or_build`](Self::get_or_build) one thread-local read, to tell hooks about the build).
 ///
 /// In traversal a built cell *is* the module it holds, at the field's path (like `Box`). An unbuilt
 /// cell is a module with no children, listed by [`LazyExt::unbuilt_paths`]: its parameters do not
@@ -107,21 +108,6 @@ impl<M> Lazy<M> {
         self.cell.get().is_some()
     }
 
-    /// The module, building it with `build` if this is the first use. Concurrent first uses build
-    /// once: the others wait and get the same module. If `build` fails, the cell stays unbuilt
-    /// and the error is returned (a later call tries again).
-    pub fn get_or_build(&self, build: impl FnOnce() -> Result<M>) -> Result<&M> {
-        if let Some(m) = self.cell.get() {
-            return Ok(m);
-        }
-        let _building = self.building.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(m) = self.cell.get() {
-            return Ok(m);
-        }
-        let m = build()?;
-        Ok(self.cell.get_or_init(|| m))
-    }
-
     /// The module, if built.
     pub fn into_inner(self) -> Option<M> {
         self.cell.into_inner()
@@ -159,6 +145,36 @@ impl<M: fmt::Debug> fmt::Debug for Lazy<M> {
             Some(m) => f.debug_tuple("Lazy").field(m).finish(),
             None => f.write_str("Lazy(<unbuilt>)"),
         }
+    }
+}
+
+impl<M: Module> Lazy<M> {
+    /// The module, building it with `build` if this is the first use. Concurrent first uses build
+    /// once: the others wait and get the same module. If `build` fails, the cell stays unbuilt
+    /// and the error is returned (a later call tries again).
+    ///
+    /// With hooks attached on this thread ([`Hooks::run`](module_hooks::Hooks::run)), a cell built
+    /// during the run, here or on another thread, joins the hooked tree, so that the calls of the
+    /// modules inside it find their paths and hooks.
+    pub fn get_or_build(&self, build: impl FnOnce() -> Result<M>) -> Result<&M> {
+        let m = match self.cell.get() {
+            Some(m) => m,
+            None => self.build(build)?,
+        };
+        if crate::hooks::dispatch::active() {
+            crate::hooks::dispatch::grown(CallTarget::of(self), m);
+        }
+        Ok(m)
+    }
+
+    #[cold]
+    fn build(&self, build: impl FnOnce() -> Result<M>) -> Result<&M> {
+        let _building = self.building.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(m) = self.cell.get() {
+            return Ok(m);
+        }
+        let m = build()?;
+        Ok(self.cell.get_or_init(|| m))
     }
 }
 

@@ -44,41 +44,65 @@
 //!
 //! # How a call finds its path
 //!
-//! Modules carry no hidden field. While [`Hooks::run`] is active, each thread keeps a stack of the
-//! modules it is running; [`call`](crate::ModuleExt::call) on a module looks for it (by address and
-//! type) among the descendants of the module running it, which gives its path. So:
+//! Modules carry no hidden field. [`Hooks::run`] walks the tree once and lists every module by
+//! identity: the address and type it is called through (a `call` on a field, on a `Box` of it or
+//! on a built `Lazy` of it names the module; a `call` on an `Arc` field names that field), at every
+//! path it is reachable by. While the run is active, each thread keeps a stack of the *paths* of
+//! the calls it is running; [`call`](crate::ModuleExt::call) looks the module up by identity, which
+//! gives its path, and fires the hooks worked out for that module when the hooks were attached
+//! (again after a hook is registered or removed: from the next call on). So:
 //!
 //! - run submodules with `call`, not `forward`: a `forward` is invisible to hooks;
 //! - a module called three times fires its hooks three times;
 //! - a module shared through `Arc` and reached by two paths reports the path of the `Arc` it was
 //!   called through (`self.a.call(x)` vs `self.b.call(x)`); called through a plain reference to the
-//!   module inside, it reports its first path;
+//!   module inside, it reports its first path under the running module, else its first path;
+//!   the submodules of such a module report the path it was called through (`a.fc` or `b.fc`);
 //! - a module that is not part of the tree (a temporary) runs without hooks;
+//! - a [`Lazy`](../module_runtime/nn/struct.Lazy.html) cell built during the run joins the tree
+//!   when it is built (or first reached through `get_or_build` on this thread), so the modules
+//!   inside it fire their hooks from then on;
 //! - calls made on other threads (spawned by a `forward`) see no hooks; two threads running one model
 //!   at once each see their own calls and paths, and hooks may be shared by both;
 //! - two zero-sized fields of one type can share an address: the runtime's own parameterless layers
 //!   are not zero-sized, and a zero-sized module of your own reports the first of such fields.
 //!
-//! When no registry is active, `call` costs one thread-local read on top of `forward`.
+//! When no registry is active, `call` costs one thread-local read on top of `forward`; with one, a
+//! hash lookup and a push of the path.
 //!
 //! # Files
 //!
-//! - `registry.rs`: [`Hooks`], how a hook is registered ([`HookOptions`], [`PreHookOptions`]),
-//!   what it is given ([`HookCtx`]) and how it is removed ([`HookHandle`]);
-//! - `typed.rs`: typed forward hooks, on a [`TypedPath`](module_core::TypedPath), given the module and its
-//!   input and output as their own types;
-//! - `dispatch.rs`: the per-thread call stack that finds a called module's path and fires its hooks
-//!   (all of the hook machinery's `unsafe`, each block with its reasoning);
+//! Bottom up, each using only those above it:
+//!
+//! - `hook.rs`: what a hook is and what it is given ([`HookCtx`]), how it is registered
+//!   ([`HookOptions`], [`PreHookOptions`]) and removed ([`HookHandle`]), and a registry's lists;
+//! - `call_table.rs`: the modules of a tree by identity, at each of their paths;
+//! - `dispatch.rs`: the per-thread sessions and stack of call paths, and `call` with hooks around
+//!   `forward` (no `unsafe`: a replaced borrowed input lives in a [`Scope`](crate::Scope), in
+//!   `scope.rs`, which holds the hook machinery's `unsafe`);
+//! - `registry.rs`: [`Hooks`], registering hooks and attaching them to a model for a run;
+//! - `typed.rs`: typed forward hooks, on a [`TypedPath`](module_core::TypedPath), given the module
+//!   and its input and output as their own types;
 //! - `observe.rs`: what is built on hooks: [`capture`](crate::ModuleExt::capture),
 //!   [`call_order`](crate::ModuleExt::call_order) and the shapes of
 //!   [`summary_with`](crate::ModuleExt::summary_with).
 
-pub mod dispatch;
-pub mod observe;
-pub mod registry;
-pub mod typed;
+// The hook machinery's only `unsafe` is the crate's `scope.rs`; the compiler keeps it so.
+#![forbid(unsafe_code)]
 
+// Bottom up, each file using only those above it (blank lines keep rustfmt from sorting them).
+mod hook;
+
+mod call_table;
+
+pub mod dispatch;
+
+mod registry;
+
+mod typed;
+
+pub mod observe;
+
+pub use hook::{ForwardHookFn, HookCtx, HookHandle, HookOptions, PreHookFn, PreHookOptions};
 pub use observe::Captures;
-pub use registry::{
-    ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
-};
+pub use registry::Hooks;

@@ -108,11 +108,11 @@ pub fn capture<M: Module, R>(
     for (i, pattern) in patterns.iter().enumerate() {
         if !ran[i].load(Ordering::Relaxed) {
             let parsed = crate::pattern::PathPattern::new(pattern)?;
-            let table = super::registry::ModuleTable::of(root);
-            let matched = table.paths.into_iter().filter(|p| parsed.matches(p));
+            let table = super::call_table::CallTable::of(root);
+            let matched = table.paths().filter(|p| parsed.matches(p));
             return Err(Error::NotRun {
                 pattern: (*pattern).to_owned(),
-                matched: matched.take(5).collect(),
+                matched: matched.take(5).map(str::to_owned).collect(),
             });
         }
     }

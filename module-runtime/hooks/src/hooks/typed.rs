@@ -4,7 +4,8 @@
 
 use candle_core::Tensor;
 
-use super::registry::{HookCtx, HookHandle, HookOptions, Hooks};
+use super::hook::{HookCtx, HookHandle, HookOptions};
+use super::registry::Hooks;
 use crate::error::{Error, Result};
 use crate::tensor_tree::TensorTree;
 use crate::typed_path::TypedPath;
