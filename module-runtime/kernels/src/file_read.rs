@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 /// On Linux the vector is not zeroed first: `pread` fills its spare capacity, since a zeroing
 /// pass over memory the read overwrites next cost a fifth of the MiniLM load (`perf`: memset,
 /// the allocator recycling the memory of an earlier load). The storage of a large tensor also
-/// gets transparent huge pages ([`advise_huge_pages`]).
+/// gets transparent huge pages (`madvise(MADV_HUGEPAGE)`, above 4 MiB).
 pub fn read_values_at<T: bytemuck::Pod>(
     file: &File,
     offset: u64,
