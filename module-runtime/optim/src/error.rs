@@ -6,7 +6,10 @@ use candle_core::Shape;
 ///
 /// Variants about a parameter name its path (PyTorch-style dotted path); those about a parameter
 /// group name the pattern that selected it; those about a state dict name the key.
-#[derive(Debug, thiserror::Error)]
+///
+/// `{:?}` (what `main` and `unwrap` print) is the message and its causes, as the runtime's
+/// `Error` prints ([`module_core::error::fmt_debug`]), not a struct dump.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error from a candle operation.
@@ -109,6 +112,12 @@ pub enum Error {
     /// `load_state_dict`: the state dict does not fit the optimizer. Nothing was changed.
     #[error("cannot load the optimizer state: {0}")]
     State(#[from] StateError),
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        module_core::error::fmt_debug(self, f)
+    }
 }
 
 /// Why an optimizer state dict does not fit the optimizer it is loaded into.

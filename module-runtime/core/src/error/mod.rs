@@ -3,12 +3,14 @@
 
 use candle_core::{DType, DeviceLocation, Shape};
 
+mod debug;
 mod distributed;
 mod divergence;
 mod messages;
 mod pth;
 mod quantize;
 
+pub use debug::fmt_debug;
 pub use distributed::DistributedError;
 pub use divergence::{OutputDivergence, Tolerance};
 pub use messages::location_name;
@@ -29,7 +31,7 @@ use crate::type_name::short_type_name;
 /// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own, which
 /// does not know where it sits in a model, name the layer type instead. Where shapes or dtypes are
 /// involved, both sides are given, so the message is actionable on its own.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error from a candle operation.
