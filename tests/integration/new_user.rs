@@ -349,3 +349,44 @@ fn reading_an_unbuilt_parameter_is_an_error() -> Result<()> {
     assert!(not_loaded(empty.bias.as_ref().unwrap().tensor()));
     Ok(())
 }
+
+/// What `main` prints for an error (`Error: ` and its `Debug`): the message and its causes, with
+/// no struct, address or type id. The README's "Use it in your crate" shows this very text.
+#[test]
+fn an_error_reaching_main_prints_its_message_and_causes() {
+    #[derive(Module)]
+    struct Net {
+        fc: Linear,
+    }
+    impl Forward<&Tensor> for Net {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.fc.call(x)
+        }
+    }
+    let net = Net {
+        fc: Linear::new(4, 2, &Device::Cpu).unwrap(),
+    };
+    let x = Tensor::zeros((3, 4), DType::F64, &Device::Cpu).unwrap();
+    let err = net.call(&x).unwrap_err();
+    let debug = format!("Error: {err:?}");
+    // Under RUST_BACKTRACE=1 (as test runners often set it), candle's frames follow.
+    let printed = debug
+        .split("\n\nStack backtrace")
+        .next()
+        .unwrap_or_default();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let block = readme
+        .split("```text\n")
+        .map(|b| b.split("\n```").next().unwrap_or(""))
+        .find(|b| b.starts_with("Error: forward of"))
+        .expect("README shows an error reaching main");
+    assert_eq!(
+        printed, block,
+        "update README's \"Use it in your crate\" block"
+    );
+    for internal in ["CallTarget", "TypeId", "Forward {"] {
+        assert!(!debug.contains(internal), "{debug}");
+    }
+}
