@@ -156,32 +156,45 @@ pub(super) struct SessionGuard {
 }
 
 impl SessionGuard {
-    /// Attaches `registry` to the tree `table` lists, whose root is called as `root`: to the
-    /// innermost session if it has the same root (the registries merge), else as a new session.
-    pub(super) fn enter(root: CallTarget, table: CallTable, registry: Arc<Registry>) -> Self {
-        let merged = SESSIONS.with(|s| {
+    /// Attaches `registry` to `root`: to the innermost session if it has the same root (the
+    /// registries merge, and the session's table serves), else as a new session with the table of
+    /// one walk of `root`. `check` vets the table before anything is attached (its error is
+    /// returned and nothing changes).
+    pub(super) fn enter<M: Module>(
+        root: &M,
+        registry: Arc<Registry>,
+        check: impl Fn(&CallTable) -> Result<()>,
+    ) -> Result<Self> {
+        let target = root.__call_target();
+        let merged = SESSIONS.with(|s| -> Result<bool> {
             let mut sessions = s.borrow_mut();
             match sessions.last_mut() {
-                Some(top) if top.root == root => {
-                    top.registries.push(registry);
+                Some(top) if top.root == target => {
+                    check(&top.table)?;
+                    top.registries.push(registry.clone());
                     top.plans.clear();
-                    true
+                    Ok(true)
                 }
-                _ => {
-                    sessions.push(Session {
-                        root,
-                        table,
-                        registries: vec![registry],
-                        plans: Vec::new(),
-                        seen: Vec::new(),
-                        frames: Vec::new(),
-                    });
-                    false
-                }
+                _ => Ok(false),
             }
-        });
+        })?;
+        if !merged {
+            // Walked outside the thread-local's borrow.
+            let table = CallTable::of(root);
+            check(&table)?;
+            SESSIONS.with(|s| {
+                s.borrow_mut().push(Session {
+                    root: target,
+                    table,
+                    registries: vec![registry],
+                    plans: Vec::new(),
+                    seen: Vec::new(),
+                    frames: Vec::new(),
+                });
+            });
+        }
         ACTIVE.with(|a| a.set(a.get() + 1));
-        Self { merged }
+        Ok(Self { merged })
     }
 }
 

@@ -5,7 +5,6 @@ use std::sync::{Arc, PoisonError};
 
 use candle_core::Tensor;
 
-use super::call_table::CallTable;
 use super::dispatch::SessionGuard;
 use super::hook::{
     ForwardHookFn, HookCtx, HookHandle, HookOptions, PreHookFn, PreHookOptions, Registry, Target,
@@ -145,13 +144,14 @@ impl Hooks {
         root: &M,
         f: impl FnOnce(&M) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, E> {
-        // One walk lists the tree's modules by identity; dispatch finds each call's path and
-        // hooks in it (see the module docs).
-        let table = CallTable::of(root);
-        for pattern in self.0.patterns() {
-            table.check(&pattern, "hook")?;
-        }
-        let _session = SessionGuard::enter(root.__call_target(), table, self.0.clone());
+        // One walk lists the tree's modules by identity (none inside a run on the same root, whose
+        // table serves); dispatch finds each call's path and hooks in it (see the module docs).
+        let patterns = self.0.patterns();
+        let _session = SessionGuard::enter(root, self.0.clone(), |table| {
+            patterns
+                .iter()
+                .try_for_each(|pattern| table.check(pattern, "hook"))
+        })?;
         f(root)
     }
 }
