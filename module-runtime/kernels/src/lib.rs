@@ -69,11 +69,11 @@ pub use elementwise::{activation_in_place, can_activate_in_place, gelu_erf, silu
 pub use file_read::read_values_at;
 pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
-    linear, q8_0_kernel_applies, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS,
-    QUANTIZED_MAX_ROWS,
+    linear, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
 pub use memory::reuse_freed_memory;
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};
+pub use q8_0_matmul::q8_0_kernel_applies;
 pub use residual_norm::{can_fuse_residual_norm, residual_layer_norm};
 pub use sdpa::{scaled_dot_product_attention, SdpaOptions};
 pub use softmax::softmax;

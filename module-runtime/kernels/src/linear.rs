@@ -8,7 +8,7 @@ use crate::bias::add_bias;
 use crate::error::Result;
 use crate::fused_grad;
 use crate::matmul::matmul;
-use crate::q8_0_matmul::{q8_0_matmul_each, q8_0_matmul_takes};
+use crate::q8_0_matmul::{q8_0_kernel_applies, q8_0_matmul_each};
 use crate::Param;
 
 /// The most input rows a quantized weight is multiplied with by candle's quantized matmul; above,
@@ -136,7 +136,7 @@ pub fn quantized_linear_each(
         };
         let device = weight.device();
         let (_, k) = weight.shape().dims2()?;
-        if !q8_0_matmul_takes(kind, &device)
+        if !q8_0_kernel_applies(kind, &device)
             || k != in_features
             || rows(x) > max_quantized_rows(kind, &device)
         {
@@ -154,16 +154,9 @@ pub fn quantized_linear_each(
         .map(Some)
 }
 
-/// Whether a weight of `kind` on `device` takes this crate's `q8_0` kernel on this CPU (a CPU
-/// `q8_0`, `q4_0` or `q4_K` weight, AVX2 or better), which makes tiles of the weight that then
-/// replace its bytes.
-pub fn q8_0_kernel_applies(kind: GgmlDType, device: &Device) -> bool {
-    q8_0_matmul_takes(kind, device)
-}
-
 /// The most input rows a weight of `kind` on `device` is multiplied with in its quantized form.
 fn max_quantized_rows(kind: GgmlDType, device: &Device) -> usize {
-    if q8_0_matmul_takes(kind, device) {
+    if q8_0_kernel_applies(kind, device) {
         Q8_0_MAX_ROWS
     } else {
         QUANTIZED_MAX_ROWS

@@ -77,7 +77,10 @@ fn chunk_best<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::S
 /// calls (rayon's sleeping workers would be woken, and left spinning beside it, once per
 /// parameter).
 pub fn chunked_update<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
-    let mut chunks = Vec::with_capacity(p.len().div_ceil(CHUNK).max(1));
+    if p.len() <= CHUNK {
+        return chunk_best::<R>(k, p, g, state);
+    }
+    let mut chunks = Vec::with_capacity(p.len().div_ceil(CHUNK));
     let (mut p, mut g, mut state) = (p, g, state);
     while p.len() > CHUNK {
         let (p_head, p_tail) = p.split_at_mut(CHUNK);
