@@ -48,8 +48,8 @@ const ROWS: usize = 16;
 const MAX_M: usize = 4;
 
 /// Whether a weight of `kind` on `device` takes this crate's `q8_0` kernel on this CPU (a CPU
-/// `q8_0`, `q4_0` or `q4_K` weight, AVX2 or better): [`q8_0_matmul_each`] runs for it, and makes
-/// tiles of the weight that then replace its bytes.
+/// `q8_0`, `q4_0` or `q4_K` weight, AVX2 or better): [`quantized_linear`](crate::quantized_linear)
+/// multiplies it with this kernel, which makes tiles of the weight that then replace its bytes.
 pub fn q8_0_kernel_applies(kind: GgmlDType, device: &Device) -> bool {
     matches!(kind, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4K)
         && device.is_cpu()
