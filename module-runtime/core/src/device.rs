@@ -73,12 +73,18 @@ pub fn device_name(device: &Device) -> String {
 /// inside whichever op first combines them. It costs one comparison (a discriminant for the CPU, a
 /// handle id for CUDA and Metal).
 pub fn check_input_device(path: &'static str, param: &Tensor, input: &Tensor) -> Result<()> {
-    if input.device().same_device(param.device()) {
+    check_device(path, param.device(), input)
+}
+
+/// [`check_input_device`] for a parameter known by its device alone (a quantized weight holds no
+/// float tensor to ask).
+pub fn check_device(path: &'static str, device: &Device, input: &Tensor) -> Result<()> {
+    if input.device().same_device(device) {
         return Ok(());
     }
     Err(Error::DeviceMismatch {
         path: path.to_owned(),
-        expected: param.device().location(),
+        expected: device.location(),
         got: input.device().location(),
     })
 }

@@ -6,8 +6,8 @@ use crate::common::layer_repr;
 use crate::common::{
     fit_param, forward_by_value, layer_forward, lazy_param, param_tensor, uniform_fan_in,
 };
-use crate::device::check_input_device;
-use crate::error::{Error, Result};
+use crate::device::{check_device, check_input_device};
+use crate::error::Result;
 use crate::fused::{fusion_applies, ElementwiseActivation};
 use crate::{Init, Module, ModuleExt, Param};
 use module_core::py_bool;
@@ -164,7 +164,7 @@ layer_forward!(Linear, |layer, x| {
     if layer.weight.is_quantized() {
         // A quantized weight (`quantize`): the kernels choose the quantized product or the float
         // one over the dequantized values.
-        check_quantized_device(&layer.weight, x)?;
+        check_device("Linear.weight", &layer.weight.device(), x)?;
         let bias = param_tensor(&layer.bias)?;
         return module_kernels::quantized_linear(x, &layer.weight, bias.as_ref());
     }
@@ -174,20 +174,6 @@ layer_forward!(Linear, |layer, x| {
     let bias = param_tensor(&layer.bias)?;
     module_kernels::linear(x, &weight, bias.as_ref())
 });
-
-/// A quantized weight holds no float tensor to compare devices with: its own device against the
-/// input's, named as [`check_input_device`] names a float weight.
-fn check_quantized_device(weight: &Param, x: &Tensor) -> Result<()> {
-    let device = weight.device();
-    if device.same_device(x.device()) {
-        return Ok(());
-    }
-    Err(Error::DeviceMismatch {
-        path: "Linear.weight".to_owned(),
-        expected: device.location(),
-        got: x.device().location(),
-    })
-}
 
 /// A [`Linear`] layer whose `in_features` is the last dimension of its first input: PyTorch's
 /// `nn.LazyLinear`.
