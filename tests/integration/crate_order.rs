@@ -9,7 +9,7 @@
 //! users do, and cargo allows that cycle.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 fn root() -> PathBuf {
@@ -100,30 +100,37 @@ fn workspace_packages() -> BTreeMap<String, Package> {
         "cargo metadata failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let metadata = json::parse(&String::from_utf8(output.stdout).unwrap());
-    let workspace_root = PathBuf::from(metadata.get("workspace_root").as_str());
-    let packages = metadata.get("packages").as_array();
-    let names: BTreeSet<&str> = packages.iter().map(|p| p.get("name").as_str()).collect();
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let text = |v: &serde_json::Value, key: &str| -> String {
+        v[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("`{key}` is not a string in {v}"))
+            .to_owned()
+    };
+    let workspace_root = PathBuf::from(text(&metadata, "workspace_root"));
+    let packages = metadata["packages"]
+        .as_array()
+        .expect("`packages` is a list");
+    let names: BTreeSet<String> = packages.iter().map(|p| text(p, "name")).collect();
     packages
         .iter()
         .map(|p| {
-            let manifest = Path::new(p.get("manifest_path").as_str());
+            let manifest = PathBuf::from(text(p, "manifest_path"));
             let dir = manifest.parent().unwrap();
             let folder = dir.strip_prefix(&workspace_root).unwrap();
-            let depends_on = p
-                .get("dependencies")
+            let depends_on = p["dependencies"]
                 .as_array()
+                .expect("`dependencies` is a list")
                 .iter()
-                .filter(|d| d.get("kind").as_opt_str() != Some("dev"))
-                .map(|d| d.get("name").as_str())
+                .filter(|d| d["kind"].as_str() != Some("dev"))
+                .map(|d| text(d, "name"))
                 .filter(|n| names.contains(n))
-                .map(str::to_owned)
                 .collect();
             let package = Package {
                 folder: folder.to_string_lossy().replace('\\', "/"),
                 depends_on,
             };
-            (p.get("name").as_str().to_owned(), package)
+            (text(p, "name"), package)
         })
         .collect()
 }
@@ -222,215 +229,4 @@ fn the_crate_order_check_reports_what_breaks_the_table() {
             "the table has a row for `module-gone`, which is no workspace crate",
         ]
     );
-}
-
-/// Just enough JSON for `cargo metadata`: objects, arrays, strings (with escapes), numbers,
-/// `true`, `false` and `null`. The root package keeps its dev-dependencies to the examples' needs,
-/// so it does not take serde_json for this one read.
-mod json {
-    use std::collections::BTreeMap;
-
-    /// A JSON value.
-    #[derive(Debug)]
-    pub enum Value {
-        Null,
-        Bool(bool),
-        Number(String),
-        String(String),
-        Array(Vec<Value>),
-        Object(BTreeMap<String, Value>),
-    }
-
-    impl Value {
-        /// The member `key` of an object (`Null` if absent).
-        pub fn get(&self, key: &str) -> &Value {
-            match self {
-                Value::Object(members) => members.get(key).unwrap_or(&Value::Null),
-                other => panic!("`{key}` of a non-object: {other:?}"),
-            }
-        }
-
-        pub fn as_str(&self) -> &str {
-            self.as_opt_str()
-                .unwrap_or_else(|| panic!("not a string: {self:?}"))
-        }
-
-        pub fn as_opt_str(&self) -> Option<&str> {
-            match self {
-                Value::String(s) => Some(s),
-                _ => None,
-            }
-        }
-
-        pub fn as_array(&self) -> &[Value] {
-            match self {
-                Value::Array(items) => items,
-                other => panic!("not an array: {other:?}"),
-            }
-        }
-    }
-
-    /// Parses a whole JSON text; panics on malformed input (a test's input).
-    pub fn parse(text: &str) -> Value {
-        let mut parser = Parser {
-            chars: text.chars().collect(),
-            at: 0,
-        };
-        let value = parser.value();
-        parser.skip_space();
-        assert_eq!(parser.at, parser.chars.len(), "trailing text after JSON");
-        value
-    }
-
-    struct Parser {
-        chars: Vec<char>,
-        at: usize,
-    }
-
-    impl Parser {
-        fn skip_space(&mut self) {
-            while self.chars.get(self.at).is_some_and(|c| c.is_whitespace()) {
-                self.at += 1;
-            }
-        }
-
-        fn next(&mut self) -> char {
-            let c = *self.chars.get(self.at).expect("unexpected end of JSON");
-            self.at += 1;
-            c
-        }
-
-        fn expect_word(&mut self, word: &str) {
-            for expected in word.chars() {
-                assert_eq!(self.next(), expected, "malformed JSON literal");
-            }
-        }
-
-        fn value(&mut self) -> Value {
-            self.skip_space();
-            match self.chars.get(self.at).copied() {
-                Some('{') => {
-                    self.at += 1;
-                    let mut members = BTreeMap::new();
-                    self.skip_space();
-                    if self.chars.get(self.at) == Some(&'}') {
-                        self.at += 1;
-                        return Value::Object(members);
-                    }
-                    loop {
-                        self.skip_space();
-                        assert_eq!(self.next(), '"', "an object key must be a string");
-                        let key = self.string();
-                        self.skip_space();
-                        assert_eq!(self.next(), ':', "expected `:` in an object");
-                        members.insert(key, self.value());
-                        self.skip_space();
-                        match self.next() {
-                            ',' => continue,
-                            '}' => return Value::Object(members),
-                            c => panic!("expected `,` or `}}` in an object, found {c:?}"),
-                        }
-                    }
-                }
-                Some('[') => {
-                    self.at += 1;
-                    let mut items = Vec::new();
-                    self.skip_space();
-                    if self.chars.get(self.at) == Some(&']') {
-                        self.at += 1;
-                        return Value::Array(items);
-                    }
-                    loop {
-                        items.push(self.value());
-                        self.skip_space();
-                        match self.next() {
-                            ',' => continue,
-                            ']' => return Value::Array(items),
-                            c => panic!("expected `,` or `]` in an array, found {c:?}"),
-                        }
-                    }
-                }
-                Some('"') => {
-                    self.at += 1;
-                    Value::String(self.string())
-                }
-                Some('t') => {
-                    self.expect_word("true");
-                    Value::Bool(true)
-                }
-                Some('f') => {
-                    self.expect_word("false");
-                    Value::Bool(false)
-                }
-                Some('n') => {
-                    self.expect_word("null");
-                    Value::Null
-                }
-                Some(c) if c == '-' || c.is_ascii_digit() => {
-                    let start = self.at;
-                    while self
-                        .chars
-                        .get(self.at)
-                        .is_some_and(|c| matches!(c, '-' | '+' | '.' | 'e' | 'E' | '0'..='9'))
-                    {
-                        self.at += 1;
-                    }
-                    Value::Number(self.chars[start..self.at].iter().collect())
-                }
-                other => panic!("unexpected {other:?} in JSON"),
-            }
-        }
-
-        /// The rest of a string whose opening quote was read.
-        fn string(&mut self) -> String {
-            let mut out = String::new();
-            loop {
-                match self.next() {
-                    '"' => return out,
-                    '\\' => match self.next() {
-                        'n' => out.push('\n'),
-                        't' => out.push('\t'),
-                        'r' => out.push('\r'),
-                        'b' => out.push('\u{8}'),
-                        'f' => out.push('\u{c}'),
-                        'u' => {
-                            let unit = self.hex4();
-                            let code = if (0xD800..0xDC00).contains(&unit) {
-                                // A surrogate pair: `\uD83D\uDE00`.
-                                self.expect_word("\\u");
-                                let low = self.hex4();
-                                0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)
-                            } else {
-                                unit
-                            };
-                            out.push(char::from_u32(code).unwrap_or('\u{fffd}'));
-                        }
-                        c => out.push(c), // `\"`, `\\`, `\/`
-                    },
-                    c => out.push(c),
-                }
-            }
-        }
-
-        fn hex4(&mut self) -> u32 {
-            let digits: String = (0..4).map(|_| self.next()).collect();
-            u32::from_str_radix(&digits, 16).expect("a \\u escape of four hex digits")
-        }
-    }
-
-    #[test]
-    fn parses_what_cargo_metadata_writes() {
-        let v = parse(
-            r#" {"a": [1, -2.5e3, true, false, null, {}], "s": "q\"\\\u00e9\ud83d\ude00", "e": []} "#,
-        );
-        assert_eq!(v.get("s").as_str(), "q\"\\é😀");
-        assert_eq!(v.get("a").as_array().len(), 6);
-        assert!(matches!(v.get("a").as_array()[1], Value::Number(ref n) if n == "-2.5e3"));
-        assert!(matches!(
-            v.get("a").as_array()[2..4],
-            [Value::Bool(true), Value::Bool(false)]
-        ));
-        assert!(v.get("e").as_array().is_empty());
-        assert!(matches!(v.get("missing"), Value::Null));
-    }
 }
