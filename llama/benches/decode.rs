@@ -177,6 +177,11 @@ fn main() -> AnyResult<()> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "2");
     }
+    // The host and the kernels it takes, with every figure (BENCHMARKS.md names both).
+    eprintln!(
+        "kernels: {}",
+        module_runtime::backends::cpu::kernel_choice()
+    );
     let rounds: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())

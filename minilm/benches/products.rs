@@ -2,7 +2,9 @@
 //! runtime's `Linear` (without a bias, under `no_grad`: its products run on candle's barrier pool,
 //! `module-runtime/kernels/src/matmul.rs`) against candle's `matmul` on the same tensors, interleaved
 //! call by call, and, with `PYTORCH` set, `torch.nn.functional.linear` in the same run
-//! (`support/pytorch_products.py`, 2 threads). Medians of the calls, in GFLOP/s.
+//! (`support/pytorch_products.py`, 2 threads). Medians of the calls, in GFLOP/s. Ours runs with
+//! the products' automatic instruction set and, interleaved with it, forced to each level the CPU
+//! has (`with_cpu_capability`): AVX2 and AVX-512 side by side on the same host.
 //!
 //! ```text
 //! cargo bench -p minilm --bench products                  # 200 calls per shape
@@ -14,6 +16,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use module_runtime::backends::cpu::{get_cpu_capability, with_cpu_capability, CpuCapability};
 use module_runtime::nn::Linear;
 use module_runtime::prelude::*;
 
@@ -41,6 +44,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let calls = support::threads_and_rounds(200);
     let dev = Device::Cpu;
     let _inference = module_runtime::no_grad();
+    let levels: Vec<CpuCapability> = [CpuCapability::Avx2, CpuCapability::Avx512]
+        .into_iter()
+        .filter(|&level| level <= get_cpu_capability())
+        .collect();
     let mut ours_ms = Vec::new();
     for (name, m, k, n) in SHAPES {
         let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
@@ -54,21 +61,34 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             x.matmul(&w.t()?)?;
         }
         let (mut ours, mut candle) = (Vec::new(), Vec::new());
+        let mut forced = vec![Vec::new(); levels.len()];
         for _ in 0..calls {
             let start = Instant::now();
             linear.call(&x)?;
             ours.push(start.elapsed().as_secs_f64() * 1e3);
+            for (level, times) in levels.iter().zip(&mut forced) {
+                let start = Instant::now();
+                with_cpu_capability(*level, || linear.call(&x))?;
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
             let start = Instant::now();
             x.matmul(&w.t()?)?;
             candle.push(start.elapsed().as_secs_f64() * 1e3);
         }
         let flop = 2.0 * (m * k * n) as f64;
+        let gflops = |ms: f64| flop / ms / 1e6;
         let (ours, candle) = (median(ours), median(candle));
         ours_ms.push(ours);
+        let forced: Vec<String> = levels
+            .iter()
+            .zip(forced)
+            .map(|(level, times)| format!("{level} {:.0}", gflops(median(times))))
+            .collect();
         println!(
-            "{name:<22} {m:>4}x{k:<4}x{n:<5} ours {ours:.3} ms ({:.0} GFLOP/s), candle's matmul {candle:.3} ms ({:.0} GFLOP/s)",
-            flop / ours / 1e6,
-            flop / candle / 1e6
+            "{name:<22} {m:>4}x{k:<4}x{n:<5} ours {ours:.3} ms ({:.0} GFLOP/s; forced: {}), candle's matmul {candle:.3} ms ({:.0} GFLOP/s)",
+            gflops(ours),
+            forced.join(", "),
+            gflops(candle)
         );
     }
     if let Some(python) = std::env::var_os("PYTORCH") {

@@ -101,6 +101,18 @@ pub use module_hooks::{
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
 };
 pub use module_kernels::reuse_freed_memory;
+
+/// PyTorch's `torch.backends`: what the runtime's kernels run on.
+pub mod backends {
+    /// PyTorch's `torch.backends.cpu`: the instruction sets the CPU kernels use, chosen at run time
+    /// for the host (`get_cpu_capability`, `ATEN_CPU_CAPABILITY`), a per-thread setting that forces
+    /// one (`with_cpu_capability`), and the choice each operation takes (`kernel_choice`).
+    pub mod cpu {
+        pub use module_kernels::{
+            get_cpu_capability, kernel_choice, with_cpu_capability, CpuCapability, KernelChoice,
+        };
+    }
+}
 pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
 pub use module_state::{
     permute_rows, Checkpoint, GgufFile, GgufValue, IncompatibleKeys, LoadOptions, LoadPostHookFn,

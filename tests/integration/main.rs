@@ -11,6 +11,7 @@ mod support;
 
 mod checkpoints;
 mod containers;
+mod cpu_capability;
 mod crate_order;
 mod dataflow;
 mod derive_holes;

@@ -17,6 +17,11 @@ pub fn threads_and_rounds(default: usize) -> usize {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "2");
     }
+    // The host and the kernels it takes, with every figure (BENCHMARKS.md names both).
+    eprintln!(
+        "kernels: {}",
+        module_runtime::backends::cpu::kernel_choice()
+    );
     std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())

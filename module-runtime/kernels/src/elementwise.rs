@@ -197,8 +197,9 @@ pub(crate) fn apply_in_place(y: &mut [f32], f: Elementwise) {
 
 fn apply(y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Copy) {
     let block = block_len(y.len(), 1);
+    let level = crate::kernel_choice().elementwise;
     par_map(y.chunks_mut(block).collect(), |block: &mut [f32]| {
-        crate::vector_exp::map_in_place(block, f)
+        crate::vector_exp::map_in_place(level, block, f)
     });
 }
 

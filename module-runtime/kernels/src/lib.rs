@@ -26,6 +26,14 @@
 //! [`without_fusion`] turns every fused kernel off on a thread (each entry then takes its
 //! composed path).
 //!
+//! # One binary for every host
+//!
+//! Each SIMD kernel is compiled for several instruction sets and picks one per call from
+//! [`kernel_choice`]: what the CPU has, lowered by `ATEN_CPU_CAPABILITY` or
+//! [`with_cpu_capability`] (see `capability.rs`). The products call `gemm`'s driver with the
+//! chosen level's micro-kernels (`gemm_kernel.rs`) rather than `gemm::gemm`, which fixes one per
+//! process.
+//!
 //! # This crate
 //!
 //! `module-kernels` sits below `module-nn` (the layers) and `module-optim` (the optimizers), as
@@ -38,6 +46,7 @@
 // The lower crate's items, under the names this crate's files use (`crate::error::Result`).
 use module_core::{error, Param};
 
+mod capability;
 mod cpu;
 #[cfg(target_os = "linux")]
 mod file_read;
@@ -49,6 +58,7 @@ mod vector_exp;
 mod bias;
 mod elementwise;
 mod fused_grad;
+mod gemm_kernel;
 mod matmul;
 mod q8_0_matmul;
 mod residual_norm;
@@ -62,6 +72,9 @@ mod sdpa;
 mod softmax;
 
 pub use bias::add_bias;
+pub use capability::{
+    get_cpu_capability, kernel_choice, with_cpu_capability, CpuCapability, KernelChoice,
+};
 pub use cpu::is_plain_cpu_f32;
 pub use dropout::dropout;
 pub use elementwise::{activation_in_place, can_activate_in_place, gelu_erf, silu, Elementwise};

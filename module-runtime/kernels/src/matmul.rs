@@ -20,7 +20,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 
+use crate::capability::CpuCapability;
 use crate::error::Result;
+use crate::gemm_kernel::{gemm_block, Block};
 
 /// `a b` for matrices `a` `[m, k]` and `b` `[k, n]` (any strides: a transposed view is read in
 /// place), as candle's `matmul` computes it, recording the same gradient. Float32 CPU matrices
@@ -190,7 +192,15 @@ pub(crate) fn product(
     }
     a.check(m, k)?;
     b.check(k, n)?;
-    Ok(product_in(a, b, (m, n, k), bias, Blocks::new(m, n, k)))
+    let level = crate::kernel_choice().products;
+    Ok(product_in(
+        a,
+        b,
+        (m, n, k),
+        bias,
+        Blocks::new(m, n, k),
+        level,
+    ))
 }
 
 /// [`product`] over the given blocks (checked operands, `k`, `m`, `n` non-zero).
@@ -200,6 +210,7 @@ fn product_in(
     (m, n, k): (usize, usize, usize),
     bias: Option<&[f32]>,
     blocks: Blocks,
+    level: CpuCapability,
 ) -> Vec<f32> {
     let mut out = Vec::<f32>::with_capacity(m * n);
     let dst = SharedOut(out.as_mut_ptr());
@@ -214,33 +225,23 @@ fn product_in(
                 out.copy_from_slice(&bias[cols.clone()]);
             }
         }
+        let block = Block {
+            m: rows.len(),
+            n: cols.len(),
+            k,
+            dst: dst.0.wrapping_add(rows.start * n + cols.start),
+            dst_row_stride: n,
+            a: a.values[rows.start * a.row_stride..].as_ptr(),
+            a_strides: (a.row_stride, a.col_stride),
+            b: b.values[cols.start * b.col_stride..].as_ptr(),
+            b_strides: (b.row_stride, b.col_stride),
+        };
         // SAFETY: `rows × cols` is inside `[m, n]` and no other block overlaps it, so each thread
-        // writes its own outputs; `gemm` reads `a` and `b` only inside the `[m, k]` and `[k, n]`
-        // matrices the caller guarantees; with `read_dst` false it writes every output of the
-        // block before reading any back, and with a bias it reads the values written above.
-        unsafe {
-            gemm::gemm(
-                rows.len(),
-                cols.len(),
-                k,
-                dst.at(rows.start * n + cols.start),
-                1,
-                n as isize,
-                bias.is_some(),
-                a.values.as_ptr().add(rows.start * a.row_stride),
-                a.col_stride as isize,
-                a.row_stride as isize,
-                b.values.as_ptr().add(cols.start * b.col_stride),
-                b.col_stride as isize,
-                b.row_stride as isize,
-                if bias.is_some() { 1.0 } else { 0.0 },
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
+        // writes its own outputs; the kernel reads `a` and `b` only inside the `[m, k]` and
+        // `[k, n]` matrices the caller guarantees; without a bias it writes every output of the
+        // block before reading any back, and with one it adds to the values written above;
+        // `level` is what `kernel_choice` gives for this CPU.
+        unsafe { gemm_block(level, &block, bias.is_some()) };
     };
     match blocks.count {
         1 => run(0),
@@ -424,10 +425,18 @@ mod tests {
         let bias: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let (a, b) = (Matrix::rows(&a, k), Matrix::rows(&b, n));
         for bias in [None, Some(&bias[..])] {
-            let one = product_in(a, b, (m, n, k), bias, Blocks::for_threads(m, n, k, 1));
+            let level = crate::kernel_choice().products;
+            let one = product_in(
+                a,
+                b,
+                (m, n, k),
+                bias,
+                Blocks::for_threads(m, n, k, 1),
+                level,
+            );
             let grid = Blocks::for_threads(m, n, k, 12);
             assert!(grid.count > grid.cols && grid.cols > 1, "{grid:?}");
-            assert_eq!(product_in(a, b, (m, n, k), bias, grid), one);
+            assert_eq!(product_in(a, b, (m, n, k), bias, grid, level), one);
         }
         assert_eq!(Blocks::for_threads(800, 384, 384, 2).count, 2);
         assert_eq!(Blocks::for_threads(1, 1536, 576, 2).cols, 2);

@@ -96,6 +96,9 @@ pub(crate) struct Scores<'a> {
     pub(crate) group: usize,
     /// The query/key size `E`.
     pub(crate) e: usize,
+    /// Whether the AVX2 + FMA builds run (see [`simd`]): chosen once per call, on the calling
+    /// thread, so the pool's threads and a training op's backward take the same build.
+    pub(crate) simd: bool,
 }
 
 impl Scores<'_> {
@@ -105,8 +108,8 @@ impl Scores<'_> {
     /// caller gets the same weights to the bit, which the training op's backward relies on.
     pub(crate) fn probs(&self, b: usize, h: usize, i: usize, probs: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if simd() {
-            // SAFETY: the CPU has AVX2 and FMA (`simd`).
+        if self.simd {
+            // SAFETY: the CPU has AVX2 and FMA (`simd`, which set the field).
             return unsafe { self.probs_avx2(b, h, i, probs) };
         }
         self.probs_body(b, h, i, probs, dot);
@@ -184,12 +187,10 @@ pub(crate) fn exp(x: f32) -> f32 {
     }
 }
 
-/// Whether this CPU runs the kernels' AVX2 + FMA builds (the standard library caches the
-/// detection).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
+/// Whether the kernels' AVX2 + FMA builds run for a call started on this thread: where the CPU has
+/// them and [`kernel_choice`](crate::kernel_choice)'s attention level allows them.
 pub(crate) fn simd() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    crate::kernel_choice().attention >= crate::CpuCapability::Avx2
 }
 
 /// The dimensions involved: batch, query heads, key/value heads, query and key lengths, the
@@ -248,6 +249,7 @@ pub(crate) fn inference(
         scale: scale as f32,
         group: d.hq / d.h,
         e: d.e,
+        simd: simd(),
     };
     let out = attend(&scores, View::new(vc, vl)?, d, |_, _| {});
     drop((qs, ks, vs, mask_guard));
@@ -278,7 +280,7 @@ pub(crate) fn attend(
             // SAFETY: row (b, i, h) of `out` is written by this (b, h) pair only, and `out`
             // outlives the loop.
             let row = unsafe { ptr.slice(((b * d.l + i) * d.hq + h) * d.ev, d.ev) };
-            weighted_sum(&weights, |j| values.row([b, kh, j], d.ev), row);
+            weighted_sum(scores.simd, &weights, |j| values.row([b, kh, j], d.ev), row);
         }
     };
     let pairs = d.b * d.hq;
@@ -315,11 +317,16 @@ impl Out {
 }
 
 /// `out += Σⱼ weights[j] · row(j)` (rows of at least `out.len()` values), skipping zero weights;
-/// with AVX2 and FMA when the CPU has them ([`avx2::weighted_sum`]).
-pub(crate) fn weighted_sum<'r>(weights: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f32]) {
+/// with AVX2 and FMA where `simd` (what [`simd`] said) ([`avx2::weighted_sum`]).
+pub(crate) fn weighted_sum<'r>(
+    simd: bool,
+    weights: &[f32],
+    row: impl Fn(usize) -> &'r [f32],
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: the CPU has AVX2 and FMA (`simd`).
+    if simd {
+        // SAFETY: the CPU has AVX2 and FMA (`simd` came from the function of that name).
         return unsafe { avx2::weighted_sum(weights, row, out) };
     }
     weighted_sum_body(weights, row, out);
@@ -523,7 +530,7 @@ mod tests {
                 .collect();
             let start: Vec<f32> = (0..width).map(|c| c as f32 * 0.5).collect();
             let (mut fast, mut portable) = (start.clone(), start);
-            weighted_sum(&weights, |j| &rows[j], &mut fast);
+            weighted_sum(simd(), &weights, |j| &rows[j], &mut fast);
             weighted_sum_body(&weights, |j| &rows[j], &mut portable);
             for (f, p) in fast.iter().zip(&portable) {
                 assert!(
@@ -554,6 +561,7 @@ mod tests {
                 scale: 0.3,
                 group: 1,
                 e,
+                simd: simd(),
             };
             let (mut fast, mut portable) = (vec![0f32; l], vec![0f32; l]);
             for i in 0..l {

@@ -6,6 +6,7 @@ use std::cell::RefCell;
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
+use crate::capability::CpuCapability;
 use crate::error::Result;
 use crate::pool::par_map;
 
@@ -59,15 +60,23 @@ fn chunk_avx2<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::S
     R::chunk(k, p, g, state);
 }
 
-/// [`ChunkRule::chunk`], through [`chunk_avx2`] where the CPU has AVX2.
-fn chunk_best<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
+/// [`ChunkRule::chunk`], through [`chunk_avx2`] where `level` (the optimizer's in
+/// [`kernel_choice`](crate::kernel_choice), read on the calling thread) allows and the CPU has AVX2.
+fn chunk_best<R: ChunkRule>(
+    level: CpuCapability,
+    k: &R::Consts,
+    p: &mut [f32],
+    g: &[f32],
+    state: R::State<'_>,
+) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if level >= CpuCapability::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2, the one feature `chunk_avx2` is compiled for (checked just
         // above; the detection is cached, so this costs one load per chunk).
         unsafe { chunk_avx2::<R>(k, p, g, state) };
         return;
     }
+    let _ = level;
     R::chunk(k, p, g, state);
 }
 
@@ -77,8 +86,9 @@ fn chunk_best<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::S
 /// calls (rayon's sleeping workers would be woken, and left spinning beside it, once per
 /// parameter).
 pub fn chunked_update<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], state: R::State<'_>) {
+    let level = crate::kernel_choice().optimizer;
     if p.len() <= CHUNK {
-        return chunk_best::<R>(k, p, g, state);
+        return chunk_best::<R>(level, k, p, g, state);
     }
     let mut chunks = Vec::with_capacity(p.len().div_ceil(CHUNK));
     let (mut p, mut g, mut state) = (p, g, state);
@@ -90,7 +100,9 @@ pub fn chunked_update<R: ChunkRule>(k: &R::Consts, p: &mut [f32], g: &[f32], sta
         (p, g, state) = (p_tail, g_tail, s_tail);
     }
     chunks.push((p, g, state));
-    par_map(chunks, |(p, g, state)| chunk_best::<R>(k, p, g, state));
+    par_map(chunks, |(p, g, state)| {
+        chunk_best::<R>(level, k, p, g, state)
+    });
 }
 
 /// Runs `f(parameter values, gradient values)` with the values of the parameter tensor `p`

@@ -8,6 +8,8 @@
 //! a time. It is within 2 float32 ulps of `exp` over float32's normal range (see the tests);
 //! PyTorch's CPU kernels also compute `exp` and the SiLU with a vectorized approximation (Sleef's).
 
+use crate::capability::CpuCapability;
+
 /// `eˣ` in float32, within 2 ulps of the exact value for `x` in `[-87.3, 88.7]` (the results are
 /// normal floats); below, `e^-87.3` (about 1.2e-38), above, `e^88.7` (about 3.3e38): inputs are
 /// clamped, so nothing overflows to infinity or falls to a subnormal. NaN gives NaN.
@@ -57,22 +59,28 @@ pub(crate) fn silu_vectorized(x: f32) -> f32 {
     x / (1.0 + exp_vectorized(-x))
 }
 
-/// `v = f(v)` for every value, in a loop built for AVX-512 or AVX2 where the CPU has them (a
-/// loop over an `#[inline(always)]` function of multiplies, adds, compares and shifts, such as
-/// [`silu_vectorized`], then runs 16 or 8 lanes at a time; x86-64's baseline has 4). Every
-/// build gives the same bits: no operation is fused or reordered across the builds.
-pub(crate) fn map_in_place(values: &mut [f32], f: impl Fn(f32) -> f32 + Copy) {
+/// `v = f(v)` for every value, in a loop built for AVX-512 or AVX2 where `level` allows (a loop
+/// over an `#[inline(always)]` function of multiplies, adds, compares and shifts, such as
+/// [`silu_vectorized`], then runs 16 or 8 lanes at a time; x86-64's baseline has 4). Every build
+/// gives the same bits: no operation is fused or reordered across the builds.
+pub(crate) fn map_in_place(
+    level: CpuCapability,
+    values: &mut [f32],
+    f: impl Fn(f32) -> f32 + Copy,
+) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512 F.
+        use std::arch::is_x86_feature_detected as has;
+        if level >= CpuCapability::Avx512 && has!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked just above; the detection is cached).
             return unsafe { map_avx512(values, f) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if level >= CpuCapability::Avx2 && has!("avx2") {
             // SAFETY: the CPU has AVX2.
             return unsafe { map_avx2(values, f) };
         }
     }
+    let _ = level;
     values.iter_mut().for_each(|v| *v = f(*v));
 }
 

@@ -12,9 +12,7 @@ use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
 use crate::pool::par_map;
-#[cfg(target_arch = "x86_64")]
-use crate::sdpa_kernel::simd;
-use crate::sdpa_kernel::{attend, axpy, dot, Dims, Mask, Scores, View};
+use crate::sdpa_kernel::{attend, axpy, dot, simd, Dims, Mask, Scores, View};
 
 /// The options of [`attention`] besides the mask.
 pub(crate) struct AttentionOptions {
@@ -55,6 +53,8 @@ struct Attention {
     /// What a kept weight is multiplied by (`1 / (1 - p)`).
     keep_scale: f32,
     dims: Dims,
+    /// Whether the AVX2 + FMA builds run, forward and backward alike ([`simd`] when made).
+    simd: bool,
 }
 
 /// The CPU storage of one of the op's tensors (a typed error for another device).
@@ -84,6 +84,7 @@ impl Attention {
             p: options.dropout_p as f32,
             keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
             dims: *d,
+            simd: simd(),
         }
     }
 
@@ -112,6 +113,7 @@ impl Attention {
             scale: self.scale,
             group: self.dims.hq / self.dims.h,
             e: self.dims.e,
+            simd: self.simd,
         };
         Ok(f(&scores, draws))
     }
@@ -168,12 +170,12 @@ impl Attention {
     /// `dq += ds·k`, `dk += ds·q`. Compiled for AVX2 and FMA when the CPU has them.
     fn pair_grads(&self, inputs: &PairInputs) -> PairGrads {
         #[cfg(target_arch = "x86_64")]
-        if simd() {
+        if self.simd {
             #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2(op: &Attention, inputs: &PairInputs) -> PairGrads {
                 op.pair_grads_body(inputs)
             }
-            // SAFETY: the CPU has AVX2 and FMA (`simd`).
+            // SAFETY: the CPU has AVX2 and FMA (`simd`, which set the field).
             return unsafe { avx2(self, inputs) };
         }
         self.pair_grads_body(inputs)

@@ -226,22 +226,21 @@ enum Kernel {
 }
 
 impl Kernel {
+    /// The loops [`kernel_choice`](crate::kernel_choice)'s quantized level gives on this thread
+    /// (AVX-512 there means the CPU has AVX-512 F, BW and VNNI; AVX2 that it has AVX2, FMA and
+    /// F16C).
     fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") {
-                return Kernel::Vnni;
-            }
-            if Self::has_avx2() {
-                return Kernel::Avx2;
-            }
+        match crate::kernel_choice().quantized {
+            #[cfg(target_arch = "x86_64")]
+            crate::CpuCapability::Avx512 => Kernel::Vnni,
+            #[cfg(target_arch = "x86_64")]
+            crate::CpuCapability::Avx2 => Kernel::Avx2,
+            _ => Kernel::Scalar,
         }
-        Kernel::Scalar
     }
 
     /// Whether this CPU runs the AVX2 loops (also where it has the VNNI ones).
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(test, target_arch = "x86_64"))]
     fn has_avx2() -> bool {
         use std::arch::is_x86_feature_detected as has;
         has!("avx2") && has!("fma") && has!("f16c")
