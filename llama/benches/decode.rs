@@ -56,11 +56,10 @@ use std::time::Instant;
 use candle_transformers::models::llama as peer;
 use candle_transformers::models::quantized_llama as quantized_peer;
 use llama::{LlamaConfig, LlamaForCausalLM};
-use module_runtime::candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use module_runtime::candle_core::quantized::{gguf_file, GgmlDType};
 use module_runtime::candle_nn::VarBuilder;
 use module_runtime::nn::{parse_quant_kind, quantize};
 use module_runtime::prelude::*;
-use module_runtime::KeyRule;
 
 const PROMPT: usize = 128;
 const NEW: usize = 64;
@@ -422,117 +421,14 @@ fn gguf_peer(
     device: &Device,
 ) -> AnyResult<quantized_peer::ModelWeights> {
     if !path.is_file() {
-        write_gguf(dir, path, kind)?;
+        llama::save_gguf(dir, path, kind)?;
+        println!("wrote {}", path.display());
     }
     let mut file = std::fs::File::open(path)?;
     let content = gguf_file::Content::read(&mut file)?;
     Ok(quantized_peer::ModelWeights::from_gguf(
         content, &mut file, device,
     )?)
-}
-
-/// The float checkpoint in `dir` as llama.cpp's converter writes a Llama: its names
-/// (`blk.N.attn_q.weight`), its `llama.*` metadata, each head's rows of `attn_q`/`attn_k`
-/// interleaved (Hugging Face's row `h·d + j·d/2 + i` at `h·d + 2i + j`), matrices in `kind`,
-/// norms in float32.
-fn write_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> AnyResult<()> {
-    let cfg = LlamaConfig::from_json_file(&dir.join("config.json"))?;
-    // llama.cpp's names: `llama_names`' rules (which load a GGUF file by Hugging Face's names),
-    // each turned around.
-    let to_gguf = llama::llama_names()
-        .into_iter()
-        .map(|rule| match rule {
-            KeyRule::RenameKey(gguf, hf) => KeyRule::RenameKey(hf, gguf),
-            other => other,
-        })
-        .fold(LoadOptions::default(), LoadOptions::rule);
-    let weights = module_runtime::candle_core::safetensors::load(
-        dir.join("model.safetensors"),
-        &Device::Cpu,
-    )?;
-    let interleaved = |heads: usize, rows: usize| -> Vec<usize> {
-        let (d, half) = (rows / heads, rows / heads / 2);
-        (0..rows)
-            .map(|r| {
-                let (h, k) = (r / d, r % d);
-                h * d + (k % 2) * half + k / 2
-            })
-            .collect()
-    };
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, t) in &weights {
-        if name == "lm_head.weight" && cfg.tie_word_embeddings {
-            continue; // tied: the head is the embedding, as the converter writes it
-        }
-        let gguf = to_gguf.map_key(name);
-        if gguf == *name {
-            return Err(format!("unexpected tensor {name}").into());
-        }
-        let q = if t.rank() == 1 {
-            QTensor::quantize(t, GgmlDType::F32)?
-        } else {
-            QTensor::quantize(t, kind)?
-        };
-        let heads = if gguf.ends_with(".attn_q.weight") {
-            Some(cfg.num_attention_heads)
-        } else if gguf.ends_with(".attn_k.weight") {
-            Some(cfg.num_key_value_heads)
-        } else {
-            None
-        };
-        let q = match heads {
-            Some(heads) => module_runtime::permute_rows(&q, &interleaved(heads, t.dim(0)?))?,
-            None => q,
-        };
-        tensors.push((gguf, q));
-    }
-    let u32_value = |v: usize| gguf_file::Value::U32(v as u32);
-    let metadata = [
-        (
-            "general.architecture",
-            gguf_file::Value::String("llama".to_owned()),
-        ),
-        ("llama.block_count", u32_value(cfg.num_hidden_layers)),
-        ("llama.embedding_length", u32_value(cfg.hidden_size)),
-        (
-            "llama.feed_forward_length",
-            u32_value(cfg.intermediate_size),
-        ),
-        (
-            "llama.attention.head_count",
-            u32_value(cfg.num_attention_heads),
-        ),
-        (
-            "llama.attention.head_count_kv",
-            u32_value(cfg.num_key_value_heads),
-        ),
-        ("llama.attention.key_length", u32_value(cfg.head_dim)),
-        ("llama.rope.dimension_count", u32_value(cfg.head_dim)),
-        (
-            "llama.context_length",
-            u32_value(cfg.max_position_embeddings),
-        ),
-        ("llama.vocab_size", u32_value(cfg.vocab_size)),
-        (
-            "llama.attention.layer_norm_rms_epsilon",
-            gguf_file::Value::F32(cfg.rms_norm_eps as f32),
-        ),
-        (
-            "llama.rope.freq_base",
-            gguf_file::Value::F32(cfg.rope_theta as f32),
-        ),
-    ];
-    let metadata: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    // Written beside and renamed into place: an interrupted run leaves no partial file behind.
-    let partial = path.with_extension("gguf.partial");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&partial)?);
-    gguf_file::write(&mut file, &metadata, &tensors)?;
-    std::io::Write::flush(&mut file)?;
-    drop(file);
-    std::fs::rename(&partial, path)?;
-    println!("wrote {}", path.display());
-    Ok(())
 }
 
 /// A random Llama shaped like SmolLM-135M, made in Rust (PyTorch's default initializations) and

@@ -7,6 +7,7 @@
 //! - [`causal_lm`]: the model with its head, loading, prefill (`scan`) and decoding (`step`);
 //! - [`cache`]: the key/value cache;
 //! - [`gguf`]: llama.cpp's GGUF files (quantized weights) by Hugging Face's names;
+//! - [`gguf_export`]: a Hugging Face folder written as llama.cpp's GGUF, vocabulary included;
 //! - [`generate`](mod@generate): logits processing, sampling and the generation loop;
 //! - [`json_lines`]: the `generate` example's JSON-lines input and output.
 
@@ -15,6 +16,7 @@ pub mod causal_lm;
 pub mod config;
 pub mod generate;
 pub mod gguf;
+pub mod gguf_export;
 pub mod json_lines;
 pub mod model;
 
@@ -23,3 +25,4 @@ pub use causal_lm::LlamaForCausalLM;
 pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{generate, GenerationConfig};
 pub use gguf::{config_from_gguf, llama_names};
+pub use gguf_export::save_gguf;
