@@ -1,0 +1,166 @@
+//! PEFT's adapter folder, both ways: `adapter_config.json` and `adapter_model.safetensors` with
+//! PEFT's keys (`base_model.model.<path>.lora_A.weight`, …).
+
+use std::path::{Path, PathBuf};
+
+use crate::error::Result;
+use crate::peft::config::LoraConfig;
+use crate::peft::model::{commit, lora_layers, prepare, PeftExt, DEFAULT_ADAPTER};
+use crate::{Module, Param};
+use module_core::names::named_parameters;
+use module_core::{Names, PeftError};
+use module_state::{LoadOptions, StateDict};
+
+/// The configuration's file in an adapter folder.
+pub const ADAPTER_CONFIG_NAME: &str = "adapter_config.json";
+/// The weights' file in an adapter folder.
+pub const ADAPTER_WEIGHTS_NAME: &str = "adapter_model.safetensors";
+/// The weights' file of older PEFT versions (a PyTorch pickle), read when there is no
+/// safetensors file.
+const ADAPTER_WEIGHTS_BIN: &str = "adapter_model.bin";
+/// What PEFT's keys start with: `PeftModel.base_model` (the `LoraModel`) and its `model`.
+const PREFIX: &str = "base_model.model.";
+
+/// The file key of a tensor of the adapter on `path` (`lora_A`, `lora_B`, or DoRA's magnitude).
+fn file_key(path: &str, part: &str) -> String {
+    match part {
+        "lora_magnitude_vector" => format!("{PREFIX}{path}.lora_magnitude_vector"),
+        _ => format!("{PREFIX}{path}.{part}.weight"),
+    }
+}
+
+/// The folder PEFT saves the adapter `name` in: `dir` for `"default"`, `dir/<name>` otherwise.
+fn folder(dir: &Path, name: &str) -> PathBuf {
+    if name == DEFAULT_ADAPTER {
+        dir.to_owned()
+    } else {
+        dir.join(name)
+    }
+}
+
+fn io_error(path: &Path, source: std::io::Error) -> crate::Error {
+    crate::Error::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Every adapter of `model` in PEFT's layout under `dir`.
+pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
+    let names = model.adapter_names();
+    if names.is_empty() {
+        return Err(PeftError::NoAdapter {
+            adapter: DEFAULT_ADAPTER.to_owned(),
+            available: Vec::new(),
+        }
+        .into());
+    }
+    let mut written = Vec::new();
+    for name in names {
+        let mut weights = StateDict::new();
+        let mut config: Option<std::sync::Arc<LoraConfig>> = None;
+        for (path, linear) in lora_layers(model) {
+            let lora = linear.lora.as_ref().expect("an adapted layer");
+            let Some(settings) = lora.settings(&name) else {
+                continue;
+            };
+            config.get_or_insert_with(|| settings.config.clone());
+            let value = |p: &Param| -> Result<candle_core::Tensor> {
+                Ok(p.tensor()?.detach().contiguous()?)
+            };
+            weights.insert(
+                file_key(&path, "lora_A"),
+                value(&lora.lora_a[name.as_str()].weight)?,
+            );
+            weights.insert(
+                file_key(&path, "lora_B"),
+                value(&lora.lora_b[name.as_str()].weight)?,
+            );
+            if let Some(m) = lora.lora_magnitude_vector.get(&name) {
+                weights.insert(file_key(&path, "lora_magnitude_vector"), value(&m.weight)?);
+            }
+        }
+        let config = config.expect("an adapter has a layer");
+        let out = folder(dir, &name);
+        std::fs::create_dir_all(&out).map_err(|e| io_error(&out, e))?;
+        let json = serde_json::to_string_pretty(&serde_json::Value::Object(config.to_json()))
+            .expect("a JSON value serializes");
+        let config_path = out.join(ADAPTER_CONFIG_NAME);
+        let tmp = out.join(format!(".{ADAPTER_CONFIG_NAME}.tmp"));
+        std::fs::write(&tmp, json).map_err(|e| io_error(&tmp, e))?;
+        weights.save_safetensors(out.join(ADAPTER_WEIGHTS_NAME))?;
+        std::fs::rename(&tmp, &config_path).map_err(|e| io_error(&config_path, e))?;
+        written.push(out);
+    }
+    Ok(written)
+}
+
+/// Reads the adapter folder `dir` into `model` as the adapter `name`, strictly, all or nothing.
+pub(crate) fn load(
+    model: &mut dyn Module,
+    dir: &Path,
+    name: &str,
+    is_trainable: bool,
+) -> Result<Vec<String>> {
+    let config = LoraConfig::from_json_file(dir.join(ADAPTER_CONFIG_NAME))?;
+    let mut weights_path = dir.join(ADAPTER_WEIGHTS_NAME);
+    if !weights_path.exists() && dir.join(ADAPTER_WEIGHTS_BIN).exists() {
+        weights_path = dir.join(ADAPTER_WEIGHTS_BIN);
+    }
+    let weights = StateDict::read(&weights_path, &LoadOptions::default())?;
+    let prepared = prepare(model, name, &config)?;
+    // Every tensor the adapted layers need, by file key.
+    let mut expected: Vec<(String, &str, &Param)> = Vec::new();
+    for (path, adapter) in &prepared {
+        expected.push((file_key(path, "lora_A"), path, &adapter.lora_a.weight));
+        expected.push((file_key(path, "lora_B"), path, &adapter.lora_b.weight));
+        if let Some(m) = &adapter.magnitude {
+            expected.push((file_key(path, "lora_magnitude_vector"), path, &m.weight));
+        }
+    }
+    let missing: Vec<String> = expected
+        .iter()
+        .filter(|(k, _, _)| weights.get(k).is_none())
+        .map(|(k, _, _)| k.clone())
+        .collect();
+    let unexpected: Vec<String> = weights
+        .iter()
+        .filter(|(k, _)| !expected.iter().any(|(e, _, _)| e == k))
+        .map(|(k, _)| k.to_owned())
+        .collect();
+    if !missing.is_empty() || !unexpected.is_empty() {
+        return Err(PeftError::Keys {
+            missing,
+            unexpected,
+        }
+        .into());
+    }
+    for (key, path, param) in &expected {
+        let value = weights.get(key).expect("checked above");
+        if value.dims() != param.shape().dims() {
+            return Err(PeftError::Shape {
+                key: key.clone(),
+                path: path.to_string(),
+                expected: param.shape().dims().to_vec(),
+                found: value.dims().to_vec(),
+            }
+            .into());
+        }
+    }
+    for (key, _, param) in &expected {
+        let value = weights.get(key).expect("checked above");
+        param.set(&value.to_dtype(param.dtype())?)?;
+    }
+    let paths = commit(model, prepared)?;
+    if !is_trainable {
+        // PEFT's `is_trainable=False`: the loaded adapter is for inference.
+        let parts = ["lora_A", "lora_B", "lora_magnitude_vector"].map(|p| format!(".{p}.{name}."));
+        for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
+            let path = format!(".{path}");
+            if parts.iter().any(|part| path.contains(part.as_str())) {
+                p.set_requires_grad(false);
+            }
+        }
+    }
+    Ok(paths)
+}

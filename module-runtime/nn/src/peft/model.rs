@@ -1,0 +1,401 @@
+//! `get_peft_model` and the methods PEFT's `PeftModel` has, for any model: [`PeftExt`].
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::linear::Linear;
+use crate::peft::config::LoraConfig;
+use crate::peft::layer::{Adapter, LoraLayer};
+use crate::Module;
+use module_core::names::{named_modules, named_parameters};
+use module_core::{Names, PeftError};
+
+/// The adapter name PEFT gives the first adapter.
+pub const DEFAULT_ADAPTER: &str = "default";
+
+/// Adds a LoRA (or DoRA) adapter named `"default"` to every `Linear` of `model` that
+/// `config.target_modules` selects, and freezes everything but the adapter: PEFT's
+/// `get_peft_model(model, config)`. Returns the adapted layers' paths, in module order.
+///
+/// The model keeps its type and its paths: each adapted `Linear` holds its adapter
+/// (`<path>.lora_A.default.weight`, `<path>.lora_B.default.weight`, and for DoRA
+/// `<path>.lora_magnitude_vector.default.weight`), its own `weight` and `bias` stay where they
+/// were (a state dict of the base model still loads), hooks on the layer's path still fire, and
+/// `print(model)` shows it as PEFT's `lora.Linear`.
+///
+/// A target that is not a `Linear` is [`PeftError::UnsupportedLayer`]; targets matching nothing
+/// are [`PeftError::NoTarget`]. All or nothing: on an error the model is unchanged.
+///
+/// ```
+/// use module_runtime::prelude::*;
+/// use module_runtime::nn::peft::{get_peft_model, LoraConfig, PeftExt, TargetModules};
+///
+/// #[derive(Module)]
+/// struct Attention { q_proj: Linear, v_proj: Linear, o_proj: Linear }
+///
+/// let dev = Device::Cpu;
+/// let mut model = Attention {
+///     q_proj: Linear::new(8, 8, &dev)?,
+///     v_proj: Linear::new(8, 8, &dev)?,
+///     o_proj: Linear::new(8, 8, &dev)?,
+/// };
+/// let config = LoraConfig { r: 2, ..LoraConfig::new(TargetModules::names(["q_proj", "v_proj"])) };
+/// assert_eq!(get_peft_model(&mut model, &config)?, ["q_proj", "v_proj"]);
+/// assert!(model.get_parameter("q_proj.lora_A.default.weight").is_ok());
+/// assert!(model.get_parameter("q_proj.weight").is_ok()); // the base keeps its path
+/// assert_eq!(model.get_nb_trainable_parameters(), (2 * (2 * 8 + 8 * 2), 3 * (64 + 8) + 64));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn get_peft_model<M: PeftExt + ?Sized>(
+    model: &mut M,
+    config: &LoraConfig,
+) -> Result<Vec<String>> {
+    model.add_adapter(DEFAULT_ADAPTER, config)
+}
+
+/// PEFT's `PeftModel` methods, for every module: adapters added, chosen, merged, disabled,
+/// unloaded, saved and loaded by name.
+pub trait PeftExt: Module {
+    /// Adds the adapter `name` as `config` says (PEFT's `add_adapter`); the first adapter of a
+    /// layer is its active one. Freezes every parameter but the active adapters'. Returns the
+    /// adapted layers' paths.
+    fn add_adapter(&mut self, name: &str, config: &LoraConfig) -> Result<Vec<String>> {
+        let prepared = prepare(self.peft_dyn(), name, config)?;
+        commit(self.peft_dyn_mut(), prepared)
+    }
+
+    /// Makes `name` the active adapter (PEFT's `set_adapter`), and it alone trainable; layers
+    /// without an adapter of that name add nothing while it is active, as in PEFT.
+    fn set_adapter(&self, name: &str) -> Result<()> {
+        let layers = lora_layers(self.peft_dyn());
+        if !layers
+            .iter()
+            .any(|(_, l)| l.lora.as_ref().is_some_and(|l| l.has(name)))
+        {
+            return Err(no_adapter(self.peft_dyn(), name));
+        }
+        // PEFT's rule: a layer without that adapter adds nothing while it is active.
+        for (_, linear) in &layers {
+            linear
+                .lora
+                .as_ref()
+                .expect("an adapted layer")
+                .set_active(name);
+        }
+        mark_trainable(self.peft_dyn());
+        Ok(())
+    }
+
+    /// The adapter names on the model, in the order they were added.
+    fn adapter_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for (_, linear) in lora_layers(self.peft_dyn()) {
+            for a in &linear.lora.as_ref().expect("an adapted layer").adapters {
+                if !names.contains(&a.name) {
+                    names.push(a.name.clone());
+                }
+            }
+        }
+        names
+    }
+
+    /// Adds each layer's active adapter into its weight (PEFT's `merge_adapter`): the forward is
+    /// then the plain layer's. A quantized weight is [`PeftError::State`], before any is merged.
+    fn merge_adapter(&self) -> Result<()> {
+        let layers = lora_layers(self.peft_dyn());
+        if let Some((path, _)) = layers.iter().find(|(_, l)| l.weight.is_quantized()) {
+            return Err(PeftError::State {
+                path: path.clone(),
+                message: "cannot merge an adapter into a quantized weight".into(),
+            }
+            .into());
+        }
+        for (path, linear) in &layers {
+            let lora = linear.lora.as_ref().expect("an adapted layer");
+            if let Some(active) = lora.active_adapter() {
+                lora.merge(linear, path, &active)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the merged adapters back out of the weights (PEFT's `unmerge_adapter`).
+    fn unmerge_adapter(&self) -> Result<()> {
+        for (_, linear) in lora_layers(self.peft_dyn()) {
+            linear
+                .lora
+                .as_ref()
+                .expect("an adapted layer")
+                .unmerge(linear)?;
+        }
+        Ok(())
+    }
+
+    /// Merges the active adapters and removes every adapter: the plain model, with the adapted
+    /// weights (PEFT's `merge_and_unload`). Returns the layers' paths.
+    fn merge_and_unload(&mut self) -> Result<Vec<String>> {
+        self.merge_adapter()?;
+        remove_adapters(self.peft_dyn_mut(), None)
+    }
+
+    /// Removes every adapter without merging (merged ones are unmerged first): the base model
+    /// (PEFT's `unload`). Returns the layers' paths.
+    fn unload(&mut self) -> Result<Vec<String>> {
+        self.unmerge_adapter()?;
+        remove_adapters(self.peft_dyn_mut(), None)
+    }
+
+    /// Removes the adapter `name` (PEFT's `delete_adapter`); merged adapters are unmerged first.
+    fn delete_adapter(&mut self, name: &str) -> Result<()> {
+        if !self.adapter_names().iter().any(|n| n == name) {
+            return Err(no_adapter(self.peft_dyn(), name));
+        }
+        self.unmerge_adapter()?;
+        remove_adapters(self.peft_dyn_mut(), Some(name))?;
+        mark_trainable(self.peft_dyn());
+        Ok(())
+    }
+
+    /// Runs `f` with every adapter off, the base model's forward (PEFT's
+    /// `with model.disable_adapter():`); the adapters are on again afterwards, also when `f`
+    /// fails or panics. Merged adapters are unmerged first, as PEFT's forward does.
+    fn disable_adapter<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        self.unmerge_adapter()?;
+        let layers = lora_layers(self.peft_dyn());
+        let restore: Vec<(&LoraLayer, bool)> = layers
+            .iter()
+            .map(|(_, l)| {
+                let lora = l.lora.as_deref().expect("an adapted layer");
+                (lora, lora.set_disabled(true))
+            })
+            .collect();
+        struct Restore<'a>(Vec<(&'a LoraLayer, bool)>);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                for (lora, was) in &self.0 {
+                    lora.set_disabled(*was);
+                }
+            }
+        }
+        let _restore = Restore(restore);
+        Ok(f())
+    }
+
+    /// Writes every adapter in PEFT's layout (PEFT's `save_pretrained`): the `"default"` adapter
+    /// in `dir`, another one in `dir/<name>`, each as `adapter_config.json` and
+    /// `adapter_model.safetensors` with PEFT's keys (`base_model.model.<path>.lora_A.weight`).
+    /// `PeftModel.from_pretrained(base, dir)` reads it. Returns the folders written.
+    fn save_pretrained(&self, dir: impl AsRef<std::path::Path>) -> Result<Vec<std::path::PathBuf>>
+    where
+        Self: Sized,
+    {
+        crate::peft::files::save(self.peft_dyn(), dir.as_ref())
+    }
+
+    /// Reads a PEFT adapter folder into the model as the adapter `name` (PEFT's
+    /// `load_adapter(dir, adapter_name, is_trainable)`; `PeftModel.from_pretrained(base, dir)`
+    /// is `load_adapter(dir, "default", false)`). Strict and all or nothing: a config field this
+    /// runtime does not know or implement, targets matching no layer, a missing or unexpected
+    /// tensor or one of another shape are typed errors ([`PeftError`]) naming the field, path or
+    /// key, and leave the model unchanged. Without `is_trainable` the adapter is frozen, as in
+    /// PEFT. Returns the adapted layers' paths.
+    fn load_adapter(
+        &mut self,
+        dir: impl AsRef<std::path::Path>,
+        name: &str,
+        is_trainable: bool,
+    ) -> Result<Vec<String>>
+    where
+        Self: Sized,
+    {
+        crate::peft::files::load(self.peft_dyn_mut(), dir.as_ref(), name, is_trainable)
+    }
+
+    /// `(trainable, all)` parameter counts (PEFT's `get_nb_trainable_parameters`; its
+    /// `print_trainable_parameters` prints them).
+    fn get_nb_trainable_parameters(&self) -> (usize, usize) {
+        let mut counts = (0, 0);
+        for (_, p) in named_parameters(self.peft_dyn(), &Names::new()) {
+            let n = p.elem_count();
+            counts.1 += n;
+            if p.requires_grad() {
+                counts.0 += n;
+            }
+        }
+        counts
+    }
+
+    #[doc(hidden)]
+    fn peft_dyn(&self) -> &dyn Module;
+    #[doc(hidden)]
+    fn peft_dyn_mut(&mut self) -> &mut dyn Module;
+}
+
+impl<M: Module> PeftExt for M {
+    fn peft_dyn(&self) -> &dyn Module {
+        self
+    }
+    fn peft_dyn_mut(&mut self) -> &mut dyn Module {
+        self
+    }
+}
+
+impl PeftExt for dyn Module {
+    fn peft_dyn(&self) -> &dyn Module {
+        self
+    }
+    fn peft_dyn_mut(&mut self) -> &mut dyn Module {
+        self
+    }
+}
+
+fn no_adapter(model: &dyn Module, name: &str) -> crate::Error {
+    PeftError::NoAdapter {
+        adapter: name.to_owned(),
+        available: model.adapter_names(),
+    }
+    .into()
+}
+
+/// Every adapted `Linear` of `model`, by path (the adapters' own `Linear`s excluded).
+pub(crate) fn lora_layers(model: &dyn Module) -> Vec<(String, &Linear)> {
+    linears(model)
+        .into_iter()
+        .filter(|(_, l)| l.lora.is_some())
+        .collect()
+}
+
+/// Every `Linear` of `model` by path, those inside adapters excluded.
+pub(crate) fn linears(model: &dyn Module) -> Vec<(String, &Linear)> {
+    candidates(model)
+        .into_iter()
+        .filter_map(|(path, m)| m.downcast_ref::<Linear>().map(|l| (path, l)))
+        .collect()
+}
+
+/// Every module of `model` an adapter could target: not the root, nothing inside an adapter.
+fn candidates(model: &dyn Module) -> Vec<(String, &dyn Module)> {
+    let modules = named_modules(model, &Names::new());
+    let adapted: Vec<String> = modules
+        .iter()
+        .filter(|(_, m)| m.downcast_ref::<Linear>().is_some_and(|l| l.lora.is_some()))
+        .map(|(path, _)| format!("{path}.lora_"))
+        .collect();
+    modules
+        .into_iter()
+        .filter(|(path, _)| !path.is_empty() && !adapted.iter().any(|a| path.starts_with(a)))
+        .collect()
+}
+
+/// The adapters `config` asks for, built for `model` but not added: every check that can fail
+/// is made here, so that adding them cannot.
+pub(crate) fn prepare(
+    model: &dyn Module,
+    name: &str,
+    config: &LoraConfig,
+) -> Result<Vec<(String, Adapter)>> {
+    config.validate()?;
+    module_core::path::check_key("adapter", "", name)?;
+    let targets = config.target_modules.matcher("target_modules")?;
+    let exclude = match &config.exclude_modules {
+        Some(e) => Some(e.matcher("exclude_modules")?),
+        None => None,
+    };
+    let config = Arc::new(config.clone());
+    let mut prepared = Vec::new();
+    for (path, module) in candidates(model) {
+        if !targets.matches(&path) || exclude.as_ref().is_some_and(|e| e.matches(&path)) {
+            continue;
+        }
+        let Some(linear) = module.downcast_ref::<Linear>() else {
+            return Err(PeftError::UnsupportedLayer {
+                path,
+                found: module.class_name(),
+            }
+            .into());
+        };
+        if linear.lora.as_ref().is_some_and(|l| l.has(name)) {
+            return Err(PeftError::AdapterExists {
+                path,
+                adapter: name.to_owned(),
+            }
+            .into());
+        }
+        let adapter = LoraLayer::build_adapter(name, linear, &path, &config)?;
+        prepared.push((path, adapter));
+    }
+    if prepared.is_empty() {
+        return Err(PeftError::NoTarget {
+            targets: config.targets_text(),
+            available: linears(model).into_iter().take(8).map(|(p, _)| p).collect(),
+        }
+        .into());
+    }
+    Ok(prepared)
+}
+
+/// Adds prepared adapters; every layer is checked to be reachable mutably (not behind a shared
+/// `Arc`) before the first one is added.
+pub(crate) fn commit(
+    model: &mut dyn Module,
+    prepared: Vec<(String, Adapter)>,
+) -> Result<Vec<String>> {
+    for (path, _) in &prepared {
+        linear_mut(model, path)?;
+    }
+    let mut paths = Vec::with_capacity(prepared.len());
+    for (path, adapter) in prepared {
+        linear_mut(model, &path)?
+            .lora
+            .get_or_insert_with(|| Box::new(LoraLayer::new()))
+            .add(adapter)?;
+        paths.push(path);
+    }
+    mark_trainable(model);
+    Ok(paths)
+}
+
+/// The `Linear` at `path`, mutably ([`Error::SharedModule`](crate::Error::SharedModule) behind
+/// a shared `Arc`).
+fn linear_mut<'a>(model: &'a mut dyn Module, path: &str) -> Result<&'a mut Linear> {
+    module_core::path::downcast_mut(path, module_core::path::submodule_mut(model, path)?)
+}
+
+/// Removes the adapter `name` (every adapter with `None`) from every layer; returns the layers'
+/// paths. The caller has unmerged them.
+fn remove_adapters(model: &mut dyn Module, name: Option<&str>) -> Result<Vec<String>> {
+    let paths: Vec<String> = lora_layers(model).into_iter().map(|(p, _)| p).collect();
+    for path in &paths {
+        let linear = linear_mut(model, path)?;
+        let empty = match (name, linear.lora.as_mut()) {
+            (Some(name), Some(lora)) => lora.remove(name),
+            _ => true,
+        };
+        if empty {
+            linear.lora = None;
+        }
+    }
+    Ok(paths)
+}
+
+/// PEFT's `_mark_only_adapters_as_trainable`: the active adapters' parameters are trained,
+/// everything else is frozen.
+pub(crate) fn mark_trainable(model: &dyn Module) {
+    let prefixes: Vec<String> = lora_layers(model)
+        .into_iter()
+        .flat_map(|(path, linear)| {
+            let active = linear.lora.as_ref().and_then(|l| l.active_adapter());
+            let dot = if path.is_empty() {
+                String::new()
+            } else {
+                format!("{path}.")
+            };
+            active.into_iter().flat_map(move |a| {
+                ["lora_A", "lora_B", "lora_magnitude_vector"].map(|d| format!("{dot}{d}.{a}."))
+            })
+        })
+        .collect();
+    for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
+        p.set_requires_grad(prefixes.iter().any(|pre| path.starts_with(pre)));
+    }
+}
