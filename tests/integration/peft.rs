@@ -481,3 +481,52 @@ fn named_adapters_switch_with_set_adapter() {
     model.set_adapter("default").unwrap();
     assert_eq!(max_diff(&model.call(&ids).unwrap(), &lora_logits), 0.0);
 }
+
+/// An adapter over a `quantize`d base: the forward takes the quantized product and adds the
+/// adapter's, gradients reach the adapter; merging into the quantized weight is refused.
+#[test]
+fn adapters_over_a_quantized_base_train_and_refuse_merging() {
+    let mut model = base("train", 16);
+    model
+        .load_adapter(dir("train").join("adapter"), "default", true)
+        .unwrap();
+    // fc2 is the one layer whose rows (32) fit q8_0's blocks.
+    let report =
+        module_runtime::nn::quantize(&model, "mlp.fc2", module_runtime::nn::GgmlDType::Q8_0)
+            .unwrap();
+    assert_eq!(report.quantized, ["mlp.fc2"]);
+    let ids = get(&read(dir("train").join("io.safetensors")), "ids");
+    let loss = model.call(&ids).unwrap().sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let b = model
+        .get_parameter("mlp.fc2.lora_B.default.weight")
+        .unwrap();
+    assert!(grads.get(&b.tensor().unwrap()).is_some());
+    // `call_each`'s one-pass quantized product steps aside for a layer with an adapter.
+    b.set(&Tensor::randn(0f32, 1., (16, 4), &Device::Cpu).unwrap())
+        .unwrap();
+    let h = Tensor::randn(0f32, 1., (3, 32), &Device::Cpu).unwrap();
+    let [each] = Linear::call_each([&model.mlp.fc2], &h).unwrap();
+    assert_eq!(max_diff(&each, &model.mlp.fc2.call(&h).unwrap()), 0.0);
+    let plain = model
+        .disable_adapter(|| model.mlp.fc2.call(&h))
+        .unwrap()
+        .unwrap();
+    assert!(
+        max_diff(&each, &plain) > 1e-3,
+        "the adapter's output is in `each`"
+    );
+    let err = model.merge_adapter().unwrap_err();
+    assert!(
+        matches!(&err, Error::Peft(PeftError::State { path, .. }) if path == "mlp.fc2"),
+        "{err}"
+    );
+    // Nothing was merged.
+    assert!(model
+        .attn
+        .q_proj
+        .lora()
+        .unwrap()
+        .merged_adapters()
+        .is_empty());
+}
