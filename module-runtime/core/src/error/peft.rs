@@ -92,11 +92,7 @@ pub enum PeftError {
 
     /// Keys of the adapter file that no wrapped layer takes, or that a wrapped layer needs and the
     /// file lacks.
-    #[error(
-        "adapter file does not fit the model: {}{}",
-        keys("missing", .missing),
-        keys("unexpected", .unexpected)
-    )]
+    #[error("adapter file does not fit the model: {}", key_lists(.missing, .unexpected))]
     Keys {
         /// Keys the configuration's layers need that the file lacks.
         missing: Vec<String>,
@@ -138,16 +134,22 @@ fn near(names: &[String]) -> String {
     }
 }
 
-fn keys(what: &str, keys: &[String]) -> String {
-    if keys.is_empty() {
-        return String::new();
-    }
-    let shown: Vec<&str> = keys.iter().take(6).map(String::as_str).collect();
-    let more = keys.len().saturating_sub(shown.len());
-    let more = if more > 0 {
-        format!(" and {more} more")
-    } else {
-        String::new()
+/// `missing a, b; unexpected c and 3 more`: up to six keys of each list.
+fn key_lists(missing: &[String], unexpected: &[String]) -> String {
+    let list = |what: &str, keys: &[String]| {
+        let shown: Vec<&str> = keys.iter().take(6).map(String::as_str).collect();
+        let more = match keys.len().saturating_sub(shown.len()) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        format!("{what} {}{more}", shown.join(", "))
     };
-    format!("{what} {}{more}; ", shown.join(", "))
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(list("missing", missing));
+    }
+    if !unexpected.is_empty() {
+        parts.push(list("unexpected", unexpected));
+    }
+    parts.join("; ")
 }
