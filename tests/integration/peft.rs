@@ -171,6 +171,11 @@ fn dora_adapter_from_peft_gives_peft_logits_and_merged_weights() {
     check_inference("dora");
 }
 
+#[test]
+fn embedding_adapter_from_peft_gives_peft_logits_and_merged_weights() {
+    check_inference("embedding");
+}
+
 /// 4 AdamW steps on the adapter alone (PEFT's initial adapter, the script's hyper-parameters):
 /// PEFT's losses and final adapter tensors within 1e-5.
 fn check_training(case: &str) {
@@ -224,6 +229,11 @@ fn lora_training_follows_peft_for_4_adamw_steps() {
 #[test]
 fn dora_training_follows_peft_for_4_adamw_steps() {
     check_training("train_dora");
+}
+
+#[test]
+fn embedding_training_follows_peft_for_4_adamw_steps() {
+    check_training("train_embedding");
 }
 
 /// `get_peft_model` from a config, as PEFT's: the same parameters, shapes and `print(model)`;
@@ -280,7 +290,7 @@ fn get_peft_model_matches_peft_names_shapes_and_repr() {
 /// check.
 #[test]
 fn saved_adapter_reloads_with_the_same_logits() {
-    for case in ["lora", "dora"] {
+    for case in ["lora", "dora", "embedding"] {
         let mut model = base(case, 16);
         model
             .load_adapter(dir(case).join("adapter"), "default", false)
@@ -380,14 +390,22 @@ fn bad_adapters_are_typed_errors_naming_what_and_leave_the_model_alone() {
         model.load_adapter(&none, "default", false).unwrap_err(),
         Error::Peft(PeftError::NoTarget { .. })
     ));
-    // A target that is not a Linear.
-    let err = get_peft_model(
-        &mut model,
-        &LoraConfig::new(TargetModules::names(["embed"])),
-    )
-    .unwrap_err();
+    // A target that takes no adapter (a module of the user's own type).
+    let err =
+        get_peft_model(&mut model, &LoraConfig::new(TargetModules::names(["attn"]))).unwrap_err();
     assert!(
-        matches!(&err, Error::Peft(PeftError::UnsupportedLayer { path, .. }) if path == "embed")
+        matches!(&err, Error::Peft(PeftError::UnsupportedLayer { path, found }) if path == "attn" && found == "Attention"),
+        "{err}"
+    );
+    // DoRA on an embedding is not implemented: the field, named.
+    let dora = LoraConfig {
+        use_dora: true,
+        ..LoraConfig::new(TargetModules::names(["embed"]))
+    };
+    let err = get_peft_model(&mut model, &dora).unwrap_err();
+    assert!(
+        matches!(&err, Error::Peft(PeftError::Unsupported { field, .. }) if field == "use_dora"),
+        "{err}"
     );
     // Another rank than the file's: shapes.
     let rank = copy_adapter("lora", |c| c["r"] = serde_json::json!(8));

@@ -324,22 +324,13 @@ impl module_core::ExtraRepr for Linear {
         let own = linear_repr(self);
         match &self.lora {
             None => own,
-            Some(lora) => {
-                let mut lines = vec![format!("(base_layer): Linear({own})")];
-                lines.extend(lora.repr_lines());
-                lines.join("\n")
-            }
+            Some(lora) => lora.wrapped_repr(&format!("Linear({own})")),
         }
     }
 
     /// The adapters' children are printed by `extra_repr`, in PEFT's order.
     fn child_repr(&self, child: &str) -> module_core::ChildRepr {
-        match child {
-            "lora_dropout" | "lora_A" | "lora_B" | "lora_magnitude_vector" => {
-                module_core::ChildRepr::Hidden
-            }
-            _ => module_core::ChildRepr::Own,
-        }
+        crate::peft::adapter_child_repr(child)
     }
 
     fn class_repr(&self) -> Option<String> {

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use crate::error::Result;
 use crate::peft::config::LoraConfig;
-use crate::peft::model::{commit, lora_layers, prepare, PeftExt, DEFAULT_ADAPTER};
+use crate::peft::layer::AdapterWeights;
+use crate::peft::model::{commit, lora_layers, prepare, PeftExt, ADAPTER_DICTS, DEFAULT_ADAPTER};
 use crate::{Module, Param};
 use module_core::names::named_parameters;
 use module_core::{Names, PeftError};
@@ -24,7 +25,10 @@ const PREFIX: &str = "base_model.model.";
 /// The file key of a tensor of the adapter on `path` (`lora_A`, `lora_B`, or DoRA's magnitude).
 fn file_key(path: &str, part: &str) -> String {
     match part {
-        "lora_magnitude_vector" => format!("{PREFIX}{path}.lora_magnitude_vector"),
+        // PEFT's parameters (not modules): no `.weight`.
+        "lora_magnitude_vector" | "lora_embedding_A" | "lora_embedding_B" => {
+            format!("{PREFIX}{path}.{part}")
+        }
         _ => format!("{PREFIX}{path}.{part}.weight"),
     }
 }
@@ -59,8 +63,7 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
     for name in names {
         let mut weights = StateDict::new();
         let mut config: Option<std::sync::Arc<LoraConfig>> = None;
-        for (path, linear) in lora_layers(model) {
-            let lora = linear.lora.as_ref().expect("an adapted layer");
+        for (path, lora) in lora_layers(model) {
             let Some(settings) = lora.settings(&name) else {
                 continue;
             };
@@ -68,16 +71,19 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
             let value = |p: &Param| -> Result<candle_core::Tensor> {
                 Ok(p.tensor()?.detach().contiguous()?)
             };
-            weights.insert(
-                file_key(&path, "lora_A"),
-                value(&lora.lora_a[name.as_str()].weight)?,
-            );
-            weights.insert(
-                file_key(&path, "lora_B"),
-                value(&lora.lora_b[name.as_str()].weight)?,
-            );
+            let mut put = |part: &str, p: &Param| -> Result<()> {
+                weights.insert(file_key(&path, part), value(p)?);
+                Ok(())
+            };
+            if let Some(a) = lora.lora_embedding_a.get(&name) {
+                put("lora_embedding_A", a)?;
+                put("lora_embedding_B", &lora.lora_embedding_b[&name])?;
+            } else {
+                put("lora_A", &lora.lora_a[name.as_str()].weight)?;
+                put("lora_B", &lora.lora_b[name.as_str()].weight)?;
+            }
             if let Some(m) = lora.lora_magnitude_vector.get(&name) {
-                weights.insert(file_key(&path, "lora_magnitude_vector"), value(&m.weight)?);
+                put("lora_magnitude_vector", &m.weight)?;
             }
         }
         let config = config.expect("an adapter has a layer");
@@ -112,10 +118,23 @@ pub(crate) fn load(
     // Every tensor the adapted layers need, by file key.
     let mut expected: Vec<(String, &str, &Param)> = Vec::new();
     for (path, adapter) in &prepared {
-        expected.push((file_key(path, "lora_A"), path, &adapter.lora_a.weight));
-        expected.push((file_key(path, "lora_B"), path, &adapter.lora_b.weight));
-        if let Some(m) = &adapter.magnitude {
-            expected.push((file_key(path, "lora_magnitude_vector"), path, &m.weight));
+        let mut expect = |part: &str, p| expected.push((file_key(path, part), path.as_str(), p));
+        match &adapter.weights {
+            AdapterWeights::Linear {
+                lora_a,
+                lora_b,
+                magnitude,
+            } => {
+                expect("lora_A", &lora_a.weight);
+                expect("lora_B", &lora_b.weight);
+                if let Some(m) = magnitude {
+                    expect("lora_magnitude_vector", &m.weight);
+                }
+            }
+            AdapterWeights::Embedding { a, b } => {
+                expect("lora_embedding_A", a);
+                expect("lora_embedding_B", b);
+            }
         }
     }
     let missing: Vec<String> = expected
@@ -154,10 +173,10 @@ pub(crate) fn load(
     let paths = commit(model, prepared)?;
     if !is_trainable {
         // PEFT's `is_trainable=False`: the loaded adapter is for inference.
-        let parts = ["lora_A", "lora_B", "lora_magnitude_vector"].map(|p| format!(".{p}.{name}."));
+        let parts = ADAPTER_DICTS.map(|p| format!(".{p}.{name}"));
         for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
-            let path = format!(".{path}");
-            if parts.iter().any(|part| path.contains(part.as_str())) {
+            let path = format!(".{path}.");
+            if parts.iter().any(|part| path.contains(&format!("{part}."))) {
                 p.set_requires_grad(false);
             }
         }

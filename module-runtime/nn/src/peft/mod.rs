@@ -1,4 +1,5 @@
-//! PEFT's adapters for any derived model: LoRA and DoRA on `Linear` layers, added by
+//! PEFT's adapters for any derived model: LoRA and DoRA on `Linear` layers, LoRA on `Embedding`
+//! layers, added by
 //! [`get_peft_model`], trained, merged, disabled, and read and written in PEFT's files
 //! (`adapter_config.json`, `adapter_model.safetensors`).
 //!
@@ -7,11 +8,12 @@
 //! PEFT replaces each targeted `nn.Linear` by a `lora.Linear` that holds the original as
 //! `base_layer`. A Rust model's fields have fixed types, so a `Linear` field cannot become
 //! another type without changing the user's struct. Instead every [`Linear`](crate::Linear)
-//! carries an empty slot for adapters (a flattened `Option<Box<LoraLayer>>`, no cost when empty:
+//! and [`Embedding`](crate::Embedding) carries an empty slot for adapters (a flattened `Option<Box<LoraLayer>>`, no cost when empty:
 //! the walk sees nothing, the forward one `match`), and [`get_peft_model`] fills the slots of the
 //! layers the targets select, found by path through the same walk every traversal uses. So:
 //!
-//! - any derived model with `Linear` fields (in `Vec`s, `ModuleList`s, `Lazy` cells once built)
+//! - any derived model with `Linear` or `Embedding` fields (in `Vec`s, `ModuleList`s, `Lazy`
+//!   cells once built)
 //!   takes adapters unchanged; a layer behind a shared `Arc` cannot be modified and is a typed
 //!   error;
 //! - the base keeps its paths (`q_proj.weight`, not PEFT's `q_proj.base_layer.weight`), so the
@@ -20,16 +22,18 @@
 //!   `q_proj.lora_magnitude_vector.default.weight`);
 //! - hooks on the layer's path see the adapted output (PEFT's hooks on the `lora.Linear`);
 //!   `lora_A.default` and `lora_B.default` are modules of their own, called through `call`;
-//! - `print(model)` shows PEFT's text: `lora.Linear(` with `(base_layer): Linear(...)` first.
+//! - `print(model)` shows PEFT's text: `lora.Linear(` (`lora.Embedding(`) with
+//!   `(base_layer): Linear(...)` first.
 //!
 //! Files use PEFT's keys: `base_model.model.<path>.lora_A.weight` (the adapter name dropped),
-//! `base_model.model.<path>.lora_magnitude_vector` for DoRA. Reading is strict: a config field
+//! `base_model.model.<path>.lora_magnitude_vector` for DoRA, `base_model.model.<path>.lora_embedding_A`
+//! for an embedding. Reading is strict: a config field
 //! this runtime does not know, or a feature it does not implement, is a typed error naming the
 //! field ([`PeftError`](module_core::PeftError)); so is a tensor of another shape or a key no layer
 //! takes, before the model is touched.
 //!
-//! Not implemented yet (each a typed error when a config asks for it): `Embedding` and
-//! convolution adapters, `modules_to_save`, `bias = "all" | "lora_only"`, `fan_in_fan_out`,
+//! Not implemented yet (each a typed error when a config asks for it): convolution adapters,
+//! DoRA on an `Embedding`, an `Embedding` with `max_norm`, `modules_to_save`, `bias = "all" | "lora_only"`, `fan_in_fan_out`,
 //! the other initializations (PiSSA, OLoRA, LoftQ, EVA, …), layer selection by
 //! `layers_to_transform`.
 //!
@@ -80,3 +84,13 @@ pub use config::{InitLoraWeights, LoraBias, LoraConfig, TargetModules};
 pub use files::{ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME};
 pub use layer::{DoraLinearLayer, LoraLayer};
 pub use model::{get_peft_model, PeftExt, DEFAULT_ADAPTER};
+
+/// How an adapted layer's `print(model)` shows its adapter children: not at all, since its
+/// `extra_repr` prints them in PEFT's order after `(base_layer)`.
+pub(crate) fn adapter_child_repr(child: &str) -> module_core::ChildRepr {
+    if model::ADAPTER_DICTS.contains(&child) || child == "lora_dropout" {
+        module_core::ChildRepr::Hidden
+    } else {
+        module_core::ChildRepr::Own
+    }
+}

@@ -5,25 +5,36 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::linear::Linear;
 use crate::peft::config::LoraConfig;
-use crate::peft::layer::{Adapter, LoraLayer};
+use crate::peft::layer::{slot_mut, Adapter, Host, LoraLayer};
 use crate::Module;
 use module_core::names::{named_modules, named_parameters};
 use module_core::{Names, PeftError};
 
+/// The children of an adapted layer that hold an adapter's parameters, by adapter name.
+pub(crate) const ADAPTER_DICTS: [&str; 5] = [
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+];
+
 /// The adapter name PEFT gives the first adapter.
 pub const DEFAULT_ADAPTER: &str = "default";
 
-/// Adds a LoRA (or DoRA) adapter named `"default"` to every `Linear` of `model` that
-/// `config.target_modules` selects, and freezes everything but the adapter: PEFT's
+/// Adds a LoRA (or DoRA) adapter named `"default"` to every `Linear` (and `Embedding`) of
+/// `model` that `config.target_modules` selects, and freezes everything but the adapter: PEFT's
 /// `get_peft_model(model, config)`. Returns the adapted layers' paths, in module order.
 ///
 /// The model keeps its type and its paths: each adapted `Linear` holds its adapter
 /// (`<path>.lora_A.default.weight`, `<path>.lora_B.default.weight`, and for DoRA
-/// `<path>.lora_magnitude_vector.default.weight`), its own `weight` and `bias` stay where they
+/// `<path>.lora_magnitude_vector.default.weight`; an `Embedding`'s are
+/// `<path>.lora_embedding_A.default` and `<path>.lora_embedding_B.default`), its own `weight`
+/// and `bias` stay where they
 /// were (a state dict of the base model still loads), hooks on the layer's path still fire, and
 /// `print(model)` shows it as PEFT's `lora.Linear`.
 ///
-/// A target that is not a `Linear` is [`PeftError::UnsupportedLayer`]; targets matching nothing
+/// A target that is neither is [`PeftError::UnsupportedLayer`]; targets matching nothing
 /// are [`PeftError::NoTarget`]. All or nothing: on an error the model is unchanged.
 ///
 /// ```
@@ -68,19 +79,12 @@ pub trait PeftExt: Module {
     /// without an adapter of that name add nothing while it is active, as in PEFT.
     fn set_adapter(&self, name: &str) -> Result<()> {
         let layers = lora_layers(self.peft_dyn());
-        if !layers
-            .iter()
-            .any(|(_, l)| l.lora.as_ref().is_some_and(|l| l.has(name)))
-        {
+        if !layers.iter().any(|(_, l)| l.has(name)) {
             return Err(no_adapter(self.peft_dyn(), name));
         }
         // PEFT's rule: a layer without that adapter adds nothing while it is active.
-        for (_, linear) in &layers {
-            linear
-                .lora
-                .as_ref()
-                .expect("an adapted layer")
-                .set_active(name);
+        for (_, lora) in &layers {
+            lora.set_active(name);
         }
         mark_trainable(self.peft_dyn());
         Ok(())
@@ -89,8 +93,8 @@ pub trait PeftExt: Module {
     /// The adapter names on the model, in the order they were added.
     fn adapter_names(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
-        for (_, linear) in lora_layers(self.peft_dyn()) {
-            for a in &linear.lora.as_ref().expect("an adapted layer").adapters {
+        for (_, lora) in lora_layers(self.peft_dyn()) {
+            for a in &lora.adapters {
                 if !names.contains(&a.name) {
                     names.push(a.name.clone());
                 }
@@ -102,18 +106,18 @@ pub trait PeftExt: Module {
     /// Adds each layer's active adapter into its weight (PEFT's `merge_adapter`): the forward is
     /// then the plain layer's. A quantized weight is [`PeftError::State`], before any is merged.
     fn merge_adapter(&self) -> Result<()> {
-        let layers = lora_layers(self.peft_dyn());
-        if let Some((path, _)) = layers.iter().find(|(_, l)| l.weight.is_quantized()) {
+        let hosts = adapted(self.peft_dyn());
+        if let Some((path, _)) = hosts.iter().find(|(_, h)| h.weight().is_quantized()) {
             return Err(PeftError::State {
                 path: path.clone(),
                 message: "cannot merge an adapter into a quantized weight".into(),
             }
             .into());
         }
-        for (path, linear) in &layers {
-            let lora = linear.lora.as_ref().expect("an adapted layer");
-            if let Some(active) = lora.active_adapter() {
-                lora.merge(linear, path, &active)?;
+        for (path, host) in &hosts {
+            let lora = host.lora().expect("an adapted layer");
+            if let Some(active) = lora.active_adapter().filter(|a| lora.has(a)) {
+                lora.merge(host.weight(), path, &active)?;
             }
         }
         Ok(())
@@ -121,12 +125,10 @@ pub trait PeftExt: Module {
 
     /// Takes the merged adapters back out of the weights (PEFT's `unmerge_adapter`).
     fn unmerge_adapter(&self) -> Result<()> {
-        for (_, linear) in lora_layers(self.peft_dyn()) {
-            linear
-                .lora
-                .as_ref()
+        for (_, host) in adapted(self.peft_dyn()) {
+            host.lora()
                 .expect("an adapted layer")
-                .unmerge(linear)?;
+                .unmerge(host.weight())?;
         }
         Ok(())
     }
@@ -164,10 +166,7 @@ pub trait PeftExt: Module {
         let layers = lora_layers(self.peft_dyn());
         let restore: Vec<(&LoraLayer, bool)> = layers
             .iter()
-            .map(|(_, l)| {
-                let lora = l.lora.as_deref().expect("an adapted layer");
-                (lora, lora.set_disabled(true))
-            })
+            .map(|(_, lora)| (*lora, lora.set_disabled(true)))
             .collect();
         struct Restore<'a>(Vec<(&'a LoraLayer, bool)>);
         impl Drop for Restore<'_> {
@@ -257,11 +256,23 @@ fn no_adapter(model: &dyn Module, name: &str) -> crate::Error {
     .into()
 }
 
-/// Every adapted `Linear` of `model`, by path (the adapters' own `Linear`s excluded).
-pub(crate) fn lora_layers(model: &dyn Module) -> Vec<(String, &Linear)> {
-    linears(model)
+/// Every layer of `model` that holds adapters, by path, with its adapters.
+pub(crate) fn lora_layers(model: &dyn Module) -> Vec<(String, &LoraLayer)> {
+    adapted(model)
         .into_iter()
-        .filter(|(_, l)| l.lora.is_some())
+        .filter_map(|(path, host)| Some((path, host.lora()?)))
+        .collect()
+}
+
+/// Every layer of `model` that holds adapters, by path.
+pub(crate) fn adapted(model: &dyn Module) -> Vec<(String, Host<'_>)> {
+    candidates(model)
+        .into_iter()
+        .filter_map(|(path, m)| {
+            Host::of(m)
+                .filter(|h| h.lora().is_some())
+                .map(|h| (path, h))
+        })
         .collect()
 }
 
@@ -278,7 +289,7 @@ fn candidates(model: &dyn Module) -> Vec<(String, &dyn Module)> {
     let modules = named_modules(model, &Names::new());
     let adapted: Vec<String> = modules
         .iter()
-        .filter(|(_, m)| m.downcast_ref::<Linear>().is_some_and(|l| l.lora.is_some()))
+        .filter(|(_, m)| Host::of(*m).is_some_and(|h| h.lora().is_some()))
         .map(|(path, _)| format!("{path}.lora_"))
         .collect();
     modules
@@ -307,21 +318,21 @@ pub(crate) fn prepare(
         if !targets.matches(&path) || exclude.as_ref().is_some_and(|e| e.matches(&path)) {
             continue;
         }
-        let Some(linear) = module.downcast_ref::<Linear>() else {
+        let Some(host) = Host::of(module) else {
             return Err(PeftError::UnsupportedLayer {
                 path,
                 found: module.class_name(),
             }
             .into());
         };
-        if linear.lora.as_ref().is_some_and(|l| l.has(name)) {
+        if host.lora().is_some_and(|l| l.has(name)) {
             return Err(PeftError::AdapterExists {
                 path,
                 adapter: name.to_owned(),
             }
             .into());
         }
-        let adapter = LoraLayer::build_adapter(name, linear, &path, &config)?;
+        let adapter = LoraLayer::build_adapter(name, host, &path, &config)?;
         prepared.push((path, adapter));
     }
     if prepared.is_empty() {
@@ -341,12 +352,11 @@ pub(crate) fn commit(
     prepared: Vec<(String, Adapter)>,
 ) -> Result<Vec<String>> {
     for (path, _) in &prepared {
-        linear_mut(model, path)?;
+        adapter_slot(model, path)?;
     }
     let mut paths = Vec::with_capacity(prepared.len());
     for (path, adapter) in prepared {
-        linear_mut(model, &path)?
-            .lora
+        adapter_slot(model, &path)?
             .get_or_insert_with(|| Box::new(LoraLayer::new()))
             .add(adapter)?;
         paths.push(path);
@@ -355,10 +365,21 @@ pub(crate) fn commit(
     Ok(paths)
 }
 
-/// The `Linear` at `path`, mutably ([`Error::SharedModule`](crate::Error::SharedModule) behind
-/// a shared `Arc`).
-fn linear_mut<'a>(model: &'a mut dyn Module, path: &str) -> Result<&'a mut Linear> {
-    module_core::path::downcast_mut(path, module_core::path::submodule_mut(model, path)?)
+/// The adapter slot of the layer at `path`, mutably
+/// ([`Error::SharedModule`](crate::Error::SharedModule) behind a shared `Arc`).
+fn adapter_slot<'a>(
+    model: &'a mut dyn Module,
+    path: &str,
+) -> Result<&'a mut Option<Box<LoraLayer>>> {
+    let module = module_core::path::submodule_mut(model, path)?;
+    let found = module.class_name();
+    slot_mut(module).ok_or_else(|| {
+        PeftError::UnsupportedLayer {
+            path: path.to_owned(),
+            found,
+        }
+        .into()
+    })
 }
 
 /// Removes the adapter `name` (every adapter with `None`) from every layer; returns the layers'
@@ -366,13 +387,13 @@ fn linear_mut<'a>(model: &'a mut dyn Module, path: &str) -> Result<&'a mut Linea
 fn remove_adapters(model: &mut dyn Module, name: Option<&str>) -> Result<Vec<String>> {
     let paths: Vec<String> = lora_layers(model).into_iter().map(|(p, _)| p).collect();
     for path in &paths {
-        let linear = linear_mut(model, path)?;
-        let empty = match (name, linear.lora.as_mut()) {
+        let slot = adapter_slot(model, path)?;
+        let empty = match (name, slot.as_mut()) {
             (Some(name), Some(lora)) => lora.remove(name),
             _ => true,
         };
         if empty {
-            linear.lora = None;
+            *slot = None;
         }
     }
     Ok(paths)
@@ -381,21 +402,21 @@ fn remove_adapters(model: &mut dyn Module, name: Option<&str>) -> Result<Vec<Str
 /// PEFT's `_mark_only_adapters_as_trainable`: the active adapters' parameters are trained,
 /// everything else is frozen.
 pub(crate) fn mark_trainable(model: &dyn Module) {
+    // `<path>.<dict>.<adapter>`: the parameter itself (`lora_embedding_A.default`) or its
+    // prefix (`lora_A.default.weight`). Paths are never empty: the root takes no adapter.
     let prefixes: Vec<String> = lora_layers(model)
         .into_iter()
-        .flat_map(|(path, linear)| {
-            let active = linear.lora.as_ref().and_then(|l| l.active_adapter());
-            let dot = if path.is_empty() {
-                String::new()
-            } else {
-                format!("{path}.")
-            };
-            active.into_iter().flat_map(move |a| {
-                ["lora_A", "lora_B", "lora_magnitude_vector"].map(|d| format!("{dot}{d}.{a}."))
-            })
+        .flat_map(|(path, lora)| {
+            let active = lora.active_adapter();
+            active
+                .into_iter()
+                .flat_map(move |a| ADAPTER_DICTS.map(|d| format!("{path}.{d}.{a}")))
         })
         .collect();
     for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
-        p.set_requires_grad(prefixes.iter().any(|pre| path.starts_with(pre)));
+        let trained = prefixes
+            .iter()
+            .any(|pre| path == *pre || path.starts_with(&format!("{pre}.")));
+        p.set_requires_grad(trained);
     }
 }
