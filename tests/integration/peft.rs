@@ -9,12 +9,15 @@ use std::path::{Path, PathBuf};
 
 use module_runtime::nn::loss::cross_entropy;
 use module_runtime::nn::peft::{
-    get_peft_model, InitLoraWeights, LoraConfig, PeftExt, TargetModules,
+    get_peft_model, InitLoraWeights, LoraBias, LoraConfig, PeftExt, TargetModules,
 };
 use module_runtime::nn::Embedding;
 use module_runtime::optim::{AdamW, Optimizer};
 use module_runtime::prelude::*;
 use module_runtime::{LoadOptions, PeftError, StateDict};
+
+#[path = "peft_errors.rs"]
+mod errors;
 
 #[derive(Module)]
 struct Attention {
@@ -185,13 +188,18 @@ fn check_training(case: &str) {
     model
         .load_adapter(dir(case).join("adapter"), "default", true)
         .unwrap();
-    let (trainable, _) = model.get_nb_trainable_parameters();
-    let expected: usize = train
+    // PEFT's trained tensors by our paths (`q_proj.base_layer.bias` is `q_proj.bias` here).
+    let trained: Vec<(String, Tensor)> = train
         .iter()
-        .filter(|(k, _)| k.contains("lora_"))
-        .map(|(_, t)| t.elem_count())
-        .sum();
-    assert_eq!(trainable, expected, "only the adapter is trained");
+        .filter(|(k, _)| *k != "targets" && *k != "losses")
+        .map(|(k, t)| (k.replace(".base_layer.", "."), t.clone()))
+        .collect();
+    let (trainable, _) = model.get_nb_trainable_parameters();
+    let expected: usize = trained.iter().map(|(_, t)| t.elem_count()).sum();
+    assert_eq!(
+        trainable, expected,
+        "only the adapter (and biases PEFT's `bias` names) is trained"
+    );
     let options = AdamW::options()
         .lr(1e-2)
         .betas(0.9, 0.999)
@@ -211,7 +219,7 @@ fn check_training(case: &str) {
         );
         opt.backward_step(&loss).unwrap();
     }
-    for (key, value) in train.iter().filter(|(k, _)| k.contains("lora_")) {
+    for (key, value) in &trained {
         let got = model.get_parameter(key).unwrap().tensor().unwrap();
         let diff = max_diff(&got, value);
         assert!(
@@ -234,6 +242,59 @@ fn dora_training_follows_peft_for_4_adamw_steps() {
 #[test]
 fn embedding_training_follows_peft_for_4_adamw_steps() {
     check_training("train_embedding");
+}
+
+/// `bias="all"`: every bias trained with the adapter, saved in its file under PEFT's names.
+#[test]
+fn bias_all_training_follows_peft_for_4_adamw_steps() {
+    check_training("train_bias");
+}
+
+/// `bias="lora_only"`: the adapted layers' biases are trained and saved
+/// (`base_model.model.attn.q_proj.base_layer.bias`), and read back.
+#[test]
+fn bias_lora_only_trains_and_saves_the_adapted_layers_biases() {
+    let mut model = base("lora", 16);
+    let config = LoraConfig {
+        bias: LoraBias::LoraOnly,
+        ..LoraConfig::new(TargetModules::names(["q_proj", "v_proj"]))
+    };
+    get_peft_model(&mut model, &config).unwrap();
+    let q_bias = model.get_parameter("attn.q_proj.bias").unwrap();
+    assert!(q_bias.requires_grad());
+    assert!(!model.get_parameter("head.bias").unwrap().requires_grad());
+    q_bias
+        .set(&q_bias.tensor().unwrap().ones_like().unwrap())
+        .unwrap();
+    let tmp = std::env::temp_dir().join(format!("peft-bias-{}", std::process::id()));
+    model.save_pretrained(&tmp).unwrap();
+    let weights = read(tmp.join("adapter_model.safetensors"));
+    let mut keys: Vec<&str> = weights.iter().map(|(k, _)| k).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "base_model.model.attn.q_proj.base_layer.bias",
+            "base_model.model.attn.q_proj.lora_A.weight",
+            "base_model.model.attn.q_proj.lora_B.weight",
+            "base_model.model.attn.v_proj.lora_A.weight",
+            "base_model.model.attn.v_proj.lora_B.weight",
+        ]
+    );
+    let mut again = base("lora", 16);
+    again.load_adapter(&tmp, "default", true).unwrap();
+    let bias = again.get_parameter("attn.q_proj.bias").unwrap();
+    assert_eq!(
+        bias.tensor()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+        16.0
+    );
+    assert!(bias.requires_grad());
+    std::fs::remove_dir_all(&tmp).unwrap();
 }
 
 /// `get_peft_model` from a config, as PEFT's: the same parameters, shapes and `print(model)`;
@@ -290,11 +351,16 @@ fn get_peft_model_matches_peft_names_shapes_and_repr() {
 /// check.
 #[test]
 fn saved_adapter_reloads_with_the_same_logits() {
-    for case in ["lora", "dora", "embedding"] {
+    for case in ["lora", "dora", "embedding", "train_bias"] {
         let mut model = base(case, 16);
         model
             .load_adapter(dir(case).join("adapter"), "default", false)
             .unwrap();
+        if case == "train_bias" {
+            // A trained bias (`bias="all"`) that peft must read from the file for its logits.
+            let bias = model.get_parameter("head.bias").unwrap();
+            bias.set(&(bias.tensor().unwrap() + 1.0).unwrap()).unwrap();
+        }
         let ids = get(&read(dir(case).join("io.safetensors")), "ids");
         let logits = model.call(&ids).unwrap();
         let tmp = std::env::temp_dir().join(format!("peft-{case}-{}", std::process::id()));
@@ -324,142 +390,6 @@ fn saved_adapter_reloads_with_the_same_logits() {
                 .unwrap();
         }
         std::fs::remove_dir_all(&tmp).unwrap();
-    }
-}
-
-/// The state dict and parameters of a model: what an error must leave as it was.
-fn snapshot(model: &Tiny) -> Vec<(String, Vec<usize>, bool)> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(k, p)| (k, p.shape().dims().to_vec(), p.requires_grad()))
-        .collect()
-}
-
-fn copy_adapter(case: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
-    static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let out = std::env::temp_dir().join(format!("peft-edit-{case}-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    let src = dir(case).join("adapter");
-    std::fs::copy(
-        src.join("adapter_model.safetensors"),
-        out.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
-            .unwrap();
-    edit(&mut config);
-    std::fs::write(out.join("adapter_config.json"), config.to_string()).unwrap();
-    out
-}
-
-#[test]
-fn bad_adapters_are_typed_errors_naming_what_and_leave_the_model_alone() {
-    let mut model = base("lora", 16);
-    let before = snapshot(&model);
-
-    // A config field this runtime does not know.
-    let unknown = copy_adapter("lora", |c| c["lora_magic"] = serde_json::json!(3));
-    let err = model.load_adapter(&unknown, "default", false).unwrap_err();
-    assert!(err.to_string().contains("lora_magic"), "{err}");
-    assert!(
-        matches!(&err, Error::Peft(PeftError::UnknownField { field, file: Some(_) }) if field == "lora_magic"),
-        "{err}"
-    );
-    // A known field with a value not implemented.
-    let fan = copy_adapter("lora", |c| c["fan_in_fan_out"] = serde_json::json!(true));
-    let err = model.load_adapter(&fan, "default", false).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::Unsupported { field, .. }) if field == "fan_in_fan_out")
-    );
-
-    // Targets matching nothing, through the config and through a file.
-    let config = LoraConfig::new(TargetModules::names(["k_proj"]));
-    let err = get_peft_model(&mut model, &config).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::NoTarget { available, .. }) if available.contains(&"attn.q_proj".to_owned())),
-        "{err}"
-    );
-    assert!(err.to_string().contains("k_proj"), "{err}");
-    let none = copy_adapter("lora", |c| {
-        c["target_modules"] = serde_json::json!(["k_proj"])
-    });
-    assert!(matches!(
-        model.load_adapter(&none, "default", false).unwrap_err(),
-        Error::Peft(PeftError::NoTarget { .. })
-    ));
-    // A target that takes no adapter (a module of the user's own type).
-    let err =
-        get_peft_model(&mut model, &LoraConfig::new(TargetModules::names(["attn"]))).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::UnsupportedLayer { path, found }) if path == "attn" && found == "Attention"),
-        "{err}"
-    );
-    // DoRA on an embedding is not implemented: the field, named.
-    let dora = LoraConfig {
-        use_dora: true,
-        ..LoraConfig::new(TargetModules::names(["embed"]))
-    };
-    let err = get_peft_model(&mut model, &dora).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::Unsupported { field, .. }) if field == "use_dora"),
-        "{err}"
-    );
-    // Another rank than the file's: shapes.
-    let rank = copy_adapter("lora", |c| c["r"] = serde_json::json!(8));
-    let err = model.load_adapter(&rank, "default", false).unwrap_err();
-    let Error::Peft(PeftError::Shape {
-        key,
-        path,
-        expected,
-        found,
-    }) = &err
-    else {
-        panic!("{err}")
-    };
-    assert_eq!(
-        (key.as_str(), path.as_str()),
-        ("base_model.model.attn.q_proj.lora_A.weight", "attn.q_proj")
-    );
-    assert_eq!(
-        (expected.as_slice(), found.as_slice()),
-        (&[8, 16][..], &[4, 16][..])
-    );
-    // Targets the file has no tensors for: missing keys, named.
-    let more = copy_adapter("lora", |c| {
-        c["target_modules"] = serde_json::json!(["q_proj", "v_proj", "fc1", "fc2", "head"])
-    });
-    let err = model.load_adapter(&more, "default", false).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::Keys { missing, .. }) if missing.contains(&"base_model.model.head.lora_A.weight".to_owned())),
-        "{err}"
-    );
-    assert_eq!(snapshot(&model), before, "the model is unchanged");
-
-    // An adapter made for another model (a width of 24): shapes, and the model unchanged.
-    let mut wide = base("lora", 24);
-    let wide_before = snapshot(&wide);
-    let err = wide
-        .load_adapter(dir("lora").join("adapter"), "default", false)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::Shape { .. })),
-        "{err}"
-    );
-    assert!(err.to_string().contains("attn.q_proj"), "{err}");
-    assert_eq!(snapshot(&wide), wide_before);
-
-    // The same adapter name twice.
-    let config = LoraConfig::new(TargetModules::names(["q_proj"]));
-    get_peft_model(&mut model, &config).unwrap();
-    let err = get_peft_model(&mut model, &config).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::AdapterExists { path, .. }) if path == "attn.q_proj")
-    );
-    for d in [unknown, fan, none, rank, more] {
-        std::fs::remove_dir_all(d).unwrap();
     }
 }
 

@@ -119,12 +119,19 @@ pub enum InitLoraWeights {
     Random,
 }
 
-/// Which biases are trained with the adapter: PEFT's `bias`. Only `"none"` is implemented.
+/// Which biases are trained with the adapter, and saved in its file: PEFT's `bias`.
+///
+/// PEFT's warning holds here too: with trained biases, disabling or unloading the adapter does
+/// not give the base model back (the biases stay as trained).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LoraBias {
     /// `"none"` (PEFT's default): no bias is trained.
     #[default]
     None,
+    /// `"all"`: every parameter whose path contains `bias`.
+    All,
+    /// `"lora_only"`: the biases of the layers that hold the adapter.
+    LoraOnly,
 }
 
 /// A LoRA (or DoRA) adapter's configuration: PEFT's `LoraConfig`, field by field, with PEFT's

@@ -135,13 +135,8 @@ pub(crate) fn parse(fields: &Map<String, Value>) -> Result<LoraConfig> {
     if let Some(v) = get("bias") {
         config.bias = match v.as_str() {
             Some("none") => LoraBias::None,
-            Some("all" | "lora_only") => {
-                return Err(unsupported(
-                    "bias",
-                    v,
-                    "only \"none\": biases are not trained",
-                ))
-            }
+            Some("all") => LoraBias::All,
+            Some("lora_only") => LoraBias::LoraOnly,
             _ => return Err(invalid_type("bias", "\"none\", \"all\" or \"lora_only\"")),
         };
     }
@@ -251,7 +246,14 @@ pub(crate) fn write(config: &LoraConfig) -> Map<String, Value> {
         "base_model_name_or_path",
         json!(config.base_model_name_or_path),
     );
-    put("bias", json!("none"));
+    put(
+        "bias",
+        json!(match config.bias {
+            LoraBias::None => "none",
+            LoraBias::All => "all",
+            LoraBias::LoraOnly => "lora_only",
+        }),
+    );
     put(
         "exclude_modules",
         config

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use crate::error::Result;
 use crate::peft::config::LoraConfig;
 use crate::peft::layer::AdapterWeights;
-use crate::peft::model::{commit, lora_layers, prepare, PeftExt, ADAPTER_DICTS, DEFAULT_ADAPTER};
+use crate::peft::model::{
+    commit, lora_layers, prepare, trained_biases, PeftExt, ADAPTER_DICTS, DEFAULT_ADAPTER,
+};
 use crate::{Module, Param};
 use module_core::names::named_parameters;
 use module_core::{Names, PeftError};
@@ -87,6 +89,18 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
             }
         }
         let config = config.expect("an adapter has a layer");
+        // PEFT's `bias`: the trained biases are part of the adapter.
+        let layers: Vec<String> = lora_layers(model)
+            .into_iter()
+            .filter(|(_, l)| l.has(&name))
+            .map(|(p, _)| p)
+            .collect();
+        for (_, peft, p) in trained_biases(model, config.bias, &layers, &[]) {
+            weights.insert(
+                format!("{PREFIX}{peft}"),
+                p.tensor()?.detach().contiguous()?,
+            );
+        }
         let out = folder(dir, &name);
         std::fs::create_dir_all(&out).map_err(|e| io_error(&out, e))?;
         let json = serde_json::to_string_pretty(&serde_json::Value::Object(config.to_json()))
@@ -115,10 +129,13 @@ pub(crate) fn load(
     }
     let weights = StateDict::read(&weights_path, &LoadOptions::default())?;
     let prepared = prepare(model, name, &config)?;
-    // Every tensor the adapted layers need, by file key.
-    let mut expected: Vec<(String, &str, &Param)> = Vec::new();
+    // Every tensor the adapted layers need, by file key, with the path it belongs to and whether
+    // it is one of the base model's (a bias PEFT's `bias` trains).
+    let mut expected: Vec<(String, String, Param, bool)> = Vec::new();
     for (path, adapter) in &prepared {
-        let mut expect = |part: &str, p| expected.push((file_key(path, part), path.as_str(), p));
+        let mut expect = |part: &str, p: &Param| {
+            expected.push((file_key(path, part), path.clone(), p.clone(), false))
+        };
         match &adapter.weights {
             AdapterWeights::Linear {
                 lora_a,
@@ -137,14 +154,18 @@ pub(crate) fn load(
             }
         }
     }
+    let layers: Vec<String> = prepared.iter().map(|(p, _)| p.clone()).collect();
+    for (path, peft, p) in trained_biases(model, config.bias, &layers, &layers) {
+        expected.push((format!("{PREFIX}{peft}"), path, p, true));
+    }
     let missing: Vec<String> = expected
         .iter()
-        .filter(|(k, _, _)| weights.get(k).is_none())
-        .map(|(k, _, _)| k.clone())
+        .filter(|(k, ..)| weights.get(k).is_none())
+        .map(|(k, ..)| k.clone())
         .collect();
     let unexpected: Vec<String> = weights
         .iter()
-        .filter(|(k, _)| !expected.iter().any(|(e, _, _)| e == k))
+        .filter(|(k, _)| !expected.iter().any(|(e, ..)| e == k))
         .map(|(k, _)| k.to_owned())
         .collect();
     if !missing.is_empty() || !unexpected.is_empty() {
@@ -154,7 +175,8 @@ pub(crate) fn load(
         }
         .into());
     }
-    for (key, path, param) in &expected {
+    let mut values = Vec::with_capacity(expected.len());
+    for (key, path, param, _) in &expected {
         let value = weights.get(key).expect("checked above");
         if value.dims() != param.shape().dims() {
             return Err(PeftError::Shape {
@@ -165,18 +187,31 @@ pub(crate) fn load(
             }
             .into());
         }
+        values.push(value.to_dtype(param.dtype())?);
     }
-    for (key, _, param) in &expected {
-        let value = weights.get(key).expect("checked above");
-        param.set(&value.to_dtype(param.dtype())?)?;
+    // The new adapters' values, then the adapters added, then the base's biases: nothing of the
+    // model changes before every check has passed.
+    for ((_, _, param, base), value) in expected.iter().zip(&values) {
+        if !base {
+            param.set(value)?;
+        }
     }
     let paths = commit(model, prepared)?;
+    for ((_, _, param, base), value) in expected.iter().zip(&values) {
+        if *base {
+            param.set(value)?;
+        }
+    }
     if !is_trainable {
-        // PEFT's `is_trainable=False`: the loaded adapter is for inference.
+        // PEFT's `is_trainable=False`: the loaded adapter (and the biases it trained) is for
+        // inference.
         let parts = ADAPTER_DICTS.map(|p| format!(".{p}.{name}"));
         for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
             let path = format!(".{path}.");
-            if parts.iter().any(|part| path.contains(&format!("{part}."))) {
+            let bias = expected
+                .iter()
+                .any(|(_, _, b, base)| *base && b.same_as(&p));
+            if bias || parts.iter().any(|part| path.contains(&format!("{part}."))) {
                 p.set_requires_grad(false);
             }
         }

@@ -33,7 +33,7 @@
 //! takes, before the model is touched.
 //!
 //! Not implemented yet (each a typed error when a config asks for it): convolution adapters,
-//! DoRA on an `Embedding`, an `Embedding` with `max_norm`, `modules_to_save`, `bias = "all" | "lora_only"`, `fan_in_fan_out`,
+//! DoRA on an `Embedding`, an `Embedding` with `max_norm`, `modules_to_save`, `fan_in_fan_out`,
 //! the other initializations (PiSSA, OLoRA, LoftQ, EVA, …), layer selection by
 //! `layers_to_transform`.
 //!

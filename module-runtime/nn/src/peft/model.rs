@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::linear::Linear;
-use crate::peft::config::LoraConfig;
+use crate::peft::config::{LoraBias, LoraConfig};
 use crate::peft::layer::{slot_mut, Adapter, Host, LoraLayer};
-use crate::Module;
+use crate::{Module, Param};
 use module_core::names::{named_modules, named_parameters};
 use module_core::{Names, PeftError};
 
@@ -68,8 +68,8 @@ pub fn get_peft_model<M: PeftExt + ?Sized>(
 /// unloaded, saved and loaded by name.
 pub trait PeftExt: Module {
     /// Adds the adapter `name` as `config` says (PEFT's `add_adapter`); the first adapter of a
-    /// layer is its active one. Freezes every parameter but the active adapters'. Returns the
-    /// adapted layers' paths.
+    /// layer is its active one. Freezes every parameter but the active adapters' (and the
+    /// biases their `bias` names). Returns the adapted layers' paths.
     fn add_adapter(&mut self, name: &str, config: &LoraConfig) -> Result<Vec<String>> {
         let prepared = prepare(self.peft_dyn(), name, config)?;
         commit(self.peft_dyn_mut(), prepared)
@@ -399,24 +399,66 @@ fn remove_adapters(model: &mut dyn Module, name: Option<&str>) -> Result<Vec<Str
     Ok(paths)
 }
 
-/// PEFT's `_mark_only_adapters_as_trainable`: the active adapters' parameters are trained,
-/// everything else is frozen.
+/// PEFT's `_mark_only_adapters_as_trainable`: the active adapters' parameters (and the biases
+/// their `bias` names) are trained, everything else is frozen.
 pub(crate) fn mark_trainable(model: &dyn Module) {
     // `<path>.<dict>.<adapter>`: the parameter itself (`lora_embedding_A.default`) or its
     // prefix (`lora_A.default.weight`). Paths are never empty: the root takes no adapter.
-    let prefixes: Vec<String> = lora_layers(model)
+    let layers = lora_layers(model);
+    let mut prefixes: Vec<String> = Vec::new();
+    let mut bias = (LoraBias::None, Vec::new());
+    for (path, lora) in &layers {
+        let Some(active) = lora.active_adapter() else {
+            continue;
+        };
+        if let Some(settings) = lora.settings(&active) {
+            bias.0 = settings.config.bias;
+            bias.1.push(path.clone());
+        }
+        prefixes.extend(ADAPTER_DICTS.map(|d| format!("{path}.{d}.{active}")));
+    }
+    let biases: Vec<Param> = trained_biases(model, bias.0, &bias.1, &[])
         .into_iter()
-        .flat_map(|(path, lora)| {
-            let active = lora.active_adapter();
-            active
-                .into_iter()
-                .flat_map(move |a| ADAPTER_DICTS.map(|d| format!("{path}.{d}.{a}")))
-        })
+        .map(|(_, _, p)| p)
         .collect();
     for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
         let trained = prefixes
             .iter()
             .any(|pre| path == *pre || path.starts_with(&format!("{pre}.")));
-        p.set_requires_grad(trained);
+        p.set_requires_grad(trained || biases.iter().any(|b| b.same_as(&p)));
     }
+}
+
+/// The biases PEFT's `bias` trains with an adapter on the layers `layers`, each with its path
+/// and the path PEFT gives it (`<layer>.base_layer.bias` for a layer that holds adapters, one of
+/// `layers` or `adapted`): what the adapter's file holds besides its factors.
+pub(crate) fn trained_biases(
+    model: &dyn Module,
+    bias: LoraBias,
+    layers: &[String],
+    adapted: &[String],
+) -> Vec<(String, String, Param)> {
+    let is_adapted = |layer: &str| {
+        layers.iter().chain(adapted).any(|l| l == layer)
+            || lora_layers(model).iter().any(|(l, _)| l == layer)
+    };
+    let peft_path = |path: &str| match path.rsplit_once('.') {
+        Some((layer, leaf)) if is_adapted(layer) => format!("{layer}.base_layer.{leaf}"),
+        _ => path.to_owned(),
+    };
+    named_parameters(model, &Names::new())
+        .into_iter()
+        .filter(|(path, _)| match bias {
+            LoraBias::None => false,
+            // PEFT: `"bias" in name`, the adapters' own parameters aside.
+            LoraBias::All => path.contains("bias") && !path.contains(".lora_"),
+            LoraBias::LoraOnly => path
+                .rsplit_once('.')
+                .is_some_and(|(layer, leaf)| leaf == "bias" && layers.iter().any(|l| l == layer)),
+        })
+        .map(|(path, p)| {
+            let peft = peft_path(&path);
+            (path, peft, p)
+        })
+        .collect()
 }
