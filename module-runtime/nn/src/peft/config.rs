@@ -18,8 +18,8 @@ pub enum TargetModules {
     Names(Vec<String>),
     /// PEFT's single string: a regular expression the whole path must match (`re.fullmatch`).
     Regex(String),
-    /// [`PathPattern`]s (`model.layers.*.self_attn.*_proj` is not a pattern; `**.q_proj`,
-    /// `model.layers.*.mlp.*` are): this runtime's way, saved as the equivalent regex.
+    /// [`PathPattern`]s (`**.q_proj`, `model.layers.*.self_attn.*_proj`, `model.layers.*.mlp.*`):
+    /// this runtime's way, saved in `adapter_config.json` as the equivalent regex.
     Patterns(Vec<String>),
 }
 
@@ -370,6 +370,24 @@ mod tests {
         ] {
             assert_eq!(re.matches(path), m.matches(path), "{path}");
         }
+        // A glob inside a segment.
+        let glob = TargetModules::Patterns(vec!["layers.*.attn.*_proj".into()]);
+        let Value::String(saved) = glob.to_json() else {
+            panic!()
+        };
+        let (re, m) = (
+            TargetModules::Regex(saved).matcher("t")?,
+            glob.matcher("t")?,
+        );
+        for path in [
+            "layers.0.attn.q_proj",
+            "layers.0.attn.proj",
+            "layers.0.attn.q_proj.x",
+            "layers.0.1.attn.q_proj",
+        ] {
+            assert_eq!(re.matches(path), m.matches(path), "{path}");
+        }
+        assert!(m.matches("layers.11.attn.o_proj"));
         Ok(())
     }
 
