@@ -19,20 +19,20 @@ use module_runtime::{LoadOptions, PeftError, StateDict};
 #[path = "peft_errors.rs"]
 mod errors;
 
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Attention {
     q_proj: Linear,
     v_proj: Linear,
 }
 
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Mlp {
     fc1: Linear,
     fc2: Linear,
 }
 
 /// The fixture script's `Tiny`, field for field.
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Tiny {
     embed: Embedding,
     attn: Attention,
@@ -477,4 +477,52 @@ fn adapters_over_a_quantized_base_train_and_refuse_merging() {
         .unwrap()
         .merged_adapters()
         .is_empty());
+}
+
+/// An adapted model goes through the runtime's other tools as any model: hooks reach the
+/// adapter's own layers by path, a deep clone is independent, a dtype change converts the
+/// adapter with the base, `Clone` of a layer keeps its adapter.
+#[test]
+fn adapted_models_hook_clone_and_convert_like_any_model() {
+    let mut model = base("lora", 16);
+    model
+        .load_adapter(dir("lora").join("adapter"), "default", true)
+        .unwrap();
+    let ids = get(&read(dir("lora").join("io.safetensors")), "ids");
+    let logits = model.call(&ids).unwrap();
+    // Hooks on the adapter's factors, by PEFT's module paths.
+    let (_, captured) = model
+        .capture(
+            &["attn.q_proj.lora_A.default", "mlp.fc1.lora_B.default"],
+            |m| m.call(&ids),
+        )
+        .unwrap();
+    assert_eq!(
+        captured.get("attn.q_proj.lora_A.default").unwrap().dims(),
+        [2, 5, 4]
+    );
+    assert_eq!(
+        captured.get("mlp.fc1.lora_B.default").unwrap().dims(),
+        [2, 5, 32]
+    );
+    // A deep clone: the same logits, its own parameters.
+    let copy = model.deep_clone().unwrap();
+    assert_eq!(max_diff(&copy.call(&ids).unwrap(), &logits), 0.0);
+    let b = copy
+        .get_parameter("attn.q_proj.lora_B.default.weight")
+        .unwrap();
+    b.set(&b.tensor().unwrap().zeros_like().unwrap()).unwrap();
+    assert_eq!(max_diff(&model.call(&ids).unwrap(), &logits), 0.0);
+    // float64: the adapter converts with the base.
+    model.to_dtype(DType::F64).unwrap();
+    let a = model
+        .get_parameter("mlp.fc2.lora_A.default.weight")
+        .unwrap();
+    assert_eq!(a.dtype(), DType::F64);
+    let logits64 = model.call(&ids).unwrap().to_dtype(DType::F32).unwrap();
+    assert!(max_diff(&logits64, &logits) < 1e-4);
+    // A cloned layer keeps its adapter (sharing its parameters, as `Linear`'s clone does).
+    let q = model.attn.q_proj.clone();
+    assert_eq!(q.lora().unwrap().adapter_names(), ["default"]);
+    assert!(q.get_parameter("lora_A.default.weight").is_ok());
 }
