@@ -66,7 +66,7 @@ fn read(path: PathBuf) -> StateDict {
 }
 
 /// The base model with the fixture's weights (`d` the width, 16 in the fixtures).
-fn base(case: &str, d: usize) -> Tiny {
+fn base(d: usize) -> Tiny {
     let dev = Device::Cpu;
     let model = Tiny {
         embed: Embedding::new(12, d, &dev).unwrap(),
@@ -83,7 +83,7 @@ fn base(case: &str, d: usize) -> Tiny {
     if d == 16 {
         model
             .load_state_dict(
-                &read(dir(case).join("base.safetensors")),
+                &read(dir("").join("base.safetensors")),
                 &LoadOptions::default(),
             )
             .unwrap();
@@ -115,7 +115,7 @@ fn get(sd: &StateDict, key: &str) -> Tensor {
 /// PEFT's merged weights; `print(model)` is PEFT's.
 fn check_inference(case: &str) {
     let io = read(dir(case).join("io.safetensors"));
-    let mut model = base(case, 16);
+    let mut model = base(16);
     let paths = model
         .load_adapter(dir(case).join("adapter"), "default", false)
         .unwrap();
@@ -184,7 +184,7 @@ fn embedding_adapter_from_peft_gives_peft_logits_and_merged_weights() {
 fn check_training(case: &str) {
     let train = read(dir(case).join("train.safetensors"));
     let io = read(dir(case).join("io.safetensors"));
-    let mut model = base(case, 16);
+    let mut model = base(16);
     model
         .load_adapter(dir(case).join("adapter"), "default", true)
         .unwrap();
@@ -254,7 +254,7 @@ fn bias_all_training_follows_peft_for_4_adamw_steps() {
 /// (`base_model.model.attn.q_proj.base_layer.bias`), and read back.
 #[test]
 fn bias_lora_only_trains_and_saves_the_adapted_layers_biases() {
-    let mut model = base("lora", 16);
+    let mut model = base(16);
     let config = LoraConfig {
         bias: LoraBias::LoraOnly,
         ..LoraConfig::new(TargetModules::names(["q_proj", "v_proj"]))
@@ -281,7 +281,7 @@ fn bias_lora_only_trains_and_saves_the_adapted_layers_biases() {
             "base_model.model.attn.v_proj.lora_B.weight",
         ]
     );
-    let mut again = base("lora", 16);
+    let mut again = base(16);
     again.load_adapter(&tmp, "default", true).unwrap();
     let bias = again.get_parameter("attn.q_proj.bias").unwrap();
     assert_eq!(
@@ -301,7 +301,7 @@ fn bias_lora_only_trains_and_saves_the_adapted_layers_biases() {
 /// PEFT's default init leaves the output unchanged; the base is frozen, the adapter trained.
 #[test]
 fn get_peft_model_matches_peft_names_shapes_and_repr() {
-    let mut model = base("dora", 16);
+    let mut model = base(16);
     let ids = get(&read(dir("dora").join("io.safetensors")), "ids");
     let before = model.call(&ids).unwrap();
     let config = LoraConfig {
@@ -338,7 +338,7 @@ fn get_peft_model_matches_peft_names_shapes_and_repr() {
     );
     // A state dict of the base model still loads (strictly: the adapter's keys are extra, so
     // non-strict), and hooks still reach the adapted layer by its path.
-    let base_sd = read(dir("dora").join("base.safetensors"));
+    let base_sd = read(dir("").join("base.safetensors"));
     model
         .load_state_dict(&base_sd, &LoadOptions::default().non_strict())
         .unwrap();
@@ -352,7 +352,7 @@ fn get_peft_model_matches_peft_names_shapes_and_repr() {
 #[test]
 fn saved_adapter_reloads_with_the_same_logits() {
     for case in ["lora", "dora", "embedding", "train_bias"] {
-        let mut model = base(case, 16);
+        let mut model = base(16);
         model
             .load_adapter(dir(case).join("adapter"), "default", false)
             .unwrap();
@@ -377,7 +377,7 @@ fn saved_adapter_reloads_with_the_same_logits() {
                 .is_some(),
             case == "dora"
         );
-        let mut again = base(case, 16);
+        let mut again = base(16);
         again.load_adapter(&tmp, "default", false).unwrap();
         assert_eq!(max_diff(&again.call(&ids).unwrap(), &logits), 0.0);
         if std::env::var_os("PEFT_WRITE_RUST_SAVED").is_some() {
@@ -396,7 +396,7 @@ fn saved_adapter_reloads_with_the_same_logits() {
 /// Several named adapters, one active: `set_adapter` switches the forward and what is trained.
 #[test]
 fn named_adapters_switch_with_set_adapter() {
-    let mut model = base("lora", 16);
+    let mut model = base(16);
     model
         .load_adapter(dir("lora").join("adapter"), "default", false)
         .unwrap();
@@ -434,7 +434,7 @@ fn named_adapters_switch_with_set_adapter() {
 /// adapter's, gradients reach the adapter; merging into the quantized weight is refused.
 #[test]
 fn adapters_over_a_quantized_base_train_and_refuse_merging() {
-    let mut model = base("train", 16);
+    let mut model = base(16);
     model
         .load_adapter(dir("train").join("adapter"), "default", true)
         .unwrap();
@@ -484,7 +484,7 @@ fn adapters_over_a_quantized_base_train_and_refuse_merging() {
 /// adapter with the base, `Clone` of a layer keeps its adapter.
 #[test]
 fn adapted_models_hook_clone_and_convert_like_any_model() {
-    let mut model = base("lora", 16);
+    let mut model = base(16);
     model
         .load_adapter(dir("lora").join("adapter"), "default", true)
         .unwrap();

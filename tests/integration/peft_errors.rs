@@ -33,7 +33,7 @@ fn copy_adapter(case: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBu
 
 #[test]
 fn bad_adapters_are_typed_errors_naming_what_and_leave_the_model_alone() {
-    let mut model = base("lora", 16);
+    let mut model = base(16);
     let before = snapshot(&model);
 
     // A config field this runtime does not know.
@@ -115,7 +115,7 @@ fn bad_adapters_are_typed_errors_naming_what_and_leave_the_model_alone() {
     assert_eq!(snapshot(&model), before, "the model is unchanged");
 
     // An adapter made for another model (a width of 24): shapes, and the model unchanged.
-    let mut wide = base("lora", 24);
+    let mut wide = base(24);
     let wide_before = snapshot(&wide);
     let err = wide
         .load_adapter(dir("lora").join("adapter"), "default", false)
