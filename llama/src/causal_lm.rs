@@ -57,10 +57,7 @@ impl LlamaForCausalLM {
     pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
         let model = LlamaModel::new(cfg, device)?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear {
-                weight: model.embed_tokens.weight.clone(),
-                bias: None,
-            }
+            Linear::from_params(model.embed_tokens.weight.clone(), None)
         } else {
             Linear::with_config(
                 cfg.hidden_size,

@@ -11,6 +11,8 @@ use llama::json_lines::generate_json_lines;
 use llama::{generate, GenerationConfig, KvCache, LlamaConfig, LlamaForCausalLM, RopeScaling};
 use module_runtime::prelude::*;
 
+#[path = "llama/adapter.rs"]
+mod adapter;
 #[path = "llama/gguf_export.rs"]
 mod gguf_export;
 #[path = "llama/gqa.rs"]

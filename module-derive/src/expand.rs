@@ -93,6 +93,9 @@ fn expand(input: &Input) -> TokenStream {
             fn __repr_child(&self, child: &str) -> #krate::ChildRepr {
                 <Self as #krate::ExtraRepr>::child_repr(self, child)
             }
+            fn __repr_class(&self) -> ::core::option::Option<::std::string::String> {
+                <Self as #krate::ExtraRepr>::class_repr(self)
+            }
         }
     });
     // `print(model)`: `Display` is PyTorch's repr, unless the type has its own (`no_display`).

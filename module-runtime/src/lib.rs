@@ -89,7 +89,7 @@ pub use module_core::{
     no_grad, parse_device, py_bool, py_float, py_tuple, short_type_name, without_grad, Buffer,
     Child, ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward,
     GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode,
-    Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PthErrorKind,
+    Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PeftError, PthErrorKind,
     QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance, TypedPath,
     EXTRA_STATE_KEY,
 };

@@ -282,10 +282,7 @@ fn summary_lists_modules_and_totals() {
     // A module shared through Arc, and a tied weight, count once.
     let shared = Arc::new(Linear::new(5, 5, &dev()).unwrap());
     let head = Linear::new(5, 5, &dev()).unwrap();
-    let tied = Linear {
-        weight: shared.weight.clone(),
-        bias: head.bias.clone(),
-    };
+    let tied = Linear::from_params(shared.weight.clone(), head.bias.clone());
     let m = Shared {
         a: shared.clone(),
         b: shared,

@@ -35,10 +35,10 @@ impl TiedLm {
     /// exactly, so a round trip through float16 must give back the same values.
     fn new(device: &Device) -> Result<Self> {
         let embed = Embedding::new(VOCAB, DIM, device)?;
-        let head = Linear {
-            weight: embed.weight.clone(),
-            bias: Some(Param::new(Tensor::zeros(VOCAB, DType::F32, device)?)?),
-        };
+        let head = Linear::from_params(
+            embed.weight.clone(),
+            Some(Param::new(Tensor::zeros(VOCAB, DType::F32, device)?)?),
+        );
         let model = Self {
             embed,
             norm: BatchNorm1d::new(DIM, device)?,
@@ -328,10 +328,7 @@ fn a_lazy_parameter_a_buffer_and_a_tie_survive_a_round_trip() -> Result<()> {
     let device = dev();
     let cpu = Device::Cpu;
     let encoder = Linear::new(3, 3, &cpu)?;
-    let decoder = Linear {
-        weight: encoder.weight.clone(),
-        bias: None,
-    };
+    let decoder = Linear::from_params(encoder.weight.clone(), None);
     let model = LazyTied {
         encoder,
         decoder,

@@ -32,6 +32,7 @@ mod one_dependency;
 mod parity_layers;
 mod parity_seq;
 mod parity_training;
+mod peft;
 mod pytorch_semantics;
 mod recurrent;
 mod repr;

@@ -14,7 +14,7 @@
 //! |---|---|
 //! | `type_name`, `lazy_shape`, `pattern`, `entries` | names, lazy shapes, path patterns, values by key in insertion order |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
-//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`); its message helpers and conversions (`messages`) |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
 //! | `param`, `quant`, `quant_slot`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`) |
@@ -89,7 +89,8 @@ pub mod walk;
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
-    DistributedError, Error, OutputDivergence, PthErrorKind, QuantizeError, Result, Tolerance,
+    DistributedError, Error, OutputDivergence, PeftError, PthErrorKind, QuantizeError, Result,
+    Tolerance,
 };
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;

@@ -49,6 +49,14 @@ pub trait ExtraRepr {
         let _ = child;
         ChildRepr::Own
     }
+
+    /// The class name `print(model)` shows for this module, when it depends on the module's
+    /// state rather than its type: a `Linear` holding a LoRA adapter prints as PEFT's
+    /// `lora.Linear`. `None` (the default): the module's
+    /// [`class_name`](Module::class_name). Printing only.
+    fn class_repr(&self) -> Option<String> {
+        None
+    }
 }
 
 /// How `print(model)` shows one submodule ([`ExtraRepr::child_repr`]).
@@ -151,7 +159,7 @@ fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.
-    let full = m.class_name();
+    let full = m.__repr_class().unwrap_or_else(|| m.class_name());
     let name = class.unwrap_or_else(|| full.split('<').next().unwrap_or(&full));
     let mut lines: Vec<String> = Vec::new();
     if m.__repr_collapses_repeats() {

@@ -7,6 +7,7 @@ use module_core::py_float;
 use crate::common::forward_by_value;
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
+use crate::peft::LoraLayer;
 use crate::Init;
 use crate::{Forward, Module, Param};
 
@@ -46,6 +47,10 @@ pub struct Embedding {
     padding_idx: Option<usize>,
     max_norm: Option<f64>,
     norm_type: f64,
+    /// LoRA adapters ([`get_peft_model`](crate::peft::get_peft_model)): `lora_embedding_A.<name>`
+    /// and `lora_embedding_B.<name>`; none until an adapter is added.
+    #[module(flatten)]
+    pub(crate) lora: Option<Box<LoraLayer>>,
 }
 
 /// How an [`Embedding`] is built: PyTorch's keyword arguments this layer supports, with PyTorch's
@@ -103,6 +108,7 @@ impl Embedding {
             padding_idx,
             max_norm: config.max_norm,
             norm_type: config.norm_type,
+            lora: None,
         })
     }
 
@@ -114,6 +120,7 @@ impl Embedding {
             padding_idx: None,
             max_norm: None,
             norm_type: 2.0,
+            lora: None,
         })
     }
 
@@ -264,6 +271,40 @@ impl Forward<&Tensor> for Embedding {
     type Output = Tensor;
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let rows = self.base_forward(ids)?;
+        match &self.lora {
+            // PEFT's `lora.Embedding`: the table's rows, plus the active adapter's.
+            Some(lora) => lora.forward_embedding(self, ids, rows),
+            None => Ok(rows),
+        }
+    }
+}
+
+impl Embedding {
+    /// The adapter's `lora_embedding_A` looked up as this table's rows are (`padding_idx`'s row
+    /// gets no gradient): PEFT's `_embed(x, lora_embedding_A.T)`. `a_t` is
+    /// `[num_embeddings, r]`.
+    pub(crate) fn lookup(&self, a_t: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let rows = a_t.index_select(&ids.flatten_all()?, 0)?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(a_t.dim(1)?);
+        detach_padding(rows.reshape(dims)?, ids, self.padding_idx)
+    }
+
+    /// Whether the table renormalizes looked-up rows (`max_norm`), which an adapter's
+    /// lookup cannot follow.
+    pub(crate) fn has_max_norm(&self) -> bool {
+        self.max_norm.is_some()
+    }
+
+    /// The table's LoRA adapters, if it has any
+    /// ([`get_peft_model`](crate::peft::get_peft_model)).
+    pub fn lora(&self) -> Option<&LoraLayer> {
+        self.lora.as_deref()
+    }
+
+    /// The table without its adapters: PEFT's `base_layer(x)`.
+    fn base_forward(&self, ids: &Tensor) -> Result<Tensor> {
         // A quantized table (tied to a quantized head, or a GGUF's `token_embd`): the rows named
         // are dequantized, not the table (which `tensor()` would dequantize whole). Off the CPU,
         // or with `max_norm` (which renormalizes rows of the table), the dequantized table.
@@ -311,15 +352,27 @@ pub(crate) fn table_repr(
 }
 
 /// PyTorch's text: `Embedding(10, 3, padding_idx=0, max_norm=1.0)` (a negative `padding_idx`
-/// shows as the row it resolved to, as in PyTorch).
+/// shows as the row it resolved to, as in PyTorch); with adapters, PEFT's `lora.Embedding`.
 impl module_core::ExtraRepr for Embedding {
     fn extra_repr(&self) -> String {
-        table_repr(
+        let own = table_repr(
             &self.weight,
             self.padding_idx,
             self.max_norm,
             self.norm_type,
-        )
+        );
+        match &self.lora {
+            None => own,
+            Some(lora) => lora.wrapped_repr(&format!("Embedding({own})")),
+        }
+    }
+
+    fn child_repr(&self, child: &str) -> module_core::ChildRepr {
+        crate::peft::adapter_child_repr(child)
+    }
+
+    fn class_repr(&self) -> Option<String> {
+        self.lora.as_ref().map(|_| "lora.Embedding".to_owned())
     }
 }
 

@@ -96,7 +96,8 @@ mod linear_each;
 pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
 pub use module_kernels::{Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS};
 
-// Quantized weights: `quantize(&model, pattern, kind)`.
+// Quantized weights: `quantize(&model, pattern, kind)`; PEFT adapters (`peft::get_peft_model`).
+pub mod peft;
 mod quantize;
 
 pub use candle_core::quantized::GgmlDType;

@@ -2,13 +2,13 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::common::layer_repr;
 use crate::common::{
     fit_param, forward_by_value, layer_forward, lazy_param, param_tensor, uniform_fan_in,
 };
 use crate::device::{check_device, check_input_device};
 use crate::error::Result;
 use crate::fused::{fusion_applies, ElementwiseActivation};
+use crate::peft::LoraLayer;
 use crate::{Init, Module, ModuleExt, Param};
 use module_core::py_bool;
 use module_kernels::{activation_in_place, can_activate_in_place};
@@ -37,6 +37,10 @@ pub struct Linear {
     pub weight: Param,
     /// `[out_features]`, if the layer has a bias.
     pub bias: Option<Param>,
+    /// LoRA adapters ([`get_peft_model`](crate::peft::get_peft_model)): their parameters are the
+    /// layer's children (`lora_A.default.weight`, …); none until an adapter is added.
+    #[module(flatten)]
+    pub(crate) lora: Option<Box<LoraLayer>>,
 }
 
 /// How a [`Linear`] or [`LazyLinear`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -91,18 +95,42 @@ impl Linear {
         device: &Device,
     ) -> Result<Self> {
         let uniform = |dims: &[usize]| uniform_fan_in(dims, in_features, config.dtype, device);
-        Ok(Self {
-            weight: uniform(&[out_features, in_features])?,
-            bias: config.bias.then(|| uniform(&[out_features])).transpose()?,
-        })
+        Ok(Self::from_params(
+            uniform(&[out_features, in_features])?,
+            config.bias.then(|| uniform(&[out_features])).transpose()?,
+        ))
     }
 
     /// A layer with the given weight `[out, in]` and optional bias `[out]`.
     pub fn from_tensors(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Self {
-            weight: Param::new(weight)?,
-            bias: bias.map(Param::new).transpose()?,
-        })
+        Ok(Self::from_params(
+            Param::new(weight)?,
+            bias.map(Param::new).transpose()?,
+        ))
+    }
+
+    /// A layer over existing parameters: a weight `[out, in]` shared with another module (a
+    /// language model's head tied to its embedding), a lazy one, or one built by hand.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::Embedding;
+    /// let embedding = Embedding::new(10, 4, &Device::Cpu)?;
+    /// let head = Linear::from_params(embedding.weight.clone(), None);
+    /// assert!(head.weight.same_as(&embedding.weight));
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn from_params(weight: Param, bias: Option<Param>) -> Self {
+        Self {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
+    /// The layer's LoRA adapters, if it has any ([`get_peft_model`](crate::peft::get_peft_model)).
+    pub fn lora(&self) -> Option<&LoraLayer> {
+        self.lora.as_deref()
     }
 
     /// Size of each input sample.
@@ -161,6 +189,16 @@ impl Linear {
 }
 
 layer_forward!(Linear, |layer, x| {
+    let y = base_forward(layer, x)?;
+    match &layer.lora {
+        // PEFT's `lora.Linear`: the base layer's output, plus the active adapter's.
+        Some(lora) => lora.forward(layer, x, y),
+        None => Ok(y),
+    }
+});
+
+/// The layer without its adapters: PEFT's `base_layer(x)`.
+fn base_forward(layer: &Linear, x: &Tensor) -> Result<Tensor> {
     if layer.weight.is_quantized() {
         // A quantized weight (`quantize`): the kernels choose the quantized product or the float
         // one over the dequantized values.
@@ -173,7 +211,7 @@ layer_forward!(Linear, |layer, x| {
     check_input_device("Linear.weight", &weight, x)?;
     let bias = param_tensor(&layer.bias)?;
     module_kernels::linear(x, &weight, bias.as_ref())
-});
+}
 
 /// A [`Linear`] layer whose `in_features` is the last dimension of its first input: PyTorch's
 /// `nn.LazyLinear`.
@@ -215,13 +253,13 @@ impl LazyLinear {
     pub fn with_config(out_features: usize, config: LinearConfig, device: &Device) -> Result<Self> {
         let lazy =
             |dims: &[Option<usize>]| lazy_param(dims, Init::UniformFanIn, config.dtype, device);
-        let linear = Linear {
-            weight: lazy(&[Some(out_features), None])?,
-            bias: config
+        let linear = Linear::from_params(
+            lazy(&[Some(out_features), None])?,
+            config
                 .bias
                 .then(|| lazy(&[Some(out_features)]))
                 .transpose()?,
-        };
+        );
         Ok(Self { linear })
     }
 
@@ -279,7 +317,29 @@ layer_forward!(LazyLinear, |layer, x| {
     layer.linear.forward(x)
 });
 
-layer_repr!(Linear, |layer| {
+impl module_core::ExtraRepr for Linear {
+    /// `in_features=…, out_features=…, bias=…`; with adapters, PEFT's `lora.Linear` body: the
+    /// layer as `(base_layer)`, then the adapters' dictionaries.
+    fn extra_repr(&self) -> String {
+        let own = linear_repr(self);
+        match &self.lora {
+            None => own,
+            Some(lora) => lora.wrapped_repr(&format!("Linear({own})")),
+        }
+    }
+
+    /// The adapters' children are printed by `extra_repr`, in PEFT's order.
+    fn child_repr(&self, child: &str) -> module_core::ChildRepr {
+        crate::peft::adapter_child_repr(child)
+    }
+
+    fn class_repr(&self) -> Option<String> {
+        self.lora.as_ref().map(|_| "lora.Linear".to_owned())
+    }
+}
+
+/// `Linear`'s own `extra_repr`.
+fn linear_repr(layer: &Linear) -> String {
     let dims = layer.weight.shape().dims().to_vec();
     // A quantized weight says its kind, as PyTorch's `DynamicQuantizedLinear` says its dtype.
     let quantized = match layer.weight.quantized_dtype() {
@@ -292,7 +352,7 @@ layer_repr!(Linear, |layer| {
         dims.first().copied().unwrap_or(0),
         py_bool(layer.bias.is_some())
     )
-});
+}
 
 forward_by_value!(Linear, LazyLinear);
 

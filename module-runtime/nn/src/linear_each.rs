@@ -18,7 +18,8 @@ impl Linear {
     /// once and every layer's product is one pass over the thread pool instead of one each: a
     /// decoding step's products last microseconds, and a Llama decoder's step runs 6–9% faster
     /// with its q/k/v and gate/up so (BENCHMARKS.md, "q8_0 decoding"). Otherwise, and whenever a
-    /// hook is attached (hooks see each layer's own call) or fusion is off
+    /// hook is attached (hooks see each layer's own call), a layer holds a LoRA adapter, or fusion
+    /// is off
     /// ([`without_fusion`](crate::without_fusion)), the layers are called one after the other.
     /// PyTorch has no such call: its models fuse such projections by concatenating the weights,
     /// which would change the checkpoint's names here.
@@ -55,7 +56,8 @@ impl Linear {
 /// The layers' outputs from one pass of the `q8_0` kernel, or `None` where any of them would not
 /// take that kernel when called alone (or a hook or the switch rules fusion out).
 fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-    if !fusion_applies() {
+    // A layer with an adapter adds its adapter's output in its own call.
+    if !fusion_applies() || layers.iter().any(|layer| layer.lora.is_some()) {
         return Ok(None);
     }
     let weights: Vec<_> = layers.iter().map(|layer| &layer.weight).collect();

@@ -397,10 +397,7 @@ mod tests {
         }
         let dev = Device::Cpu;
         let a = Linear::new(32, 32, &dev).unwrap();
-        let b = Linear {
-            weight: a.weight.clone(),
-            bias: None,
-        };
+        let b = Linear::from_params(a.weight.clone(), None);
         let m = Two {
             a,
             b,

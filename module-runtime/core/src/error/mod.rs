@@ -7,6 +7,7 @@ mod debug;
 mod distributed;
 mod divergence;
 mod messages;
+mod peft;
 mod pth;
 mod quantize;
 
@@ -14,8 +15,7 @@ pub use debug::fmt_debug;
 pub use distributed::DistributedError;
 pub use divergence::{OutputDivergence, Tolerance};
 pub use messages::location_name;
-pub use pth::PthErrorKind;
-pub use quantize::QuantizeError;
+pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
 
 use messages::{
     at, at_offset, file_prefix, flattened_fields, list_children, module_at, near_matches,
@@ -262,6 +262,10 @@ pub enum Error {
     /// an unusable GGUF file; see [`QuantizeError`].
     #[error(transparent)]
     Quantize(#[from] QuantizeError),
+
+    /// PEFT adapters: an unknown config field, targets matching nothing, …; see [`PeftError`].
+    #[error(transparent)]
+    Peft(#[from] PeftError),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]

@@ -159,6 +159,13 @@ pub trait Module: Any + Send + Sync {
         crate::ChildRepr::Own
     }
 
+    /// The class name `print(model)` shows, from
+    /// [`ExtraRepr::class_repr`](crate::ExtraRepr::class_repr). Not public API.
+    #[doc(hidden)]
+    fn __repr_class(&self) -> Option<String> {
+        None
+    }
+
     /// Calls `f` with each `#[module(flatten)]`ed field (its Rust name and its value): the derive
     /// lists them, so that the runtime can lift their extra state and report names that collide
     /// through them. Not public API.

@@ -132,6 +132,9 @@ impl<M: Module> Module for Option<M> {
     fn extra_state(&self) -> Option<&dyn crate::ExtraState> {
         self.as_ref().and_then(M::extra_state)
     }
+    fn __repr_class(&self) -> Option<String> {
+        self.as_ref().and_then(M::__repr_class)
+    }
     fn __flattened<'a>(&'a self, f: &mut dyn FnMut(&'static str, &'a dyn Module)) {
         if let Some(m) = self {
             m.__flattened(f);
@@ -168,6 +171,9 @@ macro_rules! pointee_methods {
         }
         fn __repr_child(&self, child: &str) -> crate::ChildRepr {
             (**self).__repr_child(child)
+        }
+        fn __repr_class(&self) -> Option<String> {
+            (**self).__repr_class()
         }
         fn is_config() -> bool {
             M::is_config()

@@ -91,6 +91,15 @@ impl ModuleDict {
     }
 }
 
+/// A copy with each module cloned (a `Linear`'s clone shares its parameters, as the layer's does).
+impl<M: Clone> Clone for ModuleDict<M> {
+    fn clone(&self) -> Self {
+        Self {
+            entries: self.entries.clone(),
+        }
+    }
+}
+
 impl<M> Default for ModuleDict<M> {
     fn default() -> Self {
         Self::new()

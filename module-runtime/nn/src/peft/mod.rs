@@ -1,0 +1,96 @@
+//! PEFT's adapters for any derived model: LoRA and DoRA on `Linear` layers, LoRA on `Embedding`
+//! layers, added by
+//! [`get_peft_model`], trained, merged, disabled, and read and written in PEFT's files
+//! (`adapter_config.json`, `adapter_model.safetensors`).
+//!
+//! # Design: the adapter lives in the layer
+//!
+//! PEFT replaces each targeted `nn.Linear` by a `lora.Linear` that holds the original as
+//! `base_layer`. A Rust model's fields have fixed types, so a `Linear` field cannot become
+//! another type without changing the user's struct. Instead every [`Linear`](crate::Linear)
+//! and [`Embedding`](crate::Embedding) carries an empty slot for adapters (a flattened `Option<Box<LoraLayer>>`, no cost when empty:
+//! the walk sees nothing, the forward one `match`), and [`get_peft_model`] fills the slots of the
+//! layers the targets select, found by path through the same walk every traversal uses. So:
+//!
+//! - any derived model with `Linear` or `Embedding` fields (in `Vec`s, `ModuleList`s, `Lazy`
+//!   cells once built)
+//!   takes adapters unchanged; a layer behind a shared `Arc` cannot be modified and is a typed
+//!   error;
+//! - the base keeps its paths (`q_proj.weight`, not PEFT's `q_proj.base_layer.weight`), so the
+//!   base model's state dict still loads; the adapter's parameters are the layer's children
+//!   under PEFT's in-memory names (`q_proj.lora_A.default.weight`,
+//!   `q_proj.lora_magnitude_vector.default.weight`);
+//! - hooks on the layer's path see the adapted output (PEFT's hooks on the `lora.Linear`);
+//!   `lora_A.default` and `lora_B.default` are modules of their own, called through `call`;
+//! - `print(model)` shows PEFT's text: `lora.Linear(` (`lora.Embedding(`) with
+//!   `(base_layer): Linear(...)` first.
+//!
+//! Files use PEFT's keys: `base_model.model.<path>.lora_A.weight` (the adapter name dropped),
+//! `base_model.model.<path>.lora_magnitude_vector` for DoRA, `base_model.model.<path>.lora_embedding_A`
+//! for an embedding. Reading is strict: a config field
+//! this runtime does not know, or a feature it does not implement, is a typed error naming the
+//! field ([`PeftError`](module_core::PeftError)); so is a tensor of another shape or a key no layer
+//! takes, before the model is touched.
+//!
+//! Not implemented yet (each a typed error when a config asks for it): convolution adapters,
+//! DoRA on an `Embedding`, an `Embedding` with `max_norm`, `modules_to_save`, `fan_in_fan_out`,
+//! the other initializations (PiSSA, OLoRA, LoftQ, EVA, …), layer selection by
+//! `layers_to_transform`.
+//!
+//! ```
+//! use module_runtime::prelude::*;
+//! use module_runtime::nn::peft::{get_peft_model, LoraConfig, PeftExt, TargetModules};
+//!
+//! #[derive(Module)]
+//! struct Mlp { fc1: Linear, fc2: Linear }
+//!
+//! let dev = Device::Cpu;
+//! let mut model = Mlp { fc1: Linear::new(4, 8, &dev)?, fc2: Linear::new(8, 2, &dev)? };
+//! let config = LoraConfig { r: 2, lora_alpha: 4.0, ..LoraConfig::new(TargetModules::names(["fc1"])) };
+//! get_peft_model(&mut model, &config)?;
+//! assert_eq!(
+//!     model.fc1.to_string(),
+//!     "lora.Linear(
+//!   (base_layer): Linear(in_features=4, out_features=8, bias=True)
+//!   (lora_dropout): ModuleDict(
+//!     (default): Identity()
+//!   )
+//!   (lora_A): ModuleDict(
+//!     (default): Linear(in_features=4, out_features=2, bias=False)
+//!   )
+//!   (lora_B): ModuleDict(
+//!     (default): Linear(in_features=2, out_features=8, bias=False)
+//!   )
+//!   (lora_embedding_A): ParameterDict()
+//!   (lora_embedding_B): ParameterDict()
+//!   (lora_magnitude_vector): ModuleDict()
+//! )"
+//! );
+//! let x = Tensor::randn(0f32, 1., (3, 4), &dev)?;
+//! // PEFT's init: lora_B is zero, so the adapted model starts as the base model.
+//! let base = model.disable_adapter(|| model.fc1.call(&x))??;
+//! let adapted = model.fc1.call(&x)?;
+//! assert_eq!(base.to_vec2::<f32>()?, adapted.to_vec2::<f32>()?);
+//! # Ok::<(), module_runtime::Error>(())
+//! ```
+
+mod config;
+mod config_json;
+mod files;
+mod layer;
+mod model;
+
+pub use config::{InitLoraWeights, LoraBias, LoraConfig, TargetModules};
+pub use files::{ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME};
+pub use layer::{DoraLinearLayer, LoraLayer};
+pub use model::{get_peft_model, PeftExt, DEFAULT_ADAPTER};
+
+/// How an adapted layer's `print(model)` shows its adapter children: not at all, since its
+/// `extra_repr` prints them in PEFT's order after `(base_layer)`.
+pub(crate) fn adapter_child_repr(child: &str) -> module_core::ChildRepr {
+    if model::ADAPTER_DICTS.contains(&child) || child == "lora_dropout" {
+        module_core::ChildRepr::Hidden
+    } else {
+        module_core::ChildRepr::Own
+    }
+}
