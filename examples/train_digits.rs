@@ -74,7 +74,9 @@ fn main() -> AnyResult<()> {
         module_runtime::device_name(&device)
     );
 
-    let model = DigitNet::seeded(&device, args.seed)?;
+    // torch.manual_seed: the initial weights are the same for the same --seed.
+    manual_seed(args.seed);
+    let model = DigitNet::new(&device)?;
     print!("{}", model.summary());
 
     // torch.optim.AdamW over two parameter groups: no weight decay for the biases.

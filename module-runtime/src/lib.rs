@@ -81,6 +81,9 @@ pub use module_nn as nn;
 #[doc(inline)]
 pub use module_optim as optim;
 
+/// The runtime's random generator, PyTorch's default generator: what it covers, what it does not.
+#[doc(inline)]
+pub use module_core::random;
 #[doc(hidden)]
 pub use module_core::CallTarget;
 pub use module_core::{
@@ -93,6 +96,7 @@ pub use module_core::{
     QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance, TypedPath,
     EXTRA_STATE_KEY,
 };
+pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
 pub use module_hooks::Scope;
@@ -147,7 +151,7 @@ pub use candle_nn;
 /// ```
 ///
 /// It also brings the inference and loading helpers the README writes bare: [`no_grad`],
-/// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
+/// [`enable_grad`], [`without_grad`], [`build_empty`], [`manual_seed`], and [`Tolerance`] for
 /// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
 /// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
 ///
@@ -179,7 +183,7 @@ pub mod prelude {
         LrScheduler, Optimizer, ParamGroups, StepLr, SGD,
     };
     pub use crate::Recurrent;
-    pub use crate::{build_empty, enable_grad, no_grad, without_grad};
+    pub use crate::{build_empty, enable_grad, manual_seed, no_grad, without_grad};
     pub use crate::{
         Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
         LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,
