@@ -162,7 +162,9 @@ pub use candle_nn;
 /// (`clip_grad_norm_`), [`clip_grad_value`](crate::optim::clip_grad_value),
 /// [`GradAccumulator`](crate::optim::GradAccumulator), and the schedules
 /// ([`LrScheduler`](crate::optim::LrScheduler), [`LambdaLr`](crate::optim::LambdaLr),
-/// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)). The
+/// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)), and the
+/// whole run's checkpoint ([`TrainingCheckpoint`](crate::optim::TrainingCheckpoint),
+/// [`TrainerState`](crate::optim::TrainerState)). The
 /// optimizers' own `Error` and `Result` stay in [`optim`]: the prelude's are the runtime's.
 ///
 /// ```
@@ -180,7 +182,7 @@ pub mod prelude {
     pub use crate::nn::{quantize, GgmlDType, Linear};
     pub use crate::optim::{
         clip_grad_norm, clip_grad_value, Adam, AdamW, ExponentialLr, GradAccumulator, LambdaLr,
-        LrScheduler, Optimizer, ParamGroups, StepLr, SGD,
+        LrScheduler, Optimizer, ParamGroups, StepLr, TrainerState, TrainingCheckpoint, SGD,
     };
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, manual_seed, no_grad, without_grad};

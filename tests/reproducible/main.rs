@@ -6,6 +6,7 @@
 //! binaries build layers (and so draw from it) on many threads at once. Here every test holds
 //! [`serial`] while it draws, so each sees only its own draws.
 
+mod checkpoint;
 mod seeds;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

@@ -109,6 +109,27 @@ pub enum Error {
         norm_type: f64,
     },
 
+    /// A [`TrainingCheckpoint`](crate::TrainingCheckpoint) could not be saved or restored:
+    /// `part` names what failed (`model`, `optimizer`, `scheduler_1`, `trainer_state`,
+    /// `rng_state`, `parts` when the file holds other parts than the checkpoint, `file` when it
+    /// cannot be read). A failed restore changed nothing.
+    #[error(
+        "training checkpoint `{}`, {part}: {source}{}",
+        path.display(),
+        if *.restoring { "; nothing was restored (the model, optimizers, schedules and generator are as they were)" } else { "" }
+    )]
+    Checkpoint {
+        /// The checkpoint file.
+        path: std::path::PathBuf,
+        /// The part that failed.
+        part: String,
+        /// Whether it failed restoring (else saving).
+        restoring: bool,
+        /// What went wrong.
+        #[source]
+        source: Box<Error>,
+    },
+
     /// `load_state_dict`: the state dict does not fit the optimizer. Nothing was changed.
     #[error("cannot load the optimizer state: {0}")]
     State(#[from] StateError),
