@@ -152,6 +152,14 @@ pub trait Module: Any + Send + Sync {
         false
     }
 
+    /// The class name `print(model)` shows instead of [`class_name`](Self::class_name), where
+    /// PyTorch's differs: a `Vec` or array of modules is PyTorch's `ModuleList`, a map of them
+    /// its `ModuleDict`. Not public API.
+    #[doc(hidden)]
+    fn __repr_class(&self) -> Option<&'static str> {
+        None
+    }
+
     /// How `print(model)` shows the child `child`, from
     /// [`ExtraRepr::child_repr`](crate::ExtraRepr::child_repr). Not public API.
     #[doc(hidden)]
