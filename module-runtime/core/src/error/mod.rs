@@ -18,8 +18,8 @@ pub use pth::PthErrorKind;
 pub use quantize::QuantizeError;
 
 use messages::{
-    at, at_offset, file_prefix, flattened_fields, list_children, module_at, near_matches,
-    not_loaded_hint, same_location_hint, with_article, CandleMessage,
+    at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
+    near_matches, not_loaded_hint, same_location_hint, with_article, CandleMessage,
 };
 
 use crate::report::LoadReport;
@@ -435,10 +435,12 @@ pub enum Error {
     /// A module's forward failed on an operation between tensors of two dtypes, one of them its
     /// parameters': the input has another dtype than the model (an `f64` batch into an `f32`
     /// model). Found after the failure, so a successful call pays nothing for the check.
-    #[error(
-        "the input is {input:?} and the parameters {params:?}: convert the input \
-         (`x.to_dtype(DType::{params:?})?`), or the model (`model.to_dtype(DType::{input:?})?`)"
-    )]
+    ///
+    /// The fix it gives depends on the input: a float input can be converted, or the model; an
+    /// integer input (ids, labels, pixels as bytes) is converted (`x.to_dtype(DType::F32)?`) or,
+    /// if it holds token ids, looked up with an `Embedding` first: a model's parameters are never
+    /// integers.
+    #[error("the input is {input:?} and the parameters {params:?}: {}", dtype_fix(*.input, *.params))]
     InputDType {
         /// The input's dtype.
         input: DType,
