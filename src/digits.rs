@@ -116,7 +116,7 @@ pub struct DigitNet {
 
 impl DigitNet {
     /// A randomly initialized network (PyTorch's `Linear` initialization) on `device`: the same
-    /// network after the same [`manual_seed`](module_runtime::manual_seed).
+    /// network after the same `module_runtime::manual_seed`.
     pub fn new(device: &Device) -> Result<Self> {
         Ok(Self {
             fc1: Linear::new(64, 128, device)?,

@@ -25,7 +25,7 @@
 //! # What it does not cover
 //!
 //! * candle's own `Tensor::rand`/`Tensor::randn` in user code still draw from candle's
-//!   generators (the CPU one is a thread's and cannot be seeded); draw with [`rand`] and
+//!   generators (the CPU one is a thread's and cannot be seeded); draw with [`rand()`] and
 //!   [`randn`] here to make them reproducible too.
 //! * Threads: the generator is shared (thread-safe), so draws made concurrently from several
 //!   threads take values in whatever order the threads reach it, as with PyTorch's. A run is
@@ -152,7 +152,7 @@ pub fn rand(
 
 /// Values drawn from the normal distribution of mean `mean` and standard deviation `std` with the
 /// runtime's generator: candle's `Tensor::randn`, made reproducible by [`manual_seed`] (see
-/// [`rand`] for dtypes and devices).
+/// [`rand()`] for dtypes and devices).
 pub fn randn(
     mean: f64,
     std: f64,
