@@ -198,3 +198,95 @@ fn a_restore_that_does_not_fit_changes_nothing() -> Result<(), OptimError> {
     std::fs::remove_file(&path).unwrap();
     Ok(())
 }
+
+/// The model the kill test saves: every value of every tensor is the step's number.
+fn filled(step: usize) -> Result<(Linear, AdamW), OptimError> {
+    let dev = Device::Cpu;
+    let model = Linear::new(256, 256, &dev)?;
+    let mut opt = AdamW::new(&model, AdamW::options())?;
+    let loss = model
+        .call(&Tensor::ones((2, 256), DType::F32, &dev)?)?
+        .sum_all()?;
+    opt.step(&loss.backward()?)?;
+    for (_, p) in model.named_parameters() {
+        p.set(&Tensor::full(step as f32, p.shape(), &dev)?)?;
+    }
+    Ok((model, opt))
+}
+
+/// Run by [`a_checkpoint_killed_mid_save_is_the_previous_or_the_new_one`] in a child process:
+/// saves the checkpoint of step 1, 2, 3, … to `CHECKPOINT_PATH` until it is killed.
+#[test]
+#[ignore = "run in a child process, which the kill test kills"]
+fn keep_saving_checkpoints() -> Result<(), OptimError> {
+    let Some(path) = std::env::var_os("CHECKPOINT_PATH") else {
+        return Ok(());
+    };
+    let first: usize = std::env::var("FIRST_STEP").unwrap().parse().unwrap();
+    for step in first.. {
+        let (model, mut opt) = filled(step)?;
+        let state = TrainerState {
+            global_step: step,
+            ..Default::default()
+        };
+        TrainingCheckpoint::new(&model)
+            .optimizer(&mut opt)
+            .save(&path, &state)?;
+    }
+    Ok(())
+}
+
+/// A save killed at any moment (SIGKILL, no chance to clean up) leaves a whole checkpoint: the
+/// file restores, and its weights are those of the step its trainer state names.
+#[test]
+fn a_checkpoint_killed_mid_save_is_the_previous_or_the_new_one() -> Result<(), OptimError> {
+    // Restoring sets the generator (to the child's): not while another test draws.
+    let _serial = serial();
+    let path = temp("training-checkpoint-killed");
+    let _ = std::fs::remove_file(&path);
+    let mut last = 0;
+    for (round, wait_ms) in [40u64, 90, 150, 230, 310, 420].into_iter().enumerate() {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "checkpoint::keep_saving_checkpoints",
+            ])
+            .env("CHECKPOINT_PATH", &path)
+            .env("FIRST_STEP", (last + 1).to_string())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        if !path.exists() {
+            assert_eq!(last, 0, "round {round}: the previous checkpoint is gone");
+            continue;
+        }
+        let (model, mut opt) = filled(0)?;
+        let state = TrainingCheckpoint::new(&model)
+            .optimizer(&mut opt)
+            .load(&path)?;
+        assert!(state.global_step >= last, "round {round}: went back");
+        let step = state.global_step as f32;
+        for (name, p) in model.named_parameters() {
+            let values = p.tensor()?.flatten_all()?.to_vec1::<f32>()?;
+            assert!(
+                values.iter().all(|&v| v == step),
+                "round {round}: {name} is not step {step}'s"
+            );
+        }
+        last = state.global_step;
+    }
+    assert!(last > 0, "no checkpoint was ever written");
+    // The checkpoint, and a killed save's temporary file (the next save would have removed it).
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    for entry in std::fs::read_dir(std::env::temp_dir()).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().contains(&name) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    Ok(())
+}
