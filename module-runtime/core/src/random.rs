@@ -24,9 +24,13 @@
 //!
 //! # What it does not cover
 //!
-//! * candle's own `Tensor::rand`/`Tensor::randn` in user code still draw from candle's
-//!   generators (the CPU one is a thread's and cannot be seeded); draw with [`rand()`] and
-//!   [`randn`] here to make them reproducible too.
+//! * candle's own `Tensor::rand`/`Tensor::randn` in user code, and candle-nn's layers and ops
+//!   (`candle_nn::ops::dropout`, a `candle_nn` layer wrapped in `nn::Native`), still draw from
+//!   candle's generators (the CPU one is a thread's and cannot be seeded); draw with [`rand()`]
+//!   and [`randn`] here to make them reproducible too.
+//! * The cost on a GPU: reseeding a CUDA device makes candle create a new cuRAND generator, once
+//!   per dropout mask drawn there (not measured here: no GPU was lent to this work). On the CPU
+//!   the draws cost what candle's did.
 //! * Threads: the generator is shared (thread-safe), so draws made concurrently from several
 //!   threads take values in whatever order the threads reach it, as with PyTorch's. A run is
 //!   reproducible when its draws come from one thread at a time.
