@@ -45,7 +45,8 @@ pub struct TrainerState {
 /// each part strictly (the model as `load_state_dict` does, the optimizers' and schedules' state
 /// dicts); if any part does not fit, the parts already loaded are put back as they were and the
 /// error ([`Error::Checkpoint`]) names the part. The generator is set last. Putting back takes a
-/// copy of the model's and the optimizers' state while the load runs.
+/// copy of the model's and the optimizers' state while the load runs, so the model must be built:
+/// a `Lazy` layer is built first (a call or a `build` dry run), as the optimizer needs anyway.
 ///
 /// **Format.** One safetensors file whose keys are each part's state dict under a prefix:
 /// `model.<key>` (the model's state dict), `optimizer.<key>` (the first optimizer's
