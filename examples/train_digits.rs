@@ -13,18 +13,18 @@
 //! Without `--device`, the device is `MODULE_DEVICE`'s (the CPU when unset), as for the tests;
 //! `-- --help` describes every flag. Training 30 epochs in one go, or stopping after 10
 //! (`--stop-after 10`) and resuming (`--resume`), gives the same weights to the last bit: the
-//! checkpoint holds everything the run depends on (weights, AdamW's moments and step counts, the
-//! schedule's position, the epoch, whose number seeds that epoch's shuffle).
+//! checkpoint (one `TrainingCheckpoint` file, `<--checkpoint>/training.safetensors`) holds everything
+//! the run depends on (weights, AdamW's moments and step counts, the schedule's position, the
+//! epoch, whose number seeds that epoch's shuffle, and the random generator).
 
 use std::num::NonZeroUsize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_module::{device_or_env, digits_path, DigitNet, Digits};
 use clap::Parser;
 use module_runtime::distributed::DistributedSampler;
 use module_runtime::prelude::*;
-use module_runtime::StateDict;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -74,7 +74,9 @@ fn main() -> AnyResult<()> {
         module_runtime::device_name(&device)
     );
 
-    let model = DigitNet::seeded(&device, args.seed)?;
+    // torch.manual_seed: the initial weights are the same for the same --seed.
+    manual_seed(args.seed);
+    let model = DigitNet::new(&device)?;
     print!("{}", model.summary());
 
     // torch.optim.AdamW over two parameter groups: no weight decay for the biases.
@@ -119,7 +121,7 @@ fn main() -> AnyResult<()> {
             bar.inc(1);
         }
         bar.set_message(format!("{:.4}", total / steps_per_epoch as f32));
-        save_checkpoint(&args, epoch + 1, &model, &opt, &schedule)?;
+        save_checkpoint(&args, epoch + 1, &model, &mut opt, &mut schedule)?;
     }
     bar.finish();
     let train_time = start.elapsed();
@@ -166,122 +168,73 @@ fn main() -> AnyResult<()> {
     Ok(())
 }
 
-/// The run's progress and the flags its schedule and shuffles depend on, as `trainer_state`.
-fn trainer_state(args: &Args, epoch: usize, step: usize) -> AnyResult<StateDict> {
-    let mut sd = StateDict::new();
+/// The run's progress and the flags its schedule and shuffles depend on.
+fn trainer_state(args: &Args, epoch: usize, step: usize) -> TrainerState {
+    let mut state = TrainerState {
+        epoch,
+        global_step: step,
+        ..Default::default()
+    };
     for (key, value) in [
-        ("epoch", epoch as f64),
-        ("global_step", step as f64),
         ("epochs", args.epochs as f64),
         ("batch_size", args.batch_size.get() as f64),
         ("lr", args.lr),
         ("seed", args.seed as f64),
     ] {
-        sd.insert(key, Tensor::new(value, &Device::Cpu)?);
+        state.values.insert(key.to_owned(), value);
     }
-    Ok(sd)
+    state
 }
 
-/// Writes the training checkpoint, Hugging Face Trainer's folder in safetensors: `model`,
-/// `optimizer`, `scheduler` and `trainer_state`, each through `StateDict::save_safetensors` (a
-/// temporary file, flushed, renamed into place). The four are written into a folder beside the
-/// checkpoint (`<dir>.tmp`), which then takes its place: the previous checkpoint is renamed aside
-/// (`<dir>.old`), the new one into place, and the old one removed. So whole checkpoints only are
-/// ever on disk under these names, and an interrupted save leaves the previous epoch's one, under
-/// `<dir>` or (killed between the two renames) `<dir>.old`, which [`saved_checkpoint`] finds.
+/// The training checkpoint's file in `--checkpoint`.
+fn checkpoint_file(args: &Args) -> PathBuf {
+    args.checkpoint.join("training.safetensors")
+}
+
+/// Writes the training checkpoint: weights, AdamW's state, the schedule, the epoch and step, the
+/// run's flags and the random generator, in one file that `TrainingCheckpoint` writes atomically
+/// (a kill leaves the previous epoch's checkpoint whole).
 fn save_checkpoint(
     args: &Args,
     epoch: usize,
     model: &DigitNet,
-    opt: &AdamW,
-    schedule: &LambdaLr,
+    opt: &mut AdamW,
+    schedule: &mut LambdaLr,
 ) -> AnyResult<()> {
-    let dir = &args.checkpoint;
-    let (tmp, old) = (dir.with_extension("tmp"), dir.with_extension("old"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
-    }
-    std::fs::create_dir_all(&tmp)?;
-    model.save_safetensors(tmp.join("model.safetensors"))?;
-    opt.save_state(&tmp.join("optimizer.safetensors"))?;
-    let state = trainer_state(args, epoch, schedule.last_epoch())?;
-    for (name, sd) in [
-        ("scheduler", schedule.state_dict()?),
-        ("trainer_state", state),
-    ] {
-        sd.save_safetensors(tmp.join(format!("{name}.safetensors")))?;
-    }
-    if dir.exists() {
-        if old.exists() {
-            std::fs::remove_dir_all(&old)?;
-        }
-        std::fs::rename(dir, &old)?;
-    }
-    std::fs::rename(&tmp, dir)?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old)?;
-    }
+    std::fs::create_dir_all(&args.checkpoint)?;
+    let state = trainer_state(args, epoch, schedule.last_epoch());
+    TrainingCheckpoint::new(model)
+        .optimizer(opt)
+        .scheduler(schedule)
+        .save(checkpoint_file(args), &state)?;
     Ok(())
 }
 
-/// The folder holding the last whole training checkpoint: `--checkpoint`, or `<dir>.old` when a
-/// save was killed between moving the previous checkpoint aside and the new one into place.
-fn saved_checkpoint(args: &Args) -> PathBuf {
-    let old = args.checkpoint.with_extension("old");
-    if !args.checkpoint.exists() && old.exists() {
-        old
-    } else {
-        args.checkpoint.clone()
-    }
-}
-
-/// Loads the training checkpoint into the model, the optimizer and the schedule (made as at the
-/// start of the run) and returns the number of epochs it completed. The checkpoint must come from
-/// a run with the same `--epochs`, `--batch-size`, `--lr` and `--seed`.
+/// Restores the training checkpoint into the model, the optimizer and the schedule (made as at
+/// the start of the run) and returns the number of epochs it completed. The checkpoint must come
+/// from a run with the same `--epochs`, `--batch-size`, `--lr` and `--seed`.
 fn load_checkpoint(
     args: &Args,
     model: &DigitNet,
     opt: &mut AdamW,
     schedule: &mut LambdaLr,
 ) -> AnyResult<usize> {
-    let dir: &Path = &saved_checkpoint(args);
-    let saved = StateDict::read(
-        dir.join("trainer_state.safetensors"),
-        &LoadOptions::default(),
-    )?;
-    let value = |key: &str| -> AnyResult<f64> {
-        let t = saved
-            .get(key)
-            .ok_or_else(|| format!("{}: no {key} in trainer_state", dir.display()))?;
-        Ok(t.to_scalar::<f64>()?)
-    };
-    let expected = trainer_state(args, 0, 0)?;
-    for flag in ["epochs", "batch_size", "lr", "seed"] {
-        let want = expected
-            .get(flag)
-            .expect("written above")
-            .to_scalar::<f64>()?;
-        if value(flag)? != want {
+    let saved = TrainingCheckpoint::new(model)
+        .optimizer(opt)
+        .scheduler(schedule)
+        .load(checkpoint_file(args))?;
+    let expected = trainer_state(args, 0, 0);
+    for (flag, want) in &expected.values {
+        let found = saved.values.get(flag).copied();
+        if found != Some(*want) {
             return Err(format!(
                 "{} was made with --{} {}, this run has {want}: resume with the run's flags",
-                dir.display(),
+                args.checkpoint.display(),
                 flag.replace('_', "-"),
-                value(flag)?
+                found.map_or("(none)".to_owned(), |v| v.to_string())
             )
             .into());
         }
     }
-    model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
-    opt.load_state(&dir.join("optimizer.safetensors"))?;
-    let sched = StateDict::read(dir.join("scheduler.safetensors"), &LoadOptions::default())?;
-    schedule.load_state_dict(&sched, opt)?;
-    let epoch = value("epoch")? as usize;
-    if value("global_step")? as usize != schedule.last_epoch() {
-        return Err(format!(
-            "{}: the schedule and the trainer state disagree",
-            dir.display()
-        )
-        .into());
-    }
-    Ok(epoch)
+    Ok(saved.epoch)
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use module_runtime::prelude::*;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 /// The bundled UCI digits data set (`data/digits.csv.gz`, CC BY 4.0; see `data/README.md`).
 pub fn digits_path() -> PathBuf {
@@ -115,38 +115,13 @@ pub struct DigitNet {
 }
 
 impl DigitNet {
-    /// A randomly initialized network (PyTorch's `Linear` initialization) on `device`.
+    /// A randomly initialized network (PyTorch's `Linear` initialization) on `device`: the same
+    /// network after the same `module_runtime::manual_seed`.
     pub fn new(device: &Device) -> Result<Self> {
         Ok(Self {
             fc1: Linear::new(64, 128, device)?,
             fc2: Linear::new(128, 64, device)?,
             head: Linear::new(64, 10, device)?,
-        })
-    }
-
-    /// [`new`](Self::new) with the values drawn from a generator seeded with `seed`, so that runs
-    /// with the same seed start from the same network (candle's CPU generator cannot be seeded).
-    /// The distribution is PyTorch's `Linear` initialization: uniform in `±1/sqrt(in_features)`,
-    /// weights then bias, layer by layer.
-    pub fn seeded(device: &Device, seed: u64) -> Result<Self> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut linear = |in_features: usize, out_features: usize| -> Result<Linear> {
-            let bound = 1.0 / (in_features as f32).sqrt();
-            let mut draw = |n: usize| -> Vec<f32> {
-                (0..n).map(|_| rng.random_range(-bound..bound)).collect()
-            };
-            let weight = Tensor::from_vec(
-                draw(out_features * in_features),
-                (out_features, in_features),
-                device,
-            )?;
-            let bias = Tensor::from_vec(draw(out_features), out_features, device)?;
-            Linear::from_tensors(weight, Some(bias))
-        };
-        Ok(Self {
-            fc1: linear(64, 128)?,
-            fc2: linear(128, 64)?,
-            head: linear(64, 10)?,
         })
     }
 

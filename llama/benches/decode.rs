@@ -4,8 +4,8 @@
 //! them alike). f32, batch 1, a 128-token prompt, 64 greedy tokens: issue 30's item 5.
 //!
 //! ```text
-//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench decode            # 5 rounds
-//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench decode -- 10      # 10 rounds
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --features peers --bench decode            # 5 rounds
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --features peers --bench decode -- 10      # 10 rounds
 //! ```
 //!
 //! The model is a random Llama shaped like SmolLM-135M (hidden 576, 30 layers, 9 heads / 3
@@ -26,7 +26,7 @@
 //! the same seeded model moved to that device, timed with the device synchronized:
 //!
 //! ```text
-//! MODULE_DEVICE=cuda:0 PYTORCH=python3 QUANTIZE=q8_0 cargo bench -p llama --features cuda --bench decode
+//! MODULE_DEVICE=cuda:0 PYTORCH=python3 QUANTIZE=q8_0 cargo bench -p llama --features cuda,peers --bench decode
 //! ```
 //!
 //! Quantized weights (issue 30's item 4): `QUANTIZE=q8_0,q4_0,q4_k` adds, per kind, our model with
@@ -40,7 +40,7 @@
 //! ours keeps such layers in float, llama.cpp's files cannot.
 //!
 //! ```text
-//! QUANTIZE=q8_0,q4_0 LLAMA_BENCH_DIR=/tmp/smollm cargo bench -p llama --bench decode -- 5
+//! QUANTIZE=q8_0,q4_0 LLAMA_BENCH_DIR=/tmp/smollm cargo bench -p llama --features peers --bench decode -- 5
 //! ```
 //!
 //! Ours: prefill is `scan` over the prompt (logits of every position, as PyTorch's `m(ids)`) and

@@ -4,8 +4,8 @@
 //! seconds each, and on the 2-core development machine two such runs differ by 10–25%).
 //!
 //! ```text
-//! cargo bench -p minilm --bench interleaved            # 30 rounds
-//! cargo bench -p minilm --bench interleaved -- 60      # 60 rounds
+//! cargo bench -p minilm --features peers --bench interleaved            # 30 rounds
+//! cargo bench -p minilm --features peers --bench interleaved -- 60      # 60 rounds
 //! ```
 //!
 //! Variants: candle-transformers' `BertModel` (the peer), ours with `eval()` only, ours with
@@ -23,7 +23,7 @@
 //! median of the rounds' medians:
 //!
 //! ```text
-//! PYTORCH=/path/to/venv/bin/python cargo bench -p minilm --bench interleaved -- 20
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p minilm --features peers --bench interleaved -- 20
 //! ```
 
 use std::hint::black_box;

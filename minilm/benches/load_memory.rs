@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! for m in derived empty candle_transformers varbuilder; do
-//!     cargo bench -p minilm --bench load_memory -- $m
+//!     cargo bench -p minilm --features peers --bench load_memory -- $m
 //! done
 //! ```
 //!

@@ -8,7 +8,7 @@
 //! `eval()` + `freeze("**")`.
 //!
 //! ```text
-//! cargo bench -p minilm --bench minilm
+//! cargo bench -p minilm --features peers --bench minilm
 //! ```
 //!
 //! The checkpoint comes from `MINILM_DIR` or `../shared/models/all-MiniLM-L6-v2`; without it the

@@ -81,6 +81,9 @@ pub use module_nn as nn;
 #[doc(inline)]
 pub use module_optim as optim;
 
+/// The runtime's random generator, PyTorch's default generator: what it covers, what it does not.
+#[doc(inline)]
+pub use module_core::random;
 #[doc(hidden)]
 pub use module_core::CallTarget;
 pub use module_core::{
@@ -93,6 +96,7 @@ pub use module_core::{
     QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance, TypedPath,
     EXTRA_STATE_KEY,
 };
+pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
 pub use module_hooks::Scope;
@@ -159,7 +163,7 @@ pub use candle_nn;
 /// ```
 ///
 /// It also brings the inference and loading helpers the README writes bare: [`no_grad`],
-/// [`enable_grad`], [`without_grad`], [`build_empty`], and [`Tolerance`] for
+/// [`enable_grad`], [`without_grad`], [`build_empty`], [`manual_seed`], and [`Tolerance`] for
 /// [`expect_outputs`](crate::FunctionalExt::expect_outputs), and [`quantize`](crate::nn::quantize)
 /// with its kinds ([`GgmlDType`](crate::nn::GgmlDType)) for quantized weights.
 ///
@@ -170,7 +174,9 @@ pub use candle_nn;
 /// (`clip_grad_norm_`), [`clip_grad_value`](crate::optim::clip_grad_value),
 /// [`GradAccumulator`](crate::optim::GradAccumulator), and the schedules
 /// ([`LrScheduler`](crate::optim::LrScheduler), [`LambdaLr`](crate::optim::LambdaLr),
-/// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)). The
+/// [`StepLr`](crate::optim::StepLr), [`ExponentialLr`](crate::optim::ExponentialLr)), and the
+/// whole run's checkpoint ([`TrainingCheckpoint`](crate::optim::TrainingCheckpoint),
+/// [`TrainerState`](crate::optim::TrainerState)). The
 /// optimizers' own `Error` and `Result` stay in [`optim`]: the prelude's are the runtime's.
 ///
 /// ```
@@ -188,10 +194,10 @@ pub mod prelude {
     pub use crate::nn::{quantize, GgmlDType, Linear};
     pub use crate::optim::{
         clip_grad_norm, clip_grad_value, Adam, AdamW, ExponentialLr, GradAccumulator, LambdaLr,
-        LrScheduler, Optimizer, ParamGroups, StepLr, SGD,
+        LrScheduler, Optimizer, ParamGroups, StepLr, TrainerState, TrainingCheckpoint, SGD,
     };
     pub use crate::Recurrent;
-    pub use crate::{build_empty, enable_grad, no_grad, without_grad};
+    pub use crate::{build_empty, enable_grad, manual_seed, no_grad, without_grad};
     pub use crate::{
         Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
         LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,

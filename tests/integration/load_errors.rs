@@ -523,27 +523,74 @@ mod forward {
         }
     }
 
+    /// A layer of the user's own that calls candle directly (`Linear` checks its input itself).
+    #[derive(Module)]
+    struct Projection {
+        weight: Param,
+    }
+
+    impl Forward<&Tensor> for Projection {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            Ok(x.matmul(&self.weight.tensor()?)?)
+        }
+    }
+
+    #[derive(Module)]
+    struct Tower {
+        blocks: Vec<Projection>,
+    }
+
+    impl Forward<&Tensor> for Tower {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let mut x = x.clone();
+            for block in &self.blocks {
+                x = block.call(&x)?;
+            }
+            Ok(x)
+        }
+    }
+
+    #[derive(Module)]
+    struct Outer {
+        tower: Tower,
+    }
+
+    impl Forward<&Tensor> for Outer {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.tower.call(x)
+        }
+    }
+
     #[test]
     fn a_shape_error_deep_in_candle_names_the_submodule_path_and_type() {
-        let model = model(Some(3));
+        // Block 2 of three takes 5 features where the others give 4: candle's matmul fails.
+        let blocks = [4, 4, 5]
+            .iter()
+            .map(|&rows| Projection {
+                weight: Param::new(Tensor::ones((rows, 4), DType::F32, &dev()).unwrap()).unwrap(),
+            })
+            .collect();
+        let model = Outer {
+            tower: Tower { blocks },
+        };
         let err = model.call(&input()).unwrap_err();
-        assert_eq!(
-            frame(&err),
-            ("encoder.layer.3.intermediate.dense", "Linear".into())
-        );
+        assert_eq!(frame(&err), ("tower.blocks.2", "Projection".into()));
         // The original error is one `source()` away, and `inner()` gets it for matching.
         let inner = err.inner();
         assert!(matches!(inner, Error::Candle(_)), "{inner:?}");
         assert_eq!(err.source().unwrap().to_string(), inner.to_string());
         assert_eq!(
             err.to_string(),
-            format!("forward of `encoder.layer.3.intermediate.dense` (Linear) failed: {inner}")
+            format!("forward of `tower.blocks.2` (Projection) failed: {inner}")
         );
         assert!(inner.to_string().contains("shape mismatch"), "{inner}");
 
         // Called on a submodule, the path starts there.
-        let err = model.encoder.call(&input()).unwrap_err();
-        assert_eq!(frame(&err), ("layer.3.intermediate.dense", "Linear".into()));
+        let err = model.tower.call(&input()).unwrap_err();
+        assert_eq!(frame(&err), ("blocks.2", "Projection".into()));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod boundary_messages;
 mod checkpoints;
 mod containers;
 mod cpu_capability;

@@ -423,3 +423,62 @@ fn user_modules_add_their_extra_repr_or_keep_their_display() -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Module)]
+struct Block {
+    fc: Linear,
+    act: ReLU,
+}
+
+#[derive(Module)]
+struct Stack {
+    blocks: Vec<Block>,
+    pair: [Linear; 2],
+    heads: BTreeMap<String, Linear>,
+}
+
+/// A `Vec` (or array) of modules prints as the `nn.ModuleList` PyTorch code would hold, runs of
+/// equal entries collapsed; a map as `nn.ModuleDict`. The text is PyTorch's for
+/// `blocks = nn.ModuleList([Block(), Block()])`, `pair = nn.ModuleList([nn.Linear(4, 4),
+/// nn.Linear(4, 3)])` and `heads = nn.ModuleDict({"cls": ..., "reg": ...})`.
+#[test]
+fn vec_and_map_fields_print_as_module_list_and_module_dict() -> Result<()> {
+    let dev = Device::Cpu;
+    let block = || -> Result<Block> {
+        Ok(Block {
+            fc: Linear::new(4, 4, &dev)?,
+            act: ReLU::new(),
+        })
+    };
+    let stack = Stack {
+        blocks: vec![block()?, block()?],
+        pair: [Linear::new(4, 4, &dev)?, Linear::new(4, 3, &dev)?],
+        heads: BTreeMap::from([
+            ("cls".to_owned(), Linear::new(4, 2, &dev)?),
+            ("reg".to_owned(), Linear::new(4, 1, &dev)?),
+        ]),
+    };
+    let want = "\
+Stack(
+  (blocks): ModuleList(
+    (0-1): 2 x Block(
+      (fc): Linear(in_features=4, out_features=4, bias=True)
+      (act): ReLU()
+    )
+  )
+  (pair): ModuleList(
+    (0): Linear(in_features=4, out_features=4, bias=True)
+    (1): Linear(in_features=4, out_features=3, bias=True)
+  )
+  (heads): ModuleDict(
+    (cls): Linear(in_features=4, out_features=2, bias=True)
+    (reg): Linear(in_features=4, out_features=1, bias=True)
+  )
+)";
+    assert_eq!(stack.to_string(), want);
+    assert_eq!(
+        module_runtime::module_repr(&Vec::<Block>::new()),
+        "ModuleList()"
+    );
+    Ok(())
+}

@@ -2,10 +2,13 @@
 //! by path (`#[path = "support/mod.rs"] mod support;`), so each bench uses what it needs.
 #![allow(dead_code)]
 
+#[cfg(feature = "peers")]
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+#[cfg(feature = "peers")]
 use candle_nn::VarBuilder;
+#[cfg(feature = "peers")]
 use candle_transformers::models::bert;
 
 /// What every benchmark sets first: two threads, as PyTorch's side (`torch.set_num_threads(2)`),
@@ -49,7 +52,8 @@ pub fn batch(batch: usize, seq: usize, device: &Device) -> candle_core::Result<(
 }
 
 /// candle-transformers' BERT from the checkpoint folder `dir`, as its examples load it: the
-/// `config.json`, and a memory-mapped `VarBuilder`.
+/// `config.json`, and a memory-mapped `VarBuilder` (feature `peers`).
+#[cfg(feature = "peers")]
 pub fn peer(dir: &Path, device: &Device) -> candle_core::Result<bert::BertModel> {
     let config: bert::Config = serde_json::from_str(
         &std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?,

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{Error, Result};
 use crate::lazy_shape::LazyShape;
+use crate::random;
 
 /// What a cell holds: a `Var` (parameters) or a `Tensor` (buffers).
 pub trait CellValue: Sized {
@@ -264,6 +265,11 @@ pub type InitFn = dyn Fn(&Shape, usize, DType, &Device) -> Result<Tensor> + Send
 /// The recipe runs with the full shape, the layer's `fan_in` (which a bias cannot infer from its
 /// own shape: PyTorch bounds a `Linear` bias by the weight's fan-in) and the dtype and device the
 /// value was last moved to.
+///
+/// The random recipes draw from the runtime's generator ([`manual_seed`](crate::manual_seed)),
+/// on the CPU, and move the values to the device: a seed gives the same values on every device.
+/// A `Custom` recipe that should be reproducible draws with [`rand`](crate::rand) and
+/// [`randn`](crate::randn) too.
 #[derive(Clone)]
 pub enum Init {
     /// All zeros.
@@ -307,13 +313,13 @@ impl Init {
             Init::Ones => Tensor::ones(shape, dtype, device)?,
             Init::UniformFanIn => {
                 let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-                Tensor::rand(-bound, bound, shape, device)?.to_dtype(dtype)?
+                random::rand(-bound, bound, shape, dtype, &Device::Cpu)?.to_device(device)?
             }
             Init::Uniform { low, high } => {
-                Tensor::rand(*low, *high, shape, device)?.to_dtype(dtype)?
+                random::rand(*low, *high, shape, dtype, &Device::Cpu)?.to_device(device)?
             }
             Init::Normal { mean, std } => {
-                Tensor::randn(*mean, *std, shape, device)?.to_dtype(dtype)?
+                random::randn(*mean, *std, shape, dtype, &Device::Cpu)?.to_device(device)?
             }
             Init::Custom(f) => {
                 let t = f(shape, fan_in, dtype, device)?;

@@ -16,6 +16,7 @@
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
+//! | `random` | the runtime's seeded generator: `manual_seed`, its state, the draws every initializer and dropout makes |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
 //! | `param`, `quant`, `quant_slot`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`) |
 //! | `extra_state` | [`ExtraState`]: a module's non-tensor state, its key, its all-or-nothing restore |
@@ -69,6 +70,8 @@ pub mod pattern;
 pub mod quant;
 mod quant_slot;
 #[doc(hidden)]
+pub mod random;
+#[doc(hidden)]
 pub mod report;
 #[doc(hidden)]
 pub mod repr;
@@ -108,6 +111,7 @@ pub use names::Names;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use quant_slot::QuantizedLayout;
+pub use random::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
 pub use report::{LoadReport, Mismatch};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};

@@ -117,7 +117,8 @@ pub enum ChildRepr {
 /// (`Linear(in_features=4, out_features=2, bias=True)`). Parameters and buffers are not listed.
 ///
 /// A `ModuleList` shows consecutive children with the same text as one line,
-/// `(0-2): 3 x Linear(...)`, as PyTorch's `ModuleList.__repr__` does.
+/// `(0-2): 3 x Linear(...)`, as PyTorch's `ModuleList.__repr__` does; a `Vec` (or array) of
+/// modules prints as that `ModuleList`, a `BTreeMap<String, _>` of them as a `ModuleDict`.
 ///
 /// Derived modules and the runtime's layers implement `Display` with it, so
 /// `println!("{model}")` is `print(model)`.
@@ -159,6 +160,8 @@ fn repr_as(m: &dyn Module, class: Option<&str>) -> String {
         }
     });
     // PyTorch's class name has no type arguments: `ModuleList<Linear>` prints as `ModuleList`.
+    // A `Vec` of modules is PyTorch's `ModuleList`, a map its `ModuleDict`, an adapted layer
+    // PEFT's `lora.Linear`: the type's own class for printing.
     let full = m.__repr_class().unwrap_or_else(|| m.class_name());
     let name = class.unwrap_or_else(|| full.split('<').next().unwrap_or(&full));
     let mut lines: Vec<String> = Vec::new();

@@ -4,17 +4,18 @@ use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 use crate::fused_grad;
+use crate::random;
 
 /// `x` with each element zeroed with probability `p` and the kept ones scaled by `1 / (1 - p)`,
 /// for `0 < p < 1` (the layers handle 0 and 1 themselves): on a float32 CPU tensor that records a
 /// gradient (fusion on), one op whose backward applies the same mask; elsewhere the mask is a
-/// constant of the graph, drawn with candle's `Tensor::rand`, and gradients flow through the kept
-/// elements, scaled.
+/// constant of the graph, and gradients flow through the kept elements, scaled. The draws are the
+/// runtime's generator's ([`manual_seed`](module_core::manual_seed)) on both paths.
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
     if fused_grad::can_fuse_dropout(x) {
         return fused_grad::dropout(x, p);
     }
-    let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?
+    let keep = random::rand(0., 1., x.shape(), DType::F32, x.device())?
         .ge(p)?
         .to_dtype(DType::F32)?;
     let mask = (keep * (1.0 / (1.0 - p)))?.to_dtype(x.dtype())?;

@@ -44,7 +44,7 @@
 #![warn(missing_docs)]
 
 // The lower crate's items, under the names this crate's files use (`crate::error::Result`).
-use module_core::{error, Param};
+use module_core::{error, random, Param};
 
 mod capability;
 mod cpu;

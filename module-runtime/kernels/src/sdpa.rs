@@ -45,7 +45,7 @@ pub struct SdpaOptions {
 /// `[B, L, Hq, Ev]` buffer: transposing it back to put the heads side by side
 /// (`.transpose(1, 2)?.reshape((b, l, hq * ev))?`) copies nothing. When an input records a
 /// gradient, that pass is one node of the graph whose backward is one pass per head as well,
-/// dropout included (its draws are candle's `Tensor::rand`, as the composed path's).
+/// dropout included (its draws are the runtime's generator's, as the composed path's).
 ///
 /// ```
 /// use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
@@ -234,7 +234,7 @@ fn composed(
     }
     let mut probs = softmax(&scores, scores.rank() - 1)?;
     if options.dropout_p > 0.0 {
-        probs = candle_nn::ops::dropout(&probs, options.dropout_p as f32)?;
+        probs = crate::dropout::dropout(&probs, options.dropout_p)?;
     }
     Ok(probs.matmul(&v)?)
 }

@@ -318,8 +318,7 @@ layer_forward!(RReLU, |layer, x| {
         let slope = (layer.lower + layer.upper) / 2.0;
         return Ok(positive.where_cond(x, &x.affine(slope, 0.0)?)?);
     }
-    let slopes =
-        Tensor::rand(layer.lower, layer.upper, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    let slopes = module_core::rand(layer.lower, layer.upper, x.shape(), x.dtype(), x.device())?;
     let noise = positive.where_cond(&x.ones_like()?, &slopes)?;
     Ok((x * noise)?)
 });

@@ -311,6 +311,42 @@ impl MultiheadAttention {
         Ok(x.transpose(1, 2)?.contiguous()?)
     }
 
+    /// Query, key and value: `[B, L, E]`/`[L, B, E]` (or `[L, E]` unbatched), all of one rank,
+    /// the last dimension `embed_dim`; a mismatch names the tensor, both sizes and the fix.
+    fn check_inputs(&self, input: &AttentionInput<'_>) -> Result<()> {
+        let e = self.embed_dim();
+        let rank = input.query.rank();
+        for (name, t) in [
+            ("query", input.query),
+            ("key", input.key),
+            ("value", input.value),
+        ] {
+            let fail = |what: String| Error::InvalidInput {
+                layer: "MultiheadAttention",
+                message: format!("{name} {:?}: {what}", t.dims()),
+            };
+            if !(2..=3).contains(&t.rank()) || t.rank() != rank {
+                return Err(fail(format!(
+                    "expected {} ([L, E] unbatched, or 3-D) like the query",
+                    if self.batch_first {
+                        "[B, L, E]"
+                    } else {
+                        "[L, B, E]"
+                    }
+                )));
+            }
+            let got = t.dims()[t.rank() - 1];
+            if got != e {
+                return Err(fail(format!(
+                    "expected embed_dim = {e}, got {got} (last dimension): give it inputs of \
+                     width {e}, or make the layer `MultiheadAttention::new({got}, {}, ..)`",
+                    self.num_heads
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn attend(&self, input: AttentionInput<'_>) -> Result<(Tensor, Option<Tensor>)> {
         let w = self.in_proj_weight.tensor()?;
         let masks = [input.key_padding_mask, input.attn_mask];
@@ -320,6 +356,7 @@ impl MultiheadAttention {
         {
             check_input_device("MultiheadAttention.in_proj_weight", &w, t)?;
         }
+        self.check_inputs(&input)?;
         let unbatched = input.query.rank() == 2;
         let layout = |t: &Tensor| -> Result<Tensor> {
             Ok(match (unbatched, self.batch_first) {

@@ -6,7 +6,7 @@
 //! [`Mode`]) and draws a fresh mask per call in training mode; the mask is a constant of the graph,
 //! so the gradient is the kept elements' scale. The formulas are ATen's `_dropout_impl`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::common::{forward_by_value, input_shape_error, layer_forward, layer_repr};
 use crate::dropout::dropout_repr;
@@ -28,7 +28,7 @@ fn check_p(p: f64) {
 
 /// A keep-mask of ones and zeros (kept with probability `1 - p`) of shape `dims`, in `x`'s dtype.
 fn keep_mask(x: &Tensor, dims: &[usize], p: f64) -> Result<Tensor> {
-    let draw = Tensor::rand(0f32, 1f32, dims, x.device())?;
+    let draw = module_core::rand(0., 1., dims, DType::F32, x.device())?;
     Ok(draw.ge(p)?.to_dtype(x.dtype())?)
 }
 

@@ -321,10 +321,47 @@ impl Embedding {
         if let Some(max_norm) = self.max_norm {
             renorm_rows(&weight, ids, max_norm, self.norm_type)?;
         }
-        let rows = weight.index_select(&ids.flatten_all()?, 0)?;
+        let rows = weight
+            .index_select(&ids.flatten_all()?, 0)
+            .map_err(|e| ids_out_of_range("Embedding", ids, weight.dims(), e))?;
         let mut dims = ids.dims().to_vec();
         dims.push(weight.dim(1)?);
         detach_padding(rows.reshape(dims)?, ids, self.padding_idx)
+    }
+}
+
+/// What a failed lookup in a `table` `[num_embeddings, dim]` means: an id outside
+/// `0..num_embeddings` (found after the failure, so a lookup that succeeds pays nothing; candle
+/// checks the ids on the CPU), said with the range and the fix, or candle's error as it is.
+pub(crate) fn ids_out_of_range(
+    layer: &'static str,
+    ids: &Tensor,
+    table: &[usize],
+    error: candle_core::Error,
+) -> Error {
+    let extreme = |t: candle_core::Result<Tensor>| -> Option<i64> {
+        t.and_then(|t| t.to_dtype(DType::I64)?.to_scalar::<i64>())
+            .ok()
+    };
+    let flat = ids.flatten_all();
+    let (Ok(flat), &[rows, dim]) = (flat, table) else {
+        return error.into();
+    };
+    let (Some(min), Some(max)) = (extreme(flat.min(0)), extreme(flat.max(0))) else {
+        return error.into();
+    };
+    let bad = if max >= rows as i64 { max } else { min };
+    if min >= 0 && max < rows as i64 {
+        return error.into();
+    }
+    Error::InvalidInput {
+        layer,
+        message: format!(
+            "ids must be in 0..{rows} (num_embeddings = {rows}), got {bad}: make the table \
+             larger (`{layer}::new({}, {dim}, ..)`), or check that the ids come from the \
+             vocabulary the model was made for",
+            bad.max(0) + 1
+        ),
     }
 }
 

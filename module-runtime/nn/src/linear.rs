@@ -203,14 +203,37 @@ fn base_forward(layer: &Linear, x: &Tensor) -> Result<Tensor> {
         // A quantized weight (`quantize`): the kernels choose the quantized product or the float
         // one over the dequantized values.
         check_device("Linear.weight", &layer.weight.device(), x)?;
+        check_in_features(layer.weight.shape().dims(), x)?;
         let bias = param_tensor(&layer.bias)?;
         return module_kernels::quantized_linear(x, &layer.weight, bias.as_ref());
     }
     // The weight first: an unloaded layer's error names its weight.
     let weight = layer.weight.tensor()?;
     check_input_device("Linear.weight", &weight, x)?;
+    check_in_features(weight.dims(), x)?;
     let bias = param_tensor(&layer.bias)?;
     module_kernels::linear(x, &weight, bias.as_ref())
+}
+
+/// The input's last dimension against the weight's `in_features` (`weight` is `[out, in]`): a
+/// mismatch says which dimension, both sizes and the two fixes, instead of candle's product
+/// error with the transposed weight's shape.
+fn check_in_features(weight: &[usize], x: &Tensor) -> Result<()> {
+    let (&[out_features, in_features], Some(&got)) = (weight, x.dims().last()) else {
+        return Ok(());
+    };
+    if got == in_features {
+        return Ok(());
+    }
+    Err(crate::Error::InvalidInput {
+        layer: "Linear",
+        message: format!(
+            "expected in_features = {in_features}, got {got} (last dimension of the input \
+             {:?}): give it inputs of shape [.., {in_features}], or make the layer \
+             `Linear::new({got}, {out_features}, ..)`",
+            x.dims()
+        ),
+    })
 }
 
 /// A [`Linear`] layer whose `in_features` is the last dimension of its first input: PyTorch's

@@ -20,13 +20,20 @@ pub enum Error {
     #[error(transparent)]
     Runtime(#[from] module_core::Error),
 
-    /// A parameter group's pattern matches no parameter of the model.
-    #[error("the parameter group pattern `{pattern}` matches no parameter{}", list_some(.available))]
+    /// A parameter group's pattern matches no parameter of the model. A pattern matches whole
+    /// paths from the root (`bias` is a parameter named `bias` at the root), not a substring as
+    /// PyTorch code's `"bias" in name` does: where `**.<pattern>` would match, it is suggested.
+    #[error(
+        "the parameter group pattern `{pattern}` matches no parameter{}",
+        pattern_fix(.pattern, .suggestion, .available)
+    )]
     PatternMatchesNothing {
         /// The pattern as written.
         pattern: String,
         /// A few of the parameter paths there are, to compare with.
         available: Vec<String>,
+        /// `**.<pattern>`, when it matches parameters (`**.bias` for `bias`).
+        suggestion: Option<String>,
     },
 
     /// A parameter is selected by the patterns of two parameter groups.
@@ -109,8 +116,31 @@ pub enum Error {
         norm_type: f64,
     },
 
-    /// `load_state_dict`: the state dict does not fit the optimizer. Nothing was changed.
-    #[error("cannot load the optimizer state: {0}")]
+    /// A [`TrainingCheckpoint`](crate::TrainingCheckpoint) could not be saved or restored:
+    /// `part` names what failed (`model`, `optimizer`, `scheduler_1`, `trainer_state`,
+    /// `rng_state`, `parts` when the file holds other parts than the checkpoint, `file` when it
+    /// cannot be read). A failed restore changed nothing.
+    #[error(
+        "training checkpoint `{}`, {part}: {source}{}",
+        path.display(),
+        if *.restoring { "; nothing was restored (the model, optimizers, schedules and generator are as they were)" } else { "" }
+    )]
+    Checkpoint {
+        /// The checkpoint file.
+        path: std::path::PathBuf,
+        /// The part that failed.
+        part: String,
+        /// Whether it failed restoring (else saving).
+        restoring: bool,
+        /// What went wrong.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// `load_state_dict`: the state dict does not fit the optimizer. Nothing was changed. The
+    /// message ends with what to do where the problems say it: make the optimizer with the saved
+    /// run's parameter groups, over the model it was saved from, or as the same kind of optimizer.
+    #[error("cannot load the optimizer state: {}{}", .0, state_hint(.0))]
     State(#[from] StateError),
 }
 
@@ -199,23 +229,122 @@ pub enum StateError {
         /// What is wrong with it.
         reason: String,
     },
+    /// More than one of the above: everything a load found, at once (as a model's load reports
+    /// every key), one line each (missing keys together, unexpected keys together).
+    #[error("{} problems:{}", .problems.len(), lines(.problems))]
+    Mismatches {
+        /// Each problem; none is itself `Mismatches`.
+        problems: Vec<StateError>,
+    },
+}
+
+/// One line per problem, the first ten.
+fn lines(problems: &[StateError]) -> String {
+    const SHOWN: usize = 10;
+    let mut s: String = problems
+        .iter()
+        .take(SHOWN)
+        .map(|p| format!("\n  - {p}"))
+        .collect();
+    if problems.len() > SHOWN {
+        s.push_str(&format!("\n  - and {} more", problems.len() - SHOWN));
+    }
+    s
+}
+
+/// What to do, from the kinds of problems a load found.
+fn state_hint(e: &StateError) -> String {
+    let problems = match e {
+        StateError::Mismatches { problems } => problems.as_slice(),
+        one => std::slice::from_ref(one),
+    };
+    let keys = |p: &StateError| -> Vec<String> {
+        match p {
+            StateError::MissingKeys { keys } | StateError::UnexpectedKeys { keys } => keys.clone(),
+            _ => Vec::new(),
+        }
+    };
+    let all_keys: Vec<String> = problems.iter().flat_map(keys).collect();
+    let mut hints = Vec::new();
+    if problems.iter().any(|p| {
+        matches!(
+            p,
+            StateError::GroupCount { .. } | StateError::GroupMismatch { .. }
+        )
+    }) {
+        hints.push(
+            "make the optimizer with the parameter groups of the run that saved the state (the \
+             same `ParamGroups` patterns and options, in the same order)",
+        );
+    }
+    if all_keys.iter().any(|k| k.starts_with("param_groups.")) {
+        hints.push(
+            "the state has other hyperparameters: it was saved by another kind of optimizer \
+             (`SGD` into `AdamW`?) or with other options (`amsgrad`, `momentum`); make the same \
+             optimizer as the run that saved it",
+        );
+    }
+    if all_keys.iter().any(|k| k.starts_with("params.")) {
+        hints.push(
+            "the state's parameter paths are not this model's: load it into an optimizer over \
+             the model it was saved from (a model whose paths changed needs the state dict's keys \
+             renamed first)",
+        );
+    }
+    if problems
+        .iter()
+        .any(|p| matches!(p, StateError::ShapeMismatch { .. }))
+    {
+        hints.push(
+            "the parameters have other shapes than in the saved run: make the model with the \
+             saved run's configuration",
+        );
+    }
+    match hints.as_slice() {
+        [] => String::new(),
+        hints => format!("\nwhat to do: {}", hints.join("; ")),
+    }
 }
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Keys as a short list: hyperparameters, then parameters, then state entries, keys that differ
+/// only in their numbers as one pattern (`param_groups.{0,1}.eps`), the first ten patterns.
 fn list(keys: &[String]) -> String {
     const SHOWN: usize = 10;
-    let mut s = keys
+    let rank = |k: &str| match k.split('.').next() {
+        Some("param_groups") => 0,
+        Some("params") => 1,
+        Some("state") => 2,
+        _ => 3,
+    };
+    let mut sorted: Vec<&str> = keys.iter().map(String::as_str).collect();
+    sorted.sort_by_key(|k| rank(k));
+    let groups = module_core::key_groups::group_keys(sorted);
+    let mut s = groups
         .iter()
         .take(SHOWN)
-        .map(|k| format!("`{k}`"))
+        .map(|g| format!("`{}`", g.pattern))
         .collect::<Vec<_>>()
         .join(", ");
-    if keys.len() > SHOWN {
-        s.push_str(&format!(" and {} more", keys.len() - SHOWN));
+    if groups.len() > SHOWN {
+        let rest: usize = groups[SHOWN..].iter().map(|g| g.count).sum();
+        s.push_str(&format!(" and {rest} more"));
     }
     s
+}
+
+fn pattern_fix(pattern: &str, suggestion: &Option<String>, available: &[String]) -> String {
+    match suggestion {
+        Some(s) => format!(
+            ": a pattern matches whole paths from the model's root, not a part of a name as \
+             `\"{pattern}\" in name` does in PyTorch; did you mean `{s}` (`{pattern}` at any \
+             depth)?{}",
+            list_some(available)
+        ),
+        None => list_some(available),
+    }
 }
 
 fn list_some(available: &[String]) -> String {

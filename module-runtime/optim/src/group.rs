@@ -260,9 +260,19 @@ impl ParamGroups {
                     }
                 }
                 if !matched {
+                    // PyTorch code picks groups by substring (`"bias" in name`); a pattern matches
+                    // whole paths, and `**.bias` is what such a substring meant.
+                    let anywhere = format!("**.{}", pattern.as_str());
+                    let suggestion = PathPattern::new(&anywhere).ok().and_then(|p| {
+                        named
+                            .iter()
+                            .any(|(path, _)| p.matches_at_or_above(path))
+                            .then_some(anywhere)
+                    });
                     return Err(Error::PatternMatchesNothing {
                         pattern: pattern.as_str().to_owned(),
                         available: named.iter().take(10).map(|(p, _)| p.clone()).collect(),
+                        suggestion,
                     });
                 }
             }

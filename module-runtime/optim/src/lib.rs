@@ -27,13 +27,15 @@
 //! | `clip`, `accumulate` | [`clip_grad_norm`], [`clip_grad_value`]; [`GradAccumulator`] |
 //! | `schedule` | [`LrScheduler`]s |
 //! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
+//! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
 //! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
 //!
 //! ```
 //! // One dependency, module-runtime: the prelude brings the model API and torch.optim's
-//! // AdamW, ParamGroups, clip_grad_norm, GradAccumulator, LambdaLr, the Optimizer trait.
+//! // AdamW, ParamGroups, clip_grad_norm, GradAccumulator, LambdaLr, the Optimizer trait,
+//! // TrainingCheckpoint.
 //! use module_runtime::candle_nn::loss::cross_entropy;
 //! use module_runtime::nn::LayerNorm;
 //! use module_runtime::prelude::*;
@@ -85,29 +87,32 @@
 //!         }
 //!     }
 //!
-//!     // torch.save({"model": ..., "optimizer": optimizer.state_dict(), "scheduler": ...}, path):
-//!     // the optimizer's state is keyed by parameter path (state.dense.weight.exp_avg, ...).
-//!     let dir = std::env::temp_dir().join(format!("training-{}", std::process::id()));
-//!     std::fs::create_dir_all(&dir)?;
-//!     model.save_safetensors(dir.join("model.safetensors"))?;
-//!     optimizer.save_state(&dir.join("optimizer.safetensors"))?;
-//!     scheduler.state_dict()?.save_safetensors(dir.join("scheduler.safetensors"))?;
+//!     // torch.save({"model": ..., "optimizer": ..., "scheduler": ..., "epoch": ..., "rng": ...}):
+//!     // one file, written atomically; the optimizer's state is keyed by parameter path
+//!     // (optimizer.state.dense.weight.exp_avg, ...).
+//!     let path = std::env::temp_dir().join(format!("training-{}.safetensors", std::process::id()));
+//!     let progress = TrainerState { epoch: 1, global_step: 2, ..Default::default() };
+//!     TrainingCheckpoint::new(&model)
+//!         .optimizer(&mut optimizer)
+//!         .scheduler(&mut scheduler)
+//!         .save(&path, &progress)?;
 //!
-//!     // Resume: make everything as at the start, then load_state_dict each part.
+//!     // Resume: make everything as at the start, then restore it all in one call (all or nothing).
 //!     let resumed = Classifier {
 //!         dense: Linear::new(16, 32, &dev)?,
 //!         layer_norm: LayerNorm::new(32, &dev)?,
 //!         head: Linear::new(32, 4, &dev)?,
 //!     };
-//!     resumed.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
 //!     let mut opt2 = AdamW::with_groups(&resumed, AdamW::options().lr(5e-5), &groups)?;
 //!     let mut sched2 = LambdaLr::linear_with_warmup(&mut opt2, 10, 100);
-//!     opt2.load_state(&dir.join("optimizer.safetensors"))?;
-//!     let saved = StateDict::read(dir.join("scheduler.safetensors"), &LoadOptions::default())?;
-//!     sched2.load_state_dict(&saved, &mut opt2)?;
+//!     let restored = TrainingCheckpoint::new(&resumed)
+//!         .optimizer(&mut opt2)
+//!         .scheduler(&mut sched2)
+//!         .load(&path)?;
+//!     assert_eq!(restored.global_step, 2);
 //!     assert_eq!(opt2.lrs(), optimizer.lrs()); // 2 steps into the warmup: 5e-5 * 2 / 10
 //!     assert_eq!(opt2.state_dict()?.len(), optimizer.state_dict()?.len());
-//!     std::fs::remove_dir_all(&dir)?;
+//!     std::fs::remove_file(&path)?;
 //!     Ok(())
 //! }
 //! ```
@@ -116,6 +121,7 @@
 
 mod accumulate;
 mod adam;
+mod checkpoint;
 mod clip;
 mod error;
 mod fused;
@@ -128,6 +134,7 @@ mod state;
 
 pub use accumulate::GradAccumulator;
 pub use adam::{Adam, AdamOptions, AdamW};
+pub use checkpoint::{TrainerState, TrainingCheckpoint};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use error::{Error, Result, StateError};
 pub use group::{GroupOptions, NamedParams, ParamGroup, ParamGroups, ParamList, Patterns};

@@ -168,6 +168,53 @@ pub(crate) fn scalar(t: &Tensor, key: &str) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 
+/// What a load found wrong, collected so that one error reports it all.
+#[derive(Default)]
+struct Problems {
+    missing: Vec<String>,
+    unexpected: Vec<String>,
+    other: Vec<StateError>,
+}
+
+impl Problems {
+    fn push(&mut self, e: StateError) {
+        match e {
+            StateError::MissingKeys { keys } => self.missing.extend(keys),
+            StateError::UnexpectedKeys { keys } => self.unexpected.extend(keys),
+            e => self.other.push(e),
+        }
+    }
+
+    /// Collects a state problem; any other error (candle's) is returned as it is.
+    fn add(&mut self, e: Error) -> Result<()> {
+        match e {
+            Error::State(e) => {
+                self.push(e);
+                Ok(())
+            }
+            e => Err(e),
+        }
+    }
+
+    /// Nothing, one problem as its own variant, or all of them as `Mismatches`.
+    fn into_result(self) -> Result<()> {
+        let mut all = self.other;
+        if !self.missing.is_empty() {
+            all.push(StateError::MissingKeys { keys: self.missing });
+        }
+        if !self.unexpected.is_empty() {
+            all.push(StateError::UnexpectedKeys {
+                keys: self.unexpected,
+            });
+        }
+        match all.len() {
+            0 => Ok(()),
+            1 => Err(all.remove(0).into()),
+            _ => Err(StateError::Mismatches { problems: all }.into()),
+        }
+    }
+}
+
 /// An optimizer's groups and the state of each of their parameters, in the groups' order.
 pub(crate) struct Core<O, S> {
     pub(crate) groups: Vec<ParamGroup<O>>,
@@ -262,6 +309,8 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
 
     pub(crate) fn load_state_dict(&mut self, sd: &StateDict) -> Result<()> {
         // Everything is checked and built aside, then swapped in: a failure changes nothing.
+        // Every problem is collected, so one error reports them all (`StateError::Mismatches`).
+        let mut problems = Problems::default();
         let mut used: HashSet<String> = HashSet::new();
         let found_groups = sd
             .keys()
@@ -270,14 +319,13 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
             .map(|g| g + 1)
             .max()
             .unwrap_or(0);
-        if found_groups != self.groups.len() {
-            return Err(StateError::GroupCount {
+        let group_count_differs = found_groups != self.groups.len();
+        if group_count_differs {
+            problems.push(StateError::GroupCount {
                 expected: self.groups.len(),
                 found: found_groups,
-            }
-            .into());
+            });
         }
-        let mut missing = Vec::new();
         let mut options = Vec::with_capacity(self.groups.len());
         for (g, group) in self.groups.iter().enumerate() {
             let mut o = group.options.clone();
@@ -285,10 +333,15 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
                 let key = format!("param_groups.{g}.{name}");
                 match sd.get(&key) {
                     Some(t) => {
-                        o.set(name, scalar(t, &key)?);
                         used.insert(key.clone());
+                        match scalar(t, &key) {
+                            Ok(v) => o.set(name, v),
+                            Err(e) => problems.add(e)?,
+                        }
                     }
-                    None => missing.push(key),
+                    // A group the state dict does not have is the group count's problem.
+                    None if g < found_groups => problems.missing.push(key),
+                    None => {}
                 }
             }
             options.push(o);
@@ -298,37 +351,37 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
                 let key = format!("params.{path}");
                 match sd.get(&key) {
                     Some(t) => {
-                        let found = scalar(t, &key)?;
-                        if found != g as f64 {
-                            return Err(StateError::GroupMismatch {
-                                path: path.clone(),
-                                expected: g,
-                                found: found as usize,
-                            }
-                            .into());
-                        }
                         used.insert(key.clone());
+                        match scalar(t, &key) {
+                            Ok(found) if found != g as f64 && !group_count_differs => problems
+                                .push(StateError::GroupMismatch {
+                                    path: path.clone(),
+                                    expected: g,
+                                    found: found as usize,
+                                }),
+                            Ok(_) => {}
+                            Err(e) => problems.add(e)?,
+                        }
                     }
-                    None => missing.push(key),
+                    None => problems.missing.push(key),
                 }
             }
         }
-        if !missing.is_empty() {
-            return Err(StateError::MissingKeys { keys: missing }.into());
-        }
         for (g, o) in options.iter().enumerate() {
-            o.validate(Some(g)).map_err(|e| match e {
-                Error::InvalidHyperparameter {
-                    name,
-                    value,
-                    reason,
-                    ..
-                } => Error::State(StateError::InvalidValue {
-                    key: format!("param_groups.{g}.{name}"),
-                    reason: format!("{value} is out of range: {reason}"),
-                }),
-                e => e,
-            })?;
+            if let Err(e) = o.validate(Some(g)) {
+                problems.add(match e {
+                    Error::InvalidHyperparameter {
+                        name,
+                        value,
+                        reason,
+                        ..
+                    } => Error::State(StateError::InvalidValue {
+                        key: format!("param_groups.{g}.{name}"),
+                        reason: format!("{value} is out of range: {reason}"),
+                    }),
+                    e => e,
+                })?;
+            }
         }
         let mut state = Vec::with_capacity(self.groups.len());
         for (group, o) in self.groups.iter().zip(&options) {
@@ -345,18 +398,24 @@ impl<O: Hyper, S: ParamState<O>> Core<O, S> {
                     used.insert(k);
                     Some(t)
                 };
-                states.push(Some(S::from_entries(&mut take, &key, o, param)?));
+                match S::from_entries(&mut take, &key, o, param) {
+                    Ok(s) => states.push(Some(s)),
+                    Err(e) => {
+                        problems.add(e)?;
+                        states.push(None);
+                    }
+                }
             }
             state.push(states);
         }
-        let unexpected: Vec<String> = sd
+        problems.unexpected = sd
             .keys()
             .filter(|k| !used.contains(*k))
+            // Another group count: its extra groups' keys are that problem.
+            .filter(|k| !(group_count_differs && k.starts_with("param_groups.")))
             .map(str::to_owned)
             .collect();
-        if !unexpected.is_empty() {
-            return Err(StateError::UnexpectedKeys { keys: unexpected }.into());
-        }
+        problems.into_result()?;
         for (group, o) in self.groups.iter_mut().zip(options) {
             group.options = o;
         }

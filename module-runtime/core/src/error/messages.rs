@@ -2,7 +2,7 @@
 //! candle error's message without its backtraces, the conversions from and to `std::io` and
 //! candle errors, and [`Error::inner`].
 
-use candle_core::DeviceLocation;
+use candle_core::{DType, DeviceLocation};
 
 use super::Error;
 
@@ -146,6 +146,24 @@ pub(super) fn flattened_fields(fields: &[&str], parent_type: &str) -> String {
     )
 }
 
+/// What to change when the input's dtype is not the parameters': a float input or the model can
+/// be converted; an integer input cannot become the model's dtype (parameters are floats), so it
+/// is converted, or looked up with an `Embedding` if it holds ids.
+pub(super) fn dtype_fix(input: DType, params: DType) -> String {
+    if input.is_float() {
+        format!(
+            "convert the input (`x.to_dtype(DType::{params:?})?`), or the model \
+             (`model.to_dtype(DType::{input:?})?`)"
+        )
+    } else {
+        format!(
+            "convert the input (`x.to_dtype(DType::{params:?})?`); if it holds token or class \
+             ids, look them up with an `Embedding` layer first (a model's parameters are \
+             floating-point, so it cannot become {input:?})"
+        )
+    }
+}
+
 pub(super) fn at(path: &str) -> String {
     if path.is_empty() {
         String::new()
@@ -162,17 +180,26 @@ impl Error {
     /// use module_runtime::prelude::*;
     /// use module_runtime::Error;
     ///
+    /// // A layer of your own that calls candle directly.
     /// #[derive(Module)]
-    /// struct Net { fc: Linear }
+    /// struct Projection { weight: Param }
+    /// impl Forward<&Tensor> for Projection {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { Ok(x.matmul(&self.weight.tensor()?)?) }
+    /// }
+    ///
+    /// #[derive(Module)]
+    /// struct Net { fc: Projection }
     /// impl Forward<&Tensor> for Net {
     ///     type Output = Tensor;
     ///     fn forward(&self, x: &Tensor) -> Result<Tensor> { self.fc.call(x) }
     /// }
     ///
-    /// let net = Net { fc: Linear::new(4, 2, &Device::Cpu)? };
+    /// let weight = Param::new(Tensor::zeros((4, 2), DType::F32, &Device::Cpu)?)?;
+    /// let net = Net { fc: Projection { weight } };
     /// let err = net.call(&Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?).unwrap_err();
     /// assert!(matches!(&err, Error::Forward { path, .. } if path == "fc"));
-    /// assert!(matches!(err.inner(), Error::Candle(_)));
+    /// assert!(matches!(err.inner(), Error::Candle(_))); // candle's matmul failed
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn inner(&self) -> &Error {

@@ -18,8 +18,8 @@ pub use messages::location_name;
 pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
 
 use messages::{
-    at, at_offset, file_prefix, flattened_fields, list_children, module_at, near_matches,
-    not_loaded_hint, same_location_hint, with_article, CandleMessage,
+    at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
+    near_matches, not_loaded_hint, same_location_hint, with_article, CandleMessage,
 };
 
 use crate::report::LoadReport;
@@ -439,10 +439,9 @@ pub enum Error {
     /// A module's forward failed on an operation between tensors of two dtypes, one of them its
     /// parameters': the input has another dtype than the model (an `f64` batch into an `f32`
     /// model). Found after the failure, so a successful call pays nothing for the check.
-    #[error(
-        "the input is {input:?} and the parameters {params:?}: convert the input \
-         (`x.to_dtype(DType::{params:?})?`), or the model (`model.to_dtype(DType::{input:?})?`)"
-    )]
+    /// The fix depends on the input: a float input or the model is converted; an integer input
+    /// is converted, or (token ids) looked up with an `Embedding` first.
+    #[error("the input is {input:?} and the parameters {params:?}: {}", dtype_fix(*.input, *.params))]
     InputDType {
         /// The input's dtype.
         input: DType,

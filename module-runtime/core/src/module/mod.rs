@@ -159,8 +159,10 @@ pub trait Module: Any + Send + Sync {
         crate::ChildRepr::Own
     }
 
-    /// The class name `print(model)` shows, from
-    /// [`ExtraRepr::class_repr`](crate::ExtraRepr::class_repr). Not public API.
+    /// The class name `print(model)` shows instead of [`class_name`](Self::class_name), where
+    /// PyTorch's differs: from [`ExtraRepr::class_repr`](crate::ExtraRepr::class_repr) (an adapted
+    /// layer's `lora.Linear`); a `Vec` or array of modules is PyTorch's `ModuleList`, a map of
+    /// them its `ModuleDict`. Not public API.
     #[doc(hidden)]
     fn __repr_class(&self) -> Option<String> {
         None

@@ -285,7 +285,8 @@ macro_rules! container_of_m {
 }
 
 /// A list of modules: `Vec` (like PyTorch's `ModuleList`) and fixed-size arrays. Listed as a
-/// module, elements named `0`, `1`, ….
+/// module, elements named `0`, `1`, …; `print(model)` shows it as PyTorch's `ModuleList` (runs of
+/// equal elements collapsed: `(0-5): 6 x Block(...)`).
 macro_rules! list {
     ($([$($g:tt)*] $ty:ty),* $(,)?) => {$(
         #[diagnostic::do_not_recommend]
@@ -300,15 +301,25 @@ macro_rules! list {
                     f(Name::Index(i), m.as_child_mut());
                 }
             }
+            fn __repr_collapses_repeats(&self) -> bool {
+                true
+            }
+            fn __repr_class(&self) -> Option<String> {
+                Some("ModuleList".to_owned())
+            }
             container_of_m!();
         }
     )*};
 }
 list!([M: Module] Vec<M>, [M: Module, const N: usize] [M; N]);
 
-/// A dictionary of modules, like PyTorch's `ModuleDict`, in key order: children are named by key.
+/// A dictionary of modules, like PyTorch's `ModuleDict`, in key order: children are named by key;
+/// `print(model)` shows it as `ModuleDict`.
 #[diagnostic::do_not_recommend]
 impl<M: Module> Module for BTreeMap<String, M> {
+    fn __repr_class(&self) -> Option<String> {
+        Some("ModuleDict".to_owned())
+    }
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (k, m) in self {
             f(Name::Field(k), m.as_child());

@@ -8,7 +8,7 @@
 //! `S` values: cheaper than keeping them) and writes the query, key and value gradients in one pass
 //! per (batch, key/value head), the query heads that share it included.
 
-use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
 use crate::pool::par_map;
@@ -32,7 +32,13 @@ pub(crate) fn attention(
     d: &Dims,
 ) -> Result<Tensor> {
     let draws = if options.dropout_p > 0.0 {
-        Some(Tensor::rand(0f32, 1f32, (d.b, d.hq, d.l, d.s), q.device())?)
+        Some(crate::random::rand(
+            0.,
+            1.,
+            (d.b, d.hq, d.l, d.s),
+            DType::F32,
+            q.device(),
+        )?)
     } else {
         None
     };

@@ -4,7 +4,7 @@
 //! a multiplication whose backward also computes the gradient of the mask, which nothing reads.
 //! Here the draws are compared and scaled where they are read, forward and backward.
 
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 
 use crate::cpu::f32_slice;
 use crate::error::Result;
@@ -16,11 +16,11 @@ pub(crate) fn can_fuse_dropout(x: &Tensor) -> bool {
 }
 
 /// `x` with each element zeroed with probability `p` (for `0 < p < 1`) and the others scaled by
-/// `1 / (1 - p)`, recording a one-pass backward. The draws are candle's `Tensor::rand`, as in the
+/// `1 / (1 - p)`, recording a one-pass backward. The draws are the runtime's generator's, as in the
 /// composed path, and an element is kept where its draw is at least `p`: with the same draws the
 /// two paths give the same bits.
 pub(crate) fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
-    let draws = Tensor::rand(0f32, 1f32, x.shape(), x.device())?;
+    let draws = crate::random::rand(0., 1., x.shape(), DType::F32, x.device())?;
     let op = Dropout {
         p: p as f32,
         scale: (1.0 / (1.0 - p)) as f32,

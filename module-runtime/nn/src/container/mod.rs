@@ -90,6 +90,10 @@ impl Module for Box<dyn SequentialLayer> {
         (**self).__repr_collapses_repeats()
     }
 
+    fn __repr_class(&self) -> Option<String> {
+        (**self).__repr_class()
+    }
+
     fn __repr_child(&self, child: &str) -> module_core::ChildRepr {
         (**self).__repr_child(child)
     }

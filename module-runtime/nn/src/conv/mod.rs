@@ -25,8 +25,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::common::{
-    add_channel_bias, add_channel_bias_to_fresh, forward_by_value, param_tensor, uniform_fan_in,
-    PerDim, Size,
+    add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, param_tensor,
+    uniform_fan_in, PerDim, Size,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
@@ -288,7 +288,8 @@ fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> 
 /// `nn.Conv2d` ([`Conv2d`] = `Conv<2>`).
 ///
 /// Parameters `weight` `[out_channels, in_channels / groups, *kernel_size]` and `bias`
-/// `[out_channels]` (absent without a bias). The input is `[N, C_in, *spatial]`; the output
+/// `[out_channels]` (absent without a bias). The input is `[N, C_in, *spatial]` (or unbatched,
+/// `[C_in, *spatial]`); the output
 /// `[N, C_out, *spatial_out]` with, along each spatial dimension (each with its own stride,
 /// padding and dilation, see [`ConvConfig`]),
 /// `out = (in + 2 padding - dilation (kernel - 1) - 1) / stride + 1`.
@@ -322,7 +323,7 @@ pub struct Conv<const D: usize> {
 
 /// A 1-D convolution: PyTorch's `nn.Conv1d`. See [`Conv`].
 ///
-/// The input is `[N, C_in, L]`; the output `[N, C_out, L_out]` with
+/// The input is `[N, C_in, L]` (or `[C_in, L]`); the output `[N, C_out, L_out]` with
 /// `L_out = (L + 2 padding - dilation (kernel_size - 1) - 1) / stride + 1`.
 ///
 /// ```
@@ -445,13 +446,62 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let weight = self.weight.tensor()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
+        check_input::<D>(Self::names()?.layer, &weight, &self.config, x)?;
         let bias = param_tensor(&self.bias)?;
-        match D {
-            1 => conv1d(x, &weight, bias, &self.config),
-            2 => conv2d(x, &weight, bias, &self.config),
-            _ => conv3d::conv3d(x, &weight, bias, &self.config),
+        // An unbatched input (`[C, L]`, `[C, H, W]`) as a batch of one, as PyTorch takes it.
+        let (xb, unbatched) = batched(x, D + 1, 0)?;
+        let y = match D {
+            1 => conv1d(&xb, &weight, bias, &self.config)?,
+            2 => conv2d(&xb, &weight, bias, &self.config)?,
+            _ => return conv3d::conv3d(x, &weight, bias, &self.config),
+        };
+        Ok(if unbatched { y.squeeze(0)? } else { y })
+    }
+}
+
+/// The input's rank, channels and spatial size against the layer's (`weight` is
+/// `[out, in / groups, k…]`): a mismatch names both and the fix, where candle would report its
+/// own operation (or, for an input smaller than the kernel, overflow).
+fn check_input<const D: usize>(
+    layer: &'static str,
+    weight: &Tensor,
+    config: &ConvConfig,
+    x: &Tensor,
+) -> Result<()> {
+    let in_channels = weight.dim(1)? * config.groups;
+    let out_channels = weight.dim(0)?;
+    let dims = x.dims();
+    let fail = |what: String| Error::InvalidInput {
+        layer,
+        message: format!(
+            "expected an input of shape [N, {in_channels}, …] or [{in_channels}, …] ({D} spatial \
+             dimensions), got {dims:?}: {what}"
+        ),
+    };
+    if dims.len() != D + 2 && dims.len() != D + 1 {
+        return Err(fail(format!("it has {} dimensions", dims.len())));
+    }
+    let c = dims.len() - D - 1;
+    if dims[c] != in_channels {
+        return Err(fail(format!(
+            "in_channels = {in_channels}, got {} channels (dimension {c}): give it {in_channels} \
+             channels, or make the layer with in_channels = {} (`{layer}::new({}, {out_channels}, ..)`)",
+            dims[c], dims[c], dims[c]
+        )));
+    }
+    let sp = Spatial::<D>::of(layer, config)?;
+    for i in 0..D {
+        let span = sp.dilation[i] * (weight.dim(2 + i)? - 1) + 1;
+        let padded = dims[c + 1 + i] + 2 * sp.padding[i];
+        if padded < span {
+            return Err(fail(format!(
+                "spatial dimension {i} is {} ({padded} padded), smaller than the kernel's span \
+                 {span}: give it a larger input, or more padding",
+                dims[c + 1 + i]
+            )));
         }
     }
+    Ok(())
 }
 
 forward_by_value!(Conv1d, Conv2d, Conv3d);

@@ -370,9 +370,9 @@ fn xavier_reset(module: &dyn Module) -> Result<()> {
     for (_, p) in module.named_parameters() {
         if let [fan_out, fan_in] = *p.shape().dims() {
             let bound = (6.0 / (fan_in + fan_out) as f64).sqrt();
-            let device = p.device();
-            let value = Tensor::rand(-bound, bound, (fan_out, fan_in), &device)?;
-            p.set(&value.to_dtype(p.dtype())?)?;
+            let value =
+                module_core::rand(-bound, bound, (fan_out, fan_in), p.dtype(), &Device::Cpu)?;
+            p.set(&value.to_device(&p.device())?)?;
         }
     }
     Ok(())

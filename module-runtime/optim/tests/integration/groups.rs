@@ -351,3 +351,45 @@ fn schedules_compose_with_any_optimizer() {
     s.step(opt.as_mut());
     assert_eq!(opt.lr(0), 0.5e-3);
 }
+
+/// PyTorch's `"bias" in name` habit written as a pattern: `bias` matches only a root parameter
+/// named `bias`, and the error suggests `**.bias`, which matches every bias.
+#[test]
+fn a_substring_style_pattern_suggests_its_anywhere_form() {
+    let model = net();
+    let err = AdamW::with_groups(
+        &model,
+        AdamW::options(),
+        &ParamGroups::new().group("bias", |g| g.weight_decay(0.0)),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(&err, Error::PatternMatchesNothing { suggestion: Some(s), .. } if s == "**.bias"),
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("did you mean `**.bias` (`bias` at any depth)?"),
+        "{message}"
+    );
+    assert!(message.contains("not a part of a name"), "{message}");
+    // No suggestion where the anywhere form matches nothing either.
+    let err = AdamW::with_groups(
+        &model,
+        AdamW::options(),
+        &ParamGroups::new().group("gamma", |g| g.weight_decay(0.0)),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(
+            &err,
+            Error::PatternMatchesNothing {
+                suggestion: None,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

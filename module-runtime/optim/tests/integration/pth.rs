@@ -184,8 +184,15 @@ fn state_of_another_shape_is_refused_and_nothing_changes() {
     let mut opt = SGD::new(&other, options).unwrap();
     let state = read_pth_state(checkpoint("sgd_nesterov"), Some("optimizer"), &opt).unwrap();
     let err = opt.load_state_dict(&state).unwrap_err();
+    // Every parameter's mismatch at once, and what to do.
     assert!(
-        matches!(err, Error::State(StateError::ShapeMismatch { .. })),
+        matches!(&err, Error::State(StateError::Mismatches { problems })
+            if problems.len() == 5 && problems.iter().all(|p| matches!(p, StateError::ShapeMismatch { .. }))),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("make the model with the saved run's configuration"),
         "{err}"
     );
     assert!(

@@ -325,7 +325,11 @@ fn strict_load_errors_leave_the_optimizer_unchanged() {
             train(&m, &mut sgd, 0..1);
             *sd = sgd.state_dict().unwrap();
         },
-        |e| matches!(e, StateError::MissingKeys { keys } if keys.contains(&"param_groups.0.betas.0".to_owned())),
+        |e| {
+            matches!(e, StateError::Mismatches { problems } if problems.iter().any(|p| {
+                matches!(p, StateError::MissingKeys { keys } if keys.contains(&"param_groups.0.betas.0".to_owned()))
+            }))
+        },
     );
 }
 
@@ -448,4 +452,50 @@ fn saves_are_atomic_and_leave_no_temporary_files() {
         opt.state_dict().unwrap().len()
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A state saved from another model and another kind of optimizer: every problem in one error,
+/// grouped (missing keys together, unexpected keys together), and what to do for each kind.
+#[test]
+fn a_misfit_state_reports_every_problem_and_what_to_do() {
+    #[derive(Module)]
+    struct Other {
+        enc: Linear,
+        fc2: Linear,
+    }
+    let dev = Device::Cpu;
+    let other = Other {
+        enc: Linear::new(6, 5, &dev).unwrap(),
+        fc2: Linear::new(5, 3, &dev).unwrap(),
+    };
+    let mut sgd = SGD::with_groups(&other, SgdOptions::new(0.1).momentum(0.9), &groups()).unwrap();
+    let x = batch(0);
+    let y = other.fc2.call(&other.enc.call(&x).unwrap()).unwrap();
+    sgd.step(&y.sqr().unwrap().mean_all().unwrap().backward().unwrap())
+        .unwrap();
+    let m = mlp();
+    let mut opt = AdamW::with_groups(&m, AdamW::options(), &groups()).unwrap();
+    let err = opt.load_state_dict(&sgd.state_dict().unwrap()).unwrap_err();
+    let Error::State(StateError::Mismatches { problems }) = &err else {
+        panic!("expected every problem at once, got {err}");
+    };
+    assert_eq!(problems.len(), 2, "{err}");
+    let message = err.to_string();
+    for part in [
+        "2 problems:",
+        "  - missing keys: `param_groups.{0,1}.betas.{0,1}`, `param_groups.{0,1}.eps`",
+        "`params.fc1.weight`",
+        "  - unexpected keys: `param_groups.{0,1}.momentum`",
+        "`params.enc.weight`",
+        "what to do: the state has other hyperparameters: it was saved by another kind of optimizer",
+        "the state's parameter paths are not this model's",
+    ] {
+        assert!(message.contains(part), "{part:?} not in:\n{message}");
+    }
+    // Nothing changed.
+    assert!(opt
+        .state_dict()
+        .unwrap()
+        .keys()
+        .all(|k| !k.starts_with("state.")));
 }
