@@ -11,6 +11,8 @@ use llama::json_lines::generate_json_lines;
 use llama::{generate, GenerationConfig, KvCache, LlamaConfig, LlamaForCausalLM, RopeScaling};
 use module_runtime::prelude::*;
 
+#[path = "llama/gguf_metadata.rs"]
+mod gguf_metadata;
 #[path = "llama/gqa.rs"]
 mod gqa;
 #[path = "llama/quant.rs"]
