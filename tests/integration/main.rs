@@ -22,6 +22,7 @@ mod gapnet;
 mod hook_identity;
 mod hooks;
 mod inference;
+mod killed_saves;
 mod layout;
 mod lazy;
 mod load_errors;
