@@ -10,6 +10,7 @@
 mod support;
 
 mod checkpoints;
+mod concurrency;
 mod containers;
 mod crate_order;
 mod dataflow;
