@@ -25,10 +25,11 @@ use module_core::{GgufErrorKind, QuantizeError};
 const MAX_DIMS: u64 = 4;
 /// How deep arrays may nest (GGUF files nest none in practice).
 const MAX_DEPTH: usize = 8;
-/// Memory the metadata may take beyond [`MEMORY_PER_BYTE`] times the file's length: each value
-/// is a 32-byte `GgufValue` in memory, so an array of one-byte values is 32 times its size.
+/// Memory the header (metadata and tensor table) may take beyond [`MEMORY_PER_BYTE`] times the
+/// file's length: each value is a 32-byte `GgufValue` in memory, so an array of one-byte values
+/// is 32 times its size.
 const MEMORY_FLOOR: u64 = 64 << 20;
-/// Bytes of metadata memory allowed per byte of file.
+/// Bytes of header memory allowed per byte of file.
 const MEMORY_PER_BYTE: u64 = 8;
 /// Alignment when the file has no `general.alignment` (the GGUF specification's).
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -56,7 +57,7 @@ pub(super) struct Header {
     pub data_offset: u64,
 }
 
-/// The header's reader: a position, the file's length, the metadata's memory budget.
+/// The header's reader: a position, the file's length, the header's memory budget.
 struct Input<'a, R> {
     reader: R,
     pos: u64,
@@ -310,6 +311,9 @@ pub(super) fn read_header(reader: impl Read, len: u64, path: &Path) -> Result<He
                 limit: MAX_DIMS,
             }));
         }
+        // The entry, its name kept twice (the table and the set of names) and its dimensions.
+        let entry = std::mem::size_of::<TensorInfo>() as u64 + 2 * name.len() as u64 + 16 * n_dims;
+        input.charge(entry, &what)?;
         let mut shape = Vec::new();
         for _ in 0..n_dims {
             shape.push(input.length(&what)?);

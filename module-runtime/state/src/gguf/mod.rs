@@ -82,7 +82,7 @@ impl GgufFile {
     ///
     /// The reader is bounded: the header (metadata and tensor table) is checked whole before any
     /// tensor is read — every count and length against the rest of the file, the metadata's
-    /// memory against a small multiple of the file's size, `general.alignment` a power of two,
+    /// memory (metadata and tensor table) against a small multiple of the file's size, `general.alignment` a power of two,
     /// names unique, each tensor's size from its type and shape, and the tensors' data back to
     /// back on the alignment with nothing unaccounted between or after them (as llama.cpp
     /// writes and reads them) — so a file never makes it allocate much more than its own size.
