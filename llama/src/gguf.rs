@@ -62,7 +62,10 @@ pub fn llama_names() -> Vec<KeyRule> {
 /// `llama.attention.layer_norm_rms_epsilon`, `llama.rope.freq_base`, `llama.context_length`,
 /// `llama.attention.key_length`, `llama.vocab_size` or the embedding's rows); the head is tied
 /// when the file has no `output.weight`. RoPE scaling other than `linear`, and a `rope_freqs`
-/// tensor (llama3 frequencies), are refused rather than ignored.
+/// tensor (llama3 frequencies), are refused rather than ignored. Metadata that contradicts the
+/// tensors (a block count other than the file's blocks, head counts or widths that do not give
+/// the tensors' shapes) is [`QuantizeError::Gguf`](module_runtime::QuantizeError::Gguf) naming
+/// the tensor and the keys, before any model is built.
 pub fn config_from_gguf(file: &GgufFile) -> Result<LlamaConfig> {
     let arch = file.get("general.architecture")?;
     if arch.to_string().ok().map(String::as_str) != Some("llama") {
@@ -135,7 +138,89 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<LlamaConfig> {
             }
         }
     }
-    LlamaConfig::from_json(&json).map_err(|e| file.error(e))
+    let cfg = LlamaConfig::from_json(&json).map_err(|e| file.error(e))?;
+    check_tensors(file, &cfg)?;
+    Ok(cfg)
+}
+
+/// Checks the metadata against the tensors before anything is built from it: the blocks are
+/// `blk.0` to `blk.{block_count - 1}` (no more, no fewer, so a crafted count builds no huge
+/// model), the head counts and dimensions give every tensor's shape, and the heads split
+/// `attn_q`/`attn_k` into whole, even rows (which [`unpermute_heads`] divides by).
+fn check_tensors(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
+    let (hidden, d, ffn) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    if d == 0 {
+        return Err(file.error(format!(
+            "a head width of 0 (llama.embedding_length {hidden} over \
+             llama.attention.head_count {}, or llama.attention.key_length)",
+            cfg.num_attention_heads
+        )));
+    }
+    let (Some(q), Some(kv)) = (
+        cfg.num_attention_heads.checked_mul(d),
+        cfg.num_key_value_heads.checked_mul(d),
+    ) else {
+        return Err(file.error(format!(
+            "llama.attention.head_count {} of width {d} overflows",
+            cfg.num_attention_heads
+        )));
+    };
+    let mut blocks = std::collections::BTreeSet::new();
+    for (name, t) in &file.tensors {
+        let (block, what) = match name.strip_prefix("blk.") {
+            Some(rest) => {
+                let Some((n, what)) = rest.split_once('.') else {
+                    continue;
+                };
+                let Ok(n) = n.parse::<usize>() else { continue };
+                if n >= cfg.num_hidden_layers {
+                    return Err(file.error(format!(
+                        "tensor `{name}` is beyond llama.block_count {}",
+                        cfg.num_hidden_layers
+                    )));
+                }
+                blocks.insert(n);
+                (true, what)
+            }
+            None => (false, name.as_str()),
+        };
+        let expected: &[usize] = match (block, what) {
+            (false, "token_embd.weight" | "output.weight") => &[cfg.vocab_size, hidden],
+            (false, "output_norm.weight") | (true, "attn_norm.weight" | "ffn_norm.weight") => {
+                &[hidden]
+            }
+            (true, "attn_q.weight") => &[q, hidden],
+            (true, "attn_k.weight" | "attn_v.weight") => &[kv, hidden],
+            (true, "attn_output.weight") => &[hidden, q],
+            (true, "ffn_gate.weight" | "ffn_up.weight") => &[ffn, hidden],
+            (true, "ffn_down.weight") => &[hidden, ffn],
+            (true, "attn_q.bias") => &[q],
+            (true, "attn_k.bias" | "attn_v.bias") => &[kv],
+            (true, "attn_output.bias" | "ffn_down.bias") => &[hidden],
+            (true, "ffn_gate.bias" | "ffn_up.bias") => &[ffn],
+            // Anything else is the load's to report (an unexpected key).
+            _ => continue,
+        };
+        if t.shape().dims() != expected {
+            return Err(file.error(format!(
+                "tensor `{name}` has shape {:?}, but the metadata (llama.embedding_length \
+                 {hidden}, llama.feed_forward_length {ffn}, llama.attention.head_count {} and \
+                 head_count_kv {} of width {d}, vocabulary {}) gives {expected:?}",
+                t.shape().dims(),
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.vocab_size,
+            )));
+        }
+    }
+    if blocks.len() != cfg.num_hidden_layers {
+        return Err(file.error(format!(
+            "llama.block_count is {}, but the file holds tensors of {} blocks",
+            cfg.num_hidden_layers,
+            blocks.len()
+        )));
+    }
+    Ok(())
 }
 
 /// The rows of a GGUF `attn_q`/`attn_k` tensor (weight `[heads * head_dim, in]` or bias) in
@@ -145,6 +230,12 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<LlamaConfig> {
 /// run along a row), so nothing is requantized.
 pub fn unpermute_heads(t: &QTensor, heads: usize) -> Result<QTensor> {
     let rows = t.shape().dims()[0];
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+        return Err(module_runtime::Error::InvalidConfig {
+            layer: "unpermute_heads",
+            message: format!("{rows} rows are not {heads} heads of an even width"),
+        });
+    }
     let d = rows / heads;
     let half = d / 2;
     let order: Vec<usize> = (0..rows)

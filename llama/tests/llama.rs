@@ -15,6 +15,8 @@ use module_runtime::prelude::*;
 mod adapter;
 #[path = "llama/gguf_export.rs"]
 mod gguf_export;
+#[path = "llama/gguf_metadata.rs"]
+mod gguf_metadata;
 #[path = "llama/gqa.rs"]
 mod gqa;
 #[path = "llama/quant.rs"]

@@ -91,10 +91,10 @@ pub use module_core::{
     extra_state_to_bytes, generic_class_name, inference_mode, is_grad_enabled, module_repr,
     no_grad, parse_device, py_bool, py_float, py_tuple, short_type_name, without_grad, Buffer,
     Child, ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward,
-    GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport, Mismatch, Mode,
-    Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PeftError, PthErrorKind,
-    QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance, TypedPath,
-    EXTRA_STATE_KEY,
+    GgufErrorKind, GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport,
+    Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PeftError,
+    PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance,
+    TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};

@@ -11,6 +11,7 @@ mod support;
 
 mod boundary_messages;
 mod checkpoints;
+mod concurrency;
 mod containers;
 mod cpu_capability;
 mod crate_order;
@@ -24,6 +25,7 @@ mod gapnet;
 mod hook_identity;
 mod hooks;
 mod inference;
+mod killed_saves;
 mod layout;
 mod lazy;
 mod load_errors;

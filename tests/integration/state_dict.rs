@@ -414,6 +414,29 @@ fn corpus() -> Vec<(&'static str, Vec<u8>)> {
             ),
         ),
         (
+            "a tensor named twice",
+            with_header(
+                &format!(
+                    r#"{{{w},"weight":{{"dtype":"F32","shape":[2],"data_offsets":[16,24]}}}}"#
+                ),
+                24,
+            ),
+        ),
+        (
+            "overlapping data",
+            with_header(
+                &format!(r#"{{{w},"bias":{{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}}}"#),
+                16,
+            ),
+        ),
+        (
+            "a size that does not match the dtype and shape",
+            with_header(
+                &format!(r#"{{{w},"bias":{{"dtype":"F32","shape":[2],"data_offsets":[16,28]}}}}"#),
+                28,
+            ),
+        ),
+        (
             "valid but for another model",
             with_header(&format!(r#"{{{w}}}"#), 16),
         ),
@@ -434,8 +457,13 @@ fn malformed_files_are_typed_errors_and_change_nothing() {
         }));
         let result = result.unwrap_or_else(|_| panic!("{what}: the load panicked"));
         match result {
-            Err(Error::Checkpoint { path: p, .. }) => assert_eq!(p, path, "{what}"),
-            Err(Error::Load(_)) => {}
+            Err(Error::Checkpoint { path: p, reason }) => {
+                assert_eq!(p, path, "{what}");
+                if what.contains("twice") {
+                    assert!(reason.contains("`weight` is named twice"), "{reason}");
+                }
+            }
+            Err(Error::Load(_)) => assert!(what.contains("model"), "{what}"),
             Err(other) => panic!("{what}: unexpected error type {other:?}"),
             Ok(_) => panic!("{what}: loaded"),
         }

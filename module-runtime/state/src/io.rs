@@ -227,6 +227,38 @@ pub struct SafetensorsFile {
     entries: Entries<(Shape, DType, (usize, usize))>,
 }
 
+/// A JSON object whose keys are all different (its values are skipped): what a safetensors
+/// header must be before the `safetensors` crate reads it into a map.
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensor entries")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<UniqueKeys, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!(
+                            "tensor `{key}` is named twice"
+                        )));
+                    }
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+                Ok(UniqueKeys)
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 /// The largest header accepted (safetensors' own limit, 100 MB).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
@@ -257,6 +289,11 @@ impl SafetensorsFile {
         let mut header = vec![0u8; header_len as usize];
         file.read_exact(&mut header)
             .map_err(|e| io_error(path, e))?;
+        // The `safetensors` crate reads the header into a map, where a second entry of one name
+        // silently replaces the first: a header that names a tensor twice is refused first.
+        if let Err(e) = serde_json::from_slice::<UniqueKeys>(&header) {
+            return Err(corrupt(format!("invalid safetensors header: {e}")));
+        }
         let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
             .map_err(|e| corrupt(format!("invalid safetensors header: {e}")))?;
         let data_start = 8 + header_len;

@@ -6,6 +6,7 @@ use candle_core::{DType, DeviceLocation, Shape};
 mod debug;
 mod distributed;
 mod divergence;
+mod gguf;
 mod messages;
 mod peft;
 mod pth;
@@ -14,6 +15,7 @@ mod quantize;
 pub use debug::fmt_debug;
 pub use distributed::DistributedError;
 pub use divergence::{OutputDivergence, Tolerance};
+pub use gguf::GgufErrorKind;
 pub use messages::location_name;
 pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
 

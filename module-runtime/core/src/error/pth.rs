@@ -86,6 +86,14 @@ pub enum PthErrorKind {
     #[error("the zip archive holds two members of one name (or two `data.pkl`)")]
     DuplicateMember,
 
+    /// The state dict names a tensor twice. `torch.save` never writes that (a Python dict
+    /// pickles each key once), and unpickling would silently keep the last.
+    #[error("the state dict names `{key}` twice")]
+    DuplicateKey {
+        /// The key.
+        key: String,
+    },
+
     /// A member the checkpoint refers to is not in the zip archive (or a storage is missing from
     /// a legacy file).
     #[error("the checkpoint has no `{member}`")]

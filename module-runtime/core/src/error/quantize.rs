@@ -4,6 +4,8 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::Shape;
 
+use super::GgufErrorKind;
+
 /// A quantization that cannot be done, or a GGUF file that cannot be read into a model.
 ///
 /// Missing, unexpected or misshapen tensors of a GGUF load are reported like any other load's,
@@ -66,6 +68,23 @@ pub enum QuantizeError {
         /// What is wrong (names the metadata key).
         reason: String,
     },
+
+    /// A GGUF file the bounded reader refuses: truncated, malformed, sized beyond what the file
+    /// holds, or laid out wrongly (duplicated names, misaligned, overlapping or unaccounted
+    /// tensor data). Checked before any tensor is read.
+    #[error("cannot read GGUF file `{}`{}: {kind}", file.display(), at_offset(*.offset))]
+    GgufFile {
+        /// The file.
+        file: std::path::PathBuf,
+        /// Where in the file the problem was found, in bytes from its start, when it is known.
+        offset: Option<u64>,
+        /// What is wrong (boxed, to keep [`Error`](crate::Error) small).
+        kind: Box<GgufErrorKind>,
+    },
+}
+
+fn at_offset(offset: Option<u64>) -> String {
+    offset.map_or_else(String::new, |offset| format!(" (at byte {offset})"))
 }
 
 fn list(names: &[String]) -> String {

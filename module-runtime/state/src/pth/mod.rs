@@ -376,8 +376,9 @@ pub(crate) fn find<'p>(p: &'p Pickle, key: &str) -> Result<&'p Value, Fail> {
     }
 }
 
-/// The entries of the state dict `v`, in order; a repeated key keeps its first place and its last
-/// value, as a Python dict does.
+/// The entries of the state dict `v`, in order. A key repeated in the pickle (which `torch.save`
+/// never writes: a Python dict pickles each key once) is an error, not the last value as
+/// unpickling into a dict would make it.
 fn state_dict<'p>(p: &'p Pickle, v: &Value) -> Result<Vec<(String, &'p TensorRef)>, Fail> {
     let not_a_state_dict = |candidates: Vec<String>| {
         Fail::new(PthErrorKind::NotAStateDict {
@@ -394,7 +395,11 @@ fn state_dict<'p>(p: &'p Pickle, v: &Value) -> Result<Vec<(String, &'p TensorRef
     for (k, value) in items {
         match (k, tensor(p, value)) {
             (Value::Str(name), Some(t)) => match positions.get(&**name) {
-                Some(&i) => out[i].1 = t,
+                Some(_) => {
+                    return Err(Fail::new(PthErrorKind::DuplicateKey {
+                        key: name.to_string(),
+                    }));
+                }
                 None => {
                     positions.insert(name, out.len());
                     out.push((name.to_string(), t));

@@ -146,6 +146,43 @@ fn tensors_must_fit_their_storage() {
     rejected(&zip_file(&entries, &storages), "rank mismatch");
 }
 
+/// A state dict that names a tensor twice is refused (`torch.save` never writes one; unpickling
+/// would keep the last silently). Two tensors sharing one storage (tied weights, views) are
+/// what PyTorch writes for shared tensors, and read.
+#[test]
+fn a_key_named_twice_is_an_error_and_shared_storages_are_not() {
+    let (_, storages) = linear_entries();
+    let entries = [
+        ("weight", tensor("0", 6, &[2, 3], &[3, 1])),
+        ("bias", tensor("1", 2, &[2], &[1])),
+        ("weight", tensor("0", 6, &[2, 3], &[3, 1])),
+    ];
+    for (format, bytes) in [
+        ("zip", zip_file(&entries, &storages)),
+        ("legacy", legacy_file(&entries, &storages)),
+    ] {
+        let kind = rejected(&bytes, &format!("{format}: twice"));
+        assert_eq!(
+            kind,
+            PthErrorKind::DuplicateKey {
+                key: "weight".into()
+            },
+            "{format}"
+        );
+    }
+    let entries = [
+        ("weight", tensor("0", 6, &[2, 3], &[3, 1])),
+        ("bias", tensor("0", 6, &[2], &[1])),
+    ];
+    let sd = try_read(&zip_file(&entries, &storages), "shared").unwrap();
+    let (w, b) = (sd.get("weight").unwrap(), sd.get("bias").unwrap());
+    let first_row = w.get(0).unwrap().narrow(0, 0, 2).unwrap();
+    assert_eq!(
+        b.to_vec1::<f32>().unwrap(),
+        first_row.to_vec1::<f32>().unwrap()
+    );
+}
+
 #[test]
 fn zip_member_problems_are_errors() {
     let (entries, storages) = linear_entries();

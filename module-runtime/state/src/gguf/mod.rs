@@ -7,11 +7,15 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
 use crate::state::Source;
+
+mod header;
+#[cfg(test)]
+mod tests;
 use module_core::quant::is_float_kind;
 use module_core::QuantizeError;
 
@@ -74,54 +78,27 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    /// Reads the GGUF file at `path`, its tensors onto `device`. A malformed or truncated file is
-    /// [`Error::Checkpoint`] naming it.
+    /// Reads the GGUF file at `path`, its tensors onto `device`.
+    ///
+    /// The reader is bounded: the header (metadata and tensor table) is checked whole before any
+    /// tensor is read — every count and length against the rest of the file, the metadata's
+    /// memory (metadata and tensor table) against a small multiple of the file's size, `general.alignment` a power of two,
+    /// names unique, each tensor's size from its type and shape, and the tensors' data back to
+    /// back on the alignment with nothing unaccounted between or after them (as llama.cpp
+    /// writes and reads them) — so a file never makes it allocate much more than its own size.
+    /// A file it refuses is [`QuantizeError::GgufFile`] naming the file and, in its
+    /// [`GgufErrorKind`](module_core::GgufErrorKind), the key or tensor; a file that cannot be
+    /// opened is [`Error::Io`].
     pub fn read(path: impl AsRef<Path>, device: &Device) -> Result<Self> {
         let path = path.as_ref().to_owned();
-        let bad = |e: candle_core::Error| Error::Checkpoint {
-            path: path.clone(),
-            reason: format!("not a readable GGUF file: {e}"),
-        };
-        let mut file = std::fs::File::open(&path).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let mut reader = std::io::BufReader::new(&mut file);
-        let content = gguf_file::Content::read(&mut reader).map_err(bad)?;
-        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
-        names.sort();
-        let tensors = names
+        let (metadata, tensors) = header::read_file(&path, device)?;
+        let tensors = tensors
             .into_iter()
-            .map(|name| {
-                // Candle multiplies the dimensions unchecked: a crafted shape whose element count
-                // overflows would read as a tensor of that shape over a few bytes.
-                let info = &content.tensor_infos[name];
-                let dims = info.shape.dims();
-                let kind = info.ggml_dtype;
-                let bytes = dims
-                    .iter()
-                    .try_fold(1usize, |n, &d| n.checked_mul(d))
-                    .filter(|n| n % kind.block_size() == 0)
-                    .and_then(|n| (n / kind.block_size()).checked_mul(kind.type_size()));
-                let Some(bytes) = bytes else {
-                    return Err(Error::Checkpoint {
-                        path: path.clone(),
-                        reason: format!("tensor `{name}`: {kind:?} of shape {dims:?} has no size"),
-                    });
-                };
-                let t = content.tensor(&mut reader, name, device).map_err(bad)?;
-                if t.storage_size_in_bytes() != bytes {
-                    return Err(Error::Checkpoint {
-                        path: path.clone(),
-                        reason: format!("tensor `{name}`: {bytes} bytes expected for {dims:?}"),
-                    });
-                }
-                Ok((name.clone(), Arc::new(t)))
-            })
-            .collect::<Result<_>>()?;
+            .map(|(name, t)| (name, Arc::new(t)))
+            .collect();
         Ok(Self {
             path,
-            metadata: content.metadata,
+            metadata,
             tensors,
         })
     }
@@ -252,77 +229,4 @@ pub fn permute_rows(q: &QTensor, order: &[usize]) -> Result<QTensor> {
         kind,
     )?;
     Ok(QTensor::new(storage, Shape::from((rows, cols)))?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::quantized::GgmlDType;
-
-    /// Reads `bytes` as a GGUF file (written to a file of this test's own).
-    fn read(bytes: &[u8], name: &str) -> Result<GgufFile> {
-        let path = std::env::temp_dir().join(format!("gguf-{name}-{}.gguf", std::process::id()));
-        std::fs::write(&path, bytes).unwrap();
-        let file = GgufFile::read(&path, &Device::Cpu);
-        std::fs::remove_file(&path).unwrap();
-        file
-    }
-
-    /// A valid file: one `q8_0` matrix and one float vector.
-    fn valid() -> Vec<u8> {
-        let dev = Device::Cpu;
-        let w = Tensor::arange(0f32, 128., &dev)
-            .unwrap()
-            .reshape((2, 64))
-            .unwrap();
-        let w = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-        let b = QTensor::quantize(&Tensor::ones(2, DType::F32, &dev).unwrap(), GgmlDType::F32);
-        let mut out = std::io::Cursor::new(Vec::new());
-        gguf_file::write(&mut out, &[], &[("w", &w), ("b", &b.unwrap())]).unwrap();
-        out.into_inner()
-    }
-
-    #[test]
-    fn truncated_files_are_errors_that_name_the_file() {
-        let bytes = valid();
-        assert_eq!(read(&bytes, "whole").unwrap().tensors.len(), 2);
-        // The writer pads the data to 32-byte alignment: a cut into that padding alone loses
-        // nothing; any other cut is an error.
-        let data_end = (0..=bytes.len())
-            .rev()
-            .take_while(|&cut| read(&bytes[..cut], "cut").is_ok())
-            .last()
-            .unwrap();
-        assert!(bytes.len() - data_end < 32, "{data_end} of {}", bytes.len());
-        for cut in 0..data_end {
-            let Err(err) = read(&bytes[..cut], "cut") else {
-                panic!("a file cut at {cut} of {} bytes was read", bytes.len())
-            };
-            assert!(err.to_string().contains("gguf-cut"), "{err}");
-        }
-    }
-
-    #[test]
-    fn a_shape_whose_size_overflows_is_an_error() {
-        // Header: magic, version 3, one tensor, no metadata; the tensor `t`: 2 dims of 2^40
-        // (2^80 elements: the product wraps to 0), F32, at offset 0.
-        let mut bytes = b"GGUF".to_vec();
-        for v in [
-            3u32.to_le_bytes().to_vec(),
-            1u64.to_le_bytes().to_vec(),
-            0u64.to_le_bytes().to_vec(),
-        ] {
-            bytes.extend(v);
-        }
-        bytes.extend(1u64.to_le_bytes());
-        bytes.extend(b"t");
-        bytes.extend(2u32.to_le_bytes());
-        bytes.extend((1u64 << 40).to_le_bytes());
-        bytes.extend((1u64 << 40).to_le_bytes());
-        bytes.extend(0u32.to_le_bytes()); // F32
-        bytes.extend(0u64.to_le_bytes());
-        bytes.resize(bytes.len().next_multiple_of(32), 0);
-        let err = read(&bytes, "overflow").unwrap_err();
-        assert!(err.to_string().contains("tensor `t`"), "{err}");
-    }
 }
