@@ -52,47 +52,42 @@ pub(crate) unsafe fn gemm_block(level: CpuCapability, block: &Block, accumulate:
         block.a_strides.1 as isize,
     );
     let alpha = if accumulate { 1.0 } else { 0.0 };
+    // `f(before.., the arguments gemm's drivers share, after..)`.
+    macro_rules! call {
+        ($f:expr, [$($before:expr),*], [$($after:expr),*]) => {
+            $f(
+                $($before,)* m, n, k, block.dst, dst_cs, dst_rs, accumulate, lhs, lhs_cs, lhs_rs,
+                rhs, rhs_cs, rhs_rs, alpha, 1.0, false, false, false, $($after),*
+            )
+        };
+    }
     #[cfg(target_arch = "x86_64")]
     macro_rules! run {
         ($simd:expr, $kernels:path, $lanes:expr) => {{
             use $kernels as kernels;
+            let driver = gemm_basic_generic::<
+                _,
+                f32,
+                { $lanes },
+                { kernels::MR_DIV_N * $lanes },
+                { kernels::NR },
+                { kernels::MR_DIV_N },
+                { kernels::H_M },
+                { kernels::H_N },
+            >;
             // SAFETY: the caller's: the pointers and strides describe the matrices, and `$simd`
             // was made by `try_new`, which checks the CPU.
             unsafe {
-                gemm_basic_generic::<
-                    _,
-                    f32,
-                    { $lanes },
-                    { kernels::MR_DIV_N * $lanes },
-                    { kernels::NR },
-                    { kernels::MR_DIV_N },
-                    { kernels::H_M },
-                    { kernels::H_N },
-                >(
-                    $simd,
-                    m,
-                    n,
-                    k,
-                    block.dst,
-                    dst_cs,
-                    dst_rs,
-                    accumulate,
-                    lhs,
-                    lhs_cs,
-                    lhs_rs,
-                    rhs,
-                    rhs_cs,
-                    rhs_rs,
-                    alpha,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    |a, b, c| a * b + c,
-                    &kernels::UKR,
-                    &kernels::H_UKR,
-                    false,
-                    Parallelism::None,
+                call!(
+                    driver,
+                    [$simd],
+                    [
+                        |a, b, c| a * b + c,
+                        &kernels::UKR,
+                        &kernels::H_UKR,
+                        false,
+                        Parallelism::None
+                    ]
                 )
             }
         }};
@@ -117,28 +112,6 @@ pub(crate) unsafe fn gemm_block(level: CpuCapability, block: &Block, accumulate:
     {
         let _ = level;
         // SAFETY: the caller's, as above.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                block.dst,
-                dst_cs,
-                dst_rs,
-                accumulate,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                alpha,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
+        unsafe { call!(gemm::gemm, [], [gemm::Parallelism::None]) }
     }
 }

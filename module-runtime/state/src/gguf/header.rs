@@ -376,12 +376,9 @@ fn tensor_bytes(kind: GgmlDType, shape: &[u64]) -> std::result::Result<u64, Stri
         .ok_or_else(|| "has more elements than memory can address".into())
 }
 
-/// `general.alignment`: a power of two (32 when absent).
-fn alignment(metadata: &Metadata) -> std::result::Result<u64, String> {
-    let Some(v) = metadata.get("general.alignment") else {
-        return Ok(DEFAULT_ALIGNMENT);
-    };
-    let n = match v {
+/// A metadata value of any integer type as a `u64` (`None` for a negative or non-integer one).
+pub(super) fn as_u64(v: &GgufValue) -> Option<u64> {
+    match v {
         GgufValue::U8(n) => Some(*n as u64),
         GgufValue::U16(n) => Some(*n as u64),
         GgufValue::U32(n) => Some(*n as u64),
@@ -391,7 +388,15 @@ fn alignment(metadata: &Metadata) -> std::result::Result<u64, String> {
         GgufValue::I32(n) => u64::try_from(*n).ok(),
         GgufValue::I64(n) => u64::try_from(*n).ok(),
         _ => None,
+    }
+}
+
+/// `general.alignment`: a power of two (32 when absent).
+fn alignment(metadata: &Metadata) -> std::result::Result<u64, String> {
+    let Some(v) = metadata.get("general.alignment") else {
+        return Ok(DEFAULT_ALIGNMENT);
     };
+    let n = as_u64(v);
     // Capped so that rounding a position up to it cannot overflow.
     n.filter(|n| n.is_power_of_two() && *n <= 1 << 32)
         .ok_or_else(|| format!("{v:?}"))

@@ -118,18 +118,8 @@ impl GgufFile {
     /// The integer metadata entry `key` (of any integer type).
     pub fn get_usize(&self, key: &str) -> Result<usize> {
         let v = self.get(key)?;
-        let n = match v {
-            GgufValue::U8(n) => Some(*n as u64),
-            GgufValue::U16(n) => Some(*n as u64),
-            GgufValue::U32(n) => Some(*n as u64),
-            GgufValue::U64(n) => Some(*n),
-            GgufValue::I8(n) => u64::try_from(*n).ok(),
-            GgufValue::I16(n) => u64::try_from(*n).ok(),
-            GgufValue::I32(n) => u64::try_from(*n).ok(),
-            GgufValue::I64(n) => u64::try_from(*n).ok(),
-            _ => None,
-        };
-        n.and_then(|n| usize::try_from(n).ok())
+        header::as_u64(v)
+            .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| self.error(format!("`{key}` is {v:?}, not a size")))
     }
 
