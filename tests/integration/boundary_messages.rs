@@ -207,3 +207,24 @@ fn attention_names_embed_dim_and_the_tensor() {
         .to_string();
     assert!(err.contains("key [4, 8]: expected [L, B, E]"), "{err}");
 }
+
+/// A shape a layer does not take says what to change: the missing batch dimension of a single
+/// sample, or the dimension whose size the layer fixes.
+#[test]
+fn input_shape_errors_say_what_to_change() {
+    use module_runtime::nn::BatchNorm2d;
+    let dev = Device::Cpu;
+    let bn = BatchNorm2d::new(3, &dev).unwrap();
+    let single = Tensor::zeros((3, 4, 4), DType::F32, &dev).unwrap();
+    let err = bn.call(&single).unwrap_err().to_string();
+    assert!(
+        err.contains("one dimension short; for a single sample add the batch dimension (`x.unsqueeze(0)?`, giving [1, 3, 4, 4])"),
+        "{err}"
+    );
+    let channels = Tensor::zeros((2, 4, 5, 5), DType::F32, &dev).unwrap();
+    let err = bn.call(&channels).unwrap_err().to_string();
+    assert!(
+        err.contains("dimension 1 is 4, the layer takes 3; give it inputs of that size, or build the layer for this one"),
+        "{err}"
+    );
+}

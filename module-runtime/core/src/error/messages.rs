@@ -2,7 +2,7 @@
 //! candle error's message without its backtraces, the conversions from and to `std::io` and
 //! candle errors, and [`Error::inner`].
 
-use candle_core::{DType, DeviceLocation};
+use candle_core::{DType, DeviceLocation, Shape};
 
 use super::Error;
 
@@ -161,6 +161,61 @@ pub(super) fn dtype_fix(input: DType, params: DType) -> String {
              ids, look them up with an `Embedding` layer first (a model's parameters are \
              floating-point, so it cannot become {input:?})"
         )
+    }
+}
+
+/// What to change, for [`Error::InputShape`], where the expected shape is one list of
+/// dimensions (`[N, C, H, W]`, `[batch, 16]`): a missing batch dimension, one too many, or the
+/// dimensions whose size the layer fixes and the input does not have. Empty where the expected
+/// shapes are alternatives (`… or …`) or nothing can be said.
+pub(super) fn shape_fix(expected: &str, got: &Shape) -> String {
+    let Some(inner) = expected
+        .trim()
+        .strip_prefix('[')
+        .and_then(|e| e.strip_suffix(']'))
+        .filter(|e| !e.contains('[') && !e.contains(" or "))
+    else {
+        return String::new();
+    };
+    let wanted: Vec<&str> = inner.split(',').map(str::trim).collect();
+    let dims = got.dims();
+    if dims.len() + 1 == wanted.len() {
+        return format!(
+            ": one dimension short; for a single sample add the batch dimension \
+             (`x.unsqueeze(0)?`, giving {:?})",
+            std::iter::once(1).chain(dims.iter().copied()).collect::<Vec<_>>()
+        );
+    }
+    if dims.len() == wanted.len() + 1 && dims.first() == Some(&1) {
+        return ": one dimension too many; remove the leading 1 (`x.squeeze(0)?`)".to_owned();
+    }
+    if dims.len() != wanted.len() {
+        return format!(
+            ": {} dimensions where {} are expected; reshape the input (`x.reshape(..)?`)",
+            dims.len(),
+            wanted.len()
+        );
+    }
+    let wrong: Vec<String> = wanted
+        .iter()
+        .zip(dims)
+        .enumerate()
+        .filter_map(|(i, (w, &g))| {
+            let w: usize = w.split_whitespace().next()?.parse().ok()?;
+            (w != g).then(|| format!("dimension {i} is {g}, the layer takes {w}"))
+        })
+        .collect();
+    match wrong.is_empty() {
+        true => String::new(),
+        false => format!(
+            ": {}; give it inputs of that size, or build the layer for {}",
+            wrong.join(", "),
+            if wrong.len() == 1 {
+                "this one"
+            } else {
+                "these"
+            }
+        ),
     }
 }
 

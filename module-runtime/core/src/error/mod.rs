@@ -12,16 +12,13 @@ mod peft;
 mod pth;
 mod quantize;
 
-pub use debug::fmt_debug;
-pub use distributed::DistributedError;
-pub use divergence::{OutputDivergence, Tolerance};
-pub use gguf::GgufErrorKind;
-pub use messages::location_name;
+pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
+pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
 pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
-    near_matches, not_loaded_hint, same_location_hint, with_article, CandleMessage,
+    near_matches, not_loaded_hint, same_location_hint, shape_fix, with_article, CandleMessage,
 };
 
 use crate::report::LoadReport;
@@ -471,7 +468,10 @@ pub enum Error {
     },
 
     /// A layer was called with an input whose shape it does not take.
-    #[error("{layer} expects an input of shape {expected}, got {got:?}")]
+    #[error(
+        "{layer} expects an input of shape {expected}, got {got:?}{}",
+        shape_fix(expected, got)
+    )]
     InputShape {
         /// The layer or function (`"BatchNorm2d"`, `"cross_entropy"`).
         layer: &'static str,
