@@ -88,16 +88,22 @@ fn kind_error(class: &'static str, found: &str, own: &[&str]) -> Error {
 /// state dict `scheduler`'s [`load_state_dict`](LrScheduler::load_state_dict) takes: PyTorch's
 /// `scheduler.load_state_dict(torch.load(path)["scheduler"])` is
 ///
-/// ```no_run
-/// # use module_runtime::optim::{read_pth_scheduler_state, LrScheduler, Optimizer, StepLr, SGD};
-/// # use module_runtime::PthValues;
-/// # fn run(mut optimizer: SGD) -> module_runtime::optim::Result<()> {
-/// let ckpt = PthValues::load("checkpoint.pth")?;
+/// ```
+/// use module_runtime::optim::{read_pth_scheduler_state, LrScheduler, Optimizer, SgdOptions, StepLr, SGD};
+/// use module_runtime::prelude::*;
+/// use module_runtime::PthValues;
+/// # let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/pytorch/scheduler/step_lr.pt");
+/// # let model = Linear::new(6, 8, &Device::Cpu)?;
+/// let mut optimizer = SGD::new(&model, SgdOptions::new(0.01))?;
+/// // scheduler = StepLR(optimizer, step_size=30, gamma=0.1)
 /// let mut scheduler = StepLr::new(&mut optimizer, 30, 0.1);
+/// // scheduler.load_state_dict(torch.load(path)["scheduler"])
+/// let ckpt = PthValues::load(path)?;
 /// let state = read_pth_scheduler_state(ckpt.get("scheduler")?, &scheduler)?;
 /// scheduler.load_state_dict(&state, &mut optimizer)?;
-/// # Ok(())
-/// # }
+/// assert_eq!(scheduler.last_epoch(), 4); // saved after 4 steps of StepLR(step_size=3, gamma=0.5)
+/// assert_eq!(optimizer.lrs(), [0.005]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
 /// The state must be of `scheduler`'s kind (PyTorch's `StepLR` for a [`StepLr`](crate::StepLr),
