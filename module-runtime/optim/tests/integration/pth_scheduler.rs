@@ -339,3 +339,20 @@ fn our_state_has_pytorchs_names() {
         }
     }
 }
+
+/// PyTorch 2.0–2.6 saved a deprecated `verbose` (a bool, later the string "deprecated"): read
+/// past, as `_is_initial` and `_get_lr_called_within_step` are.
+#[test]
+fn verbose_of_older_pytorch_is_read_past() {
+    let ckpt = PthValues::load(checkpoint("exponential_lr")).unwrap();
+    let (_, mut opt) = model_and_optimizer("exponential_lr");
+    let mut schedule = ExponentialLr::new(&mut opt, 0.5);
+    for verbose in [PyValue::Bool(false), PyValue::Str("deprecated".into())] {
+        let mut items = ckpt.get("scheduler").unwrap().as_dict().unwrap().to_vec();
+        items.push((PyValue::Str("verbose".into()), verbose));
+        let state = read_pth_scheduler_state(&PyValue::Dict(items), &schedule).unwrap();
+        assert!(!state.contains_key("verbose"));
+        schedule.load_state_dict(&state, &mut opt).unwrap();
+        assert_eq!(schedule.last_epoch(), 4);
+    }
+}
