@@ -232,8 +232,8 @@ pub enum StateError {
     /// A learning-rate schedule's state is another kind of schedule's (PyTorch's `LinearLR`
     /// state loaded into a [`StepLr`](crate::StepLr)), told by its fields.
     #[error(
-        "the state is a {found}'s (fields {}), not a {expected}'s: make the same schedule as the \
-         run that saved it",
+        "the state is {found}'s (fields {}), not {expected}'s: make the same schedule as the run \
+         that saved it",
         if .fields.is_empty() { "none besides the common ones".to_owned() } else { .fields.join(", ") }
     )]
     SchedulerKind {

@@ -210,12 +210,20 @@ fn another_kind_of_schedule_is_refused() {
         matches!(&err, Error::State(StateError::SchedulerKind { expected: "ExponentialLR", found, .. }) if found == "StepLR"),
         "{err}"
     );
-    assert!(err.to_string().contains("not a ExponentialLR's"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("the state is StepLR's (fields step_size, gamma), not ExponentialLR's"),
+        "{err}"
+    );
 
     let ckpt = PthValues::load(checkpoint("lambda_lr")).unwrap();
     let mut schedule = StepLr::new(&mut opt, 2, 0.5);
     let err = read_pth_scheduler_state(ckpt.get("scheduler").unwrap(), &schedule).unwrap_err();
-    assert!(err.to_string().contains("state is a LambdaLR's"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("state is LambdaLR's (fields lr_lambdas), not StepLR's"),
+        "{err}"
+    );
     // Our own LambdaLr state into a StepLr: the same error, and the StepLr is unchanged.
     let lambda = LambdaLr::new(&mut opt, |_| 0.5);
     let before = schedule.state_dict().unwrap();
