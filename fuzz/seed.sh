@@ -13,6 +13,6 @@ p="$root/fixtures/pytorch/checkpoints"
 cp -n "$p/gapnet_zip.pth" "$p/gapnet_legacy.pth" "$p/gapnet_nested.pt" \
   "$p/gapnet_sharded_bin/pytorch_model-00001-of-00002.bin" "$corpus/pth/"
 cp -n "$root"/llama/tests/fixtures/*.gguf "$corpus/gguf/"
-cp -n "$root"/fixtures/pytorch/optim/*.pt "$corpus/optim_state/"
+cp -n "$root"/fixtures/pytorch/optim/*.pt "$root"/fixtures/pytorch/scheduler/*.pt "$corpus/optim_state/"
 find "$root/fixtures/pytorch/optim" -name '*.safetensors' -size -8k | head -4 |
   xargs -I{} cp -n {} "$corpus/optim_state/"

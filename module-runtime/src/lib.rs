@@ -119,8 +119,8 @@ pub mod backends {
 }
 pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
 pub use module_state::{
-    permute_rows, Checkpoint, GgufFile, GgufValue, IncompatibleKeys, LoadOptions, LoadPostHookFn,
-    StateDict,
+    permute_rows, Checkpoint, FromPyValue, GgufFile, GgufValue, IncompatibleKeys, LoadOptions,
+    LoadPostHookFn, PthValues, PyValue, StateDict,
 };
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.

@@ -229,6 +229,21 @@ pub enum StateError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A learning-rate schedule's state is another kind of schedule's (PyTorch's `LinearLR`
+    /// state loaded into a [`StepLr`](crate::StepLr)), told by its fields.
+    #[error(
+        "the state is {found}'s (fields {}), not {expected}'s: make the same schedule as the run \
+         that saved it",
+        if .fields.is_empty() { "none besides the common ones".to_owned() } else { .fields.join(", ") }
+    )]
+    SchedulerKind {
+        /// PyTorch's class name of the schedule loading it (`StepLR`).
+        expected: &'static str,
+        /// The class the state's fields are (`LinearLR`).
+        found: String,
+        /// The state's fields besides `last_epoch`, `_step_count`, `_last_lr` and `base_lrs`.
+        fields: Vec<String>,
+    },
     /// More than one of the above: everything a load found, at once (as a model's load reports
     /// every key), one line each (missing keys together, unexpected keys together).
     #[error("{} problems:{}", .problems.len(), lines(.problems))]

@@ -27,6 +27,7 @@
 //! | `clip`, `accumulate` | [`clip_grad_norm`], [`clip_grad_value`]; [`GradAccumulator`] |
 //! | `schedule` | [`LrScheduler`]s |
 //! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
+//! | `pth_scheduler` | [`read_pth_scheduler_state`]: PyTorch's learning-rate schedule state, from a `.pth` file's values |
 //! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
@@ -128,6 +129,7 @@ mod fused;
 mod group;
 mod optimizer;
 mod pth;
+mod pth_scheduler;
 mod schedule;
 mod sgd;
 mod state;
@@ -140,5 +142,6 @@ pub use error::{Error, Result, StateError};
 pub use group::{GroupOptions, NamedParams, ParamGroup, ParamGroups, ParamList, Patterns};
 pub use optimizer::Optimizer;
 pub use pth::read_pth_state;
+pub use pth_scheduler::read_pth_scheduler_state;
 pub use schedule::{ExponentialLr, LambdaLr, LrScheduler, StepLr};
 pub use sgd::{SgdOptions, SGD};

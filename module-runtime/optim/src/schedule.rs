@@ -25,43 +25,80 @@ pub trait LrScheduler {
     /// The number of [`step`](Self::step) calls so far (PyTorch's `last_epoch`).
     fn last_epoch(&self) -> usize;
 
-    /// The schedule's progress: `last_epoch` (a 0-dimensional `f64`), `last_lr` (one `f64` per
-    /// group) and, for [`LambdaLr`], `base_lrs`. The factor function itself is not saved (as
-    /// PyTorch saves no lambdas): resume by making the same schedule and loading this into it.
-    /// [`StateDict::save_safetensors`] saves it to a file, atomically.
+    /// PyTorch's class name of the schedule (`"StepLR"`), as errors about a state of another
+    /// kind name it.
+    fn class_name(&self) -> &'static str;
+
+    /// The schedule's state under PyTorch's names (`lr_scheduler.state_dict()`): `last_epoch`,
+    /// `_step_count` (PyTorch's count of `step` calls, the one its constructor makes included:
+    /// `last_epoch + 1`), `_last_lr` and `base_lrs` (one value per group), and the schedule's own
+    /// fields (`StepLR`'s `step_size` and `gamma`, `ExponentialLR`'s `gamma`), each an `f64`
+    /// tensor (0-dimensional, or one value per group). The factor function of a [`LambdaLr`] is
+    /// not saved (as PyTorch saves no lambdas): resume by making the same schedule and loading
+    /// this into it. [`StateDict::save_safetensors`] saves it to a file, atomically;
+    /// [`read_pth_scheduler_state`](crate::read_pth_scheduler_state) reads PyTorch's.
     fn state_dict(&self) -> Result<StateDict>;
 
     /// Loads a [`state_dict`](Self::state_dict), strictly and all or nothing, and sets `opt`'s
-    /// learning rates to the loaded `last_lr`, so the next optimizer step runs at the rate the
+    /// learning rates to the loaded `_last_lr`, so the next optimizer step runs at the rate the
     /// saved run would have used, whichever of the optimizer and the schedule is loaded first.
+    /// The schedule's own fields come from the state, as PyTorch's `load_state_dict` takes them
+    /// (a `StepLR` saved with `step_size=3` steps by 3). A key the schedule does not have, or the
+    /// state of another kind of schedule ([`StateError::SchedulerKind`]), is an error.
     fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()>;
 }
 
-/// Saves a schedule's progress.
+/// What every schedule saves, under PyTorch's names.
+pub(crate) const COMMON: &[&str] = &["last_epoch", "_step_count", "_last_lr", "base_lrs"];
+
+/// Saves a schedule's progress and its own fields.
 fn save_progress(
     last_epoch: usize,
     last_lr: &[f64],
-    base_lrs: Option<&[f64]>,
+    base_lrs: &[f64],
+    own: &[(&str, f64)],
 ) -> Result<StateDict> {
     let mut sd = StateDict::new();
-    sd.insert("last_epoch", Tensor::new(last_epoch as f64, &Device::Cpu)?);
-    sd.insert("last_lr", Tensor::new(last_lr, &Device::Cpu)?);
-    if let Some(b) = base_lrs {
-        sd.insert("base_lrs", Tensor::new(b, &Device::Cpu)?);
+    let scalar = |x: f64| Tensor::new(x, &Device::Cpu);
+    sd.insert("last_epoch", scalar(last_epoch as f64)?);
+    sd.insert("_step_count", scalar(last_epoch as f64 + 1.0)?);
+    sd.insert("_last_lr", Tensor::new(last_lr, &Device::Cpu)?);
+    sd.insert("base_lrs", Tensor::new(base_lrs, &Device::Cpu)?);
+    for (name, x) in own {
+        sd.insert(*name, scalar(*x)?);
     }
     Ok(sd)
 }
 
-/// Reads a schedule's progress: `(last_epoch, last_lr, base_lrs)`, checked against `groups`.
+/// A schedule's state as read: the progress, and its own fields in the order asked for.
+struct Progress {
+    last_epoch: usize,
+    last_lr: Vec<f64>,
+    base_lrs: Vec<f64>,
+    own: Vec<f64>,
+}
+
+/// Reads a schedule's progress and its own fields `own`, checked against `groups`; `class` is
+/// the schedule's PyTorch class, for errors.
 fn load_progress(
     sd: &StateDict,
     groups: usize,
-    with_base: bool,
-) -> Result<(usize, Vec<f64>, Option<Vec<f64>>)> {
-    let mut names = vec!["last_epoch", "last_lr"];
-    if with_base {
-        names.push("base_lrs");
+    class: &'static str,
+    own: &[&str],
+) -> Result<Progress> {
+    if sd.contains_key("last_lr") && !sd.contains_key("_last_lr") {
+        return Err(StateError::InvalidValue {
+            key: "last_lr".into(),
+            reason: "this schedule state was saved by module-optim before it took PyTorch's \
+                     names (`_last_lr`, `_step_count`, `base_lrs` for every schedule); it cannot \
+                     be read any more: save it again with this version"
+                .into(),
+        }
+        .into());
     }
+    let names: Vec<&str> = COMMON.iter().chain(own).copied().collect();
+    let keys: Vec<&str> = sd.keys().collect();
+    crate::pth_scheduler::check_kind(class, &keys)?;
     let missing: Vec<String> = names
         .iter()
         .filter(|n| !sd.contains_key(n))
@@ -70,22 +107,28 @@ fn load_progress(
     if !missing.is_empty() {
         return Err(StateError::MissingKeys { keys: missing }.into());
     }
-    let unexpected: Vec<String> = sd
-        .keys()
+    let unexpected: Vec<String> = keys
+        .iter()
         .filter(|k| !names.contains(k))
-        .map(str::to_owned)
+        .map(|k| k.to_string())
         .collect();
     if !unexpected.is_empty() {
         return Err(StateError::UnexpectedKeys { keys: unexpected }.into());
     }
-    let epoch = crate::state::scalar(sd.get("last_epoch").expect("checked"), "last_epoch")?;
-    if !(epoch >= 0.0 && epoch.fract() == 0.0) {
-        return Err(StateError::InvalidValue {
-            key: "last_epoch".into(),
-            reason: format!("{epoch} is not a step count"),
+    let get = |key: &str| crate::state::scalar(sd.get(key).expect("checked"), key);
+    let count = |key: &str, min: f64| -> Result<usize> {
+        let x = get(key)?;
+        if !(x >= min && x.fract() == 0.0 && x < 1e15) {
+            return Err(StateError::InvalidValue {
+                key: key.into(),
+                reason: format!("{x} is not a step count of at least {min}"),
+            }
+            .into());
         }
-        .into());
-    }
+        Ok(x as usize)
+    };
+    let last_epoch = count("last_epoch", 0.0)?;
+    count("_step_count", 0.0)?;
     let list = |key: &str| -> Result<Vec<f64>> {
         let t = sd.get(key).expect("checked");
         if t.dims() != [groups] {
@@ -100,13 +143,21 @@ fn load_progress(
         }
         Ok(t.to_dtype(DType::F64)?.to_vec1()?)
     };
-    let last_lr = list("last_lr")?;
-    let base = if with_base {
-        Some(list("base_lrs")?)
-    } else {
-        None
-    };
-    Ok((epoch as usize, last_lr, base))
+    let last_lr = list("_last_lr")?;
+    let base_lrs = list("base_lrs")?;
+    let own = own
+        .iter()
+        .map(|&name| match name {
+            "step_size" => count(name, 1.0).map(|n| n as f64),
+            _ => get(name),
+        })
+        .collect::<Result<_>>()?;
+    Ok(Progress {
+        last_epoch,
+        last_lr,
+        base_lrs,
+        own,
+    })
 }
 
 fn set_all(opt: &mut dyn Optimizer, lrs: &[f64]) {
@@ -239,14 +290,17 @@ impl LrScheduler for LambdaLr {
     fn last_epoch(&self) -> usize {
         self.last_epoch
     }
+    fn class_name(&self) -> &'static str {
+        "LambdaLR"
+    }
     fn state_dict(&self) -> Result<StateDict> {
-        save_progress(self.last_epoch, &self.last_lr, Some(&self.base_lrs))
+        save_progress(self.last_epoch, &self.last_lr, &self.base_lrs, &[])
     }
     fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
-        let (epoch, last_lr, base) = load_progress(state, opt.num_param_groups(), true)?;
-        self.last_epoch = epoch;
-        self.base_lrs = base.expect("asked for");
-        self.last_lr = last_lr;
+        let p = load_progress(state, opt.num_param_groups(), "LambdaLR", &[])?;
+        self.last_epoch = p.last_epoch;
+        self.base_lrs = p.base_lrs;
+        self.last_lr = p.last_lr;
         set_all(opt, &self.last_lr);
         Ok(())
     }
@@ -261,7 +315,7 @@ impl StepLr {
     /// The schedule; the optimizer's rates are those of step 0. Panics if `step_size` is 0.
     pub fn new(opt: &mut dyn Optimizer, step_size: usize, gamma: f64) -> Self {
         assert!(step_size > 0, "StepLR's step_size must be at least 1");
-        Self(Decay::new(opt, step_size, gamma))
+        Self(Decay::new(opt, Some(step_size), gamma))
     }
 }
 
@@ -272,24 +326,27 @@ pub struct ExponentialLr(Decay);
 impl ExponentialLr {
     /// The schedule; the optimizer's rates are those of step 0.
     pub fn new(opt: &mut dyn Optimizer, gamma: f64) -> Self {
-        Self(Decay::new(opt, 1, gamma))
+        Self(Decay::new(opt, None, gamma))
     }
 }
 
 /// `StepLR`'s recursive decay, which `ExponentialLR` is with a step size of 1: every `step_size`
 /// steps, each group's current rate times `gamma`.
 struct Decay {
-    step_size: usize,
+    /// `StepLR`'s step size; `None` for `ExponentialLR`.
+    step_size: Option<usize>,
     gamma: f64,
+    base_lrs: Vec<f64>,
     last_lr: Vec<f64>,
     last_epoch: usize,
 }
 
 impl Decay {
-    fn new(opt: &mut dyn Optimizer, step_size: usize, gamma: f64) -> Self {
+    fn new(opt: &mut dyn Optimizer, step_size: Option<usize>, gamma: f64) -> Self {
         Self {
             step_size,
             gamma,
+            base_lrs: opt.lrs(),
             last_lr: opt.lrs(),
             last_epoch: 0,
         }
@@ -299,7 +356,7 @@ impl Decay {
 impl LrScheduler for Decay {
     fn step(&mut self, opt: &mut dyn Optimizer) {
         self.last_epoch += 1;
-        if self.last_epoch.is_multiple_of(self.step_size) {
+        if self.last_epoch.is_multiple_of(self.step_size.unwrap_or(1)) {
             let lrs: Vec<f64> = opt.lrs().iter().map(|lr| lr * self.gamma).collect();
             set_all(opt, &lrs);
         }
@@ -311,13 +368,33 @@ impl LrScheduler for Decay {
     fn last_epoch(&self) -> usize {
         self.last_epoch
     }
+    fn class_name(&self) -> &'static str {
+        match self.step_size {
+            Some(_) => "StepLR",
+            None => "ExponentialLR",
+        }
+    }
     fn state_dict(&self) -> Result<StateDict> {
-        save_progress(self.last_epoch, &self.last_lr, None)
+        let mut own = Vec::new();
+        if let Some(n) = self.step_size {
+            own.push(("step_size", n as f64));
+        }
+        own.push(("gamma", self.gamma));
+        save_progress(self.last_epoch, &self.last_lr, &self.base_lrs, &own)
     }
     fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
-        let (epoch, last_lr, _) = load_progress(state, opt.num_param_groups(), false)?;
-        self.last_epoch = epoch;
-        self.last_lr = last_lr;
+        let own: &[&str] = match self.step_size {
+            Some(_) => &["step_size", "gamma"],
+            None => &["gamma"],
+        };
+        let p = load_progress(state, opt.num_param_groups(), self.class_name(), own)?;
+        if let Some(n) = self.step_size.as_mut() {
+            *n = p.own[0] as usize;
+        }
+        self.gamma = *p.own.last().expect("gamma");
+        self.last_epoch = p.last_epoch;
+        self.base_lrs = p.base_lrs;
+        self.last_lr = p.last_lr;
         set_all(opt, &self.last_lr);
         Ok(())
     }
@@ -335,6 +412,9 @@ macro_rules! forward_to_decay {
             }
             fn last_epoch(&self) -> usize {
                 self.0.last_epoch()
+            }
+            fn class_name(&self) -> &'static str {
+                self.0.class_name()
             }
             fn state_dict(&self) -> Result<StateDict> {
                 self.0.state_dict()

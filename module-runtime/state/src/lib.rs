@@ -10,7 +10,7 @@
 //! | `load_hooks` | post-load hooks and [`IncompatibleKeys`] |
 //! | `suggest` | what a load that does not fit suggests (a prefix rule, "did you mean" pairs) |
 //! | `state` | [`StateDict`], [`LoadOptions`], the all-or-nothing load |
-//! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values |
+//! | `pth/` | PyTorch's `.pth`/`.pt` files: the zip and legacy containers, a safe unpickler (`pickle/`: values, the machine, its opcodes, its calls), `tree`: the file as a tree of values, `values`: [`PthValues`], its Python values (`torch.load`) |
 //! | `io` | safetensors reading, and writing: [`StateDict::save_safetensors`], the one atomic writer |
 //! | `checkpoint` | [`Checkpoint`]: a file or folder, read once, loaded strictly |
 //! | `gguf` | [`GgufFile`]: llama.cpp's GGUF files, a checkpoint source whose quantized tensors load as quantized parameters |
@@ -41,4 +41,5 @@ pub mod suggest;
 pub use checkpoint::Checkpoint;
 pub use gguf::{permute_rows, GgufFile, GgufValue};
 pub use load_hooks::{IncompatibleKeys, LoadPostHookFn};
+pub use pth::values::{FromPyValue, PthValues, PyValue};
 pub use state::{LoadOptions, StateDict};

@@ -150,6 +150,16 @@ pub enum PthErrorKind {
         found: String,
     },
 
+    /// A value asked of a checkpoint's Python values (`PthValues`) is not there, or not of the
+    /// type asked for; `key` is the dotted path from the top level (`extra.tags.1`).
+    #[error("`{key}`: {reason}")]
+    Value {
+        /// The path asked for, or the part of it that was reached.
+        key: String,
+        /// What is there instead, in words.
+        reason: String,
+    },
+
     /// Anything else that makes the file unreadable as a checkpoint.
     #[error("{reason}")]
     Malformed {

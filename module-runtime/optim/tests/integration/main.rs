@@ -7,6 +7,7 @@ mod groups;
 mod parity;
 mod precision;
 mod pth;
+mod pth_scheduler;
 mod readme;
 mod rules;
 mod state;

@@ -13,6 +13,7 @@
 pub mod container;
 pub mod pickle;
 pub mod tree;
+pub mod values;
 
 use std::collections::HashMap;
 use std::ops::Range;

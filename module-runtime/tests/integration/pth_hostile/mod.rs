@@ -14,6 +14,7 @@ use module_runtime::{Error, LoadOptions, ModuleExt, PthErrorKind, StateDict};
 
 mod files;
 mod pickle;
+mod values;
 
 // ---------------------------------------------------------------------------------------------
 // A tiny pickle writer, enough to write what `torch.save` writes.
