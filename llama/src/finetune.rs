@@ -23,7 +23,7 @@
 //!   Each sequence computes exactly what it would alone.
 //! - **Loss**: transformers' `ForCausalLMLoss`: the logits of position `t` against token `t + 1`,
 //!   averaged over every real (not padded) target of the batch.
-//! - **Seed**: [`manual_seed`](module_runtime::manual_seed)`(seed)` before the adapter is made:
+//! - **Seed**: [`manual_seed`]`(seed)` before the adapter is made:
 //!   `lora_A`'s initialization (PEFT's Kaiming-uniform; `lora_B` starts at zero) is the only
 //!   random draw, so two runs with the same seed print the same losses.
 
@@ -70,7 +70,7 @@ pub struct FinetuneConfig {
     pub lr: f64,
     /// AdamW's decoupled weight decay (default 0.01).
     pub weight_decay: f64,
-    /// The seed of [`manual_seed`](module_runtime::manual_seed), set before the adapter is made
+    /// The seed of [`manual_seed`], set before the adapter is made
     /// (default 0).
     pub seed: u64,
 }
