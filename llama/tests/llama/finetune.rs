@@ -3,9 +3,12 @@
 //! reloads with the in-memory model's logits, gradients reach every adapter through a `q8_0`
 //! base that stays quantized, and bad data is refused before the model is touched.
 //!
-//! `LLAMA_WRITE_FINETUNED=1` also writes the trained adapter and its logits into
-//! `tests/fixtures/tiny-llama-finetuned/` for `fixtures/peft/check_llama_finetune.py`, which loads
-//! it with `peft` onto transformers' Llama and compares the logits.
+//! The losses and the trained model's logits are PyTorch + peft's for the same run
+//! (`tests/fixtures/tiny-llama-finetuned/torch_reference.safetensors`). `LLAMA_WRITE_FINETUNED=1`
+//! writes the trained adapter, its logits and losses, the initial adapter and the data into that
+//! folder for `fixtures/peft/check_llama_finetune.py`, which loads the adapter with `peft` onto
+//! transformers' Llama, compares the logits, runs the same training in PyTorch and writes
+//! `torch_reference.safetensors`.
 
 use super::*;
 use llama::finetune::{train_lora, FinetuneConfig, PROJECTIONS};
@@ -27,6 +30,11 @@ fn data() -> Vec<Vec<u32>> {
 
 fn prompts() -> Tensor {
     ids(&reference_json().0)
+}
+
+/// The adapter a run of this test trained, with PyTorch's run of the same training.
+fn finetuned_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama-finetuned")
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -68,7 +76,7 @@ fn write_finetuned(
     logits: &Tensor,
     losses: &[f32],
 ) {
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama-finetuned");
+    let out = finetuned_dir();
     model.save_pretrained(&out).unwrap();
     // `train_lora`'s start: the same seed, then the adapter.
     let mut initial = self::model();
@@ -142,6 +150,23 @@ fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
         .scan(&prompts(), reloaded.initial_state(3).unwrap())
         .unwrap();
     assert!(max_diff(&scanned, &logits) < 1e-5);
+    // PyTorch + peft's run of the same training from the same initial adapter
+    // (`check_llama_finetune.py`): the same losses and, after it, the same logits.
+    let torch = candle_core::safetensors::load(
+        finetuned_dir().join("torch_reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let torch_losses: Vec<f64> = torch["losses"].to_vec1().unwrap();
+    for (step, (ours, theirs)) in losses.iter().zip(&torch_losses).enumerate() {
+        assert!(
+            (*ours as f64 - theirs).abs() < 1e-5,
+            "step {}: loss {ours} vs PyTorch's {theirs}",
+            step + 1
+        );
+    }
+    let diff = max_diff(&logits.to_device(&Device::Cpu).unwrap(), &torch["logits"]);
+    assert!(diff < 1e-4, "logits after training: {diff} from PyTorch's");
     if std::env::var_os("LLAMA_WRITE_FINETUNED").is_some() {
         write_finetuned(&model, &config, &logits, &losses);
     }
