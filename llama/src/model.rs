@@ -13,7 +13,7 @@ use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig, SiLU};
 use module_runtime::prelude::*;
 
-use crate::config::LlamaConfig;
+use crate::config::{invalid, LlamaConfig};
 
 /// Grouped-query self-attention with rotary position embeddings: `num_heads` query heads share
 /// `num_key_value_heads` key/value heads (1: multi-query attention).
@@ -181,7 +181,13 @@ impl Forward<LayerInput> for LlamaAttention {
                 values.slice_set(&v, 2, input.filled)?;
                 (keys.narrow(2, 0, total)?, values.narrow(2, 0, total)?)
             }
-            _ => (k, v),
+            (None, None) => (k, v),
+            _ => {
+                return Err(invalid(
+                    "a layer input with a key buffer but no value buffer, or the reverse"
+                        .to_owned(),
+                ))
+            }
         };
         // Every query head against its key/value head (`enable_gqa`: no repeated keys), the
         // cache's filled part read in place, `q` already scaled.
