@@ -104,6 +104,23 @@ fn the_training_forward_gives_transformers_logits() {
     assert!(diff < 1e-4, "max logit difference {diff}");
 }
 
+/// The forward that records gradients (differentiable RoPE, the attention's gradient kernel)
+/// gives transformers' logits on the grouped-query, llama3-RoPE fixture too: an adapter at
+/// PEFT's init (`lora_B` zero) adds nothing but makes every projection's output tracked.
+#[test]
+fn the_tracked_forward_gives_transformers_logits_with_grouped_query_attention() {
+    let dir = fixture().join("../tiny-llama-gqa");
+    let mut model = LlamaForCausalLM::from_pretrained(&dir, &device()).unwrap();
+    let reference =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &device()).unwrap();
+    let prompts = reference["prompts"].to_dtype(DType::U32).unwrap();
+    module_runtime::nn::peft::get_peft_model(&mut model, &llama::finetune::lora_config(4)).unwrap();
+    let logits = model.call(&prompts).unwrap();
+    assert!(logits.track_op());
+    let diff = max_diff(&logits, &reference["logits"]);
+    assert!(diff < 1e-4, "max logit difference {diff}");
+}
+
 #[test]
 fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
     let mut model = model();
