@@ -127,22 +127,40 @@ impl LlamaForCausalLM {
         cache.reserve(s)?;
         let filled = cache.len();
         let device = ids.device();
-        let (cos, sin) = self.rotary_tables(&cache, s, device)?;
+        let (cos, sin) = self.rotary_tables(cache.padding(), filled, s, device)?;
         let mask = attention_bias(cache.padding(), filled, s, device)?;
+        let buffers = cache
+            .layers
+            .iter()
+            .map(|(k, v)| (Some(k.clone()), Some(v.clone())));
+        let h = self.decoder(ids, (cos, sin), mask, buffers, filled)?;
+        cache.advance(s);
+        Ok((h, cache))
+    }
+
+    /// The decoder stack on `ids` with the given rotary tables, attention bias and each layer's
+    /// cache buffers (`None`: no cache), after the final norm.
+    fn decoder(
+        &self,
+        ids: &Tensor,
+        (cos, sin): (Tensor, Tensor),
+        mask: Option<Tensor>,
+        buffers: impl Iterator<Item = (Option<Tensor>, Option<Tensor>)>,
+        filled: usize,
+    ) -> Result<Tensor> {
         let mut h = self.model.embed_tokens.call(ids)?;
-        for (layer, (keys, values)) in self.model.layers.iter().zip(&cache.layers) {
+        for (layer, (keys, values)) in self.model.layers.iter().zip(buffers) {
             h = layer.call(LayerInput {
                 hidden: h,
                 cos: cos.clone(),
                 sin: sin.clone(),
                 mask: mask.clone(),
-                keys: keys.clone(),
-                values: values.clone(),
+                keys,
+                values,
                 filled,
             })?;
         }
-        cache.advance(s);
-        Ok((self.model.norm.call(&h)?, cache))
+        self.model.norm.call(&h)
     }
 
     /// Logits `[batch, vocab]` of the last token of each row, and the cache: a prompt's prefill
@@ -188,11 +206,11 @@ impl LlamaForCausalLM {
     /// else `[batch, new, head_dim / 2]`.
     fn rotary_tables(
         &self,
-        cache: &KvCache,
+        padding: &[usize],
+        filled: usize,
         new: usize,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let padding = cache.padding();
         // One table for all rows when they all start at the same slot.
         let rows = if padding.iter().all(|p| *p == padding[0]) {
             &padding[..1]
@@ -204,7 +222,7 @@ impl LlamaForCausalLM {
         for pad in rows {
             for t in 0..new {
                 // Padding slots (before the row's first token) get position 0; they are masked.
-                let pos = (cache.len() + t).saturating_sub(*pad) as f32;
+                let pos = (filled + t).saturating_sub(*pad) as f32;
                 for f in &self.inv_freq {
                     let angle = pos * f;
                     cos.push(angle.cos());
@@ -280,6 +298,40 @@ fn attention_bias(
         (rows.len(), 1, new, total),
         device,
     )?))
+}
+
+impl Forward<&Tensor> for LlamaForCausalLM {
+    type Output = Tensor;
+
+    /// transformers' `model(input_ids).logits` without a cache: logits `[batch, seq, vocab]` of
+    /// every position of `ids` `[batch, seq]` (causal attention among them, positions from 0).
+    /// The training forward: gradients flow to every parameter that requires them (LoRA
+    /// adapters over a float or quantized base, see [`finetune`](crate::finetune)), where
+    /// [`scan`](Recurrent::scan) runs without gradients into a cache. The same logits as `scan`
+    /// on an empty cache.
+    ///
+    /// ```
+    /// use llama::LlamaForCausalLM;
+    /// use module_runtime::prelude::*;
+    /// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+    /// let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
+    /// let ids = Tensor::new(&[[242u32, 175, 307]], &Device::Cpu)?;
+    /// let logits = model.call(&ids)?;
+    /// let (scanned, _) = model.scan(&ids, model.initial_state(1)?)?;
+    /// let diff = (logits - scanned)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-5);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        if s == 0 {
+            return Err(invalid("input ids have no tokens".to_owned()));
+        }
+        let tables = self.rotary_tables(&vec![0; b], 0, s, ids.device())?;
+        let buffers = std::iter::repeat_with(|| (None, None));
+        let h = self.decoder(ids, tables, None, buffers, 0)?;
+        self.lm_head.call(&h)
+    }
 }
 
 impl Recurrent for LlamaForCausalLM {

@@ -1,5 +1,6 @@
-//! The `generate` example's input and output: prompts as JSON lines of token ids in, one JSON
-//! line of generated ids per prompt out. Here so tests run the example's own code path.
+//! The examples' JSON lines of token ids: `generate`'s prompts in and one JSON line of generated
+//! ids per prompt out, `finetune_lora`'s training sequences in. Here so tests run the examples'
+//! own code paths.
 
 use std::io::{BufRead, Write};
 
@@ -30,16 +31,9 @@ pub fn generate_json_lines(
     mut output: impl Write,
 ) -> Result<()> {
     for (n, line) in input.lines().enumerate() {
-        let line = line.map_err(|e| invalid(format!("reading line {}: {e}", n + 1)))?;
-        if line.trim().is_empty() {
+        let Some(prompt) = token_ids(n, line)? else {
             continue;
-        }
-        let prompt: Vec<u32> = serde_json::from_str(&line).map_err(|e| {
-            invalid(format!(
-                "line {}: expected a JSON array of token ids: {e}",
-                n + 1
-            ))
-        })?;
+        };
         let generated = generate(model, &[prompt], config)?;
         let text = serde_json::to_string(&generated[0])
             .map_err(|e| invalid(format!("writing JSON: {e}")))?;
@@ -48,4 +42,38 @@ pub fn generate_json_lines(
             .map_err(|e| invalid(format!("writing the output: {e}")))?;
     }
     Ok(())
+}
+
+/// Reads every non-empty line of `input` as a JSON array of token ids (`[1, 306, 4966]`): the
+/// `finetune_lora` example's training sequences, in the file's order. A line that is not such an
+/// array is an error naming its number.
+///
+/// ```
+/// use llama::json_lines::read_token_ids;
+/// let lines = read_token_ids("[1, 2, 3]\n\n[4, 5]\n".as_bytes())?;
+/// assert_eq!(lines, [vec![1, 2, 3], vec![4, 5]]);
+/// assert!(read_token_ids("[1, 2]\n[3, -1]\n".as_bytes()).unwrap_err().to_string().contains("line 2"));
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn read_token_ids(input: impl BufRead) -> Result<Vec<Vec<u32>>> {
+    let mut lines = Vec::new();
+    for (n, line) in input.lines().enumerate() {
+        lines.extend(token_ids(n, line)?);
+    }
+    Ok(lines)
+}
+
+/// Line `n` (from 0) as token ids, `None` when blank.
+fn token_ids(n: usize, line: std::io::Result<String>) -> Result<Option<Vec<u32>>> {
+    let line = line.map_err(|e| invalid(format!("reading line {}: {e}", n + 1)))?;
+    if line.trim().is_empty() {
+        return Ok(None);
+    }
+    let ids = serde_json::from_str(&line).map_err(|e| {
+        invalid(format!(
+            "line {}: expected a JSON array of token ids: {e}",
+            n + 1
+        ))
+    })?;
+    Ok(Some(ids))
 }

@@ -9,11 +9,13 @@
 //! - [`gguf`]: llama.cpp's GGUF files (quantized weights) by Hugging Face's names;
 //! - [`gguf_export`]: a Hugging Face folder written as llama.cpp's GGUF, vocabulary included;
 //! - [`generate`](mod@generate): logits processing, sampling and the generation loop;
-//! - [`json_lines`]: the `generate` example's JSON-lines input and output.
+//! - [`finetune`]: LoRA (QLoRA) fine-tuning, the `finetune_lora` example's training loop;
+//! - [`json_lines`]: the examples' JSON lines of token ids.
 
 pub mod cache;
 pub mod causal_lm;
 pub mod config;
+pub mod finetune;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_export;

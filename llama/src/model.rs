@@ -5,13 +5,15 @@
 //! The layers run on the key/value buffers of a [`KvCache`](crate::KvCache): each attention
 //! writes its new keys and values into its layer's buffers, in place, and attends over every
 //! filled slot. [`LlamaForCausalLM`](crate::LlamaForCausalLM) drives them (`scan`, `step`).
+//! Without buffers (training, `LlamaForCausalLM::call`) each attention attends over its own
+//! keys and values, and gradients flow through every op.
 
 use module_runtime::candle_nn::rotary_emb::rope_thd;
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig, SiLU};
 use module_runtime::prelude::*;
 
-use crate::config::LlamaConfig;
+use crate::config::{invalid, LlamaConfig};
 
 /// Grouped-query self-attention with rotary position embeddings: `num_heads` query heads share
 /// `num_key_value_heads` key/value heads (1: multi-query attention).
@@ -77,7 +79,8 @@ pub struct LlamaModel {
 }
 
 /// What one decoder layer runs on: the hidden states of the new tokens, their rotary tables, the
-/// attention bias, and the layer's cache buffers with the number of slots already filled.
+/// attention bias, and the layer's cache buffers with the number of slots already filled (or no
+/// buffers: the tokens attend to themselves only, differentiably).
 #[derive(TensorStruct, Clone)]
 pub struct LayerInput {
     /// `[batch, new, hidden]`.
@@ -91,10 +94,11 @@ pub struct LayerInput {
     /// `None` when none is needed: one new token (it sees every slot), or new tokens after an
     /// empty cache (causal attention, which the layer applies itself).
     pub mask: Option<Tensor>,
-    /// The layer's key buffer `[batch, kv_heads, capacity, head_dim]`, written in place.
-    pub keys: Tensor,
+    /// The layer's key buffer `[batch, kv_heads, capacity, head_dim]`, written in place; `None`
+    /// without a cache (then `filled` is 0).
+    pub keys: Option<Tensor>,
     /// The layer's value buffer, the same shape.
-    pub values: Tensor,
+    pub values: Option<Tensor>,
     /// Slots already filled; the new tokens' keys and values go after them.
     #[tensor(skip)]
     pub filled: usize,
@@ -162,7 +166,7 @@ impl Forward<LayerInput> for LlamaAttention {
         // Rotate in the projections' own layout `[batch, new, heads, head_dim]` (no copy), then
         // move heads before positions.
         let rotated = |t: Tensor, n: usize| -> Result<Tensor> {
-            let t = rope_thd(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
+            let t = rope(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
         // The three projections of one input: one pass of the q8_0 kernel when quantized.
@@ -171,10 +175,20 @@ impl Forward<LayerInput> for LlamaAttention {
         let q = rotated((q * (d as f64).powf(-0.5))?, heads)?;
         let k = rotated(k, kv)?;
         let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?;
-        input.keys.slice_set(&k, 2, input.filled)?;
-        input.values.slice_set(&v, 2, input.filled)?;
-        let keys = input.keys.narrow(2, 0, total)?;
-        let values = input.values.narrow(2, 0, total)?;
+        let (keys, values) = match (&input.keys, &input.values) {
+            (Some(keys), Some(values)) => {
+                keys.slice_set(&k, 2, input.filled)?;
+                values.slice_set(&v, 2, input.filled)?;
+                (keys.narrow(2, 0, total)?, values.narrow(2, 0, total)?)
+            }
+            (None, None) => (k, v),
+            _ => {
+                return Err(invalid(
+                    "a layer input with a key buffer but no value buffer, or the reverse"
+                        .to_owned(),
+                ))
+            }
+        };
         // Every query head against its key/value head (`enable_gqa`: no repeated keys), the
         // cache's filled part read in place, `q` already scaled.
         let options = SdpaOptions {
@@ -190,6 +204,26 @@ impl Forward<LayerInput> for LlamaAttention {
                 .reshape((b, s, heads * d))?;
         self.o_proj.call(&context)
     }
+}
+
+/// RoPE on `x` `[batch, new, heads, head_dim]` (transformers' `rotate_half` convention) with
+/// `cos`/`sin` `[new, head_dim / 2]` or `[batch, new, head_dim / 2]`: candle's fused kernel when
+/// no gradient flows through `x` (it records none), else the same formula in differentiable ops.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !(x.track_op() && module_runtime::is_grad_enabled()) {
+        return Ok(rope_thd(x, cos, sin)?);
+    }
+    let half = x.dim(3)? / 2;
+    // `[…, new, 1, head_dim]`: one angle table for every head.
+    let table = |t: &Tensor| -> Result<Tensor> {
+        let full = Tensor::cat(&[t, t], t.rank() - 1)?;
+        Ok(full.unsqueeze(full.rank() - 1)?)
+    };
+    let rotated = Tensor::cat(
+        &[&x.narrow(3, half, half)?.neg()?, &x.narrow(3, 0, half)?],
+        3,
+    )?;
+    Ok((x.broadcast_mul(&table(cos)?)? + rotated.broadcast_mul(&table(sin)?)?)?)
 }
 
 impl Forward<&Tensor> for LlamaMlp {

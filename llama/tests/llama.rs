@@ -13,6 +13,8 @@ use module_runtime::prelude::*;
 
 #[path = "llama/adapter.rs"]
 mod adapter;
+#[path = "llama/finetune.rs"]
+mod finetune;
 #[path = "llama/gguf_export.rs"]
 mod gguf_export;
 #[path = "llama/gguf_metadata.rs"]
