@@ -183,7 +183,9 @@ pub(super) fn shape_fix(expected: &str, got: &Shape) -> String {
         return format!(
             ": one dimension short; for a single sample add the batch dimension \
              (`x.unsqueeze(0)?`, giving {:?})",
-            std::iter::once(1).chain(dims.iter().copied()).collect::<Vec<_>>()
+            std::iter::once(1)
+                .chain(dims.iter().copied())
+                .collect::<Vec<_>>()
         );
     }
     if dims.len() == wanted.len() + 1 && dims.first() == Some(&1) {
