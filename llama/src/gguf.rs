@@ -229,10 +229,27 @@ fn check_tensors(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
 /// `h·d + j·d/2 + i` is the file's row `h·d + 2i + j`. Rows move whole, quantized or not (blocks
 /// run along a row), so nothing is requantized.
 pub fn unpermute_heads(t: &QTensor, heads: usize) -> Result<QTensor> {
+    reorder_heads(t, heads, false)
+}
+
+/// The converse of [`unpermute_heads`]: Hugging Face's rows in llama.cpp's order, as the
+/// converter (and [`save_gguf`](crate::save_gguf)) writes them.
+pub(crate) fn permute_heads(t: &QTensor, heads: usize) -> Result<QTensor> {
+    reorder_heads(t, heads, true)
+}
+
+/// The rows of `t` moved between Hugging Face's order and llama.cpp's (`to_gguf`), each head's
+/// `d` rows split in two RoPE halves: Hugging Face's row `h·d + j·d/2 + i` is llama.cpp's
+/// `h·d + 2i + j`.
+fn reorder_heads(t: &QTensor, heads: usize, to_gguf: bool) -> Result<QTensor> {
     let rows = t.shape().dims()[0];
     if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(module_runtime::Error::InvalidConfig {
-            layer: "unpermute_heads",
+            layer: if to_gguf {
+                "permute_heads"
+            } else {
+                "unpermute_heads"
+            },
             message: format!("{rows} rows are not {heads} heads of an even width"),
         });
     }
@@ -241,8 +258,11 @@ pub fn unpermute_heads(t: &QTensor, heads: usize) -> Result<QTensor> {
     let order: Vec<usize> = (0..rows)
         .map(|r| {
             let (h, k) = (r / d, r % d);
-            let (j, i) = (k / half, k % half);
-            h * d + 2 * i + j
+            match to_gguf {
+                // Row r of the file is Hugging Face's `h·d + (k % 2)·half + k / 2`.
+                true => h * d + (k % 2) * half + k / 2,
+                false => h * d + 2 * (k % half) + k / half,
+            }
         })
         .collect();
     if t.rank() == 2 {

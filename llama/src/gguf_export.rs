@@ -27,10 +27,11 @@ use std::path::Path;
 use module_runtime::candle_core::quantized::gguf_file::{self, Value};
 use module_runtime::candle_core::quantized::{GgmlDType, QTensor};
 use module_runtime::prelude::*;
-use module_runtime::{permute_rows, KeyRule};
+use module_runtime::KeyRule;
 use serde_json::Value as Json;
 
 use crate::config::{invalid, LlamaConfig};
+use crate::gguf::permute_heads;
 
 /// llama.cpp's token types (`llama_token_type`).
 const NORMAL: i32 = 1;
@@ -94,7 +95,7 @@ pub fn save_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> Result<()> {
             None
         };
         let q = match heads {
-            Some(heads) => permute_rows(&q, &interleaved(heads, t.dim(0)?))?,
+            Some(heads) => permute_heads(&q, heads)?,
             None => q,
         };
         tensors.push((gguf, q));
@@ -118,18 +119,6 @@ pub fn save_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> Result<()> {
             Err(e)
         }
     }
-}
-
-/// Hugging Face's row `h·d + j·d/2 + i` of a `[heads · d, …]` projection at llama.cpp's
-/// `h·d + 2i + j` (RoPE's halves interleaved).
-fn interleaved(heads: usize, rows: usize) -> Vec<usize> {
-    let (d, half) = (rows / heads, rows / heads / 2);
-    (0..rows)
-        .map(|r| {
-            let (h, k) = (r / d, r % d);
-            h * d + (k % 2) * half + k / 2
-        })
-        .collect()
 }
 
 /// The `general.architecture` and `llama.*` keys of `cfg`.
@@ -168,7 +157,7 @@ fn configuration(cfg: &LlamaConfig) -> Vec<(String, Value)> {
     if let Some(&eos) = cfg.eos_token_ids.first() {
         keys.push(("tokenizer.ggml.eos_token_id", Value::U32(eos)));
     }
-    keys.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+    owned(keys)
 }
 
 /// The `tokenizer.ggml.*` keys for the folder `dir` of a model with `vocab_size` embedding rows.
