@@ -68,16 +68,10 @@ impl fmt::Display for CpuCapability {
     }
 }
 
-/// What the kernels know of the CPU, read once.
+/// What the kernels know of the CPU and the environment, read once.
 struct Host {
-    /// The CPU's own name (its brand string), or `"unknown CPU"`.
-    name: String,
-    /// The widest level the CPU has.
-    best: CpuCapability,
-    /// Whether it has AVX-512 VNNI (the quantized kernel's AVX-512 loops need it).
-    vnni: bool,
-    /// Whether its AVX-512 instructions run at full width (not split in two 256-bit halves).
-    full_width_512: bool,
+    /// What [`detect`] read off the CPU.
+    cpu: Detected,
     /// `ATEN_CPU_CAPABILITY`, where set to a level's name.
     env: Option<CpuCapability>,
     /// `ATEN_CPU_CAPABILITY`'s value where it names no level (then ignored, and reported).
@@ -94,12 +88,8 @@ fn host() -> &'static Host {
             },
             Err(_) => (None, None),
         };
-        let cpu = detect();
         Host {
-            name: cpu.name,
-            best: cpu.best,
-            vnni: cpu.vnni,
-            full_width_512: cpu.full_width_512,
+            cpu: detect(),
             env,
             env_ignored,
         }
@@ -108,9 +98,13 @@ fn host() -> &'static Host {
 
 /// What [`detect`] reads off the CPU.
 struct Detected {
+    /// The CPU's own name (its brand string), or `"unknown CPU"`.
     name: String,
+    /// The widest level the CPU has.
     best: CpuCapability,
+    /// Whether it has AVX-512 VNNI (the quantized kernel's AVX-512 loops need it).
     vnni: bool,
+    /// Whether its AVX-512 instructions run at full width (not split in two 256-bit halves).
     full_width_512: bool,
 }
 
@@ -200,8 +194,14 @@ fn forced() -> Option<CpuCapability> {
 /// assert_eq!(get_cpu_capability(), widest);
 /// ```
 pub fn get_cpu_capability() -> CpuCapability {
-    let best = host().best;
-    forced().map_or(best, |level| level.min(best))
+    level_of(forced())
+}
+
+/// The level the kernels may use where `forced` is the calling thread's setting: the CPU's, or
+/// `forced` where that is lower.
+fn level_of(forced: Option<CpuCapability>) -> CpuCapability {
+    let best = host().cpu.best;
+    forced.map_or(best, |level| level.min(best))
 }
 
 /// Runs `f` with every kernel started on this thread (and the pool work those start) built for
@@ -252,18 +252,19 @@ pub struct KernelChoice {
 /// ```
 pub fn kernel_choice() -> KernelChoice {
     let host = host();
-    let level = get_cpu_capability();
-    let forced = forced().is_some();
+    let forced = forced();
+    let level = level_of(forced);
+    let forced = forced.is_some();
     let avx2_at_most = level.min(CpuCapability::Avx2);
     KernelChoice {
-        cpu: &host.name,
-        cpu_capability: host.best,
+        cpu: &host.cpu.name,
+        cpu_capability: host.cpu.best,
         products: match level {
-            CpuCapability::Avx512 if !forced && !host.full_width_512 => CpuCapability::Avx2,
+            CpuCapability::Avx512 if !forced && !host.cpu.full_width_512 => CpuCapability::Avx2,
             level => level,
         },
         quantized: match level {
-            CpuCapability::Avx512 if !host.vnni => CpuCapability::Avx2,
+            CpuCapability::Avx512 if !host.cpu.vnni => CpuCapability::Avx2,
             level => level,
         },
         elementwise: level,
