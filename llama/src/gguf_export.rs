@@ -169,8 +169,7 @@ pub fn vocabulary(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>>
         return Ok(owned(keys));
     }
     let bad = |what: String| invalid(format!("{}: {what}", path.display()));
-    let text = std::fs::read_to_string(&path)?;
-    let json: Json = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let json = read_json(&path)?;
     let model = &json["model"];
     if model["type"].as_str() != Some("BPE") {
         return Err(bad(format!(
