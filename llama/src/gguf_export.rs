@@ -87,9 +87,10 @@ pub fn save_gguf(dir: &Path, path: &Path, kind: GgmlDType) -> Result<()> {
             _ => kind,
         };
         let q = QTensor::quantize(&t.to_dtype(DType::F32)?, tensor_kind)?;
-        let heads = if gguf.ends_with(".attn_q.weight") {
+        // Weights and biases alike (the reader puts both back).
+        let heads = if gguf.contains(".attn_q.") {
             Some(cfg.num_attention_heads)
-        } else if gguf.ends_with(".attn_k.weight") {
+        } else if gguf.contains(".attn_k.") {
             Some(cfg.num_key_value_heads)
         } else {
             None

@@ -204,3 +204,53 @@ fn a_tokenizer_that_does_not_fit_is_an_error_and_writes_nothing() {
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
+
+/// A Llama with attention biases: the `attn_q`/`attn_k` biases take llama.cpp's row order as
+/// their weights do, so the file reads back as the same model.
+#[test]
+fn attention_biases_take_the_files_row_order() {
+    let dir = folder("bias", None);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["attention_bias"] = json!(true);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let cfg = llama::LlamaConfig::from_json_file(&dir.join("config.json")).unwrap();
+    let model = LlamaForCausalLM::new(&cfg, &Device::Cpu).unwrap();
+    let bias = model
+        .get_parameter("model.layers.0.self_attn.q_proj.bias")
+        .unwrap();
+    assert!(
+        bias.tensor()
+            .unwrap()
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 0.0
+    );
+    model
+        .state_dict()
+        .unwrap()
+        .save_safetensors(dir.join("model.safetensors"))
+        .unwrap();
+    let path = dir.join("m.gguf");
+    save_gguf(&dir, &path, GgmlDType::F32).unwrap();
+    let loaded = LlamaForCausalLM::from_gguf(&path, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[1u32, 5, 77, 300, 12]], &Device::Cpu).unwrap();
+    let logits = |model: &LlamaForCausalLM| {
+        let state = model.initial_state(1).unwrap();
+        without_grad(|| model.scan(&ids, state)).unwrap().0
+    };
+    let diff = (logits(&loaded) - logits(&model))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-5, "{diff}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
