@@ -5,7 +5,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 corpus="$root/fuzz/corpus"
-mkdir -p "$corpus"/{safetensors,pth,gguf,optim_state}
+mkdir -p "$corpus"/{safetensors,pth,gguf,optim_state,peft}
 # The 12 smallest safetensors fixtures (about 1 KB each).
 find "$root/fixtures/pytorch" -maxdepth 1 -name '*.safetensors' -size -3k | sort | head -12 |
   xargs -I{} cp -n {} "$corpus/safetensors/"
@@ -16,3 +16,13 @@ cp -n "$root"/llama/tests/fixtures/*.gguf "$corpus/gguf/"
 cp -n "$root"/fixtures/pytorch/optim/*.pt "$root"/fixtures/pytorch/scheduler/*.pt "$corpus/optim_state/"
 find "$root/fixtures/pytorch/optim" -name '*.safetensors' -size -8k | head -4 |
   xargs -I{} cp -n {} "$corpus/optim_state/"
+# PEFT adapter folders as the `peft` target reads an input: the config's length (2 bytes,
+# little-endian), the config, the weights.
+for config in $(find "$root/fixtures/peft" -name adapter_config.json | sort); do
+  folder="$(dirname "$config")"
+  seed="$corpus/peft/$(basename "$(dirname "$folder")")-$(basename "$folder")"
+  [ -e "$seed" ] && continue
+  len=$(wc -c <"$config")
+  { printf "\\x$(printf %02x $((len & 255)))\\x$(printf %02x $((len >> 8)))"
+    cat "$config" "$folder/adapter_model.safetensors"; } >"$seed"
+done

@@ -20,6 +20,11 @@ pub const MAX_DEPTH: usize = 128;
 /// memo) is copied into each place, so this bounds what a small file can make.
 pub const MAX_VALUES: usize = 1 << 21;
 
+/// The bytes of strings, `bytes` and big integers one file may expand to, beyond twice its own
+/// size: a string the pickle refers to many times (through its memo) is copied into each place,
+/// so this keeps what a file makes within a small multiple of the file.
+pub const MAX_TEXT_SLACK: usize = 1 << 20;
+
 /// A Python value read from a pickle, under Python's names: what `torch.load` gives back, minus
 /// the objects the bounded reader does not build (any global outside its allow-list is refused
 /// when the file is read). `collections.OrderedDict` is a [`Dict`](Self::Dict); `set`, `frozenset`
@@ -241,13 +246,16 @@ pub struct PthValues {
 
 impl PthValues {
     /// Reads `path` (a zip or legacy `torch.save` file) and builds its values, bounded: at most
-    /// [`MAX_DEPTH`] levels of nesting and [`MAX_VALUES`] values; each tensor is checked against
-    /// its storage before it is built.
+    /// [`MAX_DEPTH`] levels of nesting, [`MAX_VALUES`] values, and strings, `bytes` and big
+    /// integers of at most twice the file's size plus [`MAX_TEXT_SLACK`] bytes in all; each
+    /// tensor is checked against its storage before it is built.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let tree = PthTree::open(path.as_ref())?;
+        let file_len = std::fs::metadata(path.as_ref()).map_or(0, |m| m.len() as usize);
         let root = Builder {
             tree: &tree,
             count: 0,
+            text_left: file_len.saturating_mul(2).saturating_add(MAX_TEXT_SLACK),
             tensors: HashMap::new(),
         }
         .build(tree.root(), "", 0)?;
@@ -337,6 +345,8 @@ impl PthValues {
 struct Builder<'a> {
     tree: &'a PthTree,
     count: usize,
+    /// How many more bytes of strings, `bytes` and big integers may be copied out.
+    text_left: usize,
     /// Tensors already built, by arena index: a tensor referenced twice is built once.
     tensors: HashMap<usize, Tensor>,
 }
@@ -358,10 +368,10 @@ impl<'a> Builder<'a> {
             Value::None => PyValue::None,
             Value::Bool(b) => PyValue::Bool(*b),
             Value::Int(i) => PyValue::Int(*i),
-            Value::BigInt(b) => PyValue::BigInt(b.to_vec()),
+            Value::BigInt(b) => PyValue::BigInt(self.text(b)?.to_vec()),
             Value::Float(x) => PyValue::Float(*x),
-            Value::Str(s) => PyValue::Str(s.to_string()),
-            Value::Bytes(b) => PyValue::Bytes(b.to_vec()),
+            Value::Str(s) => PyValue::Str(self.text(s.as_bytes()).map(|_| s.to_string())?),
+            Value::Bytes(b) => PyValue::Bytes(self.text(b)?.to_vec()),
             Value::Obj(id) => {
                 if depth >= MAX_DEPTH {
                     return Err(self.tree.malformed(format!(
@@ -408,6 +418,20 @@ impl<'a> Builder<'a> {
                 }
             }
         })
+    }
+
+    /// `bytes`, once its copy is counted against the file's budget.
+    fn text<'b>(&mut self, bytes: &'b [u8]) -> Result<&'b [u8]> {
+        match self.text_left.checked_sub(bytes.len()) {
+            Some(left) => {
+                self.text_left = left;
+                Ok(bytes)
+            }
+            None => Err(self.tree.malformed(
+                "the pickle's strings expand to more than twice the file's size (one string \
+                 referred to many times?)",
+            )),
+        }
     }
 
     fn items(

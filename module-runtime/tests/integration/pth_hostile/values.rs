@@ -1,5 +1,6 @@
-//! Hostile pickles read as Python values (`PthValues::load`): a list that contains itself and a
-//! list that doubles 40 times through the memo are bounded errors, not a hang or an overflow.
+//! Hostile pickles read as Python values (`PthValues::load`): a list that contains itself, a
+//! list that doubles 40 times through the memo and a long string referred to thousands of times
+//! are bounded errors, not a hang, an overflow or an allocation beyond the file's size.
 
 use module_runtime::PthValues;
 
@@ -59,6 +60,25 @@ fn a_doubling_bomb_is_an_error() {
     }
     let kind = values_rejected(body, "doubling bomb");
     assert!(kind.to_string().contains("expands to more than"), "{kind}");
+}
+
+#[test]
+fn a_string_referred_to_many_times_is_an_error() {
+    // s = "x" * 65536; [s] * 8192 through the memo: 512 MiB of copies from a 90 KB file.
+    let mut body = P::default()
+        .str(&"x".repeat(1 << 16))
+        .op(BINPUT)
+        .op(0)
+        .op(EMPTY_LIST)
+        .op(MARK);
+    for _ in 0..8192 {
+        body = body.op(BINGET).op(0);
+    }
+    let kind = values_rejected(body.op(APPENDS), "string bomb");
+    assert!(
+        kind.to_string().contains("strings expand to more than"),
+        "{kind}"
+    );
 }
 
 /// The plain values a checkpoint holds besides tensors, read back.
