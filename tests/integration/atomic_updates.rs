@@ -1,6 +1,7 @@
 //! Atomic weight updates (issue 46, item 1): threads calling a model while another thread keeps
 //! replacing its weights — by `load_state_dict`, by several `Param::set`s in one
-//! `atomic_update`, into a quantized model — must each get exactly the output of the weights of
+//! `atomic_update`, into a quantized model, by quantizing and dequantizing it — must each get
+//! exactly the output of the weights of
 //! before or of after, never of a mix. Every mode is also run with hooks and with a functional
 //! call that substitutes one parameter.
 
@@ -16,6 +17,8 @@ const WIDTH: usize = 512;
 const LAYERS: usize = 6;
 const CALLERS: usize = 4;
 const RUN_FOR: Duration = Duration::from_millis(1200);
+const MIN_UPDATES: usize = 4;
+const GIVE_UP: Duration = Duration::from_secs(60);
 
 #[derive(Module)]
 struct Deep {
@@ -59,11 +62,22 @@ enum Caller {
 #[derive(Clone, Copy, Debug)]
 enum Update {
     Load,
+    /// `quantize` to `q8_0` for the second model, every weight dequantized for the first (the
+    /// state dicts are not used).
+    Quantize,
     SetEach,
 }
 
-fn update(model: &Deep, sd: &StateDict, how: Update) {
+fn update(model: &Deep, sd: &StateDict, second: bool, how: Update) {
     match how {
+        Update::Quantize if second => {
+            quantize(model, "layers.*", GgmlDType::Q8_0).unwrap();
+        }
+        Update::Quantize => atomic_update(|| {
+            for p in model.parameters() {
+                p.dequantize().unwrap();
+            }
+        }),
         Update::Load => {
             model.load_state_dict(sd, &LoadOptions::default()).unwrap();
         }
@@ -109,9 +123,14 @@ fn race(model: Deep, how: Update, caller: Caller) {
             bits(&y.unwrap())
         }
     };
-    update(&model, &a, how);
+    if matches!(how, Update::Quantize) {
+        // The float weights are their `q8_0` values from here on, so quantizing again gives
+        // the same weights each time.
+        update(&model, &b, true, how);
+    }
+    update(&model, &a, false, how);
     let out_a = run(&model);
-    update(&model, &b, how);
+    update(&model, &b, true, how);
     let out_b = run(&model);
     assert_ne!(out_a, out_b);
 
@@ -144,8 +163,11 @@ fn race(model: Deep, how: Update, caller: Caller) {
     barrier.wait();
     let start = Instant::now();
     let mut loads = 0;
-    while start.elapsed() < RUN_FOR {
-        update(&model, if loads % 2 == 0 { &a } else { &b }, how);
+    // At least `MIN_UPDATES` however slow the machine (each waits for the calls running), within
+    // a minute.
+    while (start.elapsed() < RUN_FOR || loads < MIN_UPDATES) && start.elapsed() < GIVE_UP {
+        let second = loads % 2 == 1;
+        update(&model, if second { &b } else { &a }, second, how);
         loads += 1;
     }
     stop.store(true, Ordering::Relaxed);
@@ -161,6 +183,10 @@ fn race(model: Deep, how: Update, caller: Caller) {
     assert_eq!(
         torn, 0,
         "{torn} outputs matched neither model ({how:?}, {caller:?})"
+    );
+    assert!(
+        loads >= MIN_UPDATES,
+        "{loads} updates in {GIVE_UP:?}: updates starved"
     );
     // The race really happened: callers saw both models.
     assert!(
@@ -191,6 +217,11 @@ fn calls_racing_loads_into_a_quantized_model_see_one_model_whole() {
     let report = quantize(&model, "layers.*", GgmlDType::Q8_0).unwrap();
     assert_eq!(report.quantized.len(), LAYERS);
     race(model, Update::Load, Caller::Plain);
+}
+
+#[test]
+fn calls_racing_quantize_and_dequantize_see_one_model_whole() {
+    race(deep(), Update::Quantize, Caller::Plain);
 }
 
 #[test]

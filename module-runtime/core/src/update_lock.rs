@@ -42,7 +42,7 @@ static LOCK: RwLock<()> = const_rwlock(());
 
 /// How long a call waits for a pending update before it joins the calls already running (see the
 /// module docs: a call's helper threads must not wait for an update that waits for that call).
-pub const CALL_WAIT: Duration = Duration::from_millis(250);
+pub const CALL_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Held {
