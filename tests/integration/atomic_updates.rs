@@ -71,7 +71,8 @@ enum Update {
 fn update(model: &Deep, sd: &StateDict, second: bool, how: Update) {
     match how {
         Update::Quantize if second => {
-            quantize(model, "layers.*", GgmlDType::Q8_0).unwrap();
+            let report = quantize(model, "layers.*", GgmlDType::Q8_0).unwrap();
+            assert_eq!(report.quantized.len(), LAYERS);
         }
         Update::Quantize => atomic_update(|| {
             for p in model.parameters() {
