@@ -11,6 +11,8 @@
 //!   ([`GradAccumulator`]);
 //! - learning-rate schedules ([`LrScheduler`]: [`LambdaLr`] with Hugging Face's warmup shapes,
 //!   [`StepLr`], [`ExponentialLr`]);
+//! - weight averaging ([`swa_utils`]: `AveragedModel` with SWA's running average or an EMA,
+//!   `update_bn`);
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
@@ -28,6 +30,7 @@
 //! | `schedule` | [`LrScheduler`]s |
 //! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
 //! | `pth_scheduler` | [`read_pth_scheduler_state`]: PyTorch's learning-rate schedule state, from a `.pth` file's values |
+//! | `swa_utils/` | [`swa_utils`]: [`AveragedModel`](swa_utils::AveragedModel) (SWA, EMA), [`update_bn`](swa_utils::update_bn) |
 //! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
@@ -133,6 +136,7 @@ mod pth_scheduler;
 mod schedule;
 mod sgd;
 mod state;
+pub mod swa_utils;
 
 pub use accumulate::GradAccumulator;
 pub use adam::{Adam, AdamOptions, AdamW};

@@ -11,3 +11,4 @@ mod pth_scheduler;
 mod readme;
 mod rules;
 mod state;
+mod swa;

@@ -1,0 +1,281 @@
+//! `torch.optim.swa_utils` against PyTorch: `fixtures/pytorch/swa/averaging.safetensors`
+//! (`fixtures/make_swa_fixtures.py`) holds a 5-step SGD run of a small net with a `BatchNorm1d`,
+//! and after each step the state dicts of three `AveragedModel`s (EMA over parameters and buffers
+//! with `get_ema_multi_avg_fn(0.9)`, EMA with `get_ema_avg_fn(0.8)`, SWA's default average), then
+//! the statistics `update_bn` recomputes; `averaged_model.pt` is PyTorch's saved `AveragedModel`.
+//! The same run here must give PyTorch's values within 1e-6 and its keys.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use module_runtime::nn::{BatchNorm1d, Linear};
+use module_runtime::optim::swa_utils::{
+    get_ema_avg_fn, get_ema_multi_avg_fn, update_bn, AveragedModel, AvgFn,
+};
+use module_runtime::optim::{Error, Optimizer, SgdOptions, SGD};
+use module_runtime::prelude::*;
+
+/// `Net` of the fixture script: fc1 Linear(4, 6), bn BatchNorm1d(6), fc2 Linear(6, 2), relu
+/// after the norm.
+#[derive(Module, Clone)]
+struct Net {
+    fc1: Linear,
+    bn: BatchNorm1d,
+    fc2: Linear,
+}
+
+impl Forward<&Tensor> for Net {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.call(&self.bn.call(&self.fc1.call(x)?)?.relu()?)
+    }
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/pytorch/swa")
+        .join(name)
+}
+
+fn reference() -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture("averaging.safetensors"), &Device::Cpu).unwrap()
+}
+
+fn net(hidden: usize) -> Net {
+    let dev = Device::Cpu;
+    Net {
+        fc1: Linear::new(4, hidden, &dev).unwrap(),
+        bn: BatchNorm1d::new(hidden, &dev).unwrap(),
+        fc2: Linear::new(hidden, 2, &dev).unwrap(),
+    }
+}
+
+/// The fixture's net, with PyTorch's initial weights.
+fn initial_net(r: &HashMap<String, Tensor>) -> Net {
+    let model = net(6);
+    let init: StateDict = r
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix("init.")?.to_owned(), v.clone())))
+        .collect();
+    model
+        .load_state_dict(&init, &LoadOptions::default())
+        .unwrap();
+    model
+}
+
+/// `state` has exactly the keys `reference` holds under `prefix`, with their values within 1e-6
+/// (integers exactly).
+fn assert_state(state: &StateDict, r: &HashMap<String, Tensor>, prefix: &str) {
+    let expected: Vec<&str> = r.keys().filter_map(|k| k.strip_prefix(prefix)).collect();
+    assert_eq!(
+        state.len(),
+        expected.len(),
+        "{prefix}: {:?}",
+        state.keys().collect::<Vec<_>>()
+    );
+    for (key, ours) in state.iter() {
+        let theirs = &r[&format!("{prefix}{key}")];
+        assert_eq!(ours.dtype(), theirs.dtype(), "{prefix}{key}");
+        assert_eq!(ours.dims(), theirs.dims(), "{prefix}{key}");
+        if ours.dtype() == DType::I64 {
+            let (a, b) = (
+                ours.to_scalar::<i64>().unwrap(),
+                theirs.to_scalar::<i64>().unwrap(),
+            );
+            assert_eq!(a, b, "{prefix}{key}");
+        } else {
+            let diff = (ours - theirs)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap();
+            let max = diff.max(0).unwrap().to_scalar::<f32>().unwrap();
+            assert!(max <= 1e-6, "{prefix}{key}: max difference {max}");
+        }
+    }
+}
+
+/// The fixture's 5 SGD steps, each followed by `update_parameters` of the three averages.
+fn train(r: &HashMap<String, Tensor>) -> (Net, [AveragedModel<Net>; 3]) {
+    let model = initial_net(r);
+    let averages = [
+        AveragedModel::new(&model)
+            .unwrap()
+            .multi_avg_fn(get_ema_multi_avg_fn(0.9).unwrap())
+            .use_buffers(true),
+        AveragedModel::new(&model)
+            .unwrap()
+            .avg_fn(get_ema_avg_fn(0.8).unwrap()),
+        AveragedModel::new(&model).unwrap(),
+    ];
+    let mut opt = SGD::new(&model, SgdOptions::new(0.1).momentum(0.9)).unwrap();
+    for k in 0..5 {
+        let (x, y) = (&r[&format!("input.{k}")], &r[&format!("target.{k}")]);
+        let loss = (model.call(x).unwrap() - y)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        opt.backward_step(&loss).unwrap();
+        assert_state(&model.state_dict().unwrap(), r, &format!("step{k}.net."));
+        for (name, avg) in ["ema", "ema_avg_fn", "swa"].iter().zip(&averages) {
+            avg.update_parameters(&model).unwrap();
+            assert_state(&avg.state_dict().unwrap(), r, &format!("step{k}.{name}."));
+        }
+    }
+    (model, averages)
+}
+
+#[test]
+fn ema_and_swa_traces_match_pytorch() {
+    let r = reference();
+    let (_, [ema, _, swa]) = train(&r);
+    assert_eq!(ema.n_averaged().unwrap(), 5);
+    assert_eq!(swa.n_averaged().unwrap(), 5);
+    // The EMA averaged `num_batches_tracked` as PyTorch does (rounded toward zero): 1, not 5.
+    let tracked = ema
+        .module
+        .bn
+        .num_batches_tracked
+        .as_ref()
+        .unwrap()
+        .tensor()
+        .unwrap();
+    assert_eq!(tracked.to_scalar::<i64>().unwrap(), 1);
+}
+
+#[test]
+fn update_bn_recomputes_pytorch_statistics() {
+    let r = reference();
+    let (_, [_, _, mut swa]) = train(&r);
+    swa.eval();
+    let batches: Vec<Tensor> = (0..3)
+        .map(|k| r[&format!("bn_input.{k}")].clone())
+        .collect();
+    update_bn(&batches, &mut swa).unwrap();
+    assert_state(&swa.state_dict().unwrap(), &r, "bn.swa.");
+    // The momentum and the eval mode are back.
+    let momentum = r["bn.momentum"].to_scalar::<f64>().unwrap();
+    assert_eq!(swa.module.bn.momentum, Some(momentum));
+    assert!(!swa.is_training());
+}
+
+#[test]
+fn update_bn_puts_everything_back_when_the_model_fails() {
+    let r = reference();
+    let (_, [_, _, mut swa]) = train(&r);
+    let before = swa.state_dict().unwrap();
+    swa.eval();
+    // The second batch has 5 features, not 4: the model fails on it.
+    let batches = [
+        r["bn_input.0"].clone(),
+        Tensor::zeros((8, 5), DType::F32, &Device::Cpu).unwrap(),
+    ];
+    assert!(update_bn(&batches, &mut swa).is_err());
+    assert_state(
+        &swa.state_dict().unwrap(),
+        &as_reference(&before, "s."),
+        "s.",
+    );
+    assert_eq!(swa.module.bn.momentum, Some(0.1));
+    assert!(!swa.is_training());
+}
+
+fn as_reference(state: &StateDict, prefix: &str) -> HashMap<String, Tensor> {
+    state
+        .iter()
+        .map(|(k, v)| (format!("{prefix}{k}"), v.clone()))
+        .collect()
+}
+
+#[test]
+fn pytorch_averaged_model_state_dict_loads_strictly_and_ours_has_its_keys() {
+    let r = reference();
+    let (model, [_, _, swa]) = train(&r);
+    // torch.save(swa_model.state_dict(), "averaged_model.pt"), loaded strictly into a new average.
+    let loaded = AveragedModel::new(&model).unwrap();
+    loaded
+        .load_state_dict(fixture("averaged_model.pt"), &LoadOptions::default())
+        .unwrap();
+    assert_eq!(loaded.n_averaged().unwrap(), 5);
+    assert_state(&loaded.state_dict().unwrap(), &r, "step4.swa.");
+    // Ours: PyTorch's keys in PyTorch's order (`n_averaged` first), and it round-trips through
+    // a file.
+    let keys: Vec<&str> = vec![
+        "n_averaged",
+        "module.fc1.weight",
+        "module.fc1.bias",
+        "module.bn.weight",
+        "module.bn.bias",
+        "module.bn.running_mean",
+        "module.bn.running_var",
+        "module.bn.num_batches_tracked",
+        "module.fc2.weight",
+        "module.fc2.bias",
+    ];
+    let ours = swa.state_dict().unwrap();
+    assert_eq!(ours.keys().collect::<Vec<_>>(), keys);
+    let n = ours.get("n_averaged").unwrap();
+    assert_eq!((n.dtype(), n.rank()), (DType::I64, 0));
+    let path = std::env::temp_dir().join(format!("averaged-{}.safetensors", std::process::id()));
+    swa.save_safetensors(&path).unwrap();
+    let again = AveragedModel::new(&net(6)).unwrap();
+    again
+        .load_state_dict(&path, &LoadOptions::default())
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_state(&again.state_dict().unwrap(), &r, "step4.swa.");
+    // The class name and the forward are the averaged copy's.
+    assert_eq!(swa.class_name(), "AveragedModel");
+    let x = &r["input.0"];
+    swa.eval();
+    let direct = swa.module.call(x).unwrap();
+    let through = swa.call(x).unwrap();
+    assert_eq!(
+        direct.to_vec2::<f32>().unwrap(),
+        through.to_vec2::<f32>().unwrap()
+    );
+}
+
+#[test]
+fn a_model_of_another_shape_is_refused_and_nothing_changes() {
+    let model = net(6);
+    let avg = AveragedModel::new(&model).unwrap();
+    avg.update_parameters(&model).unwrap();
+    let before = avg.state_dict().unwrap();
+    let other = net(5);
+    let err = avg.update_parameters(&other).unwrap_err();
+    assert!(
+        matches!(&err, Error::AveragedModelMismatch { path, .. } if path == "fc1.weight"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[6, 4]"), "{err}");
+    assert_eq!(avg.n_averaged().unwrap(), 1);
+    assert_state(
+        &avg.state_dict().unwrap(),
+        &as_reference(&before, "b."),
+        "b.",
+    );
+    // An averaging function that returns another shape: refused, nothing written.
+    let bad = AveragedModel::new(&model)
+        .unwrap()
+        .avg_fn(AvgFn::new(|avg, _, _| Ok(avg.flatten_all()?)));
+    bad.update_parameters(&model).unwrap(); // the first update copies
+    let err = bad.update_parameters(&model).unwrap_err();
+    assert!(matches!(err, Error::AveragedModelMismatch { .. }), "{err}");
+    assert_eq!(bad.n_averaged().unwrap(), 1);
+}
+
+#[test]
+fn decay_out_of_range_is_refused() {
+    for decay in [-0.1, 1.5, f64::NAN] {
+        let err = get_ema_multi_avg_fn(decay).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidHyperparameter { name: "decay", .. }),
+            "{err}"
+        );
+        assert!(get_ema_avg_fn(decay).is_err());
+    }
+}
