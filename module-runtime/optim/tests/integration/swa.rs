@@ -221,6 +221,11 @@ fn pytorch_averaged_model_state_dict_loads_strictly_and_ours_has_its_keys() {
     assert_eq!((n.dtype(), n.rank()), (DType::I64, 0));
     let path = std::env::temp_dir().join(format!("averaged-{}.safetensors", std::process::id()));
     swa.save_safetensors(&path).unwrap();
+    // `SWA_WRITE_RUST_SAVED=FILE`: keep a copy for `make_swa_fixtures.py --check FILE`, which
+    // loads it strictly into PyTorch's AveragedModel.
+    if let Ok(keep) = std::env::var("SWA_WRITE_RUST_SAVED") {
+        std::fs::copy(&path, keep).unwrap();
+    }
     let again = AveragedModel::new(&net(6)).unwrap();
     again
         .load_state_dict(&path, &LoadOptions::default())
