@@ -12,7 +12,7 @@
 //! - learning-rate schedules ([`LrScheduler`]: [`LambdaLr`] with Hugging Face's warmup shapes,
 //!   [`StepLr`], [`ExponentialLr`]);
 //! - weight averaging ([`swa_utils`]: `AveragedModel` with SWA's running average or an EMA,
-//!   `update_bn`) and loss scaling for float16 training ([`GradScaler`]);
+//!   `update_bn`, `SWALR`) and loss scaling for float16 training ([`GradScaler`]);
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
@@ -32,7 +32,7 @@
 //! | `pth_scheduler` | [`read_pth_scheduler_state`]: PyTorch's learning-rate schedule state, from a `.pth` file's values |
 //! | `grad_scaler` | [`GradScaler`]: loss scaling for float16 training, steps skipped on inf/NaN gradients |
 //! | `pth_grad_scaler` | [`read_pth_grad_scaler_state`]: PyTorch's `GradScaler` state, from a `.pth` file's values |
-//! | `swa_utils/` | [`swa_utils`]: [`AveragedModel`](swa_utils::AveragedModel) (SWA, EMA), [`update_bn`](swa_utils::update_bn) |
+//! | `swa_utils/` | [`swa_utils`]: [`AveragedModel`](swa_utils::AveragedModel) (SWA, EMA), [`update_bn`](swa_utils::update_bn), [`SwaLr`](swa_utils::SwaLr) |
 //! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the

@@ -7,7 +7,9 @@
 //!   [`MultiAvgFn`]). It is a module itself, whose state dict is PyTorch's (`n_averaged`,
 //!   `module.<key>`), so PyTorch's saved `AveragedModel` loads into it and the other way round.
 //! - [`update_bn`]: recomputes the running statistics of the `BatchNorm` layers of a model (an
-//!   averaged one, typically) in one pass over data.
+//!   averaged one, typically) in one pass over data;
+//! - [`SwaLr`]: PyTorch's `SWALR`, the learning rate annealed to a constant for the averaging
+//!   phase.
 //!
 //! ```
 //! use module_runtime::optim::swa_utils::{get_ema_multi_avg_fn, AveragedModel};
@@ -35,6 +37,7 @@
 //! ```
 
 mod avg_fn;
+mod swalr;
 mod update_bn;
 
 use candle_core::{DType, Device, Tensor};
@@ -48,6 +51,7 @@ use crate::error::{Error, Result};
 pub use avg_fn::{
     get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn, get_swa_multi_avg_fn, AvgFn, MultiAvgFn,
 };
+pub use swalr::{AnnealStrategy, SwaLr};
 pub use update_bn::update_bn;
 
 /// How an [`AveragedModel`] averages.

@@ -10,9 +10,9 @@ use std::path::PathBuf;
 
 use module_runtime::nn::{BatchNorm1d, Linear};
 use module_runtime::optim::swa_utils::{
-    get_ema_avg_fn, get_ema_multi_avg_fn, update_bn, AveragedModel, AvgFn,
+    get_ema_avg_fn, get_ema_multi_avg_fn, update_bn, AnnealStrategy, AveragedModel, AvgFn, SwaLr,
 };
-use module_runtime::optim::{Error, Optimizer, SgdOptions, SGD};
+use module_runtime::optim::{Error, LrScheduler, Optimizer, ParamGroups, SgdOptions, SGD};
 use module_runtime::prelude::*;
 
 /// `Net` of the fixture script: fc1 Linear(4, 6), bn BatchNorm1d(6), fc2 Linear(6, 2), relu
@@ -283,4 +283,55 @@ fn decay_out_of_range_is_refused() {
         );
         assert!(get_ema_avg_fn(decay).is_err());
     }
+}
+
+/// `SWALR` over an SGD with two groups (lr 0.1 and 0.2): `fixtures/pytorch/swa/swalr.safetensors`
+/// holds PyTorch's rates after the constructor and 6 steps, per case.
+#[test]
+fn swalr_rates_are_pytorch_s_to_the_bit() {
+    let r = candle_core::safetensors::load(fixture("swalr.safetensors"), &Device::Cpu).unwrap();
+    let model = Linear::new(3, 2, &Device::Cpu).unwrap();
+    let groups = ParamGroups::new().group(["bias"], |g| g.lr(0.2));
+    let make = || SGD::with_groups(&model, SgdOptions::new(0.1), &groups).unwrap();
+    for case in ["cos", "linear", "instant"] {
+        let mut opt = make();
+        assert_eq!(opt.lrs(), [0.2, 0.1], "the bias group comes first");
+        let mut schedule = match case {
+            "cos" => SwaLr::new(&mut opt, 0.05, 3, AnnealStrategy::Cos),
+            "linear" => {
+                SwaLr::per_group(&mut opt, vec![0.01, 0.05], 4, AnnealStrategy::Linear).unwrap()
+            }
+            _ => SwaLr::new(&mut opt, 0.02, 0, AnnealStrategy::Cos),
+        };
+        let expected = r[&format!("{case}.lrs")].to_vec2::<f64>().unwrap();
+        // PyTorch's groups are (0.1, 0.2); ours list the bias group first.
+        let ours = |opt: &SGD| vec![opt.lr(1), opt.lr(0)];
+        assert_eq!(ours(&opt), expected[0], "{case}: step 0");
+        // Saved after step 2 and loaded into a schedule made otherwise, it continues alike.
+        let mut resumed: Option<(SGD, SwaLr)> = None;
+        for (k, want) in expected.iter().enumerate().skip(1) {
+            schedule.step(&mut opt);
+            assert_eq!(&ours(&opt), want, "{case}: step {k}");
+            if let Some((other, again)) = resumed.as_mut() {
+                again.step(other);
+                assert_eq!(&ours(other), want, "{case}: resumed, step {k}");
+            }
+            if k == 2 {
+                let state = schedule.state_dict().unwrap();
+                let mut other = make();
+                let mut again = SwaLr::new(&mut other, 0.9, 7, AnnealStrategy::Linear);
+                again.load_state_dict(&state, &mut other).unwrap();
+                assert_eq!(other.lrs(), opt.lrs());
+                resumed = Some((other, again));
+            }
+        }
+    }
+    let mut opt = make();
+    let err = SwaLr::per_group(&mut opt, vec![0.1], 2, AnnealStrategy::Cos)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::InvalidHyperparameter { name: "swa_lr", .. }),
+        "{err}"
+    );
 }
