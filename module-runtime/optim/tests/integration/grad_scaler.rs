@@ -349,3 +349,48 @@ fn invalid_options_are_refused() {
         }
     }
 }
+
+/// A layer that computes in float16 on float32 master weights (what `autocast` does to a
+/// product): the gradients that reach the weights went through float16.
+#[derive(Module)]
+struct HalfLinear {
+    weight: Param,
+}
+
+impl Forward<&Tensor> for HalfLinear {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.tensor()?.to_dtype(DType::F16)?;
+        let y = x.to_dtype(DType::F16)?.matmul(&w.t()?)?;
+        Ok(y.to_dtype(DType::F32)?)
+    }
+}
+
+#[test]
+fn scaling_keeps_float16_gradients_that_would_flush_to_zero() {
+    let dev = Device::Cpu;
+    let layer = HalfLinear {
+        weight: Param::new(Tensor::ones((2, 3), DType::F32, &dev).unwrap()).unwrap(),
+    };
+    let x = Tensor::ones((4, 3), DType::F32, &dev).unwrap();
+    // d loss / d output = 1e-8, below float16's smallest subnormal (6e-8).
+    let loss = || (layer.call(&x).unwrap().sum_all().unwrap() * 1e-8).unwrap();
+    let w = layer.weight.var().unwrap();
+    let plain = loss().backward().unwrap();
+    let g = plain.get(w.as_tensor()).unwrap();
+    assert!(values(g).iter().all(|v| *v == 0.0), "float16 flushed them");
+
+    let mut opt = SGD::new(&layer, SgdOptions::new(1.0)).unwrap();
+    let mut scaler = GradScaler::new(GradScalerOptions::default()).unwrap();
+    let mut grads = scaler.scale(&loss()).unwrap().backward().unwrap();
+    scaler.unscale_(&opt, &mut grads).unwrap();
+    // 4 rows of 1e-8 each, within float16's rounding of the scaled value.
+    for v in values(grads.get(w.as_tensor()).unwrap()) {
+        assert!((v - 4e-8).abs() < 4e-8 * 1e-3, "{v}");
+    }
+    assert!(scaler.step(&mut opt, &mut grads).unwrap());
+    scaler.update(None).unwrap();
+    assert!(values(&layer.weight.tensor().unwrap())
+        .iter()
+        .all(|v| *v < 1.0));
+}

@@ -335,3 +335,51 @@ fn swalr_rates_are_pytorch_s_to_the_bit() {
         "{err}"
     );
 }
+
+#[test]
+fn update_bn_reaches_lazy_batch_norms_and_nested_ones() {
+    use module_runtime::nn::LazyBatchNorm1d;
+
+    #[derive(Module)]
+    struct Nested {
+        norms: Vec<LazyBatchNorm1d>,
+    }
+    impl Forward<&Tensor> for Nested {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let h = self.norms[0].call(x)?;
+            self.norms[1].call(&h)
+        }
+    }
+    let dev = Device::Cpu;
+    let mut model = Nested {
+        norms: vec![
+            LazyBatchNorm1d::new(&dev).unwrap(),
+            LazyBatchNorm1d::new(&dev).unwrap(),
+        ],
+    };
+    let a = Tensor::new(&[[0f32, 10.], [2., 14.]], &dev).unwrap();
+    let b = Tensor::new(&[[4f32, 2.], [6., 6.]], &dev).unwrap();
+    // Built (and its statistics moved) by a first call with momentum 0.1.
+    model.call(&a).unwrap();
+    update_bn([&a, &b], &mut model).unwrap();
+    // The cumulative average of the two batches' means, not an exponential one.
+    let mean = model.norms[0]
+        .running_mean
+        .as_ref()
+        .unwrap()
+        .tensor()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(mean, [3.0, 8.0]);
+    let tracked = model.norms[1]
+        .num_batches_tracked
+        .as_ref()
+        .unwrap()
+        .tensor()
+        .unwrap();
+    assert_eq!(tracked.to_scalar::<i64>().unwrap(), 2);
+    assert!(model.norms.iter().all(|n| n.momentum == Some(0.1)));
+    assert!(model.is_training());
+}
