@@ -67,8 +67,9 @@ impl AnnealStrategy {
 /// Its state dict has the common schedule keys, `anneal_epochs`, `_anneal_strategy` (0 for
 /// `"cos"`, 1 for `"linear"`: PyTorch saves the string) and `swa_lrs` (one per group: PyTorch
 /// keeps them in the optimizer's groups as `swa_lr`, which our optimizers do not have). A PyTorch
-/// `SWALR` state is therefore not read by
-/// [`read_pth_scheduler_state`](crate::read_pth_scheduler_state).
+/// `SWALR` state read by [`read_pth_scheduler_state`](crate::read_pth_scheduler_state) has no
+/// `swa_lrs`: loaded, the schedule keeps its own, so make it with the PyTorch run's `swa_lr`
+/// (as a [`LambdaLr`](crate::LambdaLr) is made with the run's function).
 pub struct SwaLr {
     swa_lrs: Vec<f64>,
     anneal_epochs: usize,
@@ -190,23 +191,26 @@ impl LrScheduler for SwaLr {
     }
     fn load_state_dict(&mut self, state: &StateDict, opt: &mut dyn Optimizer) -> Result<()> {
         let groups = opt.num_param_groups();
-        let Some(swa_lrs) = state.get("swa_lrs") else {
-            return Err(StateError::MissingKeys {
-                keys: vec!["swa_lrs".into()],
+        // PyTorch's state has no SWA rates (they are in its optimizer's groups): keep ours.
+        let swa_lrs = match state.get("swa_lrs") {
+            Some(t) if t.dims() == [groups] => t.to_dtype(DType::F64)?.to_vec1()?,
+            Some(t) => {
+                return Err(invalid(
+                    "swa_lrs",
+                    format!(
+                        "shape {:?}, but the optimizer has {groups} parameter groups",
+                        t.dims()
+                    ),
+                ))
             }
-            .into());
+            None if self.swa_lrs.len() == groups => self.swa_lrs.clone(),
+            None => {
+                return Err(StateError::MissingKeys {
+                    keys: vec!["swa_lrs".into()],
+                }
+                .into())
+            }
         };
-        if swa_lrs.dims() != [groups] {
-            return Err(StateError::InvalidValue {
-                key: "swa_lrs".into(),
-                reason: format!(
-                    "shape {:?}, but the optimizer has {groups} parameter groups",
-                    swa_lrs.dims()
-                ),
-            }
-            .into());
-        }
-        let swa_lrs: Vec<f64> = swa_lrs.to_dtype(DType::F64)?.to_vec1()?;
         let rest: StateDict = state
             .iter()
             .filter(|(k, _)| *k != "swa_lrs")

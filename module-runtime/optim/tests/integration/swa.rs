@@ -12,8 +12,12 @@ use module_runtime::nn::{BatchNorm1d, Linear};
 use module_runtime::optim::swa_utils::{
     get_ema_avg_fn, get_ema_multi_avg_fn, update_bn, AnnealStrategy, AveragedModel, AvgFn, SwaLr,
 };
-use module_runtime::optim::{Error, LrScheduler, Optimizer, ParamGroups, SgdOptions, SGD};
+use module_runtime::optim::{
+    read_pth_scheduler_state, read_pth_state, Error, LrScheduler, Optimizer, ParamGroups,
+    SgdOptions, StepLr, SGD,
+};
 use module_runtime::prelude::*;
+use module_runtime::PthValues;
 
 /// `Net` of the fixture script: fc1 Linear(4, 6), bn BatchNorm1d(6), fc2 Linear(6, 2), relu
 /// after the norm.
@@ -285,40 +289,46 @@ fn decay_out_of_range_is_refused() {
     }
 }
 
+/// An SGD over a `Linear(3, 2)` in two groups, PyTorch's order and rates: the weight at 0.1,
+/// the bias at 0.2.
+fn two_groups(model: &Linear) -> SGD {
+    let groups = ParamGroups::new().group(["weight"], |g| g.lr(0.1));
+    let opt = SGD::with_groups(model, SgdOptions::new(0.2), &groups).unwrap();
+    assert_eq!(opt.lrs(), [0.1, 0.2]);
+    opt
+}
+
+fn swalr_case(opt: &mut SGD, case: &str) -> SwaLr {
+    match case {
+        "cos" => SwaLr::new(opt, 0.05, 3, AnnealStrategy::Cos),
+        "linear" => SwaLr::per_group(opt, vec![0.05, 0.01], 4, AnnealStrategy::Linear).unwrap(),
+        _ => SwaLr::new(opt, 0.02, 0, AnnealStrategy::Cos),
+    }
+}
+
 /// `SWALR` over an SGD with two groups (lr 0.1 and 0.2): `fixtures/pytorch/swa/swalr.safetensors`
 /// holds PyTorch's rates after the constructor and 6 steps, per case.
 #[test]
 fn swalr_rates_are_pytorch_s_to_the_bit() {
     let r = candle_core::safetensors::load(fixture("swalr.safetensors"), &Device::Cpu).unwrap();
     let model = Linear::new(3, 2, &Device::Cpu).unwrap();
-    let groups = ParamGroups::new().group(["bias"], |g| g.lr(0.2));
-    let make = || SGD::with_groups(&model, SgdOptions::new(0.1), &groups).unwrap();
     for case in ["cos", "linear", "instant"] {
-        let mut opt = make();
-        assert_eq!(opt.lrs(), [0.2, 0.1], "the bias group comes first");
-        let mut schedule = match case {
-            "cos" => SwaLr::new(&mut opt, 0.05, 3, AnnealStrategy::Cos),
-            "linear" => {
-                SwaLr::per_group(&mut opt, vec![0.01, 0.05], 4, AnnealStrategy::Linear).unwrap()
-            }
-            _ => SwaLr::new(&mut opt, 0.02, 0, AnnealStrategy::Cos),
-        };
+        let mut opt = two_groups(&model);
+        let mut schedule = swalr_case(&mut opt, case);
         let expected = r[&format!("{case}.lrs")].to_vec2::<f64>().unwrap();
-        // PyTorch's groups are (0.1, 0.2); ours list the bias group first.
-        let ours = |opt: &SGD| vec![opt.lr(1), opt.lr(0)];
-        assert_eq!(ours(&opt), expected[0], "{case}: step 0");
+        assert_eq!(opt.lrs(), expected[0], "{case}: step 0");
         // Saved after step 2 and loaded into a schedule made otherwise, it continues alike.
         let mut resumed: Option<(SGD, SwaLr)> = None;
         for (k, want) in expected.iter().enumerate().skip(1) {
             schedule.step(&mut opt);
-            assert_eq!(&ours(&opt), want, "{case}: step {k}");
+            assert_eq!(&opt.lrs(), want, "{case}: step {k}");
             if let Some((other, again)) = resumed.as_mut() {
                 again.step(other);
-                assert_eq!(&ours(other), want, "{case}: resumed, step {k}");
+                assert_eq!(&other.lrs(), want, "{case}: resumed, step {k}");
             }
             if k == 2 {
                 let state = schedule.state_dict().unwrap();
-                let mut other = make();
+                let mut other = two_groups(&model);
                 let mut again = SwaLr::new(&mut other, 0.9, 7, AnnealStrategy::Linear);
                 again.load_state_dict(&state, &mut other).unwrap();
                 assert_eq!(other.lrs(), opt.lrs());
@@ -326,7 +336,7 @@ fn swalr_rates_are_pytorch_s_to_the_bit() {
             }
         }
     }
-    let mut opt = make();
+    let mut opt = two_groups(&model);
     let err = SwaLr::per_group(&mut opt, vec![0.1], 2, AnnealStrategy::Cos)
         .err()
         .unwrap();
@@ -334,6 +344,35 @@ fn swalr_rates_are_pytorch_s_to_the_bit() {
         matches!(err, Error::InvalidHyperparameter { name: "swa_lr", .. }),
         "{err}"
     );
+}
+
+/// PyTorch's checkpoint of the `linear` case after 2 steps (`swa_lr` in the optimizer's groups,
+/// `_anneal_strategy` a string) continues here with PyTorch's rates.
+#[test]
+fn swalr_continues_a_pytorch_checkpoint() {
+    let r = candle_core::safetensors::load(fixture("swalr.safetensors"), &Device::Cpu).unwrap();
+    let expected = r["linear.lrs"].to_vec2::<f64>().unwrap();
+    let model = Linear::new(3, 2, &Device::Cpu).unwrap();
+    let mut opt = two_groups(&model);
+    // The schedule made as PyTorch's was (its SWA rates are not in its state).
+    let mut schedule = swalr_case(&mut opt, "linear");
+    let path = fixture("swalr_linear.pt");
+    let opt_state = read_pth_state(&path, Some("optimizer"), &opt).unwrap();
+    opt.load_state_dict(&opt_state).unwrap();
+    let ckpt = PthValues::load(&path).unwrap();
+    let state = read_pth_scheduler_state(ckpt.get("scheduler").unwrap(), &schedule).unwrap();
+    schedule.load_state_dict(&state, &mut opt).unwrap();
+    assert_eq!(schedule.last_epoch(), 2);
+    assert_eq!(opt.lrs(), expected[2]);
+    for want in &expected[3..] {
+        schedule.step(&mut opt);
+        assert_eq!(&opt.lrs(), want);
+    }
+    // Another kind of schedule refuses it, naming SWALR.
+    let mut other = two_groups(&model);
+    let step = StepLr::new(&mut other, 2, 0.5);
+    let err = read_pth_scheduler_state(ckpt.get("scheduler").unwrap(), &step).unwrap_err();
+    assert!(err.to_string().contains("SWALR"), "{err}");
 }
 
 #[test]
