@@ -64,6 +64,8 @@ where
         }
     });
     if let Some(e) = failed {
+        // The norms reset before the one that failed get their statistics and momenta back.
+        restore_stats(&saved)?;
         restore(model, &saved);
         return Err(e);
     }
