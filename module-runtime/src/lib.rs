@@ -81,6 +81,7 @@ pub use module_nn as nn;
 #[doc(inline)]
 pub use module_optim as optim;
 
+pub use module_core::atomic_update;
 /// The runtime's random generator, PyTorch's default generator: what it covers, what it does not.
 #[doc(inline)]
 pub use module_core::random;

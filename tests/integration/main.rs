@@ -9,6 +9,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod atomic_updates;
 mod boundary_messages;
 mod checkpoints;
 mod concurrency;

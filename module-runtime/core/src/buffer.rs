@@ -11,6 +11,7 @@ use crate::lazy_cell::{
     check_built_dims, check_same_layout, is_cannot_set, own_storage, Init, LazyCell,
 };
 use crate::lazy_shape::LazyShape;
+use crate::update_lock::atomic_update;
 
 /// Non-trainable state of any dtype: PyTorch's `register_buffer`.
 ///
@@ -179,7 +180,7 @@ impl Buffer {
     /// must be the buffer's, or one an unbuilt buffer accepts.
     pub fn assign(&self, value: &Tensor) -> Result<()> {
         let value = value.to_device(&self.0.value.device())?;
-        self.0.value.assign(value)
+        atomic_update(|| self.0.value.assign(value))
     }
 
     /// Whether state dicts include this buffer.
@@ -201,23 +202,26 @@ impl Buffer {
         if crate::scope::active() && crate::scope::assign_buffer(self.id(), value)? {
             return Ok(());
         }
-        if self.0.value.build_from(value)? {
-            return Ok(());
-        }
-        let mut slot = self.0.value.write();
-        check_same_layout(&slot, value)?;
-        let value = value.to_device(slot.device())?;
-        if !slot.is_variable() {
-            // Only after a failed allocation in `own_storage`: take the value's copy as storage.
-            *slot = own_storage(&value);
-            return Ok(());
-        }
-        let var = Var::from_tensor(&slot)?; // the same storage, not a copy
-        match var.set(&value) {
-            // `value` is a view of this buffer: candle refuses to copy a storage onto itself.
-            Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
-            other => Ok(other?),
-        }
+        let value = value.to_device(&self.0.value.device())?;
+        atomic_update(|| {
+            if self.0.value.build_from(&value)? {
+                return Ok(());
+            }
+            let mut slot = self.0.value.write();
+            check_same_layout(&slot, &value)?;
+            if !slot.is_variable() {
+                // Only after a failed allocation in `own_storage`: take the value's copy as
+                // storage.
+                *slot = own_storage(&value);
+                return Ok(());
+            }
+            let var = Var::from_tensor(&slot)?; // the same storage, not a copy
+            match var.set(&value) {
+                // `value` is a view of this buffer: candle refuses to copy a storage onto itself.
+                Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
+                other => Ok(other?),
+            }
+        })
     }
 
     /// Replaces the value with one of any shape, dtype and device (a new storage: tensors read
@@ -234,7 +238,8 @@ impl Buffer {
         } else {
             value
         };
-        self.0.value.replace(own_storage(&value));
+        let value = own_storage(&value);
+        atomic_update(|| self.0.value.replace(value));
     }
 
     /// The buffer's shape.
@@ -254,21 +259,25 @@ impl Buffer {
 
     /// Moves the buffer to `device`.
     pub fn to_device(&self, device: &Device) -> Result<()> {
-        let mut slot = self.0.value.write();
-        if !slot.device().same_device(device) {
-            *slot = own_storage(&slot.to_device(device)?);
-        }
-        Ok(())
+        atomic_update(|| {
+            let mut slot = self.0.value.write();
+            if !slot.device().same_device(device) {
+                *slot = own_storage(&slot.to_device(device)?);
+            }
+            Ok(())
+        })
     }
 
     /// Converts a floating-point buffer to `dtype`; integer and boolean-like buffers are left as
     /// they are (PyTorch's `Module.to(dtype)` rule).
     pub fn to_dtype(&self, dtype: DType) -> Result<()> {
-        let mut slot = self.0.value.write();
-        if slot.dtype().is_float() && dtype.is_float() && slot.dtype() != dtype {
-            *slot = own_storage(&slot.to_dtype(dtype)?);
-        }
-        Ok(())
+        atomic_update(|| {
+            let mut slot = self.0.value.write();
+            if slot.dtype().is_float() && dtype.is_float() && slot.dtype() != dtype {
+                *slot = own_storage(&slot.to_dtype(dtype)?);
+            }
+            Ok(())
+        })
     }
 
     /// The value a functional scope holds for this buffer (substituted or captured), if one is

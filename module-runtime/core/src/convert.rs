@@ -27,9 +27,12 @@ pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
             false => Ok(Some(b.current().to_device(device)?)),
         },
     )?;
-    for (p, q) in quantized {
-        p.replace_quant(q);
-    }
+    // The quantized weights join the move's update (updates nest).
+    crate::update_lock::atomic_update(|| {
+        for (p, q) in quantized {
+            p.replace_quant(q);
+        }
+    });
     Ok(())
 }
 
@@ -71,15 +74,18 @@ fn convert(
         .into_iter()
         .map(|t| t.map(|t| Var::from_tensor(&t)).transpose())
         .collect::<candle_core::Result<Vec<_>>>()?;
-    for (p, var) in params.iter().zip(new_vars) {
-        if let Some(var) = var {
-            p.replace_var(var);
+    // One update: a call on another thread sees the whole model moved, or none of it.
+    crate::update_lock::atomic_update(|| {
+        for (p, var) in params.iter().zip(new_vars) {
+            if let Some(var) = var {
+                p.replace_var(var);
+            }
         }
-    }
-    for (b, t) in buffers.iter().zip(new_buffers) {
-        if let Some(t) = t {
-            b.replace(t);
+        for (b, t) in buffers.iter().zip(new_buffers) {
+            if let Some(t) = t {
+                b.replace(t);
+            }
         }
-    }
+    });
     Ok(())
 }

@@ -17,6 +17,7 @@
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
 //! | `random` | the runtime's seeded generator: `manual_seed`, its state, the draws every initializer and dropout makes |
+//! | `update_lock` | atomic weight updates: calls share a lock that updates hold exclusively |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
 //! | `param`, `quant`, `quant_slot`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`) |
 //! | `extra_state` | [`ExtraState`]: a module's non-tensor state, its key, its all-or-nothing restore |
@@ -85,6 +86,8 @@ pub mod trace;
 pub mod type_name;
 pub mod typed_path;
 #[doc(hidden)]
+pub mod update_lock;
+#[doc(hidden)]
 pub mod views;
 #[doc(hidden)]
 pub mod walk;
@@ -117,5 +120,6 @@ pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::{generic_class_name, short_type_name};
 pub use typed_path::{HasPath, PathExt, TypedPath};
+pub use update_lock::atomic_update;
 
 pub use candle_core;

@@ -10,6 +10,7 @@ use crate::identity::{self, ModeMarks};
 use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
 use crate::quant_slot::QuantSlot;
+use crate::update_lock::atomic_update;
 
 /// A trainable floating-point tensor: PyTorch's `nn.Parameter`.
 ///
@@ -22,7 +23,9 @@ use crate::quant_slot::QuantSlot;
 ///   the cell, and every alias sees the new one. Optimizers hold `Var`s, so build them *after* moving
 ///   a model;
 /// - loading a value ([`set`](Self::set)) copies into the existing `Var` in place, so an optimizer
-///   built before the load keeps training the loaded values.
+///   built before the load keeps training the loaded values;
+/// - every write (`set`, `assign`, moves, quantizing) is an [update](crate::atomic_update): a
+///   call running on another thread sees the value of before or the one of after, whole.
 ///
 /// `requires_grad` is a property of the parameter (shared by all aliases). A frozen parameter is read
 /// as a detached tensor, so no gradient is computed for it, and it is left out of `trainable_vars`.
@@ -350,18 +353,20 @@ impl Param {
 
     /// [`set`](Self::set) without quantizing.
     pub(crate) fn set_value(&self, value: &Tensor) -> Result<()> {
-        if self.0.var.build_from(value)? {
-            return Ok(());
-        }
-        let var = self.read();
-        check_same_layout(&var, value)?;
-        let value = value.to_device(var.device())?;
-        match var.set(&value) {
-            // The value is a view of the parameter itself (e.g. from its own state dict): candle
-            // refuses to copy a storage onto itself, so copy through a fresh buffer.
-            Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
-            other => Ok(other?),
-        }
+        let value = value.to_device(&self.0.var.device())?;
+        atomic_update(|| {
+            if self.0.var.build_from(&value)? {
+                return Ok(());
+            }
+            let var = self.read();
+            check_same_layout(&var, &value)?;
+            match var.set(&value) {
+                // The value is a view of the parameter itself (e.g. from its own state dict):
+                // candle refuses to copy a storage onto itself, so copy through a fresh buffer.
+                Err(e) if is_cannot_set(&e) => Ok(var.set(&value.copy()?)?),
+                other => Ok(other?),
+            }
+        })
     }
 
     /// Takes `value` as the parameter's new value instead of copying into the current one (a load
@@ -381,7 +386,7 @@ impl Param {
         let value = value.to_device(&self.0.var.device())?;
         match self.quantized_dtype() {
             Some(kind) => self.set_requantized(&value, kind, value.dtype()),
-            None => self.0.var.assign(value),
+            None => atomic_update(|| self.0.var.assign(value)),
         }
     }
 
@@ -389,15 +394,17 @@ impl Param {
     /// moves with it.
     pub fn to_device(&self, device: &Device) -> Result<()> {
         let quant = self.quant_on(device)?;
-        self.replace_with(|t| {
-            if t.device().same_device(device) {
-                Ok(None)
-            } else {
-                Ok(Some(t.to_device(device)?))
-            }
-        })?;
-        self.0.quant.store(quant);
-        Ok(())
+        atomic_update(|| {
+            self.replace_with(|t| {
+                if t.device().same_device(device) {
+                    Ok(None)
+                } else {
+                    Ok(Some(t.to_device(device)?))
+                }
+            })?;
+            self.0.quant.store(quant);
+            Ok(())
+        })
     }
 
     /// Converts the parameter to the floating-point `dtype` (a no-op when it already has it).
@@ -417,17 +424,21 @@ impl Param {
         })
     }
 
+    /// Replaces the `Var` with `f`'s conversion of its value, if any: an
+    /// [update](crate::atomic_update).
     fn replace_with(&self, f: impl FnOnce(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
-        let mut var = self.0.var.write();
-        if let Some(new) = f(var.as_tensor())? {
-            *var = Var::from_tensor(&new)?;
-        }
-        Ok(())
+        atomic_update(|| {
+            let mut var = self.0.var.write();
+            if let Some(new) = f(var.as_tensor())? {
+                *var = Var::from_tensor(&new)?;
+            }
+            Ok(())
+        })
     }
 
     /// Swaps in a converted `Var` (a move or dtype change), for every alias at once.
     pub fn replace_var(&self, var: Var) {
-        self.0.var.replace(var);
+        atomic_update(|| self.0.var.replace(var));
     }
 
     /// A new parameter holding a copy of this one's value, with its `requires_grad` (a deep copy:

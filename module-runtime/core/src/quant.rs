@@ -23,6 +23,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::{QuantizeError, Result};
 use crate::param::Param;
 use crate::quant_slot::{Entry, QuantizedLayout};
+use crate::update_lock::atomic_update;
 
 /// Whether `kind` is one of the float kinds (`F32`, `F16`, `BF16`) a GGUF tensor may have,
 /// rather than a quantization.
@@ -216,8 +217,10 @@ impl Param {
             return Ok(());
         }
         let values = Var::from_tensor(&self.own_tensor()?)?;
-        self.0.var.replace(values);
-        self.0.quant.store(None);
+        atomic_update(|| {
+            self.0.var.replace(values);
+            self.0.quant.store(None);
+        });
         Ok(())
     }
 
@@ -226,6 +229,11 @@ impl Param {
     /// that shape already).
     pub(crate) fn store_quantized(&self, weight: Arc<QTensor>, dtype: DType) -> Result<()> {
         let stand_in = Var::zeros(0, dtype, &self.0.var.device())?;
+        atomic_update(|| self.store_locked(weight, stand_in, dtype))
+    }
+
+    /// [`store_quantized`](Self::store_quantized)'s writes, inside its update.
+    fn store_locked(&self, weight: Arc<QTensor>, stand_in: Var, dtype: DType) -> Result<()> {
         let built = self
             .0
             .var
@@ -259,7 +267,7 @@ impl Param {
 
     /// Installs a quantized weight computed by [`quant_on`](Self::quant_on) (a model's move).
     pub fn replace_quant(&self, weight: Option<Arc<QTensor>>) {
-        self.0.quant.store(weight);
+        atomic_update(|| self.0.quant.store(weight));
     }
 
     /// [`set`](Self::set) and [`assign`](Self::assign) on a quantized parameter: `value`

@@ -57,7 +57,10 @@ pub trait ModuleExt: Module {
 
     /// Runs the module: [`Forward::forward`], with the hooks of an active [`Hooks::run`] around it
     /// (PyTorch's `module(x)`). Call submodules through `call`, not `forward`, so that hooks see
-    /// them. With no hooks attached on this thread, `call` is `forward` plus one thread-local read.
+    /// them. With no hooks attached on this thread, a nested `call` is `forward` plus two
+    /// thread-local reads; the outermost one also takes the shared side of the weights' lock, so
+    /// that it runs with the weights of before a concurrent update or with those of after, never
+    /// a mix ([`atomic_update`](module_core::atomic_update)).
     ///
     /// An error from `forward` comes back as [`Error::Forward`](module_core::Error::Forward), naming the
     /// submodule that failed by its path from `self` and its type
@@ -76,6 +79,9 @@ pub trait ModuleExt: Module {
         In: TensorTree,
         <Self as Forward<In>>::Output: TensorTree + 'static,
     {
+        // The outermost call on a thread holds weight updates back until it returns (a nested call
+        // reads one thread-local flag): `module_core::update_lock`.
+        let _weights = module_core::update_lock::enter_call();
         let result = if !crate::hooks::dispatch::active() {
             self.forward(input)
         } else {

@@ -147,11 +147,15 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
             message: "nothing to quantize".to_owned(),
         }));
     }
-    for (param, q) in &pending {
-        if let Some(q) = q {
-            param.set_quantized(q.clone())?;
+    // One update: a call on another thread sees every matched layer quantized, or none.
+    module_core::atomic_update(|| {
+        for (param, q) in &pending {
+            if let Some(q) = q {
+                param.set_quantized(q.clone())?;
+            }
         }
-    }
+        Ok::<_, Error>(())
+    })?;
     let own: Vec<String> = report.quantized.iter().map(|p| weight_path(p)).collect();
     report.aliases = named_parameters(model, &Names::new().keep_duplicates())
         .into_iter()

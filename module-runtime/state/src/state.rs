@@ -547,20 +547,26 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     for (path, extra, key) in extra_plan {
         staged_extras.push((path, extra, source.load(key, &Device::Cpu)?));
     }
-    // Extra states first: `set_extra_state` may refuse its value, and puts the others back if so.
-    crate::extra_state::commit(&staged_extras)?;
-    // Commit: shapes, dtypes and devices are known to match, so these copies cannot fail on input.
-    for (slot, value) in &staged {
-        match (slot, options.assign) {
-            (Slot::Param(p), false) => p.set(value)?,
-            (Slot::Buffer(b), false) => b.set(value)?,
-            (Slot::Param(p), true) => p.assign(value)?,
-            (Slot::Buffer(b), true) => b.assign(value)?,
+    // The commit is one update: a call on another thread runs with the weights of before or with
+    // all of these (`module_core::update_lock`).
+    module_core::atomic_update(|| {
+        // Extra states first: `set_extra_state` may refuse its value, and puts the others back if
+        // so.
+        crate::extra_state::commit(&staged_extras)?;
+        // Shapes, dtypes and devices are known to match, so these copies cannot fail on input.
+        for (slot, value) in &staged {
+            match (slot, options.assign) {
+                (Slot::Param(p), false) => p.set(value)?,
+                (Slot::Buffer(b), false) => b.set(value)?,
+                (Slot::Param(p), true) => p.assign(value)?,
+                (Slot::Buffer(b), true) => b.assign(value)?,
+            }
         }
-    }
-    for (p, q) in staged_quantized.iter() {
-        p.set_quantized(q.clone())?;
-    }
+        for (p, q) in staged_quantized.iter() {
+            p.set_quantized(q.clone())?;
+        }
+        Ok::<_, Error>(())
+    })?;
     report.loaded = staged.len() + staged_quantized.len() + staged_extras.len();
     Ok(report)
 }
