@@ -161,7 +161,9 @@ impl<M: Module> AveragedModel<M> {
     /// `model` must have the averaged copy's parameters (and buffers): the same paths, shapes
     /// and number, or this is [`Error::AveragedModelMismatch`] naming the first that differs.
     /// Every new value is computed before any is written, so on an error (of the check, or of
-    /// an averaging function) the average and `n_averaged` are unchanged.
+    /// an averaging function) the average and `n_averaged` are unchanged; the writes are one
+    /// [`atomic_update`](module_core::atomic_update), so a thread calling the averaged model
+    /// (serving the EMA weights) sees the previous average or the new one, never a mix.
     pub fn update_parameters(&self, model: &M) -> Result<()> {
         let _no_grad = module_core::no_grad();
         let n = self.n_averaged()?;
@@ -181,17 +183,20 @@ impl<M: Module> AveragedModel<M> {
         } else {
             self.average(&averaged, n)?
         };
-        // Everything is computed: write it.
-        for (p, value) in averaged.iter().zip(new) {
-            p.write(&value)?;
-        }
-        for p in &copied {
-            p.write(&p.current)?;
-        }
+        // Everything is computed: write it as one update, so a thread calling the averaged model
+        // sees the old average or the new one, never a mix.
         let count = self.n_averaged.tensor()?;
-        self.n_averaged
-            .set(&count.broadcast_add(&count.ones_like()?)?)?;
-        Ok(())
+        let next = count.broadcast_add(&count.ones_like()?)?;
+        module_core::atomic_update(|| -> Result<()> {
+            for (p, value) in averaged.iter().zip(new) {
+                p.write(&value)?;
+            }
+            for p in &copied {
+                p.write(&p.current)?;
+            }
+            self.n_averaged.set(&next)?;
+            Ok(())
+        })
     }
 
     /// The new averaged values, one per pair, for `n > 0`.
