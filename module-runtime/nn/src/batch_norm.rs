@@ -364,6 +364,13 @@ impl<const D: usize> std::ops::Deref for LazyBatchNorm<D> {
     }
 }
 
+impl<const D: usize> std::ops::DerefMut for LazyBatchNorm<D> {
+    /// The `BatchNorm` layer this is, writable (its `momentum`, as PyTorch's `module.momentum`).
+    fn deref_mut(&mut self) -> &mut BatchNorm<D> {
+        &mut self.norm
+    }
+}
+
 impl<const D: usize> Forward<&Tensor> for LazyBatchNorm<D> {
     type Output = Tensor;
 

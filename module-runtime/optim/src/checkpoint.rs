@@ -10,6 +10,7 @@ use module_hooks::ModuleExt;
 use module_state::{LoadOptions, StateDict};
 
 use crate::error::{Error, Result, StateError};
+use crate::grad_scaler::GradScaler;
 use crate::optimizer::Optimizer;
 use crate::schedule::LrScheduler;
 
@@ -51,7 +52,8 @@ pub struct TrainerState {
 /// **Format.** One safetensors file whose keys are each part's state dict under a prefix:
 /// `model.<key>` (the model's state dict), `optimizer.<key>` (the first optimizer's
 /// [`state_dict`](Optimizer::state_dict)), `scheduler.<key>` (its schedule's), then
-/// `optimizer_1.…`, `scheduler_1.…` for a second optimizer; `trainer_state.epoch`,
+/// `optimizer_1.…`, `scheduler_1.…` for a second optimizer; `grad_scaler.<key>` (a
+/// [`GradScaler`]'s state, PyTorch's keys); `trainer_state.epoch`,
 /// `trainer_state.global_step` and `trainer_state.<name>` (0-dimensional `f64`); `rng_state` (the
 /// generator's `U8` state). Any safetensors reader lists it; `StateDict::read` and the prefix give
 /// each part back.
@@ -89,6 +91,7 @@ pub struct TrainerState {
 pub struct TrainingCheckpoint<'a> {
     model: &'a dyn Module,
     optimizers: Vec<Part<'a>>,
+    grad_scaler: Option<&'a mut GradScaler>,
     /// A schedule given before any optimizer: reported by `save` and `load`.
     orphan_scheduler: bool,
 }
@@ -100,6 +103,7 @@ struct Part<'a> {
 }
 
 const MODEL: &str = "model";
+const SCALER: &str = "grad_scaler";
 const TRAINER: &str = "trainer_state";
 const RNG: &str = "rng_state";
 
@@ -118,6 +122,7 @@ impl<'a> TrainingCheckpoint<'a> {
         Self {
             model,
             optimizers: Vec::new(),
+            grad_scaler: None,
             orphan_scheduler: false,
         }
     }
@@ -139,6 +144,13 @@ impl<'a> TrainingCheckpoint<'a> {
             Some(part) if part.scheduler.is_none() => part.scheduler = Some(scheduler),
             _ => self.orphan_scheduler = true,
         }
+        self
+    }
+
+    /// Adds the run's [`GradScaler`] (saved under `grad_scaler`, its
+    /// [`state_dict`](GradScaler::state_dict) with PyTorch's keys).
+    pub fn grad_scaler(mut self, scaler: &'a mut GradScaler) -> Self {
+        self.grad_scaler = Some(scaler);
         self
     }
 
@@ -180,6 +192,9 @@ impl<'a> TrainingCheckpoint<'a> {
                 add(&part_name("scheduler", i), s.state_dict()?);
             }
         }
+        if let Some(scaler) = &self.grad_scaler {
+            add(SCALER, scaler.state_dict()?);
+        }
         add(TRAINER, trainer_state_dict(state)?);
         all.insert(RNG, get_rng_state()?);
         all.save_safetensors(path)?;
@@ -211,6 +226,11 @@ impl<'a> TrainingCheckpoint<'a> {
                 expected.push(part_name("scheduler", i));
             }
         }
+        // A disabled scaler saves an empty state, so no key.
+        let scaler_saved = self.grad_scaler.as_ref().is_some_and(|s| s.is_enabled());
+        if scaler_saved {
+            expected.push(SCALER.to_owned());
+        }
         let unexpected: Vec<String> = parts
             .keys()
             .filter(|p| !expected.contains(p))
@@ -236,6 +256,14 @@ impl<'a> TrainingCheckpoint<'a> {
         let state = read_trainer_state(&parts[TRAINER]).map_err(|e| at(TRAINER, e))?;
         let rng = parts[RNG].get("").cloned().expect("checked above");
         check_rng(&rng).map_err(|e| at(RNG, e))?;
+        // The scaler's state is checked on a copy first: its load is the last before the
+        // generator's, and must not fail after the others changed.
+        if let (Some(scaler), true) = (&self.grad_scaler, scaler_saved) {
+            let mut probe = (**scaler).clone();
+            probe
+                .load_state_dict(&parts[SCALER])
+                .map_err(|e| at(SCALER, e))?;
+        }
 
         // What to put back if a part does not fit: copies, as loads write in place.
         let before = Snapshot::take(&self).map_err(|e| at("snapshot", e))?;
@@ -248,6 +276,11 @@ impl<'a> TrainingCheckpoint<'a> {
                 before.put_back(&mut self, i);
                 return Err(e);
             }
+        }
+        if let (Some(scaler), true) = (self.grad_scaler.as_deref_mut(), scaler_saved) {
+            scaler
+                .load_state_dict(&parts[SCALER])
+                .map_err(|e| at(SCALER, e))?;
         }
         set_rng_state(&rng).map_err(|e| at(RNG, e.into()))?;
         Ok(state)

@@ -142,6 +142,25 @@ pub enum Error {
     /// run's parameter groups, over the model it was saved from, or as the same kind of optimizer.
     #[error("cannot load the optimizer state: {}{}", .0, state_hint(.0))]
     State(#[from] StateError),
+
+    /// [`AveragedModel::update_parameters`](crate::swa_utils::AveragedModel::update_parameters):
+    /// the model does not have the averaged copy's parameters or buffers, or an averaging function
+    /// returned values that do not fit. Nothing was changed.
+    #[error("cannot average `{path}` into the AveragedModel: {reason}")]
+    AveragedModelMismatch {
+        /// The path of the parameter or buffer in the model (`fc1.weight`).
+        path: String,
+        /// What differs.
+        reason: String,
+    },
+
+    /// A [`GradScaler`](crate::GradScaler) used out of PyTorch's order (`scale`, `unscale_`,
+    /// `step`, `update`), or on gradients it does not take. Nothing was changed.
+    #[error("GradScaler: {reason}")]
+    GradScaler {
+        /// What went wrong, in PyTorch's words where PyTorch has them.
+        reason: String,
+    },
 }
 
 impl std::fmt::Debug for Error {

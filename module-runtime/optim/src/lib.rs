@@ -11,6 +11,8 @@
 //!   ([`GradAccumulator`]);
 //! - learning-rate schedules ([`LrScheduler`]: [`LambdaLr`] with Hugging Face's warmup shapes,
 //!   [`StepLr`], [`ExponentialLr`]);
+//! - weight averaging ([`swa_utils`]: `AveragedModel` with SWA's running average or an EMA,
+//!   `update_bn`, `SWALR`) and loss scaling for float16 training ([`GradScaler`]);
 //! - the optimizer's state as a state dict keyed by parameter path, saved and loaded through
 //!   safetensors, strictly and all or nothing, so a training run resumes bit-exactly.
 //!
@@ -28,6 +30,9 @@
 //! | `schedule` | [`LrScheduler`]s |
 //! | `pth` | [`read_pth_state`]: PyTorch's optimizer state from a `.pth` file |
 //! | `pth_scheduler` | [`read_pth_scheduler_state`]: PyTorch's learning-rate schedule state, from a `.pth` file's values |
+//! | `grad_scaler` | [`GradScaler`]: loss scaling for float16 training, steps skipped on inf/NaN gradients |
+//! | `pth_grad_scaler` | [`read_pth_grad_scaler_state`]: PyTorch's `GradScaler` state, from a `.pth` file's values |
+//! | `swa_utils/` | [`swa_utils`]: [`AveragedModel`](swa_utils::AveragedModel) (SWA, EMA), [`update_bn`](swa_utils::update_bn), [`SwaLr`](swa_utils::SwaLr) |
 //! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
@@ -126,22 +131,27 @@ mod checkpoint;
 mod clip;
 mod error;
 mod fused;
+mod grad_scaler;
 mod group;
 mod optimizer;
 mod pth;
+mod pth_grad_scaler;
 mod pth_scheduler;
 mod schedule;
 mod sgd;
 mod state;
+pub mod swa_utils;
 
 pub use accumulate::GradAccumulator;
 pub use adam::{Adam, AdamOptions, AdamW};
 pub use checkpoint::{TrainerState, TrainingCheckpoint};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub use error::{Error, Result, StateError};
+pub use grad_scaler::{GradScaler, GradScalerOptions};
 pub use group::{GroupOptions, NamedParams, ParamGroup, ParamGroups, ParamList, Patterns};
 pub use optimizer::Optimizer;
 pub use pth::read_pth_state;
+pub use pth_grad_scaler::read_pth_grad_scaler_state;
 pub use pth_scheduler::read_pth_scheduler_state;
 pub use schedule::{ExponentialLr, LambdaLr, LrScheduler, StepLr};
 pub use sgd::{SgdOptions, SGD};

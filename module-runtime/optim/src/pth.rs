@@ -13,14 +13,15 @@ use crate::error::{Error, Result, StateError};
 use crate::optimizer::Optimizer;
 
 /// Hyperparameters `torch.optim` keeps in a group that change how PyTorch runs the update, not
-/// what it computes (`foreach`, `fused`, …), or that belong to a scheduler (`initial_lr`): read
-/// past.
+/// what it computes (`foreach`, `fused`, …), or that belong to a scheduler (`initial_lr`,
+/// `SWALR`'s `swa_lr`): read past.
 const IMPLEMENTATION_ONLY: &[&str] = &[
     "foreach",
     "fused",
     "capturable",
     "differentiable",
     "initial_lr",
+    "swa_lr",
 ];
 
 /// Hyperparameters that older PyTorch versions did not save (`maximize` came in 1.11,
@@ -55,7 +56,7 @@ const ADDED_LATER: &[&str] = &["maximize", "decoupled_weight_decay", "amsgrad", 
 /// parameter's, found when the result is loaded. Each group's hyperparameters (`lr`, `betas`,
 /// `momentum`, …) come from the file, as PyTorch's `load_state_dict` takes them; the flags that
 /// only pick PyTorch's implementation (`foreach`, `fused`, `capturable`, `differentiable`) and a
-/// scheduler's `initial_lr` are read past. Nothing is changed: loading the result is the
+/// scheduler's `initial_lr` and `swa_lr` are read past. Nothing is changed: loading the result is the
 /// all-or-nothing [`load_state_dict`](Optimizer::load_state_dict).
 pub fn read_pth_state(
     path: impl AsRef<Path>,

@@ -29,6 +29,7 @@ const KINDS: &[(&str, &[&str])] = &[
         &["T_0", "T_i", "T_mult", "eta_min", "T_cur"],
     ),
     ("SequentialLR", &["_schedulers", "_milestones"]),
+    ("SWALR", &["anneal_epochs", "_anneal_strategy"]),
     ("ChainedScheduler", &["_schedulers"]),
 ];
 
@@ -108,7 +109,9 @@ fn kind_error(class: &'static str, found: &str, own: &[&str]) -> Error {
 ///
 /// The state must be of `scheduler`'s kind (PyTorch's `StepLR` for a [`StepLr`](crate::StepLr),
 /// `ExponentialLR` for an [`ExponentialLr`](crate::ExponentialLr), `LambdaLR` for a
-/// [`LambdaLr`](crate::LambdaLr)): another kind is [`StateError::SchedulerKind`], naming both.
+/// [`LambdaLr`](crate::LambdaLr), `SWALR` for a [`SwaLr`](crate::swa_utils::SwaLr), whose
+/// `_anneal_strategy` string becomes 0 for `"cos"` and 1 for `"linear"`): another kind is
+/// [`StateError::SchedulerKind`], naming both.
 /// PyTorch's `last_epoch`, `_step_count`, `_last_lr`, `base_lrs` and the schedule's own fields
 /// (`step_size`, `gamma`) are read; `_is_initial`, `_get_lr_called_within_step` and the
 /// deprecated `verbose` only steer PyTorch's implementation and are read past. A `LambdaLR`'s
@@ -155,6 +158,20 @@ pub fn read_pth_scheduler_state(
         match *name {
             n if IMPLEMENTATION_ONLY.contains(&n) => {}
             "lr_lambdas" => groups = Some(lr_lambdas(value)?),
+            // SWALR's annealing, a string in PyTorch's state: 0 for "cos", 1 for "linear".
+            "_anneal_strategy" => {
+                let code = match value {
+                    PyValue::Str(s) if s == "cos" => 0.0,
+                    PyValue::Str(s) if s == "linear" => 1.0,
+                    other => {
+                        return Err(at(format!(
+                            "is {}, not \"cos\" or \"linear\"",
+                            other.describe()
+                        )))
+                    }
+                };
+                out.insert(*name, Tensor::new(code, &Device::Cpu)?);
+            }
             "_last_lr" | "base_lrs" => {
                 let lrs: Vec<f64> = value
                     .extract()

@@ -52,7 +52,7 @@ pub trait LrScheduler {
 pub(crate) const COMMON: &[&str] = &["last_epoch", "_step_count", "_last_lr", "base_lrs"];
 
 /// Saves a schedule's progress and its own fields.
-fn save_progress(
+pub(crate) fn save_progress(
     last_epoch: usize,
     last_lr: &[f64],
     base_lrs: &[f64],
@@ -71,16 +71,16 @@ fn save_progress(
 }
 
 /// A schedule's state as read: the progress, and its own fields in the order asked for.
-struct Progress {
-    last_epoch: usize,
-    last_lr: Vec<f64>,
-    base_lrs: Vec<f64>,
-    own: Vec<f64>,
+pub(crate) struct Progress {
+    pub(crate) last_epoch: usize,
+    pub(crate) last_lr: Vec<f64>,
+    pub(crate) base_lrs: Vec<f64>,
+    pub(crate) own: Vec<f64>,
 }
 
 /// Reads a schedule's progress and its own fields `own`, checked against `groups`; `class` is
 /// the schedule's PyTorch class, for errors.
-fn load_progress(
+pub(crate) fn load_progress(
     sd: &StateDict,
     groups: usize,
     class: &'static str,
@@ -160,7 +160,7 @@ fn load_progress(
     })
 }
 
-fn set_all(opt: &mut dyn Optimizer, lrs: &[f64]) {
+pub(crate) fn set_all(opt: &mut dyn Optimizer, lrs: &[f64]) {
     for (g, &lr) in lrs.iter().enumerate() {
         opt.set_lr(g, lr);
     }

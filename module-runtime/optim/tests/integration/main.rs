@@ -3,6 +3,7 @@
 //! are named `area::test` (`cargo test -p module-optim --test integration state::` runs one area).
 //! The PyTorch traces `parity` compares with are the repository's `fixtures/pytorch/`.
 
+mod grad_scaler;
 mod groups;
 mod parity;
 mod precision;
@@ -11,3 +12,4 @@ mod pth_scheduler;
 mod readme;
 mod rules;
 mod state;
+mod swa;
