@@ -107,6 +107,24 @@ pub use module_hooks::{
 };
 pub use module_kernels::reuse_freed_memory;
 
+/// PyTorch's `torch.amp`: mixed precision. [`autocast`](amp::autocast) runs a closure with each
+/// of the runtime's ops in the precision PyTorch's per-op lists give it (products and
+/// convolutions in bfloat16 or float16, losses in float32, on CUDA softmax and norms in float32
+/// too), the parameters staying float32; [`GradScaler`](amp::GradScaler) scales a float16 loss.
+/// [`autocast_cast`](amp::autocast_cast) and [`promote`](amp::promote) give code that calls
+/// candle's ops directly the same policy.
+pub mod amp {
+    pub use module_core::autocast::{
+        active_dtype, autocast, autocast_cache_len, clear_autocast_cache, get_autocast_dtype,
+        is_autocast_enabled, Autocast, DeviceType,
+    };
+    pub use module_core::autocast_policy::{
+        autocast_cast, autocast_cast_opt, autocast_target, promote, promote_types, AutocastOp,
+        CastPolicy,
+    };
+    pub use module_optim::{GradScaler, GradScalerOptions};
+}
+
 /// PyTorch's `torch.backends`: what the runtime's kernels run on.
 pub mod backends {
     /// PyTorch's `torch.backends.cpu`: the instruction sets the CPU kernels use, chosen at run time

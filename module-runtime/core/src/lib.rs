@@ -16,6 +16,7 @@
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
 //! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
+//! | `autocast`, `autocast_policy` | mixed precision: the per-thread `autocast` scope and its weight cache; PyTorch's per-op cast policy |
 //! | `random` | the runtime's seeded generator: `manual_seed`, its state, the draws every initializer and dropout makes |
 //! | `update_lock` | atomic weight updates: calls share a lock that updates hold exclusively |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
@@ -31,6 +32,10 @@
 // The derive's expansion names `::module_runtime`; inside this crate that is the crate itself.
 extern crate self as module_runtime;
 
+#[doc(hidden)]
+pub mod autocast;
+#[doc(hidden)]
+pub mod autocast_policy;
 #[doc(hidden)]
 pub mod buffer;
 #[doc(hidden)]

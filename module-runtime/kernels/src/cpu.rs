@@ -73,3 +73,25 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap()
 }
+
+/// The half-precision dtype (`bf16`, `f16`) of CPU tensors that the entries compute in float32:
+/// `Some(dtype)` when the first tensor is a CPU half-precision one (the others may be float32, a
+/// bfloat16 input with float32 parameters as autocast leaves a norm's). The entries then widen
+/// every tensor to float32, take their float32 kernels (the barrier pool's products, the fused
+/// training ops) and round the result once to `dtype`: what PyTorch's CPU kernels for reduced
+/// precision do (float32 accumulation, one rounding), and faster than candle's, which widens a
+/// bfloat16 product too but multiplies on one `gemm` call.
+pub(crate) fn cpu_half_dtype(tensors: &[&Tensor]) -> Option<DType> {
+    let first = tensors.first()?;
+    let dtype = first.dtype();
+    let ok = matches!(dtype, DType::BF16 | DType::F16)
+        && tensors.iter().all(|t| {
+            t.device().is_cpu() && matches!(t.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        });
+    ok.then_some(dtype)
+}
+
+/// `t` widened to float32 (a no-op for a float32 tensor), recording the gradient.
+pub(crate) fn widen(t: &Tensor) -> candle_core::Result<Tensor> {
+    t.to_dtype(DType::F32)
+}

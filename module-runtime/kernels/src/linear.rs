@@ -4,7 +4,10 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 
+use module_core::autocast_policy::{autocast_cast, autocast_cast_opt, AutocastOp};
+
 use crate::bias::add_bias;
+use crate::cpu::{cpu_half_dtype, widen};
 use crate::error::Result;
 use crate::fused_grad;
 use crate::matmul::matmul;
@@ -33,6 +36,11 @@ pub const Q8_0_MAX_ROWS: usize = 512;
 /// candle's `matmul`) and the bias, added in place into the product's fresh output where nothing
 /// records a gradient.
 ///
+/// Under [`autocast`](module_core::autocast) `x`, `w` and `b` are cast to the autocast dtype
+/// first (PyTorch's `linear` is a lower-precision op) and the result is in that dtype. Bfloat16
+/// and float16 CPU products are computed in float32 from the half-precision values and rounded
+/// once (float32 accumulation, as PyTorch's CPU kernels), on the float32 kernels above.
+///
 /// ```
 /// use module_runtime::candle_core::{Device, Tensor};
 /// let x = Tensor::new(&[[1f32, 2.]], &Device::Cpu)?;
@@ -43,6 +51,21 @@ pub const Q8_0_MAX_ROWS: usize = 512;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let [x, w] = autocast_cast(AutocastOp::Linear, [x, w])?;
+    let bias = autocast_cast_opt(AutocastOp::Linear, bias)?;
+    let (x, w, bias) = (&x, &w, bias.as_ref());
+    let mut all = vec![x, w];
+    all.extend(bias);
+    if let Some(half) = cpu_half_dtype(&all) {
+        let b = bias.map(widen).transpose()?;
+        let y = linear_same_dtype(&widen(x)?, &widen(w)?, b.as_ref())?;
+        return Ok(y.to_dtype(half)?);
+    }
+    linear_same_dtype(x, w, bias)
+}
+
+/// [`linear`] once the operands are in the dtype it computes in.
+fn linear_same_dtype(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     if let Some(b) = bias.filter(|b| fused_grad::can_fuse_linear(x, w, b)) {
         return fused_grad::linear(x, w, b);
     }

@@ -6,6 +6,9 @@
 
 use candle_core::{DType, Tensor, D};
 
+use module_core::autocast_policy::{autocast_cast, autocast_cast_opt, AutocastOp};
+
+use crate::cpu::{cpu_half_dtype, widen};
 use crate::error::Result;
 use crate::fused_grad;
 
@@ -16,7 +19,15 @@ use crate::fused_grad;
 ///   fused kernel (which records no gradient, candle issues #2168, #3011);
 /// - a gradient recorded, float32 CPU tensors, fusion on, weight and bias: one op whose backward is
 ///   one pass over rows;
+/// - a half-precision CPU input otherwise (a gradient recorded, or float32 parameters, as a
+///   bfloat16 activation under CPU [`autocast`](module_core::autocast) meets a float32 model's
+///   norm): computed in float32 as above and rounded once to the input's dtype, which the result
+///   has (PyTorch's CPU `layer_norm` of a bfloat16 input with float32 parameters returns
+///   bfloat16);
 /// - anything else: candle's differentiable ops, in `f32` for half-precision inputs.
+///
+/// Under CUDA autocast the inputs are cast to float32 first (PyTorch's `layer_norm` is a float32
+/// op there); under CPU autocast they are left as they are (it is in neither CPU list).
 ///
 /// ```
 /// use module_runtime::candle_core::{Device, Tensor};
@@ -32,6 +43,19 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    let [x] = autocast_cast(AutocastOp::LayerNorm, [x])?;
+    let weight = autocast_cast_opt(AutocastOp::LayerNorm, weight)?;
+    let bias = autocast_cast_opt(AutocastOp::LayerNorm, bias)?;
+    let (x, weight, bias) = (&x, weight.as_ref(), bias.as_ref());
+    let mut all = vec![x];
+    all.extend(weight);
+    all.extend(bias);
+    let same = all.iter().all(|t| t.dtype() == x.dtype());
+    if let Some(half) = cpu_half_dtype(&all).filter(|_| !same || x.track_op()) {
+        let (w, b) = (weight.map(widen).transpose()?, bias.map(widen).transpose()?);
+        let y = layer_norm(&widen(x)?, w.as_ref(), b.as_ref(), eps)?;
+        return Ok(y.to_dtype(half)?);
+    }
     match (weight, bias) {
         (Some(w), Some(b)) if candle_kernel_applies(&[x, w, b]) => {
             return Ok(candle_nn::ops::layer_norm(
@@ -60,8 +84,15 @@ pub fn layer_norm(
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last dimension of `x`: candle-nn's fused kernel
 /// where nothing records a gradient (and there is a weight), candle's differentiable ops
-/// elsewhere (in `f32` for half-precision inputs).
+/// elsewhere (in `f32` for half-precision inputs). A half-precision CPU input with a float32
+/// weight (CPU [`autocast`](module_core::autocast)) is normalized in float32 and returned in its
+/// own dtype, as PyTorch's `rms_norm` returns it.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if let Some(w) = weight.filter(|w| w.dtype() != x.dtype()) {
+        if let Some(half) = cpu_half_dtype(&[x, w]) {
+            return Ok(rms_norm(&widen(x)?, Some(&widen(w)?), eps)?.to_dtype(half)?);
+        }
+    }
     if let Some(w) = weight.filter(|w| candle_kernel_applies(&[x, w])) {
         return Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?);
     }

@@ -8,6 +8,9 @@
 
 use candle_core::{DType, Tensor};
 
+use module_core::autocast_policy::{autocast_cast, autocast_cast_opt, AutocastOp};
+
+use crate::cpu::{cpu_half_dtype, widen};
 use crate::error::Result;
 use crate::fused_grad;
 use crate::sdpa_kernel::{bad, inference, Dims};
@@ -47,6 +50,11 @@ pub struct SdpaOptions {
 /// gradient, that pass is one node of the graph whose backward is one pass per head as well,
 /// dropout included (its draws are the runtime's generator's, as the composed path's).
 ///
+/// Under [`autocast`](module_core::autocast) the queries, keys, values and a float mask are cast
+/// to the autocast dtype first (a lower-precision op in PyTorch's lists), and the result is in
+/// it. Half-precision CPU inputs are computed in float32 from their values (the passes above)
+/// and the result rounded once, as PyTorch's CPU kernel accumulates in float32.
+///
 /// ```
 /// use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 /// use module_runtime::prelude::*;
@@ -67,6 +75,22 @@ pub fn scaled_dot_product_attention(
     attn_mask: Option<&Tensor>,
     options: SdpaOptions,
 ) -> Result<Tensor> {
+    let op = AutocastOp::ScaledDotProductAttention;
+    let [query, key, value] = autocast_cast(op, [query, key, value])?;
+    let attn_mask = autocast_cast_opt(op, attn_mask)?;
+    let (query, key, value, attn_mask) = (&query, &key, &value, attn_mask.as_ref());
+    if let Some(half) = cpu_half_dtype(&[query, key, value]) {
+        if query.dtype() == key.dtype() && query.dtype() == value.dtype() {
+            let float_mask = attn_mask.filter(|m| m.dtype() == half);
+            let mask = match float_mask {
+                Some(m) => Some(widen(m)?),
+                None => attn_mask.cloned(),
+            };
+            let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
+            let y = scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), options)?;
+            return Ok(y.to_dtype(half)?);
+        }
+    }
     let (shape, mask) = check(query, key, value, attn_mask, &options)?;
     let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
     let mask = mask.as_ref();

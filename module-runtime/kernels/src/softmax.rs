@@ -2,6 +2,9 @@
 
 use candle_core::Tensor;
 
+use module_core::autocast_policy::{autocast_cast, AutocastOp};
+
+use crate::cpu::{cpu_half_dtype, widen};
 use crate::error::Result;
 use crate::fused_grad;
 
@@ -9,7 +12,11 @@ use crate::fused_grad;
 /// kernel along the last dimension when `x` records no gradient (it records none, candle #3011);
 /// the fused training op (one node, a one-pass backward) along the last dimension of a float32 CPU
 /// tensor that records one (fusion on); candle's differentiable ops, shifted by the maximum,
-/// everywhere else.
+/// everywhere else. A half-precision CPU input that records a gradient is computed in float32
+/// and rounded once to its dtype (PyTorch's CPU kernel accumulates in float32 too).
+///
+/// Under CUDA [`autocast`](module_core::autocast) the input is cast to float32 first (PyTorch's
+/// `softmax` is a float32 op there); CPU autocast leaves it in its dtype (in neither CPU list).
 ///
 /// ```
 /// use module_runtime::candle_core::{Device, Tensor};
@@ -19,6 +26,11 @@ use crate::fused_grad;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let [x] = autocast_cast(AutocastOp::Softmax, [x])?;
+    let x = &x;
+    if let Some(half) = cpu_half_dtype(&[x]).filter(|_| x.track_op()) {
+        return Ok(softmax(&widen(x)?, dim)?.to_dtype(half)?);
+    }
     if dim + 1 == x.rank() && !x.track_op() {
         return Ok(candle_nn::ops::softmax_last_dim(&x.contiguous()?)?);
     }

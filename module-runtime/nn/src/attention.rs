@@ -296,11 +296,12 @@ impl MultiheadAttention {
         let e = self.embed_dim();
         let w = self.in_proj_weight.tensor()?.narrow(0, chunk * e, n * e)?;
         let (b, t, _) = x.dims3()?;
-        let y = x.reshape((b * t, e))?.matmul(&w.t()?)?;
-        let y = match &self.in_proj_bias {
-            Some(bias) => y.broadcast_add(&bias.tensor()?.narrow(0, chunk * e, n * e)?)?,
-            None => y,
+        let bias = match &self.in_proj_bias {
+            Some(bias) => Some(bias.tensor()?.narrow(0, chunk * e, n * e)?),
+            None => None,
         };
+        // The kernels' `linear`: under autocast a lower-precision op, as PyTorch's `in_proj`.
+        let y = module_kernels::linear(&x.reshape((b * t, e))?, &w, bias.as_ref())?;
         Ok(y.reshape((b, t, n * e))?)
     }
 
@@ -496,6 +497,14 @@ fn additive_mask(mask: &Tensor, dtype: DType) -> Result<Tensor> {
 /// `softmax_last_dim` records no gradient). The row maximum is only a shift for numerical range, so
 /// it is detached: the result does not depend on it.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    // Half precision (scores under autocast): computed in float32, rounded once, as PyTorch's
+    // CPU softmax accumulates.
+    if matches!(
+        x.dtype(),
+        candle_core::DType::BF16 | candle_core::DType::F16
+    ) {
+        return Ok(softmax_last_dim(&x.to_dtype(candle_core::DType::F32)?)?.to_dtype(x.dtype())?);
+    }
     let max = x.max_keepdim(D::Minus1)?.detach();
     let exp = x.broadcast_sub(&max)?.exp()?;
     Ok(exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?)

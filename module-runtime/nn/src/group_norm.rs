@@ -116,6 +116,11 @@ layer_forward!(GroupNorm, |layer, x| {
     if let Some(w) = &layer.weight {
         check_input_device("GroupNorm.weight", &w.tensor()?, x)?;
     }
+    // A float32 op under CUDA autocast; the input's dtype under CPU autocast.
+    let [x] = module_core::autocast_policy::autocast_cast(
+        module_core::autocast_policy::AutocastOp::GroupNorm,
+        [x],
+    )?;
     let dtype = x.dtype();
     let grouped = x
         .to_dtype(compute_dtype(dtype))?

@@ -168,6 +168,8 @@ impl LayerNorm {
                 Err(error) => return Err(crate::trace::forward_error(self, error)),
             }
         }
+        // PyTorch's `+` promotes (a bfloat16 block output under autocast, a float32 stream).
+        let [x, residual] = module_core::autocast_policy::promote([x, residual])?;
         self.call(&(x + residual)?)
     }
 }

@@ -1,7 +1,10 @@
 //! Loss functions (PyTorch's `torch.nn.functional` losses), differentiable with respect to every
-//! floating-point argument.
+//! floating-point argument. Under [`autocast`](module_core::autocast) they compute in float32 and
+//! return float32, as PyTorch's lists say.
 
 use candle_core::Tensor;
+
+use module_core::autocast_policy::{autocast_cast, AutocastOp};
 
 use crate::activation::log_softmax;
 use crate::common::input_shape_error;
@@ -26,7 +29,8 @@ pub fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor> {
         let expected = format!("[{n}] (the batch of the logits {:?})", logits.dims());
         return Err(input_shape_error("cross_entropy", expected, target));
     }
-    let log_p = log_softmax(logits, 1)?;
+    let [logits] = autocast_cast(AutocastOp::Loss, [logits])?;
+    let log_p = log_softmax(&logits, 1)?;
     let picked = log_p.gather(&target.unsqueeze(1)?, 1)?;
     Ok(picked.mean_all()?.neg()?)
 }
@@ -43,5 +47,6 @@ pub fn cross_entropy(logits: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn mse_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
-    Ok(input.sub(target)?.sqr()?.mean_all()?)
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
+    Ok(input.sub(&target)?.sqr()?.mean_all()?)
 }

@@ -8,6 +8,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use module_core::autocast_policy::{autocast_cast, AutocastOp};
+
 use crate::activation::log_softmax;
 use crate::activation_smooth::softplus;
 use crate::common::{input_shape_error, layer_forward};
@@ -219,6 +221,9 @@ pub(crate) fn cross_entropy(
     weight: &Option<Buffer>,
     (ignore_index, reduction, smoothing): (i64, LossReduction, f64),
 ) -> Result<Tensor> {
+    // A float32 op under autocast, both lists.
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
+    let (input, target) = (&input, &target);
     let class_dim = usize::from(input.rank() > 1);
     let classes = input.dims().get(class_dim).copied().unwrap_or(0);
     let weight = class_weights(layer, weight, classes, input)?;
@@ -309,6 +314,8 @@ impl NLLLoss {
 }
 
 layer_forward!(NLLLoss, |layer, (input, target)| {
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
+    let (input, target) = (&input, &target);
     let class_dim = usize::from(input.rank() > 1);
     let classes = input.dims().get(class_dim).copied().unwrap_or(0);
     let weight = class_weights("NLLLoss", &layer.weight, classes, input)?;
@@ -359,6 +366,8 @@ pub struct BCELoss {
 weighted_loss_constructors!(BCELoss, "broadcast to the input");
 
 layer_forward!(BCELoss, |layer, (input, target)| {
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
+    let (input, target) = (&input, &target);
     check_same_shape("BCELoss", target, input, "the target (the input's shape)")?;
     let log_x = input.log()?.maximum(-100f64)?;
     let log_1mx = input.affine(-1.0, 1.0)?.log()?.maximum(-100f64)?;
@@ -424,6 +433,8 @@ impl BCEWithLogitsLoss {
 }
 
 layer_forward!(BCEWithLogitsLoss, |layer, (input, target)| {
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
+    let (input, target) = (&input, &target);
     const LAYER: &str = "BCEWithLogitsLoss";
     check_same_shape(LAYER, target, input, "the target (the input's shape)")?;
     // log σ(x) = -softplus(-x), stable for any x.

@@ -7,17 +7,18 @@
 
 use candle_core::Tensor;
 
+use module_core::autocast_policy::{autocast_cast, AutocastOp};
+
 use crate::common::{config_layer, layer_forward};
 use crate::error::Result;
 use crate::loss_reduction::{check_same_shape, LossReduction};
 use crate::Module;
 
-/// The operands of an elementwise loss, checked to have one shape.
-fn operands<'a>(
-    layer: &'static str,
-    (input, target): (&'a Tensor, &'a Tensor),
-) -> Result<(&'a Tensor, &'a Tensor)> {
+/// The operands of an elementwise loss, checked to have one shape, in float32 under
+/// [`autocast`](module_core::autocast) (every loss here is a float32 op in PyTorch's lists).
+fn operands(layer: &'static str, (input, target): (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
     check_same_shape(layer, target, input, "the target (the input's shape)")?;
+    let [input, target] = autocast_cast(AutocastOp::Loss, [input, target])?;
     Ok((input, target))
 }
 
@@ -135,7 +136,7 @@ layer_forward!(SmoothL1Loss, |layer, pair: (&Tensor, &Tensor)| {
     let (input, target) = operands("SmoothL1Loss", pair)?;
     layer
         .reduction
-        .apply(quadratic_then_linear(input, target, layer.beta, true)?)
+        .apply(quadratic_then_linear(&input, &target, layer.beta, true)?)
 });
 
 config_layer! {
@@ -159,7 +160,7 @@ layer_forward!(HuberLoss, |layer, pair: (&Tensor, &Tensor)| {
     let (input, target) = operands("HuberLoss", pair)?;
     layer
         .reduction
-        .apply(quadratic_then_linear(input, target, layer.delta, false)?)
+        .apply(quadratic_then_linear(&input, &target, layer.delta, false)?)
 });
 
 /// How [`KLDivLoss`] reduces: PyTorch's `reduction`, which for this loss also takes
@@ -218,6 +219,7 @@ impl KLDivLoss {
 
 layer_forward!(KLDivLoss, |layer, pair: (&Tensor, &Tensor)| {
     let (input, target) = operands("KLDivLoss", pair)?;
+    let (input, target) = (&input, &target);
     let terms = if layer.log_target {
         (target.exp()? * (target - input)?)?
     } else {

@@ -130,6 +130,15 @@ pub(crate) fn channel_affine(
     bias: &Option<Param>,
 ) -> Result<Tensor> {
     let rank = y.rank();
+    // A half-precision input with float32 parameters (CPU autocast leaves the norms in their
+    // input's dtype): the affine step in float32, the result in the input's dtype, as PyTorch's
+    // mixed-dtype CPU kernels return it.
+    let params_dtype = weight.as_ref().or(bias.as_ref()).map(|p| p.dtype());
+    let half = matches!(y.dtype(), DType::BF16 | DType::F16);
+    if half && params_dtype == Some(DType::F32) {
+        let out = y.dtype();
+        return Ok(channel_affine(y.to_dtype(DType::F32)?, weight, bias)?.to_dtype(out)?);
+    }
     if let Some(w) = weight {
         y = y.broadcast_mul(&per_channel(&w.tensor()?, rank)?)?;
     }

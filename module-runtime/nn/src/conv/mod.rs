@@ -23,10 +23,11 @@
 //! When nothing needs a gradient they call candle's convolution directly.
 
 use candle_core::{DType, Device, Tensor};
+use module_core::autocast_policy::AutocastOp;
 
 use crate::common::{
-    add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, param_tensor,
-    uniform_fan_in, PerDim, Size,
+    add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, lower_precision,
+    param_tensor, uniform_fan_in, PerDim, Size,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
@@ -448,14 +449,17 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
         check_input_device(Self::names()?.weight, &weight, x)?;
         check_input::<D>(Self::names()?.layer, &weight, &self.config, x)?;
         let bias = param_tensor(&self.bias)?;
-        // An unbatched input (`[C, L]`, `[C, H, W]`) as a batch of one, as PyTorch takes it.
-        let (xb, unbatched) = batched(x, D + 1, 0)?;
-        let y = match D {
-            1 => conv1d(&xb, &weight, bias, &self.config)?,
-            2 => conv2d(&xb, &weight, bias, &self.config)?,
-            _ => return conv3d::conv3d(x, &weight, bias, &self.config),
-        };
-        Ok(if unbatched { y.squeeze(0)? } else { y })
+        // Under autocast a lower-precision op (PyTorch's `conv1d/2d/3d`).
+        lower_precision(AutocastOp::Conv, x, &weight, bias, |x, weight, bias| {
+            // An unbatched input (`[C, L]`, `[C, H, W]`) as a batch of one, as PyTorch takes it.
+            let (xb, unbatched) = batched(x, D + 1, 0)?;
+            let y = match D {
+                1 => conv1d(&xb, weight, bias, &self.config)?,
+                2 => conv2d(&xb, weight, bias, &self.config)?,
+                _ => return conv3d::conv3d(x, weight, bias, &self.config),
+            };
+            Ok(if unbatched { y.squeeze(0)? } else { y })
+        })
     }
 }
 

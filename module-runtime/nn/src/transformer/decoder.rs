@@ -3,7 +3,7 @@
 use candle_core::{Device, Tensor};
 
 use super::TransformerLayerConfig;
-use super::{attention_block, feed_forward, resolve_mask, seq_len};
+use super::{attention_block, feed_forward, residual_sum, resolve_mask, seq_len};
 use super::{TransformerActivation, TransformerDecoder};
 use crate::error::Result;
 use crate::{Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
@@ -216,9 +216,9 @@ impl Forward<DecoderInput> for TransformerDecoderLayer {
         let input = input.resolved(self.batch_first())?;
         let x = &input.tgt;
         if self.norm_first {
-            let x = (x + self.sa_block(&self.norm1.call(x)?, &input)?)?;
-            let x = (&x + self.mha_block(&self.norm2.call(&x)?, &input)?)?;
-            Ok((&x + self.ff_block(&self.norm3.call(&x)?)?)?)
+            let x = residual_sum(x, &self.sa_block(&self.norm1.call(x)?, &input)?)?;
+            let x = residual_sum(&x, &self.mha_block(&self.norm2.call(&x)?, &input)?)?;
+            residual_sum(&x, &self.ff_block(&self.norm3.call(&x)?)?)
         } else {
             let x = self.norm1.call_residual(x, &self.sa_block(x, &input)?)?;
             let x = self.norm2.call_residual(&x, &self.mha_block(&x, &input)?)?;

@@ -3,7 +3,7 @@
 use candle_core::{Device, Tensor};
 
 use super::TransformerActivation;
-use super::{attention_block, feed_forward, resolve_mask, seq_len};
+use super::{attention_block, feed_forward, residual_sum, resolve_mask, seq_len};
 use super::{TransformerEncoder, TransformerLayerConfig};
 use crate::error::Result;
 use crate::{Dropout, Forward, LayerNorm, Linear, MultiheadAttention};
@@ -182,8 +182,11 @@ impl Forward<EncoderInput> for TransformerEncoderLayer {
         )?;
         let padding = input.src_key_padding_mask.as_ref();
         if self.norm_first {
-            let x = (x + self.sa_block(&self.norm1.call(x)?, mask.as_ref(), padding)?)?;
-            Ok((&x + self.ff_block(&self.norm2.call(&x)?)?)?)
+            let x = residual_sum(
+                x,
+                &self.sa_block(&self.norm1.call(x)?, mask.as_ref(), padding)?,
+            )?;
+            residual_sum(&x, &self.ff_block(&self.norm2.call(&x)?)?)
         } else {
             let x = self
                 .norm1

@@ -377,3 +377,11 @@ fn xavier_reset(module: &dyn Module) -> Result<()> {
     }
     Ok(())
 }
+
+/// `x + y` for a residual connection, the two promoted to one dtype first as PyTorch's `+`
+/// promotes them (a bfloat16 block output under [`autocast`](module_core::autocast) added to a
+/// float32 stream is float32).
+pub(crate) fn residual_sum(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let [x, y] = module_core::autocast_policy::promote([x, y])?;
+    Ok((x + y)?)
+}
