@@ -10,6 +10,7 @@
 mod support;
 
 mod atomic_updates;
+mod autocast;
 mod boundary_messages;
 mod checkpoints;
 mod concurrency;

@@ -87,10 +87,21 @@ pub fn scaled_dot_product_attention(
                 None => attn_mask.cloned(),
             };
             let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
-            let y = scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), options)?;
+            let y = attention(&q, &k, &v, mask.as_ref(), options)?;
             return Ok(y.to_dtype(half)?);
         }
     }
+    attention(query, key, value, attn_mask, options)
+}
+
+/// [`scaled_dot_product_attention`] once autocast's casts are made: the checks, then the passes.
+fn attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    attn_mask: Option<&Tensor>,
+    options: SdpaOptions,
+) -> Result<Tensor> {
     let (shape, mask) = check(query, key, value, attn_mask, &options)?;
     let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
     let mask = mask.as_ref();

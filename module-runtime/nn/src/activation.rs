@@ -132,7 +132,19 @@ unit_layer! {
 layer_forward!(Tanh, |_, x| Ok(x.tanh()?));
 
 /// `log(softmax(x))` along `dim`, computed stably (`x - max - log Σ exp(x - max)`).
+/// Under CUDA autocast a float32 op; a half-precision input is computed in float32 and rounded
+/// once to its dtype (PyTorch's CPU kernel accumulates in float32).
 pub(crate) fn log_softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    use module_core::autocast_policy::{autocast_cast, AutocastOp};
+    let [x] = autocast_cast(AutocastOp::Softmax, [x])?;
+    if matches!(
+        x.dtype(),
+        candle_core::DType::BF16 | candle_core::DType::F16
+    ) {
+        let widened = x.to_dtype(candle_core::DType::F32)?;
+        return Ok(log_softmax(&widened, dim)?.to_dtype(x.dtype())?);
+    }
+    let x = &x;
     // The max only shifts the values for stability; it cancels out of the result, so it needs
     // no gradient.
     let shifted = x.broadcast_sub(&x.max_keepdim(dim)?.detach())?;
