@@ -13,8 +13,8 @@ use module_runtime::amp::{autocast, autocast_cast, is_autocast_enabled, Autocast
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::loss::{cross_entropy, mse_loss};
 use module_runtime::nn::{
-    AttentionInput, Conv1d, GroupNorm, LayerNorm, Linear, MultiheadAttention, RmsNorm, Softmax,
-    GELU,
+    AttentionInput, BatchNorm1d, Conv1d, GroupNorm, LayerNorm, Linear, LogSoftmax,
+    MultiheadAttention, RmsNorm, Softmax, GELU,
 };
 use module_runtime::prelude::*;
 
@@ -192,6 +192,7 @@ fn op_dtypes_are_pytorchs() {
     let ln = LayerNorm::new(8, dev).unwrap();
     let rms = RmsNorm::new(8, dev).unwrap();
     let gn = GroupNorm::new(2, 6, dev).unwrap();
+    let bn = BatchNorm1d::new(6, dev).unwrap();
     let mha = MultiheadAttention::new(8, 2, dev).unwrap();
     type Op<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
     let ops: Vec<(&str, Op)> = vec![
@@ -200,7 +201,9 @@ fn op_dtypes_are_pytorchs() {
         ("layer_norm", Box::new(|x| ln.call(x))),
         ("rms_norm", Box::new(|x| rms.call(x))),
         ("group_norm", Box::new(|x| gn.call(x))),
+        ("batch_norm", Box::new(|x| bn.call(x))),
         ("softmax", Box::new(|x| Softmax::new(-1).call(x))),
+        ("log_softmax", Box::new(|x| LogSoftmax::new(-1).call(x))),
         ("gelu", Box::new(|x| GELU::new().call(x))),
         (
             "sdpa",
@@ -238,6 +241,17 @@ fn op_dtypes_are_pytorchs() {
                 );
             }
         }
+    }
+    // The running statistics stay float32 after training steps on half-precision inputs.
+    for (_, b) in bn.named_buffers() {
+        assert_eq!(
+            b.dtype(),
+            if b.dtype() == DType::I64 {
+                DType::I64
+            } else {
+                DType::F32
+            }
+        );
     }
 }
 
