@@ -296,10 +296,9 @@ pub(crate) fn cached_cast(t: &Tensor, dtype: DType, lower: DType) -> Result<Tens
     if !cacheable {
         return Ok(t.to_dtype(dtype)?);
     }
-    if let Some(hit) = CACHE.with(|c| c.borrow().get(&t.id()).cloned()) {
-        if hit.dtype() == dtype {
-            return Ok(hit);
-        }
+    let hit = CACHE.with(|c| c.borrow().get(&t.id()).cloned());
+    if let Some(hit) = hit.filter(|hit| hit.dtype() == dtype) {
+        return Ok(hit);
     }
     let cast = t.to_dtype(dtype)?;
     CACHE.with(|c| c.borrow_mut().insert(t.id(), cast.clone()));

@@ -88,10 +88,10 @@ pub fn layer_norm(
 /// weight (CPU [`autocast`](module_core::autocast)) is normalized in float32 and returned in its
 /// own dtype, as PyTorch's `rms_norm` returns it.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    if let Some(w) = weight.filter(|w| w.dtype() != x.dtype()) {
-        if let Some(half) = cpu_half_dtype(&[x, w]) {
-            return Ok(rms_norm(&widen(x)?, Some(&widen(w)?), eps)?.to_dtype(half)?);
-        }
+    if let Some(w) = weight.filter(|w| w.dtype() != x.dtype())
+        && let Some(half) = cpu_half_dtype(&[x, w])
+    {
+        return Ok(rms_norm(&widen(x)?, Some(&widen(w)?), eps)?.to_dtype(half)?);
     }
     if let Some(w) = weight.filter(|w| candle_kernel_applies(&[x, w])) {
         return Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?);

@@ -79,17 +79,18 @@ pub fn scaled_dot_product_attention(
     let [query, key, value] = autocast_cast(op, [query, key, value])?;
     let attn_mask = autocast_cast_opt(op, attn_mask)?;
     let (query, key, value, attn_mask) = (&query, &key, &value, attn_mask.as_ref());
-    if let Some(half) = cpu_half_dtype(&[query, key, value]) {
-        if query.dtype() == key.dtype() && query.dtype() == value.dtype() {
-            let float_mask = attn_mask.filter(|m| m.dtype() == half);
-            let mask = match float_mask {
-                Some(m) => Some(widen(m)?),
-                None => attn_mask.cloned(),
-            };
-            let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
-            let y = attention(&q, &k, &v, mask.as_ref(), options)?;
-            return Ok(y.to_dtype(half)?);
-        }
+    if let Some(half) = cpu_half_dtype(&[query, key, value])
+        && query.dtype() == key.dtype()
+        && query.dtype() == value.dtype()
+    {
+        let float_mask = attn_mask.filter(|m| m.dtype() == half);
+        let mask = match float_mask {
+            Some(m) => Some(widen(m)?),
+            None => attn_mask.cloned(),
+        };
+        let (q, k, v) = (widen(query)?, widen(key)?, widen(value)?);
+        let y = attention(&q, &k, &v, mask.as_ref(), options)?;
+        return Ok(y.to_dtype(half)?);
     }
     attention(query, key, value, attn_mask, options)
 }

@@ -361,6 +361,31 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// `f(x, weight, bias)` for a lower-precision op under [`autocast`](module_core::autocast) (a
+/// convolution): the three cast as PyTorch's lists say, and a half-precision CPU computation
+/// widened to float32 from the rounded values and rounded once at the end (float32 accumulation,
+/// as PyTorch's CPU kernels; candle's own half-precision CPU convolutions accumulate in half
+/// precision). Outside autocast, `f` on the tensors as given.
+pub(crate) fn lower_precision(
+    op: module_core::autocast_policy::AutocastOp,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<Tensor>,
+    f: impl FnOnce(&Tensor, &Tensor, Option<Tensor>) -> Result<Tensor>,
+) -> Result<Tensor> {
+    use module_core::autocast_policy::{autocast_cast, autocast_cast_opt};
+    let [x, weight] = autocast_cast(op, [x, weight])?;
+    let bias = autocast_cast_opt(op, bias.as_ref())?;
+    let half = |d: DType| matches!(d, DType::BF16 | DType::F16);
+    if x.device().is_cpu() && half(x.dtype()) && x.dtype() == weight.dtype() {
+        let widened = |t: &Tensor| t.to_dtype(DType::F32);
+        let bias = bias.as_ref().map(widened).transpose()?;
+        let y = f(&widened(&x)?, &widened(&weight)?, bias)?;
+        return Ok(y.to_dtype(x.dtype())?);
+    }
+    f(&x, &weight, bias)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,29 +411,4 @@ mod tests {
         assert_eq!(fit_dims(None, built.clone(), Some((1, 2))), [4, 2, 3]);
         assert_eq!(fit_dims(None, built, None), [4, 5, 3]);
     }
-}
-
-/// `f(x, weight, bias)` for a lower-precision op under [`autocast`](module_core::autocast) (a
-/// convolution): the three cast as PyTorch's lists say, and a half-precision CPU computation
-/// widened to float32 from the rounded values and rounded once at the end (float32 accumulation,
-/// as PyTorch's CPU kernels; candle's own half-precision CPU convolutions accumulate in half
-/// precision). Outside autocast, `f` on the tensors as given.
-pub(crate) fn lower_precision(
-    op: module_core::autocast_policy::AutocastOp,
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<Tensor>,
-    f: impl FnOnce(&Tensor, &Tensor, Option<Tensor>) -> Result<Tensor>,
-) -> Result<Tensor> {
-    use module_core::autocast_policy::{autocast_cast, autocast_cast_opt};
-    let [x, weight] = autocast_cast(op, [x, weight])?;
-    let bias = autocast_cast_opt(op, bias.as_ref())?;
-    let half = |d: DType| matches!(d, DType::BF16 | DType::F16);
-    if x.device().is_cpu() && half(x.dtype()) && x.dtype() == weight.dtype() {
-        let widened = |t: &Tensor| t.to_dtype(DType::F32);
-        let bias = bias.as_ref().map(widened).transpose()?;
-        let y = f(&widened(&x)?, &widened(&weight)?, bias)?;
-        return Ok(y.to_dtype(x.dtype())?);
-    }
-    f(&x, &weight, bias)
 }
