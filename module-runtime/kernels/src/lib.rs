@@ -26,6 +26,11 @@
 //! [`without_fusion`] turns every fused kernel off on a thread (each entry then takes its
 //! composed path).
 //!
+//! Under `module_runtime::amp::autocast` the entries of the ops in PyTorch's autocast lists
+//! ([`linear`], [`scaled_dot_product_attention`], [`layer_norm`] and [`softmax`] on CUDA) cast
+//! their inputs first (the core's `autocast_cast`), and half-precision CPU inputs are computed on
+//! the float32 kernels from their values and rounded once.
+//!
 //! # One binary for every host
 //!
 //! Each SIMD kernel is compiled for several instruction sets and picks one per call from
