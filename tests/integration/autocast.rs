@@ -13,7 +13,7 @@ use module_runtime::amp::{autocast, autocast_cast, is_autocast_enabled, Autocast
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::loss::{cross_entropy, mse_loss};
 use module_runtime::nn::{
-    AttentionInput, BatchNorm1d, Conv1d, GroupNorm, LayerNorm, Linear, LogSoftmax,
+    AttentionInput, BatchNorm1d, Conv1d, ConvTranspose2d, GroupNorm, LayerNorm, Linear, LogSoftmax,
     MultiheadAttention, RmsNorm, Softmax, GELU,
 };
 use module_runtime::prelude::*;
@@ -189,6 +189,7 @@ fn op_dtypes_are_pytorchs() {
     let t = Tensor::new(&[0i64, 3, 1, 2], dev).unwrap();
     let fc = Linear::new(8, 3, dev).unwrap();
     let conv = Conv1d::new(6, 3, 3, dev).unwrap();
+    let conv_t = ConvTranspose2d::new(4, 3, 3, dev).unwrap();
     let ln = LayerNorm::new(8, dev).unwrap();
     let rms = RmsNorm::new(8, dev).unwrap();
     let gn = GroupNorm::new(2, 6, dev).unwrap();
@@ -198,6 +199,10 @@ fn op_dtypes_are_pytorchs() {
     let ops: Vec<(&str, Op)> = vec![
         ("linear", Box::new(|x| fc.call(x))),
         ("conv1d", Box::new(|x| conv.call(x))),
+        (
+            "conv_transpose2d",
+            Box::new(|x| conv_t.call(&x.unsqueeze(0)?)),
+        ),
         ("layer_norm", Box::new(|x| ln.call(x))),
         ("rms_norm", Box::new(|x| rms.call(x))),
         ("group_norm", Box::new(|x| gn.call(x))),

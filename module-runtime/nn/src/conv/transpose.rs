@@ -5,10 +5,13 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{check_groups, conv_params, ConvRepr};
-use crate::common::{add_channel_bias, forward_by_value, layer_forward, param_tensor, Size};
+use crate::common::{
+    add_channel_bias, forward_by_value, layer_forward, lower_precision, param_tensor, Size,
+};
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Module, Param};
+use module_core::autocast_policy::AutocastOp;
 use module_core::ExtraRepr;
 
 /// How a [`ConvTranspose`] is built: PyTorch's keyword arguments, with PyTorch's defaults
@@ -166,21 +169,31 @@ layer_forward!(ConvTranspose2d, |layer, x| {
     let run = |x: &Tensor, w: &Tensor| {
         x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
     };
-    // candle's transposed convolution has no groups: run each group on its slice of the input
-    // channels and of the weight, and stack the outputs along the channels.
-    let y = if c.groups == 1 {
-        run(x, &weight)?
-    } else {
-        let xs = x.chunk(c.groups, 1)?;
-        let ws = weight.chunk(c.groups, 0)?;
-        let ys = xs
-            .iter()
-            .zip(&ws)
-            .map(|(x, w)| run(x, w))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Tensor::cat(&ys, 1)?
-    };
-    add_channel_bias(y, param_tensor(&layer.bias)?)
+    // Under autocast a lower-precision op (PyTorch's `conv_transpose2d`).
+    let bias = param_tensor(&layer.bias)?;
+    lower_precision(
+        AutocastOp::ConvTranspose,
+        x,
+        &weight,
+        bias,
+        |x, weight, bias| {
+            // candle's transposed convolution has no groups: run each group on its slice of the
+            // input channels and of the weight, and stack the outputs along the channels.
+            let y = if c.groups == 1 {
+                run(x, weight)?
+            } else {
+                let xs = x.chunk(c.groups, 1)?;
+                let ws = weight.chunk(c.groups, 0)?;
+                let ys = xs
+                    .iter()
+                    .zip(&ws)
+                    .map(|(x, w)| run(x, w))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&ys, 1)?
+            };
+            add_channel_bias(y, bias)
+        },
+    )
 });
 
 /// PyTorch's text: `ConvTranspose2d(3, 8, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1),
