@@ -333,6 +333,16 @@ mod tests {
     }
 
     #[test]
+    fn another_thread_starts_with_autocast_off() -> Result<()> {
+        autocast("cpu", DType::BF16, || {
+            let other = std::thread::spawn(|| active_dtype(DeviceType::Cpu)).join();
+            assert_eq!(other.ok(), Some(None));
+            assert_eq!(active_dtype(DeviceType::Cpu), Some(DType::BF16));
+            Ok::<_, Error>(())
+        })
+    }
+
+    #[test]
     fn bad_arguments_are_typed_errors() {
         let e = autocast("mps", DType::F16, || Ok::<_, Error>(())).unwrap_err();
         assert!(e.to_string().contains("\"mps\""), "{e}");
