@@ -10,8 +10,13 @@ use crate::random;
 /// for `0 < p < 1` (the layers handle 0 and 1 themselves): on a float32 CPU tensor that records a
 /// gradient (fusion on), one op whose backward applies the same mask; elsewhere the mask is a
 /// constant of the graph, and gradients flow through the kept elements, scaled. The draws are the
-/// runtime's generator's ([`manual_seed`](module_core::manual_seed)) on both paths.
+/// runtime's generator's ([`manual_seed`](module_core::manual_seed)) on both paths. A
+/// half-precision CPU tensor that records a gradient (under autocast) takes the float32 op and is
+/// rounded back (the same draws).
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
+    if let Some(half) = crate::cpu::cpu_half_dtype(&[x]).filter(|_| x.track_op()) {
+        return Ok(dropout(&crate::cpu::widen(x)?, p)?.to_dtype(half)?);
+    }
     if fused_grad::can_fuse_dropout(x) {
         return fused_grad::dropout(x, p);
     }

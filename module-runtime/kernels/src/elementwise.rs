@@ -13,8 +13,13 @@ use crate::pool::{block_len, par_map};
 /// The exact GELU of `x` (`x Φ(x)`), as PyTorch's `F.gelu(x)`: on a float32 CPU tensor that
 /// records no gradient, the vectorized pass (a rational `erf`, within 2e-6 of the exact GELU);
 /// recording one, the fused op whose backward is one pass (fusion on); everywhere else candle's
-/// `gelu_erf`.
+/// `gelu_erf`. A half-precision CPU input that records a gradient (a bfloat16 activation under
+/// autocast) is computed on the float32 op and rounded once, as PyTorch's CPU kernel computes a
+/// bfloat16 GELU in float32.
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    if let Some(half) = crate::cpu::cpu_half_dtype(&[x]).filter(|_| x.track_op()) {
+        return Ok(gelu_erf(&crate::cpu::widen(x)?)?.to_dtype(half)?);
+    }
     Ok(
         if !x.track_op() && x.dtype() == DType::F32 && x.device().is_cpu() {
             x.contiguous()?
