@@ -14,7 +14,7 @@ use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::loss::{cross_entropy, mse_loss};
 use module_runtime::nn::{
     AttentionInput, BatchNorm1d, Conv1d, ConvTranspose2d, GroupNorm, LayerNorm, Linear, LogSoftmax,
-    MultiheadAttention, RmsNorm, Softmax, GELU,
+    MultiheadAttention, PReLU, RmsNorm, Softmax, GELU,
 };
 use module_runtime::prelude::*;
 
@@ -194,6 +194,7 @@ fn op_dtypes_are_pytorchs() {
     let rms = RmsNorm::new(8, dev).unwrap();
     let gn = GroupNorm::new(2, 6, dev).unwrap();
     let bn = BatchNorm1d::new(6, dev).unwrap();
+    let prelu = PReLU::new(6, dev).unwrap();
     let mha = MultiheadAttention::new(8, 2, dev).unwrap();
     type Op<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
     let ops: Vec<(&str, Op)> = vec![
@@ -210,6 +211,7 @@ fn op_dtypes_are_pytorchs() {
         ("softmax", Box::new(|x| Softmax::new(-1).call(x))),
         ("log_softmax", Box::new(|x| LogSoftmax::new(-1).call(x))),
         ("gelu", Box::new(|x| GELU::new().call(x))),
+        ("prelu", Box::new(|x| prelu.call(x))),
         (
             "sdpa",
             Box::new(|x| {

@@ -95,8 +95,11 @@ layer_forward!(PReLU, |layer, x| {
         }
         dims[channel] = n;
     }
+    // Under autocast a lower-precision op (PyTorch's `prelu`).
+    let op = module_core::autocast_policy::AutocastOp::Prelu;
+    let [x, w] = module_core::autocast_policy::autocast_cast(op, [x, &w])?;
     let negative = x.broadcast_mul(&w.reshape(dims)?)?;
-    Ok(x.gt(0f64)?.where_cond(x, &negative)?)
+    Ok(x.gt(0f64)?.where_cond(&x, &negative)?)
 });
 
 config_layer! {
