@@ -15,9 +15,12 @@ use module_runtime::nn::{Dropout, Embedding, LayerNorm};
 use module_runtime::prelude::*;
 use module_runtime::Buffer;
 
-// Needs no checkpoint: a small random BERT.
+// Need no checkpoint: a small random BERT.
 #[path = "minilm/fused_training.rs"]
 mod fused_training;
+
+#[path = "minilm/autocast.rs"]
+mod autocast;
 
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {
