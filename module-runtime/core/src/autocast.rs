@@ -86,7 +86,7 @@ thread_local! {
     static CUDA: Cell<(bool, DType)> = const { Cell::new((false, DType::F16)) };
     static CACHE_ENABLED: Cell<bool> = const { Cell::new(true) };
     static NESTING: Cell<usize> = const { Cell::new(0) };
-    static CACHE: RefCell<HashMap<TensorId, Tensor>> = RefCell::new(HashMap::new());
+    static CACHE: RefCell<HashMap<(TensorId, &'static str), Tensor>> = RefCell::new(HashMap::new());
 }
 
 fn slot(device_type: DeviceType) -> &'static std::thread::LocalKey<Cell<(bool, DType)>> {
@@ -288,21 +288,36 @@ pub fn clear_autocast_cache() {
 /// `t` in `dtype`, through the cache when it is a float32 `Var` cast to the low-precision dtype
 /// inside a scope with the cache on (PyTorch's `cached_cast`).
 pub(crate) fn cached_cast(t: &Tensor, dtype: DType, lower: DType) -> Result<Tensor> {
-    let cacheable = dtype == lower
-        && t.dtype() == DType::F32
+    if dtype != lower {
+        return Ok(t.to_dtype(dtype)?);
+    }
+    let tag = if dtype == DType::BF16 { "bf16" } else { "f16" };
+    autocast_cached(t, tag, |t| Ok(t.to_dtype(dtype)?))
+}
+
+/// `make(t)`, made once per outermost autocast scope when `t` is a float32 parameter that records
+/// gradients (a candle `Var`) and the scope caches casts; `tag` tells apart the forms cached of
+/// one parameter. What the kernels call for a form of a weight other than the plain cast (the
+/// CPU products' weight rounded to the autocast dtype, kept in float32). Outside a scope, or for
+/// any other tensor, `make(t)` each time.
+pub fn autocast_cached(
+    t: &Tensor,
+    tag: &'static str,
+    make: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let cacheable = t.dtype() == DType::F32
         && t.is_variable()
         && CACHE_ENABLED.with(Cell::get)
         && NESTING.with(Cell::get) > 0;
     if !cacheable {
-        return Ok(t.to_dtype(dtype)?);
+        return make(t);
     }
-    let hit = CACHE.with(|c| c.borrow().get(&t.id()).cloned());
-    if let Some(hit) = hit.filter(|hit| hit.dtype() == dtype) {
+    if let Some(hit) = CACHE.with(|c| c.borrow().get(&(t.id(), tag)).cloned()) {
         return Ok(hit);
     }
-    let cast = t.to_dtype(dtype)?;
-    CACHE.with(|c| c.borrow_mut().insert(t.id(), cast.clone()));
-    Ok(cast)
+    let made = make(t)?;
+    CACHE.with(|c| c.borrow_mut().insert((t.id(), tag), made.clone()));
+    Ok(made)
 }
 
 /// How many parameter casts this thread's cache holds (for tests and diagnostics).

@@ -4,7 +4,8 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 
-use module_core::autocast_policy::{autocast_cast, autocast_cast_opt, AutocastOp};
+use module_core::autocast::autocast_cached;
+use module_core::autocast_policy::{autocast_cast, autocast_cast_opt, autocast_target, AutocastOp};
 
 use crate::bias::add_bias;
 use crate::cpu::{cpu_half_dtype, widen};
@@ -51,6 +52,9 @@ pub const Q8_0_MAX_ROWS: usize = 512;
 /// # Ok::<(), module_runtime::Error>(())
 /// ```
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(y) = autocast_on_cpu(x, w, bias)? {
+        return Ok(y);
+    }
     let [x, w] = autocast_cast(AutocastOp::Linear, [x, w])?;
     let bias = autocast_cast_opt(AutocastOp::Linear, bias)?;
     let (x, w, bias) = (&x, &w, bias.as_ref());
@@ -62,6 +66,41 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         return Ok(y.to_dtype(half)?);
     }
     linear_same_dtype(x, w, bias)
+}
+
+/// [`linear`] under CPU autocast to a half dtype, where every operand is a float32, bfloat16 or
+/// float16 CPU tensor: the values PyTorch's `linear` computes from the operands cast to the half
+/// dtype (float32 accumulation, one rounding), on the float32 kernels. A float32 operand is
+/// rounded to the half dtype in float32 storage (one op each way, on the pool: the values of the
+/// cast and the widening, and their backward's); a float32 parameter's rounded copy is made once
+/// per scope (autocast's weight cache). `None` elsewhere.
+fn autocast_on_cpu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let Some(half) = autocast_target(AutocastOp::Linear, x.device()) else {
+        return Ok(None);
+    };
+    let mut all = vec![x, w];
+    all.extend(bias);
+    let plain = |t: &&Tensor| {
+        t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    };
+    if !matches!(half, DType::BF16 | DType::F16) || !all.iter().all(plain) {
+        return Ok(None);
+    }
+    let rounded = |t: &Tensor| -> Result<Tensor> {
+        if t.dtype() == DType::F32 {
+            let tag = if half == DType::BF16 {
+                "bf16-in-f32"
+            } else {
+                "f16-in-f32"
+            };
+            autocast_cached(t, tag, |t| fused_grad::round_to(t, half))
+        } else {
+            Ok(t.to_dtype(half)?.to_dtype(DType::F32)?)
+        }
+    };
+    let b = bias.map(rounded).transpose()?;
+    let y = linear_same_dtype(&rounded(x)?, &rounded(w)?, b.as_ref())?;
+    Ok(Some(y.to_dtype(half)?))
 }
 
 /// [`linear`] once the operands are in the dtype it computes in.

@@ -23,6 +23,7 @@ mod dropout;
 mod gelu;
 mod layer_norm;
 mod linear;
+mod round;
 mod softmax;
 
 pub(crate) use attention::{attention, AttentionOptions};
@@ -30,6 +31,7 @@ pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
+pub(crate) use round::round_to;
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 
 use candle_core::{DType, Storage, Tensor};

@@ -1,0 +1,79 @@
+//! A float32 tensor rounded to bfloat16 or float16 precision, kept in float32: what autocast's
+//! cast to the half dtype followed by the float32 kernels' widening computes, as one op (one pass
+//! over the pool each way, where the two casts are two single-threaded passes each way).
+//!
+//! Its backward rounds the gradient the same way, as the two casts' backward do (the gradient
+//! reaching the half-precision copy is rounded to it, then widened back).
+
+use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::cpu::f32_slice;
+use crate::error::Result;
+use crate::fused_grad::{map_rows, with_f32};
+
+/// `x` (float32, on the CPU) with each value rounded to `half` (`BF16` or `F16`, to nearest
+/// even, as candle's and PyTorch's casts round), in float32: the values of
+/// `x.to_dtype(half)?.to_dtype(F32)?`, recording a backward that rounds the gradient the same way.
+pub(crate) fn round_to(x: &Tensor, half: DType) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1(RoundTo(half))?)
+}
+
+/// The candle op of [`round_to`].
+struct RoundTo(DType);
+
+impl RoundTo {
+    fn round(&self, values: &[f32]) -> Vec<f32> {
+        let bf = self.0 == DType::BF16;
+        map_rows([values], 1, |out, [x]| {
+            for (y, &x) in out.iter_mut().zip(x) {
+                *y = if bf {
+                    bf16::from_f32(x).to_f32()
+                } else {
+                    f16::from_f32(x).to_f32()
+                };
+            }
+        })
+    }
+}
+
+impl candle_core::CustomOp1 for RoundTo {
+    fn name(&self) -> &'static str {
+        "round-to-half"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice(x, layout, self.name())?;
+        Ok((CpuStorage::F32(self.round(x)), layout.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let dx = with_f32([&grad], self.name(), |[g]| self.round(g))?;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn equals_the_two_casts_both_ways() -> Result<()> {
+        let x = Var::randn(0f32, 10.0, (37, 5), &Device::Cpu)?;
+        let g = Tensor::randn(0f32, 10.0, (37, 5), &Device::Cpu)?;
+        for half in [DType::BF16, DType::F16] {
+            let ours = round_to(x.as_tensor(), half)?;
+            let casts = x.to_dtype(half)?.to_dtype(DType::F32)?;
+            let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+                Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?)
+            };
+            assert_eq!(diff(&ours, &casts)?, 0.0);
+            let ga = (ours * &g)?.sum_all()?.backward()?;
+            let gb = (casts * &g)?.sum_all()?.backward()?;
+            assert_eq!(diff(ga.get(&x).unwrap(), gb.get(&x).unwrap())?, 0.0);
+        }
+        Ok(())
+    }
+}
