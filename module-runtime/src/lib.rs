@@ -123,6 +123,12 @@ pub use module_state::{
     permute_rows, Checkpoint, FromPyValue, GgufFile, GgufValue, IncompatibleKeys, LoadOptions,
     LoadPostHookFn, PthValues, PyValue, StateDict,
 };
+// Load transforms and state-dict hooks (issue 43).
+pub use module_core::{TransformError, TransformReport};
+pub use module_state::{
+    HookTarget, LoadPreHookFn, LoadingStateDict, StateDictHookHandle, StateDictHooks,
+    StateDictPostHookFn,
+};
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
 ///

@@ -30,6 +30,7 @@ mod killed_saves;
 mod layout;
 mod lazy;
 mod load_errors;
+mod load_transforms;
 mod module_api;
 mod new_user;
 mod one_dependency;

@@ -96,7 +96,7 @@ pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
     DistributedError, Error, GgufErrorKind, OutputDivergence, PeftError, PthErrorKind,
-    QuantizeError, Result, Tolerance,
+    QuantizeError, Result, Tolerance, TransformError,
 };
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
@@ -115,7 +115,7 @@ pub use param::Param;
 pub use pattern::PathPattern;
 pub use quant_slot::QuantizedLayout;
 pub use random::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
-pub use report::{LoadReport, Mismatch};
+pub use report::{LoadReport, Mismatch, TransformReport};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::{generic_class_name, short_type_name};

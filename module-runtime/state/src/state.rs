@@ -41,6 +41,12 @@ impl StateDict {
         self.entries.insert(key.into(), value);
     }
 
+    /// Removes `key`, returning its value (Python's `state_dict.pop(key, None)`); the other keys
+    /// keep their order.
+    pub fn remove(&mut self, key: &str) -> Option<Tensor> {
+        self.entries.remove(key)
+    }
+
     module_core::dict_accessors!(Tensor, "tensor");
 
     /// The entries as a `HashMap` (what candle's safetensors writer takes).
@@ -90,6 +96,8 @@ pub struct LoadOptions {
     assign: bool,
     nested: Option<String>,
     post_hooks: PostHooks,
+    pub(crate) transforms: Vec<crate::transform::Transform>,
+    pub(crate) state_dict_hooks: Option<crate::state_dict_hooks::StateDictHooks>,
 }
 
 impl Default for LoadOptions {
@@ -101,6 +109,8 @@ impl Default for LoadOptions {
             assign: false,
             nested: None,
             post_hooks: PostHooks::default(),
+            transforms: Vec::new(),
+            state_dict_hooks: None,
         }
     }
 }
@@ -428,8 +438,11 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     let model_keys: HashSet<&str> = (targets.iter().map(|(k, _)| k.as_str()))
         .chain(extras.iter().map(|(k, _)| k.as_str()))
         .collect();
-    for (key, shape, dtype) in source.entries()? {
-        let mapped = options.map_key(&key);
+    // The checkpoint's keys after the key rules, the transforms and the load pre-hooks.
+    let (pending, transforms) = crate::pending::Pending::build(root, source, options, &model_keys)?;
+    let source: &dyn Source = &pending;
+    for (mapped, shape, dtype) in source.entries()? {
+        let key = mapped.clone();
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
             by_model_key.insert(mapped, (key, shape, dtype));
         } else {
@@ -438,7 +451,10 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     }
     let mut missing = Vec::new();
 
-    let mut report = LoadReport::default();
+    let mut report = LoadReport {
+        transforms,
+        ..LoadReport::default()
+    };
     let mut plan = Vec::new();
     for (path, slot) in &targets {
         let Some((key, shape, dtype)) = by_model_key.get(path) else {

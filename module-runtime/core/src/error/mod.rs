@@ -11,10 +11,11 @@ mod messages;
 mod peft;
 mod pth;
 mod quantize;
+mod transform;
 
 pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
 pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
-pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
+pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError, transform::TransformError};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -26,20 +27,18 @@ use crate::type_name::short_type_name;
 
 /// Everything that can go wrong in `module-runtime`.
 ///
-/// Variants about a place in a model carry its path (PyTorch-style dotted path, `""` for the root);
-/// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own, which
-/// does not know where it sits in a model, name the layer type instead. Where shapes or dtypes are
-/// involved, both sides are given, so the message is actionable on its own.
+/// Variants about a place in a model carry its path (dotted, as PyTorch's; `""` for the root);
+/// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own name
+/// the layer type. Where shapes or dtypes are involved, both sides are given.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error from a candle operation.
     ///
     /// Its message is candle's without the backtrace candle attaches when `RUST_BACKTRACE` (or
-    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`): the backtrace is in
-    /// the `{:?}` (`Debug`) form only, so messages stay one line per frame of the model, as
-    /// PyTorch's exceptions are. [`source`](std::error::Error::source) is `None`: the candle
-    /// error is the field itself.
+    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`), which only `{:?}`
+    /// shows, so messages stay one line per frame of the model, as PyTorch's exceptions are.
+    /// [`source`](std::error::Error::source) is `None`: the candle error is the field itself.
     #[error("{}", CandleMessage(.0))]
     Candle(candle_core::Error),
 
@@ -266,6 +265,10 @@ pub enum Error {
     #[error(transparent)]
     Peft(#[from] PeftError),
 
+    /// Load transforms (split, concatenate, transpose) that do not fit; see [`TransformError`].
+    #[error(transparent)]
+    Transform(Box<TransformError>),
+
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
     InvalidDevice {
@@ -481,10 +484,9 @@ pub enum Error {
         got: Shape,
     },
 
-    /// A PyTorch pickle checkpoint (`.pth`, `.pt`, `.bin`) that the bounded reader refuses: the
-    /// file is truncated or malformed, names a Python global outside the allow-list, declares a
-    /// tensor that does not fit its storage, or holds no state dict where one was asked for.
-    /// Nothing in the file is ever executed.
+    /// A PyTorch pickle checkpoint (`.pth`, `.pt`, `.bin`) that the bounded reader refuses:
+    /// truncated or malformed, a Python global outside the allow-list, a tensor that does not fit
+    /// its storage, no state dict where one was asked for. Nothing in it is ever executed.
     #[error("cannot read PyTorch checkpoint `{}`{}: {kind}", path.display(), at_offset(.offset))]
     Pth {
         /// The file.
@@ -495,8 +497,7 @@ pub enum Error {
         kind: Box<PthErrorKind>,
     },
 
-    /// A hook or capture pattern matches no module of the model it runs on: almost always a typo
-    /// (PyTorch would silently never fire it).
+    /// A hook or capture pattern matches no module of the model: a typo, which PyTorch ignores.
     #[error("{what} pattern `{pattern}` matches no module of this model{}", near_matches(.near))]
     NoModuleMatch {
         /// What the pattern is for (`"hook"`, `"capture"`).
@@ -532,8 +533,7 @@ pub enum Error {
     },
 
     /// A functional call was given two different tensors for aliases of one tied weight
-    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`, from
-    /// `_untie_named_tensors_map` in `torch/nn/utils/stateless.py`). Give one of the keys.
+    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`).
     #[error(
         "functional call got different tensors for {}, which are one tied weight: give one of them",
         .keys.join(", ")

@@ -1,0 +1,174 @@
+//! The state dict a load matches against the model: the checkpoint's keys after the key rules,
+//! the transforms ([`crate::transform`]) and the load pre-hooks ([`crate::state_dict_hooks`]),
+//! in that order. Values are recipes (a checkpoint key, narrowed, concatenated, transposed),
+//! read only when the load stages them, after every key and shape has been checked.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::error::{Result, TransformError};
+use crate::module::Module;
+use crate::report::TransformReport;
+use crate::state::{LoadOptions, Source};
+
+/// Where an entry's value comes from.
+#[derive(Clone, Debug)]
+pub(crate) enum Value {
+    /// The source's value under this key.
+    Key(String),
+    /// A value a load pre-hook inserted.
+    Tensor(Tensor),
+    /// `len` slices of another value along `dim`, from `start`.
+    Narrow {
+        of: Box<Value>,
+        dim: usize,
+        start: usize,
+        len: usize,
+    },
+    /// Values concatenated along `dim`.
+    Cat { parts: Vec<Value>, dim: usize },
+    /// A matrix's dims 0 and 1 swapped.
+    Transpose(Box<Value>),
+}
+
+/// One key of the pending state dict.
+#[derive(Clone, Debug)]
+pub(crate) struct Entry {
+    pub name: String,
+    pub value: Value,
+    pub shape: Shape,
+    pub dtype: DType,
+    /// The transform that made the entry, by its place in the options.
+    pub rule: Option<usize>,
+}
+
+/// The pending state dict over a source: a [`Source`] itself, whose keys are model paths.
+pub(crate) struct Pending<'a> {
+    source: &'a dyn Source,
+    pub(crate) entries: Vec<Entry>,
+    /// Each name's first entry (a checkpoint may map two keys to one path; the second is
+    /// unexpected).
+    index: HashMap<String, usize>,
+    /// The source value read last, on its device: a split reads its tensor once for its pieces.
+    last: Mutex<Option<(String, Device, Tensor)>>,
+}
+
+impl<'a> Pending<'a> {
+    /// The checkpoint's entries after `options`' key rules, transforms and load pre-hooks, with a
+    /// report per transform and per pre-hook that changed anything. Fails if a transform cannot
+    /// be applied or produced a key the model lacks (`model_keys`), or a pre-hook fails.
+    pub(crate) fn build(
+        root: &dyn Module,
+        source: &'a dyn Source,
+        options: &LoadOptions,
+        model_keys: &HashSet<&str>,
+    ) -> Result<(Self, Vec<TransformReport>)> {
+        let entries = (source.entries()?.into_iter())
+            .map(|(key, shape, dtype)| Entry {
+                name: options.map_key(&key),
+                value: Value::Key(key),
+                shape,
+                dtype,
+                rule: None,
+            })
+            .collect();
+        let mut pending = Pending {
+            source,
+            entries,
+            index: HashMap::new(),
+            last: Mutex::new(None),
+        };
+        let mut reports = Vec::new();
+        for (i, transform) in options.transforms.iter().enumerate() {
+            reports.push(transform.apply(i, &mut pending.entries, options.is_strict())?);
+        }
+        if let Some(hooks) = &options.state_dict_hooks {
+            hooks.run_load_pre_hooks(root, &mut pending, options.is_strict(), &mut reports)?;
+        }
+        for entry in &pending.entries {
+            if let Some(rule) = entry.rule
+                && !model_keys.contains(entry.name.as_str())
+            {
+                let near = crate::transform::near(&entry.name, model_keys.iter().copied());
+                return Err(TransformError::UnknownTarget {
+                    rule: options.transforms[rule].code(),
+                    key: entry.name.clone(),
+                    near,
+                }
+                .into());
+            }
+        }
+        pending.reindex();
+        Ok((pending, reports))
+    }
+
+    /// Rebuilds the name index after the entries changed.
+    pub(crate) fn reindex(&mut self) {
+        self.index.clear();
+        for (i, e) in self.entries.iter().enumerate() {
+            self.index.entry(e.name.clone()).or_insert(i);
+        }
+    }
+
+    /// `value` read and computed on `device`.
+    pub(crate) fn eval(&self, value: &Value, device: &Device) -> Result<Tensor> {
+        Ok(match value {
+            Value::Key(key) => {
+                let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+                match &*last {
+                    Some((k, d, t)) if k == key && d.same_device(device) => t.clone(),
+                    _ => {
+                        let t = self.source.load(key, device)?;
+                        *last = Some((key.clone(), device.clone(), t.clone()));
+                        t
+                    }
+                }
+            }
+            Value::Tensor(t) => t.to_device(device)?,
+            Value::Narrow {
+                of,
+                dim,
+                start,
+                len,
+            } => self
+                .eval(of, device)?
+                .narrow(*dim, *start, *len)?
+                .contiguous()?,
+            Value::Cat { parts, dim } => {
+                let parts = (parts.iter())
+                    .map(|p| self.eval(p, device))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, *dim)?
+            }
+            Value::Transpose(of) => self.eval(of, device)?.t()?.contiguous()?,
+        })
+    }
+
+    fn entry(&self, key: &str) -> &Entry {
+        let at = *self.index.get(key).expect("key listed by entries");
+        &self.entries[at]
+    }
+}
+
+impl Source for Pending<'_> {
+    fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
+        Ok((self.entries.iter())
+            .map(|e| (e.name.clone(), e.shape.clone(), e.dtype))
+            .collect())
+    }
+
+    fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
+        self.eval(&self.entry(key).value, device)
+    }
+
+    /// Only a value taken as it is (no transform) keeps the source's quantized form.
+    fn load_quantized(&self, key: &str) -> Result<Option<Arc<QTensor>>> {
+        match &self.entry(key).value {
+            Value::Key(k) => self.source.load_quantized(k),
+            _ => Ok(None),
+        }
+    }
+}
