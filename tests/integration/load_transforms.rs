@@ -615,3 +615,19 @@ fn transform_errors_name_rule_keys_and_shapes_and_change_nothing() {
     );
     unchanged(&model);
 }
+
+/// A model built empty, for a load to fill (PyTorch's meta device with `assign=True`), takes the
+/// split pieces as its parameters.
+#[test]
+fn transforms_fill_an_empty_model_with_assign() {
+    let model = {
+        let _empty = module_runtime::empty_weights();
+        SplitAttention::new()
+    };
+    model
+        .load_state_dict(fixture("mha.pth"), &mha_split().assign())
+        .unwrap();
+    let io = io("mha");
+    let y = model.forward(io.get("input").unwrap()).unwrap();
+    assert!(max_diff(&y, io.get("output").unwrap()) <= 1e-6);
+}

@@ -172,3 +172,51 @@ impl Source for Pending<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::state::StateDict;
+
+    /// A state dict that counts its reads.
+    struct Counting(StateDict, AtomicUsize);
+
+    impl Source for Counting {
+        fn entries(&self) -> Result<Vec<(String, Shape, DType)>> {
+            self.0.entries()
+        }
+        fn load(&self, key: &str, device: &Device) -> Result<Tensor> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.load(key, device)
+        }
+    }
+
+    #[test]
+    fn a_split_reads_its_tensor_once_and_transposes_compose() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut sd = StateDict::new();
+        // GPT-2's Conv1D layout: [in = 2, out = 6].
+        let w = Tensor::arange(0f32, 12., &dev)?.reshape((2, 6))?;
+        sd.insert("c_attn.weight", w.clone());
+        sd.insert("c_attn.bias", Tensor::arange(0f32, 6., &dev)?);
+        let source = Counting(sd, AtomicUsize::new(0));
+        let options = LoadOptions::default()
+            .transpose("c_attn.weight")
+            .transpose("c_attn.bias") // one dimension: left as it is
+            .split("c_attn.weight", 0, ["q.weight", "k.weight", "v.weight"]);
+        let root = std::marker::PhantomData::<()>; // a module with nothing in it
+        let keys: HashSet<&str> = ["q.weight", "k.weight", "v.weight", "c_attn.bias"].into();
+        let (pending, reports) = Pending::build(&root, &source, &options, &keys)?;
+        let names: Vec<String> = pending.entries()?.into_iter().map(|e| e.0).collect();
+        assert_eq!(names, ["q.weight", "k.weight", "v.weight", "c_attn.bias"]);
+        assert_eq!(reports[1].produced, ["c_attn.bias"]);
+        for (i, key) in ["q.weight", "k.weight", "v.weight"].iter().enumerate() {
+            let expected = w.t()?.narrow(0, 2 * i, 2)?.to_vec2::<f32>()?;
+            assert_eq!(pending.load(key, &dev)?.to_vec2::<f32>()?, expected);
+        }
+        assert_eq!(source.1.load(Ordering::Relaxed), 1);
+        Ok(())
+    }
+}

@@ -182,7 +182,7 @@ impl StateDictHooks {
     /// the key rules and the transforms, full paths from the model the load is called on (the
     /// module's own keys start with [`prefix`](LoadingStateDict::prefix)). The hook may rename,
     /// remove or insert entries, and read values. What it changed is in the load report's
-    /// [`transforms`](crate::LoadReport::transforms); its error fails the load
+    /// [`transforms`](module_core::LoadReport::transforms); its error fails the load
     /// ([`Error::Hook`]) with the model unchanged. A path pattern that matches no module of
     /// the model fails the load ([`Error::NoModuleMatch`]).
     #[doc(alias = "_register_load_state_dict_pre_hook")]
