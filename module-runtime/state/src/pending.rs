@@ -52,9 +52,14 @@ pub(crate) struct Pending<'a> {
     /// Each name's first entry (a checkpoint may map two keys to one path; the second is
     /// unexpected).
     index: HashMap<String, usize>,
-    /// The source value read last, on its device: a split reads its tensor once for its pieces.
-    last: Mutex<Option<(String, Device, Tensor)>>,
+    /// The source values that several entries take (a split's tensor), once read: how many
+    /// reads are left and the value on its device. A split reads its tensor once whatever the
+    /// order its pieces are staged in, and the value is dropped after its last piece.
+    shared: Mutex<HashMap<String, Shared>>,
 }
+
+/// A shared source value: the reads left, and the value once read, with its device.
+type Shared = (usize, Option<(Device, Tensor)>);
 
 impl<'a> Pending<'a> {
     /// The checkpoint's entries after `options`' key rules, transforms and load pre-hooks, with a
@@ -79,7 +84,7 @@ impl<'a> Pending<'a> {
             source,
             entries,
             index: HashMap::new(),
-            last: Mutex::new(None),
+            shared: Mutex::new(HashMap::new()),
         };
         let mut reports = Vec::new();
         for (i, transform) in options.transforms.iter().enumerate() {
@@ -102,6 +107,13 @@ impl<'a> Pending<'a> {
             }
         }
         pending.reindex();
+        let mut uses = HashMap::new();
+        for entry in &pending.entries {
+            count_keys(&entry.value, &mut uses);
+        }
+        uses.retain(|_, n| *n > 1);
+        let shared = uses.into_iter().map(|(k, n)| (k, (n, None))).collect();
+        pending.shared = Mutex::new(shared);
         Ok((pending, reports))
     }
 
@@ -117,15 +129,24 @@ impl<'a> Pending<'a> {
     pub(crate) fn eval(&self, value: &Value, device: &Device) -> Result<Tensor> {
         Ok(match value {
             Value::Key(key) => {
-                let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
-                match &*last {
-                    Some((k, d, t)) if k == key && d.same_device(device) => t.clone(),
+                let mut shared = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
+                let Some((left, cached)) = shared.get_mut(key) else {
+                    drop(shared);
+                    return self.source.load(key, device);
+                };
+                let t = match cached {
+                    Some((d, t)) if d.same_device(device) => t.clone(),
                     _ => {
                         let t = self.source.load(key, device)?;
-                        *last = Some((key.clone(), device.clone(), t.clone()));
+                        *cached = Some((device.clone(), t.clone()));
                         t
                     }
+                };
+                *left -= 1;
+                if *left == 0 {
+                    shared.remove(key);
                 }
+                t
             }
             Value::Tensor(t) => t.to_device(device)?,
             Value::Narrow {
@@ -150,6 +171,16 @@ impl<'a> Pending<'a> {
     fn entry(&self, key: &str) -> &Entry {
         let at = *self.index.get(key).expect("key listed by entries");
         &self.entries[at]
+    }
+}
+
+/// How many times each source key is read in `value`, added to `uses`.
+fn count_keys(value: &Value, uses: &mut HashMap<String, usize>) {
+    match value {
+        Value::Key(key) => *uses.entry(key.clone()).or_default() += 1,
+        Value::Tensor(_) => {}
+        Value::Narrow { of, .. } | Value::Transpose(of) => count_keys(of, uses),
+        Value::Cat { parts, .. } => parts.iter().for_each(|p| count_keys(p, uses)),
     }
 }
 
@@ -212,11 +243,15 @@ mod tests {
         let names: Vec<String> = pending.entries()?.into_iter().map(|e| e.0).collect();
         assert_eq!(names, ["q.weight", "k.weight", "v.weight", "c_attn.bias"]);
         assert_eq!(reports[1].produced, ["c_attn.bias"]);
+        // The pieces staged with another key between them, as a model's order has them.
         for (i, key) in ["q.weight", "k.weight", "v.weight"].iter().enumerate() {
             let expected = w.t()?.narrow(0, 2 * i, 2)?.to_vec2::<f32>()?;
             assert_eq!(pending.load(key, &dev)?.to_vec2::<f32>()?, expected);
+            pending.load("c_attn.bias", &dev)?;
         }
-        assert_eq!(source.1.load(Ordering::Relaxed), 1);
+        // The weight once, the bias (not shared) each time; nothing kept after the last piece.
+        assert_eq!(source.1.load(Ordering::Relaxed), 4);
+        assert!(pending.shared.lock().unwrap().is_empty());
         Ok(())
     }
 }
