@@ -392,7 +392,12 @@ fn transpose(rule: &str, entry: &Entry) -> Result<(String, Value, Shape)> {
             Value::Transpose(Box::new(entry.value.clone())),
             Shape::from((dims[1], dims[0])),
         )),
-        _ => Err(rank_error(rule, entry, 2)),
+        _ => Err(TransformError::NotMatrix {
+            rule: rule.to_owned(),
+            key: entry.name.clone(),
+            shape: entry.shape.clone(),
+        }
+        .into()),
     }
 }
 
@@ -510,5 +515,63 @@ mod tests {
         // `k` has no `*` where `q.*` has one.
         let err = rule.check(&rule.code()).unwrap_err().to_string();
         assert!(err.contains("`k` has 0 `*` segment(s)"), "{err}");
+    }
+
+    fn entry(name: &str, dims: &[usize]) -> Entry {
+        Entry {
+            name: name.into(),
+            value: Value::Key(name.into()),
+            shape: Shape::from(dims),
+            dtype: candle_core::DType::F32,
+            rule: None,
+        }
+    }
+
+    fn error(rule: Transform, entries: &[Entry]) -> TransformError {
+        match rule.apply(0, &mut entries.to_vec(), true) {
+            Err(crate::error::Error::Transform(e)) => *e,
+            Err(other) => panic!("{other}"),
+            Ok(report) => panic!("applied: {report:?}"),
+        }
+    }
+
+    #[test]
+    fn rules_refuse_what_the_shapes_do_not_allow() {
+        let entries = [entry("conv.weight", &[4, 3, 3]), entry("w", &[6, 2])];
+        let t = Transform::Transpose {
+            key: "conv.weight".into(),
+        };
+        assert!(matches!(
+            error(t, &entries),
+            TransformError::NotMatrix { .. }
+        ));
+        let split = |dim, sizes: Option<Vec<usize>>| Transform::Split {
+            from: "w".into(),
+            sizes,
+            dim,
+            to: vec!["a".into(), "b".into()],
+        };
+        let err = error(split(2, None), &entries);
+        assert!(matches!(err, TransformError::Rank { dim: 2, .. }), "{err}");
+        let err = error(split(0, Some(vec![6])), &entries);
+        assert!(matches!(err, TransformError::InvalidRule { .. }), "{err}");
+        assert!(err.to_string().contains("1 sizes for 2 keys"), "{err}");
+        // An equal split along dim 1 of [6, 2] into two pieces of [6, 1].
+        let mut ok = entries.to_vec();
+        let report = split(1, None).apply(0, &mut ok, true).unwrap();
+        assert_eq!(report.produced, ["a", "b"]);
+        assert_eq!(ok[2].shape.dims(), [6, 1]);
+        // The parts of a concatenation keep their order; the result takes the first's place.
+        let mut parts = vec![entry("x", &[1]), entry("q", &[2, 3]), entry("k", &[1, 3])];
+        let cat = Transform::Cat {
+            from: vec!["q".into(), "k".into()],
+            dim: 0,
+            to: "qk".into(),
+        };
+        let report = cat.apply(0, &mut parts, true).unwrap();
+        assert_eq!(report.consumed, ["q", "k"]);
+        let names: Vec<&str> = parts.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["x", "qk"]);
+        assert_eq!(parts[1].shape.dims(), [3, 3]);
     }
 }

@@ -62,8 +62,7 @@ pub enum TransformError {
         missing: String,
     },
 
-    /// A rule's dimension is beyond the tensor's rank (a transpose of a tensor with more than two
-    /// dimensions is this too: it swaps dims 0 and 1 of a matrix only, as `Tensor.t()` does).
+    /// A split's dimension is beyond the tensor's rank.
     #[error("{rule}: `{key}` has shape {shape:?}, which has no dim {dim}")]
     Rank {
         /// The rule, as code.
@@ -74,6 +73,18 @@ pub enum TransformError {
         shape: Shape,
         /// The dimension asked for.
         dim: usize,
+    },
+
+    /// A transpose of a tensor with more than two dimensions: it swaps the dims of a matrix, as
+    /// `Tensor.t()` does (a vector is left as it is).
+    #[error("{rule}: `{key}` has shape {shape:?}; transpose takes a matrix, as Tensor.t() does")]
+    NotMatrix {
+        /// The rule, as code.
+        rule: String,
+        /// The checkpoint key.
+        key: String,
+        /// Its shape.
+        shape: Shape,
     },
 
     /// In a strict load, a rule that matched no checkpoint key (a typo, or another model's names).
