@@ -81,7 +81,9 @@ impl From<HashMap<String, Tensor>> for StateDict {
 /// else), no key rewriting, shapes must match exactly, and a value of another dtype is converted
 /// to the model's dtype as `Tensor.copy_` does (a float64 checkpoint into a float32 model, an
 /// integer value into a float parameter). [`exact_dtype`](Self::exact_dtype) asks for equal dtypes
-/// instead.
+/// instead. Tensors that do not map one to one onto the model's are split, concatenated or
+/// transposed by the transforms ([`split`](Self::split), [`cat`](Self::cat),
+/// [`transpose`](Self::transpose)), which run after the key rules.
 ///
 /// ```
 /// use module_runtime::LoadOptions;
