@@ -506,3 +506,67 @@ fn bad_replacements_are_typed_errors() {
         "{err}"
     );
 }
+
+/// A module called twice fires its hooks once per call, each with that call's gradients; hooks of
+/// one call fire global first, then in registration order with `prepend` first; a backward hook's
+/// pattern that matches no module is refused before the run, as a forward hook's.
+#[test]
+fn each_call_fires_in_registration_order() {
+    #[derive(Module)]
+    struct Twice {
+        fc: Linear,
+    }
+    impl Forward<&Tensor> for Twice {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let h = self.fc.call(x)?;
+            self.fc.call(&(h * 3.0)?)
+        }
+    }
+    let twice = Twice {
+        fc: Linear::new(2, 2, &dev()).unwrap(),
+    };
+    let hooks = Hooks::new();
+    let log = Arc::new(Mutex::new(Vec::<String>::new()));
+    let opts = BackwardHookOptions::default();
+    for (name, options) in [("a", opts), ("b", opts), ("first", opts.prepend())] {
+        let l = log.clone();
+        hooks
+            .register_full_backward_pre_hook(
+                "fc",
+                move |_, go| {
+                    let g = go[0].as_ref().unwrap().sum_all()?.to_scalar::<f32>()?;
+                    l.lock().unwrap().push(format!("{name} {g}"));
+                    Ok(None)
+                },
+                options,
+            )
+            .unwrap();
+    }
+    let l = log.clone();
+    hooks.register_global_full_backward_pre_hook(
+        move |ctx, _| {
+            l.lock().unwrap().push(format!("global {}", ctx.path()));
+            Ok(None)
+        },
+        opts,
+    );
+    let x = Tensor::ones((1, 2), DType::F32, &dev()).unwrap();
+    let y = hooks.run(&twice, |m| m.call(&x)).unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    // The second call's output gradient is 1 per element (2 in all); the first's is 3 × W^T 1.
+    let log = log.lock().unwrap();
+    assert_eq!(log[..5], ["global ", "global fc", "first 2", "a 2", "b 2"]);
+    assert_eq!(log.len(), 9);
+    assert_eq!(log[5], "global fc");
+    let w = twice.fc.weight.tensor().unwrap();
+    let first = (w.sum(0).unwrap() * 3.0).unwrap().sum_all().unwrap();
+    let first = first.to_scalar::<f32>().unwrap();
+    assert_eq!(log[6], format!("first {first}"));
+
+    let typo = Hooks::new();
+    typo.register_full_backward_hook("fcc", |_, _, _| Ok(None), opts)
+        .unwrap();
+    let err = typo.run(&twice, |m| m.call(&x)).unwrap_err();
+    assert!(matches!(err, Error::NoModuleMatch { .. }), "{err}");
+}
