@@ -135,9 +135,12 @@ impl Hooks {
     ///   removal (PyTorch reads its dict at backward time).
     ///
     /// Where this differs: the hook is given the module's path and class name
-    /// ([`BackwardHookCtx`]), not the module; a `None` entry in a returned `grad_input` for an
-    /// input that requires a gradient gives it a zero gradient (PyTorch gives none). A hook's error,
-    /// or a replacement of another shape or dtype
+    /// ([`BackwardHookCtx`]), not the module; `grad_input` lists the input's tensors as its
+    /// [`TensorTree`](crate::TensorTree) does (a `None` option lists none, a
+    /// [`TensorStruct`](crate::TensorStruct) all of its tensors), where PyTorch has an entry per
+    /// positional argument and leaves keyword arguments out; a `None` entry in a returned
+    /// `grad_input` for an input that requires a gradient gives it a zero gradient (PyTorch gives
+    /// none). A hook's error, or a replacement of another shape or dtype
     /// ([`GradMismatch`](crate::error::BackwardHookError::GradMismatch)), fails the `backward()`
     /// (`?` gives the error back as this crate's).
     ///
