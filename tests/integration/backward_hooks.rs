@@ -570,3 +570,37 @@ fn each_call_fires_in_registration_order() {
     let err = typo.run(&twice, |m| m.call(&x)).unwrap_err();
     assert!(matches!(err, Error::NoModuleMatch { .. }), "{err}");
 }
+
+/// The identities that carry hooks keep their tensor's values whatever its layout (transposed,
+/// a narrowed view at an offset) and dtype, and their gradients reach the right elements.
+#[test]
+fn hooked_tensors_keep_their_values_whatever_their_layout() {
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let base = Tensor::arange(0f32, 6., &dev())
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let w = candle_core::Var::from_tensor(&base.to_dtype(dtype).unwrap()).unwrap();
+        let views = [
+            w.as_tensor().t().unwrap(),
+            w.as_tensor().narrow(1, 1, 2).unwrap(),
+            w.as_tensor().narrow(0, 1, 1).unwrap(),
+        ];
+        let masks = [
+            [[1., 1., 1.], [1., 1., 1.]],
+            [[0., 1., 1.], [0., 1., 1.]],
+            [[0., 0., 0.], [1., 1., 1.]],
+        ];
+        for (x, mask) in views.iter().zip(masks) {
+            let y = register_hook(x, |g| Ok(Some((g * 2.0)?))).unwrap();
+            let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(f32s(&y), f32s(x), "{dtype:?}");
+            let grads = y.sum_all().unwrap().backward().unwrap();
+            let want: Vec<Vec<f32>> = mask
+                .iter()
+                .map(|r| r.iter().map(|m| m * 2.0).collect())
+                .collect();
+            assert_eq!(f32s(grads.get(&w).unwrap()), want, "{dtype:?}");
+        }
+    }
+}

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor};
 
-use super::grad_op::{check_grad, copy, requires_grad, scalar, to_candle};
+use super::grad_op::{check_grad, copy, copy_cpu, requires_grad, scalar, to_candle};
 use super::hook::{Armed, BackwardHookCtx, BackwardHookFn, BackwardPreHookFn};
 use crate::error::{BackwardHookError, Error, Result};
 
@@ -340,7 +340,7 @@ impl candle_core::CustomOp2 for Tag {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        copy(s, l)
+        copy_cpu(s, l)
     }
 
     fn cuda_fwd(

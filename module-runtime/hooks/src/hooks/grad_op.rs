@@ -25,6 +25,25 @@ pub(super) fn copy<S: BackendStorage<Device: BackendDevice<Storage = S>>>(
     Ok((out, layout.shape().clone()))
 }
 
+/// The argument, copied, on the CPU: one copy of the elements for a contiguous float tensor (the
+/// tensors hooks see), [`copy`] otherwise.
+pub(super) fn copy_cpu(
+    storage: &CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return copy(storage, layout);
+    };
+    let out = match storage {
+        CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+        _ => return copy(storage, layout),
+    };
+    Ok((out, layout.shape().clone()))
+}
+
 /// A scalar `0.0` (f32) on the storage's device: the forward of a gate, whose value nothing reads.
 pub(super) fn scalar<S: BackendStorage<Device: BackendDevice<Storage = S>>>(
     storage: &S,
@@ -127,7 +146,7 @@ impl candle_core::CustomOp1 for TensorHook {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        copy(s, l)
+        copy_cpu(s, l)
     }
 
     fn cuda_fwd(
