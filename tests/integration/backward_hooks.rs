@@ -604,3 +604,53 @@ fn hooked_tensors_keep_their_values_whatever_their_layout() {
         }
     }
 }
+
+/// Parallel branches: the calls are reached in PyTorch's order (`torch` prints the same list for
+/// this model: `a(c(x)) * b(c(x)) + a(x)` with global hooks).
+#[test]
+fn parallel_branches_fire_in_pytorchs_order() {
+    #[derive(Module)]
+    struct Par {
+        a: Linear,
+        b: Linear,
+        c: Linear,
+    }
+    impl Forward<&Tensor> for Par {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let h = self.c.call(x)?;
+            Ok(((self.a.call(&h)? * self.b.call(&h)?)? + self.a.call(x)?)?)
+        }
+    }
+    let d = dev();
+    let par = Par {
+        a: Linear::new(2, 2, &d).unwrap(),
+        b: Linear::new(2, 2, &d).unwrap(),
+        c: Linear::new(2, 2, &d).unwrap(),
+    };
+    let hooks = Hooks::new();
+    let order = Arc::new(Mutex::new(Vec::<String>::new()));
+    let (o1, o2) = (order.clone(), order.clone());
+    let opts = BackwardHookOptions::default();
+    hooks.register_global_full_backward_pre_hook(
+        move |ctx, _| {
+            o1.lock().unwrap().push(format!("pre {}", ctx.path()));
+            Ok(None)
+        },
+        opts,
+    );
+    hooks.register_global_full_backward_hook(
+        move |ctx, _, _| {
+            o2.lock().unwrap().push(format!("full {}", ctx.path()));
+            Ok(None)
+        },
+        opts,
+    );
+    let x = candle_core::Var::ones((1, 2), DType::F32, &d).unwrap();
+    let y = hooks.run(&par, |m| m.call(x.as_tensor())).unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    let want = [
+        "pre ", "pre a", "full a", "pre b", "full b", "pre a", "full a", "pre c", "full c", "full ",
+    ];
+    assert_eq!(*order.lock().unwrap(), want);
+}

@@ -129,7 +129,9 @@ impl Hooks {
     ///   `None`s ([`BackwardHookError::NoInputGrad`](crate::error::BackwardHookError::NoInputGrad));
     /// - hooks fire as the backward reaches the modules: inner-most first, each call of a
     ///   module called several times once; the hooks of one call fire global first, then in
-    ///   registration order ([`prepend`](BackwardHookOptions::prepend) first);
+    ///   registration order ([`prepend`](BackwardHookOptions::prepend) first). The order of
+    ///   calls on parallel branches is candle's topological order, which gives PyTorch's on the
+    ///   tested models (`tests/integration/backward_hooks.rs`) but is not promised for every graph;
     /// - the hooks are set up when the module is called (inside [`run`](Hooks::run), with grad
     ///   mode on); a hook removed before `backward()` still fires for the calls made before its
     ///   removal (PyTorch reads its dict at backward time).
