@@ -654,3 +654,54 @@ fn parallel_branches_fire_in_pytorchs_order() {
     ];
     assert_eq!(*order.lock().unwrap(), want);
 }
+
+/// The typed-path forms register on the path the compiler checked.
+#[test]
+fn typed_paths_register_backward_hooks() {
+    #[derive(Module)]
+    #[module(paths)]
+    struct Outer {
+        inner: Inner,
+    }
+    #[derive(Module)]
+    #[module(paths)]
+    struct Inner {
+        fc: Linear,
+    }
+    impl Forward<&Tensor> for Outer {
+        type Output = Tensor;
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.inner.fc.call(x)
+        }
+    }
+    let d = dev();
+    let outer = Outer {
+        inner: Inner {
+            fc: Linear::new(2, 2, &d).unwrap(),
+        },
+    };
+    let hooks = Hooks::new();
+    let opts = BackwardHookOptions::default();
+    let path = Outer::path().inner().fc();
+    hooks
+        .register_typed_full_backward_pre_hook(
+            &path,
+            |ctx, go| {
+                assert_eq!(ctx.path(), "inner.fc");
+                Ok(Some(vec![Some(go[0].as_ref().unwrap().zeros_like()?)]))
+            },
+            opts,
+        )
+        .unwrap();
+    let x = candle_core::Var::ones((1, 2), DType::F32, &d).unwrap();
+    let grads = hooks
+        .run(&outer, |m| m.call(x.as_tensor()))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let w = outer.inner.fc.weight.var().unwrap();
+    let g = grads.get(&w).unwrap().abs().unwrap().sum_all().unwrap();
+    assert_eq!(g.to_scalar::<f32>().unwrap(), 0.0);
+}
