@@ -9,6 +9,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod backward_hook_api;
 mod backward_hooks;
 mod boundary_messages;
 mod checkpoints;
