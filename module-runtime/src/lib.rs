@@ -85,6 +85,7 @@ pub use module_core::atomic_update;
 /// The runtime's random generator, PyTorch's default generator: what it covers, what it does not.
 #[doc(inline)]
 pub use module_core::random;
+pub use module_core::BackwardHookError;
 #[doc(hidden)]
 pub use module_core::CallTarget;
 pub use module_core::{
@@ -101,6 +102,10 @@ pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set
 pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
 pub use module_hooks::Scope;
+pub use module_hooks::{
+    register_hook, BackwardHookCtx, BackwardHookFn, BackwardHookOptions, BackwardPreHookFn,
+    TensorHookFn,
+};
 pub use module_hooks::{
     Captures, Dataflow, DataflowEdge, DataflowNode, ForwardHookFn, HookCtx, HookHandle,
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
@@ -199,6 +204,7 @@ pub mod prelude {
     };
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, manual_seed, no_grad, without_grad};
+    pub use crate::{register_hook, BackwardHookOptions};
     pub use crate::{
         Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
         LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,

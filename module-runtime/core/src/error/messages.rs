@@ -32,8 +32,10 @@ pub(super) fn list_children(names: &[String]) -> String {
 }
 
 impl From<candle_core::Error> for Error {
+    /// Candle's error, or the runtime's own error that crossed candle's backward (a backward
+    /// hook's, see [`carry`](super::backward::carry)) given back as it was.
     fn from(e: candle_core::Error) -> Self {
-        Error::Candle(e)
+        super::backward::carried(&e).unwrap_or(Error::Candle(e))
     }
 }
 

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, DeviceLocation, Shape};
 
+mod backward;
 mod debug;
 mod distributed;
 mod divergence;
@@ -12,9 +13,9 @@ mod peft;
 mod pth;
 mod quantize;
 
-pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
-pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
-pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
+pub use {backward::carry, backward::BackwardHookError, debug::fmt_debug, gguf::GgufErrorKind};
+pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
+pub use {messages::location_name, peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -33,13 +34,9 @@ use crate::type_name::short_type_name;
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An error from a candle operation.
-    ///
-    /// Its message is candle's without the backtrace candle attaches when `RUST_BACKTRACE` (or
-    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`): the backtrace is in
-    /// the `{:?}` (`Debug`) form only, so messages stay one line per frame of the model, as
-    /// PyTorch's exceptions are. [`source`](std::error::Error::source) is `None`: the candle
-    /// error is the field itself.
+    /// An error from a candle operation: candle's message less the backtrace it attaches when
+    /// `RUST_BACKTRACE` is set (`WithBacktrace`; it is in the `Debug` form only, so messages stay
+    /// one line per model frame, as PyTorch's). [`source`](std::error::Error::source) is `None`.
     #[error("{}", CandleMessage(.0))]
     Candle(candle_core::Error),
 
@@ -265,6 +262,10 @@ pub enum Error {
     /// PEFT adapters: an unknown config field, targets matching nothing, …; see [`PeftError`].
     #[error(transparent)]
     Peft(#[from] PeftError),
+
+    /// Backward hooks: a replacement gradient of another shape; see [`BackwardHookError`].
+    #[error(transparent)]
+    BackwardHook(Box<BackwardHookError>),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
@@ -531,9 +532,8 @@ pub enum Error {
         source: Box<Error>,
     },
 
-    /// A functional call was given two different tensors for aliases of one tied weight
-    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`, from
-    /// `_untie_named_tensors_map` in `torch/nn/utils/stateless.py`). Give one of the keys.
+    /// A functional call was given two different tensors for aliases of one tied weight (PyTorch's
+    /// `functional_call got multiple values for keys [...], which are tied`, `stateless.py`).
     #[error(
         "functional call got different tensors for {}, which are one tied weight: give one of them",
         .keys.join(", ")
