@@ -4,6 +4,7 @@
 //! expected ones (Ivy's `expected_submod_rets`).
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod deep_clone;
 mod expect;
 mod flat;
@@ -33,6 +34,7 @@ use module_core::Tolerance;
 use module_hooks::Captures;
 
 use crate::scope::{Frame, ScopeGuard};
+pub use checkpoint::checkpoint;
 pub use flat::{FlatSpec, TensorSpec};
 
 /// Options for [`FunctionalExt::functional_call_with`].
