@@ -41,6 +41,9 @@ const MEMORY: &str = "CHECKPOINT_MEMORY_PEAK";
 #[derive(Clone, Copy, Debug)]
 struct Figures {
     median: Duration,
+    /// Processor time (user and system, all threads) per step: less disturbed than the wall
+    /// time by other work on a busy machine.
+    cpu: Duration,
     peak_mib: f64,
     before_mib: f64,
 }
@@ -60,40 +63,43 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return Ok(());
     }
-    let run = |variant: &str,
-               memory: bool|
-     -> std::result::Result<Figures, Box<dyn std::error::Error>> {
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args(std::env::args().skip(1)).env(VARIANT, variant);
-        if memory {
-            cmd.env(MEMORY, "1").env(
-                "GLIBC_TUNABLES",
-                "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=65536",
-            );
-        }
-        let out = cmd.output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let figures = parse(&text).ok_or_else(|| {
-            format!(
-                "the {variant} process failed: {text}{}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })?;
-        eprintln!(
-            "{variant:>12} ({}): step median {:7.1} ms, peak {:6.1} MiB, {:6.1} MiB before the steps",
+    let run =
+        |variant: &str, memory: bool| -> std::result::Result<Figures, Box<dyn std::error::Error>> {
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(std::env::args().skip(1)).env(VARIANT, variant);
+            if memory {
+                cmd.env(MEMORY, "1").env(
+                    "GLIBC_TUNABLES",
+                    "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=65536",
+                );
+            }
+            let out = cmd.output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let figures = parse(&text).ok_or_else(|| {
+                format!(
+                    "the {variant} process failed: {text}{}",
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })?;
+            eprintln!(
+            "{variant:>12} ({}): step median {:7.1} ms ({:6.1} ms processor), peak {:6.1} MiB, \
+             {:6.1} MiB before the steps",
             if memory { "memory" } else { "time" },
             ms(figures.median),
+            ms(figures.cpu),
             figures.peak_mib,
             figures.before_mib
         );
-        Ok(figures)
-    };
+            Ok(figures)
+        };
     let plain = run("plain", true)?;
     let checkpointed = run("checkpointed", true)?;
-    let mut times = [Duration::MAX; 2];
+    let (mut times, mut cpu) = ([Duration::MAX; 2], [Duration::MAX; 2]);
     for _ in 0..2 {
         for (i, variant) in ["plain", "checkpointed"].into_iter().enumerate() {
-            times[i] = times[i].min(run(variant, false)?.median);
+            let figures = run(variant, false)?;
+            times[i] = times[i].min(figures.median);
+            cpu[i] = cpu[i].min(figures.cpu);
         }
     }
     let own = |f: Figures| f.peak_mib - f.before_mib;
@@ -101,7 +107,8 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         "MiniLM step, batch {batch} x {seq}, {steps} steps per process:\n\
          \x20 step's peak over the model and optimizer at rest: plain {:6.1} MiB, checkpointed {:6.1} MiB: {:.2}x\n\
          \x20 process's peak resident set:                      plain {:6.1} MiB, checkpointed {:6.1} MiB: {:.2}x\n\
-         \x20 step time (median, better of two processes):      plain {:6.1} ms,  checkpointed {:6.1} ms:  {:.2}x",
+         \x20 step time (median, better of two processes):      plain {:6.1} ms,  checkpointed {:6.1} ms:  {:.2}x\n\
+         \x20 processor time per step (better of two):         plain {:6.1} ms,  checkpointed {:6.1} ms:  {:.2}x",
         own(plain),
         own(checkpointed),
         own(checkpointed) / own(plain),
@@ -111,6 +118,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         ms(times[0]),
         ms(times[1]),
         times[1].as_secs_f64() / times[0].as_secs_f64(),
+        ms(cpu[0]),
+        ms(cpu[1]),
+        cpu[1].as_secs_f64() / cpu[0].as_secs_f64(),
     );
     Ok(())
 }
@@ -119,12 +129,13 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// The line a process prints: `median_ns peak_mib before_mib`.
+/// The line a process prints: `median_ns cpu_ns peak_mib before_mib`.
 fn parse(text: &str) -> Option<Figures> {
     let line = text.lines().find_map(|l| l.strip_prefix("figures "))?;
     let mut parts = line.split_whitespace();
     Some(Figures {
         median: Duration::from_nanos(parts.next()?.parse().ok()?),
+        cpu: Duration::from_nanos(parts.next()?.parse().ok()?),
         peak_mib: parts.next()?.parse().ok()?,
         before_mib: parts.next()?.parse().ok()?,
     })
@@ -168,14 +179,35 @@ fn child(
     // From here the kernel's peak (`VmHWM`) is the steps' (Linux 4.0 and later).
     std::fs::write("/proc/self/clear_refs", "5")?;
     let (before, _) = candle_module::process_memory_mib();
+    let cpu_start = cpu_time()?;
     let mut times = (0..steps.max(1))
         .map(|_| step())
         .collect::<std::result::Result<Vec<_>, _>>()?;
+    let cpu = (cpu_time()? - cpu_start) / times.len() as u32;
     let (_, peak) = candle_module::process_memory_mib();
     times.sort();
     println!(
-        "figures {} {peak} {before}",
-        times[times.len() / 2].as_nanos()
+        "figures {} {} {peak} {before}",
+        times[times.len() / 2].as_nanos(),
+        cpu.as_nanos()
     );
     Ok(())
+}
+
+/// The process's processor time so far, user and system, from `/proc/self/stat` (in clock ticks
+/// of 1/100 s, Linux's `USER_HZ`).
+fn cpu_time() -> std::result::Result<Duration, Box<dyn std::error::Error>> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // The fields after the command name (which may hold spaces), from the third on.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .ok_or("unreadable /proc/self/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| -> std::result::Result<u64, Box<dyn std::error::Error>> {
+        Ok(fields.get(i).ok_or("short /proc/self/stat")?.parse()?)
+    };
+    // utime and stime are the 14th and 15th fields: the 12th and 13th after the name.
+    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
 }

@@ -249,7 +249,7 @@ impl BertModel {
     /// Checkpoints every encoder layer from now on (Hugging Face's
     /// `model.gradient_checkpointing_enable()`): in training, with gradients on, each layer's
     /// activations are dropped after its forward and recomputed in the backward
-    /// ([`checkpoint`](module_runtime::checkpoint)), for less memory at the cost of a second
+    /// ([`checkpoint`]), for less memory at the cost of a second
     /// forward of the layers; the gradients are the same, bit for bit.
     pub fn gradient_checkpointing_enable(&self) {
         self.encoder
@@ -450,7 +450,8 @@ impl Forward<(&Tensor, &Tensor)> for BertEncoder {
             h = if checkpointed {
                 // Hugging Face's `self._gradient_checkpointing_func(layer.__call__, ...)`.
                 let layer = layer.clone();
-                let run = move |xs: &[Tensor]| Ok(vec![layer.call((&xs[0], &xs[1]))?]);
+                // The layer inside the `Arc`, which hooks know by its path.
+                let run = move |xs: &[Tensor]| Ok(vec![(*layer).call((&xs[0], &xs[1]))?]);
                 checkpoint(run, &[h, mask_bias.clone()])?.remove(0)
             } else {
                 layer.call((&h, mask_bias))?

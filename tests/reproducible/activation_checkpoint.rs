@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::Var;
 use module_runtime::nn::{Dropout, LayerNorm, GELU};
 use module_runtime::prelude::*;
-use module_runtime::{checkpoint, randn, CheckpointError};
+use module_runtime::{checkpoint, randn, CheckpointError, HookCtx};
 
 use super::serial;
 
@@ -70,7 +70,9 @@ impl Net {
         for &i in order {
             h = if checkpointed {
                 let block = self.blocks[i].clone();
-                checkpoint(move |xs| Ok(vec![block.call(&xs[0])?]), &[h])?.remove(0)
+                // Called on the block inside the `Arc` (not on this clone of the `Arc`, which is
+                // not part of the model): hooks see it at its path.
+                checkpoint(move |xs| Ok(vec![(*block).call(&xs[0])?]), &[h])?.remove(0)
             } else {
                 self.blocks[i].call(&h)?
             };
@@ -79,7 +81,10 @@ impl Net {
     }
 }
 
-fn values(model: &Net) -> Vec<(String, Vec<f32>)> {
+/// Each parameter's values, by path.
+type Values = Vec<(String, Vec<f32>)>;
+
+fn values(model: &Net) -> Values {
     model
         .named_parameters()
         .into_iter()
@@ -97,11 +102,7 @@ fn values(model: &Net) -> Vec<(String, Vec<f32>)> {
 }
 
 /// Losses of `steps` AdamW steps, and the parameters after them.
-fn train(
-    order: &[usize],
-    checkpointed: bool,
-    steps: u64,
-) -> Result<(Vec<f32>, Vec<(String, Vec<f32>)>)> {
+fn train(order: &[usize], checkpointed: bool, steps: u64) -> Result<(Vec<f32>, Values)> {
     let dev = Device::Cpu;
     let model = Net::new(&dev)?;
     model.train();
@@ -230,7 +231,10 @@ fn without_gradients_it_is_the_function() -> Result<()> {
     let x = Tensor::ones((2, 8), DType::F32, &dev)?;
     let _off = no_grad();
     let b = block.clone();
-    let y = checkpoint(move |xs| Ok(vec![b.call(&xs[0])?]), &[x.clone()])?;
+    let y = checkpoint(
+        move |xs| Ok(vec![b.call(&xs[0])?]),
+        std::slice::from_ref(&x),
+    )?;
     assert!(!y[0].track_op());
     assert_eq!(y[0].to_vec2::<f32>()?, block.call(&x)?.to_vec2::<f32>()?);
     Ok(())
@@ -308,5 +312,41 @@ fn errors_are_typed() -> Result<()> {
         matches!(e, Some(CheckpointError::NewParameter { .. })),
         "{e:?}"
     );
+    Ok(())
+}
+
+#[test]
+fn forward_hooks_fire_again_in_the_recomputation() -> Result<()> {
+    let _serial = serial();
+    let dev = Device::Cpu;
+    let model = Net::new(&dev)?;
+    let x = Tensor::ones((2, 6), DType::F32, &dev)?;
+    let hooks = Hooks::new();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for pattern in ["blocks.*", "blocks.*.fc1"] {
+        let seen = seen.clone();
+        let hook = move |ctx: &HookCtx<'_>, _: &[Tensor], _: &[Tensor]| {
+            seen.lock().unwrap().push(ctx.path().to_owned());
+            Ok(None)
+        };
+        hooks.register_forward_hook(pattern, hook, HookOptions::default())?;
+    }
+    // A run around the forward and the backward: every module inside a checkpoint fires its
+    // forward hooks twice, as with PyTorch's non-reentrant checkpoint (the recomputation runs
+    // the backward's blocks last to first).
+    hooks.run(&model, |m| {
+        m.run(&x, &[0, 1], true)?
+            .sum_all()?
+            .backward()
+            .map_err(Error::from)
+    })?;
+    let calls = std::mem::take(&mut *seen.lock().unwrap());
+    let once = ["blocks.0.fc1", "blocks.0", "blocks.1.fc1", "blocks.1"];
+    let again = ["blocks.1.fc1", "blocks.1", "blocks.0.fc1", "blocks.0"];
+    assert_eq!(calls, [once, again].concat());
+    // Around the forward only: once.
+    let y = hooks.run(&model, |m| m.run(&x, &[0, 1], true))?;
+    y.sum_all()?.backward()?;
+    assert_eq!(*seen.lock().unwrap(), once);
     Ok(())
 }

@@ -7,6 +7,9 @@
 use minilm::bert::{BertConfig, BertModel};
 use module_runtime::prelude::*;
 
+/// Each parameter's gradient (none for the pooler's, which `call` does not run), by path.
+type Gradients = Vec<(String, Option<Vec<f32>>)>;
+
 #[test]
 fn checkpointed_layers_give_the_plain_gradients_bit_for_bit() -> Result<()> {
     let dev = Device::Cpu;
@@ -32,7 +35,7 @@ fn checkpointed_layers_give_the_plain_gradients_bit_for_bit() -> Result<()> {
     let mask = Tensor::from_vec(keep, (batch, seq), &dev)?;
     let upstream = Tensor::randn(0f32, 1., (batch, seq, cfg.hidden_size), &dev)?;
     // The gradients, and how many values the graph's intermediate tensors hold (leaves aside).
-    let run = || -> Result<(Vec<(String, Option<Vec<f32>>)>, usize)> {
+    let run = || -> Result<(Gradients, usize)> {
         let hidden = model.call((&ids, &mask))?;
         let nodes = hidden
             .sorted_nodes()

@@ -47,11 +47,4 @@ pub enum CheckpointError {
         /// The tensor's shape.
         shape: Vec<usize>,
     },
-
-    /// A path pattern given to checkpointing matches no module of the model.
-    #[error("checkpoint pattern `{pattern}` matches no module of this model")]
-    NoMatch {
-        /// The pattern as given.
-        pattern: String,
-    },
 }
