@@ -1,8 +1,6 @@
 //! What can go wrong with backward hooks and tensor gradient hooks: [`BackwardHookError`],
 //! carried by [`Error::BackwardHook`](crate::Error::BackwardHook).
 
-use std::cell::RefCell;
-
 use candle_core::DType;
 
 use super::Error;
@@ -74,37 +72,14 @@ impl From<BackwardHookError> for Error {
     }
 }
 
-thread_local! {
-    /// The last runtime error sent through candle's backward on this thread, with the message of
-    /// the candle error that stands for it.
-    static CARRIED: RefCell<Option<(String, Error)>> = const { RefCell::new(None) };
-}
-
 /// A runtime error as candle's error, for code that candle calls and that must return candle's
-/// error (a custom op's backward, where backward hooks run): candle's error cannot hold it, so
-/// it is kept on this thread, and `From<candle_core::Error>` gives it back when it meets the
-/// candle error that stands for it (`loss.backward()?` in a function returning this crate's
-/// `Result`). Not public API.
+/// error (a custom op's backward: a backward hook, a checkpoint's recomputation). Candle carries
+/// it as `WrappedContext` through its backward, and `From<candle_core::Error>` gives it back as
+/// it was (`loss.backward()?` in a function returning this crate's `Result`). Not public API.
 #[doc(hidden)]
 pub fn carry(e: Error) -> candle_core::Error {
-    let message = e.to_string();
-    CARRIED.with(|c| *c.borrow_mut() = Some((message.clone(), e)));
-    candle_core::Error::Msg(message)
-}
-
-/// The error [`carry`] kept for `e`, if `e` stands for one (taken: it is given back once).
-pub(super) fn carried(e: &candle_core::Error) -> Option<Error> {
-    let candle_core::Error::Msg(message) = e else {
-        return None;
-    };
-    CARRIED.with(|c| {
-        let mut c = c.borrow_mut();
-        match c.take() {
-            Some((m, e)) if m == *message => Some(e),
-            other => {
-                *c = other;
-                None
-            }
-        }
-    })
+    candle_core::Error::WrappedContext {
+        wrapped: Box::new(e),
+        context: "raised in candle's backward".to_owned(),
+    }
 }

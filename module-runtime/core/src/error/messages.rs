@@ -32,10 +32,21 @@ pub(super) fn list_children(names: &[String]) -> String {
 }
 
 impl From<candle_core::Error> for Error {
-    /// Candle's error, or the runtime's own error that crossed candle's backward (a backward
-    /// hook's, see [`carry`](super::backward::carry)) given back as it was.
+    /// An [`Error::Candle`], except for an error of ours that went through candle's backward (a
+    /// backward hook's, a checkpoint's recomputation's: [`carry`](super::backward::carry), which
+    /// candle carries as `WrappedContext`): it comes back as itself.
     fn from(e: candle_core::Error) -> Self {
-        super::backward::carried(&e).unwrap_or(Error::Candle(e))
+        match e {
+            candle_core::Error::WrappedContext { wrapped, context } => {
+                match wrapped.downcast::<Error>() {
+                    Ok(ours) => *ours,
+                    Err(wrapped) => {
+                        Error::Candle(candle_core::Error::WrappedContext { wrapped, context })
+                    }
+                }
+            }
+            other => Error::Candle(other),
+        }
     }
 }
 

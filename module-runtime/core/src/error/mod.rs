@@ -4,6 +4,7 @@
 use candle_core::{DType, DeviceLocation, Shape};
 
 mod backward;
+mod checkpoint;
 mod debug;
 mod distributed;
 mod divergence;
@@ -13,9 +14,10 @@ mod peft;
 mod pth;
 mod quantize;
 
-pub use {backward::carry, backward::BackwardHookError, debug::fmt_debug, gguf::GgufErrorKind};
+pub use {backward::carry, backward::BackwardHookError, checkpoint::CheckpointError};
+pub use {debug::fmt_debug, gguf::GgufErrorKind, messages::location_name, peft::PeftError};
 pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
-pub use {messages::location_name, peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
+pub use {pth::PthErrorKind, quantize::QuantizeError};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -267,6 +269,10 @@ pub enum Error {
     #[error(transparent)]
     BackwardHook(Box<BackwardHookError>),
 
+    /// Activation checkpointing ([`checkpoint`](../module_runtime/fn.checkpoint.html)); see [`CheckpointError`].
+    #[error(transparent)]
+    ActivationCheckpoint(#[from] CheckpointError),
+
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
     InvalidDevice {
@@ -307,8 +313,7 @@ pub enum Error {
 
     /// A module's forward failed (a shape or dtype mismatch deep in candle, a layer's own input
     /// check, …): the error names the module that failed by path and type, like the frames of a
-    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source)
-    /// (or [`Error::inner`]).
+    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source) (or [`Error::inner`]).
     ///
     /// `path` is relative to the module whose [`call`](../module_runtime/trait.ModuleExt.html#method.call) returned the
     /// error (`""` for that module itself). Submodules called through `call` are named exactly;
@@ -362,8 +367,7 @@ pub enum Error {
     },
 
     /// The values of a parameter or buffer were read before it had any: it was made under
-    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a
-    /// lazy one that was never built.
+    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a lazy one that was never built.
     #[error(
         "a {what} of shape {shape} has no values yet: {}",
         not_loaded_hint(.awaits_load)
@@ -407,8 +411,7 @@ pub enum Error {
     },
 
     /// A [`TensorStruct`](../module_runtime/trait.TensorStruct.html) used as a module's input or output maps another
-    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's
-    /// replacement cannot be put back.
+    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's replacement cannot be put back.
     #[error(
         "a hook replaced tensors of `{}` in the call of `{path}`, but its `TensorStruct` impl lists \
          {listed} tensors in `for_each_tensor` and visits {visited} in `map_tensors`: both must \
@@ -563,8 +566,7 @@ pub enum Error {
         path: std::path::PathBuf,
     },
 
-    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path
-    /// names no format.
+    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path names no format.
     #[error("cannot render `{}`: {reason}", path.display())]
     Render {
         /// The file that was to be written.
@@ -573,8 +575,7 @@ pub enum Error {
         reason: String,
     },
 
-    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors
-    /// than the spec describes.
+    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors than the spec describes.
     #[error("expected {expected} tensors (one per entry of the spec), got {got}")]
     FlatLength {
         /// How many the spec describes.
@@ -583,10 +584,9 @@ pub enum Error {
         got: usize,
     },
 
-    /// A layer was called with an input it cannot take for a reason other than the input's own
-    /// shape ([`Error::InputShape`]): ids of a floating-point dtype, a mask whose shape does not
-    /// match the input's. The message names the argument, what it must be and what it is
-    /// (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
+    /// An input a layer cannot take for a reason other than its shape ([`Error::InputShape`]):
+    /// float ids, a mask not fitting the input; the message names the argument, what it must be
+    /// and what it is (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
     #[error("{layer}: {message}")]
     InvalidInput {
         /// The layer or function (`"Embedding"`, `"MultiheadAttention"`).
