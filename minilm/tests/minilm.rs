@@ -19,6 +19,10 @@ use module_runtime::Buffer;
 #[path = "minilm/fused_training.rs"]
 mod fused_training;
 
+// Needs no checkpoint either.
+#[path = "minilm/checkpointing.rs"]
+mod checkpointing;
+
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {
         Some(dir) => Some(dir),

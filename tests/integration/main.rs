@@ -10,6 +10,8 @@
 mod support;
 
 mod atomic_updates;
+mod backward_hook_api;
+mod backward_hooks;
 mod boundary_messages;
 mod checkpoints;
 mod concurrency;

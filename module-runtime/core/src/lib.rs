@@ -95,8 +95,8 @@ pub mod walk;
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
-    DistributedError, Error, GgufErrorKind, OutputDivergence, PeftError, PthErrorKind,
-    QuantizeError, Result, Tolerance, TransformError,
+    BackwardHookError, CheckpointError, DistributedError, Error, GgufErrorKind, OutputDivergence,
+    PeftError, PthErrorKind, QuantizeError, Result, Tolerance, TransformError,
 };
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;

@@ -25,9 +25,9 @@ use crate::{path, views};
 ///
 /// What Rust rules out: `register_parameter`, `register_buffer` and `add_module` on a model at
 /// runtime (a struct's fields are fixed when it is compiled: declare an `Option<Param>` field, or
-/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
-/// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
-/// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
+/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime). Hooks, forward and
+/// backward, live in a [`Hooks`](crate::Hooks) registry attached for a run rather than on the
+/// module. Traversals list each parameter, buffer and `Arc`-shared module once, under the
 /// first path that reaches it, unless [`Names::keep_duplicates`] says otherwise.
 ///
 /// ```

@@ -3,6 +3,8 @@
 
 use candle_core::{DType, DeviceLocation, Shape};
 
+mod backward;
+mod checkpoint;
 mod debug;
 mod distributed;
 mod divergence;
@@ -13,9 +15,10 @@ mod pth;
 mod quantize;
 mod transform;
 
-pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
-pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
-pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError, transform::TransformError};
+pub use {backward::carry, backward::BackwardHookError, checkpoint::CheckpointError};
+pub use {debug::fmt_debug, gguf::GgufErrorKind, messages::location_name, peft::PeftError};
+pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
+pub use {pth::PthErrorKind, quantize::QuantizeError, transform::TransformError};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -33,12 +36,9 @@ use crate::type_name::short_type_name;
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An error from a candle operation.
-    ///
-    /// Its message is candle's without the backtrace candle attaches when `RUST_BACKTRACE` (or
-    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`), which only `{:?}`
-    /// shows, so messages stay one line per frame of the model, as PyTorch's exceptions are.
-    /// [`source`](std::error::Error::source) is `None`: the candle error is the field itself.
+    /// An error from a candle operation: candle's message less the backtrace it attaches when
+    /// `RUST_BACKTRACE` is set (`WithBacktrace`; it is in the `Debug` form only, so messages stay
+    /// one line per model frame, as PyTorch's). [`source`](std::error::Error::source) is `None`.
     #[error("{}", CandleMessage(.0))]
     Candle(candle_core::Error),
 
@@ -132,8 +132,7 @@ pub enum Error {
         shape: Shape,
     },
 
-    /// `to_dtype` was asked for a dtype that is not floating point: parameters must stay floating
-    /// point (PyTorch's `Module.to(dtype)` accepts floating and complex dtypes only).
+    /// `to_dtype` to a dtype that is not floating point (PyTorch's `Module.to` takes float, complex).
     #[error("cannot convert a model to {dtype:?}: only floating-point dtypes are allowed")]
     NonFloatDType {
         /// The dtype that was asked for.
@@ -156,10 +155,9 @@ pub enum Error {
     },
 
     /// A map key or layer name that is not one path segment: empty, or containing `.` (PyTorch's
-    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard, so a string path
-    /// through it would be a pattern). Refused where it enters: `ModuleDict::insert`,
-    /// `Sequential::add_module`, and, for a `BTreeMap<String, _>` field (whose keys enter through
-    /// `std`), the state dict and loads of the model holding it.
+    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard). Refused where it
+    /// enters: `ModuleDict::insert`, `Sequential::add_module`, and, for a `BTreeMap<String, _>`
+    /// field (whose keys enter through `std`), the state dict and loads of the model holding it.
     #[error("the {container} key {key:?}{} is not a path segment: a key must be non-empty and contain no `.` or `*`", at(path))]
     InvalidKey {
         /// The container (`"ModuleDict"`, `"Sequential"`, `"BTreeMap"`).
@@ -265,6 +263,14 @@ pub enum Error {
     #[error(transparent)]
     Peft(#[from] PeftError),
 
+    /// Backward hooks: a replacement gradient of another shape; see [`BackwardHookError`].
+    #[error(transparent)]
+    BackwardHook(Box<BackwardHookError>),
+
+    /// Activation checkpointing ([`checkpoint`](../module_runtime/fn.checkpoint.html)); see [`CheckpointError`].
+    #[error(transparent)]
+    ActivationCheckpoint(#[from] CheckpointError),
+
     /// Load transforms (split, concatenate, transpose) that do not fit; see [`TransformError`].
     #[error(transparent)]
     Transform(Box<TransformError>),
@@ -309,8 +315,7 @@ pub enum Error {
 
     /// A module's forward failed (a shape or dtype mismatch deep in candle, a layer's own input
     /// check, …): the error names the module that failed by path and type, like the frames of a
-    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source)
-    /// (or [`Error::inner`]).
+    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source) (or [`Error::inner`]).
     ///
     /// `path` is relative to the module whose [`call`](../module_runtime/trait.ModuleExt.html#method.call) returned the
     /// error (`""` for that module itself). Submodules called through `call` are named exactly;
@@ -364,8 +369,7 @@ pub enum Error {
     },
 
     /// The values of a parameter or buffer were read before it had any: it was made under
-    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a
-    /// lazy one that was never built.
+    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a lazy one that was never built.
     #[error(
         "a {what} of shape {shape} has no values yet: {}",
         not_loaded_hint(.awaits_load)
@@ -409,8 +413,7 @@ pub enum Error {
     },
 
     /// A [`TensorStruct`](../module_runtime/trait.TensorStruct.html) used as a module's input or output maps another
-    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's
-    /// replacement cannot be put back.
+    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's replacement cannot be put back.
     #[error(
         "a hook replaced tensors of `{}` in the call of `{path}`, but its `TensorStruct` impl lists \
          {listed} tensors in `for_each_tensor` and visits {visited} in `map_tensors`: both must \
@@ -532,8 +535,8 @@ pub enum Error {
         source: Box<Error>,
     },
 
-    /// A functional call was given two different tensors for aliases of one tied weight
-    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`).
+    /// A functional call was given two different tensors for aliases of one tied weight (PyTorch's
+    /// `functional_call got multiple values for keys [...], which are tied`, `stateless.py`).
     #[error(
         "functional call got different tensors for {}, which are one tied weight: give one of them",
         .keys.join(", ")
@@ -563,8 +566,7 @@ pub enum Error {
         path: std::path::PathBuf,
     },
 
-    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path
-    /// names no format.
+    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path names no format.
     #[error("cannot render `{}`: {reason}", path.display())]
     Render {
         /// The file that was to be written.
@@ -573,8 +575,7 @@ pub enum Error {
         reason: String,
     },
 
-    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors
-    /// than the spec describes.
+    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors than the spec describes.
     #[error("expected {expected} tensors (one per entry of the spec), got {got}")]
     FlatLength {
         /// How many the spec describes.
@@ -583,10 +584,9 @@ pub enum Error {
         got: usize,
     },
 
-    /// A layer was called with an input it cannot take for a reason other than the input's own
-    /// shape ([`Error::InputShape`]): ids of a floating-point dtype, a mask whose shape does not
-    /// match the input's. The message names the argument, what it must be and what it is
-    /// (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
+    /// An input a layer cannot take for a reason other than its shape ([`Error::InputShape`]):
+    /// float ids, a mask not fitting the input; the message names the argument, what it must be
+    /// and what it is (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
     #[error("{layer}: {message}")]
     InvalidInput {
         /// The layer or function (`"Embedding"`, `"MultiheadAttention"`).
