@@ -631,3 +631,46 @@ fn transforms_fill_an_empty_model_with_assign() {
     let y = model.forward(io.get("input").unwrap()).unwrap();
     assert!(max_diff(&y, io.get("output").unwrap()) <= 1e-6);
 }
+
+/// Post-hooks by path run submodules first (PyTorch's `state_dict` recursion), each seeing what
+/// the ones before it wrote; a pattern that matches no module is refused.
+#[test]
+fn state_dict_post_hooks_by_path_run_children_first() {
+    use std::sync::{Arc, Mutex};
+    let model = SplitAttention::new();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let hooks = StateDictHooks::new();
+    let seen = order.clone();
+    hooks
+        .register_state_dict_post_hook("", move |_, prefix, sd| {
+            seen.lock().unwrap().push(format!("root {prefix:?}"));
+            // The child's hook ran first: its key is already renamed.
+            assert!(sd.contains_key("q.w") && !sd.contains_key("q.weight"));
+            Ok(())
+        })
+        .unwrap();
+    let seen = order.clone();
+    hooks
+        .register_state_dict_post_hook("*", move |_, prefix, sd| {
+            seen.lock().unwrap().push(prefix.to_owned());
+            if prefix == "q." {
+                let w = sd.remove("q.weight").unwrap();
+                sd.insert("q.w", w);
+            }
+            Ok(())
+        })
+        .unwrap();
+    let sd = hooks.state_dict(&model).unwrap();
+    assert!(sd.contains_key("q.w"));
+    assert_eq!(
+        *order.lock().unwrap(),
+        ["q.", "k.", "v.", "out_proj.", "root \"\""]
+    );
+    let typo = StateDictHooks::new();
+    typo.register_state_dict_post_hook("encoder.*", |_, _, _| Ok(()))
+        .unwrap();
+    assert!(matches!(
+        typo.state_dict(&model).unwrap_err(),
+        Error::NoModuleMatch { .. }
+    ));
+}
