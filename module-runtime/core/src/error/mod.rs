@@ -8,13 +8,14 @@ mod distributed;
 mod divergence;
 mod gguf;
 mod messages;
+mod parametrize;
 mod peft;
 mod pth;
 mod quantize;
 
 pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
 pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
-pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
+pub use {parametrize::ParametrizeError, peft::PeftError, pth::PthErrorKind, quantize::*};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -252,19 +253,18 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// Data-parallel training: a collective failed, the environment is half set, or the ranks
-    /// built different models; see [`DistributedError`](DistributedError).
+    /// Data-parallel training: a failed collective, a half-set environment, …; see [`DistributedError`].
     #[error(transparent)]
     Distributed(#[from] DistributedError),
-
-    /// Quantized weights: a pattern matching no `Linear`, a weight the kind's blocks do not fit,
-    /// an unusable GGUF file; see [`QuantizeError`].
+    /// Quantized weights: a pattern matching no `Linear`, an unusable GGUF file, …; see [`QuantizeError`].
     #[error(transparent)]
     Quantize(#[from] QuantizeError),
-
     /// PEFT adapters: an unknown config field, targets matching nothing, …; see [`PeftError`].
     #[error(transparent)]
     Peft(#[from] PeftError),
+    /// Parametrizations: a path naming no weight, a dimension out of range, …; see [`ParametrizeError`].
+    #[error(transparent)]
+    Parametrize(#[from] ParametrizeError),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]

@@ -1,0 +1,391 @@
+//! Parametrizations against PyTorch (`fixtures/make_parametrize_fixtures.py`): weight norm and
+//! spectral norm (and orthogonal) on `Linear`, `Conv1d`, `Conv2d` and `ConvTranspose2d`, each
+//! loaded strictly from PyTorch's parametrized state dict: eval outputs, gradients w.r.t. the
+//! originals, the output and `_u`/`_v` after a training forward, the weight
+//! `remove_parametrizations` leaves, the older functions' keys (`weight_g`/`weight_v`,
+//! `weight_orig`/`weight_u`/`weight_v`) loaded through `legacy_keys`, our state dict's keys and
+//! shapes equal to PyTorch's; and the errors, each naming the path with the model untouched.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use module_runtime::nn::parametrize::{
+    is_parametrized, legacy_keys, orthogonal, parametrized_tensor, remove_parametrizations,
+    spectral_norm, weight_norm, SpectralNormOptions,
+};
+use module_runtime::nn::{Conv1d, Conv2d, ConvTranspose2d, Embedding};
+use module_runtime::prelude::*;
+use module_runtime::ParametrizeError;
+
+fn fixture(case: &str) -> HashMap<String, Tensor> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/pytorch/parametrize")
+        .join(format!("{case}.safetensors"));
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+/// The fixture's tensors under `prefix.`, without it.
+fn section(f: &HashMap<String, Tensor>, prefix: &str) -> StateDict {
+    let mut keys: Vec<&String> = f.keys().collect();
+    keys.sort();
+    let mut sd = StateDict::new();
+    for k in keys {
+        if let Some(rest) = k.strip_prefix(&format!("{prefix}.")) {
+            sd.insert(rest, f[k].clone());
+        }
+    }
+    sd
+}
+
+/// `max |a - b|` over `max(1, max |b|)`: a spectral norm's output divided by a small `σ` (the
+/// older function's unrefined vectors) is large.
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    max_diff(a, b) / scale.to_scalar::<f32>().unwrap().max(1.0)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn keys_and_shapes(sd: &StateDict) -> Vec<(String, Vec<usize>)> {
+    let mut v: Vec<_> = sd
+        .iter()
+        .map(|(k, t)| (k.to_owned(), t.dims().to_vec()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// One fixture case on `make()`'s layer, parametrized by `apply`.
+fn check<M, F, A>(case: &str, make: F, apply: A)
+where
+    M: Module + for<'a> Forward<&'a Tensor, Output = Tensor>,
+    F: Fn() -> M,
+    A: Fn(&mut M),
+{
+    let f = fixture(case);
+    let state = section(&f, "state");
+    let x = &f["x"];
+
+    let mut model = make();
+    apply(&mut model);
+    // Our keys and shapes are PyTorch's: each loads strictly into the other.
+    assert_eq!(
+        keys_and_shapes(&model.state_dict().unwrap()),
+        keys_and_shapes(&state),
+        "{case}"
+    );
+    model
+        .load_state_dict(&state, &LoadOptions::default())
+        .unwrap();
+
+    // Eval output, and gradients w.r.t. the originals.
+    model.eval();
+    let y = model.call(x).unwrap();
+    let d = max_diff(&y, &f["y_eval"]);
+    assert!(d < 1e-5, "{case}: eval output {d}");
+    let loss = (&y * &f["g_out"]).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let grad_keys: Vec<&String> = f.keys().filter(|k| k.starts_with("grad.")).collect();
+    assert!(!grad_keys.is_empty());
+    for key in grad_keys {
+        let p = model.get_parameter(&key["grad.".len()..]).unwrap();
+        let g = grads.get(&p.tensor().unwrap()).expect("a gradient");
+        let d = max_diff(g, &f[key]);
+        assert!(d < 1e-5, "{case}: {key} {d}\n{g}\n{}", f[key]);
+    }
+
+    // A training forward: spectral norm's power iteration moves `_u` and `_v` as PyTorch's.
+    model.train();
+    let y = model.call(x).unwrap();
+    assert!(max_diff(&y, &f["y_train"]) < 1e-5, "{case}: train output");
+    let after = model.state_dict().unwrap();
+    for (key, expected) in section(&f, "train").iter() {
+        let got = after.get(key).unwrap();
+        assert!(
+            max_diff(got, expected) < 1e-5,
+            "{case}: {key} after training"
+        );
+    }
+
+    // remove_parametrizations in eval leaves the parametrized weight as a plain parameter.
+    let mut removed = make();
+    apply(&mut removed);
+    removed
+        .load_state_dict(&state, &LoadOptions::default())
+        .unwrap();
+    removed.eval();
+    remove_parametrizations(&mut removed, "weight", true).unwrap();
+    assert!(!is_parametrized(&removed, "weight"));
+    let names: Vec<String> = removed
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, ["weight", "bias"], "{case}");
+    let w = removed.get_parameter("weight").unwrap().tensor().unwrap();
+    assert!(max_diff(&w, &f["removed.weight"]) < 1e-5, "{case}: removed");
+
+    // The older functions' keys load into the same model.
+    let legacy = section(&f, "legacy");
+    if !legacy.is_empty() {
+        let mut old = make();
+        apply(&mut old);
+        let options = legacy_keys(&old)
+            .into_iter()
+            .fold(LoadOptions::default(), LoadOptions::rule);
+        old.load_state_dict(&legacy, &options).unwrap();
+        old.eval();
+        let y = old.call(x).unwrap();
+        assert!(rel_diff(&y, &f["y_legacy"]) < 1e-5, "{case}: legacy");
+    }
+}
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+#[test]
+fn weight_norm_linear() {
+    check(
+        "weight_norm_linear",
+        || Linear::new(5, 4, &dev()).unwrap(),
+        |m| weight_norm(m, "weight", Some(0)).unwrap(),
+    );
+}
+
+#[test]
+fn weight_norm_conv1d() {
+    check(
+        "weight_norm_conv1d",
+        || Conv1d::new(3, 4, 3, &dev()).unwrap(),
+        |m| weight_norm(m, "weight", Some(0)).unwrap(),
+    );
+}
+
+#[test]
+fn weight_norm_of_the_whole_tensor() {
+    check(
+        "weight_norm_conv2d_whole",
+        || Conv2d::new(2, 3, 3, &dev()).unwrap(),
+        |m| weight_norm(m, "weight", None).unwrap(),
+    );
+}
+
+#[test]
+fn spectral_norm_linear() {
+    check(
+        "spectral_norm_linear",
+        || Linear::new(6, 5, &dev()).unwrap(),
+        |m| spectral_norm(m, "weight", SpectralNormOptions::default()).unwrap(),
+    );
+}
+
+#[test]
+fn spectral_norm_conv2d() {
+    let options = SpectralNormOptions {
+        n_power_iterations: 2,
+        ..Default::default()
+    };
+    check(
+        "spectral_norm_conv2d",
+        || Conv2d::new(3, 4, 3, &dev()).unwrap(),
+        |m| spectral_norm(m, "weight", options).unwrap(),
+    );
+}
+
+#[test]
+fn spectral_norm_conv_transpose2d() {
+    check(
+        "spectral_norm_conv_transpose2d",
+        || ConvTranspose2d::new(4, 3, 3, &dev()).unwrap(),
+        |m| spectral_norm(m, "weight", SpectralNormOptions::default()).unwrap(),
+    );
+}
+
+#[test]
+fn orthogonal_linear() {
+    check(
+        "orthogonal_linear",
+        || Linear::new(4, 4, &dev()).unwrap(),
+        |m| orthogonal(m, "weight", None).unwrap(),
+    );
+}
+
+#[derive(Module)]
+struct Net {
+    conv: Conv1d,
+    embed: Embedding,
+    fc: Linear,
+}
+
+fn net() -> Net {
+    Net {
+        conv: Conv1d::new(2, 3, 3, &dev()).unwrap(),
+        embed: Embedding::new(5, 3, &dev()).unwrap(),
+        fc: Linear::new(3, 2, &dev()).unwrap(),
+    }
+}
+
+/// Registered by path inside a model: PyTorch's keys and `print(model)`; the optimizer trains
+/// the originals.
+#[test]
+fn by_path_in_a_model() {
+    let mut model = net();
+    weight_norm(&mut model, "conv.weight", Some(0)).unwrap();
+    spectral_norm(&mut model, "fc.weight", SpectralNormOptions::default()).unwrap();
+    let keys: Vec<String> = model
+        .state_dict()
+        .unwrap()
+        .keys()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "conv.bias",
+            "conv.parametrizations.weight.original0",
+            "conv.parametrizations.weight.original1",
+            "embed.weight",
+            "fc.bias",
+            "fc.parametrizations.weight.original",
+            "fc.parametrizations.weight.0._u",
+            "fc.parametrizations.weight.0._v",
+        ]
+    );
+    assert_eq!(
+        model.conv.to_string(),
+        "ParametrizedConv1d(
+  2, 3, kernel_size=(3,), stride=(1,)
+  (parametrizations): ModuleDict(
+    (weight): ParametrizationList(
+      (0): _WeightNorm()
+    )
+  )
+)"
+    );
+    // The stand-in refuses to be read; the computed weight is PyTorch's `module.weight`.
+    assert!(matches!(
+        model.fc.weight.tensor(),
+        Err(Error::Parametrize(ParametrizeError::StandIn))
+    ));
+    assert_eq!(
+        parametrized_tensor(&model, "fc.weight").unwrap().dims(),
+        [2, 3]
+    );
+    // A step of SGD on the originals changes the computed weight.
+    let before = parametrized_tensor(&model, "conv.weight").unwrap();
+    let mut opt = SGD::new(&model, module_runtime::optim::SgdOptions::new(0.5)).unwrap();
+    let x = Tensor::randn(0f32, 1., (1, 2, 5), &dev()).unwrap();
+    let loss = model
+        .conv
+        .call(&x)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    opt.backward_step(&loss).unwrap();
+    let after = parametrized_tensor(&model, "conv.weight").unwrap();
+    assert!(max_diff(&before, &after) > 1e-4);
+}
+
+/// Every error names the path, and leaves the model as it was.
+#[test]
+fn errors_leave_the_model_untouched() {
+    let mut model = net();
+    weight_norm(&mut model, "conv.weight", Some(0)).unwrap();
+    let keys = |m: &Net| keys_and_shapes(&m.state_dict().unwrap());
+    let before = keys(&model);
+
+    let err = weight_norm(&mut model, "fc.wieght", Some(0)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Parametrize(ParametrizeError::NoTensor { path, available, .. })
+            if path == "fc.wieght" && available == &["weight", "bias"]),
+        "{err}"
+    );
+    let err = weight_norm(&mut model, "embed.weight", Some(0)).unwrap_err();
+    assert!(
+        matches!(&err, Error::Parametrize(ParametrizeError::UnsupportedModule { path, found })
+            if path == "embed" && found == "Embedding"),
+        "{err}"
+    );
+    let err = weight_norm(&mut model, "fc.weight", Some(2)).unwrap_err();
+    assert!(err.to_string().contains("fc.weight"), "{err}");
+    let options = SpectralNormOptions {
+        dim: Some(3),
+        ..Default::default()
+    };
+    let err = spectral_norm(&mut model, "fc.weight", options).unwrap_err();
+    assert!(err.to_string().contains("[2, 3]"), "{err}");
+    let err = remove_parametrizations(&mut model, "fc.weight", true).unwrap_err();
+    assert!(
+        matches!(&err, Error::Parametrize(ParametrizeError::NotParametrized { path, .. })
+            if path == "fc.weight"),
+        "{err}"
+    );
+    // Weight norm has two originals: nothing to leave unparametrized.
+    let err = remove_parametrizations(&mut model, "conv.weight", false).unwrap_err();
+    assert!(err.to_string().contains("conv.weight"), "{err}");
+    // Weight norm takes two originals: it cannot follow another parametrization.
+    let err = weight_norm(&mut model, "conv.weight", None).unwrap_err();
+    assert!(err.to_string().contains("conv.weight"), "{err}");
+    assert!(weight_norm(&mut model, "nothing.weight", None).is_err());
+    assert_eq!(keys(&model), before);
+    assert!(is_parametrized(&model, "conv.weight"));
+    assert!(!is_parametrized(&model, "fc.weight"));
+}
+
+/// Chained parametrizations (PyTorch's `ParametrizationList` of two), removed together.
+#[test]
+fn chained_and_removed() {
+    let mut fc = Linear::new(4, 3, &dev()).unwrap();
+    let w0 = fc.weight.tensor().unwrap();
+    weight_norm(&mut fc, "weight", Some(0)).unwrap();
+    spectral_norm(&mut fc, "weight", SpectralNormOptions::default()).unwrap();
+    let keys: Vec<String> = fc.state_dict().unwrap().keys().map(str::to_owned).collect();
+    assert_eq!(
+        keys,
+        [
+            "bias",
+            "parametrizations.weight.original0",
+            "parametrizations.weight.original1",
+            "parametrizations.weight.1._u",
+            "parametrizations.weight.1._v",
+        ]
+    );
+    fc.eval();
+    let w = parametrized_tensor(&fc, "weight").unwrap();
+    // Spectrally normalized: about w0 over its largest singular value.
+    let ratio = (w0
+        .abs()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap())
+        / (w.abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap());
+    assert!(ratio > 0.1 && ratio < 10.0);
+    remove_parametrizations(&mut fc, "weight", true).unwrap();
+    assert!(max_diff(&fc.weight.tensor().unwrap(), &w) < 1e-6);
+    assert_eq!(
+        fc.to_string(),
+        "Linear(in_features=4, out_features=3, bias=True)"
+    );
+}
