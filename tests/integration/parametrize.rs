@@ -78,8 +78,23 @@ where
     let state = section(&f, "state");
     let x = &f["x"];
 
+    // Registered on the layer PyTorch started from, the originals are PyTorch's (spectral norm's
+    // vectors and a non-square orthogonal's completion are random draws, made by each runtime's
+    // own generator).
     let mut model = make();
+    model
+        .load_state_dict(&section(&f, "plain"), &LoadOptions::default())
+        .unwrap();
     apply(&mut model);
+    let ours = model.state_dict().unwrap();
+    for (key, expected) in state.iter() {
+        let random = key.ends_with("._u") || key.ends_with("._v");
+        if random || (key.ends_with(".base") && case.contains("householder")) {
+            continue;
+        }
+        let d = max_diff(ours.get(key).unwrap(), expected);
+        assert!(d < 1e-5, "{case}: {key} as registered, {d}");
+    }
     // Our keys and shapes are PyTorch's: each loads strictly into the other.
     assert_eq!(
         keys_and_shapes(&model.state_dict().unwrap()),
@@ -221,6 +236,36 @@ fn orthogonal_linear() {
         || Linear::new(4, 4, &dev()).unwrap(),
         |m| orthogonal(m, "weight", None).unwrap(),
     );
+}
+
+#[test]
+fn orthogonal_householder() {
+    check(
+        "orthogonal_householder_wide",
+        || Linear::new(5, 3, &dev()).unwrap(),
+        |m| orthogonal(m, "weight", None).unwrap(),
+    );
+    check(
+        "orthogonal_householder_tall",
+        || Linear::new(3, 5, &dev()).unwrap(),
+        |m| orthogonal(m, "weight", None).unwrap(),
+    );
+}
+
+/// Adapters and quantization refuse a parametrized layer (typed errors, nothing changed).
+#[test]
+fn adapters_and_quantization_refuse_a_parametrized_layer() {
+    use module_runtime::nn::peft::{get_peft_model, LoraConfig, TargetModules};
+    let mut model = net();
+    weight_norm(&mut model, "fc.weight", Some(0)).unwrap();
+    let before = keys_and_shapes(&model.state_dict().unwrap());
+    let err = quantize(&model, "fc", GgmlDType::Q8_0).unwrap_err();
+    assert!(err.to_string().contains("fc.weight"), "{err}");
+    let config = LoraConfig::new(TargetModules::names(["fc"]));
+    let err = get_peft_model(&mut model, &config).unwrap_err();
+    assert!(err.to_string().contains("parametrized"), "{err}");
+    assert_eq!(keys_and_shapes(&model.state_dict().unwrap()), before);
+    assert!(model.fc.lora().is_none());
 }
 
 #[derive(Module)]
