@@ -434,3 +434,28 @@ fn chained_and_removed() {
         "Linear(in_features=4, out_features=3, bias=True)"
     );
 }
+
+/// `cached`: inside the scope the weight is computed once (a change to the original is not seen
+/// until the scope ends, as in PyTorch's `parametrize.cached()`), and gradients still reach it.
+#[test]
+fn cached_computes_once() {
+    use module_runtime::nn::parametrize::cached;
+    let mut fc = Linear::new(3, 2, &dev()).unwrap();
+    weight_norm(&mut fc, "weight", Some(0)).unwrap();
+    let x = Tensor::ones((1, 3), DType::F32, &dev()).unwrap();
+    let v = fc
+        .get_parameter("parametrizations.weight.original1")
+        .unwrap();
+    let (first, second) = cached(|| {
+        let first = fc.call(&x).unwrap();
+        v.set(&(v.tensor().unwrap() * 2.0).unwrap().neg().unwrap())
+            .unwrap();
+        (first, fc.call(&x).unwrap())
+    });
+    assert_eq!(max_diff(&first, &second), 0.0);
+    let grads = second.sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(&v.tensor().unwrap()).is_some());
+    // Outside the scope, the changed original is seen: v's direction flipped.
+    let third = fc.call(&x).unwrap();
+    assert!(max_diff(&first, &third) > 1e-3);
+}

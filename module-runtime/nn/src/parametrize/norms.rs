@@ -268,10 +268,11 @@ pub fn weight_norm<M: ModuleExt + ?Sized>(
 /// ```
 /// use module_runtime::prelude::*;
 /// use module_runtime::nn::parametrize::{parametrized_tensor, spectral_norm, SpectralNormOptions};
+/// use module_runtime::nn::Conv2d;
 ///
 /// let mut conv = Conv2d::new(3, 8, 3, &Device::Cpu)?;
 /// spectral_norm(&mut conv, "weight", SpectralNormOptions::default())?;
-/// let keys: Vec<String> = conv.state_dict()?.keys().cloned().collect();
+/// let keys: Vec<String> = conv.state_dict()?.keys().map(str::to_owned).collect();
 /// assert_eq!(keys, ["bias", "parametrizations.weight.original",
 ///                   "parametrizations.weight.0._u", "parametrizations.weight.0._v"]);
 /// conv.eval(); // no power iteration in eval
