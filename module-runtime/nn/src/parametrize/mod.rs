@@ -467,7 +467,7 @@ pub fn parametrized_tensor<M: ModuleExt + ?Sized>(model: &M, path: &str) -> Resu
 /// `…original1` (`torch.nn.utils.weight_norm`'s keys); by spectral norm, `<layer>.<name>_orig` →
 /// `…parametrizations.<name>.original`, `<layer>.<name>_u` → `….0._u` and `<layer>.<name>_v` →
 /// `….0._v` (`torch.nn.utils.spectral_norm`'s). Give them to the load options
-/// ([`LoadOptions::rule`](crate::LoadOptions::rule)); keys already in the new form are left alone,
+/// ([`LoadOptions::rule`](module_state::LoadOptions::rule)); keys already in the new form are left alone,
 /// so one set of options loads both.
 ///
 /// ```

@@ -67,7 +67,7 @@ impl super::Parametrization for WeightNorm {
 ///
 /// Its buffers `_u` `[h]` and `_v` `[w]` (for a weight of two or more dimensions) hold the
 /// estimated singular vectors: drawn from the normal distribution (the runtime's generator,
-/// [`manual_seed`](crate::manual_seed)), normalized, and refined by 15 iterations when registered;
+/// [`manual_seed`](module_core::manual_seed)), normalized, and refined by 15 iterations when registered;
 /// then `n_power_iterations` more on every forward in training mode, none in eval. A 1-D weight is
 /// divided by its norm and has no buffers.
 #[derive(Module, Clone, Debug)]
@@ -247,14 +247,14 @@ pub fn weight_norm<M: ModuleExt + ?Sized>(
     let rank = host_ref(model.as_dyn(), layer, path)?
         .tensor(name)
         .map(|p| p.shape().rank());
-    if let (Some(d), Some(rank)) = (dim, rank) {
-        if d >= rank {
-            return Err(ParametrizeError::Invalid {
-                path: path.to_owned(),
-                message: format!("weight norm's dim {d} is out of range for a {rank}-D tensor"),
-            }
-            .into());
+    if let (Some(d), Some(rank)) = (dim, rank)
+        && d >= rank
+    {
+        return Err(ParametrizeError::Invalid {
+            path: path.to_owned(),
+            message: format!("weight norm's dim {d} is out of range for a {rank}-D tensor"),
         }
+        .into());
     }
     register_parametrization(model, path, WeightNorm { dim })
 }
