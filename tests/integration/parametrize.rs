@@ -95,6 +95,24 @@ where
         let d = max_diff(ours.get(key).unwrap(), expected);
         assert!(d < 1e-5, "{case}: {key} as registered, {d}");
     }
+    // With `PARAMETRIZE_WRITE_RUST_SAVED=1`, our state dict (our own registration: spectral norm's
+    // vectors from our generator) and its eval output, for the fixture script's `--check`, which
+    // loads it strictly into PyTorch's parametrized layer and compares the outputs.
+    if std::env::var_os("PARAMETRIZE_WRITE_RUST_SAVED").is_some() {
+        model.eval();
+        let mut saved = StateDict::new();
+        for (k, t) in ours.iter() {
+            saved.insert(format!("state.{k}"), t.clone());
+        }
+        saved.insert("y_eval", model.call(x).unwrap());
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/pytorch/parametrize/rust_saved");
+        std::fs::create_dir_all(&dir).unwrap();
+        saved
+            .save_safetensors(dir.join(format!("{case}.safetensors")))
+            .unwrap();
+        model.train();
+    }
     // Our keys and shapes are PyTorch's: each loads strictly into the other.
     assert_eq!(
         keys_and_shapes(&model.state_dict().unwrap()),
@@ -390,6 +408,28 @@ fn errors_leave_the_model_untouched() {
     assert_eq!(keys(&model), before);
     assert!(is_parametrized(&model, "conv.weight"));
     assert!(!is_parametrized(&model, "fc.weight"));
+}
+
+/// A parametrization of one's own that changes the tensor's shape is refused, naming both shapes.
+#[test]
+fn a_parametrization_must_keep_the_shape() {
+    use module_runtime::nn::parametrize::{register_parametrization, Parametrization};
+    #[derive(Module, Clone, Debug)]
+    struct Transpose;
+    impl Parametrization for Transpose {
+        fn forward(&self, originals: &[Tensor]) -> Result<Tensor> {
+            Ok(originals[0].t()?)
+        }
+    }
+    let mut model = net();
+    let err = register_parametrization(&mut model, "fc.weight", Transpose).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("fc.weight") && text.contains("[3, 2]") && text.contains("[2, 3]"),
+        "{text}"
+    );
+    assert!(!is_parametrized(&model, "fc.weight"));
+    assert!(model.fc.weight.tensor().is_ok());
 }
 
 /// Chained parametrizations (PyTorch's `ParametrizationList` of two), removed together.
