@@ -158,6 +158,7 @@ impl crate::typed_path::HasPath for ParametrizationList {
     type Path<R: 'static, K: crate::typed_path::PathKind> = crate::typed_path::Path<R, K, Self>;
 }
 
+#[diagnostic::do_not_recommend]
 impl Module for ParametrizationList {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         for (name, p) in self.original_names().iter().zip(&self.originals) {
