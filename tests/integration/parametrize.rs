@@ -499,3 +499,30 @@ fn cached_computes_once() {
     let third = fc.call(&x).unwrap();
     assert!(max_diff(&first, &third) > 1e-3);
 }
+
+/// A parametrized bias, and `Linear::call_each` beside a quantized layer: each layer computes
+/// its own parametrized tensors.
+#[test]
+fn a_parametrized_bias_and_call_each() {
+    let mut q = Linear::new(32, 4, &dev()).unwrap();
+    let mut k = Linear::new(32, 4, &dev()).unwrap();
+    let bias = k.bias.as_ref().unwrap().tensor().unwrap();
+    weight_norm(&mut q, "weight", Some(0)).unwrap();
+    spectral_norm(&mut k, "bias", SpectralNormOptions::default()).unwrap();
+    assert_eq!(
+        k.state_dict().unwrap().keys().collect::<Vec<_>>(),
+        ["weight", "parametrizations.bias.original"]
+    );
+    // A 1-D tensor's spectral norm is its normalization.
+    let expected = bias.broadcast_div(&bias.sqr().unwrap().sum_all().unwrap().sqrt().unwrap());
+    let got = parametrized_tensor(&k, "bias").unwrap();
+    assert!(max_diff(&got, &expected.unwrap()) < 1e-6);
+    let x = Tensor::randn(0f32, 1., (2, 32), &dev()).unwrap();
+    let v = Linear::new(32, 4, &dev()).unwrap();
+    v.weight.quantize(GgmlDType::Q8_0).unwrap();
+    let [qx, kx, vx] =
+        module_runtime::without_grad(|| Linear::call_each([&q, &k, &v], &x)).unwrap();
+    assert!(max_diff(&qx, &q.call(&x).unwrap()) < 1e-6);
+    assert!(max_diff(&kx, &k.call(&x).unwrap()) < 1e-6);
+    assert!(max_diff(&vx, &v.call(&x).unwrap()) < 1e-6);
+}
