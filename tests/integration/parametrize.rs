@@ -207,6 +207,33 @@ fn weight_norm_conv1d() {
     );
 }
 
+/// wav2vec2's positional convolution (grouped, the norm along the kernel) and HiFi-GAN's
+/// upsampling layers, with the older `weight_g`/`weight_v` keys their checkpoints hold.
+#[test]
+fn weight_norm_as_wav2vec2_and_hifigan_use_it() {
+    use module_runtime::nn::{ConvConfig, ConvTranspose1d, ConvTransposeConfig};
+    let config = ConvConfig {
+        padding: 2.into(),
+        groups: 2,
+        ..Default::default()
+    };
+    check(
+        "weight_norm_conv1d_wav2vec2",
+        || Conv1d::with_config(8, 8, 5, config, &dev()).unwrap(),
+        |m| weight_norm(m, "weight", Some(2)).unwrap(),
+    );
+    let config = ConvTransposeConfig {
+        stride: 2,
+        padding: 1,
+        ..Default::default()
+    };
+    check(
+        "weight_norm_conv_transpose1d",
+        || ConvTranspose1d::with_config(4, 3, 4, config, &dev()).unwrap(),
+        |m| weight_norm(m, "weight", Some(0)).unwrap(),
+    );
+}
+
 #[test]
 fn weight_norm_of_the_whole_tensor() {
     check(
