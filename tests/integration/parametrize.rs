@@ -313,7 +313,7 @@ fn adapters_and_quantization_refuse_a_parametrized_layer() {
     assert!(model.fc.lora().is_none());
 }
 
-#[derive(Module)]
+#[derive(Module, Clone)]
 struct Net {
     conv: Conv1d,
     embed: Embedding,
@@ -552,4 +552,44 @@ fn a_parametrized_bias_and_call_each() {
     assert!(max_diff(&qx, &q.call(&x).unwrap()) < 1e-6);
     assert!(max_diff(&kx, &k.call(&x).unwrap()) < 1e-6);
     assert!(max_diff(&vx, &v.call(&x).unwrap()) < 1e-6);
+}
+
+/// A parametrized model converts to another dtype (originals and buffers move; the weight is
+/// computed in the new dtype), and `deep_clone` copies it independently.
+#[test]
+fn to_dtype_and_deep_clone() {
+    let mut model = net();
+    weight_norm(&mut model, "conv.weight", Some(0)).unwrap();
+    spectral_norm(&mut model, "fc.weight", SpectralNormOptions::default()).unwrap();
+    model.to_dtype(DType::F64).unwrap();
+    assert_eq!(
+        parametrized_tensor(&model, "fc.weight").unwrap().dtype(),
+        DType::F64
+    );
+    let x = Tensor::randn(0f64, 1., (1, 2, 5), &dev()).unwrap();
+    assert_eq!(model.conv.call(&x).unwrap().dtype(), DType::F64);
+    let h = Tensor::randn(0f64, 1., (4, 3), &dev()).unwrap();
+    assert_eq!(model.fc.call(&h).unwrap().dtype(), DType::F64);
+
+    let copy = model.deep_clone().unwrap();
+    let before = parametrized_tensor(&model, "conv.weight").unwrap();
+    let v = copy
+        .get_parameter("conv.parametrizations.weight.original1")
+        .unwrap();
+    v.set(&v.tensor().unwrap().ones_like().unwrap()).unwrap();
+    let after = parametrized_tensor(&model, "conv.weight").unwrap();
+    assert_eq!(
+        max_diff(
+            &before.to_dtype(DType::F32).unwrap(),
+            &after.to_dtype(DType::F32).unwrap()
+        ),
+        0.0
+    );
+    let copied = parametrized_tensor(&copy, "conv.weight").unwrap();
+    assert!(
+        max_diff(
+            &before.to_dtype(DType::F32).unwrap(),
+            &copied.to_dtype(DType::F32).unwrap()
+        ) > 1e-3
+    );
 }
