@@ -593,3 +593,32 @@ fn to_dtype_and_deep_clone() {
         ) > 1e-3
     );
 }
+
+/// Lazy layers take parametrizations once built (their paths are the layer's); before, a typed
+/// error.
+#[test]
+fn lazy_layers_once_built() {
+    use module_runtime::nn::LazyLinear;
+    let mut fc = LazyLinear::new(3, &dev()).unwrap();
+    let err = weight_norm(&mut fc, "weight", Some(0)).unwrap_err();
+    assert!(err.to_string().contains("unbuilt"), "{err}");
+    let x = Tensor::randn(0f32, 1., (2, 4), &dev()).unwrap();
+    let y0 = fc.call(&x).unwrap();
+    weight_norm(&mut fc, "weight", Some(0)).unwrap();
+    assert!(max_diff(&y0, &fc.call(&x).unwrap()) < 1e-5);
+    assert!(fc
+        .get_parameter("parametrizations.weight.original0")
+        .is_ok());
+
+    #[derive(Module)]
+    struct Cell {
+        fc: Lazy<Linear>,
+    }
+    let mut cell = Cell { fc: Lazy::new() };
+    let err = spectral_norm(&mut cell, "fc.weight", SpectralNormOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("not built"), "{err}");
+    cell.fc.get_or_build(|| Linear::new(4, 3, &dev())).unwrap();
+    spectral_norm(&mut cell, "fc.weight", SpectralNormOptions::default()).unwrap();
+    assert!(cell.get_buffer("fc.parametrizations.weight.0._u").is_ok());
+    assert_eq!(cell.fc.get().unwrap().call(&x).unwrap().dims(), [2, 3]);
+}

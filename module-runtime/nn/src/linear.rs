@@ -266,7 +266,7 @@ fn check_in_features(weight: &[usize], x: &Tensor) -> Result<()> {
 #[module(paths)]
 pub struct LazyLinear {
     #[module(flatten)]
-    linear: Linear,
+    pub(crate) linear: Linear,
 }
 
 impl LazyLinear {

@@ -23,7 +23,8 @@
 //! - `print(model)` shows `ParametrizedLinear(` with its `(parametrizations): ModuleDict(...)`.
 //!
 //! The layers that take parametrizations are `Linear`, `Conv1d/2d/3d` and `ConvTranspose1d/2d`
-//! (their `weight` and `bias`); another module at the path is
+//! (their `weight` and `bias`), also in a built `Lazy` cell and as `LazyLinear`, `LazyConv1d/2d`
+//! once built; another module at the path is
 //! [`ParametrizeError::UnsupportedModule`]. Every error names the tensor's path and leaves the
 //! model as it was.
 //!
@@ -35,8 +36,10 @@
 //! norm's `weight_v` and a spectral norm's go where they belong); add them to the load options.
 //!
 //! Not implemented: parametrizing a layer that holds LoRA adapters (or adding adapters to a
-//! parametrized one), a quantized or unbuilt weight, and PyTorch's `unsafe=True` (a
-//! parametrization must keep the tensor's shape and dtype).
+//! parametrized one), a quantized or unbuilt weight, PyTorch's `unsafe=True` (a
+//! parametrization must keep the tensor's shape and dtype), and hooks on the parametrization
+//! modules (they are computed from, not `call`ed: a hook on `fc.parametrizations.weight.0` does
+//! not fire).
 //!
 //! ```
 //! use module_runtime::prelude::*;
@@ -75,10 +78,10 @@ pub(crate) use list::{optional_value_of, value_of};
 pub use norms::{spectral_norm, weight_norm, SpectralNorm, SpectralNormOptions, WeightNorm};
 pub use orthogonal::{orthogonal, Orthogonal, OrthogonalMap};
 
-use crate::conv::{Conv, ConvTranspose};
+use crate::conv::{Conv, ConvTranspose, LazyConv};
 use crate::error::Result;
-use crate::linear::Linear;
-use crate::{Module, ModuleExt, Param};
+use crate::linear::{LazyLinear, Linear};
+use crate::{Lazy, Module, ModuleExt, Param};
 use module_core::KeyRule;
 use module_core::ParametrizeError;
 
@@ -157,43 +160,60 @@ host!(Linear; false, |l| l.lora.is_some());
 host!(Conv<D>, D; false, |_| false);
 host!(ConvTranspose<D>, D; true, |_| false);
 
+/// Calls `$m!` with every layer type that takes parametrizations, and the lazy forms holding
+/// one: a built `Lazy<L>` cell, `LazyLinear`, `LazyConv1d/2d` (their paths are the layer's).
+macro_rules! for_hosts {
+    ($m:ident) => {
+        $m!(Linear, Conv<1>, Conv<2>, Conv<3>, ConvTranspose<1>, ConvTranspose<2>);
+        $m!(@lazy Linear, Conv<1>, Conv<2>, Conv<3>, ConvTranspose<1>, ConvTranspose<2>);
+        $m!(@field LazyLinear => linear, LazyConv<1> => conv, LazyConv<2> => conv);
+    };
+}
+
 /// `m` as a layer that takes parametrizations, if it is one.
 fn as_host(m: &dyn Module) -> Option<&dyn Host> {
     macro_rules! try_as {
+        (@lazy $($ty:ty),*) => {$(
+            if let Some(h) = m.downcast_ref::<Lazy<$ty>>().and_then(Lazy::get) {
+                return Some(h);
+            }
+        )*};
+        (@field $($ty:ty => $field:ident),*) => {$(
+            if let Some(h) = m.downcast_ref::<$ty>() {
+                return Some(&h.$field);
+            }
+        )*};
         ($($ty:ty),*) => {$(
             if let Some(h) = m.downcast_ref::<$ty>() {
                 return Some(h);
             }
         )*};
     }
-    try_as!(
-        Linear,
-        Conv<1>,
-        Conv<2>,
-        Conv<3>,
-        ConvTranspose<1>,
-        ConvTranspose<2>
-    );
+    for_hosts!(try_as);
     None
 }
 
 /// [`as_host`], mutably.
 fn as_host_mut(m: &mut dyn Module) -> Option<&mut dyn Host> {
     macro_rules! try_as {
+        (@lazy $($ty:ty),*) => {$(
+            if m.is::<Lazy<$ty>>() {
+                let cell = m.downcast_mut::<Lazy<$ty>>()?;
+                return cell.get_mut().map(|h| h as &mut dyn Host);
+            }
+        )*};
+        (@field $($ty:ty => $field:ident),*) => {$(
+            if m.is::<$ty>() {
+                return m.downcast_mut::<$ty>().map(|h| &mut h.$field as &mut dyn Host);
+            }
+        )*};
         ($($ty:ty),*) => {$(
             if m.is::<$ty>() {
                 return m.downcast_mut::<$ty>().map(|h| h as &mut dyn Host);
             }
         )*};
     }
-    try_as!(
-        Linear,
-        Conv<1>,
-        Conv<2>,
-        Conv<3>,
-        ConvTranspose<1>,
-        ConvTranspose<2>
-    );
+    for_hosts!(try_as);
     None
 }
 
@@ -203,6 +223,9 @@ pub(crate) fn split_path(path: &str) -> (&str, &str) {
 }
 
 fn unsupported(m: &dyn Module, layer: &str) -> ParametrizeError {
+    if m.__unbuilt() {
+        return invalid(layer, "the layer is not built yet: build or load it first");
+    }
     ParametrizeError::UnsupportedModule {
         path: layer.to_owned(),
         found: m.class_name(),
@@ -273,11 +296,8 @@ where
     let (layer, name) = split_path(path);
     let training = module_core::path::submodule(model.as_dyn(), layer)?.is_training();
     let m = model.get_submodule_dyn_mut(layer)?;
-    let class = m.class_name();
-    let host = as_host_mut(m).ok_or_else(|| ParametrizeError::UnsupportedModule {
-        path: layer.to_owned(),
-        found: class,
-    })?;
+    let refused = unsupported(m, layer);
+    let host = as_host_mut(m).ok_or(refused)?;
     if host.has_adapter() {
         return Err(invalid(
             path,
@@ -394,11 +414,8 @@ pub fn remove_parametrizations<M: ModuleExt + ?Sized>(
 ) -> Result<()> {
     let (layer, name) = split_path(path);
     let m = model.get_submodule_dyn_mut(layer)?;
-    let class = m.class_name();
-    let host = as_host_mut(m).ok_or_else(|| ParametrizeError::UnsupportedModule {
-        path: layer.to_owned(),
-        found: class,
-    })?;
+    let refused = unsupported(m, layer);
+    let host = as_host_mut(m).ok_or(refused)?;
     let Some(list) = host.slot().as_ref().and_then(|s| s.list(name)) else {
         if host.tensor(name).is_none() {
             return Err(no_tensor(host, path).into());
