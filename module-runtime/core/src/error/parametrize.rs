@@ -22,7 +22,8 @@ pub enum ParametrizeError {
     /// The module holding the tensor is of a type that takes no parametrization here.
     #[error(
         "`{path}` is a `{found}`: parametrizations are registered on the weights and biases of \
-         `Linear`, `Conv1d/2d/3d` and `ConvTranspose1d/2d` layers (also lazy ones, once built)"
+         `Linear`, `Conv1d/2d/3d`, `ConvTranspose1d/2d` and `Embedding` layers (also lazy ones, \
+         once built)"
     )]
     UnsupportedModule {
         /// The module's path.

@@ -23,7 +23,7 @@
 //! - `print(model)` shows `ParametrizedLinear(` with its `(parametrizations): ModuleDict(...)`.
 //!
 //! The layers that take parametrizations are `Linear`, `Conv1d/2d/3d` and `ConvTranspose1d/2d`
-//! (their `weight` and `bias`), also in a built `Lazy` cell and as `LazyLinear`, `LazyConv1d/2d`
+//! (their `weight` and `bias`) and `Embedding` (its `weight`), also in a built `Lazy` cell and as `LazyLinear`, `LazyConv1d/2d`
 //! once built; another module at the path is
 //! [`ParametrizeError::UnsupportedModule`]. Every error names the tensor's path and leaves the
 //! model as it was.
@@ -79,6 +79,7 @@ pub use norms::{spectral_norm, weight_norm, SpectralNorm, SpectralNormOptions, W
 pub use orthogonal::{orthogonal, Orthogonal, OrthogonalMap};
 
 use crate::conv::{Conv, ConvTranspose, LazyConv};
+use crate::embedding::Embedding;
 use crate::error::Result;
 use crate::linear::{LazyLinear, Linear};
 use crate::{Lazy, Module, ModuleExt, Param};
@@ -105,6 +106,36 @@ pub(crate) trait Host: Module {
 }
 
 macro_rules! host {
+    ($ty:ty, weight only; $adapter:expr) => {
+        impl Host for $ty {
+            fn tensor(&self, name: &str) -> Option<&Param> {
+                (name == "weight").then_some(&self.weight)
+            }
+            fn tensor_mut(&mut self, name: &str) -> Option<&mut Param> {
+                (name == "weight").then_some(&mut self.weight)
+            }
+            fn tensor_names(&self) -> Vec<&'static str> {
+                vec!["weight"]
+            }
+            fn slot(&self) -> &Option<Box<Parametrizations>> {
+                &self.parametrizations
+            }
+            fn slot_mut(&mut self) -> &mut Option<Box<Parametrizations>> {
+                &mut self.parametrizations
+            }
+            fn has_adapter(&self) -> bool {
+                let adapter: fn(&Self) -> bool = $adapter;
+                adapter(self)
+            }
+        }
+
+        impl $ty {
+            /// The weight as the forward computes with it (parametrized or not).
+            pub(crate) fn weight_value(&self) -> Result<Tensor> {
+                value_of(&self.weight, "weight", &self.parametrizations)
+            }
+        }
+    };
     ($ty:ty $(, $generic:ident)? ; $transposed:expr, $adapter:expr) => {
         impl$(<const $generic: usize>)? Host for $ty {
             fn tensor(&self, name: &str) -> Option<&Param> {
@@ -157,6 +188,7 @@ macro_rules! host {
     };
 }
 host!(Linear; false, |l| l.lora.is_some());
+host!(Embedding, weight only; |e| e.lora.is_some());
 host!(Conv<D>, D; false, |_| false);
 host!(ConvTranspose<D>, D; true, |_| false);
 
@@ -164,7 +196,7 @@ host!(ConvTranspose<D>, D; true, |_| false);
 /// one: a built `Lazy<L>` cell, `LazyLinear`, `LazyConv1d/2d` (their paths are the layer's).
 macro_rules! for_hosts {
     ($m:ident) => {
-        $m!(Linear, Conv<1>, Conv<2>, Conv<3>, ConvTranspose<1>, ConvTranspose<2>);
+        $m!(Linear, Conv<1>, Conv<2>, Conv<3>, ConvTranspose<1>, ConvTranspose<2>, Embedding);
         $m!(@lazy Linear, Conv<1>, Conv<2>, Conv<3>, ConvTranspose<1>, ConvTranspose<2>);
         $m!(@field LazyLinear => linear, LazyConv<1> => conv, LazyConv<2> => conv);
     };
