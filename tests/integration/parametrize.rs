@@ -556,3 +556,40 @@ fn lazy_layers_once_built() {
     assert!(cell.get_buffer("fc.parametrizations.weight.0._u").is_ok());
     assert_eq!(cell.fc.get().unwrap().call(&x).unwrap().dims(), [2, 3]);
 }
+
+/// PyTorch's `module.weight = value` on a parametrized layer: `ParametrizationList::right_inverse`
+/// sets the originals so that the layer computes `value` (a plain checkpoint's weight into a
+/// weight-normed layer); a value of another shape changes nothing.
+#[test]
+fn assigning_through_right_inverse() {
+    use module_runtime::nn::parametrize::ParametrizationList;
+    let w = Tensor::randn(0f32, 1., (4, 4), &dev()).unwrap();
+    let mut fc = Linear::new(4, 4, &dev()).unwrap();
+    weight_norm(&mut fc, "weight", Some(0)).unwrap();
+    let list: &ParametrizationList = fc.get_submodule("parametrizations.weight").unwrap();
+    list.right_inverse(&w).unwrap();
+    assert!(max_diff(&parametrized_tensor(&fc, "weight").unwrap(), &w) < 1e-5);
+
+    // Orthogonal: an orthogonal value is kept (its base becomes it).
+    let mut q = Linear::new(4, 4, &dev()).unwrap();
+    orthogonal(&mut q, "weight", None).unwrap();
+    let target = parametrized_tensor(&fc, "weight").unwrap();
+    let list: &ParametrizationList = q.get_submodule("parametrizations.weight").unwrap();
+    list.right_inverse(&Tensor::eye(4, DType::F32, &dev()).unwrap())
+        .unwrap();
+    let eye = Tensor::eye(4, DType::F32, &dev()).unwrap();
+    assert!(max_diff(&parametrized_tensor(&q, "weight").unwrap(), &eye) < 1e-6);
+
+    let before: Vec<(String, Tensor)> = (fc.state_dict().unwrap().iter())
+        .map(|(k, t)| (k.to_owned(), t.copy().unwrap()))
+        .collect();
+    let list: &ParametrizationList = fc.get_submodule("parametrizations.weight").unwrap();
+    let err = list
+        .right_inverse(&w.t().unwrap().narrow(0, 0, 3).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("[3, 4]"), "{err}");
+    for (k, t) in &before {
+        assert_eq!(max_diff(t, fc.state_dict().unwrap().get(k).unwrap()), 0.0);
+    }
+    assert!(max_diff(&parametrized_tensor(&fc, "weight").unwrap(), &target) < 1e-6);
+}

@@ -35,9 +35,10 @@ pub enum ParametrizeError {
     /// The tensor cannot take this parametrization: a dimension out of range, a 1-D tensor for a
     /// matrix parametrization, a parametrization that changes the tensor's shape or dtype, a
     /// quantized or unbuilt weight, a layer with adapters, …
-    #[error("`{path}`: {message}")]
+    #[error("{}{message}", at(.path))]
     Invalid {
-        /// The tensor's path.
+        /// The tensor's path (empty where the call does not know it:
+        /// `ParametrizationList::right_inverse`).
         path: String,
         /// What is wrong, with the shapes or values involved.
         message: String,
@@ -62,6 +63,14 @@ pub enum ParametrizeError {
          parametrization first"
     )]
     StandIn,
+}
+
+fn at(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!("`{path}`: ")
+    }
 }
 
 fn has(names: &[String]) -> String {

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::container::ModuleDict;
 use crate::error::Result;
@@ -87,6 +87,8 @@ impl<T: Parametrization + Clone> ParametrizationClone for T {
 pub struct ParametrizationList {
     pub(crate) originals: Vec<Param>,
     pub(crate) chain: Vec<Box<dyn Parametrization>>,
+    /// The parametrized tensor's shape and dtype (every parametrization keeps them).
+    pub(crate) like: (Vec<usize>, DType),
 }
 
 impl Clone for ParametrizationList {
@@ -94,6 +96,7 @@ impl Clone for ParametrizationList {
         Self {
             originals: self.originals.clone(),
             chain: self.chain.iter().map(|p| p.box_clone()).collect(),
+            like: self.like.clone(),
         }
     }
 }
@@ -136,6 +139,89 @@ impl ParametrizationList {
             }
         });
         Ok(t)
+    }
+
+    /// Sets the originals so that the list computes `value`: PyTorch's
+    /// `ParametrizationList.right_inverse(value)`, what `module.weight = value` does on a
+    /// parametrized module. Each parametrization's [`right_inverse`](Parametrization::right_inverse)
+    /// runs, the last registered first (a later one must give one tensor); the originals are set
+    /// in place (an optimizer holding them keeps training them), all or none: a value or result of
+    /// another shape or dtype is [`ParametrizeError::Invalid`] and changes nothing.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::parametrize::{parametrized_tensor, weight_norm, ParametrizationList};
+    ///
+    /// let mut fc = Linear::new(3, 2, &Device::Cpu)?;
+    /// weight_norm(&mut fc, "weight", Some(0))?;
+    /// // A plain checkpoint's weight, into the weight-normed layer.
+    /// let w = Tensor::new(&[[1f32, 2., 2.], [0., 3., 4.]], &Device::Cpu)?;
+    /// fc.get_submodule::<ParametrizationList>("parametrizations.weight")?.right_inverse(&w)?;
+    /// let g = fc.get_parameter("parametrizations.weight.original0")?.tensor()?;
+    /// assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, [3., 5.]);
+    /// let got = parametrized_tensor(&fc, "weight")?;
+    /// assert!((got - w)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn right_inverse(&self, value: &Tensor) -> Result<()> {
+        let invalid = |message: String| ParametrizeError::Invalid {
+            path: String::new(),
+            message,
+        };
+        let (dims, dtype) = &self.like;
+        if value.dims() != dims || value.dtype() != *dtype {
+            return Err(invalid(format!(
+                "a value of shape {:?} and dtype {:?} for a tensor of shape {dims:?} and dtype \
+                 {dtype:?}",
+                value.dims(),
+                value.dtype()
+            ))
+            .into());
+        }
+        let values = module_core::without_grad(|| -> Result<Vec<Tensor>> {
+            let mut values = vec![value.detach()];
+            for (i, p) in self.chain.iter().enumerate().rev() {
+                let one = match &values[..] {
+                    [one] => one.clone(),
+                    many => {
+                        return Err(invalid(format!(
+                            "parametrization {} gave {} tensors to the one before it, which takes \
+                             one",
+                            i + 1,
+                            many.len()
+                        ))
+                        .into())
+                    }
+                };
+                values = p.right_inverse(&one)?;
+            }
+            Ok(values)
+        })?;
+        if values.len() != self.originals.len() {
+            return Err(invalid(format!(
+                "`right_inverse` gave {} tensors for {} originals",
+                values.len(),
+                self.originals.len()
+            ))
+            .into());
+        }
+        let names = self.original_names();
+        for ((v, o), name) in values.iter().zip(&self.originals).zip(&names) {
+            if v.shape() != &o.shape() || v.dtype() != o.dtype() {
+                return Err(invalid(format!(
+                    "`right_inverse` gave {name} of shape {:?} and dtype {:?}; it is {:?}, {:?}",
+                    v.dims(),
+                    v.dtype(),
+                    o.shape().dims(),
+                    o.dtype()
+                ))
+                .into());
+            }
+        }
+        for (v, o) in values.iter().zip(&self.originals) {
+            o.set(v)?;
+        }
+        Ok(())
     }
 
     /// The chain run on `originals`.

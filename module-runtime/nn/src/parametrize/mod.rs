@@ -422,6 +422,7 @@ where
     let list = ParametrizationList {
         originals,
         chain: vec![p],
+        like: (shape.dims().to_vec(), dtype),
     };
     let slot = host.slot_mut().get_or_insert_with(Default::default);
     slot.parametrizations.insert(name, list)?;
