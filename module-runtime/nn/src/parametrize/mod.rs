@@ -264,9 +264,8 @@ fn unsupported(m: &dyn Module, layer: &str) -> ParametrizeError {
     }
 }
 
-/// The layer at `layer` (in `root`), as a host; `path` is the tensor's, for errors.
-pub(crate) fn host_ref<'a>(root: &'a dyn Module, layer: &str, path: &str) -> Result<&'a dyn Host> {
-    let _ = path;
+/// The layer at `layer` (in `root`), as a host.
+pub(crate) fn host_ref<'a>(root: &'a dyn Module, layer: &str) -> Result<&'a dyn Host> {
     let m = module_core::path::submodule(root, layer)?;
     as_host(m).ok_or_else(|| unsupported(m, layer).into())
 }
@@ -506,7 +505,7 @@ pub fn is_parametrized<M: ModuleExt + ?Sized>(model: &M, path: &str) -> bool {
 /// the parameter's own value otherwise.
 pub fn parametrized_tensor<M: ModuleExt + ?Sized>(model: &M, path: &str) -> Result<Tensor> {
     let (layer, name) = split_path(path);
-    let host = host_ref(model.as_dyn(), layer, path)?;
+    let host = host_ref(model.as_dyn(), layer)?;
     let param = host.tensor(name).ok_or_else(|| no_tensor(host, path))?;
     value_of(param, name, host.slot())
 }

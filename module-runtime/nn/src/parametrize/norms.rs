@@ -244,7 +244,7 @@ pub fn weight_norm<M: ModuleExt + ?Sized>(
     dim: Option<usize>,
 ) -> Result<()> {
     let (layer, name) = split_path(path);
-    let rank = host_ref(model.as_dyn(), layer, path)?
+    let rank = host_ref(model.as_dyn(), layer)?
         .tensor(name)
         .map(|p| p.shape().rank());
     if let (Some(d), Some(rank)) = (dim, rank)
@@ -285,7 +285,7 @@ pub fn spectral_norm<M: ModuleExt + ?Sized>(
     options: SpectralNormOptions,
 ) -> Result<()> {
     let (layer, _) = split_path(path);
-    let host = host_ref(model.as_dyn(), layer, path)?;
+    let host = host_ref(model.as_dyn(), layer)?;
     let options = SpectralNormOptions {
         dim: Some(options.dim.unwrap_or(usize::from(host.transposed()))),
         ..options
