@@ -1,7 +1,7 @@
 //! An orthogonal weight: PyTorch's `torch.nn.utils.parametrizations.orthogonal` ([`Orthogonal`],
 //! [`orthogonal`]), with its dynamic trivialization (`use_trivialization=True`, the default) and
-//! the maps `matrix_exp` and `householder` (PyTorch's default for a square and for a non-square
-//! matrix).
+//! its three maps: `matrix_exp` and `householder` (PyTorch's default for a square and for a
+//! non-square matrix) and `cayley`.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -17,6 +17,8 @@ pub enum OrthogonalMap {
     MatrixExp,
     /// The product of the Householder reflectors stored below the original's diagonal.
     Householder,
+    /// The Cayley map `(I − A/2)⁻¹ (I + A/2)` of the same skew-symmetric `A` as `MatrixExp`'s.
+    Cayley,
 }
 
 /// `Q`, an `n × k` matrix with orthonormal columns (or rows, when wider than tall), from its
@@ -25,8 +27,8 @@ pub enum OrthogonalMap {
 /// registration and the original starting as `-I`, so that the weight starts as the orthogonal
 /// matrix nearest to the layer's (its QR factor `Q`).
 ///
-/// Matrices only (a 2-D weight, as a `Linear`'s); PyTorch's Cayley map and batches of matrices are
-/// not implemented.
+/// Matrices only (a 2-D weight, as a `Linear`'s); PyTorch's batches of matrices are not
+/// implemented.
 #[derive(Module, Clone, Debug)]
 #[module(crate = module_core)]
 #[module(class_name = "_Orthogonal")]
@@ -127,6 +129,24 @@ fn matrix_exp(a: &Tensor) -> Result<Tensor> {
     Ok(sum)
 }
 
+/// `M⁻¹ B` by Gauss–Jordan elimination in tensor ops (so gradients flow through it), without
+/// pivoting: the Cayley map's `M = I − A/2`, `A` skew-symmetric, has a positive definite symmetric
+/// part (`xᵀMx = |x|²`), so every pivot is nonzero and the elimination is stable. PyTorch's
+/// `torch.linalg.solve(M, B)` (candle has no solver).
+fn solve(m: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let n = m.dim(0)?;
+    let eye = Tensor::eye(n, m.dtype(), m.device())?;
+    let mut aug = Tensor::cat(&[m, b], 1)?;
+    for i in 0..n {
+        let row = aug.narrow(0, i, 1)?;
+        let row = row.broadcast_div(&row.narrow(1, i, 1)?)?;
+        // Row i becomes `row`; every other row r loses `aug[r, i]` times it.
+        let col = (aug.narrow(1, i, 1)? - eye.narrow(1, i, 1)?)?;
+        aug = (aug - col.matmul(&row)?)?;
+    }
+    Ok(aug.narrow(1, n, b.dim(1)?)?)
+}
+
 /// The first `k` columns of `H₀ H₁ ⋯ H_{k−1}`, `Hᵢ = I − τᵢ vᵢ vᵢᵀ`, `vᵢ` column `i` of `a` (zero
 /// on and above the diagonal) plus `eᵢ`: PyTorch's `householder_product(a, tau)`.
 fn householder_product(a: &Tensor, tau: &Tensor) -> Result<Tensor> {
@@ -168,13 +188,19 @@ impl super::Parametrization for Orthogonal {
         let (n, k) = x.dims2()?;
         let (dtype, device) = (x.dtype(), x.device().clone());
         let q = match self.map {
-            OrthogonalMap::MatrixExp => {
+            OrthogonalMap::MatrixExp | OrthogonalMap::Cayley => {
                 let mut low = (&x * tril_mask(n, k, 0, dtype, &device)?)?;
                 if n != k {
                     low = Tensor::cat(&[&low, &Tensor::zeros((n, n - k), dtype, &device)?], 1)?;
                 }
                 let a = (&low - low.t()?)?;
-                matrix_exp(&a)?.narrow(1, 0, k)?
+                let q = if self.map == OrthogonalMap::Cayley {
+                    let eye = Tensor::eye(n, dtype, &device)?;
+                    solve(&(&eye - (&a * 0.5)?)?, &(&eye + (&a * 0.5)?)?)?
+                } else {
+                    matrix_exp(&a)?
+                };
+                q.narrow(1, 0, k)?
             }
             OrthogonalMap::Householder => {
                 let a = (&x * tril_mask(n, k, -1, dtype, &device)?)?;
