@@ -35,6 +35,7 @@ mod load_errors;
 mod module_api;
 mod new_user;
 mod one_dependency;
+mod parametrize;
 mod parity_layers;
 mod parity_seq;
 mod parity_training;
