@@ -95,9 +95,9 @@ pub use module_core::{
     no_grad, parse_device, py_bool, py_float, py_tuple, short_type_name, without_grad, Buffer,
     Child, ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward,
     GgufErrorKind, GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport,
-    Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PeftError,
-    PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance,
-    TypedPath, EXTRA_STATE_KEY,
+    Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, ParametrizeError, PathExt,
+    PathPattern, PeftError, PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary,
+    SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
 pub use module_functional::{checkpoint, FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};

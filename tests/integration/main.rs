@@ -36,6 +36,7 @@ mod load_transforms;
 mod module_api;
 mod new_user;
 mod one_dependency;
+mod parametrize;
 mod parity_layers;
 mod parity_seq;
 mod parity_training;

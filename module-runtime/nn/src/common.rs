@@ -216,7 +216,8 @@ fn fit_dims(lazy: Option<LazyShape>, built: Shape, set: Option<(usize, usize)>) 
 }
 
 /// Builds a lazy layer's `param` for `input` (dimension `set.0` of its shape is `set.1`), or checks
-/// that `input` fits the shape it was built with; [`Error::LazyInput`] naming the layer if not.
+/// that `input` fits the shape it was built with; [`Error::LazyInput`] naming the layer if not. A
+/// parametrized tensor's stand-in is checked by its shape (the computed tensor's).
 pub(crate) fn fit_param(
     layer: &'static str,
     name: &'static str,
@@ -224,9 +225,12 @@ pub(crate) fn fit_param(
     set: Option<(usize, usize)>,
     fan_in: usize,
     input: &Tensor,
-) -> Result<Tensor> {
+) -> Result<()> {
     let dims = fit_dims(param.lazy_shape(), param.shape(), set);
-    layer_param(layer, name, param, &dims, fan_in, input)
+    if param.is_parametrized() {
+        return check_fit(layer, name, param.shape().dims(), &dims, input);
+    }
+    layer_param(layer, name, param, &dims, fan_in, input).map(drop)
 }
 
 /// Like [`fit_param`], for a buffer (running statistics).

@@ -10,15 +10,17 @@ mod distributed;
 mod divergence;
 mod gguf;
 mod messages;
+mod parametrize;
 mod peft;
 mod pth;
 mod quantize;
 mod transform;
 
+pub use transform::TransformError;
 pub use {backward::carry, backward::BackwardHookError, checkpoint::CheckpointError};
 pub use {debug::fmt_debug, gguf::GgufErrorKind, messages::location_name, peft::PeftError};
 pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
-pub use {pth::PthErrorKind, quantize::QuantizeError, transform::TransformError};
+pub use {parametrize::ParametrizeError, pth::PthErrorKind, quantize::*};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -249,19 +251,18 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// Data-parallel training: a collective failed, the environment is half set, or the ranks
-    /// built different models; see [`DistributedError`](DistributedError).
+    /// Data-parallel training: a failed collective, a half-set environment, …; see [`DistributedError`].
     #[error(transparent)]
     Distributed(#[from] DistributedError),
-
-    /// Quantized weights: a pattern matching no `Linear`, a weight the kind's blocks do not fit,
-    /// an unusable GGUF file; see [`QuantizeError`].
+    /// Quantized weights: a pattern matching no `Linear`, an unusable GGUF file, …; see [`QuantizeError`].
     #[error(transparent)]
     Quantize(#[from] QuantizeError),
-
     /// PEFT adapters: an unknown config field, targets matching nothing, …; see [`PeftError`].
     #[error(transparent)]
     Peft(#[from] PeftError),
+    /// Parametrizations: a path naming no weight, a dimension out of range, …; see [`ParametrizeError`].
+    #[error(transparent)]
+    Parametrize(#[from] ParametrizeError),
 
     /// Backward hooks: a replacement gradient of another shape; see [`BackwardHookError`].
     #[error(transparent)]
@@ -327,8 +328,7 @@ pub enum Error {
     Forward {
         /// The path of the module whose forward failed (`encoder.layer.3.intermediate.dense`).
         path: String,
-        /// Its class name ([`Module::class_name`](crate::Module::class_name): `Linear`,
-        /// `BatchNorm1d`).
+        /// Its class name ([`Module::class_name`](crate::Module::class_name): `BatchNorm1d`).
         module_type: Box<str>,
         /// The error it failed with.
         #[source]

@@ -25,8 +25,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::common::{
-    add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, param_tensor,
-    uniform_fan_in, PerDim, Size,
+    add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, uniform_fan_in, PerDim,
+    Size,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
@@ -319,6 +319,9 @@ pub struct Conv<const D: usize> {
     /// Stride, padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvConfig,
+    /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
+    #[module(flatten)]
+    pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
 }
 
 /// A 1-D convolution: PyTorch's `nn.Conv1d`. See [`Conv`].
@@ -408,6 +411,7 @@ impl<const D: usize> Conv<D> {
             weight,
             bias,
             config,
+            parametrizations: None,
         })
     }
 
@@ -444,10 +448,10 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.tensor()?;
+        let weight = self.weight_value()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
         check_input::<D>(Self::names()?.layer, &weight, &self.config, x)?;
-        let bias = param_tensor(&self.bias)?;
+        let bias = self.bias_value()?;
         // An unbatched input (`[C, L]`, `[C, H, W]`) as a batch of one, as PyTorch takes it.
         let (xb, unbatched) = batched(x, D + 1, 0)?;
         let y = match D {
