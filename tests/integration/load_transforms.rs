@@ -674,3 +674,44 @@ fn state_dict_post_hooks_by_path_run_children_first() {
         Error::NoModuleMatch { .. }
     ));
 }
+
+/// The older `torch.nn.utils.weight_norm` keys (`weight_g`, `weight_v`) onto a parametrized
+/// layer, as PyTorch itself does it (its `_weight_norm_compat_hook` is a load pre-hook): one
+/// pre-hook by type serves every `Linear` of a model.
+#[test]
+fn a_pre_hook_by_type_loads_legacy_weight_norm_keys() {
+    use module_runtime::nn::parametrize::weight_norm;
+    let mut fc = linear(3, 2);
+    weight_norm(&mut fc, "weight", Some(0)).unwrap();
+    let hooks = StateDictHooks::new();
+    hooks
+        .register_load_state_dict_pre_hook(HookTarget::of_type::<Linear>(), |_, sd| {
+            let p = sd.prefix().to_owned();
+            for (old, new) in [("weight_g", "original0"), ("weight_v", "original1")] {
+                if sd.contains(&format!("{p}{old}")) {
+                    let new = format!("{p}parametrizations.weight.{new}");
+                    sd.rename(&format!("{p}{old}"), &new)?;
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    let mut legacy = StateDict::new();
+    let dev = Device::Cpu;
+    legacy.insert("weight_g", Tensor::new(&[[2f32], [3.]], &dev).unwrap());
+    legacy.insert(
+        "weight_v",
+        Tensor::new(&[[3f32, 0., 4.], [0., 1., 0.]], &dev).unwrap(),
+    );
+    legacy.insert("bias", Tensor::zeros(2, DType::F32, &dev).unwrap());
+    fc.load_state_dict(&legacy, &LoadOptions::default().state_dict_hooks(&hooks))
+        .unwrap();
+    // weight = g * v / |v| per row.
+    let y = fc
+        .call(&Tensor::new(&[[1f32, 1., 1.]], &dev).unwrap())
+        .unwrap();
+    let expected = [2. * 7. / 5., 3.];
+    for (a, b) in y.to_vec2::<f32>().unwrap()[0].iter().zip(expected) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
