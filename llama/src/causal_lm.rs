@@ -6,6 +6,7 @@
 //! [`step`]: Recurrent::step
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 
 use module_runtime::nn::Linear;
 use module_runtime::prelude::*;
@@ -52,7 +53,54 @@ pub struct LlamaForCausalLM {
     inv_freq: Vec<f32>,
 }
 
+/// One decoder layer without a cache through [`checkpoint`](module_runtime::checkpoint):
+/// transformers' `self._gradient_checkpointing_func(decoder_layer.__call__, ...)`. The layer
+/// inside the `Arc` is called, which hooks know by its path.
+fn checkpointed_layer(
+    layer: &std::sync::Arc<crate::model::LlamaDecoderLayer>,
+    hidden: Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let layer = layer.clone();
+    let run = move |xs: &[Tensor]| {
+        let input = LayerInput {
+            hidden: xs[0].clone(),
+            cos: xs[1].clone(),
+            sin: xs[2].clone(),
+            mask: xs.get(3).cloned(),
+            keys: None,
+            values: None,
+            filled: 0,
+        };
+        Ok(vec![(*layer).call(input)?])
+    };
+    let mut inputs = vec![hidden, cos.clone(), sin.clone()];
+    inputs.extend(mask.cloned());
+    Ok(module_runtime::checkpoint(run, &inputs)?.remove(0))
+}
+
 impl LlamaForCausalLM {
+    /// Checkpoints every decoder layer of the training forward (`call`) from now on
+    /// (transformers' `model.gradient_checkpointing_enable()`): in training, with gradients on,
+    /// each layer's activations are dropped after its forward and recomputed in the backward
+    /// ([`checkpoint`](module_runtime::checkpoint)), for less memory at the cost of a second
+    /// forward of the layers; the gradients are the same, bit for bit. Generation (`scan`,
+    /// `step`, with a cache) is not affected.
+    pub fn gradient_checkpointing_enable(&self) {
+        self.model
+            .gradient_checkpointing
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Stops checkpointing the decoder layers (transformers' `gradient_checkpointing_disable()`).
+    pub fn gradient_checkpointing_disable(&self) {
+        self.model
+            .gradient_checkpointing
+            .store(false, Ordering::Relaxed);
+    }
+
     /// A randomly initialized model (PyTorch's default initializations), in training mode.
     pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
         let model = LlamaModel::new(cfg, device)?;
@@ -149,7 +197,14 @@ impl LlamaForCausalLM {
         filled: usize,
     ) -> Result<Tensor> {
         let mut h = self.model.embed_tokens.call(ids)?;
+        let checkpointed = self.model.gradient_checkpointing.load(Ordering::Relaxed)
+            && module_runtime::is_grad_enabled()
+            && self.is_training();
         for (layer, (keys, values)) in self.model.layers.iter().zip(buffers) {
+            if checkpointed && keys.is_none() && values.is_none() {
+                h = checkpointed_layer(layer, h, &cos, &sin, mask.as_ref())?;
+                continue;
+            }
             h = layer.call(LayerInput {
                 hidden: h,
                 cos: cos.clone(),

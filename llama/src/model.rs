@@ -8,6 +8,9 @@
 //! Without buffers (training, `LlamaForCausalLM::call`) each attention attends over its own
 //! keys and values, and gradients flow through every op.
 
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
 use module_runtime::candle_nn::rotary_emb::rope_thd;
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig, SiLU};
@@ -72,10 +75,16 @@ pub struct LlamaDecoderLayer {
 pub struct LlamaModel {
     /// `[vocab, hidden]`.
     pub embed_tokens: Embedding,
-    /// `layers.0`, `layers.1`, …
-    pub layers: Vec<LlamaDecoderLayer>,
+    /// `layers.0`, `layers.1`, … Each is held through an `Arc` (its path is the same), so that a
+    /// checkpointed layer can be run again during the backward.
+    pub layers: Vec<Arc<LlamaDecoderLayer>>,
     /// The final norm.
     pub norm: RmsNorm,
+    /// Whether each layer's call is checkpointed in training (transformers'
+    /// `LlamaModel.gradient_checkpointing`): set by
+    /// [`gradient_checkpointing_enable`](crate::LlamaForCausalLM::gradient_checkpointing_enable).
+    #[module(skip)]
+    pub gradient_checkpointing: AtomicBool,
 }
 
 /// What one decoder layer runs on: the hidden states of the new tokens, their rotary tables, the
@@ -147,9 +156,10 @@ impl LlamaModel {
         Ok(Self {
             embed_tokens: Embedding::new(cfg.vocab_size, h, device)?,
             layers: (0..cfg.num_hidden_layers)
-                .map(|_| layer())
+                .map(|_| layer().map(Arc::new))
                 .collect::<Result<_>>()?,
             norm: norm()?,
+            gradient_checkpointing: AtomicBool::new(false),
         })
     }
 }

@@ -7,11 +7,13 @@
 //! each of them under its checkpoint path.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Dropout, Embedding, LayerNorm, LayerNormConfig, Linear, GELU};
 use module_runtime::prelude::*;
-use module_runtime::{Buffer, Error};
+use module_runtime::{checkpoint, is_grad_enabled, Buffer, Error};
 
 /// The hyperparameters of a BERT encoder: the fields of a Hugging Face `config.json` it needs.
 #[derive(Clone, Debug, PartialEq)]
@@ -196,8 +198,14 @@ pub struct BertLayer {
 #[derive(Module)]
 #[module(paths)]
 pub struct BertEncoder {
-    /// `layer.0`, `layer.1`, …
-    pub layer: Vec<BertLayer>,
+    /// `layer.0`, `layer.1`, … Each is held through an `Arc` (its path is the same), so that a
+    /// checkpointed layer can be run again during the backward.
+    pub layer: Vec<Arc<BertLayer>>,
+    /// Whether each layer's call is checkpointed in training (Hugging Face's
+    /// `BertEncoder.gradient_checkpointing`): set by
+    /// [`gradient_checkpointing_enable`](BertModel::gradient_checkpointing_enable).
+    #[module(skip)]
+    pub gradient_checkpointing: AtomicBool,
 }
 
 /// `tanh(dense(hidden[:, 0]))`: the first token's pooled output.
@@ -238,6 +246,25 @@ fn dropout(p: f64) -> Result<Dropout> {
 }
 
 impl BertModel {
+    /// Checkpoints every encoder layer from now on (Hugging Face's
+    /// `model.gradient_checkpointing_enable()`): in training, with gradients on, each layer's
+    /// activations are dropped after its forward and recomputed in the backward
+    /// ([`checkpoint`]), for less memory at the cost of a second
+    /// forward of the layers; the gradients are the same, bit for bit.
+    pub fn gradient_checkpointing_enable(&self) {
+        self.encoder
+            .gradient_checkpointing
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Stops checkpointing the encoder layers (Hugging Face's
+    /// `gradient_checkpointing_disable()`).
+    pub fn gradient_checkpointing_disable(&self) {
+        self.encoder
+            .gradient_checkpointing
+            .store(false, Ordering::Relaxed);
+    }
+
     /// A randomly initialized model (PyTorch's default initializations of each layer), in training
     /// mode. Load a checkpoint into it with `load_state_dict(path, ..)`.
     pub fn new(cfg: &BertConfig, device: &Device) -> Result<Self> {
@@ -293,8 +320,9 @@ impl BertModel {
             },
             encoder: BertEncoder {
                 layer: (0..cfg.num_hidden_layers)
-                    .map(|_| layer())
+                    .map(|_| layer().map(Arc::new))
                     .collect::<Result<_>>()?,
+                gradient_checkpointing: AtomicBool::new(false),
             },
             pooler: BertPooler {
                 dense: Linear::new(h, h, device)?,
@@ -414,9 +442,20 @@ impl Forward<(&Tensor, &Tensor)> for BertEncoder {
 
     /// `(hidden, mask bias)` → hidden.
     fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let checkpointed = self.gradient_checkpointing.load(Ordering::Relaxed)
+            && is_grad_enabled()
+            && self.is_training();
         let mut h = x.clone();
         for layer in &self.layer {
-            h = layer.call((&h, mask_bias))?;
+            h = if checkpointed {
+                // Hugging Face's `self._gradient_checkpointing_func(layer.__call__, ...)`.
+                let layer = layer.clone();
+                // The layer inside the `Arc`, which hooks know by its path.
+                let run = move |xs: &[Tensor]| Ok(vec![(*layer).call((&xs[0], &xs[1]))?]);
+                checkpoint(run, &[h, mask_bias.clone()])?.remove(0)
+            } else {
+                layer.call((&h, mask_bias))?
+            };
         }
         Ok(h)
     }

@@ -21,6 +21,9 @@ mod fused_training;
 
 #[path = "minilm/autocast.rs"]
 mod autocast;
+// Needs no checkpoint either.
+#[path = "minilm/checkpointing.rs"]
+mod checkpointing;
 
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {

@@ -57,7 +57,7 @@
 //                      module has                                         (on core, state)
 //   module-nn          the layers, Lazy, Recurrent                   (on core, state, hooks)
 //   module-functional  FunctionalExt: functional_call, call_and_update, deep_clone, flatten,
-//                      expect_outputs                                (on core, state, hooks)
+//                      expect_outputs, checkpoint           (on core, state, hooks, kernels)
 //   module-distributed DistributedDataParallel, collectives, DistributedSampler
 //                                                                           (on core, hooks)
 //   module-optim       optimizers, parameter groups, clipping, schedules, optimizer state
@@ -85,22 +85,28 @@ pub use module_core::atomic_update;
 /// The runtime's random generator, PyTorch's default generator: what it covers, what it does not.
 #[doc(inline)]
 pub use module_core::random;
+pub use module_core::BackwardHookError;
 #[doc(hidden)]
 pub use module_core::CallTarget;
+pub use module_core::CheckpointError;
 pub use module_core::{
     build_empty, device_name, empty_weights, enable_grad, extra_state_from_bytes,
     extra_state_to_bytes, generic_class_name, inference_mode, is_grad_enabled, module_repr,
     no_grad, parse_device, py_bool, py_float, py_tuple, short_type_name, without_grad, Buffer,
     Child, ChildMut, ChildRepr, EmptyWeightsGuard, Error, ExtraRepr, ExtraState, Forward,
     GgufErrorKind, GradModeGuard, HasPath, Init, InitFn, KeyFix, KeyRule, LazyShape, LoadReport,
-    Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, PathExt, PathPattern, PeftError,
-    PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary, SummaryRow, Tolerance,
-    TypedPath, EXTRA_STATE_KEY,
+    Mismatch, Mode, Module, Name, Names, OutputDivergence, Param, ParametrizeError, PathExt,
+    PathPattern, PeftError, PthErrorKind, QuantizeError, QuantizedLayout, Result, Shared, Summary,
+    SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
-pub use module_functional::{FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
+pub use module_functional::{checkpoint, FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
 #[doc(hidden)]
 pub use module_hooks::Scope;
+pub use module_hooks::{
+    register_hook, BackwardHookCtx, BackwardHookFn, BackwardHookOptions, BackwardPreHookFn,
+    TensorHookFn,
+};
 pub use module_hooks::{
     Captures, Dataflow, DataflowEdge, DataflowNode, ForwardHookFn, HookCtx, HookHandle,
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
@@ -140,6 +146,12 @@ pub use module_nn::{Build, Lazy, LazyExt, Recurrent};
 pub use module_state::{
     permute_rows, Checkpoint, FromPyValue, GgufFile, GgufValue, IncompatibleKeys, LoadOptions,
     LoadPostHookFn, PthValues, PyValue, StateDict,
+};
+// Load transforms and state-dict hooks (issue 43).
+pub use module_core::{TransformError, TransformReport};
+pub use module_state::{
+    HookTarget, LoadPreHookFn, LoadingStateDict, StateDictHookHandle, StateDictHooks,
+    StateDictPostHookFn,
 };
 
 /// `#[derive(Module)]`: implements [`Module`](trait@Module) by walking the fields.
@@ -217,6 +229,7 @@ pub mod prelude {
     };
     pub use crate::Recurrent;
     pub use crate::{build_empty, enable_grad, manual_seed, no_grad, without_grad};
+    pub use crate::{register_hook, BackwardHookOptions};
     pub use crate::{
         Buffer, Build, Error, Forward, FunctionalExt, HookOptions, Hooks, Lazy, LazyExt,
         LoadOptions, Mode, Module, ModuleExt, Param, PreHookOptions, Result, StateDict,

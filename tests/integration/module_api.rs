@@ -752,12 +752,11 @@ fn a_refused_extra_state_changes_nothing() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 5. What candle rules out: backward hooks, and what to do instead
+// 5. Gradients by name (backward hooks: tests/integration/backward_hooks.rs)
 // ---------------------------------------------------------------------------------------------
 
-/// PyTorch's `register_full_backward_hook` sees gradients as they flow (`Module._call_impl` wraps
-/// the call in a `BackwardHook`); candle's autograd has no hooks, so the documented replacement
-/// is to read the `GradStore` after `backward`, by parameter name.
+/// Every parameter's gradient is in the `GradStore` that `backward` returns, found by name through
+/// `named_parameters` (PyTorch's `p.grad` for each `(name, p)`).
 #[test]
 fn gradients_by_name_come_from_the_grad_store() {
     let m = outer();

@@ -1,12 +1,14 @@
 //! Reproducible runs: `manual_seed` (two runs seeded alike are bit-identical, differently seeded
-//! ones differ) and the training checkpoint (a run saved, restored and continued equals the
-//! uninterrupted one, bit for bit), also when the `train_digits` example is killed while it writes
-//! one (`killed_training`).
+//! ones differ), the training checkpoint (a run saved, restored and continued equals the
+//! uninterrupted one, bit for bit, also when the `train_digits` example is killed while it writes
+//! one: `killed_training`) and activation checkpointing (checkpointed training equals plain
+//! training, bit for bit, dropout included).
 //!
 //! A binary of its own: the runtime's generator is the process's, and the tests of the other
 //! binaries build layers (and so draw from it) on many threads at once. Here every test holds
 //! [`serial`] while it draws, so each sees only its own draws.
 
+mod activation_checkpoint;
 mod checkpoint;
 mod killed_training;
 mod seeds;

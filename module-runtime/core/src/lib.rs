@@ -14,13 +14,13 @@
 //! |---|---|
 //! | `type_name`, `lazy_shape`, `pattern`, `entries` | names, lazy shapes, path patterns, values by key in insertion order |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
-//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`); its message helpers and conversions (`messages`) |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`, `parametrize`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
 //! | `autocast`, `autocast_policy` | mixed precision: the per-thread `autocast` scope and its weight cache; PyTorch's per-op cast policy |
 //! | `random` | the runtime's seeded generator: `manual_seed`, its state, the draws every initializer and dropout makes |
 //! | `update_lock` | atomic weight updates: calls share a lock that updates hold exclusively |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
-//! | `param`, `quant`, `quant_slot`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`) |
+//! | `param`, `quant`, `quant_slot`, `parametrized`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`; a parametrized tensor's stand-in: `parametrized`) |
 //! | `extra_state` | [`ExtraState`]: a module's non-tensor state, its key, its all-or-nothing restore |
 //! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
 //! | `walk`, `path`, `names`, `views` | the walk and what is built on it |
@@ -68,6 +68,7 @@ pub mod module;
 pub mod names;
 #[doc(hidden)]
 pub mod param;
+mod parametrized;
 #[doc(hidden)]
 pub mod path;
 #[doc(hidden)]
@@ -100,8 +101,8 @@ pub mod walk;
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
-    DistributedError, Error, GgufErrorKind, OutputDivergence, PeftError, PthErrorKind,
-    QuantizeError, Result, Tolerance,
+    BackwardHookError, CheckpointError, DistributedError, Error, GgufErrorKind, OutputDivergence,
+    ParametrizeError, PeftError, PthErrorKind, QuantizeError, Result, Tolerance, TransformError,
 };
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
@@ -120,7 +121,7 @@ pub use param::Param;
 pub use pattern::PathPattern;
 pub use quant_slot::QuantizedLayout;
 pub use random::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
-pub use report::{LoadReport, Mismatch};
+pub use report::{LoadReport, Mismatch, TransformReport};
 pub use repr::{module_repr, py_bool, py_float, py_tuple, ChildRepr, ExtraRepr};
 pub use summary::{Summary, SummaryRow};
 pub use type_name::{generic_class_name, short_type_name};

@@ -54,11 +54,14 @@ pub struct Param(pub(crate) Arc<ParamInner>);
 
 pub(crate) struct ParamInner {
     /// Train/eval flags of the modules this is the first leaf of.
-    modes: ModeMarks,
+    pub(crate) modes: ModeMarks,
     pub(crate) var: LazyCell<Var>,
-    requires_grad: AtomicBool,
+    pub(crate) requires_grad: AtomicBool,
     /// The quantized weight, when the parameter is quantized (`quant.rs`).
     pub(crate) quant: QuantSlot,
+    /// Whether this is a parametrized tensor's stand-in (`parametrized.rs`): hidden from walks,
+    /// not readable.
+    pub(crate) parametrized: bool,
 }
 
 impl Param {
@@ -83,6 +86,7 @@ impl Param {
             var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            parametrized: false,
         }))
     }
 
@@ -113,6 +117,7 @@ impl Param {
             var: LazyCell::lazy(shape, init, dtype, device)?,
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            parametrized: false,
         })))
     }
 
@@ -149,6 +154,7 @@ impl Param {
             var: LazyCell::init(&shape.into(), init, fan_in, dtype, device)?,
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            parametrized: false,
         })))
     }
 
@@ -204,6 +210,7 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn tensor(&self) -> Result<Tensor> {
+        self.refuse_parametrized()?;
         if let Some(t) = self.substituted() {
             return Ok(t);
         }
@@ -267,6 +274,7 @@ impl Param {
     /// A [quantized](Self::quantize) parameter has no `Var` of its values: this is a fresh one
     /// holding them dequantized (writing to it leaves the parameter as it is).
     pub fn var(&self) -> Result<Var> {
+        self.refuse_parametrized()?;
         match self.0.var.unbuilt_error("parameter") {
             None => self.current_var(),
             Some(e) => Err(e),
@@ -345,6 +353,7 @@ impl Param {
     /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again (and keeps no
     /// float copy of it, as [`quantize`](Self::quantize) leaves it).
     pub fn set(&self, value: &Tensor) -> Result<()> {
+        self.refuse_parametrized()?;
         match self.quantized_dtype() {
             Some(kind) => self.set_requantized(value, kind, self.0.var.dtype()),
             None => self.set_value(value),
@@ -382,6 +391,7 @@ impl Param {
     /// A [quantized](Self::quantize) parameter quantizes `value` to its kind again, as
     /// [`set`](Self::set) does.
     pub fn assign(&self, value: &Tensor) -> Result<()> {
+        self.refuse_parametrized()?;
         check_float(value)?;
         let value = value.to_device(&self.0.var.device())?;
         match self.quantized_dtype() {
@@ -451,6 +461,7 @@ impl Param {
             var: LazyCell::eager(Var::from_tensor(&value)?),
             requires_grad: AtomicBool::new(self.0.requires_grad.load(Ordering::Relaxed)),
             quant: QuantSlot::with_entry(self.0.quant.entry()),
+            parametrized: self.0.parametrized,
         })))
     }
 

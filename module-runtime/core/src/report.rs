@@ -47,6 +47,22 @@ pub struct LoadReport {
     pub key_fix: Option<KeyFix>,
     /// How many model entries received a value.
     pub loaded: usize,
+    /// What each load transform (split, concatenation, transpose) and load pre-hook did, in the
+    /// order they ran.
+    pub transforms: Vec<TransformReport>,
+}
+
+/// What one load transform or load pre-hook did: the checkpoint keys it took and the keys it made
+/// of them (a split: one key consumed, several produced; a concatenation: the reverse).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransformReport {
+    /// The rule as code (`split("in_proj_weight", 0, ["q.weight", "k.weight", "v.weight"])`),
+    /// or `load_state_dict pre-hook on "path"`.
+    pub rule: String,
+    /// The keys it took, in order (nothing for a rule that matched no key, in a non-strict load).
+    pub consumed: Vec<String>,
+    /// The keys it made, in order.
+    pub produced: Vec<String>,
 }
 
 impl LoadReport {

@@ -1,9 +1,11 @@
 //! Functional calls: run a model on tensors given by path without changing it
 //! (`torch.func.functional_call`), state as a value (Oryx's `call_and_update`, JAX-style
-//! `flatten`), independent copies (`copy.deepcopy`), and checking submodule outputs against
-//! expected ones (Ivy's `expected_submod_rets`).
+//! `flatten`), independent copies (`copy.deepcopy`), checking submodule outputs against
+//! expected ones (Ivy's `expected_submod_rets`), and activation checkpointing
+//! (`torch.utils.checkpoint`: [`checkpoint`]).
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod deep_clone;
 mod expect;
 mod flat;
@@ -33,6 +35,7 @@ use module_core::Tolerance;
 use module_hooks::Captures;
 
 use crate::scope::{Frame, ScopeGuard};
+pub use checkpoint::checkpoint;
 pub use flat::{FlatSpec, TensorSpec};
 
 /// Options for [`FunctionalExt::functional_call_with`].

@@ -25,9 +25,9 @@ use crate::{path, views};
 ///
 /// What Rust rules out: `register_parameter`, `register_buffer` and `add_module` on a model at
 /// runtime (a struct's fields are fixed when it is compiled: declare an `Option<Param>` field, or
-/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime), and backward hooks
-/// (candle's autograd has none: read the `GradStore` that `backward` returns, by parameter,
-/// instead; see the [`hooks`](crate::Hooks) docs). Traversals list each parameter, buffer and `Arc`-shared module once, under the
+/// hold a `ModuleDict`/`BTreeMap<String, _>` for children named at runtime). Hooks, forward and
+/// backward, live in a [`Hooks`](crate::Hooks) registry attached for a run rather than on the
+/// module. Traversals list each parameter, buffer and `Arc`-shared module once, under the
 /// first path that reaches it, unless [`Names::keep_duplicates`] says otherwise.
 ///
 /// ```
@@ -398,7 +398,8 @@ pub trait ModuleExt: Module {
     /// module's own parameters, then its own buffers, then its submodules' (field order within each
     /// group, whatever the order of the fields of different kinds). A tied weight appears under each of its paths, non-persistent buffers not
     /// at all. The tensors share storage with the model. Fails with [`Error::Unbuilt`](module_core::Error::Unbuilt) if the model
-    /// is not built.
+    /// is not built. State-dict post-hooks (PyTorch's `register_state_dict_post_hook`) run in
+    /// [`StateDictHooks::state_dict`](module_state::StateDictHooks::state_dict).
     fn state_dict(&self) -> Result<StateDict> {
         crate::views::ensure_built(self.as_dyn(), "take the state dict of")?;
         crate::state::state_dict(self.as_dyn())
@@ -409,7 +410,8 @@ pub trait ModuleExt: Module {
     /// [`Checkpoint`](module_state::Checkpoint)), `options` says how ([`LoadOptions::default()`]: strict,
     /// as PyTorch's default; [`non_strict`](LoadOptions::non_strict), key rules,
     /// [`assign`](LoadOptions::assign), [`nested_in`](LoadOptions::nested_in) for a training
-    /// checkpoint, post-hooks).
+    /// checkpoint, post-hooks, transforms such as [`split`](LoadOptions::split) for tensors that
+    /// do not map one to one, pre-hooks through [`state_dict_hooks`](LoadOptions::state_dict_hooks)).
     ///
     /// All or nothing: every key is checked first, and on any problem the model is left exactly as it
     /// was and [`Error::Load`](module_core::Error::Load) lists every missing key, unexpected key and shape or dtype mismatch at

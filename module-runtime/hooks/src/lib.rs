@@ -11,10 +11,12 @@
 //! |---|---|
 //! | `scope` | where a pre-hook's replacement of a borrowed input lives during the call (the crate's `unsafe`) |
 //! | `tensor_tree` | [`TensorTree`]: the tensors of a call's inputs and outputs |
-//! | `hooks/hook` | what a hook is, what it is told ([`HookCtx`]), a registry's lists |
+//! | `hooks/hook` | what a hook is, what it is told ([`HookCtx`], [`BackwardHookCtx`]), a registry's lists |
+//! | `hooks/grad_op` | identity ops whose backward calls code; tensor gradient hooks ([`register_hook`]) |
+//! | `hooks/backward` | full backward hooks and pre-hooks at run time: the identities around a call |
 //! | `hooks/call_table` | the modules of a hooked tree by identity, at each of their paths |
 //! | `hooks/dispatch` | the call path: the registries attached to a thread, hook dispatch |
-//! | `hooks/registry`, `hooks/typed` | [`Hooks`]: forward and pre-forward hooks by pattern or typed path |
+//! | `hooks/registry`, `hooks/typed` | [`Hooks`]: forward, pre-forward and backward hooks by pattern or typed path |
 //! | `hooks/observe` | [`Captures`]: outputs recorded by path, call order |
 //! | `dataflow/` | [`Dataflow`]: a run's graph of modules and the tensors between them (`mod`); as DOT, rendered (`dot`) |
 //! | `ext` | [`ModuleExt`]: traversal, `call`, train/eval, state dicts, moves, summaries |
@@ -41,6 +43,10 @@ pub mod tensor_tree;
 
 pub use dataflow::{Dataflow, DataflowEdge, DataflowNode, NodeKind};
 pub use ext::ModuleExt;
+pub use hooks::{
+    register_hook, BackwardHookCtx, BackwardHookFn, BackwardHookOptions, BackwardPreHookFn,
+    TensorHookFn,
+};
 pub use hooks::{
     Captures, ForwardHookFn, HookCtx, HookHandle, HookOptions, Hooks, PreHookFn, PreHookOptions,
 };

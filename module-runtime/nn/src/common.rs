@@ -11,6 +11,7 @@ pub(crate) use crate::layer_macros::{
 };
 // The normalizations' composed step, which the kernels' `layer_norm` takes too.
 use crate::{Buffer, Init, LazyShape, Param};
+pub(crate) use module_core::autocast_policy::AutocastOp;
 pub(crate) use module_kernels::{compute_dtype, standardize_last_dim};
 
 /// A size over `N` spatial dimensions, given as one number for all of them (`3`), as an array
@@ -216,7 +217,8 @@ fn fit_dims(lazy: Option<LazyShape>, built: Shape, set: Option<(usize, usize)>) 
 }
 
 /// Builds a lazy layer's `param` for `input` (dimension `set.0` of its shape is `set.1`), or checks
-/// that `input` fits the shape it was built with; [`Error::LazyInput`] naming the layer if not.
+/// that `input` fits the shape it was built with; [`Error::LazyInput`] naming the layer if not. A
+/// parametrized tensor's stand-in is checked by its shape (the computed tensor's).
 pub(crate) fn fit_param(
     layer: &'static str,
     name: &'static str,
@@ -224,9 +226,12 @@ pub(crate) fn fit_param(
     set: Option<(usize, usize)>,
     fan_in: usize,
     input: &Tensor,
-) -> Result<Tensor> {
+) -> Result<()> {
     let dims = fit_dims(param.lazy_shape(), param.shape(), set);
-    layer_param(layer, name, param, &dims, fan_in, input)
+    if param.is_parametrized() {
+        return check_fit(layer, name, param.shape().dims(), &dims, input);
+    }
+    layer_param(layer, name, param, &dims, fan_in, input).map(drop)
 }
 
 /// Like [`fit_param`], for a buffer (running statistics).

@@ -51,6 +51,9 @@ pub struct Embedding {
     /// and `lora_embedding_B.<name>`; none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<LoraLayer>>,
+    /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
+    #[module(flatten)]
+    pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
 }
 
 /// How an [`Embedding`] is built: PyTorch's keyword arguments this layer supports, with PyTorch's
@@ -109,6 +112,7 @@ impl Embedding {
             max_norm: config.max_norm,
             norm_type: config.norm_type,
             lora: None,
+            parametrizations: None,
         })
     }
 
@@ -121,6 +125,7 @@ impl Embedding {
             max_norm: None,
             norm_type: 2.0,
             lora: None,
+            parametrizations: None,
         })
     }
 
@@ -315,7 +320,7 @@ impl Embedding {
                 return detach_padding(rows, ids, self.padding_idx);
             }
         }
-        let weight = self.weight.tensor()?;
+        let weight = self.weight_value()?;
         check_input_device("Embedding.weight", &weight, ids)?;
         check_ids("Embedding", "ids", ids)?;
         if let Some(max_norm) = self.max_norm {
@@ -409,7 +414,16 @@ impl module_core::ExtraRepr for Embedding {
     }
 
     fn class_repr(&self) -> Option<String> {
-        self.lora.as_ref().map(|_| "lora.Embedding".to_owned())
+        let parametrized = self
+            .parametrizations
+            .as_ref()
+            .map(|_| "ParametrizedEmbedding");
+        (self
+            .lora
+            .as_ref()
+            .map(|_| "lora.Embedding")
+            .or(parametrized))
+        .map(str::to_owned)
     }
 }
 

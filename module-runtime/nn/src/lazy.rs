@@ -103,6 +103,12 @@ impl<M> Lazy<M> {
         self.cell.get()
     }
 
+    /// The module, mutably, once built (the parametrizations' registration reaches a layer in a
+    /// cell through it).
+    pub(crate) fn get_mut(&mut self) -> Option<&mut M> {
+        self.cell.get_mut()
+    }
+
     /// Whether the module has been built.
     pub fn is_built(&self) -> bool {
         self.cell.get().is_some()

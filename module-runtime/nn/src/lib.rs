@@ -99,6 +99,8 @@ pub use module_kernels::{Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS};
 // Quantized weights: `quantize(&model, pattern, kind)`; PEFT adapters (`peft::get_peft_model`).
 pub mod peft;
 mod quantize;
+// Parametrizations: `parametrize::weight_norm`, `spectral_norm`, `orthogonal`.
+pub mod parametrize;
 
 pub use candle_core::quantized::GgmlDType;
 pub use quantize::{parse_quant_kind, quantize, QuantizeReport};

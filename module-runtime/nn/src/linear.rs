@@ -2,12 +2,11 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::common::{
-    fit_param, forward_by_value, layer_forward, lazy_param, param_tensor, uniform_fan_in,
-};
+use crate::common::{fit_param, forward_by_value, layer_forward, lazy_param, uniform_fan_in};
 use crate::device::{check_device, check_input_device};
 use crate::error::Result;
 use crate::fused::{fusion_applies, ElementwiseActivation};
+use crate::parametrize::Parametrizations;
 use crate::peft::LoraLayer;
 use crate::{Init, Module, ModuleExt, Param};
 use module_core::py_bool;
@@ -41,6 +40,9 @@ pub struct Linear {
     /// layer's children (`lora_A.default.weight`, …); none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<LoraLayer>>,
+    /// Parametrizations ([`parametrize`](crate::parametrize)): `parametrizations.weight.…`.
+    #[module(flatten)]
+    pub(crate) parametrizations: Option<Box<Parametrizations>>,
 }
 
 /// How a [`Linear`] or [`LazyLinear`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -125,6 +127,7 @@ impl Linear {
             weight,
             bias,
             lora: None,
+            parametrizations: None,
         }
     }
 
@@ -204,14 +207,14 @@ fn base_forward(layer: &Linear, x: &Tensor) -> Result<Tensor> {
         // one over the dequantized values.
         check_device("Linear.weight", &layer.weight.device(), x)?;
         check_in_features(layer.weight.shape().dims(), x)?;
-        let bias = param_tensor(&layer.bias)?;
+        let bias = layer.bias_value()?;
         return module_kernels::quantized_linear(x, &layer.weight, bias.as_ref());
     }
     // The weight first: an unloaded layer's error names its weight.
-    let weight = layer.weight.tensor()?;
+    let weight = layer.weight_value()?;
     check_input_device("Linear.weight", &weight, x)?;
     check_in_features(weight.dims(), x)?;
-    let bias = param_tensor(&layer.bias)?;
+    let bias = layer.bias_value()?;
     module_kernels::linear(x, &weight, bias.as_ref())
 }
 
@@ -263,7 +266,7 @@ fn check_in_features(weight: &[usize], x: &Tensor) -> Result<()> {
 #[module(paths)]
 pub struct LazyLinear {
     #[module(flatten)]
-    linear: Linear,
+    pub(crate) linear: Linear,
 }
 
 impl LazyLinear {
@@ -357,7 +360,8 @@ impl module_core::ExtraRepr for Linear {
     }
 
     fn class_repr(&self) -> Option<String> {
-        self.lora.as_ref().map(|_| "lora.Linear".to_owned())
+        let parametrized = self.parametrizations.as_ref().map(|_| "ParametrizedLinear");
+        (self.lora.as_ref().map(|_| "lora.Linear").or(parametrized)).map(str::to_owned)
     }
 }
 

@@ -56,8 +56,10 @@ impl Linear {
 /// The layers' outputs from one pass of the `q8_0` kernel, or `None` where any of them would not
 /// take that kernel when called alone (or a hook or the switch rules fusion out).
 fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-    // A layer with an adapter adds its adapter's output in its own call.
-    if !fusion_applies() || layers.iter().any(|layer| layer.lora.is_some()) {
+    // A layer with an adapter adds its adapter's output in its own call; a parametrized one
+    // computes its weight there.
+    let own_call = |layer: &&Linear| layer.lora.is_some() || layer.parametrizations.is_some();
+    if !fusion_applies() || layers.iter().any(own_call) {
         return Ok(None);
     }
     let weights: Vec<_> = layers.iter().map(|layer| &layer.weight).collect();

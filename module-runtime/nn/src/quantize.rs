@@ -123,6 +123,15 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
             report.quantized.push(path.clone());
             continue;
         }
+        if weight.is_parametrized() {
+            return Err(module_core::ParametrizeError::Invalid {
+                path: format!("{path}.weight"),
+                message: "a parametrized weight cannot be quantized: remove its \
+                          parametrizations first (`remove_parametrizations`)"
+                    .into(),
+            }
+            .into());
+        }
         if !weight.is_built() {
             weight.var()?; // an unbuilt (lazy or empty) weight: its `NotLoaded` error
         }

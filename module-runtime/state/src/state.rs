@@ -41,6 +41,12 @@ impl StateDict {
         self.entries.insert(key.into(), value);
     }
 
+    /// Removes `key`, returning its value (Python's `state_dict.pop(key, None)`); the other keys
+    /// keep their order.
+    pub fn remove(&mut self, key: &str) -> Option<Tensor> {
+        self.entries.remove(key)
+    }
+
     module_core::dict_accessors!(Tensor, "tensor");
 
     /// The entries as a `HashMap` (what candle's safetensors writer takes).
@@ -75,7 +81,9 @@ impl From<HashMap<String, Tensor>> for StateDict {
 /// else), no key rewriting, shapes must match exactly, and a value of another dtype is converted
 /// to the model's dtype as `Tensor.copy_` does (a float64 checkpoint into a float32 model, an
 /// integer value into a float parameter). [`exact_dtype`](Self::exact_dtype) asks for equal dtypes
-/// instead.
+/// instead. Tensors that do not map one to one onto the model's are split, concatenated or
+/// transposed by the transforms ([`split`](Self::split), [`cat`](Self::cat),
+/// [`transpose`](Self::transpose)), which run after the key rules.
 ///
 /// ```
 /// use module_runtime::LoadOptions;
@@ -90,6 +98,8 @@ pub struct LoadOptions {
     assign: bool,
     nested: Option<String>,
     post_hooks: PostHooks,
+    pub(crate) transforms: Vec<crate::transform::Transform>,
+    pub(crate) state_dict_hooks: Option<crate::state_dict_hooks::StateDictHooks>,
 }
 
 impl Default for LoadOptions {
@@ -101,6 +111,8 @@ impl Default for LoadOptions {
             assign: false,
             nested: None,
             post_hooks: PostHooks::default(),
+            transforms: Vec::new(),
+            state_dict_hooks: None,
         }
     }
 }
@@ -428,8 +440,11 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     let model_keys: HashSet<&str> = (targets.iter().map(|(k, _)| k.as_str()))
         .chain(extras.iter().map(|(k, _)| k.as_str()))
         .collect();
-    for (key, shape, dtype) in source.entries()? {
-        let mapped = options.map_key(&key);
+    // The checkpoint's keys after the key rules, the transforms and the load pre-hooks.
+    let (pending, transforms) = crate::pending::Pending::build(root, source, options, &model_keys)?;
+    let source: &dyn Source = &pending;
+    for (mapped, shape, dtype) in source.entries()? {
+        let key = mapped.clone();
         if model_keys.contains(mapped.as_str()) && !by_model_key.contains_key(&mapped) {
             by_model_key.insert(mapped, (key, shape, dtype));
         } else {
@@ -438,7 +453,10 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
     }
     let mut missing = Vec::new();
 
-    let mut report = LoadReport::default();
+    let mut report = LoadReport {
+        transforms,
+        ..LoadReport::default()
+    };
     let mut plan = Vec::new();
     for (path, slot) in &targets {
         let Some((key, shape, dtype)) = by_model_key.get(path) else {

@@ -32,8 +32,21 @@ pub(super) fn list_children(names: &[String]) -> String {
 }
 
 impl From<candle_core::Error> for Error {
+    /// An [`Error::Candle`], except for an error of ours that went through candle's backward (a
+    /// backward hook's, a checkpoint's recomputation's: [`carry`](super::backward::carry), which
+    /// candle carries as `WrappedContext`): it comes back as itself.
     fn from(e: candle_core::Error) -> Self {
-        Error::Candle(e)
+        match e {
+            candle_core::Error::WrappedContext { wrapped, context } => {
+                match wrapped.downcast::<Error>() {
+                    Ok(ours) => *ours,
+                    Err(wrapped) => {
+                        Error::Candle(candle_core::Error::WrappedContext { wrapped, context })
+                    }
+                }
+            }
+            other => Error::Candle(other),
+        }
     }
 }
 

@@ -3,18 +3,24 @@
 
 use candle_core::{DType, DeviceLocation, Shape};
 
+mod backward;
+mod checkpoint;
 mod debug;
 mod distributed;
 mod divergence;
 mod gguf;
 mod messages;
+mod parametrize;
 mod peft;
 mod pth;
 mod quantize;
+mod transform;
 
-pub use {debug::fmt_debug, distributed::DistributedError, gguf::GgufErrorKind};
-pub use {divergence::OutputDivergence, divergence::Tolerance, messages::location_name};
-pub use {peft::PeftError, pth::PthErrorKind, quantize::QuantizeError};
+pub use transform::TransformError;
+pub use {backward::carry, backward::BackwardHookError, checkpoint::CheckpointError};
+pub use {debug::fmt_debug, gguf::GgufErrorKind, messages::location_name, peft::PeftError};
+pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
+pub use {parametrize::ParametrizeError, pth::PthErrorKind, quantize::*};
 
 use messages::{
     at, at_offset, dtype_fix, file_prefix, flattened_fields, list_children, module_at,
@@ -26,20 +32,15 @@ use crate::type_name::short_type_name;
 
 /// Everything that can go wrong in `module-runtime`.
 ///
-/// Variants about a place in a model carry its path (PyTorch-style dotted path, `""` for the root);
-/// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own, which
-/// does not know where it sits in a model, name the layer type instead. Where shapes or dtypes are
-/// involved, both sides are given, so the message is actionable on its own.
+/// Variants about a place in a model carry its path (dotted, as PyTorch's; `""` for the root);
+/// those raised by a [`Param`](crate::Param), [`Buffer`](crate::Buffer) or layer on its own name
+/// the layer type. Where shapes or dtypes are involved, both sides are given.
 #[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An error from a candle operation.
-    ///
-    /// Its message is candle's without the backtrace candle attaches when `RUST_BACKTRACE` (or
-    /// `RUST_LIB_BACKTRACE`) is set (`candle_core::Error::WithBacktrace`): the backtrace is in
-    /// the `{:?}` (`Debug`) form only, so messages stay one line per frame of the model, as
-    /// PyTorch's exceptions are. [`source`](std::error::Error::source) is `None`: the candle
-    /// error is the field itself.
+    /// An error from a candle operation: candle's message less the backtrace it attaches when
+    /// `RUST_BACKTRACE` is set (`WithBacktrace`; it is in the `Debug` form only, so messages stay
+    /// one line per model frame, as PyTorch's). [`source`](std::error::Error::source) is `None`.
     #[error("{}", CandleMessage(.0))]
     Candle(candle_core::Error),
 
@@ -133,8 +134,7 @@ pub enum Error {
         shape: Shape,
     },
 
-    /// `to_dtype` was asked for a dtype that is not floating point: parameters must stay floating
-    /// point (PyTorch's `Module.to(dtype)` accepts floating and complex dtypes only).
+    /// `to_dtype` to a dtype that is not floating point (PyTorch's `Module.to` takes float, complex).
     #[error("cannot convert a model to {dtype:?}: only floating-point dtypes are allowed")]
     NonFloatDType {
         /// The dtype that was asked for.
@@ -157,10 +157,9 @@ pub enum Error {
     },
 
     /// A map key or layer name that is not one path segment: empty, or containing `.` (PyTorch's
-    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard, so a string path
-    /// through it would be a pattern). Refused where it enters: `ModuleDict::insert`,
-    /// `Sequential::add_module`, and, for a `BTreeMap<String, _>` field (whose keys enter through
-    /// `std`), the state dict and loads of the model holding it.
+    /// `add_module` raises `KeyError` for both) or `*` (a pattern's wildcard). Refused where it
+    /// enters: `ModuleDict::insert`, `Sequential::add_module`, and, for a `BTreeMap<String, _>`
+    /// field (whose keys enter through `std`), the state dict and loads of the model holding it.
     #[error("the {container} key {key:?}{} is not a path segment: a key must be non-empty and contain no `.` or `*`", at(path))]
     InvalidKey {
         /// The container (`"ModuleDict"`, `"Sequential"`, `"BTreeMap"`).
@@ -252,19 +251,30 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// Data-parallel training: a collective failed, the environment is half set, or the ranks
-    /// built different models; see [`DistributedError`](DistributedError).
+    /// Data-parallel training: a failed collective, a half-set environment, …; see [`DistributedError`].
     #[error(transparent)]
     Distributed(#[from] DistributedError),
-
-    /// Quantized weights: a pattern matching no `Linear`, a weight the kind's blocks do not fit,
-    /// an unusable GGUF file; see [`QuantizeError`].
+    /// Quantized weights: a pattern matching no `Linear`, an unusable GGUF file, …; see [`QuantizeError`].
     #[error(transparent)]
     Quantize(#[from] QuantizeError),
-
     /// PEFT adapters: an unknown config field, targets matching nothing, …; see [`PeftError`].
     #[error(transparent)]
     Peft(#[from] PeftError),
+    /// Parametrizations: a path naming no weight, a dimension out of range, …; see [`ParametrizeError`].
+    #[error(transparent)]
+    Parametrize(#[from] ParametrizeError),
+
+    /// Backward hooks: a replacement gradient of another shape; see [`BackwardHookError`].
+    #[error(transparent)]
+    BackwardHook(Box<BackwardHookError>),
+
+    /// Activation checkpointing ([`checkpoint`](../module_runtime/fn.checkpoint.html)); see [`CheckpointError`].
+    #[error(transparent)]
+    ActivationCheckpoint(#[from] CheckpointError),
+
+    /// Load transforms (split, concatenate, transpose) that do not fit; see [`TransformError`].
+    #[error(transparent)]
+    Transform(Box<TransformError>),
 
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
@@ -306,8 +316,7 @@ pub enum Error {
 
     /// A module's forward failed (a shape or dtype mismatch deep in candle, a layer's own input
     /// check, …): the error names the module that failed by path and type, like the frames of a
-    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source)
-    /// (or [`Error::inner`]).
+    /// PyTorch traceback, with the original error as its [`source`](std::error::Error::source) (or [`Error::inner`]).
     ///
     /// `path` is relative to the module whose [`call`](../module_runtime/trait.ModuleExt.html#method.call) returned the
     /// error (`""` for that module itself). Submodules called through `call` are named exactly;
@@ -319,8 +328,7 @@ pub enum Error {
     Forward {
         /// The path of the module whose forward failed (`encoder.layer.3.intermediate.dense`).
         path: String,
-        /// Its class name ([`Module::class_name`](crate::Module::class_name): `Linear`,
-        /// `BatchNorm1d`).
+        /// Its class name ([`Module::class_name`](crate::Module::class_name): `BatchNorm1d`).
         module_type: Box<str>,
         /// The error it failed with.
         #[source]
@@ -361,8 +369,7 @@ pub enum Error {
     },
 
     /// The values of a parameter or buffer were read before it had any: it was made under
-    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a
-    /// lazy one that was never built.
+    /// [`empty_weights`](crate::empty_weights) and no checkpoint was loaded into it yet, or it is a lazy one that was never built.
     #[error(
         "a {what} of shape {shape} has no values yet: {}",
         not_loaded_hint(.awaits_load)
@@ -406,8 +413,7 @@ pub enum Error {
     },
 
     /// A [`TensorStruct`](../module_runtime/trait.TensorStruct.html) used as a module's input or output maps another
-    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's
-    /// replacement cannot be put back.
+    /// number of tensors in `map_tensors` than it lists in `for_each_tensor`, so a hook's replacement cannot be put back.
     #[error(
         "a hook replaced tensors of `{}` in the call of `{path}`, but its `TensorStruct` impl lists \
          {listed} tensors in `for_each_tensor` and visits {visited} in `map_tensors`: both must \
@@ -481,10 +487,9 @@ pub enum Error {
         got: Shape,
     },
 
-    /// A PyTorch pickle checkpoint (`.pth`, `.pt`, `.bin`) that the bounded reader refuses: the
-    /// file is truncated or malformed, names a Python global outside the allow-list, declares a
-    /// tensor that does not fit its storage, or holds no state dict where one was asked for.
-    /// Nothing in the file is ever executed.
+    /// A PyTorch pickle checkpoint (`.pth`, `.pt`, `.bin`) that the bounded reader refuses:
+    /// truncated or malformed, a Python global outside the allow-list, a tensor that does not fit
+    /// its storage, no state dict where one was asked for. Nothing in it is ever executed.
     #[error("cannot read PyTorch checkpoint `{}`{}: {kind}", path.display(), at_offset(.offset))]
     Pth {
         /// The file.
@@ -495,8 +500,7 @@ pub enum Error {
         kind: Box<PthErrorKind>,
     },
 
-    /// A hook or capture pattern matches no module of the model it runs on: almost always a typo
-    /// (PyTorch would silently never fire it).
+    /// A hook or capture pattern matches no module of the model: a typo, which PyTorch ignores.
     #[error("{what} pattern `{pattern}` matches no module of this model{}", near_matches(.near))]
     NoModuleMatch {
         /// What the pattern is for (`"hook"`, `"capture"`).
@@ -531,9 +535,8 @@ pub enum Error {
         source: Box<Error>,
     },
 
-    /// A functional call was given two different tensors for aliases of one tied weight
-    /// (PyTorch's `functional_call got multiple values for keys [...], which are tied`, from
-    /// `_untie_named_tensors_map` in `torch/nn/utils/stateless.py`). Give one of the keys.
+    /// A functional call was given two different tensors for aliases of one tied weight (PyTorch's
+    /// `functional_call got multiple values for keys [...], which are tied`, `stateless.py`).
     #[error(
         "functional call got different tensors for {}, which are one tied weight: give one of them",
         .keys.join(", ")
@@ -563,8 +566,7 @@ pub enum Error {
         path: std::path::PathBuf,
     },
 
-    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path
-    /// names no format.
+    /// [`Dataflow::render`](../module_runtime/struct.Dataflow.html#method.render): `dot` ran and failed, or the output path names no format.
     #[error("cannot render `{}`: {reason}", path.display())]
     Render {
         /// The file that was to be written.
@@ -573,8 +575,7 @@ pub enum Error {
         reason: String,
     },
 
-    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors
-    /// than the spec describes.
+    /// [`FlatSpec::unflatten`](../module_runtime/struct.FlatSpec.html#method.unflatten) was given another number of tensors than the spec describes.
     #[error("expected {expected} tensors (one per entry of the spec), got {got}")]
     FlatLength {
         /// How many the spec describes.
@@ -583,10 +584,9 @@ pub enum Error {
         got: usize,
     },
 
-    /// A layer was called with an input it cannot take for a reason other than the input's own
-    /// shape ([`Error::InputShape`]): ids of a floating-point dtype, a mask whose shape does not
-    /// match the input's. The message names the argument, what it must be and what it is
-    /// (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
+    /// An input a layer cannot take for a reason other than its shape ([`Error::InputShape`]):
+    /// float ids, a mask not fitting the input; the message names the argument, what it must be
+    /// and what it is (`"key_padding_mask must be [B, S] = [3, 12], got [3, 10]"`).
     #[error("{layer}: {message}")]
     InvalidInput {
         /// The layer or function (`"Embedding"`, `"MultiheadAttention"`).

@@ -38,7 +38,24 @@ macro_rules! leaf {
         }
     };
 }
-leaf!(Param, Param);
+// A parametrized tensor's stand-in (`parametrized.rs`) is no child: its originals are.
+#[diagnostic::do_not_recommend]
+impl Module for Param {
+    fn visit_children<'a>(&'a self, _: &mut dyn FnMut(Name<'_>, Child<'a>)) {}
+    fn visit_children_mut<'a>(&'a mut self, _: &mut dyn FnMut(Name<'_>, ChildMut<'a>)) {}
+    fn as_child(&self) -> Child<'_> {
+        if self.is_parametrized() {
+            return Child::Absent;
+        }
+        Child::Param(self)
+    }
+    fn as_child_mut(&mut self) -> ChildMut<'_> {
+        if self.is_parametrized() {
+            return ChildMut::Absent;
+        }
+        ChildMut::Param(self)
+    }
+}
 leaf!(Buffer, Buffer);
 leaf!(Mode, Mode);
 

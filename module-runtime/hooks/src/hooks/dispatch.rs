@@ -15,8 +15,10 @@ use std::sync::{Arc, PoisonError};
 
 use candle_core::Tensor;
 
+use super::backward::BackwardCall;
 use super::call_table::CallTable;
-use super::hook::{Entry, ForwardHookFn, HookCtx, Lists, PreHookFn, Registry};
+use super::hook::{Armed, BackwardHookFn, BackwardPreHookFn, Entry, ForwardHookFn, HookCtx};
+use super::hook::{Lists, PreHookFn, Registry};
 use crate::error::{Error, Result};
 use crate::forward::Forward;
 use crate::identity::CallTarget;
@@ -82,10 +84,12 @@ impl Session {
         let global = Arc::new(Plan {
             pre: armed(&lists, |l| (&l.global_pre, &l.pre), |_| false),
             post: armed(&lists, |l| (&l.global_post, &l.post), |_| false),
+            bw_pre: armed(&lists, |l| (&l.global_bw_pre, &l.bw_pre), |_| false),
+            bw: armed(&lists, |l| (&l.global_bw, &l.bw), |_| false),
         });
-        let targeted = lists
-            .iter()
-            .any(|(_, l)| !l.pre.is_empty() || !l.post.is_empty());
+        let targeted = lists.iter().any(|(_, l)| {
+            !l.pre.is_empty() || !l.post.is_empty() || !l.bw_pre.is_empty() || !l.bw.is_empty()
+        });
         let mut plans: Vec<Arc<Plan>> = Vec::with_capacity(self.table.len());
         let table = &self.table;
         for i in 0..table.len() {
@@ -109,9 +113,21 @@ impl Session {
                     |l| (&l.global_post, &l.post),
                     |e| e.targets(table.paths_of(i)),
                 ),
+                bw_pre: armed(
+                    &lists,
+                    |l| (&l.global_bw_pre, &l.bw_pre),
+                    |e| e.targets(table.paths_of(i)),
+                ),
+                bw: armed(
+                    &lists,
+                    |l| (&l.global_bw, &l.bw),
+                    |e| e.targets(table.paths_of(i)),
+                ),
             };
-            let only_global =
-                plan.pre.len() == global.pre.len() && plan.post.len() == global.post.len();
+            let only_global = plan.pre.len() == global.pre.len()
+                && plan.post.len() == global.post.len()
+                && plan.bw_pre.len() == global.bw_pre.len()
+                && plan.bw.len() == global.bw.len();
             plans.push(if only_global {
                 global.clone()
             } else {
@@ -236,13 +252,8 @@ pub fn grown<M: Module>(cell: CallTarget, built: &M) {
 struct Plan {
     pre: Vec<Armed<PreHookFn>>,
     post: Vec<Armed<ForwardHookFn>>,
-}
-
-struct Armed<F: ?Sized> {
-    f: Arc<F>,
-    id: u64,
-    registry: Arc<Registry>,
-    always_call: bool,
+    bw_pre: Vec<Armed<BackwardPreHookFn>>,
+    bw: Vec<Armed<BackwardHookFn>>,
 }
 
 impl<F: ?Sized> Armed<F> {
@@ -262,7 +273,26 @@ impl<F: ?Sized> Armed<F> {
 
 impl Plan {
     fn is_empty(&self) -> bool {
-        self.pre.is_empty() && self.post.is_empty()
+        self.pre.is_empty() && self.post.is_empty() && !self.has_backward()
+    }
+
+    fn has_backward(&self) -> bool {
+        !self.bw_pre.is_empty() || !self.bw.is_empty()
+    }
+
+    /// The backward hooks of this call, if the module has any and the call records gradients
+    /// (PyTorch sets them up only when grad mode is on).
+    fn backward_call(&self, path: &Arc<str>, module: &dyn Module) -> Option<Arc<BackwardCall>> {
+        if !self.has_backward() || !module_core::is_grad_enabled() {
+            return None;
+        }
+        let (hooks, pre) = (self.bw.clone(), self.bw_pre.clone());
+        Some(BackwardCall::new(
+            path.clone(),
+            module.class_name(),
+            hooks,
+            pre,
+        ))
     }
 
     /// The call failed with `error` before forward hook `from` ran: runs the always-call forward
@@ -371,7 +401,18 @@ where
             replaced = Some(tensors);
         }
     }
-    let run = |input: In| forward_then_hooks(module, input, &plan, path, as_dyn);
+    // Full backward hooks: the inputs (as the pre-hooks left them) go through identities whose
+    // backward runs the hooks (see `backward.rs`), as PyTorch's `BackwardHook.setup_input_hook`.
+    let backward = plan.backward_call(&frame.path, as_dyn);
+    if let Some(call) = &backward {
+        let tensors = replaced.take().unwrap_or_else(|| input.tensors());
+        match call.wrap_inputs(&tensors) {
+            Ok(wrapped) => replaced = Some(wrapped.unwrap_or(tensors)),
+            Err(e) => return Err(plan.fail(path, as_dyn, 0, &tensors, &[], e)),
+        }
+    }
+    let backward = backward.as_ref();
+    let run = |input: In| forward_then_hooks(module, input, &plan, (path, backward), as_dyn);
     match replaced {
         None => run(input),
         Some(tensors) => {
@@ -396,7 +437,7 @@ fn forward_then_hooks<M, In>(
     module: &M,
     input: In,
     plan: &Plan,
-    path: &str,
+    (path, backward): (&str, Option<&Arc<BackwardCall>>),
     as_dyn: &dyn Module,
 ) -> Result<M::Output>
 where
@@ -416,7 +457,7 @@ where
         Err(e) => return Err(plan.fail(path, as_dyn, 0, &input_tensors, &[], e)),
     };
     if plan.post.is_empty() {
-        return Ok(output);
+        return with_backward_hooks(output, path, backward);
     }
     let mut tensors = output.tensors();
     for (i, hook) in plan.post.iter().enumerate() {
@@ -443,7 +484,23 @@ where
             Err(e) => return Err(plan.fail(path, as_dyn, i + 1, &input_tensors, &tensors, e)),
         }
     }
-    Ok(output)
+    with_backward_hooks(output, path, backward)
+}
+
+/// The output (as the forward hooks left it) with its tensors behind identities whose backward
+/// runs the backward pre-hooks, as PyTorch's `BackwardHook.setup_output_hook`.
+fn with_backward_hooks<O: TensorTree + 'static>(
+    output: O,
+    path: &str,
+    backward: Option<&Arc<BackwardCall>>,
+) -> Result<O> {
+    let Some(call) = backward else {
+        return Ok(output);
+    };
+    match call.wrap_outputs(&output.tensors())? {
+        None => Ok(output),
+        Some(wrapped) => scope::rebuild_owned(output, wrapped).map_err(|m| m.into_error(path)),
+    }
 }
 
 /// What a hook returned, checked: its error named by `path` and the kind of `hook`, and a

@@ -23,6 +23,55 @@ pub type PreHookFn = dyn Fn(&HookCtx<'_>, &[Tensor]) -> Result<Option<Vec<Tensor
 pub type ForwardHookFn =
     dyn Fn(&HookCtx<'_>, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>> + Send + Sync;
 
+/// A full backward hook: sees the gradients with respect to the module's input tensors
+/// (`grad_input`, in [`TensorTree`](crate::TensorTree) order; `None` for an input that needs no
+/// gradient) and output tensors (`grad_output`; `None` for an output that received none) and may
+/// return new input gradients (the same number). `Ok(None)` keeps them.
+pub type BackwardHookFn = dyn Fn(
+        &BackwardHookCtx<'_>,
+        &[Option<Tensor>],
+        &[Option<Tensor>],
+    ) -> Result<Option<Vec<Option<Tensor>>>>
+    + Send
+    + Sync;
+
+/// A full backward pre-hook: sees the gradients with respect to the module's output tensors
+/// (`None` for an output that received none) and may return new ones (the same number).
+/// `Ok(None)` keeps them.
+pub type BackwardPreHookFn = dyn Fn(&BackwardHookCtx<'_>, &[Option<Tensor>]) -> Result<Option<Vec<Option<Tensor>>>>
+    + Send
+    + Sync;
+
+/// What a backward hook is told about the module it runs for.
+///
+/// A backward hook runs inside `loss.backward()`, after the module's call has returned, so it is
+/// not given the module itself (PyTorch passes the module object): it is given the path the module
+/// was called through and its class name.
+pub struct BackwardHookCtx<'a> {
+    pub(super) path: &'a str,
+    pub(super) class_name: &'a str,
+    pub(super) registry: &'a Arc<Registry>,
+    pub(super) id: u64,
+}
+
+impl BackwardHookCtx<'_> {
+    /// The path the module was called through (`""` for the root).
+    pub fn path(&self) -> &str {
+        self.path
+    }
+
+    /// The module's class name ([`Module::class_name`]: `Linear`, `BatchNorm1d`).
+    pub fn class_name(&self) -> &str {
+        self.class_name
+    }
+
+    /// Removes the hook that is running, from the next call on (the gradients of calls made
+    /// before the removal still reach it when they flow back). Idempotent.
+    pub fn remove_this_hook(&self) {
+        self.registry.remove(self.id);
+    }
+}
+
 /// What a hook is told about the call it runs in.
 pub struct HookCtx<'a> {
     pub(super) path: &'a str,
@@ -114,6 +163,10 @@ pub(super) struct Lists {
     pub(super) pre: Vec<Entry<PreHookFn>>,
     pub(super) global_post: Vec<Entry<ForwardHookFn>>,
     pub(super) post: Vec<Entry<ForwardHookFn>>,
+    pub(super) global_bw_pre: Vec<Entry<BackwardPreHookFn>>,
+    pub(super) bw_pre: Vec<Entry<BackwardPreHookFn>>,
+    pub(super) global_bw: Vec<Entry<BackwardHookFn>>,
+    pub(super) bw: Vec<Entry<BackwardHookFn>>,
 }
 
 /// One registered hook.
@@ -194,6 +247,8 @@ impl Registry {
         let targets = lists.pre.iter().map(|e| &e.target);
         targets
             .chain(lists.post.iter().map(|e| &e.target))
+            .chain(lists.bw_pre.iter().map(|e| &e.target))
+            .chain(lists.bw.iter().map(|e| &e.target))
             .filter_map(|t| match t {
                 Target::Matching(p) => Some(p.clone()),
                 _ => None,
@@ -209,6 +264,10 @@ impl Registry {
         lists.pre.retain(|e| e.id != id);
         lists.global_post.retain(|e| e.id != id);
         lists.post.retain(|e| e.id != id);
+        lists.global_bw_pre.retain(|e| e.id != id);
+        lists.bw_pre.retain(|e| e.id != id);
+        lists.global_bw.retain(|e| e.id != id);
+        lists.bw.retain(|e| e.id != id);
         let removed = lists.len() != before;
         if removed {
             self.version.fetch_add(1, Ordering::Release);
@@ -226,7 +285,29 @@ impl Registry {
 impl Lists {
     /// How many hooks the lists hold.
     pub(super) fn len(&self) -> usize {
-        self.global_pre.len() + self.pre.len() + self.global_post.len() + self.post.len()
+        let forward = self.global_pre.len() + self.pre.len() + self.global_post.len();
+        let backward = self.global_bw_pre.len() + self.bw_pre.len() + self.global_bw.len();
+        forward + self.post.len() + backward + self.bw.len()
+    }
+}
+
+/// A hook as a call fires it: the function and where to remove it from
+/// ([`HookCtx::remove_this_hook`]).
+pub(super) struct Armed<F: ?Sized> {
+    pub(super) f: Arc<F>,
+    pub(super) id: u64,
+    pub(super) registry: Arc<Registry>,
+    pub(super) always_call: bool,
+}
+
+impl<F: ?Sized> Clone for Armed<F> {
+    fn clone(&self) -> Self {
+        Self {
+            f: self.f.clone(),
+            id: self.id,
+            registry: self.registry.clone(),
+            always_call: self.always_call,
+        }
     }
 }
 
@@ -354,6 +435,37 @@ impl PreHookOptions {
 
 impl From<PreHookOptions> for HookOptions {
     fn from(options: PreHookOptions) -> Self {
+        HookOptions {
+            prepend: options.prepend,
+            always_call: false,
+        }
+    }
+}
+
+/// How a full backward hook or pre-hook is registered: PyTorch's `prepend=` keyword argument of
+/// `register_full_backward_hook` and `register_full_backward_pre_hook`
+/// (`BackwardHookOptions::default()`: last in its group).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackwardHookOptions {
+    prepend: bool,
+}
+
+impl BackwardHookOptions {
+    /// Puts the hook first in its group, before the hooks registered earlier (PyTorch's
+    /// `prepend=True`).
+    pub fn prepend(mut self) -> Self {
+        self.prepend = true;
+        self
+    }
+
+    /// Whether the hook goes first in its group.
+    pub fn is_prepend(&self) -> bool {
+        self.prepend
+    }
+}
+
+impl From<BackwardHookOptions> for HookOptions {
+    fn from(options: BackwardHookOptions) -> Self {
         HookOptions {
             prepend: options.prepend,
             always_call: false,

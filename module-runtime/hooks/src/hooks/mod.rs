@@ -1,4 +1,5 @@
-//! Forward hooks: observe and change what flows through any submodule.
+//! Forward and backward hooks: observe and change what flows through any submodule, forward and
+//! back.
 //!
 //! A [`Hooks`] registry holds hooks targeted by path pattern (or global ones that see every call),
 //! and [`Hooks::run`] runs a closure with the registry attached to a model:
@@ -70,17 +71,34 @@
 //! When no registry is active, `call` costs one thread-local read on top of `forward`; with one, a
 //! hash lookup and a push of the path.
 //!
+//! # Backward hooks
+//!
+//! [`Hooks::register_full_backward_hook`] and [`Hooks::register_full_backward_pre_hook`] are
+//! PyTorch's, built as PyTorch builds them (`torch/utils/hooks.py`, `BackwardHook`): a call of a
+//! module they target, under [`Hooks::run`] with grad mode on, passes its inputs and outputs
+//! through identity ops whose backward runs the hooks (`backward.rs`). They fire in
+//! `loss.backward()`, as the backward reaches each call: the pre-hooks when the gradients with
+//! respect to its outputs are known, the full hooks when those with respect to its inputs are;
+//! so inner-most modules first. Calls of modules no backward hook targets record nothing more
+//! than without hooks; a targeted call records one copy of each input and output tensor that
+//! requires a gradient, and one scalar per side.
+//!
 //! # Files
 //!
 //! Bottom up, each using only those above it:
 //!
 //! - `hook.rs`: what a hook is and what it is given ([`HookCtx`]), how it is registered
 //!   ([`HookOptions`], [`PreHookOptions`]) and removed ([`HookHandle`]), and a registry's lists;
+//! - `grad_op.rs`: identity ops whose backward calls code, and tensor gradient hooks
+//!   ([`register_hook`]);
+//! - `backward.rs`: full backward hooks and pre-hooks at run time: the identities a hooked call
+//!   puts around its inputs and outputs, whose backward runs the hooks;
 //! - `call_table.rs`: the modules of a tree by identity, at each of their paths;
 //! - `dispatch.rs`: the per-thread sessions and stack of call paths, and `call` with hooks around
 //!   `forward` (no `unsafe`: a replaced borrowed input lives in a [`Scope`](crate::Scope), in
 //!   `scope.rs`, which holds the hook machinery's `unsafe`);
-//! - `registry.rs`: [`Hooks`], registering hooks and attaching them to a model for a run;
+//! - `registry.rs`: [`Hooks`], registering forward and backward hooks and attaching them to a
+//!   model for a run;
 //! - `typed.rs`: typed forward hooks, on a [`TypedPath`](module_core::TypedPath), given the module
 //!   and its input and output as their own types;
 //! - `observe.rs`: what is built on hooks: [`capture`](crate::ModuleExt::capture),
@@ -93,6 +111,10 @@
 // Bottom up, each file using only those above it (blank lines keep rustfmt from sorting them).
 mod hook;
 
+mod grad_op;
+
+mod backward;
+
 mod call_table;
 
 pub mod dispatch;
@@ -103,6 +125,8 @@ mod typed;
 
 pub mod observe;
 
+pub use grad_op::{register_hook, TensorHookFn};
+pub use hook::{BackwardHookCtx, BackwardHookFn, BackwardHookOptions, BackwardPreHookFn};
 pub use hook::{ForwardHookFn, HookCtx, HookHandle, HookOptions, PreHookFn, PreHookOptions};
 pub use observe::Captures;
 pub use registry::Hooks;

@@ -1,10 +1,10 @@
-//! Typed forward hooks: registered on a [`TypedPath`], given the module (and its input and
-//! output) as their own types. Each is a [`Hooks::register_forward_hook`] underneath, taking the
-//! same [`HookOptions`].
+//! Typed hooks: registered on a [`TypedPath`]. Forward hooks are given the module (and its input
+//! and output) as their own types, each a [`Hooks::register_forward_hook`] underneath, taking the
+//! same [`HookOptions`]; backward hooks have their path checked.
 
 use candle_core::Tensor;
 
-use super::hook::{HookCtx, HookHandle, HookOptions};
+use super::hook::{BackwardHookCtx, BackwardHookOptions, HookCtx, HookHandle, HookOptions};
 use super::registry::Hooks;
 use crate::error::{Error, Result};
 use crate::tensor_tree::TensorTree;
@@ -175,4 +175,68 @@ fn typed_output<'a, O: 'static>(ctx: &'a HookCtx<'_>) -> Result<&'a O> {
         path: ctx.path().to_owned(),
         expected: std::any::type_name::<O>().to_owned(),
     })
+}
+
+impl Hooks {
+    /// [`register_full_backward_hook`](Hooks::register_full_backward_hook) on a typed path: the
+    /// path is checked at compile time. The hook is not given the module (a backward hook runs
+    /// after the call has returned), so its type plays no part.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    ///
+    /// #[derive(Module)]
+    /// #[module(paths)]
+    /// struct Net {
+    ///     fc: Linear,
+    /// }
+    ///
+    /// impl Forward<&Tensor> for Net {
+    ///     type Output = Tensor;
+    ///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    ///         self.fc.call(x)
+    ///     }
+    /// }
+    ///
+    /// let net = Net { fc: Linear::new(3, 2, &Device::Cpu)? };
+    /// let hooks = Hooks::new();
+    /// hooks.register_typed_full_backward_hook(&Net::path().fc(), |ctx, _grad_input, grad_output| {
+    ///     assert_eq!((ctx.path(), ctx.class_name()), ("fc", "Linear"));
+    ///     assert_eq!(grad_output[0].as_ref().unwrap().dims(), [1, 2]);
+    ///     Ok(None)
+    /// }, BackwardHookOptions::default())?;
+    /// let x = Tensor::ones((1, 3), DType::F32, &Device::Cpu)?;
+    /// hooks.run(&net, |m| m.call(&x))?.sum_all()?.backward()?;
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn register_typed_full_backward_hook<P: TypedPath>(
+        &self,
+        path: &P,
+        hook: impl Fn(
+                &BackwardHookCtx<'_>,
+                &[Option<Tensor>],
+                &[Option<Tensor>],
+            ) -> Result<Option<Vec<Option<Tensor>>>>
+            + Send
+            + Sync
+            + 'static,
+        options: BackwardHookOptions,
+    ) -> Result<HookHandle> {
+        self.register_full_backward_hook(path.as_str(), hook, options)
+    }
+
+    /// [`register_full_backward_pre_hook`](Hooks::register_full_backward_pre_hook) on a typed
+    /// path, checked at compile time (see
+    /// [`register_typed_full_backward_hook`](Hooks::register_typed_full_backward_hook)).
+    pub fn register_typed_full_backward_pre_hook<P: TypedPath>(
+        &self,
+        path: &P,
+        hook: impl Fn(&BackwardHookCtx<'_>, &[Option<Tensor>]) -> Result<Option<Vec<Option<Tensor>>>>
+            + Send
+            + Sync
+            + 'static,
+        options: BackwardHookOptions,
+    ) -> Result<HookHandle> {
+        self.register_full_backward_pre_hook(path.as_str(), hook, options)
+    }
 }

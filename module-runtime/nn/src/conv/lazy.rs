@@ -33,7 +33,7 @@ use crate::{Forward, Init, Module};
 #[module(class_name = format!("LazyConv{D}d"))]
 pub struct LazyConv<const D: usize> {
     #[module(flatten)]
-    conv: Conv<D>,
+    pub(crate) conv: Conv<D>,
 }
 
 /// A [`Conv1d`](super::Conv1d) whose `in_channels` comes from its first input: PyTorch's
@@ -83,6 +83,7 @@ impl<const D: usize> LazyConv<D> {
                 .then(|| lazy(&[Some(out_channels)]))
                 .transpose()?,
             config,
+            parametrizations: None,
         };
         Ok(Self { conv })
     }

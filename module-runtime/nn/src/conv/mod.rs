@@ -1,6 +1,6 @@
 //! Convolutions: `Conv1d`, `Conv2d` (one type, [`Conv`], over one or two spatial dimensions),
-//! `ConvTranspose1d`, `ConvTranspose2d` (one type, [`ConvTranspose`]), and the lazy twins `LazyConv1d`, `LazyConv2d` (a `Conv` whose parameters
-//! are unbuilt).
+//! `ConvTranspose1d`, `ConvTranspose2d` (one type, [`ConvTranspose`]), and the lazy twins
+//! `LazyConv1d`, `LazyConv2d` (a `Conv` whose parameters are unbuilt).
 //!
 //! Weights use PyTorch's layouts, and both weight and bias start uniform on `±1/sqrt(fan_in)` (what
 //! PyTorch's Kaiming-uniform init with `a = sqrt(5)` amounts to), where `fan_in` is the weight's
@@ -8,26 +8,23 @@
 //! value for every spatial dimension or one per dimension ([`PerDim`]: `stride: (1, 2).into()`).
 //! candle's convolutions take one value for all dimensions: when the values differ, `Conv2d` pads
 //! explicitly, spaces the kernel's elements with zeros for the dilation beyond the common one, and
-//! keeps every `stride / gcd(sH, sW)`-th row or column of a convolution with the common stride. With
-//! equal values, candle's convolution runs as it is.
+//! keeps every `stride / gcd(sH, sW)`-th row or column of a convolution with the common stride.
 //!
 //! # Gradients
 //!
-//! Two bugs in candle 0.11's convolution backward passes give wrong gradients: `Conv1D`'s backward
-//! hands the CPU kernel a transposed (non-contiguous) kernel, which it misreads (wrong weight
-//! gradient), and `Conv2D`'s backward takes the output padding of the input gradient from the height
-//! alone, so a width whose last elements fall outside every window gets a gradient of the wrong
-//! shape. When a gradient is needed (the input or the weight tracks one), `Conv1d` and `Conv2d`
-//! therefore pad explicitly, crop the input to the elements the windows read (the rest has a zero
-//! gradient), and run a 2-D convolution without padding, which candle differentiates correctly.
-//! When nothing needs a gradient they call candle's convolution directly.
+//! Two bugs in candle 0.11's convolution backward passes give wrong gradients: `Conv1D`'s hands the
+//! CPU kernel a transposed (non-contiguous) kernel, which it misreads (a wrong weight gradient),
+//! and `Conv2D`'s takes the input gradient's output padding from the height alone (a wrong shape
+//! when a width's last elements fall outside every window). So when a gradient is needed, `Conv1d`
+//! and `Conv2d` pad explicitly, crop the input to the elements the windows read (the rest has a
+//! zero gradient) and run an unpadded 2-D convolution, which candle differentiates correctly;
+//! otherwise they call candle's convolution directly.
 
 use candle_core::{DType, Device, Tensor};
-use module_core::autocast_policy::AutocastOp;
 
 use crate::common::{
     add_channel_bias, add_channel_bias_to_fresh, batched, forward_by_value, lower_precision,
-    param_tensor, uniform_fan_in, PerDim, Size,
+    uniform_fan_in, AutocastOp, PerDim, Size,
 };
 use crate::device::check_input_device;
 use crate::error::{Error, Result};
@@ -320,6 +317,9 @@ pub struct Conv<const D: usize> {
     /// Stride, padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvConfig,
+    /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
+    #[module(flatten)]
+    pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
 }
 
 /// A 1-D convolution: PyTorch's `nn.Conv1d`. See [`Conv`].
@@ -409,6 +409,7 @@ impl<const D: usize> Conv<D> {
             weight,
             bias,
             config,
+            parametrizations: None,
         })
     }
 
@@ -445,11 +446,10 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.tensor()?;
+        let weight = self.weight_value()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
         check_input::<D>(Self::names()?.layer, &weight, &self.config, x)?;
-        let bias = param_tensor(&self.bias)?;
-        // Under autocast a lower-precision op (PyTorch's `conv1d/2d/3d`).
+        let bias = self.bias_value()?;
         lower_precision(AutocastOp::Conv, x, &weight, bias, |x, weight, bias| {
             // An unbatched input (`[C, L]`, `[C, H, W]`) as a batch of one, as PyTorch takes it.
             let (xb, unbatched) = batched(x, D + 1, 0)?;

@@ -64,4 +64,10 @@ impl<const D: usize> ExtraRepr for Conv<D> {
         }
         .text()
     }
+
+    /// PyTorch's `ParametrizedConv2d` once a tensor is parametrized.
+    fn class_repr(&self) -> Option<String> {
+        let class = <Self as module_core::Module>::type_class_name;
+        (self.parametrizations.as_ref()).map(|_| format!("Parametrized{}", class()))
+    }
 }

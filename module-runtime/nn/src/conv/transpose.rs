@@ -5,9 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{check_groups, conv_params, ConvRepr};
-use crate::common::{
-    add_channel_bias, forward_by_value, layer_forward, lower_precision, param_tensor, Size,
-};
+use crate::common::{add_channel_bias, forward_by_value, layer_forward, lower_precision, Size};
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::{Module, Param};
@@ -74,6 +72,9 @@ pub struct ConvTranspose<const D: usize> {
     /// Stride, padding, output padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvTransposeConfig,
+    /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
+    #[module(flatten)]
+    pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
 }
 
 /// A 1-D transposed convolution: PyTorch's `nn.ConvTranspose1d` (the gradient of a `Conv1d`
@@ -149,6 +150,7 @@ impl<const D: usize> ConvTranspose<D> {
             weight,
             bias,
             config,
+            parametrizations: None,
         })
     }
 
@@ -164,13 +166,13 @@ impl<const D: usize> ConvTranspose<D> {
 
 layer_forward!(ConvTranspose2d, |layer, x| {
     let c = &layer.config;
-    let weight = layer.weight.tensor()?;
+    let weight = layer.weight_value()?;
     check_input_device("ConvTranspose2d.weight", &weight, x)?;
     let run = |x: &Tensor, w: &Tensor| {
         x.conv_transpose2d(w, c.padding, c.output_padding, c.stride, c.dilation)
     };
     // Under autocast a lower-precision op (PyTorch's `conv_transpose2d`).
-    let bias = param_tensor(&layer.bias)?;
+    let bias = layer.bias_value()?;
     lower_precision(
         AutocastOp::ConvTranspose,
         x,
@@ -213,6 +215,12 @@ impl<const D: usize> ExtraRepr for ConvTranspose<D> {
             bias: self.bias.is_some(),
         }
         .text()
+    }
+
+    /// PyTorch's `ParametrizedConvTranspose2d` once a tensor is parametrized.
+    fn class_repr(&self) -> Option<String> {
+        let class = <Self as Module>::type_class_name;
+        (self.parametrizations.as_ref()).map(|_| format!("Parametrized{}", class()))
     }
 }
 

@@ -5,7 +5,7 @@ use candle_core::Tensor;
 
 use super::conv2d_differentiable;
 use super::transpose::ConvTranspose1d;
-use crate::common::{add_channel_bias, forward_by_value, input_shape_error, param_tensor};
+use crate::common::{add_channel_bias, forward_by_value, input_shape_error};
 use crate::device::check_input_device;
 use crate::error::Result;
 use crate::Forward;
@@ -14,7 +14,7 @@ impl ConvTranspose1d {
     /// The transposed convolution of a `[N, C_in, L]` input.
     fn transposed(&self, x: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let w = self.weight.tensor()?;
+        let w = self.weight_value()?;
         let (c_in, c_out_g, k) = w.dims3()?;
         let (n, x_c, l) = x.dims3()?;
         let reach = c.dilation * (k - 1);
@@ -78,7 +78,7 @@ impl Forward<&Tensor> for ConvTranspose1d {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        check_input_device("ConvTranspose1d.weight", &self.weight.tensor()?, x)?;
+        check_input_device("ConvTranspose1d.weight", &self.weight_value()?, x)?;
         let y = if x.rank() == 2 {
             self.transposed(&x.unsqueeze(0)?)?.squeeze(0)?
         } else if x.rank() == 3 {
@@ -88,7 +88,7 @@ impl Forward<&Tensor> for ConvTranspose1d {
             return Err(input_shape_error("ConvTranspose1d", expected, x));
         };
         let channel = y.rank() - 2;
-        let bias = param_tensor(&self.bias)?;
+        let bias = self.bias_value()?;
         if channel == 0 {
             return Ok(match bias {
                 Some(b) => y.broadcast_add(&b.unsqueeze(1)?)?,

@@ -325,6 +325,15 @@ pub(crate) fn prepare(
             }
             .into());
         };
+        if host.weight().is_parametrized() {
+            return Err(PeftError::State {
+                path,
+                message: "its weight is parametrized (`nn::parametrize`): adapters over a \
+                          parametrized layer are not supported; remove the parametrization first"
+                    .into(),
+            }
+            .into());
+        }
         if host.lora().is_some_and(|l| l.has(name)) {
             return Err(PeftError::AdapterExists {
                 path,
