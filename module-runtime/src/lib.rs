@@ -121,8 +121,8 @@ pub use module_kernels::reuse_freed_memory;
 /// candle's ops directly the same policy.
 pub mod amp {
     pub use module_core::autocast::{
-        active_dtype, autocast, autocast_cache_len, clear_autocast_cache, get_autocast_dtype,
-        is_autocast_enabled, Autocast, DeviceType,
+        active_dtype, autocast, autocast_cache_len, autocast_cached, clear_autocast_cache,
+        get_autocast_dtype, is_autocast_enabled, Autocast, AutocastState, DeviceType,
     };
     pub use module_core::autocast_policy::{
         autocast_cast, autocast_cast_opt, autocast_target, promote, promote_types, AutocastOp,

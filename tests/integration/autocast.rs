@@ -280,3 +280,42 @@ fn parameter_casts_are_cached_per_scope() {
     .unwrap();
     assert_eq!(module_runtime::amp::autocast_cache_len(), 0);
 }
+
+/// `checkpoint` recomputes under the forward's autocast settings, as PyTorch's does: the
+/// recomputation outside the scope casts as the forward did, and the gradients are those of the
+/// same autocast run without checkpointing, to the bit.
+#[test]
+fn checkpoint_recomputes_under_the_forwards_autocast() {
+    let dev = &Device::Cpu;
+    let fc1 = std::sync::Arc::new(Linear::new(8, 16, dev).unwrap());
+    let fc2 = std::sync::Arc::new(Linear::new(16, 4, dev).unwrap());
+    let x = Tensor::randn(0f32, 1.0, (3, 8), dev).unwrap();
+    let block = {
+        let (fc1, fc2) = (fc1.clone(), fc2.clone());
+        move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            Ok(vec![fc2.call(&GELU::new().call(&fc1.call(&xs[0])?)?)?])
+        }
+    };
+    let grads = |checkpointed: bool| -> Vec<Vec<f32>> {
+        let y = autocast("cpu", DType::BF16, || {
+            if checkpointed {
+                Ok::<_, Error>(module_runtime::checkpoint(block.clone(), &[x.clone()])?.remove(0))
+            } else {
+                Ok(block(&[x.clone()])?.remove(0))
+            }
+        })
+        .unwrap();
+        assert_eq!(y.dtype(), DType::BF16);
+        let g = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
+        let g = g.backward().unwrap();
+        [&fc1.weight, &fc2.weight]
+            .iter()
+            .map(|p| {
+                let t = g.get(&p.tensor().unwrap()).unwrap();
+                assert_eq!(t.dtype(), DType::F32);
+                t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(grads(true), grads(false));
+}

@@ -276,6 +276,40 @@ impl Drop for ScopeGuard {
     }
 }
 
+/// This thread's autocast settings (both device types, the cache flag), taken to run code later
+/// as it would have run now: what `torch.utils.checkpoint` keeps of a forward so that its
+/// recomputation in the backward, outside the scope, casts as the forward did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AutocastState {
+    cpu: (bool, DType),
+    cuda: (bool, DType),
+    cache_enabled: bool,
+}
+
+impl AutocastState {
+    /// The settings current on this thread.
+    pub fn current() -> Self {
+        Self {
+            cpu: CPU.with(Cell::get),
+            cuda: CUDA.with(Cell::get),
+            cache_enabled: CACHE_ENABLED.with(Cell::get),
+        }
+    }
+
+    /// Runs `f` under these settings (a scope of its own: its casts are cached for it alone),
+    /// then puts back the thread's, also when `f` panics.
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        let _cpu = ScopeGuard::enter(DeviceType::Cpu, self.cpu.0, self.cpu.1, self.cache_enabled);
+        let _cuda = ScopeGuard::enter(
+            DeviceType::Cuda,
+            self.cuda.0,
+            self.cuda.1,
+            self.cache_enabled,
+        );
+        f()
+    }
+}
+
 /// Empties this thread's cache of parameter casts: PyTorch's `torch.clear_autocast_cache()`.
 /// The outermost scope's end does it; call it inside a long scope after changing parameters in
 /// place.
@@ -355,6 +389,18 @@ mod tests {
             assert_eq!(active_dtype(DeviceType::Cpu), Some(DType::BF16));
             Ok::<_, Error>(())
         })
+    }
+
+    #[test]
+    fn a_state_replays_later() -> Result<()> {
+        let state = autocast("cpu", DType::F16, || {
+            Ok::<_, Error>(AutocastState::current())
+        })?;
+        assert_eq!(active_dtype(DeviceType::Cpu), None);
+        state.run(|| assert_eq!(active_dtype(DeviceType::Cpu), Some(DType::F16)));
+        assert_eq!(active_dtype(DeviceType::Cpu), None);
+        assert_eq!(NESTING.with(Cell::get), 0);
+        Ok(())
     }
 
     #[test]

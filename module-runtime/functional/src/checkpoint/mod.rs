@@ -30,7 +30,9 @@ use ops::{leaf_inputs, Function, Gate, Link, Out, Saved, State};
 ///   afterwards, so the run's later draws are unchanged;
 /// - it runs with gradients recorded (whatever the grad mode of the backward) and with the
 ///   fusion setting of the forward ([`without_fusion`](../module_runtime/nn/fn.without_fusion.html)),
-///   so every kernel takes the path it took;
+///   so every kernel takes the path it took, and with the forward's autocast settings
+///   (`module_runtime::amp::autocast`: PyTorch recomputes under the forward's autocast state), so
+///   every op computes in the dtype it did;
 /// - a parameter used inside the function and elsewhere too gets the sum of both parts, as
 ///   without checkpointing; when it is read more than once inside the function, its parts from
 ///   the inside are summed first, so the last bits can differ from the plain run's order of sums.
@@ -92,6 +94,7 @@ where
         .collect();
     let rng = module_core::get_rng_state()?;
     let fusion = module_kernels::is_fusion_enabled();
+    let autocast = module_core::autocast::AutocastState::current();
     let (run_inputs, copies) = leaf_inputs(inputs, &tracked)?;
     let outputs = function(&run_inputs)?;
     if outputs.is_empty() {
@@ -130,6 +133,7 @@ where
         tracked,
         rng,
         fusion,
+        autocast,
         params,
         metadata: values
             .iter()

@@ -46,6 +46,9 @@ pub(super) struct Saved {
     pub(super) rng: Tensor,
     /// Whether the kernels' fused passes were on for the forward (`is_fusion_enabled`).
     pub(super) fusion: bool,
+    /// The forward's autocast settings, replayed by the recomputation (PyTorch's checkpoint
+    /// recomputes under the forward's autocast state).
+    pub(super) autocast: module_core::autocast::AutocastState,
     /// The trainable tensors the forward read (leaves after the tracked inputs).
     pub(super) params: Vec<Tensor>,
     /// The outputs' shapes and dtypes, which the recomputation must reproduce.
@@ -85,11 +88,13 @@ impl Saved {
         let _grad = module_core::enable_grad();
         let now = module_core::get_rng_state()?;
         module_core::set_rng_state(&self.rng)?;
-        let result = if self.fusion {
-            self.gradients(&grad_outputs)
-        } else {
-            module_kernels::without_fusion(|| self.gradients(&grad_outputs))
-        };
+        let result = self.autocast.run(|| {
+            if self.fusion {
+                self.gradients(&grad_outputs)
+            } else {
+                module_kernels::without_fusion(|| self.gradients(&grad_outputs))
+            }
+        });
         module_core::set_rng_state(&now)?;
         self.state().grads = result?;
         Ok(())
