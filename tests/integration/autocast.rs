@@ -299,14 +299,22 @@ fn checkpoint_recomputes_under_the_forwards_autocast() {
     let grads = |checkpointed: bool| -> Vec<Vec<f32>> {
         let y = autocast("cpu", DType::BF16, || {
             if checkpointed {
-                Ok::<_, Error>(module_runtime::checkpoint(block.clone(), &[x.clone()])?.remove(0))
+                Ok::<_, Error>(
+                    module_runtime::checkpoint(block.clone(), std::slice::from_ref(&x))?.remove(0),
+                )
             } else {
-                Ok(block(&[x.clone()])?.remove(0))
+                Ok(block(std::slice::from_ref(&x))?.remove(0))
             }
         })
         .unwrap();
         assert_eq!(y.dtype(), DType::BF16);
-        let g = y.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap();
+        let g = y
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap();
         let g = g.backward().unwrap();
         [&fc1.weight, &fc2.weight]
             .iter()
