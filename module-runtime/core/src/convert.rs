@@ -26,14 +26,13 @@ pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
             true => Ok(None),
             false => Ok(Some(b.current().to_device(device)?)),
         },
-    )?;
-    // The quantized weights join the move's update (updates nest).
-    crate::update_lock::atomic_update(|| {
-        for (p, q) in quantized {
-            p.replace_quant(q);
-        }
-    });
-    Ok(())
+        // The quantized weights, moved above, are installed in the same update.
+        || {
+            for (p, q) in quantized {
+                p.replace_quant(q);
+            }
+        },
+    )
 }
 
 /// Converts every floating-point parameter and buffer under `root` to the floating-point `dtype`.
@@ -51,14 +50,17 @@ pub fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
             true => Ok(None),
             false => Ok(Some(b.current().to_dtype(dtype)?)),
         },
+        || {},
     )
 }
 
-/// Converts every parameter and buffer, committing only once every conversion has succeeded.
+/// Converts every parameter and buffer, committing only once every conversion has succeeded; the
+/// commit, with `also`, is one update.
 fn convert(
     root: &dyn Module,
     param: impl Fn(&Param) -> Result<Option<Tensor>>,
     buffer: impl Fn(&Buffer) -> Result<Option<Tensor>>,
+    also: impl FnOnce(),
 ) -> Result<()> {
     let params: Vec<Param> = named_parameters(root, &Names::new())
         .into_iter()
@@ -86,6 +88,7 @@ fn convert(
                 b.replace(t);
             }
         }
+        also();
     });
     Ok(())
 }
