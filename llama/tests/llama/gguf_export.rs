@@ -67,6 +67,23 @@ fn byte_level() -> serde_json::Value {
     })
 }
 
+/// The largest difference between two models' logits for one fixed prompt.
+fn logits_diff(a: &LlamaForCausalLM, b: &LlamaForCausalLM, device: &Device) -> f32 {
+    let ids = Tensor::new(&[[1u32, 5, 77, 300, 12]], device).unwrap();
+    let logits = |model: &LlamaForCausalLM| {
+        let state = model.initial_state(1).unwrap();
+        without_grad(|| model.scan(&ids, state)).unwrap().0
+    };
+    (logits(a) - logits(b))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 fn read(path: &Path) -> GgufFile {
     GgufFile::read(path, &Device::Cpu).unwrap()
 }
@@ -91,19 +108,7 @@ fn a_saved_gguf_reads_back_as_the_quantized_model() {
     let ours = LlamaForCausalLM::from_pretrained(&dir, &device()).unwrap();
     let _ = quantize(&ours, "**", GgmlDType::Q8_0).unwrap();
     assert_eq!(loaded.config, ours.config);
-    let ids = Tensor::new(&[[1u32, 5, 77, 300, 12]], &device()).unwrap();
-    let logits = |model: &LlamaForCausalLM| {
-        let state = model.initial_state(1).unwrap();
-        without_grad(|| model.scan(&ids, state)).unwrap().0
-    };
-    let diff = (logits(&loaded) - logits(&ours))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = logits_diff(&loaded, &ours, &device());
     assert!(diff < 1e-4, "{diff}");
     // The 176-wide `down_proj` rows do not fit 32-blocks: kept in float32, as `quantize` keeps it.
     assert!(!loaded
@@ -238,19 +243,7 @@ fn attention_biases_take_the_files_row_order() {
     let path = dir.join("m.gguf");
     save_gguf(&dir, &path, GgmlDType::F32).unwrap();
     let loaded = LlamaForCausalLM::from_gguf(&path, &Device::Cpu).unwrap();
-    let ids = Tensor::new(&[[1u32, 5, 77, 300, 12]], &Device::Cpu).unwrap();
-    let logits = |model: &LlamaForCausalLM| {
-        let state = model.initial_state(1).unwrap();
-        without_grad(|| model.scan(&ids, state)).unwrap().0
-    };
-    let diff = (logits(&loaded) - logits(&model))
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = logits_diff(&loaded, &model, &Device::Cpu);
     assert!(diff < 1e-5, "{diff}");
     std::fs::remove_dir_all(dir).unwrap();
 }
