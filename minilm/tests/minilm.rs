@@ -25,6 +25,20 @@ mod autocast;
 #[path = "minilm/checkpointing.rs"]
 mod checkpointing;
 
+/// Token ids (below 60) for `batch` sentences of `seq` tokens, and their attention mask: sentence
+/// `i` keeps its first `seq - i` tokens, so the last ones are padded and the softmax sees masked
+/// keys.
+fn padded_batch(batch: usize, seq: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % 60) as u32).collect();
+    let keep: Vec<u32> = (0..batch * seq)
+        .map(|i| u32::from(i % seq < seq - i / seq))
+        .collect();
+    Ok((
+        Tensor::from_vec(ids, (batch, seq), dev)?,
+        Tensor::from_vec(keep, (batch, seq), dev)?,
+    ))
+}
+
 fn checkpoint() -> Option<PathBuf> {
     match minilm_dir() {
         Some(dir) => Some(dir),

@@ -27,12 +27,7 @@ fn checkpointed_layers_give_the_plain_gradients_bit_for_bit() -> Result<()> {
     let model = BertModel::new(&cfg, &dev)?;
     model.train();
     let (batch, seq) = (4, 12);
-    let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % 60) as u32).collect();
-    let ids = Tensor::from_vec(ids, (batch, seq), &dev)?;
-    let keep: Vec<u32> = (0..batch * seq)
-        .map(|i| u32::from(i % seq < seq - i / seq))
-        .collect();
-    let mask = Tensor::from_vec(keep, (batch, seq), &dev)?;
+    let (ids, mask) = super::padded_batch(batch, seq, &dev)?;
     let upstream = Tensor::randn(0f32, 1., (batch, seq, cfg.hidden_size), &dev)?;
     // The gradients, and how many values the graph's intermediate tensors hold (leaves aside).
     let run = || -> Result<(Gradients, usize)> {

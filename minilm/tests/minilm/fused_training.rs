@@ -23,13 +23,7 @@ fn fused_training_passes_give_the_composed_gradients() -> Result<()> {
     let model = BertModel::new(&cfg, &dev)?;
     model.eval();
     let (batch, seq) = (8, 20);
-    let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % 60) as u32).collect();
-    let ids = Tensor::from_vec(ids, (batch, seq), &dev)?;
-    // The last sentences are padded, so the softmax sees masked keys.
-    let keep: Vec<u32> = (0..batch * seq)
-        .map(|i| u32::from(i % seq < seq - i / seq))
-        .collect();
-    let mask = Tensor::from_vec(keep, (batch, seq), &dev)?;
+    let (ids, mask) = super::padded_batch(batch, seq, &dev)?;
     let upstream = Tensor::randn(0f32, 1., (batch, seq, cfg.hidden_size), &dev)?;
     // Every parameter but the pooler's (`call` does not run it) has a gradient.
     let gradients = || -> Result<Vec<(String, Option<Tensor>)>> {
