@@ -56,7 +56,7 @@ pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<
 }
 
 /// `value` quantized to `kind`.
-pub(crate) fn quantize_value(value: &Tensor, kind: GgmlDType) -> Result<Arc<QTensor>> {
+pub fn quantize_value(value: &Tensor, kind: GgmlDType) -> Result<Arc<QTensor>> {
     check_quantizable("parameter", value.dims(), kind)?;
     Ok(Arc::new(QTensor::quantize(&value.contiguous()?, kind)?))
 }

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::buffer::Buffer;
@@ -17,6 +17,7 @@ use crate::param::Param;
 use crate::report::{LoadReport, Mismatch};
 use crate::walk::{walk, Visit};
 use crate::{KeyFix, KeyRule};
+use module_core::quant::is_float_kind;
 
 /// An ordered map from PyTorch-style paths to tensors: what [`state_dict`](../module_runtime/trait.ModuleExt.html#method.state_dict)
 /// returns, [`read`](StateDict::read) reads from a file, and
@@ -559,6 +560,14 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
         } else {
             value.to_dtype(dtype)?
         };
+        // Quantized as `Param::set` would, here: the commit, which holds calls back, only installs.
+        let requantize = |k: &GgmlDType| !options.assign && !is_float_kind(*k);
+        if let Slot::Param(p) = slot
+            && let Some(kind) = p.quantized_dtype().filter(requantize)
+        {
+            staged_quantized.push((p, module_core::quant::quantize_value(&value, kind)?));
+            continue;
+        }
         staged.push((slot, value));
     }
     let mut staged_extras = Vec::with_capacity(extra_plan.len());
