@@ -25,6 +25,8 @@ mod gqa;
 mod quant;
 #[path = "llama/sampling.rs"]
 mod sampling;
+#[path = "llama/stream.rs"]
+mod stream;
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`), else the CPU.
 fn device() -> Device {
@@ -33,6 +35,11 @@ fn device() -> Device {
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama")
+}
+
+/// A folder under the system's temporary one, named for `name` and this process.
+fn temp_dir(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("llama-{name}-{}", std::process::id()))
 }
 
 fn model() -> LlamaForCausalLM {

@@ -37,10 +37,6 @@ fn finetuned_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama-finetuned")
 }
 
-fn temp_dir(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("llama-{name}-{}", std::process::id()))
-}
-
 /// Every adapter's `lora_B` (zero at PEFT's init, and weight decay keeps a zero at zero): nonzero
 /// after training only where a gradient reached it.
 fn lora_b_norms(model: &LlamaForCausalLM) -> Vec<(String, f32)> {

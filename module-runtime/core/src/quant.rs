@@ -17,10 +17,11 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::quantized::{k_quants, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{QuantizeError, Result};
+use crate::lazy_shape::LazyShape;
 use crate::param::Param;
 use crate::quant_slot::{Entry, QuantizedLayout};
 use crate::update_lock::atomic_update;
@@ -56,9 +57,56 @@ pub fn check_quantizable(path: &str, dims: &[usize], kind: GgmlDType) -> Result<
 }
 
 /// `value` quantized to `kind`.
+///
+/// On the CPU the rows are quantized in chunks of about a million values, in parallel, each
+/// converted to float32 on its own: a `bfloat16` embedding table of 128,256 × 3,072 is never
+/// whole in float32 (1.5 GB), which is what lets a streaming load stay within the quantized
+/// model's size. The blocks run along the rows, so the bytes are those of quantizing the whole
+/// tensor at once.
 pub fn quantize_value(value: &Tensor, kind: GgmlDType) -> Result<Arc<QTensor>> {
     check_quantizable("parameter", value.dims(), kind)?;
-    Ok(Arc::new(QTensor::quantize(&value.contiguous()?, kind)?))
+    if !value.device().is_cpu() {
+        return Ok(Arc::new(QTensor::quantize(&value.contiguous()?, kind)?));
+    }
+    let storage = match kind {
+        GgmlDType::Q4_0 => quantize_rows::<k_quants::BlockQ4_0>(value)?,
+        GgmlDType::Q4_1 => quantize_rows::<k_quants::BlockQ4_1>(value)?,
+        GgmlDType::Q5_0 => quantize_rows::<k_quants::BlockQ5_0>(value)?,
+        GgmlDType::Q5_1 => quantize_rows::<k_quants::BlockQ5_1>(value)?,
+        GgmlDType::Q8_0 => quantize_rows::<k_quants::BlockQ8_0>(value)?,
+        GgmlDType::Q8_1 => quantize_rows::<k_quants::BlockQ8_1>(value)?,
+        GgmlDType::Q2K => quantize_rows::<k_quants::BlockQ2K>(value)?,
+        GgmlDType::Q3K => quantize_rows::<k_quants::BlockQ3K>(value)?,
+        GgmlDType::Q4K => quantize_rows::<k_quants::BlockQ4K>(value)?,
+        GgmlDType::Q5K => quantize_rows::<k_quants::BlockQ5K>(value)?,
+        GgmlDType::Q6K => quantize_rows::<k_quants::BlockQ6K>(value)?,
+        GgmlDType::Q8K => quantize_rows::<k_quants::BlockQ8K>(value)?,
+        _ => return Ok(Arc::new(QTensor::quantize(&value.contiguous()?, kind)?)),
+    };
+    Ok(Arc::new(QTensor::new(storage, value.shape().clone())?))
+}
+
+/// Values per chunk of [`quantize_rows`]: 4 MiB of float32.
+const CHUNK_VALUES: usize = 1 << 20;
+
+/// The CPU matrix `value` (`[rows, cols]`, `cols` a multiple of `T`'s block) quantized to `T`'s
+/// blocks, whole rows at a time, the chunks in parallel.
+fn quantize_rows<T: k_quants::GgmlType + 'static>(value: &Tensor) -> Result<QStorage> {
+    use rayon::prelude::*;
+    let (rows, cols) = value.dims2()?;
+    let per_row = cols / T::BLCK_SIZE;
+    let rows_per_chunk = (CHUNK_VALUES / cols.max(1)).max(1);
+    let mut blocks = vec![T::zeros(); rows * per_row];
+    blocks
+        .par_chunks_mut((rows_per_chunk * per_row).max(1))
+        .enumerate()
+        .try_for_each(|(i, out)| -> Result<()> {
+            let part = value.narrow(0, i * rows_per_chunk, out.len() / per_row.max(1))?;
+            let xs = part.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            T::from_float(&xs, out);
+            Ok(())
+        })?;
+    Ok(QStorage::Cpu(Box::new(blocks)))
 }
 
 /// `q` on `device` (the same tensor when it is there already).
@@ -82,10 +130,28 @@ impl Param {
     /// `trainable_vars`, until [`dequantize`](Self::dequantize). Loading a value into it
     /// ([`set`](Self::set), a state dict) quantizes the value again.
     ///
-    /// The weight must be a built matrix whose rows (`in_features`) are a multiple of the kind's
+    /// The weight must be a matrix whose rows (`in_features`) are a multiple of the kind's
     /// block size (32 for `q8_0`/`q4_0`, 256 for the k-quants), else
     /// [`QuantizeError::BlockSize`]; float kinds are [`QuantizeError::FloatKind`]. Whole models
     /// are quantized by path pattern with `module_runtime::nn::quantize`.
+    ///
+    /// A parameter with no values yet (made under [`empty_weights`](crate::empty_weights), with
+    /// its whole shape known) is marked instead: [`quantized_dtype`](Self::quantized_dtype) says
+    /// `kind` from then on, and the value a load (or [`set`](Self::set)) brings is quantized as it
+    /// arrives, so the float values of the whole model are never in memory at once — a streaming
+    /// load of a checkpoint larger than memory allows in float (Hugging Face's
+    /// `from_pretrained(..., quantization_config=...)`).
+    ///
+    /// ```
+    /// use module_runtime::{build_empty, Init, Param};
+    /// use module_runtime::candle_core::{quantized::GgmlDType, DType, Device, Tensor};
+    /// let w = build_empty(|| Param::init((4, 64), Init::Zeros, 64, DType::F32, &Device::Cpu))?;
+    /// w.quantize(GgmlDType::Q8_0)?; // no values yet: marked
+    /// assert_eq!((w.is_built(), w.quantized_dtype()), (false, Some(GgmlDType::Q8_0)));
+    /// w.set(&Tensor::ones((4, 64), DType::F32, &Device::Cpu)?)?; // quantized as it arrives
+    /// assert!(w.is_built() && w.is_quantized());
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
     ///
     /// ```
     /// use module_runtime::{Param, candle_core::{quantized::GgmlDType, DType, Device, Tensor}};
@@ -99,7 +165,23 @@ impl Param {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn quantize(&self, kind: GgmlDType) -> Result<()> {
+        if !self.is_built() {
+            return self.quantize_when_loaded(kind);
+        }
         self.set_requantized(&self.var()?.as_tensor().detach(), kind, self.0.var.dtype())
+    }
+
+    /// [`quantize`](Self::quantize) of a parameter with no values: marks it, once its shape is
+    /// known whole and fits `kind`'s blocks (else the error reading it would give, or
+    /// [`QuantizeError::BlockSize`]).
+    fn quantize_when_loaded(&self, kind: GgmlDType) -> Result<()> {
+        let known = |s: LazyShape| s.dims().iter().copied().collect::<Option<Vec<usize>>>();
+        let Some(dims) = self.lazy_shape().and_then(known) else {
+            return self.var().map(|_| ()); // a lazy shape not known yet: its `NotLoaded` error
+        };
+        check_quantizable("parameter", &dims, kind)?;
+        atomic_update(|| self.0.quant.set_pending(Some(kind)));
+        Ok(())
     }
 
     /// Takes an already quantized weight (a GGUF file's tensor) as the parameter's value, moved
@@ -193,9 +275,11 @@ impl Param {
         self.0.quant.is_on()
     }
 
-    /// The kind of the quantized weight (`Q8_0`, …), or `None` for a float parameter.
+    /// The kind of the quantized weight (`Q8_0`, …), or `None` for a float parameter. For a
+    /// parameter with no values yet, the kind [`quantize`](Self::quantize) marked it to take when
+    /// loaded ([`is_quantized`](Self::is_quantized) is `false` until then).
     pub fn quantized_dtype(&self) -> Option<GgmlDType> {
-        self.0.quant.entry().map(|e| e.kind())
+        (self.0.quant.entry().map(|e| e.kind())).or_else(|| self.0.quant.pending())
     }
 
     /// Drops the quantized weight: the parameter holds its values dequantized as floats again,
@@ -214,6 +298,8 @@ impl Param {
     /// ```
     pub fn dequantize(&self) -> Result<()> {
         if !self.is_quantized() {
+            // A parameter marked to be quantized when loaded is unmarked.
+            atomic_update(|| self.0.quant.set_pending(None));
             return Ok(());
         }
         let values = Var::from_tensor(&self.own_tensor()?)?;

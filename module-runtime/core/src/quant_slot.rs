@@ -34,11 +34,13 @@ pub trait QuantizedLayout: Any + Send + Sync {
 }
 
 /// A parameter's quantized weight: a flag read on every forward (one atomic load, so float
-/// parameters pay nothing more) and the weight's entry behind a lock.
+/// parameters pay nothing more) and the weight's entry behind a lock; or, for a parameter with
+/// no values yet, the kind it is to be quantized to when its values arrive (a streaming load).
 #[derive(Default)]
 pub(crate) struct QuantSlot {
     on: AtomicBool,
     entry: RwLock<Option<Arc<Entry>>>,
+    pending: RwLock<Option<GgmlDType>>,
 }
 
 /// A quantized weight and the layout a kernel made of it, kept together so that a layout always
@@ -68,6 +70,7 @@ impl QuantSlot {
         Self {
             on: AtomicBool::new(entry.is_some()),
             entry: RwLock::new(entry),
+            pending: RwLock::new(None),
         }
     }
 
@@ -97,6 +100,17 @@ impl QuantSlot {
         let mut slot = self.entry.write().unwrap_or_else(|e| e.into_inner());
         self.on.store(entry.is_some(), Ordering::Release);
         *slot = entry;
+        *self.pending.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The kind an unbuilt parameter is to be quantized to when loaded, if one was set.
+    pub(crate) fn pending(&self) -> Option<GgmlDType> {
+        *self.pending.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sets (or clears) the kind an unbuilt parameter is quantized to when loaded.
+    pub(crate) fn set_pending(&self, kind: Option<GgmlDType>) {
+        *self.pending.write().unwrap_or_else(|e| e.into_inner()) = kind;
     }
 }
 

@@ -104,3 +104,44 @@ fn an_unbuilt_parameter_is_built_from_a_quantized_weight_without_float_values() 
     assert!(!w.is_built() && !w.is_quantized());
     Ok(())
 }
+
+#[test]
+fn a_large_value_quantized_in_row_chunks_gives_the_bytes_of_a_whole_quantization() -> Result<()> {
+    // 2,100 rows of 1,024: three chunks, the last one short; bfloat16, as a checkpoint stores it.
+    let value = Tensor::randn(0f32, 1., (2100, 1024), &Device::Cpu)?.to_dtype(DType::BF16)?;
+    for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4K] {
+        let chunked = super::quantize_value(&value, kind)?;
+        let whole = QTensor::quantize(&value, kind)?;
+        assert_eq!((chunked.dtype(), chunked.shape()), (kind, whole.shape()));
+        assert_eq!(chunked.data()?, whole.data()?, "{kind:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn an_empty_parameter_is_marked_and_quantized_when_its_value_arrives() -> Result<()> {
+    let w = crate::build_empty(|| Param::init((4, 64), Init::Zeros, 64, DType::F32, &Device::Cpu))?;
+    w.quantize(GgmlDType::Q4_0)?;
+    assert!(!w.is_built() && !w.is_quantized());
+    assert_eq!(w.quantized_dtype(), Some(GgmlDType::Q4_0));
+    // A kind whose blocks do not fit the rows is refused, the mark kept.
+    assert!(matches!(
+        w.quantize(GgmlDType::Q4K),
+        Err(Error::Quantize(_))
+    ));
+    assert_eq!(w.quantized_dtype(), Some(GgmlDType::Q4_0));
+    let value = Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?;
+    w.set(&value)?;
+    assert!(w.is_built() && w.is_quantized());
+    let expected = QTensor::quantize(&value, GgmlDType::Q4_0)?;
+    assert_eq!(w.quantized()?.unwrap().data()?, expected.data()?);
+    // Unmarked by `dequantize` before a load: a load then takes the float values.
+    let v = crate::build_empty(|| Param::init((4, 64), Init::Zeros, 64, DType::F32, &Device::Cpu))?;
+    v.quantize(GgmlDType::Q8_0)?;
+    v.dequantize()?;
+    assert_eq!(v.quantized_dtype(), None);
+    v.set(&value)?;
+    assert!(!v.is_quantized());
+    assert_eq!(max_diff(&v.tensor()?, &value)?, 0.0);
+    Ok(())
+}

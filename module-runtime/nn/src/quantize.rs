@@ -57,6 +57,13 @@ pub struct QuantizeReport {
 /// large batches. Both use the quantized weight's values; the quantized kernel also rounds the
 /// input rows to 8 bits per block.
 ///
+/// A model built without values ([`build_empty`](module_core::build_empty)) is quantized before
+/// its load: each matched weight is marked with `kind` and quantized as the load brings its
+/// values, one tensor at a time, so a checkpoint streams into the quantized model without the
+/// float model ever being in memory (Hugging Face's `from_pretrained` with a
+/// `quantization_config`). Loading a GGUF's already quantized tensor into a marked weight takes
+/// it as it is.
+///
 /// Tied weights stay tied: quantizing a `Linear` quantizes its weight for every alias. Another
 /// `Linear` holding it multiplies with the quantized weight too, and any other reader (a tied
 /// `Embedding`) reads the dequantized table — llama.cpp's semantics for a quantized
@@ -132,17 +139,26 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
             }
             .into());
         }
-        if !weight.is_built() {
-            weight.var()?; // an unbuilt (lazy or empty) weight: its `NotLoaded` error
-        }
-        let shape = weight.shape();
+        let shape = match weight.lazy_shape() {
+            None => weight.shape(),
+            // An empty weight of known shape is marked, and quantized as a load brings it.
+            Some(lazy) => match lazy.dims().iter().copied().collect::<Option<Vec<_>>>() {
+                Some(dims) => Shape::from(dims),
+                None => {
+                    weight.var()?; // an unbuilt weight of unknown shape: its `NotLoaded` error
+                    weight.shape()
+                }
+            },
+        };
         if let Err(e) = check_quantizable(path, shape.dims(), kind) {
             first_misfit.get_or_insert(e);
             report.kept_float.push((path.clone(), shape));
             continue;
         }
-        let q = if weight.quantized_dtype() == Some(kind) {
-            None // already this kind: quantizing its dequantized values again changes nothing
+        let q = if weight.quantized_dtype() == Some(kind) || !weight.is_built() {
+            // Already this kind (quantizing its dequantized values again changes nothing), or
+            // no values yet: marked in the commit below.
+            None
         } else {
             let value = weight.var()?.as_tensor().detach().contiguous()?;
             Some(Arc::new(QTensor::quantize(&value, kind)?))
@@ -159,8 +175,10 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
     // One update: a call on another thread sees every matched layer quantized, or none.
     module_core::atomic_update(|| {
         for (param, q) in &pending {
-            if let Some(q) = q {
-                param.set_quantized(q.clone())?;
+            match q {
+                Some(q) => param.set_quantized(q.clone())?,
+                None if !param.is_built() => param.quantize(kind)?,
+                None => {}
             }
         }
         Ok::<_, Error>(())

@@ -555,12 +555,8 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
             continue;
         }
         let value = source.load(key, &slot.device())?;
-        let value = if value.dtype() == dtype || options.assign {
-            value
-        } else {
-            value.to_dtype(dtype)?
-        };
-        // Quantized as `Param::set` would, here: the commit, which holds calls back, only installs.
+        // Quantized as `Param::set` would (from the value as read, in row chunks), here: the
+        // commit, which holds calls back, only installs.
         let requantize = |k: &GgmlDType| !options.assign && !is_float_kind(*k);
         if let Slot::Param(p) = slot
             && let Some(kind) = p.quantized_dtype().filter(requantize)
@@ -568,6 +564,11 @@ pub fn load(root: &dyn Module, source: &dyn Source, options: &LoadOptions) -> Re
             staged_quantized.push((p, module_core::quant::quantize_value(&value, kind)?));
             continue;
         }
+        let value = if value.dtype() == dtype || options.assign {
+            value
+        } else {
+            value.to_dtype(dtype)?
+        };
         staged.push((slot, value));
     }
     let mut staged_extras = Vec::with_capacity(extra_plan.len());
