@@ -1,7 +1,8 @@
 //! Streaming loads of a model larger than memory allows twice (issue 47, item 5): a random
 //! bfloat16 Llama of 3.2 B parameters shaped like Llama-3.2-3B (hidden 3072, 28 layers, MLP 8192,
 //! 24 heads over 8 key/value heads, 128,256-token vocabulary, tied head), saved as Hugging Face
-//! shards (`model-0000i-of-0000n.safetensors` of about 2 GB and `model.safetensors.index.json`),
+//! shards (`model-0000i-of-0000n.safetensors` of about 2 GB and `model.safetensors.index.json`,
+//! written by `StateDict::save_sharded`),
 //! loaded into a model built empty (`build_empty`), in bfloat16 and quantized on the way
 //! (`quantize` on the empty model marks its `Linear` weights; the load quantizes each as it
 //! arrives). Each case runs in a fresh process (this one, again) and prints the load's time, the
@@ -47,62 +48,34 @@ fn config_json() -> serde_json::Value {
 }
 
 /// Writes the random checkpoint: every parameter of the empty model, in its order, drawn from
-/// N(0, 0.02²) (norms: ones) and rounded to bfloat16, shard by shard, so that the writer never
-/// holds more than one shard.
+/// N(0, 0.02²) (norms: ones) and rounded to bfloat16, saved as shards of at most
+/// [`SHARD_BYTES`] (`StateDict::save_sharded`).
 fn make_checkpoint(dir: &Path) -> AnyResult<()> {
     let json = config_json();
     let config = LlamaConfig::from_json(&json)?;
     let empty = build_empty(|| LlamaForCausalLM::new(&config, &Device::Cpu))?;
-    let params: Vec<(String, Vec<usize>)> = (empty.named_parameters().into_iter())
-        .map(|(key, p)| {
-            let shape = p.lazy_shape().expect("an empty model's parameter");
-            let dims = shape.dims().iter().map(|d| d.expect("known shape"));
-            (key, dims.collect())
-        })
-        .collect();
-    let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![Vec::new()];
-    let mut bytes = 0;
-    for (key, dims) in params {
-        let size = dims.iter().product::<usize>() * 2;
-        if bytes + size > SHARD_BYTES && !shards.last().unwrap().is_empty() {
-            shards.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += size;
-        shards.last_mut().unwrap().push((key, dims));
-    }
-    std::fs::create_dir_all(dir)?;
     eprintln!(
         "writing a random 3.2B-parameter bfloat16 Llama to {}",
         dir.display()
     );
-    let n = shards.len();
-    let mut weight_map = serde_json::Map::new();
-    let mut total = 0;
-    for (i, shard) in shards.into_iter().enumerate() {
-        let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
-        let mut sd = StateDict::new();
-        for (key, dims) in shard {
-            let value = match dims.len() {
-                1 => Tensor::ones(dims, DType::BF16, &Device::Cpu)?,
-                _ => Tensor::randn(0f32, 0.02, dims, &Device::Cpu)?.to_dtype(DType::BF16)?,
-            };
-            total += value.elem_count() * 2;
-            weight_map.insert(key.clone(), file.clone().into());
-            sd.insert(key, value);
-        }
-        sd.save_safetensors(dir.join(&file))?;
-        eprintln!("  {file}");
+    let mut sd = StateDict::new();
+    for (key, p) in empty.named_parameters() {
+        let shape = p.lazy_shape().ok_or("an empty model's parameter")?;
+        let dims: Vec<usize> = (shape.dims().iter().copied())
+            .collect::<Option<_>>()
+            .ok_or("a known shape")?;
+        let value = match dims.len() {
+            1 => Tensor::ones(dims, DType::BF16, &Device::Cpu)?,
+            _ => Tensor::randn(0f32, 0.02, dims, &Device::Cpu)?.to_dtype(DType::BF16)?,
+        };
+        sd.insert(key, value);
     }
-    let index =
-        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    for file in sd.save_sharded(dir, SHARD_BYTES)? {
+        eprintln!("  {}", file.display());
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&json)?,
-    )?;
-    std::fs::write(
-        dir.join("model.safetensors.index.json"),
-        serde_json::to_string_pretty(&index)?,
     )?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! when `quantize` marked the empty model first — equal, byte for byte, to loading the float
 //! model and quantizing it after.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use llama::LlamaForCausalLM;
 use module_runtime::nn::{quantize, GgmlDType, Linear};
@@ -12,31 +12,15 @@ use module_runtime::{build_empty, Error};
 
 use super::{device, ids, max_diff, model, temp_dir};
 
-/// Writes `model`'s state dict as `shards` safetensors files named as transformers names them,
-/// and the index that maps each key to its file.
-fn save_sharded(model: &LlamaForCausalLM, dir: &Path, shards: usize) {
-    std::fs::create_dir_all(dir).unwrap();
-    let mut entries: Vec<(String, Tensor)> = model
-        .state_dict()
-        .unwrap()
-        .into_hash_map()
-        .into_iter()
-        .collect();
-    entries.sort_by(|a, b| a.0.cmp(&b.0));
-    let per_shard = entries.len().div_ceil(shards);
-    let mut weight_map = serde_json::Map::new();
-    for (i, chunk) in entries.chunks(per_shard).enumerate() {
-        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
-        let shard: StateDict = chunk.iter().cloned().collect();
-        shard.save_safetensors(dir.join(&file)).unwrap();
-        for (key, _) in chunk {
-            weight_map.insert(key.clone(), file.clone().into());
-        }
-    }
-    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
-    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+/// Saves `model` into `dir` as Hugging Face shards of at most `max_shard_size` bytes, with its
+/// config.
+fn save_sharded(model: &LlamaForCausalLM, dir: &Path, max_shard_size: usize) -> Vec<PathBuf> {
+    let files = (model.state_dict().unwrap())
+        .save_sharded(dir, max_shard_size)
+        .unwrap();
     let config = super::fixture().join("config.json");
     std::fs::copy(config, dir.join("config.json")).unwrap();
+    files
 }
 
 fn empty_model() -> LlamaForCausalLM {
@@ -56,7 +40,21 @@ fn linears(model: &LlamaForCausalLM) -> Vec<(String, Linear)> {
 fn a_sharded_checkpoint_streams_into_an_empty_quantized_model() {
     let dir = temp_dir("stream-shards");
     let float = model();
-    save_sharded(&float, &dir, 3);
+    // The tiny model's 2 × 64 KiB embedding and 16 KiB projections: three shards of ≤ 200 KB.
+    let files = save_sharded(&float, &dir, 200_000);
+    let names: Vec<_> = files
+        .iter()
+        .map(|f| f.file_name().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors",
+            "model.safetensors.index.json"
+        ]
+    );
     for kind in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
         let streamed = empty_model();
         let marked = quantize(&streamed, "**", kind).unwrap();
@@ -87,13 +85,22 @@ fn a_sharded_checkpoint_streams_into_an_empty_quantized_model() {
         let logits = |m: &LlamaForCausalLM| m.scan(&input, m.initial_state(1).unwrap()).unwrap().0;
         assert_eq!(max_diff(&logits(&streamed), &logits(&after)), 0.0);
     }
+    // Saved again in one shard: `model.safetensors`, the earlier shards and index removed.
+    let files = save_sharded(&float, &dir, 1 << 30);
+    assert_eq!(files, [dir.join("model.safetensors")]);
+    let mut left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["config.json", "model.safetensors"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_failed_streaming_load_leaves_the_marked_model_empty() {
     let dir = temp_dir("stream-broken");
-    save_sharded(&model(), &dir, 3);
+    save_sharded(&model(), &dir, 200_000);
     // The last shard goes missing: the load fails before any weight is taken.
     std::fs::remove_file(dir.join("model-00003-of-00003.safetensors")).unwrap();
     let streamed = empty_model();

@@ -46,35 +46,46 @@ impl StateDict {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let path = path.as_ref();
-        let target = save_target(path)?;
-        let file_name = target
-            .file_name()
-            .ok_or_else(|| io_error(path, std::io::Error::other("the path names no file")))?;
-        let prefix = format!(".{}{TMP_MARK}", file_name.to_string_lossy());
-        remove_stale_temporaries(&target, &prefix);
-        let tmp = target.with_file_name(format!(
-            "{prefix}{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let result = (|| {
-            // `File::create` gives the umask's mode, as `torch.save`'s `open(f, "wb")` does.
-            let file = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
-            write_safetensors(self, &file).map_err(|e| io_error(&tmp, e))?;
-            if let Ok(existing) = std::fs::metadata(&target) {
-                file.set_permissions(existing.permissions())
-                    .map_err(|e| io_error(&tmp, e))?;
-            }
-            file.sync_all().map_err(|e| io_error(&tmp, e))?;
-            std::fs::rename(&tmp, &target).map_err(|e| io_error(path, e))
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result
+        save_atomically(path.as_ref(), |file| write_safetensors(self, file))
     }
+}
+
+/// Writes a file at `path` with `write`, atomically: into a temporary file beside the target
+/// (`path`, or the file a symlink there points to), flushed to disk, then renamed over it, the
+/// target's permissions kept (a new file's follow the umask); a failed write removes its
+/// temporary file, and temporaries of killed saves to the same target are removed first. Every
+/// file this crate saves goes through here.
+pub(crate) fn save_atomically(
+    path: &Path,
+    write: impl FnOnce(&File) -> std::io::Result<()>,
+) -> Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let target = save_target(path)?;
+    let file_name = target
+        .file_name()
+        .ok_or_else(|| io_error(path, std::io::Error::other("the path names no file")))?;
+    let prefix = format!(".{}{TMP_MARK}", file_name.to_string_lossy());
+    remove_stale_temporaries(&target, &prefix);
+    let tmp = target.with_file_name(format!(
+        "{prefix}{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = (|| {
+        // `File::create` gives the umask's mode, as `torch.save`'s `open(f, "wb")` does.
+        let file = File::create(&tmp).map_err(|e| io_error(&tmp, e))?;
+        write(&file).map_err(|e| io_error(&tmp, e))?;
+        if let Ok(existing) = std::fs::metadata(&target) {
+            file.set_permissions(existing.permissions())
+                .map_err(|e| io_error(&tmp, e))?;
+        }
+        file.sync_all().map_err(|e| io_error(&tmp, e))?;
+        std::fs::rename(&tmp, &target).map_err(|e| io_error(path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// The file a save to `path` replaces: `path`, or the file a symlink at `path` points to (followed

@@ -39,6 +39,8 @@ pub mod pending;
 #[doc(hidden)]
 pub mod pth;
 #[doc(hidden)]
+pub mod sharded;
+#[doc(hidden)]
 pub mod state;
 #[doc(hidden)]
 pub mod state_dict_hooks;
