@@ -50,7 +50,7 @@ pub enum PeftError {
     },
 
     /// A targeted module is of a type that takes no adapter here.
-    #[error("`{path}` is a `{found}`: LoRA adapters wrap `Linear` and `Embedding` layers")]
+    #[error("`{path}` is a `{found}`: LoRA adapters wrap `Linear`, `Embedding`, `Conv1d` and `Conv2d` layers")]
     UnsupportedLayer {
         /// The module's path.
         path: String,

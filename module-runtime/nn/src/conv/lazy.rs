@@ -83,6 +83,7 @@ impl<const D: usize> LazyConv<D> {
                 .then(|| lazy(&[Some(out_channels)]))
                 .transpose()?,
             config,
+            lora: None,
             parametrizations: None,
         };
         Ok(Self { conv })

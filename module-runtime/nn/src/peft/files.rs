@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use crate::error::Result;
 use crate::peft::config::LoraConfig;
-use crate::peft::layer::AdapterWeights;
 use crate::peft::model::{
     commit, lora_layers, prepare, trained_biases, PeftExt, ADAPTER_DICTS, DEFAULT_ADAPTER,
 };
@@ -81,8 +80,8 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
                 put("lora_embedding_A", a)?;
                 put("lora_embedding_B", &lora.lora_embedding_b[&name])?;
             } else {
-                put("lora_A", &lora.lora_a[name.as_str()].weight)?;
-                put("lora_B", &lora.lora_b[name.as_str()].weight)?;
+                put("lora_A", lora.lora_a[name.as_str()].weight())?;
+                put("lora_B", lora.lora_b[name.as_str()].weight())?;
             }
             if let Some(m) = lora.lora_magnitude_vector.get(&name) {
                 put("lora_magnitude_vector", &m.weight)?;
@@ -133,25 +132,8 @@ pub(crate) fn load(
     // it is one of the base model's (a bias PEFT's `bias` trains).
     let mut expected: Vec<(String, String, Param, bool)> = Vec::new();
     for (path, adapter) in &prepared {
-        let mut expect = |part: &str, p: &Param| {
-            expected.push((file_key(path, part), path.clone(), p.clone(), false))
-        };
-        match &adapter.weights {
-            AdapterWeights::Linear {
-                lora_a,
-                lora_b,
-                magnitude,
-            } => {
-                expect("lora_A", &lora_a.weight);
-                expect("lora_B", &lora_b.weight);
-                if let Some(m) = magnitude {
-                    expect("lora_magnitude_vector", &m.weight);
-                }
-            }
-            AdapterWeights::Embedding { a, b } => {
-                expect("lora_embedding_A", a);
-                expect("lora_embedding_B", b);
-            }
+        for (part, p) in adapter.weights.parts() {
+            expected.push((file_key(path, part), path.clone(), p.clone(), false));
         }
     }
     let layers: Vec<String> = prepared.iter().map(|(p, _)| p.clone()).collect();

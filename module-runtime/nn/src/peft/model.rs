@@ -4,8 +4,11 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::linear::Linear;
+use crate::peft::build::{build_adapter, Adapter};
 use crate::peft::config::{LoraBias, LoraConfig};
-use crate::peft::layer::{slot_mut, Adapter, Host, LoraLayer};
+use crate::peft::host::{slot_mut, Host};
+use crate::peft::layer::LoraLayer;
+use crate::peft::merge::merge_refused;
 use crate::{Module, Param};
 use module_core::names::{named_modules, named_parameters};
 use module_core::{Names, PeftError};
@@ -107,17 +110,19 @@ pub trait PeftExt: Module {
     /// then the plain layer's. A quantized weight is [`PeftError::State`], before any is merged.
     fn merge_adapter(&self) -> Result<()> {
         let hosts = adapted(self.peft_dyn());
-        if let Some((path, _)) = hosts.iter().find(|(_, h)| h.weight().is_quantized()) {
-            return Err(PeftError::State {
-                path: path.clone(),
-                message: "cannot merge an adapter into a quantized weight".into(),
+        for (path, host) in &hosts {
+            if let Some(message) = merge_refused(host.weight(), host.groups()) {
+                return Err(PeftError::State {
+                    path: path.clone(),
+                    message,
+                }
+                .into());
             }
-            .into());
         }
         for (path, host) in &hosts {
             let lora = host.lora().expect("an adapted layer");
             if let Some(active) = lora.active_adapter().filter(|a| lora.has(a)) {
-                lora.merge(host.weight(), path, &active)?;
+                lora.merge(host.weight(), path, &active, host.groups())?;
             }
         }
         Ok(())
@@ -341,7 +346,7 @@ pub(crate) fn prepare(
             }
             .into());
         }
-        let adapter = LoraLayer::build_adapter(name, host, &path, &config)?;
+        let adapter = build_adapter(name, host, &path, &config)?;
         prepared.push((path, adapter));
     }
     if prepared.is_empty() {
@@ -366,7 +371,7 @@ pub(crate) fn commit(
     let mut paths = Vec::with_capacity(prepared.len());
     for (path, adapter) in prepared {
         adapter_slot(model, &path)?
-            .get_or_insert_with(|| Box::new(LoraLayer::new()))
+            .get_or_insert_with(|| Box::new(LoraLayer::new(adapter.kind)))
             .add(adapter)?;
         paths.push(path);
     }
