@@ -20,6 +20,8 @@ use module_runtime::{LoadOptions, PeftError, StateDict};
 mod conv;
 #[path = "peft_errors.rs"]
 mod errors;
+#[path = "peft_saved.rs"]
+mod saved;
 
 #[derive(Module, Clone)]
 struct Attention {

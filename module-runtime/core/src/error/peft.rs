@@ -58,6 +58,18 @@ pub enum PeftError {
         found: String,
     },
 
+    /// A `modules_to_save` entry names a module of a type that cannot hold a trainable copy.
+    #[error(
+        "`{path}` is a `{found}`: modules_to_save copies `Linear`, `Embedding`, `Conv1d`, \
+         `Conv2d` and `LayerNorm` layers"
+    )]
+    UnsupportedModuleToSave {
+        /// The module's path.
+        path: String,
+        /// Its class.
+        found: String,
+    },
+
     /// An adapter of this name is already on the layer.
     #[error("`{path}` already has an adapter named `{adapter}`")]
     AdapterExists {

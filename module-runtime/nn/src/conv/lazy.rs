@@ -84,6 +84,7 @@ impl<const D: usize> LazyConv<D> {
                 .transpose()?,
             config,
             lora: None,
+            modules_to_save: None,
             parametrizations: None,
         };
         Ok(Self { conv })

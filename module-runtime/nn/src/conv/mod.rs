@@ -250,6 +250,10 @@ pub struct Conv<const D: usize> {
     /// `lora_A.<name>.weight`, …, the layer's children; none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<crate::peft::LoraLayer>>,
+    /// PEFT's `modules_to_save` copies of the layer (`modules_to_save.<adapter>.weight`, …),
+    /// used instead of it while their adapter is active; none until an adapter asks for them.
+    #[module(flatten)]
+    pub(crate) modules_to_save: Option<Box<crate::peft::ModulesToSave>>,
     /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
     #[module(flatten)]
     pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
@@ -343,6 +347,7 @@ impl<const D: usize> Conv<D> {
             bias,
             config,
             lora: None,
+            modules_to_save: None,
             parametrizations: None,
         })
     }
@@ -385,6 +390,9 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = crate::peft::saved_forward(&self.modules_to_save, x) {
+            return y;
+        }
         let y = self.base_forward(x)?;
         match &self.lora {
             // PEFT's `lora.Conv2d`: the base layer's output, plus the active adapter's.

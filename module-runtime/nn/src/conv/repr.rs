@@ -52,6 +52,9 @@ impl<const D: usize> ExtraRepr for Conv<D> {
     /// `(base_layer)`, then the adapters' dictionaries.
     fn extra_repr(&self) -> String {
         let own = self.own_repr();
+        if let Some(saved) = &self.modules_to_save {
+            return saved.wrapped_repr(&format!("{}({own})", Self::type_class_name()));
+        }
         match &self.lora {
             None => own,
             Some(lora) => lora.wrapped_repr(&format!("{}({own})", Self::type_class_name())),
@@ -67,6 +70,9 @@ impl<const D: usize> ExtraRepr for Conv<D> {
     /// parametrized.
     fn class_repr(&self) -> Option<String> {
         let class = Self::type_class_name();
+        if self.modules_to_save.is_some() {
+            return Some("ModulesToSaveWrapper".into());
+        }
         if self.lora.is_some() {
             return Some(format!("lora.{class}"));
         }

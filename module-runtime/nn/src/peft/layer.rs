@@ -278,6 +278,7 @@ impl LoraLayer {
                 bias: None,
                 config: base.config,
                 lora: None,
+                modules_to_save: None,
                 parametrizations: None,
             };
             plain.base_forward(x)

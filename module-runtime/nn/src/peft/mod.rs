@@ -40,9 +40,20 @@
 //! field ([`PeftError`](module_core::PeftError)); so is a tensor of another shape or a key no layer
 //! takes, before the model is touched.
 //!
+//! `modules_to_save` (PEFT's `ModulesToSaveWrapper`) works the same way: the layer is PEFT's
+//! `original_module` and keeps its paths, its trainable copy is `<path>.modules_to_save.<adapter>`
+//! ([`ModulesToSave`]), used instead of it while that adapter is active and the original while
+//! disabled, saved as PEFT saves it (`base_model.model.<path>.weight`, the copy's values), and
+//! printed as `ModulesToSaveWrapper(...)`. It covers the layer types that hold the slot
+//! (`Linear`, `Embedding`, `Conv1d`, `Conv2d`, `LayerNorm`); a module of another type is
+//! [`PeftError::UnsupportedModuleToSave`](module_core::PeftError::UnsupportedModuleToSave)
+//! naming its path and type. As in PEFT, `merge_and_unload` and `unload` leave the layer with
+//! the active copy's values; unlike PEFT, a module both targeted and in `modules_to_save` is an
+//! error (PEFT's result there depends on the order it wraps them in).
+//!
 //! Not implemented yet (each a typed error when a config asks for it): `Conv3d` adapters, an
-//! `Embedding` with `max_norm`, `modules_to_save`, `fan_in_fan_out`, the other initializations
-//! (PiSSA, OLoRA, LoftQ, EVA, …), layer selection by `layers_to_transform`.
+//! `Embedding` with `max_norm`, `fan_in_fan_out`, the other initializations (PiSSA, OLoRA, LoftQ,
+//! EVA, …), layer selection by `layers_to_transform`, `trainable_token_indices`.
 //!
 //! ```
 //! use module_runtime::prelude::*;
@@ -90,16 +101,22 @@ mod layer;
 mod merge;
 mod model;
 mod repr;
+mod saved;
 
 pub use config::{InitLoraWeights, LoraBias, LoraConfig, TargetModules};
 pub use files::{ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME};
 pub use layer::{DoraLinearLayer, LoraLayer};
 pub use model::{get_peft_model, PeftExt, DEFAULT_ADAPTER};
+pub(crate) use saved::saved_forward;
+pub use saved::ModulesToSave;
 
 /// How an adapted layer's `print(model)` shows its adapter children: not at all, since its
 /// `extra_repr` prints them in PEFT's order after `(base_layer)`.
 pub(crate) fn adapter_child_repr(child: &str) -> module_core::ChildRepr {
-    if model::ADAPTER_DICTS.contains(&child) || child == "lora_dropout" {
+    if model::ADAPTER_DICTS.contains(&child)
+        || child == "lora_dropout"
+        || child == "modules_to_save"
+    {
         module_core::ChildRepr::Hidden
     } else {
         module_core::ChildRepr::Own
