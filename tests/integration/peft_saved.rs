@@ -116,8 +116,9 @@ fn modules_to_save_on_a_layer_norm_and_errors() {
         norm: LayerNorm::new(4, &dev).unwrap(),
     };
     let x = Tensor::randn(0f32, 1., (2, 4), &dev).unwrap();
+    // "score" matches nothing and is skipped, as PEFT skips it.
     let config = LoraConfig {
-        modules_to_save: Some(vec!["norm".into()]),
+        modules_to_save: Some(vec!["norm".into(), "score".into()]),
         ..LoraConfig::new(TargetModules::names(["proj"]))
     };
     let plain = model.call(&x).unwrap();

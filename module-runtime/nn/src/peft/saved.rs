@@ -296,51 +296,48 @@ pub(crate) fn prepare_saved(
         .into()
     };
     let mut copies: Vec<(String, SavedModule)> = Vec::new();
-    for entry in entries {
-        // PEFT's `_set_trainable`: `key.endswith(target_key)`.
-        let matched: Vec<_> = (candidates.iter())
-            .filter(|(path, _)| path.ends_with(entry.as_str()))
-            .collect();
-        if matched.is_empty() {
-            return Err(PeftError::NoTarget {
-                targets: format!("modules_to_save {entries:?}"),
-                available: Vec::new(),
+    // PEFT's `_set_trainable`: `key.endswith(target_key)`. An entry matching nothing is skipped,
+    // as in PEFT (its classifier adapters list both "classifier" and "score"); entries that all
+    // match nothing are an error (a typo, or another model's names).
+    let matched: Vec<_> = (candidates.iter())
+        .filter(|(path, _)| entries.iter().any(|e| path.ends_with(e.as_str())))
+        .collect();
+    if matched.is_empty() && !entries.is_empty() {
+        return Err(PeftError::NoTarget {
+            targets: format!("modules_to_save {entries:?}"),
+            available: Vec::new(),
+        }
+        .into());
+    }
+    for (path, module) in matched {
+        let Some(slot) = saved_of(*module) else {
+            return Err(PeftError::UnsupportedModuleToSave {
+                path: path.clone(),
+                found: module.class_name(),
+            }
+            .into());
+        };
+        if lora_paths.contains(&path.as_str()) {
+            return Err(state(
+                path,
+                "it is both a LoRA target and in modules_to_save",
+            ));
+        }
+        if slot.as_ref().is_some_and(|s| s.has(name)) {
+            return Err(PeftError::AdapterExists {
+                path: path.clone(),
+                adapter: name.to_owned(),
             }
             .into());
         }
-        for (path, module) in matched {
-            if copies.iter().any(|(p, _)| p == path) {
-                continue;
-            }
-            let Some(slot) = saved_of(*module) else {
-                return Err(PeftError::UnsupportedModuleToSave {
-                    path: path.clone(),
-                    found: module.class_name(),
-                }
-                .into());
-            };
-            if lora_paths.contains(&path.as_str()) {
-                return Err(state(
-                    path,
-                    "it is both a LoRA target and in modules_to_save",
-                ));
-            }
-            if slot.as_ref().is_some_and(|s| s.has(name)) {
-                return Err(PeftError::AdapterExists {
-                    path: path.clone(),
-                    adapter: name.to_owned(),
-                }
-                .into());
-            }
-            if own_params(*module).iter().any(|(_, p)| p.is_parametrized()) {
-                return Err(state(
-                    path,
-                    "it is parametrized (`nn::parametrize`): remove the parametrization first",
-                ));
-            }
-            let copy = SavedModule::copy_of(*module).expect("a layer with the slot")?;
-            copies.push((path.clone(), copy));
+        if own_params(*module).iter().any(|(_, p)| p.is_parametrized()) {
+            return Err(state(
+                path,
+                "it is parametrized (`nn::parametrize`): remove the parametrization first",
+            ));
         }
+        let copy = SavedModule::copy_of(*module).expect("a layer with the slot")?;
+        copies.push((path.clone(), copy));
     }
     Ok(copies)
 }
