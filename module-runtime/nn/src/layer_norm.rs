@@ -156,7 +156,9 @@ impl LayerNorm {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn call_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if self.normalized_shape.len() == 1 && fusion_applies() {
+        // A `modules_to_save` copy in use computes with its own parameters: the call.
+        let own = self.modules_to_save.is_none();
+        if own && self.normalized_shape.len() == 1 && fusion_applies() {
             let fused = || -> Result<Option<Tensor>> {
                 let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
                 let (weight, bias) = (weight.as_ref(), bias.as_ref());
