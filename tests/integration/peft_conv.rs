@@ -4,7 +4,7 @@
 //! convolutions an adapter cannot fit, as typed errors.
 
 use module_runtime::nn::peft::{get_peft_model, LoraConfig, PeftExt, TargetModules};
-use module_runtime::nn::{Conv1d, Conv2d, ConvConfig};
+use module_runtime::nn::{Conv1d, Conv2d, Conv3d, ConvConfig};
 use module_runtime::prelude::*;
 use module_runtime::{Error, LoadOptions, PeftError};
 
@@ -42,6 +42,36 @@ impl Forward<&Tensor> for Grouped {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.conv.call(x)
     }
+}
+
+/// The script's `Volume`: a 3-D convolution and a head over its pooled channels.
+#[derive(Module, Clone)]
+struct Volume {
+    conv: Conv3d,
+    head: Linear,
+}
+
+impl Forward<&Tensor> for Volume {
+    type Output = Tensor;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.conv.call(x)?.tanh()?.flatten_from(2)?;
+        self.head.call(&h.mean(2)?)
+    }
+}
+
+fn volume() -> Volume {
+    let dev = Device::Cpu;
+    let padded = ConvConfig {
+        padding: 1.into(),
+        ..Default::default()
+    };
+    let model = Volume {
+        conv: Conv3d::with_config(2, 4, 3, padded, &dev).unwrap(),
+        head: Linear::new(4, 3, &dev).unwrap(),
+    };
+    let sd = read(dir("").join("conv3d_base.safetensors"));
+    model.load_state_dict(&sd, &LoadOptions::default()).unwrap();
+    model
 }
 
 /// `ConvNet` with the fixture's base weights (`channels` 8 in the fixtures; another width makes
@@ -98,6 +128,12 @@ fn conv_lora_adapter_from_peft_gives_peft_logits_and_merged_weights() {
 #[test]
 fn conv_dora_adapter_from_peft_gives_peft_logits_and_merged_weights() {
     check_inference_of("conv_dora", conv_net(8));
+}
+
+#[test]
+fn conv3d_lora_and_dora_adapters_from_peft_give_peft_logits_and_merged_weights() {
+    check_inference_of("conv3d", volume());
+    check_inference_of("conv3d_dora", volume());
 }
 
 #[test]
@@ -168,6 +204,14 @@ fn saved_conv_adapters_reload_with_the_same_logits() {
             (case == "conv_dora").then(|| vec![1, 8, 1, 1])
         );
     }
+    let mut model = volume();
+    model
+        .load_adapter(dir("conv3d_dora").join("adapter"), "default", false)
+        .unwrap();
+    let x = get(&read(dir("conv3d_dora").join("io.safetensors")), "ids");
+    let weights = check_saved("conv3d_dora", &model, &x, volume());
+    let magnitude = weights.get("base_model.model.conv.lora_magnitude_vector");
+    assert_eq!(magnitude.unwrap().dims(), [1, 4, 1, 1, 1]);
 }
 
 /// A grouped convolution: PEFT's `lora_B` in the base's groups gives PEFT's logits; merging is

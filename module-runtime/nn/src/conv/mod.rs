@@ -246,7 +246,7 @@ pub struct Conv<const D: usize> {
     /// Stride, padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvConfig,
-    /// LoRA adapters ([`get_peft_model`](crate::peft::get_peft_model), on `Conv1d` and `Conv2d`):
+    /// LoRA adapters ([`get_peft_model`](crate::peft::get_peft_model)):
     /// `lora_A.<name>.weight`, …, the layer's children; none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<crate::peft::LoraLayer>>,

@@ -113,6 +113,10 @@ pub(crate) fn build_adapter(
             let (a, b) = checked_conv_factors(base, path, &settings)?;
             (LoraFactor::Conv2d(a), LoraFactor::Conv2d(b))
         }
+        Host::Conv3d(base) => {
+            let (a, b) = checked_conv_factors(base, path, &settings)?;
+            (LoraFactor::Conv3d(a), LoraFactor::Conv3d(b))
+        }
     };
     // PEFT's init: `true` A as the layer type's default init (Kaiming-uniform) and B zero,
     // "gaussian" A normal with std `1 / r` and B zero, `false` both as the default init.

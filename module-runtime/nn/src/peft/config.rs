@@ -179,7 +179,7 @@ pub struct LoraConfig {
     /// Modules trained whole beside the adapter (PEFT's `modules_to_save`, usually a classifier
     /// head): each module whose path ends with one of these strings (PEFT's rule, `str.endswith`)
     /// gets a trainable copy, used while the adapter is active and saved in its file. The
-    /// module must be a `Linear`, `Embedding`, `Conv1d`, `Conv2d` or `LayerNorm`. As in PEFT, an
+    /// module must be a `Linear`, `Embedding`, `Conv1d/2d/3d` or `LayerNorm`. As in PEFT, an
     /// entry matching no module is skipped (PEFT's classifier adapters list `"classifier"` and
     /// `"score"`); when none matches, it is an error.
     pub modules_to_save: Option<Vec<String>>,

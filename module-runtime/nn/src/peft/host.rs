@@ -1,10 +1,10 @@
 //! The layers that hold adapters ([`Host`]: PEFT's `lora.Linear`, `lora.Embedding`,
-//! `lora.Conv1d`, `lora.Conv2d`), their adapter slots, and [`LoraFactor`], the layer type of an
+//! `lora.Conv1d`, `lora.Conv2d`, `lora.Conv3d`), their adapter slots, and [`LoraFactor`], the layer type of an
 //! adapter's `lora_A` and `lora_B` (a `Linear` or a convolution of the host's kind).
 
 use candle_core::Tensor;
 
-use crate::conv::{Conv, Conv1d, Conv2d};
+use crate::conv::{Conv, Conv1d, Conv2d, Conv3d};
 use crate::embedding::Embedding;
 use crate::error::Result;
 use crate::linear::Linear;
@@ -12,13 +12,14 @@ use crate::peft::layer::LoraLayer;
 use crate::{Forward, Module, Param};
 
 /// A layer that holds adapters: PEFT's `lora.Linear`, `lora.Embedding`, `lora.Conv1d`,
-/// `lora.Conv2d`.
+/// `lora.Conv2d`, `lora.Conv3d`.
 #[derive(Clone, Copy)]
 pub(crate) enum Host<'a> {
     Linear(&'a Linear),
     Embedding(&'a Embedding),
     Conv1d(&'a Conv1d),
     Conv2d(&'a Conv2d),
+    Conv3d(&'a Conv3d),
 }
 
 impl<'a> Host<'a> {
@@ -33,7 +34,10 @@ impl<'a> Host<'a> {
         if let Some(c) = m.downcast_ref::<Conv1d>() {
             return Some(Host::Conv1d(c));
         }
-        m.downcast_ref::<Conv2d>().map(Host::Conv2d)
+        if let Some(c) = m.downcast_ref::<Conv2d>() {
+            return Some(Host::Conv2d(c));
+        }
+        m.downcast_ref::<Conv3d>().map(Host::Conv3d)
     }
 
     pub(crate) fn lora(self) -> Option<&'a LoraLayer> {
@@ -42,6 +46,7 @@ impl<'a> Host<'a> {
             Host::Embedding(e) => e.lora.as_deref(),
             Host::Conv1d(c) => c.lora.as_deref(),
             Host::Conv2d(c) => c.lora.as_deref(),
+            Host::Conv3d(c) => c.lora.as_deref(),
         }
     }
 
@@ -51,6 +56,7 @@ impl<'a> Host<'a> {
             Host::Embedding(e) => &e.weight,
             Host::Conv1d(c) => &c.weight,
             Host::Conv2d(c) => &c.weight,
+            Host::Conv3d(c) => &c.weight,
         }
     }
 
@@ -59,6 +65,7 @@ impl<'a> Host<'a> {
         match self {
             Host::Conv1d(c) => c.config.groups,
             Host::Conv2d(c) => c.config.groups,
+            Host::Conv3d(c) => c.config.groups,
             _ => 1,
         }
     }
@@ -70,6 +77,7 @@ impl<'a> Host<'a> {
             Host::Embedding(_) => Kind::Embedding,
             Host::Conv1d(_) => Kind::Conv(1),
             Host::Conv2d(_) => Kind::Conv(2),
+            Host::Conv3d(_) => Kind::Conv(3),
         }
     }
 }
@@ -85,7 +93,10 @@ pub(crate) fn slot_mut(m: &mut dyn Module) -> Option<&mut Option<Box<LoraLayer>>
     if m.is::<Conv1d>() {
         return m.downcast_mut::<Conv1d>().map(|c| &mut c.lora);
     }
-    m.downcast_mut::<Conv2d>().map(|c| &mut c.lora)
+    if m.is::<Conv2d>() {
+        return m.downcast_mut::<Conv2d>().map(|c| &mut c.lora);
+    }
+    m.downcast_mut::<Conv3d>().map(|c| &mut c.lora)
 }
 
 /// Where DoRA's magnitude lies: one value per output row of a `Linear`'s or convolution's
@@ -151,6 +162,7 @@ pub(crate) enum LoraFactor {
     Linear(Linear),
     Conv1d(Conv1d),
     Conv2d(Conv2d),
+    Conv3d(Conv3d),
 }
 
 impl LoraFactor {
@@ -160,6 +172,7 @@ impl LoraFactor {
             Self::Linear(l) => &l.weight,
             Self::Conv1d(c) => &c.weight,
             Self::Conv2d(c) => &c.weight,
+            Self::Conv3d(c) => &c.weight,
         }
     }
 
@@ -170,6 +183,7 @@ impl LoraFactor {
             Self::Linear(l) => l.call(x),
             Self::Conv1d(c) => c.call(x),
             Self::Conv2d(c) => c.call(x),
+            Self::Conv3d(c) => c.call(x),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! [`LoraLayer`]: the adapters a [`Linear`], [`Embedding`] or convolution holds (PEFT's
-//! `lora.Linear`, `lora.Embedding`, `lora.Conv1d`/`lora.Conv2d` without the wrapping module):
+//! `lora.Linear`, `lora.Embedding`, `lora.Conv1d/2d/3d` without the wrapping module):
 //! `lora_A`, `lora_B`, `lora_dropout`, DoRA's `lora_magnitude_vector`, an embedding's
 //! `lora_embedding_A`/`_B`, by adapter name; their state (active, disabled, merged) and forward.
 //! Building them is `build.rs`, merging `merge.rs`, PEFT's `print(model)` `repr.rs`.
@@ -21,7 +21,7 @@ use crate::peft::host::{Kind, LoraFactor};
 use crate::{Module, ModuleExt, Param};
 
 /// DoRA's trained magnitude of one adapter (PEFT's `lora.dora.DoraLinearLayer`, and its
-/// `DoraEmbeddingLayer` and `DoraConv1dLayer`/`DoraConv2dLayer`, whose `weight` this is): one
+/// `DoraEmbeddingLayer` and `DoraConv1dLayer`/`2d`/`3d`, whose `weight` this is): one
 /// value per output row of a `Linear` (`[out_features]`) or convolution (`[1, out_channels, 1,
 /// …]`, PEFT's shape), one per column of an `Embedding` (`[embedding_dim]`).
 #[derive(Module, Clone, Debug)]
@@ -45,7 +45,8 @@ impl DoraLinearLayer {
             Kind::Linear => "lora.dora.DoraLinearLayer",
             Kind::Embedding => "lora.dora.lora.dora.DoraEmbeddingLayer",
             Kind::Conv(1) => "lora.dora.lora.dora.DoraConv1dLayer",
-            Kind::Conv(_) => "lora.dora.lora.dora.DoraConv2dLayer",
+            Kind::Conv(2) => "lora.dora.lora.dora.DoraConv2dLayer",
+            Kind::Conv(_) => "lora.dora.lora.dora.DoraConv3dLayer",
         };
         Ok(Self {
             weight: Param::new(weight)?,
@@ -85,8 +86,8 @@ pub(crate) struct LayerState {
     pub(crate) merged: Vec<(String, Option<Tensor>)>,
 }
 
-/// The LoRA adapters of one [`Linear`], [`Embedding`], [`Conv1d`](crate::Conv1d) or
-/// [`Conv2d`](crate::Conv2d) layer, by adapter name: PEFT's `LoraLayer`.
+/// The LoRA adapters of one [`Linear`], [`Embedding`] or convolution ([`Conv`]) layer, by
+/// adapter name: PEFT's `LoraLayer`.
 ///
 /// It lives inside the layer (see [the module docs](crate::peft)), so its parameters are the
 /// layer's children: `<path>.lora_A.<adapter>.weight` `[r, in_features]`,
@@ -263,7 +264,7 @@ impl LoraLayer {
     }
 
     /// `result` (the base convolution's output for `x`) with the active adapter's contribution
-    /// added: PEFT's `lora.Conv1d`/`lora.Conv2d` forward.
+    /// added: PEFT's `lora.Conv1d/2d/3d` forward.
     pub(crate) fn forward_conv<const D: usize>(
         &self,
         base: &Conv<D>,

@@ -1,5 +1,5 @@
-//! PEFT's adapters for any derived model: LoRA and DoRA on `Linear`, `Embedding`, `Conv1d` and
-//! `Conv2d` layers, added by
+//! PEFT's adapters for any derived model: LoRA and DoRA on `Linear`, `Embedding`, `Conv1d`,
+//! `Conv2d` and `Conv3d` layers, added by
 //! [`get_peft_model`], trained, merged, disabled, and read and written in PEFT's files
 //! (`adapter_config.json`, `adapter_model.safetensors`).
 //!
@@ -12,7 +12,7 @@
 //! the walk sees nothing, the forward one `match`), and [`get_peft_model`] fills the slots of the
 //! layers the targets select, found by path through the same walk every traversal uses. So:
 //!
-//! - any derived model with `Linear`, `Embedding`, `Conv1d` or `Conv2d` fields (in `Vec`s,
+//! - any derived model with `Linear`, `Embedding` or convolution fields (in `Vec`s,
 //!   `ModuleList`s, `Lazy` cells once built)
 //!   takes adapters unchanged; a layer behind a shared `Arc` cannot be modified and is a typed
 //!   error;
@@ -30,7 +30,8 @@
 //! PEFT's adapter would give an output of another size), `lora_B` a 1-wide convolution from `r`
 //! to the output channels in the base's groups (the rank must be divisible by them; merging a
 //! grouped convolution's adapter, and DoRA over one, are typed errors, as PEFT refuses or
-//! miscomputes them). DoRA's magnitude is `[1, out_channels, 1, …]` on a convolution and
+//! miscomputes them). DoRA's magnitude is `[1, out_channels, 1, …]` on a convolution (`print(model)`
+//! names it `lora.dora.lora.dora.DoraConv2dLayer()`, PEFT's doubled prefix) and
 //! `[embedding_dim]` (one per column of the table) on an `Embedding`, as PEFT keeps them.
 //!
 //! Files use PEFT's keys: `base_model.model.<path>.lora_A.weight` (the adapter name dropped),
@@ -45,14 +46,14 @@
 //! ([`ModulesToSave`]), used instead of it while that adapter is active and the original while
 //! disabled, saved as PEFT saves it (`base_model.model.<path>.weight`, the copy's values), and
 //! printed as `ModulesToSaveWrapper(...)`. It covers the layer types that hold the slot
-//! (`Linear`, `Embedding`, `Conv1d`, `Conv2d`, `LayerNorm`); a module of another type is
+//! (`Linear`, `Embedding`, `Conv1d/2d/3d`, `LayerNorm`); a module of another type is
 //! [`PeftError::UnsupportedModuleToSave`](module_core::PeftError::UnsupportedModuleToSave)
 //! naming its path and type. As in PEFT, `merge_and_unload` and `unload` leave the layer with
 //! the active copy's values; unlike PEFT, a module both targeted and in `modules_to_save` is an
 //! error (PEFT's result there depends on the order it wraps them in).
 //!
-//! Not implemented yet (each a typed error when a config asks for it): `Conv3d` adapters, an
-//! `Embedding` with `max_norm`, `fan_in_fan_out`, the other initializations (PiSSA, OLoRA, LoftQ,
+//! Not implemented yet (each a typed error when a config asks for it): an `Embedding` with
+//! `max_norm`, `fan_in_fan_out`, the other initializations (PiSSA, OLoRA, LoftQ,
 //! EVA, …), layer selection by `layers_to_transform`, `trainable_token_indices`.
 //!
 //! ```

@@ -4,14 +4,14 @@
 //! As with LoRA, the copies live in a slot of the layer ([`ModulesToSave`]): the layer itself is
 //! PEFT's `original_module` and keeps its paths (`head.weight`), the copy is
 //! `head.modules_to_save.<adapter>.weight`. The layer types with the slot are `Linear`,
-//! `Embedding`, `Conv1d`, `Conv2d` and `LayerNorm`.
+//! `Embedding`, `Conv1d`, `Conv2d`, `Conv3d` and `LayerNorm`.
 
 use std::sync::Mutex;
 
 use candle_core::Tensor;
 
 use crate::container::ModuleDict;
-use crate::conv::{Conv1d, Conv2d};
+use crate::conv::{Conv1d, Conv2d, Conv3d};
 use crate::embedding::Embedding;
 use crate::error::Result;
 use crate::layer_norm::LayerNorm;
@@ -29,6 +29,7 @@ pub(crate) enum SavedModule {
     Embedding(Embedding),
     Conv1d(Conv1d),
     Conv2d(Conv2d),
+    Conv3d(Conv3d),
     LayerNorm(LayerNorm),
 }
 
@@ -75,6 +76,7 @@ impl SavedModule {
             }
             conv!(Conv1d, Conv1d);
             conv!(Conv2d, Conv2d);
+            conv!(Conv3d, Conv3d);
             if let Some(n) = m.downcast_ref::<LayerNorm>() {
                 let mut n = n.clone();
                 n.modules_to_save = None;
@@ -96,6 +98,7 @@ impl SavedModule {
             Self::Embedding(m) => m.call(x),
             Self::Conv1d(m) => m.call(x),
             Self::Conv2d(m) => m.call(x),
+            Self::Conv3d(m) => m.call(x),
             Self::LayerNorm(m) => m.call(x),
         }
     }
@@ -235,6 +238,9 @@ pub(crate) fn saved_of(m: &dyn Module) -> Option<&Option<Box<ModulesToSave>>> {
     if let Some(c) = m.downcast_ref::<Conv2d>() {
         return Some(&c.modules_to_save);
     }
+    if let Some(c) = m.downcast_ref::<Conv3d>() {
+        return Some(&c.modules_to_save);
+    }
     m.downcast_ref::<LayerNorm>().map(|n| &n.modules_to_save)
 }
 
@@ -253,6 +259,9 @@ pub(crate) fn saved_slot_mut(m: &mut dyn Module) -> Option<&mut Option<Box<Modul
     }
     if m.is::<Conv2d>() {
         return m.downcast_mut::<Conv2d>().map(|c| &mut c.modules_to_save);
+    }
+    if m.is::<Conv3d>() {
+        return m.downcast_mut::<Conv3d>().map(|c| &mut c.modules_to_save);
     }
     m.downcast_mut::<LayerNorm>()
         .map(|n| &mut n.modules_to_save)
