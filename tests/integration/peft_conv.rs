@@ -323,3 +323,33 @@ fn conv_adapters_that_do_not_fit_are_typed_errors() {
     );
     assert!(model.conv.lora().is_none());
 }
+
+/// Two named adapters on the same convolutions: `set_adapter` switches the forward, merging
+/// takes the active one, `disable_adapter` gives the base.
+#[test]
+fn named_conv_adapters_switch_merge_and_disable() {
+    let mut model = conv_net(8);
+    let x = get(&read(dir("conv").join("io.safetensors")), "ids");
+    let base_logits = model.call(&x).unwrap();
+    model
+        .load_adapter(dir("conv").join("adapter"), "default", false)
+        .unwrap();
+    let peft_logits = model.call(&x).unwrap();
+    let config = LoraConfig {
+        r: 2,
+        init_lora_weights: module_runtime::nn::peft::InitLoraWeights::Random,
+        ..LoraConfig::new(TargetModules::names(["conv", "seq"]))
+    };
+    model.add_adapter("other", &config).unwrap();
+    assert_eq!(max_diff(&model.call(&x).unwrap(), &peft_logits), 0.0);
+    model.set_adapter("other").unwrap();
+    let other = model.call(&x).unwrap();
+    assert!(max_diff(&other, &peft_logits) > 1e-4);
+    model.merge_adapter().unwrap();
+    assert!(max_diff(&model.call(&x).unwrap(), &other) < 1e-5);
+    let off = model.disable_adapter(|| model.call(&x)).unwrap().unwrap();
+    assert!(max_diff(&off, &base_logits) < 1e-5);
+    model.delete_adapter("other").unwrap();
+    model.set_adapter("default").unwrap();
+    assert!(max_diff(&model.call(&x).unwrap(), &peft_logits) < 1e-5);
+}

@@ -9,7 +9,9 @@ use module_runtime::nn::LayerNorm;
 use module_runtime::prelude::*;
 use module_runtime::{Error, PeftError};
 
-use super::{base, check_inference_of, check_saved, check_training_of, dir, get, max_diff, read};
+use super::{
+    base, check_inference_of, check_saved, check_training_of, dir, get, max_diff, read, Tiny,
+};
 
 #[test]
 fn modules_to_save_from_peft_gives_peft_logits() {
@@ -183,4 +185,62 @@ fn modules_to_save_on_a_layer_norm_and_errors() {
         .map(|(k, _)| k)
         .collect();
     assert_eq!(after, before, "the model is unchanged");
+}
+
+/// Two adapters, each with its copy of the head: `set_adapter` switches the copy in use and the
+/// one trained; an adapter without a copy of a layer leaves it the original, as in PEFT.
+#[test]
+fn named_adapters_switch_their_modules_to_save_copies() {
+    let mut model = base(16);
+    let ids = get(&read(dir("modules_to_save").join("io.safetensors")), "ids");
+    let plain = model.call(&ids).unwrap();
+    let with_head = |r| LoraConfig {
+        r,
+        modules_to_save: Some(vec!["head".into()]),
+        ..LoraConfig::new(TargetModules::names(["fc1"]))
+    };
+    get_peft_model(&mut model, &with_head(2)).unwrap();
+    model.add_adapter("other", &with_head(4)).unwrap();
+    model
+        .add_adapter("plain", &LoraConfig::new(TargetModules::names(["fc2"])))
+        .unwrap();
+    assert_eq!(model.adapter_names(), ["default", "other", "plain"]);
+    let shift = |name: &str, by: f64| {
+        let p = model
+            .get_parameter(&format!("head.modules_to_save.{name}.bias"))
+            .unwrap();
+        p.set(&(p.tensor().unwrap() + by).unwrap()).unwrap();
+    };
+    shift("default", 1.0);
+    shift("other", 2.0);
+    let offset = |m: &Tiny| {
+        let y = m.call(&ids).unwrap();
+        (y - &plain)
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    assert!((offset(&model) - 1.0).abs() < 1e-5, "default's copy");
+    model.set_adapter("other").unwrap();
+    assert!((offset(&model) - 2.0).abs() < 1e-5, "other's copy");
+    let trained: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .filter(|(k, p)| p.requires_grad() && k.starts_with("head"))
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(
+        trained,
+        [
+            "head.modules_to_save.other.weight",
+            "head.modules_to_save.other.bias"
+        ]
+    );
+    model.set_adapter("plain").unwrap();
+    assert!(offset(&model).abs() < 1e-5, "no copy: the original head");
+    model.delete_adapter("other").unwrap();
+    model.set_adapter("default").unwrap();
+    assert!((offset(&model) - 1.0).abs() < 1e-5);
 }
