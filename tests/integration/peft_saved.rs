@@ -244,3 +244,25 @@ fn named_adapters_switch_their_modules_to_save_copies() {
     model.set_adapter("default").unwrap();
     assert!((offset(&model) - 1.0).abs() < 1e-5);
 }
+
+/// `bias="all"` beside `modules_to_save`: the copy's bias is saved once, as the copy's, and the
+/// folder reads back.
+#[test]
+fn modules_to_save_with_bias_all_reads_back() {
+    let mut model = base(16);
+    let ids = get(&read(dir("modules_to_save").join("io.safetensors")), "ids");
+    let config = LoraConfig {
+        bias: module_runtime::nn::peft::LoraBias::All,
+        modules_to_save: Some(vec!["head".into()]),
+        ..LoraConfig::new(TargetModules::names(["fc1"]))
+    };
+    get_peft_model(&mut model, &config).unwrap();
+    let copy = model
+        .get_parameter("head.modules_to_save.default.bias")
+        .unwrap();
+    copy.set(&(copy.tensor().unwrap() + 1.0).unwrap()).unwrap();
+    let weights = check_saved("bias_all_and_copies", &model, &ids, base(16));
+    let saved = weights.get("base_model.model.head.bias").unwrap();
+    assert_eq!(max_diff(saved, &copy.tensor().unwrap()), 0.0);
+    assert!(weights.iter().all(|(k, _)| !k.contains("modules_to_save")));
+}

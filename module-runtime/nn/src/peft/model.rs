@@ -524,7 +524,12 @@ pub(crate) fn trained_biases(
         .filter(|(path, _)| match bias {
             LoraBias::None => false,
             // PEFT: `"bias" in name`, the adapters' own parameters aside.
-            LoraBias::All => path.contains("bias") && !path.contains(".lora_"),
+            // (`modules_to_save` copies are trained and saved as copies.)
+            LoraBias::All => {
+                path.contains("bias")
+                    && !path.contains(".lora_")
+                    && !path.contains(".modules_to_save.")
+            }
             LoraBias::LoraOnly => path
                 .rsplit_once('.')
                 .is_some_and(|(layer, leaf)| leaf == "bias" && layers.iter().any(|l| l == layer)),
