@@ -16,8 +16,12 @@ use module_runtime::optim::{AdamW, Optimizer};
 use module_runtime::prelude::*;
 use module_runtime::{LoadOptions, PeftError, StateDict};
 
+#[path = "peft_conv.rs"]
+mod conv;
 #[path = "peft_errors.rs"]
 mod errors;
+#[path = "peft_saved.rs"]
+mod saved;
 
 #[derive(Module, Clone)]
 struct Attention {
@@ -114,8 +118,16 @@ fn get(sd: &StateDict, key: &str) -> Tensor {
 /// PEFT's adapter loaded here gives PEFT's logits, with the adapter off the base's, and merged
 /// PEFT's merged weights; `print(model)` is PEFT's.
 fn check_inference(case: &str) {
+    check_inference_of(case, base(16));
+}
+
+/// [`check_inference`] for any model with the fixture's base weights; returns it with the
+/// adapter merged and unloaded.
+fn check_inference_of<M>(case: &str, mut model: M) -> M
+where
+    M: Module + std::fmt::Display + for<'a> Forward<&'a Tensor, Output = Tensor>,
+{
     let io = read(dir(case).join("io.safetensors"));
-    let mut model = base(16);
     let paths = model
         .load_adapter(dir(case).join("adapter"), "default", false)
         .unwrap();
@@ -162,6 +174,7 @@ fn check_inference(case: &str) {
         .iter()
         .all(|(p, _)| !p.contains("lora_")));
     assert!(max_diff(&model.call(&ids).unwrap(), &logits) < 1e-4);
+    model
 }
 
 #[test]
@@ -179,12 +192,24 @@ fn embedding_adapter_from_peft_gives_peft_logits_and_merged_weights() {
     check_inference("embedding");
 }
 
+#[test]
+fn embedding_dora_adapter_from_peft_gives_peft_logits_and_merged_weights() {
+    check_inference("embedding_dora");
+}
+
 /// 4 AdamW steps on the adapter alone (PEFT's initial adapter, the script's hyper-parameters):
 /// PEFT's losses and final adapter tensors within 1e-5.
 fn check_training(case: &str) {
+    check_training_of(case, base(16));
+}
+
+/// [`check_training`] for any model with the fixture's base weights.
+fn check_training_of<M>(case: &str, mut model: M)
+where
+    M: Module + std::fmt::Display + for<'a> Forward<&'a Tensor, Output = Tensor>,
+{
     let train = read(dir(case).join("train.safetensors"));
     let io = read(dir(case).join("io.safetensors"));
-    let mut model = base(16);
     model
         .load_adapter(dir(case).join("adapter"), "default", true)
         .unwrap();
@@ -210,7 +235,9 @@ fn check_training(case: &str) {
     let targets = get(&train, "targets").flatten_all().unwrap();
     let want: Vec<f64> = get(&train, "losses").to_vec1().unwrap();
     for (step, want) in want.iter().enumerate() {
-        let logits = model.call(&ids).unwrap().reshape(((), 12)).unwrap();
+        let logits = model.call(&ids).unwrap();
+        let classes = logits.dim(candle_core::D::Minus1).unwrap();
+        let logits = logits.reshape(((), classes)).unwrap();
         let loss = cross_entropy(&logits, &targets).unwrap();
         let got = loss.to_scalar::<f32>().unwrap() as f64;
         assert!(
@@ -242,6 +269,11 @@ fn dora_training_follows_peft_for_4_adamw_steps() {
 #[test]
 fn embedding_training_follows_peft_for_4_adamw_steps() {
     check_training("train_embedding");
+}
+
+#[test]
+fn embedding_dora_training_follows_peft_for_4_adamw_steps() {
+    check_training("train_embedding_dora");
 }
 
 /// `bias="all"`: every bias trained with the adapter, saved in its file under PEFT's names.
@@ -351,7 +383,7 @@ fn get_peft_model_matches_peft_names_shapes_and_repr() {
 /// check.
 #[test]
 fn saved_adapter_reloads_with_the_same_logits() {
-    for case in ["lora", "dora", "embedding", "train_bias"] {
+    for case in ["lora", "dora", "embedding", "embedding_dora", "train_bias"] {
         let mut model = base(16);
         model
             .load_adapter(dir(case).join("adapter"), "default", false)
@@ -362,12 +394,8 @@ fn saved_adapter_reloads_with_the_same_logits() {
             bias.set(&(bias.tensor().unwrap() + 1.0).unwrap()).unwrap();
         }
         let ids = get(&read(dir(case).join("io.safetensors")), "ids");
-        let logits = model.call(&ids).unwrap();
-        let tmp = std::env::temp_dir().join(format!("peft-{case}-{}", std::process::id()));
-        let written = model.save_pretrained(&tmp).unwrap();
-        assert_eq!(written, std::slice::from_ref(&tmp));
-        // PEFT's keys, PEFT's config fields.
-        let weights = read(tmp.join("adapter_model.safetensors"));
+        let weights = check_saved(case, &model, &ids, base(16));
+        // PEFT's keys.
         assert!(weights
             .get("base_model.model.attn.q_proj.lora_A.weight")
             .is_some());
@@ -375,22 +403,36 @@ fn saved_adapter_reloads_with_the_same_logits() {
             weights
                 .get("base_model.model.attn.q_proj.lora_magnitude_vector")
                 .is_some(),
-            case == "dora"
+            case.contains("dora")
         );
-        let mut again = base(16);
-        again.load_adapter(&tmp, "default", false).unwrap();
-        assert_eq!(max_diff(&again.call(&ids).unwrap(), &logits), 0.0);
-        if std::env::var_os("PEFT_WRITE_RUST_SAVED").is_some() {
-            let out = dir("rust_saved").join(case);
-            model.save_pretrained(&out).unwrap();
-            let mut sd = StateDict::new();
-            sd.insert("ids", ids.clone());
-            sd.insert("logits", logits.clone());
-            sd.save_safetensors(out.join("rust_logits.safetensors"))
-                .unwrap();
-        }
-        std::fs::remove_dir_all(&tmp).unwrap();
     }
+}
+
+/// Saves `model`'s adapter, reads it into `again` (the base model), checks the logits for `ids`
+/// are the same, and returns the saved weights. `PEFT_WRITE_RUST_SAVED=1` also writes the folder
+/// and the logits into `fixtures/peft/rust_saved/<case>` for `make_fixtures.py --check`.
+fn check_saved<M>(case: &str, model: &M, ids: &Tensor, mut again: M) -> StateDict
+where
+    M: Module + std::fmt::Display + for<'a> Forward<&'a Tensor, Output = Tensor>,
+{
+    let logits = model.call(ids).unwrap();
+    let tmp = std::env::temp_dir().join(format!("peft-{case}-{}", std::process::id()));
+    let written = model.save_pretrained(&tmp).unwrap();
+    assert_eq!(written, std::slice::from_ref(&tmp));
+    let weights = read(tmp.join("adapter_model.safetensors"));
+    again.load_adapter(&tmp, "default", false).unwrap();
+    assert_eq!(max_diff(&again.call(ids).unwrap(), &logits), 0.0);
+    if std::env::var_os("PEFT_WRITE_RUST_SAVED").is_some() {
+        let out = dir("rust_saved").join(case);
+        model.save_pretrained(&out).unwrap();
+        let mut sd = StateDict::new();
+        sd.insert("ids", ids.clone());
+        sd.insert("logits", logits.clone());
+        sd.save_safetensors(out.join("rust_logits.safetensors"))
+            .unwrap();
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+    weights
 }
 
 /// Several named adapters, one active: `set_adapter` switches the forward and what is trained.

@@ -73,16 +73,6 @@ fn bad_adapters_are_typed_errors_naming_what_and_leave_the_model_alone() {
         matches!(&err, Error::Peft(PeftError::UnsupportedLayer { path, found }) if path == "attn" && found == "Attention"),
         "{err}"
     );
-    // DoRA on an embedding is not implemented: the field, named.
-    let dora = LoraConfig {
-        use_dora: true,
-        ..LoraConfig::new(TargetModules::names(["embed"]))
-    };
-    let err = get_peft_model(&mut model, &dora).unwrap_err();
-    assert!(
-        matches!(&err, Error::Peft(PeftError::Unsupported { field, .. }) if field == "use_dora"),
-        "{err}"
-    );
     // Another rank than the file's: shapes.
     let rank = copy_adapter("lora", |c| c["r"] = serde_json::json!(8));
     let err = model.load_adapter(&rank, "default", false).unwrap_err();

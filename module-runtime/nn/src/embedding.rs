@@ -51,6 +51,10 @@ pub struct Embedding {
     /// and `lora_embedding_B.<name>`; none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<LoraLayer>>,
+    /// PEFT's `modules_to_save` copies of the layer (`modules_to_save.<adapter>.weight`, …),
+    /// used instead of it while their adapter is active; none until an adapter asks for them.
+    #[module(flatten)]
+    pub(crate) modules_to_save: Option<Box<crate::peft::ModulesToSave>>,
     /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
     #[module(flatten)]
     pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
@@ -112,6 +116,7 @@ impl Embedding {
             max_norm: config.max_norm,
             norm_type: config.norm_type,
             lora: None,
+            modules_to_save: None,
             parametrizations: None,
         })
     }
@@ -125,6 +130,7 @@ impl Embedding {
             max_norm: None,
             norm_type: 2.0,
             lora: None,
+            modules_to_save: None,
             parametrizations: None,
         })
     }
@@ -276,6 +282,9 @@ impl Forward<&Tensor> for Embedding {
     type Output = Tensor;
 
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        if let Some(y) = crate::peft::saved_forward(&self.modules_to_save, ids) {
+            return y;
+        }
         let rows = self.base_forward(ids)?;
         match &self.lora {
             // PEFT's `lora.Embedding`: the table's rows, plus the active adapter's.
@@ -403,6 +412,9 @@ impl module_core::ExtraRepr for Embedding {
             self.max_norm,
             self.norm_type,
         );
+        if let Some(saved) = &self.modules_to_save {
+            return saved.wrapped_repr(&format!("Embedding({own})"));
+        }
         match &self.lora {
             None => own,
             Some(lora) => lora.wrapped_repr(&format!("Embedding({own})")),
@@ -418,12 +430,12 @@ impl module_core::ExtraRepr for Embedding {
             .parametrizations
             .as_ref()
             .map(|_| "ParametrizedEmbedding");
-        (self
-            .lora
+        let saved = self
+            .modules_to_save
             .as_ref()
-            .map(|_| "lora.Embedding")
-            .or(parametrized))
-        .map(str::to_owned)
+            .map(|_| "ModulesToSaveWrapper");
+        let lora = self.lora.as_ref().map(|_| "lora.Embedding");
+        (saved.or(lora).or(parametrized)).map(str::to_owned)
     }
 }
 

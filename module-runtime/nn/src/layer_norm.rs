@@ -90,6 +90,10 @@ pub struct LayerNorm {
     pub normalized_shape: Vec<usize>,
     /// Added to the variance.
     pub eps: f64,
+    /// PEFT's `modules_to_save` copies of the layer (`modules_to_save.<adapter>.weight`, …),
+    /// used instead of it while their adapter is active; none until an adapter asks for them.
+    #[module(flatten)]
+    pub(crate) modules_to_save: Option<Box<crate::peft::ModulesToSave>>,
 }
 
 impl LayerNorm {
@@ -123,6 +127,7 @@ impl LayerNorm {
             bias,
             normalized_shape: shape.dims().to_vec(),
             eps: config.eps,
+            modules_to_save: None,
         })
     }
 
@@ -151,7 +156,9 @@ impl LayerNorm {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     pub fn call_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if self.normalized_shape.len() == 1 && fusion_applies() {
+        // A `modules_to_save` copy in use computes with its own parameters: the call.
+        let own = self.modules_to_save.is_none();
+        if own && self.normalized_shape.len() == 1 && fusion_applies() {
             let fused = || -> Result<Option<Tensor>> {
                 let (weight, bias) = (param_tensor(&self.weight)?, param_tensor(&self.bias)?);
                 let (weight, bias) = (weight.as_ref(), bias.as_ref());
@@ -175,6 +182,9 @@ impl LayerNorm {
 }
 
 layer_forward!(LayerNorm, |layer, x| {
+    if let Some(y) = crate::peft::saved_forward(&layer.modules_to_save, x) {
+        return y;
+    }
     let (weight, bias) = (param_tensor(&layer.weight)?, param_tensor(&layer.bias)?);
     layer_norm(x, &layer.normalized_shape, weight, bias, layer.eps)
 });
@@ -412,13 +422,28 @@ layer_forward!(RmsNorm, |layer, x| {
     Ok(y.reshape(x.shape())?)
 });
 
-layer_repr!(LayerNorm, |layer| {
-    let shape = py_tuple(&layer.normalized_shape);
-    let affine = py_bool(layer.weight.is_some());
-    let bias = py_bool(layer.bias.is_some());
-    let eps = py_float(layer.eps);
-    format!("{shape}, eps={eps}, elementwise_affine={affine}, bias={bias}")
-});
+impl module_core::ExtraRepr for LayerNorm {
+    /// PyTorch's settings; with `modules_to_save` copies, PEFT's `ModulesToSaveWrapper` body.
+    fn extra_repr(&self) -> String {
+        let shape = py_tuple(&self.normalized_shape);
+        let affine = py_bool(self.weight.is_some());
+        let bias = py_bool(self.bias.is_some());
+        let eps = py_float(self.eps);
+        let own = format!("{shape}, eps={eps}, elementwise_affine={affine}, bias={bias}");
+        match &self.modules_to_save {
+            Some(saved) => saved.wrapped_repr(&format!("LayerNorm({own})")),
+            None => own,
+        }
+    }
+
+    fn child_repr(&self, child: &str) -> module_core::ChildRepr {
+        crate::peft::adapter_child_repr(child)
+    }
+
+    fn class_repr(&self) -> Option<String> {
+        (self.modules_to_save.as_ref()).map(|_| "ModulesToSaveWrapper".to_owned())
+    }
+}
 
 layer_repr!(RmsNorm, |layer| {
     let shape = py_tuple(&layer.normalized_shape);

@@ -40,6 +40,10 @@ pub struct Linear {
     /// layer's children (`lora_A.default.weight`, …); none until an adapter is added.
     #[module(flatten)]
     pub(crate) lora: Option<Box<LoraLayer>>,
+    /// PEFT's `modules_to_save` copies of the layer (`modules_to_save.<adapter>.weight`, …),
+    /// used instead of it while their adapter is active; none until an adapter asks for them.
+    #[module(flatten)]
+    pub(crate) modules_to_save: Option<Box<crate::peft::ModulesToSave>>,
     /// Parametrizations ([`parametrize`](crate::parametrize)): `parametrizations.weight.…`.
     #[module(flatten)]
     pub(crate) parametrizations: Option<Box<Parametrizations>>,
@@ -127,6 +131,7 @@ impl Linear {
             weight,
             bias,
             lora: None,
+            modules_to_save: None,
             parametrizations: None,
         }
     }
@@ -192,6 +197,9 @@ impl Linear {
 }
 
 layer_forward!(Linear, |layer, x| {
+    if let Some(y) = crate::peft::saved_forward(&layer.modules_to_save, x) {
+        return y;
+    }
     let y = base_forward(layer, x)?;
     match &layer.lora {
         // PEFT's `lora.Linear`: the base layer's output, plus the active adapter's.
@@ -348,6 +356,9 @@ impl module_core::ExtraRepr for Linear {
     /// layer as `(base_layer)`, then the adapters' dictionaries.
     fn extra_repr(&self) -> String {
         let own = linear_repr(self);
+        if let Some(saved) = &self.modules_to_save {
+            return saved.wrapped_repr(&format!("Linear({own})"));
+        }
         match &self.lora {
             None => own,
             Some(lora) => lora.wrapped_repr(&format!("Linear({own})")),
@@ -361,7 +372,12 @@ impl module_core::ExtraRepr for Linear {
 
     fn class_repr(&self) -> Option<String> {
         let parametrized = self.parametrizations.as_ref().map(|_| "ParametrizedLinear");
-        (self.lora.as_ref().map(|_| "lora.Linear").or(parametrized)).map(str::to_owned)
+        let saved = self
+            .modules_to_save
+            .as_ref()
+            .map(|_| "ModulesToSaveWrapper");
+        let lora = self.lora.as_ref().map(|_| "lora.Linear");
+        (saved.or(lora).or(parametrized)).map(str::to_owned)
     }
 }
 

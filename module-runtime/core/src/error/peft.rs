@@ -50,8 +50,20 @@ pub enum PeftError {
     },
 
     /// A targeted module is of a type that takes no adapter here.
-    #[error("`{path}` is a `{found}`: LoRA adapters wrap `Linear` and `Embedding` layers")]
+    #[error("`{path}` is a `{found}`: LoRA adapters wrap `Linear`, `Embedding` and `Conv1d/2d/3d` layers")]
     UnsupportedLayer {
+        /// The module's path.
+        path: String,
+        /// Its class.
+        found: String,
+    },
+
+    /// A `modules_to_save` entry names a module of a type that cannot hold a trainable copy.
+    #[error(
+        "`{path}` is a `{found}`: modules_to_save copies `Linear`, `Embedding`, \
+         `Conv1d/2d/3d` and `LayerNorm` layers"
+    )]
+    UnsupportedModuleToSave {
         /// The module's path.
         path: String,
         /// Its class.

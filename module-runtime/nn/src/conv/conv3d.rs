@@ -34,7 +34,9 @@ pub(super) fn conv3d(
         return Err(input_shape_error("Conv3d", expected, &x));
     }
     let d_out = (padded - reach) / sd + 1;
-    let x = x.pad_with_zeros(2, pd, pd)?;
+    // candle's `index_select` reads contiguous tensors only (a bias-free `Conv3d`'s own output
+    // is a permuted view).
+    let x = x.pad_with_zeros(2, pd, pd)?.contiguous()?;
     let mut sum: Option<Tensor> = None;
     for k in 0..kd {
         let index: Vec<u32> = (0..d_out).map(|i| (i * sd + k * dd) as u32).collect();

@@ -83,6 +83,8 @@ impl<const D: usize> LazyConv<D> {
                 .then(|| lazy(&[Some(out_channels)]))
                 .transpose()?,
             config,
+            lora: None,
+            modules_to_save: None,
             parametrizations: None,
         };
         Ok(Self { conv })

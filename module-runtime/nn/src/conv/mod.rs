@@ -31,11 +31,13 @@ use crate::error::{Error, Result};
 use crate::{Forward, Module, Param};
 
 mod conv3d;
+mod differentiable;
 mod lazy;
 mod repr;
 mod transpose;
 mod transpose1d;
 
+use differentiable::conv2d_differentiable;
 pub use lazy::{LazyConv, LazyConv1d, LazyConv2d, LazyConvPath};
 pub(crate) use repr::ConvRepr;
 pub use transpose::{
@@ -166,79 +168,6 @@ fn conv_params(
     Ok((uniform(weight_dims)?, bias))
 }
 
-/// A 2-D convolution that candle differentiates correctly (see the module docs), with a stride,
-/// padding and dilation per dimension: explicit zero padding, the input cropped to the extent the
-/// windows read, no implicit padding. Unequal dilations space the kernel's elements with zeros
-/// beyond their common divisor; unequal strides run candle's convolution with their common divisor
-/// and keep every `stride / gcd`-th output row or column.
-fn conv2d_differentiable(
-    x: &Tensor,
-    weight: &Tensor,
-    padding: [usize; 2],
-    stride: [usize; 2],
-    dilation: [usize; 2],
-    groups: usize,
-) -> Result<Tensor> {
-    let x = x.pad_with_zeros(2, padding[0], padding[0])?;
-    let x = x.pad_with_zeros(3, padding[1], padding[1])?;
-    let d = gcd(dilation[0], dilation[1]);
-    let weight = space_kernel(weight, 2, dilation[0] / d)?;
-    let weight = space_kernel(&weight, 3, dilation[1] / d)?;
-    let s = gcd(stride[0], stride[1]);
-    let (_, _, h, w) = x.dims4()?;
-    let (_, _, kh, kw) = weight.dims4()?;
-    let read = |size: usize, kernel: usize, stride: usize| {
-        let span = d * (kernel - 1) + 1;
-        if size < span {
-            size // too small: candle reports the error
-        } else {
-            (size - span) / stride * stride + span
-        }
-    };
-    let x = x
-        .narrow(2, 0, read(h, kh, stride[0]))?
-        .narrow(3, 0, read(w, kw, stride[1]))?;
-    let y = x.conv2d(&weight, 0, s, d, groups)?;
-    let y = every_nth(&y, 2, stride[0] / s)?;
-    every_nth(&y, 3, stride[1] / s)
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
-/// `kernel` with `factor - 1` zeros between consecutive elements along `dim` (a dilation by
-/// `factor`), built from differentiable ops.
-fn space_kernel(kernel: &Tensor, dim: usize, factor: usize) -> Result<Tensor> {
-    if factor == 1 {
-        return Ok(kernel.clone());
-    }
-    let k = kernel.dim(dim)?;
-    let mut dims = kernel.dims().to_vec();
-    dims[dim] = k * factor;
-    let spaced = kernel
-        .unsqueeze(dim + 1)?
-        .pad_with_zeros(dim + 1, 0, factor - 1)?
-        .reshape(dims)?;
-    Ok(spaced.narrow(dim, 0, (k - 1) * factor + 1)?)
-}
-
-/// Every `n`-th element of `x` along `dim`, from the first (differentiable: `index_select`).
-fn every_nth(x: &Tensor, dim: usize, n: usize) -> Result<Tensor> {
-    if n == 1 {
-        return Ok(x.clone());
-    }
-    let size = x.dim(dim)?;
-    let index: Vec<u32> = (0..size).step_by(n).map(|i| i as u32).collect();
-    let len = index.len();
-    let index = Tensor::from_vec(index, len, x.device())?;
-    Ok(x.index_select(&index, dim)?)
-}
-
 /// `Conv1d`'s computation.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: Option<Tensor>, c: &ConvConfig) -> Result<Tensor> {
     let sp = Spatial::<1>::of("Conv1d", c)?;
@@ -317,6 +246,14 @@ pub struct Conv<const D: usize> {
     /// Stride, padding, dilation, groups, bias and dtype.
     #[module(skip)]
     pub config: ConvConfig,
+    /// LoRA adapters ([`get_peft_model`](crate::peft::get_peft_model)):
+    /// `lora_A.<name>.weight`, …, the layer's children; none until an adapter is added.
+    #[module(flatten)]
+    pub(crate) lora: Option<Box<crate::peft::LoraLayer>>,
+    /// PEFT's `modules_to_save` copies of the layer (`modules_to_save.<adapter>.weight`, …),
+    /// used instead of it while their adapter is active; none until an adapter asks for them.
+    #[module(flatten)]
+    pub(crate) modules_to_save: Option<Box<crate::peft::ModulesToSave>>,
     /// Parametrizations ([`parametrize`](crate::parametrize)), flattened.
     #[module(flatten)]
     pub(crate) parametrizations: Option<Box<crate::parametrize::Parametrizations>>,
@@ -409,8 +346,15 @@ impl<const D: usize> Conv<D> {
             weight,
             bias,
             config,
+            lora: None,
+            modules_to_save: None,
             parametrizations: None,
         })
+    }
+
+    /// The layer's LoRA adapters, if it has any ([`get_peft_model`](crate::peft::get_peft_model)).
+    pub fn lora(&self) -> Option<&crate::peft::LoraLayer> {
+        self.lora.as_deref()
     }
 
     /// PyTorch's names for the layer and its lazy twin, and the path a device mismatch names;
@@ -446,6 +390,21 @@ impl<const D: usize> Forward<&Tensor> for Conv<D> {
     type Output = Tensor;
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = crate::peft::saved_forward(&self.modules_to_save, x) {
+            return y;
+        }
+        let y = self.base_forward(x)?;
+        match &self.lora {
+            // PEFT's `lora.Conv2d`: the base layer's output, plus the active adapter's.
+            Some(lora) => lora.forward_conv(self, x, y),
+            None => Ok(y),
+        }
+    }
+}
+
+impl<const D: usize> Conv<D> {
+    /// The layer without its adapters: PEFT's `base_layer(x)`.
+    pub(crate) fn base_forward(&self, x: &Tensor) -> Result<Tensor> {
         let weight = self.weight_value()?;
         check_input_device(Self::names()?.weight, &weight, x)?;
         check_input::<D>(Self::names()?.layer, &weight, &self.config, x)?;

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use module_core::{py_tuple, ExtraRepr};
+use module_core::{py_tuple, ExtraRepr, Module};
 
 use super::Conv;
 use crate::common::PerDim;
@@ -48,7 +48,41 @@ impl ConvRepr<'_> {
 }
 
 impl<const D: usize> ExtraRepr for Conv<D> {
+    /// PyTorch's settings; with adapters, PEFT's `lora.Conv2d` body: the layer as
+    /// `(base_layer)`, then the adapters' dictionaries.
     fn extra_repr(&self) -> String {
+        let own = self.own_repr();
+        if let Some(saved) = &self.modules_to_save {
+            return saved.wrapped_repr(&format!("{}({own})", Self::type_class_name()));
+        }
+        match &self.lora {
+            None => own,
+            Some(lora) => lora.wrapped_repr(&format!("{}({own})", Self::type_class_name())),
+        }
+    }
+
+    /// The adapters' children are printed by `extra_repr`, in PEFT's order.
+    fn child_repr(&self, child: &str) -> module_core::ChildRepr {
+        crate::peft::adapter_child_repr(child)
+    }
+
+    /// PEFT's `lora.Conv2d` with adapters, PyTorch's `ParametrizedConv2d` once a tensor is
+    /// parametrized.
+    fn class_repr(&self) -> Option<String> {
+        let class = Self::type_class_name();
+        if self.modules_to_save.is_some() {
+            return Some("ModulesToSaveWrapper".into());
+        }
+        if self.lora.is_some() {
+            return Some(format!("lora.{class}"));
+        }
+        (self.parametrizations.as_ref()).map(|_| format!("Parametrized{class}"))
+    }
+}
+
+impl<const D: usize> Conv<D> {
+    /// PyTorch's `_ConvNd.extra_repr` of the layer itself.
+    fn own_repr(&self) -> String {
         let dims = self.weight.shape().dims().to_vec();
         let per_dim = |v: PerDim| v.for_dims::<D>().unwrap_or([0; D]).to_vec();
         let c = &self.config;
@@ -63,11 +97,5 @@ impl<const D: usize> ExtraRepr for Conv<D> {
             bias: self.bias.is_some(),
         }
         .text()
-    }
-
-    /// PyTorch's `ParametrizedConv2d` once a tensor is parametrized.
-    fn class_repr(&self) -> Option<String> {
-        let class = <Self as module_core::Module>::type_class_name;
-        (self.parametrizations.as_ref()).map(|_| format!("Parametrized{}", class()))
     }
 }

@@ -189,7 +189,7 @@ macro_rules! host {
 }
 host!(Linear; false, |l| l.lora.is_some());
 host!(Embedding, weight only; |e| e.lora.is_some());
-host!(Conv<D>, D; false, |_| false);
+host!(Conv<D>, D; false, |c| c.lora.is_some());
 host!(ConvTranspose<D>, D; true, |_| false);
 
 /// Calls `$m!` with every layer type that takes parametrizations, and the lazy forms holding

@@ -176,6 +176,13 @@ pub struct LoraConfig {
     pub rank_pattern: Vec<(String, usize)>,
     /// Another `lora_alpha` by the same rule.
     pub alpha_pattern: Vec<(String, f64)>,
+    /// Modules trained whole beside the adapter (PEFT's `modules_to_save`, usually a classifier
+    /// head): each module whose path ends with one of these strings (PEFT's rule, `str.endswith`)
+    /// gets a trainable copy, used while the adapter is active and saved in its file. The
+    /// module must be a `Linear`, `Embedding`, `Conv1d/2d/3d` or `LayerNorm`. As in PEFT, an
+    /// entry matching no module is skipped (PEFT's classifier adapters list `"classifier"` and
+    /// `"score"`); when none matches, it is an error.
+    pub modules_to_save: Option<Vec<String>>,
     /// PEFT's `task_type` (`"CAUSAL_LM"`, …), kept for the saved config; it changes nothing here.
     pub task_type: Option<String>,
     /// PEFT's `base_model_name_or_path`, kept for the saved config.
@@ -197,6 +204,7 @@ impl LoraConfig {
             bias: LoraBias::None,
             rank_pattern: Vec::new(),
             alpha_pattern: Vec::new(),
+            modules_to_save: None,
             task_type: None,
             base_model_name_or_path: None,
         }
@@ -268,7 +276,7 @@ impl LoraConfig {
 
     /// Reads `adapter_config.json` strictly: a field this runtime does not know is
     /// [`PeftError::UnknownField`], a known field with a value it does not implement (another
-    /// PEFT type, `fan_in_fan_out`, `modules_to_save`, LoftQ, …) is [`PeftError::Unsupported`],
+    /// PEFT type, `fan_in_fan_out`, LoftQ, …) is [`PeftError::Unsupported`],
     /// both naming the field.
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();

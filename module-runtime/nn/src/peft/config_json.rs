@@ -23,7 +23,6 @@ const INFORMATIONAL: &[&str] = &[
 /// them off (`null`, `false`, `{}`, `[]`).
 const OFF_ONLY: &[&str] = &[
     "fan_in_fan_out",
-    "modules_to_save",
     "layers_to_transform",
     "layers_pattern",
     "megatron_config",
@@ -61,6 +60,7 @@ const READ: &[&str] = &[
     "rank_pattern",
     "alpha_pattern",
     "use_dora",
+    "modules_to_save",
 ];
 
 fn is_off(value: &Value) -> bool {
@@ -153,6 +153,13 @@ pub(crate) fn parse(fields: &Map<String, Value>) -> Result<LoraConfig> {
                 ))
             }
         };
+    }
+    if let Some(v) = get("modules_to_save") {
+        let Value::Array(items) = v else {
+            return Err(invalid_type("modules_to_save", "a list of module names"));
+        };
+        let names = items.iter().map(|v| text(v, "modules_to_save"));
+        config.modules_to_save = Some(names.collect::<Result<_>>()?);
     }
     config.rank_pattern = pattern_map(get("rank_pattern"), "rank_pattern", uint)?;
     config.alpha_pattern = pattern_map(get("alpha_pattern"), "alpha_pattern", float)?;
@@ -276,7 +283,7 @@ pub(crate) fn write(config: &LoraConfig) -> Map<String, Value> {
     put("lora_alpha", number(config.lora_alpha));
     put("lora_bias", json!(false));
     put("lora_dropout", json!(config.lora_dropout));
-    put("modules_to_save", Value::Null);
+    put("modules_to_save", json!(config.modules_to_save));
     put("peft_type", json!("LORA"));
     put("r", json!(config.r));
     put(

@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 
 use crate::error::Result;
 use crate::peft::config::LoraConfig;
-use crate::peft::layer::AdapterWeights;
 use crate::peft::model::{
     commit, lora_layers, prepare, trained_biases, PeftExt, ADAPTER_DICTS, DEFAULT_ADAPTER,
 };
+use crate::peft::saved::{own_params, saved_layers};
 use crate::{Module, Param};
 use module_core::names::named_parameters;
 use module_core::{Names, PeftError};
@@ -81,14 +81,22 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
                 put("lora_embedding_A", a)?;
                 put("lora_embedding_B", &lora.lora_embedding_b[&name])?;
             } else {
-                put("lora_A", &lora.lora_a[name.as_str()].weight)?;
-                put("lora_B", &lora.lora_b[name.as_str()].weight)?;
+                put("lora_A", lora.lora_a[name.as_str()].weight())?;
+                put("lora_B", lora.lora_b[name.as_str()].weight())?;
             }
             if let Some(m) = lora.lora_magnitude_vector.get(&name) {
                 put("lora_magnitude_vector", &m.weight)?;
             }
         }
-        let config = config.expect("an adapter has a layer");
+        for (path, saved) in saved_layers(model) {
+            if let Some(copy) = saved.modules_to_save.get(&name) {
+                for (leaf, p) in own_params(copy) {
+                    let key = format!("{PREFIX}{path}.{leaf}");
+                    weights.insert(key, p.tensor()?.detach().contiguous()?);
+                }
+            }
+        }
+        let config = config.expect("an adapter has a LoRA layer");
         // PEFT's `bias`: the trained biases are part of the adapter.
         let layers: Vec<String> = lora_layers(model)
             .into_iter()
@@ -96,10 +104,10 @@ pub(crate) fn save(model: &dyn Module, dir: &Path) -> Result<Vec<PathBuf>> {
             .map(|(p, _)| p)
             .collect();
         for (_, peft, p) in trained_biases(model, config.bias, &layers, &[]) {
-            weights.insert(
-                format!("{PREFIX}{peft}"),
-                p.tensor()?.detach().contiguous()?,
-            );
+            let key = format!("{PREFIX}{peft}");
+            if weights.get(&key).is_none() {
+                weights.insert(key, p.tensor()?.detach().contiguous()?);
+            }
         }
         let out = folder(dir, &name);
         std::fs::create_dir_all(&out).map_err(|e| io_error(&out, e))?;
@@ -132,31 +140,23 @@ pub(crate) fn load(
     // Every tensor the adapted layers need, by file key, with the path it belongs to and whether
     // it is one of the base model's (a bias PEFT's `bias` trains).
     let mut expected: Vec<(String, String, Param, bool)> = Vec::new();
-    for (path, adapter) in &prepared {
-        let mut expect = |part: &str, p: &Param| {
-            expected.push((file_key(path, part), path.clone(), p.clone(), false))
-        };
-        match &adapter.weights {
-            AdapterWeights::Linear {
-                lora_a,
-                lora_b,
-                magnitude,
-            } => {
-                expect("lora_A", &lora_a.weight);
-                expect("lora_B", &lora_b.weight);
-                if let Some(m) = magnitude {
-                    expect("lora_magnitude_vector", &m.weight);
-                }
-            }
-            AdapterWeights::Embedding { a, b } => {
-                expect("lora_embedding_A", a);
-                expect("lora_embedding_B", b);
-            }
+    for (path, adapter) in &prepared.adapters {
+        for (part, p) in adapter.weights.parts() {
+            expected.push((file_key(path, part), path.clone(), p.clone(), false));
         }
     }
-    let layers: Vec<String> = prepared.iter().map(|(p, _)| p.clone()).collect();
+    // `modules_to_save` copies: their own parameters under the layer's path, as PEFT saves them.
+    for (path, copy) in &prepared.saved {
+        for (leaf, p) in own_params(copy) {
+            expected.push((format!("{PREFIX}{path}.{leaf}"), path.clone(), p, false));
+        }
+    }
+    let layers: Vec<String> = prepared.adapters.iter().map(|(p, _)| p.clone()).collect();
     for (path, peft, p) in trained_biases(model, config.bias, &layers, &layers) {
-        expected.push((format!("{PREFIX}{peft}"), path, p, true));
+        let key = format!("{PREFIX}{peft}");
+        if !expected.iter().any(|(k, ..)| *k == key) {
+            expected.push((key, path, p, true));
+        }
     }
     let missing: Vec<String> = expected
         .iter()
@@ -205,7 +205,9 @@ pub(crate) fn load(
     if !is_trainable {
         // PEFT's `is_trainable=False`: the loaded adapter (and the biases it trained) is for
         // inference.
-        let parts = ADAPTER_DICTS.map(|p| format!(".{p}.{name}"));
+        let parts: Vec<String> = (ADAPTER_DICTS.iter().chain(&["modules_to_save"]))
+            .map(|p| format!(".{p}.{name}"))
+            .collect();
         for (path, p) in named_parameters(model, &Names::new().keep_duplicates()) {
             let path = format!(".{path}.");
             let bias = expected

@@ -4,8 +4,14 @@ use std::sync::Arc;
 
 use crate::error::Result;
 use crate::linear::Linear;
+use crate::peft::build::{build_adapter, Adapter};
 use crate::peft::config::{LoraBias, LoraConfig};
-use crate::peft::layer::{slot_mut, Adapter, Host, LoraLayer};
+use crate::peft::host::{slot_mut, Host};
+use crate::peft::layer::LoraLayer;
+use crate::peft::merge::merge_refused;
+use crate::peft::saved::{
+    prepare_saved, saved_layers, saved_of, saved_slot_mut, ModulesToSave, SavedModule,
+};
 use crate::{Module, Param};
 use module_core::names::{named_modules, named_parameters};
 use module_core::{Names, PeftError};
@@ -78,13 +84,16 @@ pub trait PeftExt: Module {
     /// Makes `name` the active adapter (PEFT's `set_adapter`), and it alone trainable; layers
     /// without an adapter of that name add nothing while it is active, as in PEFT.
     fn set_adapter(&self, name: &str) -> Result<()> {
-        let layers = lora_layers(self.peft_dyn());
-        if !layers.iter().any(|(_, l)| l.has(name)) {
+        if !self.adapter_names().iter().any(|n| n == name) {
             return Err(no_adapter(self.peft_dyn(), name));
         }
-        // PEFT's rule: a layer without that adapter adds nothing while it is active.
-        for (_, lora) in &layers {
+        // PEFT's rule: a layer without that adapter adds nothing while it is active (and a
+        // `modules_to_save` layer without its copy is the original).
+        for (_, lora) in lora_layers(self.peft_dyn()) {
             lora.set_active(name);
+        }
+        for (_, saved) in saved_layers(self.peft_dyn()) {
+            saved.set_active(name);
         }
         mark_trainable(self.peft_dyn());
         Ok(())
@@ -93,11 +102,12 @@ pub trait PeftExt: Module {
     /// The adapter names on the model, in the order they were added.
     fn adapter_names(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
-        for (_, lora) in lora_layers(self.peft_dyn()) {
-            for a in &lora.adapters {
-                if !names.contains(&a.name) {
-                    names.push(a.name.clone());
-                }
+        let layers = lora_layers(self.peft_dyn());
+        let lora = layers.iter().flat_map(|(_, l)| l.adapter_names());
+        let saved = saved_layers(self.peft_dyn());
+        for name in lora.chain(saved.iter().flat_map(|(_, s)| s.adapter_names())) {
+            if !names.contains(&name) {
+                names.push(name);
             }
         }
         names
@@ -107,17 +117,19 @@ pub trait PeftExt: Module {
     /// then the plain layer's. A quantized weight is [`PeftError::State`], before any is merged.
     fn merge_adapter(&self) -> Result<()> {
         let hosts = adapted(self.peft_dyn());
-        if let Some((path, _)) = hosts.iter().find(|(_, h)| h.weight().is_quantized()) {
-            return Err(PeftError::State {
-                path: path.clone(),
-                message: "cannot merge an adapter into a quantized weight".into(),
+        for (path, host) in &hosts {
+            if let Some(message) = merge_refused(host.weight(), host.groups()) {
+                return Err(PeftError::State {
+                    path: path.clone(),
+                    message,
+                }
+                .into());
             }
-            .into());
         }
         for (path, host) in &hosts {
             let lora = host.lora().expect("an adapted layer");
             if let Some(active) = lora.active_adapter().filter(|a| lora.has(a)) {
-                lora.merge(host.weight(), path, &active)?;
+                lora.merge(host.weight(), path, &active, host.groups())?;
             }
         }
         Ok(())
@@ -134,14 +146,16 @@ pub trait PeftExt: Module {
     }
 
     /// Merges the active adapters and removes every adapter: the plain model, with the adapted
-    /// weights (PEFT's `merge_and_unload`). Returns the layers' paths.
+    /// weights (PEFT's `merge_and_unload`); a `modules_to_save` layer takes its active copy's
+    /// values, as PEFT's unwrapping keeps the copy. Returns the LoRA layers' paths.
     fn merge_and_unload(&mut self) -> Result<Vec<String>> {
         self.merge_adapter()?;
         remove_adapters(self.peft_dyn_mut(), None)
     }
 
     /// Removes every adapter without merging (merged ones are unmerged first): the base model
-    /// (PEFT's `unload`). Returns the layers' paths.
+    /// (PEFT's `unload`), but for `modules_to_save` layers, which keep their active copy's values
+    /// as in PEFT. Returns the LoRA layers' paths.
     fn unload(&mut self) -> Result<Vec<String>> {
         self.unmerge_adapter()?;
         remove_adapters(self.peft_dyn_mut(), None)
@@ -164,19 +178,27 @@ pub trait PeftExt: Module {
     fn disable_adapter<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
         self.unmerge_adapter()?;
         let layers = lora_layers(self.peft_dyn());
+        let saved = saved_layers(self.peft_dyn());
         let restore: Vec<(&LoraLayer, bool)> = layers
             .iter()
             .map(|(_, lora)| (*lora, lora.set_disabled(true)))
             .collect();
-        struct Restore<'a>(Vec<(&'a LoraLayer, bool)>);
+        let restore_saved: Vec<(&ModulesToSave, bool)> = saved
+            .iter()
+            .map(|(_, s)| (*s, s.set_disabled(true)))
+            .collect();
+        struct Restore<'a>(Vec<(&'a LoraLayer, bool)>, Vec<(&'a ModulesToSave, bool)>);
         impl Drop for Restore<'_> {
             fn drop(&mut self) {
                 for (lora, was) in &self.0 {
                     lora.set_disabled(*was);
                 }
+                for (saved, was) in &self.1 {
+                    saved.set_disabled(*was);
+                }
             }
         }
-        let _restore = Restore(restore);
+        let _restore = Restore(restore, restore_saved);
         Ok(f())
     }
 
@@ -285,13 +307,18 @@ pub(crate) fn linears(model: &dyn Module) -> Vec<(String, &Linear)> {
 }
 
 /// Every module of `model` an adapter could target: not the root, nothing inside an adapter.
-fn candidates(model: &dyn Module) -> Vec<(String, &dyn Module)> {
+pub(crate) fn candidates(model: &dyn Module) -> Vec<(String, &dyn Module)> {
     let modules = named_modules(model, &Names::new());
-    let adapted: Vec<String> = modules
+    let mut adapted: Vec<String> = modules
         .iter()
         .filter(|(_, m)| Host::of(*m).is_some_and(|h| h.lora().is_some()))
         .map(|(path, _)| format!("{path}.lora_"))
         .collect();
+    adapted.extend(
+        (modules.iter())
+            .filter(|(_, m)| saved_of(*m).is_some_and(Option::is_some))
+            .map(|(path, _)| format!("{path}.modules_to_save.")),
+    );
     modules
         .into_iter()
         .filter(|(path, _)| !path.is_empty() && !adapted.iter().any(|a| path.starts_with(a)))
@@ -300,11 +327,7 @@ fn candidates(model: &dyn Module) -> Vec<(String, &dyn Module)> {
 
 /// The adapters `config` asks for, built for `model` but not added: every check that can fail
 /// is made here, so that adding them cannot.
-pub(crate) fn prepare(
-    model: &dyn Module,
-    name: &str,
-    config: &LoraConfig,
-) -> Result<Vec<(String, Adapter)>> {
+pub(crate) fn prepare(model: &dyn Module, name: &str, config: &LoraConfig) -> Result<Prepared> {
     config.validate()?;
     module_core::path::check_key("adapter", "", name)?;
     let targets = config.target_modules.matcher("target_modules")?;
@@ -341,7 +364,7 @@ pub(crate) fn prepare(
             }
             .into());
         }
-        let adapter = LoraLayer::build_adapter(name, host, &path, &config)?;
+        let adapter = build_adapter(name, host, &path, &config)?;
         prepared.push((path, adapter));
     }
     if prepared.is_empty() {
@@ -351,22 +374,42 @@ pub(crate) fn prepare(
         }
         .into());
     }
-    Ok(prepared)
+    let lora_paths: Vec<&str> = prepared.iter().map(|(p, _)| p.as_str()).collect();
+    let saved = prepare_saved(model, name, &config, &lora_paths)?;
+    Ok(Prepared {
+        name: name.to_owned(),
+        adapters: prepared,
+        saved,
+    })
+}
+
+/// An adapter built for a model and not yet added: its LoRA layers, its `modules_to_save`
+/// copies.
+pub(crate) struct Prepared {
+    pub(crate) name: String,
+    pub(crate) adapters: Vec<(String, Adapter)>,
+    pub(crate) saved: Vec<(String, SavedModule)>,
 }
 
 /// Adds prepared adapters; every layer is checked to be reachable mutably (not behind a shared
 /// `Arc`) before the first one is added.
-pub(crate) fn commit(
-    model: &mut dyn Module,
-    prepared: Vec<(String, Adapter)>,
-) -> Result<Vec<String>> {
-    for (path, _) in &prepared {
+pub(crate) fn commit(model: &mut dyn Module, prepared: Prepared) -> Result<Vec<String>> {
+    for (path, _) in &prepared.adapters {
         adapter_slot(model, path)?;
     }
-    let mut paths = Vec::with_capacity(prepared.len());
-    for (path, adapter) in prepared {
+    for (path, _) in &prepared.saved {
+        module_core::path::submodule_mut(model, path)?;
+    }
+    for (path, copy) in prepared.saved {
+        let module = module_core::path::submodule_mut(model, &path)?;
+        let slot = saved_slot_mut(module).expect("checked when prepared");
+        slot.get_or_insert_with(|| Box::new(ModulesToSave::new()))
+            .add(&prepared.name, copy)?;
+    }
+    let mut paths = Vec::with_capacity(prepared.adapters.len());
+    for (path, adapter) in prepared.adapters {
         adapter_slot(model, &path)?
-            .get_or_insert_with(|| Box::new(LoraLayer::new()))
+            .get_or_insert_with(|| Box::new(LoraLayer::new(adapter.kind)))
             .add(adapter)?;
         paths.push(path);
     }
@@ -394,6 +437,22 @@ fn adapter_slot<'a>(
 /// Removes the adapter `name` (every adapter with `None`) from every layer; returns the layers'
 /// paths. The caller has unmerged them.
 fn remove_adapters(model: &mut dyn Module, name: Option<&str>) -> Result<Vec<String>> {
+    let saved: Vec<String> = saved_layers(model).into_iter().map(|(p, _)| p).collect();
+    for path in &saved {
+        let module = module_core::path::submodule_mut(model, path)?;
+        if name.is_none() {
+            // PEFT's unwrapping keeps the active copy: its values become the layer's.
+            crate::peft::saved::take_active_copy(module)?;
+        }
+        let slot = saved_slot_mut(module).expect("a layer with copies");
+        let empty = match (name, slot.as_mut()) {
+            (Some(name), Some(copies)) => copies.remove(name),
+            _ => true,
+        };
+        if empty {
+            *slot = None;
+        }
+    }
     let paths: Vec<String> = lora_layers(model).into_iter().map(|(p, _)| p).collect();
     for path in &paths {
         let slot = adapter_slot(model, path)?;
@@ -425,6 +484,11 @@ pub(crate) fn mark_trainable(model: &dyn Module) {
             bias.1.push(path.clone());
         }
         prefixes.extend(ADAPTER_DICTS.map(|d| format!("{path}.{d}.{active}")));
+    }
+    for (path, saved) in saved_layers(model) {
+        if let Some(active) = saved.active_adapter().filter(|a| saved.has(a)) {
+            prefixes.push(format!("{path}.modules_to_save.{active}"));
+        }
     }
     let biases: Vec<Param> = trained_biases(model, bias.0, &bias.1, &[])
         .into_iter()
@@ -460,7 +524,12 @@ pub(crate) fn trained_biases(
         .filter(|(path, _)| match bias {
             LoraBias::None => false,
             // PEFT: `"bias" in name`, the adapters' own parameters aside.
-            LoraBias::All => path.contains("bias") && !path.contains(".lora_"),
+            // (`modules_to_save` copies are trained and saved as copies.)
+            LoraBias::All => {
+                path.contains("bias")
+                    && !path.contains(".lora_")
+                    && !path.contains(".modules_to_save.")
+            }
             LoraBias::LoraOnly => path
                 .rsplit_once('.')
                 .is_some_and(|(layer, leaf)| leaf == "bias" && layers.iter().any(|l| l == layer)),
