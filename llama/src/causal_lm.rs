@@ -248,7 +248,10 @@ impl LlamaForCausalLM {
         KvCache::new(
             self.model.layers.len(),
             batch,
-            self.config.num_key_value_heads,
+            // This rank's key/value heads under tensor parallelism (`tensor_parallel`).
+            (self.model.layers.first()).map_or(self.config.num_key_value_heads, |l| {
+                l.self_attn.num_key_value_heads
+            }),
             self.config.head_dim,
             capacity,
             embed.dtype(),

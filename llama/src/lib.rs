@@ -21,6 +21,7 @@ pub mod gguf;
 pub mod gguf_export;
 pub mod json_lines;
 pub mod model;
+pub mod tensor_parallel;
 
 pub use cache::KvCache;
 pub use causal_lm::LlamaForCausalLM;

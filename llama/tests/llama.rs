@@ -27,6 +27,8 @@ mod quant;
 mod sampling;
 #[path = "llama/stream.rs"]
 mod stream;
+#[path = "llama/tensor_parallel.rs"]
+mod tensor_parallel;
 
 /// The device under test: `MODULE_DEVICE` (`cuda:0`), else the CPU.
 fn device() -> Device {

@@ -105,6 +105,12 @@ pub mod parametrize;
 pub use candle_core::quantized::GgmlDType;
 pub use quantize::{parse_quant_kind, quantize, QuantizeReport};
 
+// Tensor parallelism: a `Linear`'s shard (`module_runtime::parallelize_module` applies a plan).
+mod tensor_parallel;
+pub use tensor_parallel::{
+    even_shard, parallelize_module, OutputReduce, ParallelStyle, TensorParallel,
+};
+
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
 mod container;

@@ -47,6 +47,10 @@ pub struct Linear {
     /// Parametrizations ([`parametrize`](crate::parametrize)): `parametrizations.weight.…`.
     #[module(flatten)]
     pub(crate) parametrizations: Option<Box<Parametrizations>>,
+    /// A row-wise tensor-parallel shard's all-reduce of its output
+    /// ([`shard_cols`](Linear::shard_cols)); none otherwise.
+    #[module(skip)]
+    pub(crate) reduce: Option<crate::tensor_parallel::OutputReduce>,
 }
 
 /// How a [`Linear`] or [`LazyLinear`] is built: PyTorch's keyword arguments, with PyTorch's
@@ -133,6 +137,7 @@ impl Linear {
             lora: None,
             modules_to_save: None,
             parametrizations: None,
+            reduce: None,
         }
     }
 
@@ -201,9 +206,13 @@ layer_forward!(Linear, |layer, x| {
         return y;
     }
     let y = base_forward(layer, x)?;
-    match &layer.lora {
+    let y = match &layer.lora {
         // PEFT's `lora.Linear`: the base layer's output, plus the active adapter's.
-        Some(lora) => lora.forward(layer, x, y),
+        Some(lora) => lora.forward(layer, x, y)?,
+        None => y,
+    };
+    match &layer.reduce {
+        Some(reduce) => reduce.apply(y),
         None => Ok(y),
     }
 });

@@ -59,7 +59,10 @@ fn quantized_each(layers: &[&Linear], x: &Tensor) -> Result<Option<Vec<Tensor>>>
     // A layer with an adapter adds its adapter's output in its own call; a parametrized one
     // computes its weight there.
     let own_call = |layer: &&Linear| {
-        layer.lora.is_some() || layer.modules_to_save.is_some() || layer.parametrizations.is_some()
+        layer.lora.is_some()
+            || layer.modules_to_save.is_some()
+            || layer.parametrizations.is_some()
+            || layer.reduce.is_some()
     };
     if !fusion_applies() || layers.iter().any(own_call) {
         return Ok(None);
