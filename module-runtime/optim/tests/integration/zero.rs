@@ -215,11 +215,7 @@ fn stages_train_bitwise_as_data_parallelism() {
     for stage in [ZeroStage::One, ZeroStage::Two] {
         let zero = on_ranks(2, |c| run(&c, Some(stage)));
         for (r, z) in zero.iter().enumerate() {
-            assert_eq!(
-                bits(&z.params),
-                bits(&ddp[0].params),
-                "{stage:?}, rank {r}"
-            );
+            assert_eq!(bits(&z.params), bits(&ddp[0].params), "{stage:?}, rank {r}");
         }
         // Each rank held the state of its own partition only: the two add up to the whole.
         assert_eq!(
