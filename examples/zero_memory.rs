@@ -122,7 +122,8 @@ fn gather(comm: &dyn Collective, mine: f64) -> Result<Vec<f64>> {
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    module_runtime::reuse_freed_memory();
+    // No `reuse_freed_memory`: freed tensors go back to the system, so VmHWM is the live peak,
+    // not the heap's high-water mark after fragmentation.
     let args = Args::parse();
     let stage = match args.zero {
         0 => None,

@@ -7,7 +7,7 @@ mod exchange;
 mod partition;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use module_core::Param;
 use module_distributed::{Collective, ReduceOp, DEFAULT_BUCKET_CAP_BYTES};
 use module_state::StateDict;
@@ -311,15 +311,7 @@ fn flat_grad(grads: &GradStore, p: &Param) -> Result<Tensor> {
     })
 }
 
-/// Each parameter's `(dtype, element count)`, for `plan_buckets`.
-fn sizes(params: &[(String, Param, usize)]) -> Vec<(DType, usize)> {
-    params
-        .iter()
-        .map(|(_, p, _)| (p.dtype(), p.elem_count()))
-        .collect()
-}
-
-/// A one-element agreement over the ranks: the sum of `values`, on every rank.
+/// The element-wise sum of every rank's `values`, on every rank.
 fn all_sum(comm: &dyn Collective, values: &[f64]) -> Result<Vec<f64>> {
     let t = Tensor::new(values, &comm.device())?;
     comm.all_reduce(&t, ReduceOp::Sum)?;
