@@ -106,9 +106,13 @@ impl ZeroStage {
 ///
 /// # Numerics
 ///
-/// Every stage ends a step with the parameters of plain data parallelism: the gradient averages
-/// are the same sums ([`reduce_gradients`](Self::reduce_gradients)), the owner runs the inner
-/// optimizer's own arithmetic, and the all-gather copies bits. Clipping
+/// Every stage ends a step with the parameters of plain data parallelism: each gradient average
+/// is the same sum of the ranks' values divided by the world size
+/// ([`reduce_gradients`](Self::reduce_gradients)), the owner runs the inner optimizer's own
+/// arithmetic, and the all-gather copies bits. That is bitwise with
+/// [`LocalGroup`](module_distributed::LocalGroup) (which adds in rank order) and with MPI at 2
+/// ranks; over more ranks MPI may order a sum differently for another message layout (stage 2's
+/// buckets are not DDP's), which moves the last bits. Clipping
 /// ([`clip_grad_norm`](Self::clip_grad_norm)) gathers each gradient's norm from its owner and
 /// combines them in the optimizer's order, so the total is [`clip_grad_norm`](crate::clip_grad_norm)'s
 /// over the whole gradients, bit for bit.
