@@ -18,19 +18,34 @@
 //! `--batch-size / world size` examples, and the gradients are averaged over the ranks after each
 //! backward pass, so one optimizer step sees the same global batch at any world size. At the end,
 //! the ranks check that their parameters are bitwise equal, and rank 0 reports the test accuracy
-//! and saves the checkpoint.
+//! and saves the checkpoint. The optimizer is module-optim's AdamW (PyTorch's defaults).
+//!
+//! `--zero 1|2` shards the optimizer over the ranks with `ZeroRedundancyOptimizer` (ZeRO stage 1:
+//! each rank keeps the AdamW state of its partition of the parameters; stage 2: and only its
+//! partition's averaged gradients); `--zero 0` (the default) is plain data parallelism, and
+//! `--zero 3` (parameter sharding, FSDP) is refused with an error: it is not implemented.
+//! Every run prints each rank's peak resident memory (`VmHWM`, measured right after training).
+//! A `--zero 1|2` run then trains the `--zero 0` reference in the same process, from the same
+//! initial parameters over the same batches, and compares the parameters: ZeRO's gradient sums,
+//! optimizer arithmetic and all-gather are those of data parallelism, so they are bitwise equal
+//! (the check would accept a difference within 1e-6 and say so; anything more is an error).
+//!
+//! ```text
+//! mpiexec -n 2 target/release/examples/ddp_digits --zero 2      # ZeRO stage 2 on two ranks
+//! ```
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_module::{digits_path, DigitNet, Digits};
-use candle_nn::Optimizer;
 use clap::Parser;
 use module_runtime::distributed::{
-    init_from_env, DdpConfig, DistributedDataParallel, DistributedSampler, ReduceOp,
+    init_from_env, Collective, DdpConfig, DistributedDataParallel, DistributedSampler, ReduceOp,
 };
+use module_runtime::optim::{ZeroRedundancyOptimizer, ZeroStage};
 use module_runtime::prelude::*;
+use module_runtime::{LoadOptions, StateDict};
 
 /// Train the digit classifier on every rank of an MPI job (or in one process).
 #[derive(Parser)]
@@ -47,6 +62,10 @@ struct Args {
     /// Seed of the sampler's shuffle, the same on every rank
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// ZeRO stage: 0 plain data parallelism, 1 optimizer state sharded, 2 and gradients
+    /// (3, parameter sharding, is not implemented)
+    #[arg(long, value_name = "STAGE", default_value_t = 0)]
+    zero: u8,
     /// Also time an all-reduce (average) of this many float32 values, 10 times, after training
     /// (22713216: the size of all-MiniLM-L6-v2's gradients)
     #[arg(long, value_name = "N")]
@@ -56,44 +75,51 @@ struct Args {
     out: PathBuf,
 }
 
-fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
-    module_runtime::reuse_freed_memory();
-    let args = Args::parse();
-    let comm = init_from_env()?;
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let batch_size = args.batch_size.get();
-    if batch_size % world != 0 {
-        return Err(format!("--batch-size {batch_size} is not a multiple of {world} ranks").into());
-    }
-    let local_batch = batch_size / world;
-    let device = comm.device(); // cuda:LOCAL_RANK under NCCL, else the CPU
-    let (train, test) = Digits::load(&digits_path())?.split(0.2, 42);
+/// This process's peak resident memory in KiB (`VmHWM` of `/proc/self/status`; 0 where there is
+/// no such file).
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
 
-    let model = DigitNet::new(&device)?; // each rank draws its own values...
-    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?; // ...rank 0's win
-    let mut opt = candle_nn::AdamW::new(
-        model.trainable_vars()?,
-        candle_nn::ParamsAdamW {
-            lr: args.lr,
-            ..Default::default()
-        },
-    )?;
-    let mut sampler = DistributedSampler::for_collective(train.len(), &*comm)?
+/// What a training run reports.
+struct Trained {
+    time: Duration,
+    reducing: Duration,
+    reductions: u32,
+}
+
+/// Trains `model` (already wrapped in `ddp`) with AdamW, sharded at `stage` (None: plain data
+/// parallelism), printing rank 0's mean loss every 10 epochs when `verbose`.
+fn train(
+    args: &Args,
+    ddp: &DistributedDataParallel<'_, DigitNet>,
+    train: &Digits,
+    stage: Option<ZeroStage>,
+    verbose: bool,
+) -> Result<Trained, Box<dyn std::error::Error>> {
+    let comm = ddp.collective();
+    let model = ddp.module();
+    let device = comm.device();
+    let local_batch = args.batch_size.get() / comm.world_size();
+    let adamw = AdamW::new(model, AdamW::options().lr(args.lr))?;
+    let (mut plain, mut zero) = match stage {
+        None => (Some(adamw), None),
+        Some(stage) => (
+            None,
+            Some(ZeroRedundancyOptimizer::new(adamw, comm, stage)?),
+        ),
+    };
+    let mut sampler = DistributedSampler::for_collective(train.len(), comm)?
         .shuffle(true)
         .seed(args.seed);
-    if ddp.is_main() {
-        println!(
-            "{} training examples on {world} rank(s) ({}): {} per rank per epoch, batches of \
-             {local_batch} per rank ({batch_size} in all)",
-            train.len(),
-            comm.backend(),
-            sampler.num_samples()
-        );
-    }
-
     let start = Instant::now();
-    let (mut reducing, mut reductions) = (std::time::Duration::ZERO, 0u32);
+    let (mut reducing, mut reductions) = (Duration::ZERO, 0u32);
     for epoch in 0..args.epochs {
         sampler.set_epoch(epoch); // a new shuffle each epoch, the same on every rank
         let mut total = 0.0;
@@ -105,13 +131,23 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             let loss = candle_nn::loss::cross_entropy(&ddp.call(&x)?, &y)?;
             let mut grads = loss.backward()?;
             let reduce_start = Instant::now();
-            ddp.reduce_gradients(&mut grads)?; // the mean over ranks, bucket by bucket
-            reducing += reduce_start.elapsed();
+            match (&mut plain, &mut zero) {
+                (Some(opt), _) => {
+                    ddp.reduce_gradients(&mut grads)?; // the mean over ranks, bucket by bucket
+                    reducing += reduce_start.elapsed();
+                    opt.step(&grads)?;
+                }
+                (_, Some(zero)) => {
+                    zero.reduce_gradients(&mut grads)?; // stage 2: this rank's partition only
+                    reducing += reduce_start.elapsed();
+                    zero.step(&grads)?; // its partition stepped, the parameters all-gathered
+                }
+                (None, None) => unreachable!("one optimizer is made above"),
+            }
             reductions += 1;
-            opt.step(&grads)?;
             total += loss.to_scalar::<f32>()?;
         }
-        if ddp.is_main() && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
+        if verbose && ddp.is_main() && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
             println!(
                 "epoch {:3}: rank 0's mean loss {:.4}",
                 epoch + 1,
@@ -119,7 +155,83 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
-    let train_time = start.elapsed();
+    Ok(Trained {
+        time: start.elapsed(),
+        reducing,
+        reductions,
+    })
+}
+
+/// The model's parameters as one flat `f32` vector.
+fn flat_params(model: &DigitNet) -> Result<Vec<f32>> {
+    let parts = model
+        .parameters()
+        .iter()
+        .map(|p| Ok(p.tensor()?.flatten_all()?.to_dtype(DType::F32)?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&parts, 0)?.to_vec1()?)
+}
+
+/// Every rank's value of `mine`, on every rank.
+fn gather_u64(comm: &dyn Collective, mine: u64) -> Result<Vec<u64>> {
+    let mut slots = vec![0f64; comm.world_size()];
+    slots[comm.rank()] = mine as f64;
+    let t = Tensor::new(slots.as_slice(), &comm.device())?;
+    comm.all_reduce(&t, ReduceOp::Sum)?;
+    Ok(t.to_vec1::<f64>()?.into_iter().map(|v| v as u64).collect())
+}
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
+    module_runtime::reuse_freed_memory();
+    let args = Args::parse();
+    // `--zero 3` and other stages are an error before anything starts.
+    let stage = match args.zero {
+        0 => None,
+        n => Some(ZeroStage::from_number(n)?),
+    };
+    let comm = init_from_env()?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let batch_size = args.batch_size.get();
+    if batch_size % world != 0 {
+        return Err(format!("--batch-size {batch_size} is not a multiple of {world} ranks").into());
+    }
+    let local_batch = batch_size / world;
+    let device = comm.device(); // cuda:LOCAL_RANK under NCCL, else the CPU
+    let (train_set, test) = Digits::load(&digits_path())?.split(0.2, 42);
+
+    let model = DigitNet::new(&device)?; // each rank draws its own values...
+    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?; // ...rank 0's win
+                                                                                   // The starting point, kept (copied) for the `--zero 0` reference run.
+    let initial: StateDict = model
+        .state_dict()?
+        .iter()
+        .map(|(k, t)| Ok((k.to_owned(), t.copy()?)))
+        .collect::<Result<_>>()?;
+    if ddp.is_main() {
+        let sampler = DistributedSampler::for_collective(train_set.len(), &*comm)?;
+        println!(
+            "{} training examples on {world} rank(s) ({}): {} per rank per epoch, batches of \
+             {local_batch} per rank ({batch_size} in all)",
+            train_set.len(),
+            comm.backend(),
+            sampler.num_samples()
+        );
+        if let Some(stage) = stage {
+            println!(
+                "ZeRO stage {}: AdamW's state{} sharded over the ranks",
+                stage.number(),
+                if stage == ZeroStage::Two {
+                    " and the gradients"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+
+    let trained = train(&args, &ddp, &train_set, stage, true)?;
+    let peaks = gather_u64(&*comm, peak_rss_kib())?;
 
     // The ranks must hold the same parameters: compare each rank's sum with the mean of all.
     for (path, p) in model.named_parameters() {
@@ -137,14 +249,58 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             "trained {} epochs in {:.1}s on {world} rank(s): train accuracy {:.2}%, test accuracy \
              {:.2}%; parameters equal on every rank; gradient all-reduce {:.1} µs a step",
             args.epochs,
-            train_time.as_secs_f64(),
-            100.0 * model.accuracy(&train, &device)?,
+            trained.time.as_secs_f64(),
+            100.0 * model.accuracy(&train_set, &device)?,
             100.0 * model.accuracy(&test, &device)?,
-            reducing.as_secs_f64() * 1e6 / f64::from(reductions.max(1)),
+            trained.reducing.as_secs_f64() * 1e6 / f64::from(trained.reductions.max(1)),
+        );
+        let peaks: Vec<String> = peaks
+            .iter()
+            .enumerate()
+            .map(|(r, kib)| format!("rank {r} {:.1} MiB", *kib as f64 / 1024.0))
+            .collect();
+        println!(
+            "peak resident memory (VmHWM) at --zero {}: {}",
+            args.zero,
+            peaks.join(", ")
         );
         model.save_safetensors(&args.out)?; // names as the model's: no `module.` prefix
         println!("rank 0 saved {}", args.out.display());
     }
+
+    if stage.is_some() {
+        // The `--zero 0` reference: the same start, batches and AdamW, without sharding.
+        let reference = DigitNet::new(&device)?;
+        reference.load_state_dict(&initial, &LoadOptions::default())?;
+        let ref_ddp = DistributedDataParallel::new(&reference, &*comm, DdpConfig::default())?;
+        train(&args, &ref_ddp, &train_set, None, false)?;
+        let (ours, theirs) = (flat_params(&model)?, flat_params(&reference)?);
+        let bitwise = ours
+            .iter()
+            .zip(&theirs)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let diff = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        if ddp.is_main() {
+            if bitwise {
+                println!(
+                    "parameters bitwise equal to a --zero 0 run's (trained again in this process)"
+                );
+            } else {
+                println!(
+                    "parameters within {diff:e} of a --zero 0 run's (not bitwise; the bound is \
+                     1e-6)"
+                );
+            }
+        }
+        if !bitwise && diff > 1e-6 {
+            return Err(format!("rank {rank}: {diff} away from the --zero 0 parameters").into());
+        }
+    }
+
     if let Some(n) = args.allreduce_floats {
         let values = Tensor::ones(n, DType::F32, &device)?;
         let mut times = Vec::new();

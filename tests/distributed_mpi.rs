@@ -8,13 +8,24 @@
 //! unused on one rank gets an agreed gradient, buffers follow rank 0, and a model built differently
 //! on one rank is an error on both.
 //!
+//!
+//! `zero_under_mpiexec` does the same for `zero_rank`: `ZeroRedundancyOptimizer` at stages 1 and
+//! 2 (AdamW with groups, clipping, a schedule) ends bitwise where DDP does, and its consolidated
+//! state, loaded with the model in one process, continues within 1e-6 of the 2-rank run.
+//!
 //! Run: `cargo test -p candle-module --features mpi --test distributed_mpi`
 //! (needs MPICH: `apt-get install -y mpich libmpich-dev libclang-dev`).
 #![cfg(feature = "mpi")]
 
-use candle_nn::{Optimizer, SGD};
+use candle_core::backprop::GradStore;
+use candle_nn::{Optimizer as _, SGD};
+use module_runtime::distributed::Collective;
 use module_runtime::distributed::{init_from_env, DdpConfig, DistributedDataParallel, ReduceOp};
+use module_runtime::optim::{
+    clip_grad_norm, AdamW, LambdaLr, LrScheduler, ParamGroups, ZeroRedundancyOptimizer, ZeroStage,
+};
 use module_runtime::prelude::*;
+use module_runtime::StateDict;
 
 mod support;
 use support::values;
@@ -79,6 +90,16 @@ fn flat(model: &Net) -> Tensor {
 
 #[test]
 fn two_ranks_under_mpiexec() {
+    under_mpiexec("mpi_rank");
+}
+
+#[test]
+fn zero_under_mpiexec() {
+    under_mpiexec("zero_rank");
+}
+
+/// Runs the test `child` of this binary on 2 MPI ranks; each must print `rank ok`.
+fn under_mpiexec(child: &str) {
     if std::env::var_os("DDP_MPI_CHILD").is_some() {
         return;
     }
@@ -89,7 +110,10 @@ fn two_ranks_under_mpiexec() {
     let out = std::process::Command::new(mpiexec)
         .args(["-n", "2"])
         .arg(std::env::current_exe().unwrap())
-        .args(["mpi_rank", "--exact", "--nocapture", "--test-threads=1"])
+        .args([child, "--exact", "--nocapture", "--test-threads=1"])
+        // A rank that fails leaves the other waiting in a collective: MPICH's Hydra ends the
+        // job after this many seconds.
+        .env("MPIEXEC_TIMEOUT", "900")
         .env("DDP_MPI_CHILD", "1")
         .output()
         .unwrap();
@@ -215,4 +239,205 @@ fn mpi_rank() -> Result<()> {
     comm.barrier()?;
     println!("rank ok");
     Ok(())
+}
+
+/// The whole batch of step `k`: 8 examples.
+fn zero_batch(k: u64) -> (Tensor, Tensor) {
+    (
+        values(40 + k, &[8, 6], &Device::Cpu),
+        values(60 + k, &[8, 3], &Device::Cpu),
+    )
+}
+
+fn zero_adamw(model: &Net) -> AdamW {
+    let groups = ParamGroups::new().group("**.bias", |g| g.weight_decay(0.0));
+    AdamW::with_groups(model, AdamW::options().lr(1e-2).weight_decay(0.1), &groups).unwrap()
+}
+
+/// The gradients of step `k` on `rank`'s half of the batch, or on all of it with `rank` None.
+fn zero_grads(model: &Net, rank: Option<usize>, k: u64) -> AnyResult<GradStore> {
+    let (x, y) = zero_batch(k);
+    let (x, y) = match rank {
+        Some(r) => (x.narrow(0, r * 4, 4)?, y.narrow(0, r * 4, 4)?),
+        None => (x, y),
+    };
+    Ok(mse(&model.call(&x)?, &y)?.backward()?)
+}
+
+/// Steps `from..to` of DDP: AdamW (biases without weight decay), a warmup, clipping to 0.3.
+fn ddp_steps(
+    ddp: &DistributedDataParallel<'_, Net>,
+    opt: &mut AdamW,
+    sched: &mut LambdaLr,
+    steps: std::ops::Range<u64>,
+) -> AnyResult<bool> {
+    let params = opt.params();
+    let mut clipped = false;
+    for k in steps {
+        let mut g = zero_grads(ddp.module(), Some(ddp.rank()), k)?;
+        ddp.reduce_gradients(&mut g)?;
+        clipped |= clip_grad_norm(&mut g, &params, 0.3, 2.0, false)? > 0.3;
+        opt.step(&g)?;
+        sched.step(opt);
+    }
+    Ok(clipped)
+}
+
+/// Either crate's error (the runtime's, the optimizers').
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[test]
+fn zero_rank() -> AnyResult<()> {
+    if std::env::var_os("DDP_MPI_CHILD").is_none() {
+        return Ok(());
+    }
+    let comm = init_from_env()?;
+    let rank = comm.rank();
+    // The reference: DDP, 4 steps (clipping reached), on models seeded differently per rank.
+    let model = Net::new(3 + rank as u64 * 17);
+    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?;
+    let mut opt = zero_adamw(&model);
+    let mut sched = LambdaLr::linear_with_warmup(&mut opt, 2, 10);
+    assert!(
+        ddp_steps(&ddp, &mut opt, &mut sched, 0..4)?,
+        "clipping is exercised"
+    );
+    let reference = flat(&model).to_vec1::<f32>()?;
+    let reference_state = opt.state_dict()?;
+
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let model = Net::new(3 + rank as u64 * 17);
+        // Copies rank 0's parameters to rank 1.
+        let _ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?;
+        let mut zero = ZeroRedundancyOptimizer::new(zero_adamw(&model), &*comm, stage)?;
+        zero.set_bucket_cap_bytes(64); // several buckets
+        let mut sched = LambdaLr::linear_with_warmup(&mut zero, 2, 10);
+        let mut step = |zero: &mut ZeroRedundancyOptimizer<'_, AdamW>, k: u64| -> AnyResult<()> {
+            let mut g = zero_grads(&model, Some(rank), k)?;
+            zero.reduce_gradients(&mut g)?;
+            zero.clip_grad_norm(&mut g, 0.3, 2.0, false)?;
+            zero.step(&g)?;
+            sched.step(zero);
+            Ok(())
+        };
+        for k in 0..4 {
+            step(&mut zero, k)?;
+        }
+        // Bitwise where DDP ends, on both ranks.
+        let mine = flat(&model).to_vec1::<f32>()?;
+        let same = mine
+            .iter()
+            .zip(&reference)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        agree(
+            &*comm,
+            same,
+            &format!("{stage:?}: parameters bitwise DDP's"),
+        )?;
+        // The consolidated state is DDP's optimizer's, on rank 0 only.
+        let full = zero.consolidate_state_dict(0)?;
+        assert_eq!(full.is_some(), rank == 0);
+        // Two more steps on 2 ranks; one process loads the model and the consolidated state and
+        // takes them on the whole batches: within 1e-6.
+        let mut lrs = Vec::new();
+        for k in 4..6 {
+            lrs.push(zero.lrs());
+            step(&mut zero, k)?;
+        }
+        let after = flat(&model).to_vec1::<f32>()?;
+        let resumed = match full {
+            Some(full) => resume_in_one_process(&full, &reference_state, &mine, &after, &lrs)?,
+            None => String::new(), // rank 0 checks
+        };
+        agree(&*comm, resumed.is_empty(), &format!("{stage:?}: {resumed}"))?;
+    }
+
+    // The native MPI all-gather keeps half-precision bits; reduce-scatter sums blocks.
+    let mine = Tensor::new(&[rank as f32 + 0.1, -1.7], &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let all = Tensor::zeros(4, DType::BF16, &Device::Cpu)?;
+    comm.all_gather(&mine, &all)?;
+    let expected = Tensor::new(&[0.1f32, -1.7, 1.1, -1.7], &Device::Cpu)?.to_dtype(DType::BF16)?;
+    let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(wide(&all), wide(&expected));
+    let input = Tensor::new(&[1f32, 2.0, 3.0 + rank as f32, 4.0], &Device::Cpu)?;
+    let block = Tensor::zeros(2, DType::F32, &Device::Cpu)?;
+    comm.reduce_scatter(&input, &block, ReduceOp::Avg)?;
+    let want: [[f32; 2]; 2] = [[1.0, 2.0], [3.5, 4.0]];
+    assert_eq!(block.to_vec1::<f32>()?, want[rank]);
+    comm.barrier()?;
+    println!("rank ok");
+    Ok(())
+}
+
+/// Every rank's verdict, agreed: a check failed on any rank fails on every rank (a rank that
+/// panicked alone would leave the other waiting in the next collective).
+fn agree(comm: &dyn Collective, ok: bool, what: &str) -> AnyResult<()> {
+    let failed = Tensor::new(&[f32::from(u8::from(!ok))], &Device::Cpu)?;
+    comm.all_reduce(&failed, ReduceOp::Sum)?;
+    let failed = failed.to_vec1::<f32>()?[0];
+    assert!(
+        failed == 0.0,
+        "rank {}: failed on {failed} rank(s): {what}",
+        comm.rank()
+    );
+    Ok(())
+}
+
+/// On rank 0: the consolidated state is DDP's optimizer's, and one process that loads it and the
+/// parameters `params` and takes steps 4 and 5 on the whole batches (at the learning rates `lrs`
+/// the schedule set) ends within 1e-6 of the 2-rank run's `after`. Returns what failed, or
+/// nothing.
+fn resume_in_one_process(
+    full: &StateDict,
+    reference: &StateDict,
+    params: &[f32],
+    after: &[f32],
+    lrs: &[Vec<f64>],
+) -> AnyResult<String> {
+    let mut keys: Vec<&str> = full.keys().collect();
+    let mut expected: Vec<&str> = reference.keys().collect();
+    keys.sort_unstable();
+    expected.sort_unstable();
+    if keys != expected {
+        return Ok(format!("consolidated keys {keys:?}, DDP's {expected:?}"));
+    }
+    let wide = |t: &Tensor| -> AnyResult<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+    };
+    for (k, t) in full.iter() {
+        if wide(t)? != wide(reference.get(k).expect("same keys"))? {
+            return Ok(format!("consolidated `{k}` differs from DDP's"));
+        }
+    }
+    let single = Net::new(0);
+    let mut offset = 0;
+    for p in single.parameters() {
+        let n = p.elem_count();
+        p.set(&Tensor::from_slice(
+            &params[offset..offset + n],
+            p.shape(),
+            &Device::Cpu,
+        )?)?;
+        offset += n;
+    }
+    let mut opt = zero_adamw(&single);
+    opt.load_state_dict(full)?;
+    let trained = opt.params();
+    for (k, lrs) in (4..6).zip(lrs) {
+        for (g, lr) in lrs.iter().enumerate() {
+            opt.set_lr(g, *lr);
+        }
+        let mut g = zero_grads(&single, None, k)?;
+        clip_grad_norm(&mut g, &trained, 0.3, 2.0, false)?;
+        opt.step(&g)?;
+    }
+    let diff = (flat(&single) - Tensor::new(after, &Device::Cpu)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    Ok(if diff <= 1e-6 {
+        String::new()
+    } else {
+        format!("one process resumed {diff} away")
+    })
 }

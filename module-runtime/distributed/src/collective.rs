@@ -52,6 +52,45 @@ pub trait Collective {
     /// Returns once every rank has called it (for instance after rank 0 saved a checkpoint).
     fn barrier(&self) -> Result<()>;
 
+    /// Concatenates every rank's `input` into `output`, in rank order, on every rank
+    /// (`torch.distributed.all_gather_into_tensor`, `MPI_Allgather`): rank `r`'s `n` elements
+    /// land at `output[r * n..(r + 1) * n]`. Both contiguous, of one dtype, `output` of
+    /// `world_size() * n` elements (any shape: it is written flat); anything else is
+    /// [`DistributedError::OpMismatch`] naming the sizes.
+    ///
+    /// The default implementation is one [`broadcast`](Self::broadcast) per rank, correct on any
+    /// engine; the in-process and MPI engines run it natively.
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let n = check_gather(input, output, self.world_size(), "all_gather")?;
+        let out = output.flatten_all()?;
+        for root in 0..self.world_size() {
+            let block = if root == self.rank() {
+                input.flatten_all()?.copy()?
+            } else {
+                Tensor::zeros(n, input.dtype(), input.device())?
+            };
+            self.broadcast(&block, root)?;
+            out.slice_set(&block.to_device(out.device())?, 0, root * n)?;
+        }
+        Ok(())
+    }
+
+    /// Combines `input` over all ranks with `op` and leaves block `rank()` of the result in
+    /// `output` (`torch.distributed.reduce_scatter_tensor`, `MPI_Reduce_scatter_block`): `input`
+    /// holds `world_size()` blocks of `output`'s `n` elements, and rank `r` receives the
+    /// combination of every rank's block `r`. Both contiguous, of one dtype; other sizes are
+    /// [`DistributedError::OpMismatch`].
+    ///
+    /// The default implementation all-reduces a copy of `input` and keeps this rank's block
+    /// (correct on any engine, the same sums as [`all_reduce`](Self::all_reduce)); the
+    /// in-process and MPI engines run it natively.
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let n = check_gather(output, input, self.world_size(), "reduce_scatter")?;
+        let all = input.flatten_all()?.copy()?;
+        self.all_reduce(&all, op)?;
+        write_into(output, &all.narrow(0, self.rank() * n, n)?)
+    }
+
     /// The device this rank's model and tensors belong on: `cuda:LOCAL_RANK` for NCCL, the CPU
     /// (the default) for engines that stage tensors through host memory and so take any device.
     /// Build the model on it: `DigitNet::new(&comm.device())`.
@@ -117,6 +156,32 @@ pub(crate) fn check_contiguous(tensor: &Tensor) -> Result<()> {
     } else {
         Err(candle_core::Error::RequiresContiguous { op: "collective" }.into())
     }
+}
+
+/// Checks the sizes of an all-gather (`block` of `n` elements on each rank, `whole` of
+/// `world * n`), and a reduce-scatter the other way round; returns `n`.
+pub(crate) fn check_gather(
+    block: &Tensor,
+    whole: &Tensor,
+    world: usize,
+    op: &'static str,
+) -> Result<usize> {
+    check_contiguous(block)?;
+    check_contiguous(whole)?;
+    let n = block.elem_count();
+    if whole.elem_count() != world * n || block.dtype() != whole.dtype() {
+        return Err(DistributedError::OpMismatch {
+            detail: format!(
+                "`{op}` over {world} ranks needs a block of n elements and a whole of {world} * n \
+                 of the same dtype: got a block of {n} {:?} and a whole of {} {:?}",
+                block.dtype(),
+                whole.elem_count(),
+                whole.dtype()
+            ),
+        }
+        .into());
+    }
+    Ok(n)
 }
 
 /// Writes `value` (any layout, dtype or device; `tensor`'s element count) into `tensor`'s

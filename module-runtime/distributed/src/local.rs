@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-use super::collective::{check_contiguous, check_root, write_into};
+use super::collective::{check_contiguous, check_gather, check_root, write_into};
 use super::{Collective, DistributedError, ReduceOp};
 use crate::Result;
 
@@ -15,6 +15,8 @@ enum Op {
     AllReduce(ReduceOp),
     Broadcast(usize),
     Barrier,
+    AllGather,
+    ReduceScatter(ReduceOp),
 }
 
 #[derive(Default)]
@@ -233,7 +235,11 @@ fn combine(
     match op {
         Op::Barrier => Ok(None),
         Op::Broadcast(root) => Ok(parts[*root].1.clone()),
-        Op::AllReduce(reduce) => {
+        Op::AllGather => {
+            let blocks: Vec<Tensor> = parts.into_iter().filter_map(|(_, t)| t).collect();
+            Ok(Some(Tensor::cat(&blocks, 0).map_err(backend)?))
+        }
+        Op::AllReduce(reduce) | Op::ReduceScatter(reduce) => {
             let mut tensors = parts.into_iter().filter_map(|(_, t)| t);
             let mut sum = tensors.next().expect("a world has a rank");
             for t in tensors {
@@ -277,6 +283,21 @@ impl Collective for LocalGroup {
 
     fn barrier(&self) -> Result<()> {
         self.run(Op::Barrier, "barrier", None).map(|_| ())
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        check_gather(input, output, self.shared.world_size, "all_gather")?;
+        let mine = input.flatten_all()?.to_device(&Device::Cpu)?.copy()?;
+        let all = self.run(Op::AllGather, "all_gather", Some(mine))?;
+        write_into(output, &all.expect("all_gather has a result"))
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let n = check_gather(output, input, self.shared.world_size, "reduce_scatter")?;
+        let mine = input.flatten_all()?.to_device(&Device::Cpu)?.copy()?;
+        let all = self.run(Op::ReduceScatter(op), "reduce_scatter", Some(mine))?;
+        let all = all.expect("reduce_scatter has a result");
+        write_into(output, &all.narrow(0, self.rank * n, n)?)
     }
 
     fn backend(&self) -> &'static str {

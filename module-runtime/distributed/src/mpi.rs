@@ -6,7 +6,7 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence, Root};
 
-use super::collective::{check_contiguous, check_root, write_into};
+use super::collective::{check_contiguous, check_gather, check_root, write_into};
 use super::{Collective, DistributedError, ReduceOp};
 use crate::Result;
 
@@ -64,6 +64,34 @@ impl Mpi {
         let mut recv = send.clone();
         self.world
             .all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        Ok(recv)
+    }
+
+    fn gather<T: WithDType + Equivalence>(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let send: Vec<T> = host(input)?;
+        let mut recv = vec![T::from_f64(0.0); output.elem_count()];
+        self.world.all_gather_into(&send[..], &mut recv[..]);
+        write_back(output, recv)
+    }
+
+    fn gather_bits<T: WithDType>(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        to_bits: fn(T) -> u16,
+        from_bits: fn(u16) -> T,
+    ) -> Result<()> {
+        let send: Vec<u16> = host::<T>(input)?.into_iter().map(to_bits).collect();
+        let mut recv = vec![0u16; output.elem_count()];
+        self.world.all_gather_into(&send[..], &mut recv[..]);
+        write_back(output, recv.into_iter().map(from_bits).collect::<Vec<T>>())
+    }
+
+    fn scatter_sum<T: WithDType + Equivalence>(&self, input: &Tensor, n: usize) -> Result<Vec<T>> {
+        let send: Vec<T> = host(input)?;
+        let mut recv = vec![T::from_f64(0.0); n];
+        self.world
+            .reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
         Ok(recv)
     }
 
@@ -173,6 +201,55 @@ impl Collective for Mpi {
                 self.bcast_bits::<half::f16>(tensor, root, |x| x.to_bits(), half::f16::from_bits)
             }
             dtype => Err(unsupported(format!("a broadcast of {dtype:?}"))),
+        }
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        check_gather(input, output, self.world_size(), "all_gather")?;
+        // Bits, not values: every dtype arrives exactly as it left its rank.
+        match input.dtype() {
+            DType::F64 => self.gather::<f64>(input, output),
+            DType::F32 => self.gather::<f32>(input, output),
+            DType::I64 => self.gather::<i64>(input, output),
+            DType::U32 => self.gather::<u32>(input, output),
+            DType::U8 => self.gather::<u8>(input, output),
+            DType::BF16 => self.gather_bits::<half::bf16>(
+                input,
+                output,
+                |x| x.to_bits(),
+                half::bf16::from_bits,
+            ),
+            DType::F16 => {
+                self.gather_bits::<half::f16>(input, output, |x| x.to_bits(), half::f16::from_bits)
+            }
+            dtype => Err(unsupported(format!("an all-gather of {dtype:?}"))),
+        }
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let n = check_gather(output, input, self.world_size(), "reduce_scatter")?;
+        let world = self.world_size();
+        match input.dtype() {
+            DType::F64 => {
+                let mut v = self.scatter_sum::<f64>(input, n)?;
+                if op == ReduceOp::Avg {
+                    v.iter_mut().for_each(|x| *x /= world as f64);
+                }
+                write_back(output, v)
+            }
+            DType::F32 | DType::BF16 | DType::F16 => {
+                let mut v = self.scatter_sum::<f32>(input, n)?;
+                if op == ReduceOp::Avg {
+                    v.iter_mut().for_each(|x| *x /= world as f32);
+                }
+                write_back(output, v)
+            }
+            DType::I64 | DType::U32 | DType::U8 if op == ReduceOp::Sum => match input.dtype() {
+                DType::I64 => write_back(output, self.scatter_sum::<i64>(input, n)?),
+                DType::U32 => write_back(output, self.scatter_sum::<u32>(input, n)?),
+                _ => write_back(output, self.scatter_sum::<u8>(input, n)?),
+            },
+            dtype => Err(unsupported(format!("{op:?} reduce-scatter of {dtype:?}"))),
         }
     }
 

@@ -43,14 +43,7 @@ pub fn clip_grad_norm<P: Borrow<Param>>(
     norm_type: f64,
     error_if_nonfinite: bool,
 ) -> Result<f64> {
-    if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(Error::InvalidHyperparameter {
-            name: "norm_type",
-            value: norm_type,
-            reason: "the norm order must be > 0 (or infinite)",
-            group: None,
-        });
-    }
+    check_norm_type(norm_type)?;
     let with_grads: Vec<(Tensor, Tensor)> = params
         .into_iter()
         .filter_map(|p| {
@@ -62,23 +55,50 @@ pub fn clip_grad_norm<P: Borrow<Param>>(
     if with_grads.is_empty() {
         return Ok(0.0);
     }
-    // Each gradient's norm, rounded to float32 as PyTorch's per-tensor `vector_norm` gives it.
     let norms = with_grads
         .iter()
-        .map(|(_, g)| Ok(f64::from(norm(g, norm_type)? as f32)))
+        .map(|(_, g)| grad_norm(g, norm_type))
         .collect::<Result<Vec<f64>>>()?;
-    let total = f64::from(combine(&norms, norm_type) as f32);
+    let total = total_norm(&norms, norm_type);
     if error_if_nonfinite && !total.is_finite() {
         return Err(Error::NonFiniteNorm { total, norm_type });
     }
-    // clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, in float32. `scalar / tensor` is
-    // `tensor.reciprocal() * scalar` in PyTorch (`Tensor.__rtruediv__`), so it is computed so.
-    let coef = (1.0f32 / (total as f32 + 1e-6f32)) * max_norm as f32;
-    let coef = if coef > 1.0 { 1.0 } else { coef };
+    let coef = coefficient(total, max_norm);
     for (t, g) in with_grads {
-        grads.insert(&t, g.affine(f64::from(coef), 0.0)?);
+        grads.insert(&t, g.affine(coef, 0.0)?);
     }
     Ok(total)
+}
+
+/// [`Error::InvalidHyperparameter`] unless `norm_type` is a norm order (> 0 or infinite).
+pub(crate) fn check_norm_type(norm_type: f64) -> Result<()> {
+    if norm_type.is_nan() || norm_type <= 0.0 {
+        return Err(Error::InvalidHyperparameter {
+            name: "norm_type",
+            value: norm_type,
+            reason: "the norm order must be > 0 (or infinite)",
+            group: None,
+        });
+    }
+    Ok(())
+}
+
+/// One gradient's norm, rounded to float32 as PyTorch's per-tensor `vector_norm` gives it.
+pub(crate) fn grad_norm(g: &Tensor, norm_type: f64) -> Result<f64> {
+    Ok(f64::from(norm(g, norm_type)? as f32))
+}
+
+/// The total norm of the per-gradient `norms` (in order), rounded to float32.
+pub(crate) fn total_norm(norms: &[f64], norm_type: f64) -> f64 {
+    f64::from(combine(norms, norm_type) as f32)
+}
+
+/// The factor every gradient is multiplied by: `max_norm / (total + 1e-6)`, clamped to 1, in
+/// float32. `scalar / tensor` is `tensor.reciprocal() * scalar` in PyTorch
+/// (`Tensor.__rtruediv__`), so it is computed so.
+pub(crate) fn coefficient(total: f64, max_norm: f64) -> f64 {
+    let coef = (1.0f32 / (total as f32 + 1e-6f32)) * max_norm as f32;
+    f64::from(if coef > 1.0 { 1.0 } else { coef })
 }
 
 /// Clamps every gradient of `params` in `grads` to `[-clip_value, clip_value]`: PyTorch's

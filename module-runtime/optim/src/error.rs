@@ -154,6 +154,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// [`ZeroRedundancyOptimizer`](crate::ZeroRedundancyOptimizer): the ranks' optimizers do
+    /// not train the same parameters (paths, shapes, dtypes, groups) on every rank, so they
+    /// cannot agree on who owns which; or a rank's sharded state was loaded on another rank.
+    /// Raised on every rank, before anything is changed.
+    #[error("ZeroRedundancyOptimizer on rank {rank}: {reason}")]
+    ZeroMismatch {
+        /// This rank.
+        rank: usize,
+        /// What differs.
+        reason: String,
+    },
+
     /// A [`GradScaler`](crate::GradScaler) used out of PyTorch's order (`scale`, `unscale_`,
     /// `step`, `update`), or on gradients it does not take. Nothing was changed.
     #[error("GradScaler: {reason}")]

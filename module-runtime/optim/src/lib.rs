@@ -34,6 +34,7 @@
 //! | `pth_grad_scaler` | [`read_pth_grad_scaler_state`]: PyTorch's `GradScaler` state, from a `.pth` file's values |
 //! | `swa_utils/` | [`swa_utils`]: [`AveragedModel`](swa_utils::AveragedModel) (SWA, EMA), [`update_bn`](swa_utils::update_bn), [`SwaLr`](swa_utils::SwaLr) |
 //! | `checkpoint` | [`TrainingCheckpoint`]: model, optimizers, schedules, [`TrainerState`] and the generator in one file, saved atomically, restored all or nothing |
+//! | `zero/` | [`ZeroRedundancyOptimizer`]: the optimizer state (ZeRO stage 1) and gradients (stage 2) sharded over a process group, the state consolidated on one rank |
 //!
 //! A training loop in PyTorch's vocabulary (the same code is the "Training" section of the
 //! workspace's README, and `tests/integration/readme.rs` checks that they stay identical):
@@ -141,6 +142,7 @@ mod schedule;
 mod sgd;
 mod state;
 pub mod swa_utils;
+mod zero;
 
 pub use accumulate::GradAccumulator;
 pub use adam::{Adam, AdamOptions, AdamW};
@@ -155,3 +157,4 @@ pub use pth_grad_scaler::read_pth_grad_scaler_state;
 pub use pth_scheduler::read_pth_scheduler_state;
 pub use schedule::{ExponentialLr, LambdaLr, LrScheduler, StepLr};
 pub use sgd::{SgdOptions, SGD};
+pub use zero::{partition_sizes, ZeroRedundancyOptimizer, ZeroStage};

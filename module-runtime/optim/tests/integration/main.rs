@@ -13,3 +13,4 @@ mod readme;
 mod rules;
 mod state;
 mod swa;
+mod zero;

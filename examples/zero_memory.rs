@@ -1,0 +1,189 @@
+//! Per-rank peak memory of a full fine-tuning step of a model with SmolLM-135M's parameters, under
+//! data parallelism (`--zero 0`) and ZeRO stages 1 and 2 (BENCHMARKS.md, "ZeRO").
+//!
+//! ```text
+//! cargo build --release --features mpi --example zero_memory
+//! for z in 0 1 2; do mpiexec -n 2 target/release/examples/zero_memory --zero $z; done
+//! ```
+//!
+//! The model has SmolLM-135M's parameters, shape for shape (134.5 M, float32: a tied 49152 × 576
+//! embedding, 30 layers of `q_proj`/`k_proj`/`v_proj`/`o_proj` and `gate_proj`/`up_proj`/
+//! `down_proj` without biases; the 61 norm vectors are left out), randomly initialized. Its
+//! forward uses every matrix (residual blocks, a SwiGLU MLP, the tied output projection and a
+//! cross-entropy over the vocabulary), but not Llama's attention or positions: what the
+//! measurement is about is the memory of the parameters, gradients and AdamW state, which is
+//! the same. Each rank prints its resident set after building the model, and its peak (`VmHWM`)
+//! over `--steps` steps of AdamW on `--tokens` tokens.
+
+use std::time::Instant;
+
+use clap::Parser;
+use module_runtime::distributed::{
+    init_from_env, Collective, DdpConfig, DistributedDataParallel, ReduceOp,
+};
+use module_runtime::nn::Embedding;
+use module_runtime::optim::{ZeroRedundancyOptimizer, ZeroStage};
+use module_runtime::prelude::*;
+
+/// A SmolLM-135M-sized fine-tuning step on every rank.
+#[derive(Parser)]
+struct Args {
+    /// ZeRO stage: 0 data parallelism, 1 optimizer state sharded, 2 and gradients
+    #[arg(long, value_name = "STAGE", default_value_t = 0)]
+    zero: u8,
+    /// Optimizer steps
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    steps: usize,
+    /// Tokens per rank per step
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    tokens: usize,
+}
+
+#[derive(Module)]
+struct Layer {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+#[derive(Module)]
+struct SmolShaped {
+    embed_tokens: Embedding,
+    layers: Vec<Layer>,
+}
+
+const HIDDEN: usize = 576;
+const KV: usize = 192;
+const INTERMEDIATE: usize = 1536;
+const VOCAB: usize = 49152;
+
+impl SmolShaped {
+    fn new(device: &Device) -> Result<Self> {
+        let layers = (0..30)
+            .map(|_| {
+                Ok(Layer {
+                    q_proj: Linear::no_bias(HIDDEN, HIDDEN, device)?,
+                    k_proj: Linear::no_bias(HIDDEN, KV, device)?,
+                    v_proj: Linear::no_bias(HIDDEN, KV, device)?,
+                    o_proj: Linear::no_bias(HIDDEN, HIDDEN, device)?,
+                    gate_proj: Linear::no_bias(HIDDEN, INTERMEDIATE, device)?,
+                    up_proj: Linear::no_bias(HIDDEN, INTERMEDIATE, device)?,
+                    down_proj: Linear::no_bias(INTERMEDIATE, HIDDEN, device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SmolShaped {
+            embed_tokens: Embedding::new(VOCAB, HIDDEN, device)?,
+            layers,
+        })
+    }
+}
+
+impl Forward<&Tensor> for SmolShaped {
+    type Output = Tensor;
+
+    /// `[tokens]` ids → `[tokens, vocab]` logits.
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed_tokens.call(ids)?;
+        for l in &self.layers {
+            let kv = (l.k_proj.call(&x)? * l.v_proj.call(&x)?)?;
+            let mixed = (l.q_proj.call(&x)? + Tensor::cat(&[&kv, &kv, &kv], D::Minus1)?)?;
+            x = (&x + l.o_proj.call(&mixed.tanh()?)?)?;
+            let gate = candle_nn::ops::silu(&l.gate_proj.call(&x)?)?;
+            x = (&x + l.down_proj.call(&(gate * l.up_proj.call(&x)?)?)?)?;
+        }
+        let w = self.embed_tokens.weight.tensor()?;
+        Ok(x.matmul(&w.t()?)?)
+    }
+}
+
+/// `VmRSS` or `VmHWM` of this process, in MiB.
+fn status_mib(field: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with(field))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Every rank's `mine`, on every rank.
+fn gather(comm: &dyn Collective, mine: f64) -> Result<Vec<f64>> {
+    let mut slots = vec![0.0; comm.world_size()];
+    slots[comm.rank()] = mine;
+    let t = Tensor::new(slots.as_slice(), &comm.device())?;
+    comm.all_reduce(&t, ReduceOp::Sum)?;
+    Ok(t.to_vec1()?)
+}
+
+fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+    // No `reuse_freed_memory`: freed tensors go back to the system, so VmHWM is the live peak,
+    // not the heap's high-water mark after fragmentation.
+    let args = Args::parse();
+    let stage = match args.zero {
+        0 => None,
+        n => Some(ZeroStage::from_number(n)?),
+    };
+    let comm = init_from_env()?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let device = comm.device();
+    let model = SmolShaped::new(&device)?;
+    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?;
+    let count: usize = model.parameters().iter().map(|p| p.elem_count()).sum();
+    let adamw = AdamW::new(&model, AdamW::options().lr(1e-5))?;
+    let (mut plain, mut zero) = match stage {
+        None => (Some(adamw), None),
+        Some(s) => (None, Some(ZeroRedundancyOptimizer::new(adamw, &*comm, s)?)),
+    };
+    let built = status_mib("VmRSS:");
+    let start = Instant::now();
+    for step in 0..args.steps {
+        let ids: Vec<u32> = (0..=args.tokens)
+            .map(|i| ((i * 7919 + step * 104_729 + rank * 31) % VOCAB) as u32)
+            .collect();
+        let ids = Tensor::new(ids.as_slice(), &device)?;
+        let (input, target) = (
+            ids.narrow(0, 0, args.tokens)?,
+            ids.narrow(0, 1, args.tokens)?,
+        );
+        let loss = candle_nn::loss::cross_entropy(&ddp.call(&input)?, &target)?;
+        let mut grads = loss.backward()?;
+        match (&mut plain, &mut zero) {
+            (Some(opt), _) => {
+                ddp.reduce_gradients(&mut grads)?;
+                opt.step(&grads)?;
+            }
+            (_, Some(z)) => {
+                z.reduce_gradients(&mut grads)?;
+                z.step(&grads)?;
+            }
+            (None, None) => unreachable!("one optimizer is made above"),
+        }
+    }
+    let per_step = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
+    let built = gather(&*comm, built)?;
+    let peak = gather(&*comm, status_mib("VmHWM:"))?;
+    let times = gather(&*comm, per_step)?;
+    if rank == 0 {
+        println!(
+            "--zero {} on {world} rank(s), {:.1} M float32 parameters, {} tokens per rank, {} steps",
+            args.zero,
+            count as f64 / 1e6,
+            args.tokens,
+            args.steps
+        );
+        for r in 0..world {
+            println!(
+                "rank {r}: resident after building {:.0} MiB, peak (VmHWM) {:.0} MiB, {:.2} s a step",
+                built[r], peak[r], times[r]
+            );
+        }
+    }
+    ddp.barrier()?;
+    Ok(())
+}
