@@ -1,4 +1,5 @@
-//! Data-parallel training across 2 processes over MPI (`--features mpi`).
+//! Data-parallel training (and ZeRO, and tensor parallelism) across 2 processes over MPI
+//! (`--features mpi`).
 //!
 //! `two_ranks_under_mpiexec` re-runs this test binary under `mpiexec -n 2`, selecting only
 //! `mpi_rank` with `DDP_MPI_CHILD=1`; each rank checks its side and a failure exits non-zero,
@@ -96,6 +97,50 @@ fn two_ranks_under_mpiexec() {
 #[test]
 fn zero_under_mpiexec() {
     under_mpiexec("zero_rank");
+}
+
+#[test]
+fn tensor_parallel_under_mpiexec() {
+    under_mpiexec("tensor_parallel_rank");
+}
+
+/// Tensor parallelism over MPI: `Net`'s `fc1` split by rows and `fc2` by columns
+/// (`parallelize_module`, the engine's all-reduce summing `fc2`'s partial outputs) gives the
+/// whole model's output within 1e-5 on both ranks.
+#[test]
+fn tensor_parallel_rank() -> AnyResult<()> {
+    use module_runtime::distributed::Mpi;
+    use module_runtime::nn::{parallelize_module, OutputReduce, ParallelStyle, TensorParallel};
+    use std::sync::Arc;
+    if std::env::var_os("DDP_MPI_CHILD").is_none() {
+        return Ok(());
+    }
+    let comm: Arc<dyn Collective + Send + Sync> = Arc::new(Mpi::init()?);
+    let whole = Net::new(5);
+    let x = values(9, &[4, 6], &Device::Cpu);
+    let want = module_runtime::without_grad(|| whole.call(&x))?;
+    let mut split = Net::new(5);
+    let c = comm.clone();
+    let mesh = TensorParallel::new(
+        comm.rank(),
+        comm.world_size(),
+        OutputReduce::new(move |t| c.all_reduce(t, ReduceOp::Sum)),
+    );
+    let plan = [
+        ("fc1", ParallelStyle::Colwise),
+        ("fc2", ParallelStyle::Rowwise),
+    ];
+    let sharded = parallelize_module(&mut split, &mesh, &plan)?;
+    let got = module_runtime::without_grad(|| split.call(&x))?;
+    let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let ok = sharded == ["fc1", "fc2"] && split.fc1.out_features() == 4 && diff < 1e-5;
+    agree(
+        &*comm,
+        ok,
+        &format!("tensor-parallel output differs by {diff}"),
+    )?;
+    println!("rank ok");
+    Ok(())
 }
 
 /// Runs the test `child` of this binary on 2 MPI ranks; each must print `rank ok`.
