@@ -16,13 +16,12 @@
 use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
 use crate::bf16_gemm::{bf16_product, to_bf16_bits};
 use crate::error::Result;
 use crate::fused_grad::linear::column_sums;
-use crate::fused_grad::with_f32;
 use crate::matmul::Matrix;
 
 /// `x Wᵀ + b` (`b` zero where `None`) for `x` `[…, in]`, `weight` `[out, in]` and `bias` `[out]`,
@@ -205,8 +204,7 @@ impl candle_core::CustomOp3 for LinearBf16 {
         };
         let db = match b.track_op() {
             true => {
-                let g32 = g.to_dtype(DType::F32)?;
-                let sums = with_f32([&g32], self.name(), |[g]| column_sums(g, out_features))?;
+                let sums = bf16_column_sums(&g, out_features, self.name())?;
                 let sums = Tensor::from_vec(sums, out_features, b.device())?;
                 Some(sums.to_dtype(DType::BF16)?.to_dtype(b.dtype())?)
             }
@@ -214,6 +212,22 @@ impl candle_core::CustomOp3 for LinearBf16 {
         };
         Ok((dx, dw, db))
     }
+}
+
+/// The float32 sums of the columns of the contiguous bfloat16 (or float32) CPU matrix `g`, rows
+/// `width` long: widened in one vectorized pass, summed on the pool.
+fn bf16_column_sums(g: &Tensor, width: usize, op: &'static str) -> candle_core::Result<Vec<f32>> {
+    let (storage, layout) = g.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(candle_core::Error::Msg(format!(
+            "{op}: expects CPU tensors"
+        )));
+    };
+    let widened: Vec<f32> = bits(cpu, layout, op)?
+        .iter()
+        .map(|&b| f32::from_bits((b as u32) << 16))
+        .collect();
+    Ok(column_sums(&widened, width))
 }
 
 /// `a b` for bfloat16 or float32 CPU matrices (any strides), in bfloat16: the backward's
