@@ -333,6 +333,9 @@ mod tests {
         let forced = with_cpu_capability(CpuCapability::Avx512, kernel_choice);
         assert_eq!(forced.products, auto.cpu_capability);
         assert!(forced.attention <= CpuCapability::Avx2);
+        // The bfloat16 kernel is an AVX-512 one: below, the float32 kernels.
+        assert_eq!(forced.bf16_products, auto.bf16_products);
+        assert!(!with_cpu_capability(CpuCapability::Avx2, kernel_choice).bf16_products);
         let caught = std::panic::catch_unwind(|| {
             with_cpu_capability(CpuCapability::Default, || {
                 assert_eq!(kernel_choice().products, CpuCapability::Default);

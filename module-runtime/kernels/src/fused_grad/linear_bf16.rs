@@ -100,17 +100,17 @@ fn bits<'a>(
     })
 }
 
-/// Float32 results as a bfloat16 storage, each rounded once.
-fn to_storage(values: &[f32]) -> CpuStorage {
+/// Float32 results each rounded once to bfloat16, as a bfloat16 storage, or (`dtype` float32)
+/// widened back into a float32 one.
+fn to_storage(values: &[f32], dtype: DType) -> CpuStorage {
     let bits = to_bf16_bits(values);
-    CpuStorage::BF16(half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(bits))
-}
-
-/// `t` (bfloat16) in `dtype`.
-fn in_dtype(t: Tensor, dtype: DType) -> candle_core::Result<Tensor> {
     match dtype {
-        DType::BF16 => Ok(t),
-        dtype => t.to_dtype(dtype),
+        DType::F32 => CpuStorage::F32(
+            bits.iter()
+                .map(|&b| f32::from_bits((b as u32) << 16))
+                .collect(),
+        ),
+        _ => CpuStorage::BF16(half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(bits)),
     }
 }
 
@@ -172,7 +172,7 @@ impl candle_core::CustomOp3 for LinearBf16 {
         if let Some(last) = dims.last_mut() {
             *last = out_features;
         }
-        Ok((to_storage(&y), Shape::from(dims)))
+        Ok((to_storage(&y, DType::BF16), Shape::from(dims)))
     }
 
     /// `dx = g W`, `dW = gᵀ x` and `db = Σ g`, in bfloat16, each only for an argument that
@@ -189,16 +189,13 @@ impl candle_core::CustomOp3 for LinearBf16 {
         let rows = x.elem_count() / in_features.max(1);
         let g = grad.contiguous()?.reshape((rows, out_features))?;
         let dx = match x.track_op() {
-            true => Some(in_dtype(
-                matmul_bf16(&g, &w.detach())?.reshape(x.shape())?,
-                x.dtype(),
-            )?),
+            true => Some(matmul_bf16(&g, &w.detach(), x.dtype())?.reshape(x.shape())?),
             false => None,
         };
         let dw = match w.track_op() {
             true => {
                 let x2 = x.detach().reshape((rows, in_features))?;
-                Some(in_dtype(matmul_bf16(&g.t()?, &x2)?, w.dtype())?)
+                Some(matmul_bf16(&g.t()?, &x2, w.dtype())?)
             }
             false => None,
         };
@@ -230,14 +227,15 @@ fn bf16_column_sums(g: &Tensor, width: usize, op: &'static str) -> candle_core::
     Ok(column_sums(&widened, width))
 }
 
-/// `a b` for bfloat16 or float32 CPU matrices (any strides), in bfloat16: the backward's
-/// products. Records no gradient.
-fn matmul_bf16(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    a.apply_op2_no_bwd(b, &MatMulBf16)
+/// `a b` for bfloat16 or float32 CPU matrices (any strides), in bfloat16, the result in `dtype`
+/// (float32 or bfloat16; bfloat16 values either way): the backward's products. Records no
+/// gradient.
+fn matmul_bf16(a: &Tensor, b: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+    a.apply_op2_no_bwd(b, &MatMulBf16(dtype))
 }
 
-/// The candle op of [`matmul_bf16`].
-struct MatMulBf16;
+/// The candle op of [`matmul_bf16`]: the dtype of its output (bfloat16 values either way).
+struct MatMulBf16(DType);
 
 impl candle_core::CustomOp2 for MatMulBf16 {
     fn name(&self) -> &'static str {
@@ -273,7 +271,7 @@ impl candle_core::CustomOp2 for MatMulBf16 {
             (m, n, k),
             None,
         )?;
-        Ok((to_storage(&y), Shape::from((m, n))))
+        Ok((to_storage(&y, self.0), Shape::from((m, n))))
     }
 }
 
