@@ -266,9 +266,10 @@ pub struct KernelChoice {
 /// ```
 /// use module_runtime::backends::cpu::{kernel_choice, with_cpu_capability, CpuCapability};
 /// let auto = kernel_choice();
-/// println!("{auto}"); // e.g. "AMD EPYC (AVX512): products AVX2, quantized AVX512, ..."
+/// println!("{auto}"); // e.g. "AMD EPYC (AVX512): products AVX2, bf16 products AVX512_BF16, ..."
 /// let forced = with_cpu_capability(CpuCapability::Avx2, kernel_choice);
 /// assert!(forced.products <= CpuCapability::Avx2 && forced.quantized <= CpuCapability::Avx2);
+/// assert!(!forced.bf16_products); // bfloat16 products on the float32 kernels
 /// ```
 pub fn kernel_choice() -> KernelChoice {
     let host = host();
