@@ -69,8 +69,33 @@ impl candle_core::CustomOp1 for ToBf16 {
         Ok((CpuStorage::BF16(values), layout.shape().clone()))
     }
 
+    /// The gradient widened to float32: one vectorized pass (a shift per value), where candle's
+    /// cast converts one value at a time on one thread (a weight's gradient each step).
     fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(grad.to_dtype(x.dtype())?))
+        Ok(Some(match (x.dtype(), grad.dtype()) {
+            (DType::F32, DType::BF16) => grad.contiguous()?.apply_op1_no_bwd(&Widen)?,
+            (dtype, _) => grad.to_dtype(dtype)?,
+        }))
+    }
+}
+
+/// A bfloat16 tensor's values in float32 (exact): [`ToBf16`]'s backward.
+struct Widen;
+
+impl candle_core::CustomOp1 for Widen {
+    fn name(&self) -> &'static str {
+        "widen-bf16"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        if !layout.is_contiguous() {
+            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
+        }
+        let values = bits(x, layout, self.name())?
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        Ok((CpuStorage::F32(values), layout.shape().clone()))
     }
 }
 
