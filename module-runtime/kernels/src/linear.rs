@@ -100,10 +100,12 @@ fn autocast_on_cpu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Opti
         && crate::kernel_choice().bf16_products
         && fused_grad::bf16_operands(&all)
     {
-        // A float32 parameter's bfloat16 copy is made once per scope (PyTorch's weight cache);
-        // a float32 activation is rounded as the kernel reads it.
+        // A float32 parameter's bfloat16 values are made once per scope (PyTorch's weight
+        // cache), kept in float32: its gradient then comes back and is summed in float32 (a
+        // bfloat16 copy's gradient would be summed by candle's bfloat16 add, 8 values at a time,
+        // every step). A float32 activation is rounded as the kernel reads it.
         let cast = |t: &Tensor| match t.is_variable() {
-            true => autocast_cached(t, "bf16", fused_grad::to_bf16),
+            true => autocast_cached(t, "bf16-in-f32", |t| fused_grad::round_to(t, DType::BF16)),
             false => Ok(t.clone()),
         };
         let b = bias.map(cast).transpose()?;

@@ -42,63 +42,6 @@ pub(crate) fn bf16_operands(tensors: &[&Tensor]) -> bool {
         .all(|t| t.device().is_cpu() && matches!(t.dtype(), DType::BF16 | DType::F32))
 }
 
-/// `t` (a float32 or bfloat16 CPU tensor) cast to bfloat16, each value rounded to nearest even
-/// as candle's `to_dtype` rounds it, in one vectorized pass (candle's is one value at a time);
-/// its backward widens the gradient back to float32. What autocast caches of a float32 weight.
-pub(crate) fn to_bf16(t: &Tensor) -> Result<Tensor> {
-    Ok(match t.dtype() {
-        DType::BF16 => t.clone(),
-        _ => t.contiguous()?.apply_op1(ToBf16)?,
-    })
-}
-
-/// The candle op of [`to_bf16`].
-struct ToBf16;
-
-impl candle_core::CustomOp1 for ToBf16 {
-    fn name(&self) -> &'static str {
-        "to-bf16"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        if !layout.is_contiguous() {
-            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
-        }
-        let bits = bits(x, layout, self.name())?.into_owned();
-        let values = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(bits);
-        Ok((CpuStorage::BF16(values), layout.shape().clone()))
-    }
-
-    /// The gradient widened to float32: one vectorized pass (a shift per value), where candle's
-    /// cast converts one value at a time on one thread (a weight's gradient each step).
-    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(match (x.dtype(), grad.dtype()) {
-            (DType::F32, DType::BF16) => grad.contiguous()?.apply_op1_no_bwd(&Widen)?,
-            (dtype, _) => grad.to_dtype(dtype)?,
-        }))
-    }
-}
-
-/// A bfloat16 tensor's values in float32 (exact): [`ToBf16`]'s backward.
-struct Widen;
-
-impl candle_core::CustomOp1 for Widen {
-    fn name(&self) -> &'static str {
-        "widen-bf16"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        if !layout.is_contiguous() {
-            return Err(candle_core::Error::RequiresContiguous { op: self.name() });
-        }
-        let values = bits(x, layout, self.name())?
-            .iter()
-            .map(|&b| f32::from_bits((b as u32) << 16))
-            .collect();
-        Ok((CpuStorage::F32(values), layout.shape().clone()))
-    }
-}
-
 /// The bfloat16 bits of the values a layout reads from a CPU storage, from its first one on (as
 /// far as its last one): in place for a bfloat16 storage, rounded for a float32 one.
 fn bits<'a>(
