@@ -1,6 +1,7 @@
 //! The kernels' implementations forced one instruction set at a time
 //! (`backends::cpu::with_cpu_capability`), each held to a reference: float32 products and their
-//! gradients to float64, attention to the composed path, the quantized products to one another,
+//! gradients to float64 (bfloat16 `Linear` too, on the AVX512-BF16 kernel and the float32
+//! fallback), attention to the composed path, the quantized products to one another,
 //! and the passes that promise the same bits under every choice (activations, the optimizer's step)
 //! to the bit. Every level the CPU has is run, so a host with AVX-512 checks its AVX2 and portable
 //! builds too.
@@ -233,5 +234,83 @@ fn the_optimizer_step_gives_the_same_bits_at_every_level() {
     let portable = stepped(CpuCapability::Default);
     for level in levels() {
         assert!(stepped(level) == portable, "{level}");
+    }
+}
+
+/// Bfloat16 `Linear` products (a bfloat16 layer, and a float32 one under `autocast` to bfloat16),
+/// forward and the three gradients, on the AVX512-BF16 kernel where the CPU has it and on the
+/// float32 kernels under every lower level, against float64 products of the bfloat16-rounded
+/// operands: within bfloat16 rounding of the output (2⁻⁸ of the largest value, plus the sums'
+/// order).
+#[test]
+fn bfloat16_linear_forward_and_backward_on_every_implementation() {
+    use module_runtime::amp::autocast;
+    let dev = Device::Cpu;
+    let round = |t: &Tensor| {
+        t.to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+    };
+    let x = Var::randn(0f32, 1.0, (3, 7, 45), &dev).unwrap();
+    let fc = Linear::new(45, 70, &dev).unwrap();
+    let (w, b) = (
+        fc.weight.tensor().unwrap(),
+        fc.bias.as_ref().unwrap().tensor().unwrap(),
+    );
+    let g = Tensor::randn(0f32, 1.0, (3, 7, 70), &dev).unwrap();
+    // float64 references from the rounded operands: y = x Wᵀ + b, dx = g W, dW = gᵀ x, db = Σ g.
+    let (x64, w64, g64) = (round(x.as_tensor()), round(&w), round(&g));
+    let want_y = x64
+        .broadcast_matmul(&w64.t().unwrap())
+        .unwrap()
+        .broadcast_add(&round(&b))
+        .unwrap();
+    let want_dx = g64.broadcast_matmul(&w64).unwrap();
+    let (g2, x2) = (
+        g64.reshape((21, 70)).unwrap(),
+        x64.reshape((21, 45)).unwrap(),
+    );
+    let want_dw = g2.t().unwrap().matmul(&x2).unwrap();
+    let want_db = g2.sum(0).unwrap();
+    let bf16_fc = Linear::from_tensors(
+        w.to_dtype(DType::BF16).unwrap(),
+        Some(b.to_dtype(DType::BF16).unwrap()),
+    )
+    .unwrap();
+    println!("kernels: {}", kernel_choice());
+    for level in levels() {
+        for amp in [true, false] {
+            let (y, grads) = with_cpu_capability(level, || {
+                let y = match amp {
+                    true => autocast("cpu", DType::BF16, || fc.call(x.as_tensor())).unwrap(),
+                    false => bf16_fc.call(&x.to_dtype(DType::BF16).unwrap()).unwrap(),
+                };
+                let loss = (y.to_dtype(DType::F32).unwrap() * &g)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                (y, loss.backward().unwrap())
+            });
+            assert_eq!(y.dtype(), DType::BF16, "{level} autocast {amp}");
+            let tol = 2f64.powi(-7);
+            assert!(
+                rel_diff(&y, &want_y) < tol,
+                "{level} autocast {amp}: output"
+            );
+            assert!(
+                rel_diff(grads.get(&x).unwrap(), &want_dx) < tol,
+                "{level} {amp}: dx"
+            );
+            if amp {
+                let dw = grads.get(&fc.weight.var().unwrap()).unwrap();
+                let db = grads
+                    .get(&fc.bias.as_ref().unwrap().var().unwrap())
+                    .unwrap();
+                assert_eq!(dw.dtype(), DType::F32);
+                assert!(rel_diff(dw, &want_dw) < tol, "{level}: dW");
+                assert!(rel_diff(db, &want_db) < tol, "{level}: db");
+            }
+        }
     }
 }

@@ -8,6 +8,7 @@ AMP recipe runs it (backward and step outside the scope); and one product `[200,
     python pytorch_autocast_step.py MODEL_DIR SENTENCES_FILE REPS [autocast|plain]
 """
 
+import os
 import sys
 import time
 
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-torch.set_num_threads(2)
+# Two threads, as the Rust side, or what RAYON_NUM_THREADS gives it.
+torch.set_num_threads(int(os.environ.get("RAYON_NUM_THREADS", "2")))
 torch.manual_seed(0)
 model_dir, sentences, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 amp = len(sys.argv) > 4 and sys.argv[4] == "autocast"

@@ -18,6 +18,17 @@
 //! everywhere, that exception included, down to what each operation is built for and the CPU has:
 //! that is how the tests run every implementation on one host.
 //!
+//! # Bfloat16 products
+//!
+//! A product of bfloat16 operands (a bfloat16 model's, or one under `autocast` to bfloat16) takes
+//! this crate's AVX512-BF16 kernel (`vdpbf16ps`: pairs of bfloat16 products summed into float32,
+//! `bf16_gemm.rs`) where the CPU has AVX512-BF16 and the level allowed is `AVX512`
+//! ([`KernelChoice::bf16_products`]); elsewhere the float32 kernels multiply the operands' values
+//! and round the result once (the same numbers up to the order of the sums). Intel's AMX tiles
+//! (Sapphire Rapids on) multiply bfloat16 several times faster still, but no AMX kernel is
+//! written yet: the development host (AMD Zen 5) has AVX512-BF16 and no AMX, so tile code could
+//! not be run or tested there. An AMX host has AVX512-BF16 too and takes that kernel.
+//!
 //! The choice never changes within a process unless a setting changes it, so a run repeats to the
 //! bit. Implementations differ in rounding only (the products and the quantized sums add in
 //! another order); the elementwise passes give the same bits under every choice.
@@ -104,6 +115,8 @@ struct Detected {
     best: CpuCapability,
     /// Whether it has AVX-512 VNNI (the quantized kernel's AVX-512 loops need it).
     vnni: bool,
+    /// Whether it has AVX512-BF16 (`vdpbf16ps`; the bfloat16 products' kernel needs it).
+    bf16: bool,
     /// Whether its AVX-512 instructions run at full width (not split in two 256-bit halves).
     full_width_512: bool,
 }
@@ -155,6 +168,7 @@ fn detect() -> Detected {
         },
         best,
         vnni: avx512 && has!("avx512vnni"),
+        bf16: avx512 && has!("avx512bf16"),
         // AMD's family 19h (Zen 3, Zen 4) runs AVX-512 as two 256-bit halves; Zen 5 (1Ah) and
         // Intel's AVX-512 cores run it whole.
         full_width_512: !(vendor == b"AuthenticAMD" && family == 0x19),
@@ -167,6 +181,7 @@ fn detect() -> Detected {
         name: "unknown CPU".to_string(),
         best: CpuCapability::Default,
         vnni: false,
+        bf16: false,
         full_width_512: false,
     }
 }
@@ -231,6 +246,11 @@ pub struct KernelChoice {
     pub cpu_capability: CpuCapability,
     /// Float32 products (`linear`, the training ops' products).
     pub products: CpuCapability,
+    /// Whether bfloat16 products (`linear` on bfloat16 operands, and under `autocast` to
+    /// bfloat16) take this crate's AVX512-BF16 kernel: where the CPU has AVX512-BF16 and the
+    /// level allowed is `AVX512`. Otherwise the float32 kernels (`products`) multiply the
+    /// operands' values and the result is rounded once.
+    pub bf16_products: bool,
     /// The `q8_0`/`q4_0`/`q4_K` kernel (`AVX512` means AVX-512 VNNI).
     pub quantized: CpuCapability,
     /// The elementwise passes (GELU, SiLU and the other activations in place).
@@ -246,9 +266,10 @@ pub struct KernelChoice {
 /// ```
 /// use module_runtime::backends::cpu::{kernel_choice, with_cpu_capability, CpuCapability};
 /// let auto = kernel_choice();
-/// println!("{auto}"); // e.g. "AMD EPYC (AVX512): products AVX2, quantized AVX512, ..."
+/// println!("{auto}"); // e.g. "AMD EPYC (AVX512): products AVX2, bf16 products AVX512_BF16, ..."
 /// let forced = with_cpu_capability(CpuCapability::Avx2, kernel_choice);
 /// assert!(forced.products <= CpuCapability::Avx2 && forced.quantized <= CpuCapability::Avx2);
+/// assert!(!forced.bf16_products); // bfloat16 products on the float32 kernels
 /// ```
 pub fn kernel_choice() -> KernelChoice {
     let host = host();
@@ -263,6 +284,7 @@ pub fn kernel_choice() -> KernelChoice {
             CpuCapability::Avx512 if !forced && !host.cpu.full_width_512 => CpuCapability::Avx2,
             level => level,
         },
+        bf16_products: level == CpuCapability::Avx512 && host.cpu.bf16,
         quantized: match level {
             CpuCapability::Avx512 if !host.cpu.vnni => CpuCapability::Avx2,
             level => level,
@@ -277,10 +299,15 @@ impl fmt::Display for KernelChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ({}): products {}, quantized {}, elementwise {}, attention {}, optimizer {}",
+            "{} ({}): products {}, bf16 products {}, quantized {}, elementwise {}, attention {}, \
+             optimizer {}",
             self.cpu,
             self.cpu_capability,
             self.products,
+            match self.bf16_products {
+                true => "AVX512_BF16",
+                false => "via float32",
+            },
             self.quantized,
             self.elementwise,
             self.attention,
@@ -307,6 +334,9 @@ mod tests {
         let forced = with_cpu_capability(CpuCapability::Avx512, kernel_choice);
         assert_eq!(forced.products, auto.cpu_capability);
         assert!(forced.attention <= CpuCapability::Avx2);
+        // The bfloat16 kernel is an AVX-512 one: below, the float32 kernels.
+        assert_eq!(forced.bf16_products, auto.bf16_products);
+        assert!(!with_cpu_capability(CpuCapability::Avx2, kernel_choice).bf16_products);
         let caught = std::panic::catch_unwind(|| {
             with_cpu_capability(CpuCapability::Default, || {
                 assert_eq!(kernel_choice().products, CpuCapability::Default);

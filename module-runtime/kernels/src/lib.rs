@@ -60,6 +60,7 @@ mod memory;
 mod pool;
 mod vector_exp;
 
+mod bf16_gemm;
 mod bias;
 mod elementwise;
 mod fused_grad;

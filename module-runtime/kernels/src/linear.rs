@@ -39,8 +39,11 @@ pub const Q8_0_MAX_ROWS: usize = 512;
 ///
 /// Under [`autocast`](module_core::autocast) `x`, `w` and `b` are cast to the autocast dtype
 /// first (PyTorch's `linear` is a lower-precision op) and the result is in that dtype. Bfloat16
-/// and float16 CPU products are computed in float32 from the half-precision values and rounded
-/// once (float32 accumulation, as PyTorch's CPU kernels), on the float32 kernels above.
+/// CPU products (bfloat16 operands, or autocast to bfloat16) run on the AVX512-BF16 kernel where
+/// the CPU has it ([`KernelChoice::bf16_products`](crate::KernelChoice)), their backward's two
+/// products too; there, and for float16, the products are otherwise computed in float32 from the
+/// half-precision values and rounded once (float32 accumulation, as PyTorch's CPU kernels), on the
+/// float32 kernels above.
 ///
 /// ```
 /// use module_runtime::candle_core::{Device, Tensor};
@@ -60,6 +63,13 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (x, w, bias) = (&x, &w, bias.as_ref());
     let mut all = vec![x, w];
     all.extend(bias);
+    if all
+        .iter()
+        .all(|t| t.dtype() == DType::BF16 && t.device().is_cpu())
+        && crate::kernel_choice().bf16_products
+    {
+        return fused_grad::linear_bf16(x, w, bias);
+    }
     if let Some(half) = cpu_half_dtype(&all) {
         let b = bias.map(widen).transpose()?;
         let y = linear_same_dtype(&widen(x)?, &widen(w)?, b.as_ref())?;
@@ -85,6 +95,21 @@ fn autocast_on_cpu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Opti
     };
     if !matches!(half, DType::BF16 | DType::F16) || !all.iter().all(plain) {
         return Ok(None);
+    }
+    if half == DType::BF16
+        && crate::kernel_choice().bf16_products
+        && fused_grad::bf16_operands(&all)
+    {
+        // A float32 parameter's bfloat16 values are made once per scope (PyTorch's weight
+        // cache), kept in float32: its gradient then comes back and is summed in float32 (a
+        // bfloat16 copy's gradient would be summed by candle's bfloat16 add, 8 values at a time,
+        // every step). A float32 activation is rounded as the kernel reads it.
+        let cast = |t: &Tensor| match t.is_variable() {
+            true => autocast_cached(t, "bf16-in-f32", |t| fused_grad::round_to(t, DType::BF16)),
+            false => Ok(t.clone()),
+        };
+        let b = bias.map(cast).transpose()?;
+        return Ok(Some(fused_grad::linear_bf16(x, &cast(w)?, b.as_ref())?));
     }
     let rounded = |t: &Tensor| -> Result<Tensor> {
         if t.dtype() == DType::F32 {

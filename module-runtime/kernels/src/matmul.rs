@@ -109,18 +109,19 @@ impl candle_core::CustomOp2 for MatMul {
     }
 }
 
-/// A strided float32 matrix in a CPU storage: its values from its first one on, and the distance
+/// A strided matrix in a CPU storage (of float32 values unless `T` says otherwise; the bfloat16
+/// products read bfloat16 bits, `u16`): its values from its first one on, and the distance
 /// between rows and between columns.
 #[derive(Clone, Copy)]
-pub(crate) struct Matrix<'a> {
-    values: &'a [f32],
-    row_stride: usize,
-    col_stride: usize,
+pub(crate) struct Matrix<'a, T = f32> {
+    pub(crate) values: &'a [T],
+    pub(crate) row_stride: usize,
+    pub(crate) col_stride: usize,
 }
 
-impl<'a> Matrix<'a> {
+impl<'a, T> Matrix<'a, T> {
     /// The matrix a rank-2 layout describes in `values` (checked against them by candle).
-    pub(crate) fn new(values: &'a [f32], layout: &Layout) -> Self {
+    pub(crate) fn new(values: &'a [T], layout: &Layout) -> Self {
         let stride = layout.stride();
         Self {
             values: &values[layout.start_offset()..],
@@ -131,7 +132,7 @@ impl<'a> Matrix<'a> {
 
     /// The transpose of the row-major matrix of rows `width` long in `values`: `values` read
     /// column by column.
-    pub(crate) fn transposed(values: &'a [f32], width: usize) -> Self {
+    pub(crate) fn transposed(values: &'a [T], width: usize) -> Self {
         Self {
             values,
             row_stride: 1,
@@ -140,7 +141,7 @@ impl<'a> Matrix<'a> {
     }
 
     /// An error unless the values hold a `[rows, cols]` matrix (both non-zero) at these strides.
-    fn check(&self, rows: usize, cols: usize) -> candle_core::Result<()> {
+    pub(crate) fn check(&self, rows: usize, cols: usize) -> candle_core::Result<()> {
         let last = (rows - 1)
             .checked_mul(self.row_stride)
             .zip((cols - 1).checked_mul(self.col_stride))
@@ -157,11 +158,20 @@ impl<'a> Matrix<'a> {
     }
 
     /// The row-major matrix of rows `width` long in `values`.
-    pub(crate) fn rows(values: &'a [f32], width: usize) -> Self {
+    pub(crate) fn rows(values: &'a [T], width: usize) -> Self {
         Self {
             values,
             row_stride: width,
             col_stride: 1,
+        }
+    }
+
+    /// The transpose: the same values, rows and columns swapped.
+    pub(crate) fn t(self) -> Self {
+        Self {
+            values: self.values,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
         }
     }
 }
@@ -212,36 +222,55 @@ fn product_in(
     blocks: Blocks,
     level: CpuCapability,
 ) -> Vec<f32> {
-    let mut out = Vec::<f32>::with_capacity(m * n);
-    let dst = SharedOut(out.as_mut_ptr());
-    let run = |block: usize| {
-        let (rows, cols) = blocks.get(block);
-        if let Some(bias) = bias {
-            for row in rows.clone() {
-                // SAFETY: as for `gemm` below: this block's own outputs.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(dst.at(row * n + cols.start), cols.len())
-                };
-                out.copy_from_slice(&bias[cols.clone()]);
-            }
-        }
+    split_product((m, n), bias, &blocks, |rows, cols, dst, accumulate| {
         let block = Block {
             m: rows.len(),
             n: cols.len(),
             k,
-            dst: dst.0.wrapping_add(rows.start * n + cols.start),
+            dst,
             dst_row_stride: n,
             a: a.values[rows.start * a.row_stride..].as_ptr(),
             a_strides: (a.row_stride, a.col_stride),
             b: b.values[cols.start * b.col_stride..].as_ptr(),
             b_strides: (b.row_stride, b.col_stride),
         };
-        // SAFETY: `rows × cols` is inside `[m, n]` and no other block overlaps it, so each thread
-        // writes its own outputs; the kernel reads `a` and `b` only inside the `[m, k]` and
-        // `[k, n]` matrices the caller guarantees; without a bias it writes every output of the
-        // block before reading any back, and with one it adds to the values written above;
-        // `level` is what `kernel_choice` gives for this CPU.
-        unsafe { gemm_block(level, &block, bias.is_some()) };
+        // SAFETY: `split_product`'s promise: `dst` is this block's own `rows × cols` outputs,
+        // rows `n` apart; the kernel reads `a` and `b` only inside the `[m, k]` and `[k, n]`
+        // matrices the caller guarantees; `level` is what `kernel_choice` gives for this CPU.
+        unsafe { gemm_block(level, &block, accumulate) };
+    })
+}
+
+/// The `[m, n]` row-major output of a product split into `blocks`: `kernel(rows, cols, dst,
+/// accumulate)` runs once per block, on the barrier pool, and must write (`accumulate` false) or
+/// add to (`accumulate` true) every output of its block, whose first one `dst` points at (rows
+/// `n` apart). With a `bias` (`n` long) each block's outputs hold it when its kernel starts, and
+/// `accumulate` is true; without one they are uninitialized and `accumulate` is false.
+///
+/// The kernel's `dst` points at outputs no other block writes, so it may write them through it
+/// (within its `rows × cols` only): that is the promise a kernel's `unsafe` relies on.
+pub(crate) fn split_product(
+    (m, n): (usize, usize),
+    bias: Option<&[f32]>,
+    blocks: &Blocks,
+    kernel: impl Fn(std::ops::Range<usize>, std::ops::Range<usize>, *mut f32, bool) + Sync,
+) -> Vec<f32> {
+    let mut out = Vec::<f32>::with_capacity(m * n);
+    let dst = SharedOut(out.as_mut_ptr());
+    let run = |block: usize| {
+        let (rows, cols) = blocks.get(block);
+        if let Some(bias) = bias {
+            for row in rows.clone() {
+                // SAFETY: this block's own outputs, inside `[m, n]`, which no other block
+                // overlaps.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst.at(row * n + cols.start), cols.len())
+                };
+                out.copy_from_slice(&bias[cols.clone()]);
+            }
+        }
+        let at = dst.0.wrapping_add(rows.start * n + cols.start);
+        kernel(rows, cols, at, bias.is_some());
     };
     match blocks.count {
         1 => run(0),
@@ -249,7 +278,7 @@ fn product_in(
             range.for_each(run);
         }),
     }
-    // SAFETY: the blocks cover `[m, n]`, and each was written (`k > 0`).
+    // SAFETY: the blocks cover `[m, n]`, and each block's kernel wrote all of its outputs.
     unsafe { out.set_len(m * n) };
     out
 }
@@ -280,7 +309,7 @@ impl SharedOut {
 /// plus [`PACK_COST`] per packed value: on two threads one block of rows or of columns each, on
 /// many a grid that packs neither operand once per thread.
 #[derive(Debug)]
-struct Blocks {
+pub(crate) struct Blocks {
     m: usize,
     n: usize,
     /// The rows (columns) of each block but the last of its column (row).
@@ -303,7 +332,7 @@ const MIN_COLS: usize = 32;
 const MIN_ROWS: usize = 16;
 
 impl Blocks {
-    fn new(m: usize, n: usize, k: usize) -> Self {
+    pub(crate) fn new(m: usize, n: usize, k: usize) -> Self {
         let threads = candle_core::utils::barrier_pool().n_workers() + 1;
         Self::for_threads(m, n, k, threads)
     }

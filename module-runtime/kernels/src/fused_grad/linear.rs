@@ -132,7 +132,7 @@ impl candle_core::CustomOp3 for Linear {
 
 /// The sums of the columns of the rows of `width` values in `values`: each thread sums a block of
 /// rows, and the blocks' sums are added at the end.
-fn column_sums(values: &[f32], width: usize) -> Vec<f32> {
+pub(super) fn column_sums(values: &[f32], width: usize) -> Vec<f32> {
     let block_sums = |block: &[f32]| {
         let mut sums = vec![0f32; width];
         for row in block.chunks_exact(width) {

@@ -23,6 +23,7 @@ mod dropout;
 mod gelu;
 mod layer_norm;
 mod linear;
+mod linear_bf16;
 mod round;
 mod softmax;
 
@@ -31,6 +32,7 @@ pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
+pub(crate) use linear_bf16::{bf16_operands, linear_bf16};
 pub(crate) use round::round_to;
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 
