@@ -199,15 +199,18 @@ fn parse(text: &str) -> Option<Figures> {
     })
 }
 
-/// The benchmark's batch: `[batch, seq]` token ids, and the next-token labels of the first
-/// `seq - 1` positions of each row, flattened (`i64`).
+/// The benchmark's batch: `[batch, seq]` token ids, and the next-token labels of every
+/// position, flattened (`i64`), the last of each row -100 (transformers pads the labels so, rather
+/// than copying the logits without their last position).
 fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)> {
     let ids: Vec<u32> = (0..batch * seq)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect();
-    let labels: Vec<i64> = (0..batch)
-        .flat_map(|r| (1..seq).map(move |t| r * seq + t))
-        .map(|i| i64::from(ids[i]))
+    let labels: Vec<i64> = (0..batch * seq)
+        .map(|i| match (i + 1) % seq {
+            0 => -100,
+            _ => i64::from(ids[i + 1]),
+        })
         .collect();
     let n = labels.len();
     Ok((
@@ -248,7 +251,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         let start = Instant::now();
         let logits = model.call(&ids)?;
         let (b, t, vocab) = logits.dims3()?;
-        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), vocab))?;
+        let logits = logits.reshape((b * t, vocab))?;
         let loss = loss_fn.call((&logits, &labels))?;
         let value = loss.to_scalar::<f32>()?;
         let forward = start.elapsed();

@@ -1,6 +1,7 @@
 //! Fused training passes: Linear with a bias, LayerNorm, the exact GELU, the last-dimension softmax,
-//! dropout and scaled dot-product attention as single candle ops that record a gradient, each with
-//! a backward pass that is one pass too (or, for Linear, its two matmuls and one pass).
+//! dropout, scaled dot-product attention and the cross-entropy of class ids as single candle ops
+//! that record a gradient, each with a backward pass that is one pass too (or, for Linear, its two
+//! matmuls and one pass).
 //!
 //! Composed of candle's differentiable ops, these layers leave a chain of small nodes in the graph
 //! (a LayerNorm is nine, dropout's mask five), and candle's backward walks each of them: a fresh
@@ -19,6 +20,7 @@
 //! replaces one layer's own computation, never a sequence of layers.
 
 mod attention;
+mod cross_entropy;
 mod dropout;
 mod gelu;
 mod layer_norm;
@@ -27,6 +29,7 @@ mod round;
 mod softmax;
 
 pub(crate) use attention::{attention, AttentionOptions};
+pub use cross_entropy::cross_entropy_rows;
 pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
