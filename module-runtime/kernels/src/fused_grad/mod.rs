@@ -1,5 +1,5 @@
 //! Fused training passes: Linear with a bias, LayerNorm, the exact GELU, the last-dimension softmax,
-//! dropout, scaled dot-product attention and the cross-entropy of class ids as single candle ops
+//! dropout, scaled dot-product attention, the cross-entropy of class ids and `a + s b` as single candle ops
 //! that record a gradient, each with a backward pass that is one pass too (or, for Linear, its two
 //! matmuls and one pass).
 //!
@@ -19,6 +19,7 @@
 //! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
 //! replaces one layer's own computation, never a sequence of layers.
 
+mod add_scaled;
 mod attention;
 mod cross_entropy;
 mod dropout;
@@ -28,6 +29,7 @@ mod linear;
 mod round;
 mod softmax;
 
+pub use add_scaled::add_scaled;
 pub(crate) use attention::{attention, AttentionOptions};
 pub use cross_entropy::cross_entropy_rows;
 pub(crate) use dropout::{can_fuse_dropout, dropout};

@@ -353,7 +353,9 @@ impl LoraLayer {
         let scaling = settings.scaling;
         if !settings.use_dora {
             let update = b.call(&a.call(&dropout.call(x)?)?)?;
-            return Ok((result + (update * scaling)?)?);
+            // `result + update * scaling` as one op in training (no scaled copy of the update
+            // kept in the graph).
+            return module_kernels::add_scaled(&result, &update, scaling);
         }
         // DoRA (PEFT's `DoraLinearLayer.forward`): the magnitude over the adapted weight's row
         // norms, the norms treated as constants (section 4.3 of the paper).
