@@ -8,8 +8,8 @@
 # weight decay 0.01 on the adapters only), `full` (AdamW lr 1e-5, weight decay 0.01 on every parameter),
 # `full-ckpt` (the same after `gradient_checkpointing_enable(use_reentrant=False)`). The batch is the
 # benchmark's fixed token ids (id = (7919 * i + 13) % vocab over the batch's positions i), the loss
-# transformers' own (`labels=ids`: next-token cross-entropy over every position's logits). Two warm-up
-# steps, then STEPS timed steps (forward, backward, optimizer step, zero_grad). Memory: after the model
+# transformers' own (`labels=ids`: next-token cross-entropy over every position's logits). One warm-up
+# step, then STEPS timed steps (forward, backward, optimizer step, zero_grad). Memory: after the model
 # is loaded the process's peak resident set (VmHWM) is read (LOAD_PEAK) and reset to the current one
 # (`/proc/self/clear_refs` 5); PEAK is VmHWM after the steps, BEFORE the resident set before them.
 import sys, time, resource
@@ -61,7 +61,6 @@ def step():
 
 
 first = step()
-step()
 cpu0, times = resource.getrusage(resource.RUSAGE_SELF), []
 for _ in range(steps):
     t = time.perf_counter()

@@ -28,7 +28,7 @@
 //!
 //! What each process measures, the same way on both sides: it loads the model, reads its peak
 //! resident set so far (`VmHWM`, "load peak"), resets that peak to the current resident set
-//! (`/proc/self/clear_refs` 5, Linux), reads the resident set ("before"), runs two warm-up steps
+//! (`/proc/self/clear_refs` 5, Linux), reads the resident set ("before"), runs one warm-up step
 //! and then the timed steps (forward, backward, optimizer step), and reads `VmHWM` again: the
 //! **peak** reported is the process's whole resident set at its highest from the end of the load
 //! to the end of the steps — model, optimizer state, gradients, activations, allocator and
@@ -109,7 +109,7 @@ fn main() -> AnyResult<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pytorch_train_step.py");
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "2".to_owned());
     println!(
-        "{rounds} rounds, {steps} timed steps per process (after 2 warm-up steps), {threads} threads; \
+        "{rounds} rounds, {steps} timed steps per process (after 1 warm-up step), {threads} threads; \
          checkpoint {}",
         dir.display()
     );
@@ -175,6 +175,12 @@ fn ms(d: Duration) -> f64 {
 fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
     let out = cmd.output()?;
     let text = String::from_utf8_lossy(&out.stdout);
+    // Ours: the step's parts (mean over the warm-up and timed steps).
+    for line in String::from_utf8_lossy(&out.stderr).lines() {
+        if line.contains("mean forward") {
+            println!("    {line}");
+        }
+    }
     parse(&text).ok_or_else(|| {
         format!(
             "the {name} process failed: {text}{}",
@@ -269,7 +275,6 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         Ok((whole, value))
     };
     let (_, first) = step()?;
-    step()?;
     let cpu_start = cpu_time()?;
     let mut times = (0..steps)
         .map(|_| step().map(|s| s.0))
@@ -277,7 +282,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     let cpu = (cpu_time()? - cpu_start) / steps as u32;
     let (_, peak) = candle_module::process_memory_mib();
     times.sort();
-    let [f, b, o] = parts.map(|p| ms(p) / (steps + 2) as f64);
+    let [f, b, o] = parts.map(|p| ms(p) / (steps + 1) as f64);
     eprintln!("{variant}: mean forward {f:.0} ms, backward {b:.0} ms, optimizer {o:.0} ms");
     println!(
         "figures {} {} {load_peak:.1} {peak:.1} {before:.1} {first:.6}",
