@@ -1,5 +1,5 @@
 //! The fused training passes (see `module_runtime::nn`'s docs): Linear with a bias, LayerNorm, the
-//! exact GELU, the last-dimension softmax, dropout and the cross-entropy of class ids are single
+//! exact GELU, RMSNorm, the last-dimension softmax, dropout and the cross-entropy of class ids are single
 //! candle ops with a one-pass backward whenever a gradient is recorded on float32 CPU tensors. Here both paths, fused and composed
 //! (`without_fusion`), are held to PyTorch's values and gradients (the `fixtures/pytorch` cases
 //! the parity tests use), with contiguous and non-contiguous inputs, and to each other on inputs
@@ -9,7 +9,7 @@ use candle_core::Var;
 use candle_module::fixtures::{assert_close, Fixture};
 use module_runtime::nn::{
     without_fusion, ClassLossConfig, CrossEntropyLoss, Dropout, LayerNorm, Linear, LossReduction,
-    Softmax, GELU,
+    RmsNorm, Softmax, GELU,
 };
 use module_runtime::prelude::*;
 
@@ -181,6 +181,19 @@ fn fused_layer_norm_matches_composed_on_many_rows() {
     }
     let x = (Tensor::randn(0f32, 3., (4, 96, 384), &dev).unwrap() + 1.0).unwrap();
     check_against_composed("LayerNorm", &ln, &x, 2e-5);
+}
+
+#[test]
+fn fused_rms_norm_matches_composed_on_many_rows() {
+    let dev = Device::Cpu;
+    let norm = RmsNorm::new(576, &dev).unwrap();
+    norm.weight
+        .as_ref()
+        .unwrap()
+        .set(&Tensor::randn(0f32, 1., 576, &dev).unwrap())
+        .unwrap();
+    let x = (Tensor::randn(0f32, 3., (4, 64, 576), &dev).unwrap() + 0.5).unwrap();
+    check_against_composed("RMSNorm", &norm, &x, 2e-5);
 }
 
 #[test]

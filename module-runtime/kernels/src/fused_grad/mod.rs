@@ -1,4 +1,4 @@
-//! Fused training passes: Linear with a bias, LayerNorm, the exact GELU, the last-dimension softmax,
+//! Fused training passes: Linear with a bias, LayerNorm, RMSNorm, the exact GELU, the last-dimension softmax,
 //! dropout, scaled dot-product attention, the cross-entropy of class ids and `a + s b` as single candle ops
 //! that record a gradient, each with a backward pass that is one pass too (or, for Linear, its two
 //! matmuls and one pass).
@@ -26,6 +26,7 @@ mod dropout;
 mod gelu;
 mod layer_norm;
 mod linear;
+mod rms_norm;
 mod round;
 mod softmax;
 
@@ -36,6 +37,7 @@ pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
+pub(crate) use rms_norm::{can_fuse_rms_norm, rms_norm};
 pub(crate) use round::round_to;
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 
