@@ -4,6 +4,8 @@
 #
 #   python pytorch_train_step.py MODEL_DIR VARIANT BATCH SEQ STEPS
 #
+# VARIANT `make` saves the SmolLM-135M-shaped random Llama (seed 0, the decode benchmark's model) into
+# MODEL_DIR and exits (`python pytorch_train_step.py MODEL_DIR make 0 0 0`).
 # VARIANT: `lora` (peft LoRA r=8, lora_alpha=16, no dropout, on q/k/v/o/gate/up/down_proj; AdamW lr 1e-3,
 # weight decay 0.01 on the adapters only), `full` (AdamW lr 1e-5, weight decay 0.01 on every parameter),
 # `full-ckpt` (the same after `gradient_checkpointing_enable(use_reentrant=False)`). The batch is the
@@ -28,6 +30,15 @@ def status(field):
     return float("nan")
 
 
+if variant == "make":
+    # The checkpoint, when there is none: the decode benchmark's model (the same seeded random
+    # Llama shaped like SmolLM-135M), saved into MODEL_DIR.
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      rope_theta=10000.0, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)
+    sys.exit(0)
 m = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
 m.config.use_cache = False
 if variant == "lora":

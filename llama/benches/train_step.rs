@@ -12,14 +12,14 @@
 //!   `use_reentrant=False`, as ours is).
 //!
 //! ```text
-//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step            # 2 rounds, 3 steps
-//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step -- 3 5      # 3 rounds, 5 steps
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step            # 2 rounds, 3 timed steps
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step -- 3 5      # 3 rounds, 5 timed steps
 //! TRAIN_STEP_VARIANTS=lora,qlora cargo bench -p llama --bench train_step              # some variants
 //! ```
 //!
-//! The weights are the same on both sides: the checkpoint the decode benchmark makes with
-//! `pytorch_decode.py` (`$LLAMA_BENCH_DIR`, default `smollm-135m-random` in the temp folder), read
-//! by `from_pretrained` on both sides; the adapters' `lora_A` are each side's own random draw
+//! The weights are the same on both sides: the decode benchmark's checkpoint (`$LLAMA_BENCH_DIR`,
+//! default `smollm-135m-random` in the temp folder), which `pytorch_train_step.py make` saves there
+//! when it is missing (the same seeded random model), read by `from_pretrained` on both sides; the adapters' `lora_A` are each side's own random draw
 //! (`lora_B` is zero on both, so the first loss is the same). The batch is fixed token ids, the
 //! same on both sides (`(7919 i + 13) mod vocab` over the batch's positions `i`), the loss
 //! next-token cross-entropy over every position's logits (transformers' `labels=ids`), and the
@@ -88,12 +88,24 @@ fn main() -> AnyResult<()> {
             .ok_or_else(|| format!("unknown variant {variant}"))?;
         return child(&dir, &variant, batch, seq, steps);
     }
+    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pytorch_train_step.py");
     if !dir.join("model.safetensors").exists() {
-        return Err(format!(
-            "no checkpoint in {}: run the decode benchmark first (it makes it)",
-            dir.display()
-        )
-        .into());
+        let Some(python) = &pytorch else {
+            return Err(format!(
+                "no checkpoint in {}: set PYTORCH (it makes it) or run the decode benchmark",
+                dir.display()
+            )
+            .into());
+        };
+        let status = Command::new(python)
+            .arg(&script)
+            .arg(&dir)
+            .args(["make", "0", "0", "0"])
+            .status()?;
+        if !status.success() {
+            return Err(format!("{} failed to make the checkpoint", script.display()).into());
+        }
     }
     let chosen = std::env::var("TRAIN_STEP_VARIANTS").ok();
     let variants: Vec<_> = VARIANTS
@@ -105,8 +117,6 @@ fn main() -> AnyResult<()> {
         })
         .copied()
         .collect();
-    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pytorch_train_step.py");
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "2".to_owned());
     println!(
         "{rounds} rounds, {steps} timed steps per process (after 1 warm-up step), {threads} threads; \
