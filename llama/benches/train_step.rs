@@ -6,7 +6,8 @@
 //!   ([`llama::finetune::lora_config`]), AdamW (lr 1e-3, weight decay 0.01) on the adapters only,
 //!   batch 4 × 128; PyTorch's peer is `peft`'s `get_peft_model` with the same configuration;
 //! - `qlora`: the same over a `q4_0` base (`quantize(&model, "**", q4_0)` first; ours only:
-//!   PyTorch has no CPU `q4_0`);
+//!   PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
+//!   PEFT's QLoRA recipe trains);
 //! - `full` and `full-ckpt`: every parameter trained, AdamW (lr 1e-5, weight decay 0.01), batch
 //!   4 × 256, without and with `gradient_checkpointing_enable()` (PyTorch's with
 //!   `use_reentrant=False`, as ours is).
@@ -53,9 +54,10 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// Set in the processes the benchmark starts: the variant to run.
 const VARIANT: &str = "TRAIN_STEP_VARIANT";
 /// The variants, with the batch each runs and whether PyTorch has a peer.
-const VARIANTS: [(&str, usize, usize, bool); 4] = [
+const VARIANTS: [(&str, usize, usize, bool); 5] = [
     ("lora", 4, 128, true),
     ("qlora", 4, 128, false),
+    ("qlora-ckpt", 4, 128, false),
     ("full", 4, 256, true),
     ("full-ckpt", 4, 256, true),
 ];
@@ -241,9 +243,12 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     module_runtime::reuse_freed_memory();
     let mut model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
     let lr = match variant {
-        "lora" | "qlora" => {
-            if variant == "qlora" {
+        "lora" | "qlora" | "qlora-ckpt" => {
+            if variant != "lora" {
                 let _ = quantize(&model, "**", GgmlDType::Q4_0)?;
+            }
+            if variant == "qlora-ckpt" {
+                model.gradient_checkpointing_enable();
             }
             get_peft_model(&mut model, &lora_config(8))?;
             1e-3

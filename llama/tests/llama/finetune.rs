@@ -278,3 +278,38 @@ fn bad_training_data_is_refused_before_the_model_changes() {
     assert!(err.to_string().contains("default"), "{err}");
     assert_eq!(max_diff(&model.call(&prompts()).unwrap(), &before), 0.0);
 }
+
+/// QLoRA with `gradient_checkpointing_enable()` (PEFT's QLoRA recipe): the layers' inputs record
+/// no gradient (the embedding is frozen), yet every adapter gets the gradient it gets without
+/// checkpointing, bit for bit.
+#[test]
+fn checkpointed_qlora_gives_the_adapters_the_plain_gradients() {
+    let mut model = model();
+    let _ = quantize(&model, "**", GgmlDType::Q8_0).unwrap();
+    module_runtime::manual_seed(0);
+    module_runtime::nn::peft::get_peft_model(&mut model, &llama::finetune::lora_config(4)).unwrap();
+    model.train();
+    let ids = prompts();
+    let run = || {
+        let loss = model.call(&ids).unwrap().sqr().unwrap().mean_all().unwrap();
+        let grads = loss.backward().unwrap();
+        model
+            .named_parameters()
+            .into_iter()
+            .filter(|(name, _)| name.contains("lora_"))
+            .map(|(name, p)| {
+                let g = grads
+                    .get(&p.tensor().unwrap())
+                    .map(|g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                (name, g)
+            })
+            .collect::<Vec<_>>()
+    };
+    let plain = run();
+    model.gradient_checkpointing_enable();
+    let checkpointed = run();
+    model.gradient_checkpointing_disable();
+    assert_eq!(plain.len(), 2 * 2 * PROJECTIONS.len());
+    assert!(plain.iter().all(|(_, g)| g.is_some()), "{plain:?}");
+    assert_eq!(checkpointed, plain);
+}
