@@ -1,7 +1,7 @@
-//! Fused training passes: Linear with a bias, LayerNorm, RMSNorm, the exact GELU, the last-dimension softmax,
-//! dropout, scaled dot-product attention, the cross-entropy of class ids and `a + s b` as single candle ops
-//! that record a gradient, each with a backward pass that is one pass too (or, for Linear, its two
-//! matmuls and one pass).
+//! Fused training passes: Linear with a bias (and over a quantized weight), LayerNorm, RMSNorm, the
+//! exact GELU, the last-dimension softmax, dropout, scaled dot-product attention, the
+//! cross-entropy of class ids and `a + s b` as single candle ops that record a gradient, each with
+//! a backward pass that is one pass too (or, for the products, their matmuls and one pass).
 //!
 //! Composed of candle's differentiable ops, these layers leave a chain of small nodes in the graph
 //! (a LayerNorm is nine, dropout's mask five), and candle's backward walks each of them: a fresh
