@@ -277,6 +277,9 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         let value = loss.to_scalar::<f32>()?;
         let forward = start.elapsed();
         let grads = loss.backward()?;
+        // The graph (every activation) hangs from the loss: dropped before the optimizer's step,
+        // as PyTorch frees it during the backward.
+        drop((loss, logits));
         let backward = start.elapsed();
         opt.step(&grads)?;
         drop(grads);

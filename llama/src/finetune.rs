@@ -147,7 +147,11 @@ pub fn train_lora(
         let logits = logits.reshape((b * t, vocab))?;
         let loss = loss_fn.call((&logits, &labels))?;
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-        opt.backward_step(&loss)?;
+        let grads = loss.backward()?;
+        // The graph (every activation) hangs from the loss: freed before the optimizer's step
+        // allocates its state, as PyTorch frees it during the backward.
+        drop((loss, logits));
+        opt.step(&grads)?;
         losses.push(value);
         on_step(step + 1, value);
         Ok::<(), TrainError>(())

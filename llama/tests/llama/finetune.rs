@@ -17,6 +17,16 @@ use module_runtime::nn::{quantize, GgmlDType};
 
 /// Training sequences of several lengths (the batch is padded), tokens from the fixture's
 /// prompts and generations.
+/// The runtime's generator is one per process: tests here that seed it and draw from it (the
+/// adapters' initialization) hold this, so that a test's repeated run draws what its first did.
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn seeded() -> std::sync::MutexGuard<'static, ()> {
+    SEEDED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn data() -> Vec<Vec<u32>> {
     let (prompts, generated) = reference_json();
     vec![
@@ -98,6 +108,7 @@ fn write_finetuned(
 
 #[test]
 fn the_training_forward_gives_transformers_logits() {
+    let _seeded = seeded();
     let model = model();
     let logits = model.call(&prompts()).unwrap();
     let diff = max_diff(&logits, &reference()["logits"]);
@@ -109,6 +120,7 @@ fn the_training_forward_gives_transformers_logits() {
 /// PEFT's init (`lora_B` zero) adds nothing but makes every projection's output tracked.
 #[test]
 fn the_tracked_forward_gives_transformers_logits_with_grouped_query_attention() {
+    let _seeded = seeded();
     let dir = fixture().join("../tiny-llama-gqa");
     let mut model = LlamaForCausalLM::from_pretrained(&dir, &device()).unwrap();
     let reference =
@@ -123,6 +135,7 @@ fn the_tracked_forward_gives_transformers_logits_with_grouped_query_attention() 
 
 #[test]
 fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
+    let _seeded = seeded();
     let mut model = model();
     let base_logits = model.call(&prompts()).unwrap();
     let config = FinetuneConfig::new(4, 8);
@@ -195,6 +208,7 @@ fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
 /// falls, and the saved adapter reloads onto a quantized base with the same logits.
 #[test]
 fn qlora_trains_float_adapters_over_a_base_that_stays_quantized() {
+    let _seeded = seeded();
     let mut model = model();
     let report = quantize(&model, "**", GgmlDType::Q8_0).unwrap();
     // 13 of 15: `down_proj`'s rows (176) are no multiple of q8_0's 32-wide blocks.
@@ -249,6 +263,7 @@ fn qlora_trains_float_adapters_over_a_base_that_stays_quantized() {
 
 #[test]
 fn bad_training_data_is_refused_before_the_model_changes() {
+    let _seeded = seeded();
     let mut model = model();
     let config = FinetuneConfig::new(4, 2);
     let cases: [(Vec<Vec<u32>>, &str); 3] = [
@@ -284,6 +299,7 @@ fn bad_training_data_is_refused_before_the_model_changes() {
 /// checkpointing, bit for bit.
 #[test]
 fn checkpointed_qlora_gives_the_adapters_the_plain_gradients() {
+    let _seeded = seeded();
     let mut model = model();
     let _ = quantize(&model, "**", GgmlDType::Q8_0).unwrap();
     module_runtime::manual_seed(0);
