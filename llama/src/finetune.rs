@@ -142,11 +142,16 @@ pub fn train_lora(
         let (ids, labels) = padded_batch(rows.collect(), &device)?;
         let logits = model.call(&ids)?;
         let (b, t, vocab) = logits.dims3()?;
-        // The last position predicts nothing (its label is always -100): left out.
-        let logits = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), vocab))?;
+        // Every position's logits as rows, in place; the last position's label is -100 (it
+        // predicts nothing), as transformers pads the labels rather than copying the logits.
+        let logits = logits.reshape((b * t, vocab))?;
         let loss = loss_fn.call((&logits, &labels))?;
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-        opt.backward_step(&loss)?;
+        let grads = loss.backward()?;
+        // The graph (every activation) hangs from the loss: freed before the optimizer's step
+        // allocates its state, as PyTorch frees it during the backward.
+        drop((loss, logits));
+        opt.step(&grads)?;
         losses.push(value);
         on_step(step + 1, value);
         Ok::<(), TrainError>(())
@@ -186,12 +191,12 @@ fn check_data(sequences: &[Vec<u32>], batch_size: usize, vocab: usize) -> Result
 }
 
 /// `rows` right-padded (with id 0) into ids `[batch, longest]`, and the flattened next-token
-/// labels `[batch * (longest - 1)]` (`i64`): row `r`'s position `t` is labelled with its token
-/// `t + 1`, or -100 past its end.
+/// labels `[batch * longest]` (`i64`): row `r`'s position `t` is labelled with its token
+/// `t + 1`, or -100 past its end (its last position included).
 fn padded_batch(rows: Vec<&Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor)> {
     let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
     let mut ids = Vec::with_capacity(rows.len() * width);
-    let mut labels = Vec::with_capacity(rows.len() * (width - 1));
+    let mut labels = Vec::with_capacity(rows.len() * width);
     for row in &rows {
         ids.extend(row.iter().copied().chain(std::iter::repeat(0)).take(width));
         labels.extend(
@@ -199,11 +204,11 @@ fn padded_batch(rows: Vec<&Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor
                 .iter()
                 .map(|id| *id as i64)
                 .chain(std::iter::repeat(-100))
-                .take(width - 1),
+                .take(width),
         );
     }
     Ok((
         Tensor::from_vec(ids, (rows.len(), width), device)?,
-        Tensor::from_vec(labels, rows.len() * (width - 1), device)?,
+        Tensor::from_vec(labels, rows.len() * width, device)?,
     ))
 }

@@ -1,13 +1,16 @@
 //! The fused training passes (see `module_runtime::nn`'s docs): Linear with a bias, LayerNorm, the
-//! exact GELU, the last-dimension softmax and dropout are single candle ops with a one-pass backward whenever a
-//! gradient is recorded on float32 CPU tensors. Here both paths, fused and composed
+//! exact GELU, RMSNorm, the last-dimension softmax, dropout and the cross-entropy of class ids are single
+//! candle ops with a one-pass backward whenever a gradient is recorded on float32 CPU tensors. Here both paths, fused and composed
 //! (`without_fusion`), are held to PyTorch's values and gradients (the `fixtures/pytorch` cases
 //! the parity tests use), with contiguous and non-contiguous inputs, and to each other on inputs
 //! large enough for the fused passes to split their rows over threads.
 
 use candle_core::Var;
 use candle_module::fixtures::{assert_close, Fixture};
-use module_runtime::nn::{without_fusion, Dropout, LayerNorm, Linear, Softmax, GELU};
+use module_runtime::nn::{
+    without_fusion, ClassLossConfig, CrossEntropyLoss, Dropout, LayerNorm, Linear, LossReduction,
+    RmsNorm, Softmax, GELU,
+};
 use module_runtime::prelude::*;
 
 /// What one forward and backward pass gives: the output, the input's gradient and every
@@ -181,6 +184,19 @@ fn fused_layer_norm_matches_composed_on_many_rows() {
 }
 
 #[test]
+fn fused_rms_norm_matches_composed_on_many_rows() {
+    let dev = Device::Cpu;
+    let norm = RmsNorm::new(576, &dev).unwrap();
+    norm.weight
+        .as_ref()
+        .unwrap()
+        .set(&Tensor::randn(0f32, 1., 576, &dev).unwrap())
+        .unwrap();
+    let x = (Tensor::randn(0f32, 3., (4, 64, 576), &dev).unwrap() + 0.5).unwrap();
+    check_against_composed("RMSNorm", &norm, &x, 2e-5);
+}
+
+#[test]
 fn fused_linear_matches_composed_on_many_rows() {
     let x = Tensor::randn(0f32, 1., (4, 64, 384), &Device::Cpu).unwrap();
     let fc = Linear::new(384, 1536, &Device::Cpu).unwrap();
@@ -247,4 +263,61 @@ fn dropout_masks_values_and_gradients_alike() {
             );
         }
     }
+}
+
+/// The cross-entropy of class ids (a language model's loss: many rows, a wide vocabulary, the
+/// padded positions at `ignore_index`), fused or composed: the same loss under every reduction and
+/// the same gradient of the logits.
+#[test]
+fn fused_cross_entropy_matches_composed_with_ignored_rows() {
+    let dev = Device::Cpu;
+    let logits = Var::from_tensor(&Tensor::randn(0f32, 3., (300, 1000), &dev).unwrap()).unwrap();
+    let ids: Vec<i64> = (0..300)
+        .map(|i| {
+            if i % 7 == 3 {
+                -100
+            } else {
+                (i * 37 % 1000) as i64
+            }
+        })
+        .collect();
+    let targets = Tensor::new(ids.as_slice(), &dev).unwrap();
+    for reduction in [LossReduction::Mean, LossReduction::Sum, LossReduction::None] {
+        let loss_fn = CrossEntropyLoss::with_config(
+            ClassLossConfig {
+                reduction,
+                ..Default::default()
+            },
+            &dev,
+        )
+        .unwrap();
+        let run = || {
+            let loss = loss_fn.call((logits.as_tensor(), &targets)).unwrap();
+            let grads = loss.sum_all().unwrap().backward().unwrap();
+            (loss, grads.get(&logits).unwrap().clone())
+        };
+        let (loss, grad) = run();
+        let (composed_loss, composed_grad) = without_fusion(run);
+        let what = format!("cross-entropy ({reduction:?})");
+        assert_near(&format!("{what}: loss"), &loss, &composed_loss, 2e-6);
+        assert_near(&format!("{what}: grad"), &grad, &composed_grad, 3e-6);
+    }
+}
+
+/// A class id outside the classes is a typed error naming it and its row, fused or not.
+#[test]
+fn cross_entropy_refuses_a_target_outside_the_classes() {
+    let dev = Device::Cpu;
+    let logits = Var::from_tensor(&Tensor::zeros((3, 5), DType::F32, &dev).unwrap()).unwrap();
+    let targets = Tensor::new(&[1i64, 5, 0], &dev).unwrap();
+    let err = CrossEntropyLoss::new()
+        .call((logits.as_tensor(), &targets))
+        .unwrap_err();
+    let Error::Forward { source, .. } = &err else {
+        panic!("not a forward error: {err:?}");
+    };
+    assert!(
+        matches!(&**source, Error::InvalidInput { layer: "cross_entropy", message } if message.contains("target 5 of row 1")),
+        "{err}"
+    );
 }

@@ -17,6 +17,16 @@ use module_runtime::nn::{quantize, GgmlDType};
 
 /// Training sequences of several lengths (the batch is padded), tokens from the fixture's
 /// prompts and generations.
+/// The runtime's generator is one per process: tests here that seed it and draw from it (the
+/// adapters' initialization) hold this, so that a test's repeated run draws what its first did.
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn seeded() -> std::sync::MutexGuard<'static, ()> {
+    SEEDED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn data() -> Vec<Vec<u32>> {
     let (prompts, generated) = reference_json();
     vec![
@@ -94,6 +104,7 @@ fn write_finetuned(
 
 #[test]
 fn the_training_forward_gives_transformers_logits() {
+    let _seeded = seeded();
     let model = model();
     let logits = model.call(&prompts()).unwrap();
     let diff = max_diff(&logits, &reference()["logits"]);
@@ -105,6 +116,7 @@ fn the_training_forward_gives_transformers_logits() {
 /// PEFT's init (`lora_B` zero) adds nothing but makes every projection's output tracked.
 #[test]
 fn the_tracked_forward_gives_transformers_logits_with_grouped_query_attention() {
+    let _seeded = seeded();
     let dir = fixture().join("../tiny-llama-gqa");
     let mut model = LlamaForCausalLM::from_pretrained(&dir, &device()).unwrap();
     let reference =
@@ -119,6 +131,7 @@ fn the_tracked_forward_gives_transformers_logits_with_grouped_query_attention() 
 
 #[test]
 fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
+    let _seeded = seeded();
     let mut model = model();
     let base_logits = model.call(&prompts()).unwrap();
     let config = FinetuneConfig::new(4, 8);
@@ -191,6 +204,7 @@ fn lora_training_lowers_the_loss_and_the_saved_adapter_reloads() {
 /// falls, and the saved adapter reloads onto a quantized base with the same logits.
 #[test]
 fn qlora_trains_float_adapters_over_a_base_that_stays_quantized() {
+    let _seeded = seeded();
     let mut model = model();
     let report = quantize(&model, "**", GgmlDType::Q8_0).unwrap();
     // 13 of 15: `down_proj`'s rows (176) are no multiple of q8_0's 32-wide blocks.
@@ -245,6 +259,7 @@ fn qlora_trains_float_adapters_over_a_base_that_stays_quantized() {
 
 #[test]
 fn bad_training_data_is_refused_before_the_model_changes() {
+    let _seeded = seeded();
     let mut model = model();
     let config = FinetuneConfig::new(4, 2);
     let cases: [(Vec<Vec<u32>>, &str); 3] = [
@@ -273,4 +288,40 @@ fn bad_training_data_is_refused_before_the_model_changes() {
     let err = train_lora(&mut model, &data(), &config, |_, _| {}).unwrap_err();
     assert!(err.to_string().contains("default"), "{err}");
     assert_eq!(max_diff(&model.call(&prompts()).unwrap(), &before), 0.0);
+}
+
+/// QLoRA with `gradient_checkpointing_enable()` (PEFT's QLoRA recipe): the layers' inputs record
+/// no gradient (the embedding is frozen), yet every adapter gets the gradient it gets without
+/// checkpointing, bit for bit.
+#[test]
+fn checkpointed_qlora_gives_the_adapters_the_plain_gradients() {
+    let _seeded = seeded();
+    let mut model = model();
+    let _ = quantize(&model, "**", GgmlDType::Q8_0).unwrap();
+    module_runtime::manual_seed(0);
+    module_runtime::nn::peft::get_peft_model(&mut model, &llama::finetune::lora_config(4)).unwrap();
+    model.train();
+    let ids = prompts();
+    let run = || {
+        let loss = model.call(&ids).unwrap().sqr().unwrap().mean_all().unwrap();
+        let grads = loss.backward().unwrap();
+        model
+            .named_parameters()
+            .into_iter()
+            .filter(|(name, _)| name.contains("lora_"))
+            .map(|(name, p)| {
+                let g = grads
+                    .get(&p.tensor().unwrap())
+                    .map(|g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                (name, g)
+            })
+            .collect::<Vec<_>>()
+    };
+    let plain = run();
+    model.gradient_checkpointing_enable();
+    let checkpointed = run();
+    model.gradient_checkpointing_disable();
+    assert_eq!(plain.len(), 2 * 2 * PROJECTIONS.len());
+    assert!(plain.iter().all(|(_, g)| g.is_some()), "{plain:?}");
+    assert_eq!(checkpointed, plain);
 }

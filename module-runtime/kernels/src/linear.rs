@@ -168,12 +168,24 @@ fn product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// else through candle's quantized matmul. Otherwise [`linear`] over the weight's dequantized
 /// values, the same numbers: with many rows (a long prompt's prefill) the float GEMM is as fast
 /// or faster (llama.cpp also dequantizes for large batches). A float `weight` takes [`linear`].
+///
+/// Where a gradient flows back through a float32 CPU `x` (QLoRA's frozen base, fusion on), the
+/// weight is dequantized for the product and again for the backward's, and no float copy of it
+/// stays in the graph between the two.
 pub fn quantized_linear(x: &Tensor, weight: &Param, bias: Option<&Tensor>) -> Result<Tensor> {
     let takes_quantized = weight.quantized_dtype().is_some_and(|kind| {
         rows(x) <= max_quantized_rows(kind, &weight.device())
             && !(x.track_op() && module_core::is_grad_enabled())
     });
     if !takes_quantized {
+        // A gradient through `x` (QLoRA): the product that keeps no float copy of the weight.
+        if fused_grad::can_fuse_quantized_product(x, weight)
+            && autocast_target(AutocastOp::Linear, x.device()).is_none()
+        {
+            let (_, in_features) = weight.shape().dims2()?;
+            let y = fused_grad::quantized_product(&float_rows(x, in_features)?, weight)?;
+            return from_rows(y, x, bias);
+        }
         return linear(x, &weight.tensor()?, bias);
     }
     let shape = weight.shape();

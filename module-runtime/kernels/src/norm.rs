@@ -83,8 +83,9 @@ pub fn layer_norm(
 }
 
 /// `x / sqrt(mean(x²) + eps) · weight` over the last dimension of `x`: candle-nn's fused kernel
-/// where nothing records a gradient (and there is a weight), candle's differentiable ops
-/// elsewhere (in `f32` for half-precision inputs). A half-precision CPU input with a float32
+/// where nothing records a gradient (and there is a weight), the runtime's fused training op
+/// (one pass each way) where a float32 CPU input or weight records one (fusion on), candle's
+/// differentiable ops elsewhere (in `f32` for half-precision inputs). A half-precision CPU input with a float32
 /// weight (CPU [`autocast`](module_core::autocast)) is normalized in float32 and returned in its
 /// own dtype, as PyTorch's `rms_norm` returns it.
 pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
@@ -95,6 +96,9 @@ pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Tensor>
     }
     if let Some(w) = weight.filter(|w| candle_kernel_applies(&[x, w])) {
         return Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?);
+    }
+    if let Some(w) = weight.filter(|w| fused_grad::can_fuse_rms_norm(x, w)) {
+        return fused_grad::rms_norm(x, w, eps);
     }
     let dtype = x.dtype();
     let xc = x.to_dtype(compute_dtype(dtype))?;

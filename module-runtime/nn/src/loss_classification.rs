@@ -227,6 +227,11 @@ pub(crate) fn cross_entropy(
     let class_dim = usize::from(input.rank() > 1);
     let classes = input.dims().get(class_dim).copied().unwrap_or(0);
     let weight = class_weights(layer, weight, classes, input)?;
+    if let Some(loss) =
+        fused_cross_entropy(input, target, &weight, (ignore_index, reduction, smoothing))?
+    {
+        return Ok(loss);
+    }
     let log_p = log_softmax(input, class_dim)?;
     if !target.dtype().is_float() {
         return nll(
@@ -256,6 +261,42 @@ pub(crate) fn cross_entropy(
         terms = terms.broadcast_mul(&w.reshape(dims)?)?;
     }
     reduction.apply(terms.sum(class_dim)?.neg()?)
+}
+
+/// The cross-entropy of logits `[N, C]` against `N` class ids without class weights or label
+/// smoothing as one fused op ([`module_kernels::cross_entropy_rows`]: a one-pass backward, no
+/// log-probabilities kept), where it applies (float32 CPU logits, fusion on); `None` elsewhere,
+/// for the composed path. The same reductions as [`nll`]: the mean is over the targets that are
+/// not `ignore_index` (NaN when there is none, as in PyTorch).
+fn fused_cross_entropy(
+    input: &Tensor,
+    target: &Tensor,
+    weight: &Option<Tensor>,
+    (ignore_index, reduction, smoothing): (i64, LossReduction, f64),
+) -> Result<Option<Tensor>> {
+    let plain = weight.is_none()
+        && smoothing == 0.0
+        && input.rank() == 2
+        && !target.dtype().is_float()
+        && target.dims() == [input.dim(0)?];
+    if !plain {
+        return Ok(None);
+    }
+    let Some(losses) = module_kernels::cross_entropy_rows(input, target, ignore_index)? else {
+        return Ok(None);
+    };
+    Ok(Some(match reduction {
+        LossReduction::None => losses,
+        LossReduction::Sum => losses.sum_all()?,
+        LossReduction::Mean => {
+            let used = target
+                .to_dtype(DType::I64)?
+                .ne(ignore_index)?
+                .to_dtype(DType::F32)?
+                .sum_all()?;
+            (losses.sum_all()? / used)?
+        }
+    }))
 }
 
 /// The negative log-likelihood of class ids under log-probabilities: PyTorch's

@@ -1,6 +1,7 @@
-//! Fused training passes: Linear with a bias, LayerNorm, the exact GELU, the last-dimension softmax,
-//! dropout and scaled dot-product attention as single candle ops that record a gradient, each with
-//! a backward pass that is one pass too (or, for Linear, its two matmuls and one pass).
+//! Fused training passes: Linear with a bias (and over a quantized weight), LayerNorm, RMSNorm, the
+//! exact GELU, the last-dimension softmax, dropout, scaled dot-product attention, the
+//! cross-entropy of class ids and `a + s b` as single candle ops that record a gradient, each with
+//! a backward pass that is one pass too (or, for the products, their matmuls and one pass).
 //!
 //! Composed of candle's differentiable ops, these layers leave a chain of small nodes in the graph
 //! (a LayerNorm is nine, dropout's mask five), and candle's backward walks each of them: a fresh
@@ -18,21 +19,29 @@
 //! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
 //! replaces one layer's own computation, never a sequence of layers.
 
+mod add_scaled;
 mod attention;
+mod cross_entropy;
 mod dropout;
 mod gelu;
 mod layer_norm;
 mod linear;
 mod linear_bf16;
+mod quantized_linear;
+mod rms_norm;
 mod round;
 mod softmax;
 
+pub use add_scaled::add_scaled;
 pub(crate) use attention::{attention, AttentionOptions};
+pub use cross_entropy::cross_entropy_rows;
 pub(crate) use dropout::{can_fuse_dropout, dropout};
 pub(crate) use gelu::{can_fuse_gelu_erf, gelu_erf};
 pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
 pub(crate) use linear_bf16::{bf16_operands, linear_bf16};
+pub(crate) use quantized_linear::{can_fuse_quantized_product, quantized_product};
+pub(crate) use rms_norm::{can_fuse_rms_norm, rms_norm};
 pub(crate) use round::round_to;
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 

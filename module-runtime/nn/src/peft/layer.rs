@@ -306,7 +306,9 @@ impl LoraLayer {
         let scaling = settings.scaling;
         if !settings.use_dora {
             let update = b.apply(&a.apply(&dropout.call(x)?)?)?;
-            return Ok((result + (update * scaling)?)?);
+            // `result + update * scaling` as one op in training (no scaled copy of the update
+            // kept in the graph).
+            return module_kernels::add_scaled(&result, &update, scaling);
         }
         let weight = weight.tensor()?;
         let delta = self.delta(&active, weight.dims())?;

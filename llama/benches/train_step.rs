@@ -1,0 +1,328 @@
+//! Training steps of the SmolLM-135M-shaped Llama against PyTorch, step time and peak resident
+//! memory, each variant in a process of its own, interleaved round by round (issue 43 item 8,
+//! issue 44 item 5):
+//!
+//! - `lora`: LoRA of rank 8 (`lora_alpha` 16, no dropout) on `q/k/v/o/gate/up/down_proj`
+//!   ([`llama::finetune::lora_config`]), AdamW (lr 1e-3, weight decay 0.01) on the adapters only,
+//!   batch 4 × 128; PyTorch's peer is `peft`'s `get_peft_model` with the same configuration;
+//! - `qlora`: the same over a `q4_0` base (`quantize(&model, "**", q4_0)` first; ours only:
+//!   PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
+//!   PEFT's QLoRA recipe trains);
+//! - `full` and `full-ckpt`: every parameter trained, AdamW (lr 1e-5, weight decay 0.01), batch
+//!   4 × 256, without and with `gradient_checkpointing_enable()` (PyTorch's with
+//!   `use_reentrant=False`, as ours is).
+//!
+//! ```text
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step            # 2 rounds, 3 timed steps
+//! PYTORCH=/path/to/venv/bin/python cargo bench -p llama --bench train_step -- 3 5      # 3 rounds, 5 timed steps
+//! TRAIN_STEP_VARIANTS=lora,qlora cargo bench -p llama --bench train_step              # some variants
+//! ```
+//!
+//! The weights are the same on both sides: the decode benchmark's checkpoint (`$LLAMA_BENCH_DIR`,
+//! default `smollm-135m-random` in the temp folder), which `pytorch_train_step.py make` saves there
+//! when it is missing (the same seeded random model), read by `from_pretrained` on both sides; the adapters' `lora_A` are each side's own random draw
+//! (`lora_B` is zero on both, so the first loss is the same). The batch is fixed token ids, the
+//! same on both sides (`(7919 i + 13) mod vocab` over the batch's positions `i`), the loss
+//! next-token cross-entropy over every position's logits (transformers' `labels=ids`), and the
+//! first step's loss of each side is printed as a check. f32, CPU, 2 threads on both sides
+//! (`RAYON_NUM_THREADS`, `torch.set_num_threads`).
+//!
+//! What each process measures, the same way on both sides: it loads the model, reads its peak
+//! resident set so far (`VmHWM`, "load peak"), resets that peak to the current resident set
+//! (`/proc/self/clear_refs` 5, Linux), reads the resident set ("before"), runs one warm-up step
+//! and then the timed steps (forward, backward, optimizer step), and reads `VmHWM` again: the
+//! **peak** reported is the process's whole resident set at its highest from the end of the load
+//! to the end of the steps — model, optimizer state, gradients, activations, allocator and
+//! library overhead, nothing subtracted. The step time is the median of the timed steps; the
+//! processor time (user + system, both threads) per step is printed too. Ours runs with
+//! [`reuse_freed_memory`](module_runtime::reuse_freed_memory) (the README's advice for
+//! training). PyTorch's side is `pytorch_train_step.py` beside this file.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use llama::finetune::lora_config;
+use llama::LlamaForCausalLM;
+use module_runtime::nn::peft::get_peft_model;
+use module_runtime::nn::{quantize, CrossEntropyLoss};
+use module_runtime::optim::{AdamW, Optimizer as _};
+use module_runtime::prelude::*;
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// Set in the processes the benchmark starts: the variant to run.
+const VARIANT: &str = "TRAIN_STEP_VARIANT";
+/// The variants, with the batch each runs and whether PyTorch has a peer.
+const VARIANTS: [(&str, usize, usize, bool); 5] = [
+    ("lora", 4, 128, true),
+    ("qlora", 4, 128, false),
+    ("qlora-ckpt", 4, 128, false),
+    ("full", 4, 256, true),
+    ("full-ckpt", 4, 256, true),
+];
+
+/// What one process measured.
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    median: Duration,
+    cpu: Duration,
+    load_peak_mib: f64,
+    peak_mib: f64,
+    before_mib: f64,
+    first_loss: f64,
+}
+
+fn main() -> AnyResult<()> {
+    let numbers: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let rounds = numbers.first().copied().unwrap_or(2);
+    let steps = numbers.get(1).copied().unwrap_or(3).max(1);
+    let dir = std::env::var_os("LLAMA_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
+    if let Ok(variant) = std::env::var(VARIANT) {
+        let &(_, batch, seq, _) = VARIANTS
+            .iter()
+            .find(|v| v.0 == variant)
+            .ok_or_else(|| format!("unknown variant {variant}"))?;
+        return child(&dir, &variant, batch, seq, steps);
+    }
+    let pytorch = std::env::var_os("PYTORCH").map(PathBuf::from);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/pytorch_train_step.py");
+    if !dir.join("model.safetensors").exists() {
+        let Some(python) = &pytorch else {
+            return Err(format!(
+                "no checkpoint in {}: set PYTORCH (it makes it) or run the decode benchmark",
+                dir.display()
+            )
+            .into());
+        };
+        let status = Command::new(python)
+            .arg(&script)
+            .arg(&dir)
+            .args(["make", "0", "0", "0"])
+            .status()?;
+        if !status.success() {
+            return Err(format!("{} failed to make the checkpoint", script.display()).into());
+        }
+    }
+    let chosen = std::env::var("TRAIN_STEP_VARIANTS").ok();
+    let variants: Vec<_> = VARIANTS
+        .iter()
+        .filter(|v| {
+            chosen
+                .as_deref()
+                .is_none_or(|c| c.split(',').any(|n| n == v.0))
+        })
+        .copied()
+        .collect();
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "2".to_owned());
+    println!(
+        "{rounds} rounds, {steps} timed steps per process (after 1 warm-up step), {threads} threads; \
+         checkpoint {}",
+        dir.display()
+    );
+    // (variant, side) -> the figures of each round.
+    let mut all: Vec<((&str, &str), Vec<Figures>)> = Vec::new();
+    let mut record = |key: (&'static str, &'static str), f: Figures| {
+        match all.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(f),
+            None => all.push((key, vec![f])),
+        }
+        println!(
+            "  {:>9} {:>7}: step {:8.0} ms ({:8.0} ms processor), peak {:6.0} MiB, {:6.0} MiB before \
+             the steps, load peak {:6.0} MiB, first loss {:.4}",
+            key.0,
+            key.1,
+            ms(f.median),
+            ms(f.cpu),
+            f.peak_mib,
+            f.before_mib,
+            f.load_peak_mib,
+            f.first_loss
+        );
+    };
+    for round in 0..rounds {
+        println!("round {}", round + 1);
+        for &(name, batch, seq, peer) in &variants {
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(std::env::args().skip(1))
+                .env(VARIANT, name)
+                .env("RAYON_NUM_THREADS", &threads);
+            record((name, "ours"), run(cmd, name)?);
+            if let (true, Some(python)) = (peer, &pytorch) {
+                let mut cmd = Command::new(python);
+                cmd.arg(&script).arg(&dir).arg(name);
+                cmd.args([batch, seq, steps].map(|n| n.to_string()));
+                record((name, "pytorch"), run(cmd, name)?);
+            }
+        }
+    }
+    println!("summary (range over the rounds):");
+    for ((name, side), figures) in &all {
+        let range = |f: &dyn Fn(&Figures) -> f64| {
+            let v: Vec<f64> = figures.iter().map(f).collect();
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{lo:.0}-{hi:.0}")
+        };
+        println!(
+            "  {name:>9} {side:>7}: step {:>13} ms, processor {:>13} ms, peak {:>11} MiB",
+            range(&|f| ms(f.median)),
+            range(&|f| ms(f.cpu)),
+            range(&|f| f.peak_mib),
+        );
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs one process and reads its `figures` line.
+fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
+    let out = cmd.output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Ours: the step's parts (mean over the warm-up and timed steps).
+    for line in String::from_utf8_lossy(&out.stderr).lines() {
+        if line.contains("mean forward") {
+            println!("    {line}");
+        }
+    }
+    parse(&text).ok_or_else(|| {
+        format!(
+            "the {name} process failed: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into()
+    })
+}
+
+/// The line a process prints: `figures MEDIAN_NS CPU_NS LOAD_PEAK PEAK BEFORE LOSS`.
+fn parse(text: &str) -> Option<Figures> {
+    let line = text.lines().find_map(|l| l.strip_prefix("figures "))?;
+    let mut parts = line.split_whitespace();
+    let mut next = || parts.next()?.parse::<f64>().ok();
+    Some(Figures {
+        median: Duration::from_nanos(next()? as u64),
+        cpu: Duration::from_nanos(next()? as u64),
+        load_peak_mib: next()?,
+        peak_mib: next()?,
+        before_mib: next()?,
+        first_loss: next()?,
+    })
+}
+
+/// The benchmark's batch: `[batch, seq]` token ids, and the next-token labels of every
+/// position, flattened (`i64`), the last of each row -100 (transformers pads the labels so, rather
+/// than copying the logits without their last position).
+fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect();
+    let labels: Vec<i64> = (0..batch * seq)
+        .map(|i| match (i + 1) % seq {
+            0 => -100,
+            _ => i64::from(ids[i + 1]),
+        })
+        .collect();
+    let n = labels.len();
+    Ok((
+        Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?,
+        Tensor::from_vec(labels, n, &Device::Cpu)?,
+    ))
+}
+
+/// One variant's process: load, set up, reset the peak, warm up, time the steps, print the
+/// figures.
+fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> AnyResult<()> {
+    module_runtime::reuse_freed_memory();
+    let mut model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
+    let lr = match variant {
+        "lora" | "qlora" | "qlora-ckpt" => {
+            if variant != "lora" {
+                let _ = quantize(&model, "**", GgmlDType::Q4_0)?;
+            }
+            if variant == "qlora-ckpt" {
+                model.gradient_checkpointing_enable();
+            }
+            get_peft_model(&mut model, &lora_config(8))?;
+            1e-3
+        }
+        _ => {
+            if variant == "full-ckpt" {
+                model.gradient_checkpointing_enable();
+            }
+            1e-5
+        }
+    };
+    model.train();
+    let mut opt = AdamW::new(&model, AdamW::options().lr(lr).weight_decay(0.01))?;
+    let (ids, labels) = batch_ids(batch, seq, model.config.vocab_size)?;
+    let loss_fn = CrossEntropyLoss::new();
+    let (_, load_peak) = candle_module::process_memory_mib();
+    std::fs::write("/proc/self/clear_refs", "5")?;
+    let (before, _) = candle_module::process_memory_mib();
+    let mut parts = [Duration::ZERO; 3];
+    let mut step = || -> AnyResult<(Duration, f32)> {
+        let start = Instant::now();
+        let logits = model.call(&ids)?;
+        let (b, t, vocab) = logits.dims3()?;
+        let logits = logits.reshape((b * t, vocab))?;
+        let loss = loss_fn.call((&logits, &labels))?;
+        let value = loss.to_scalar::<f32>()?;
+        let forward = start.elapsed();
+        let grads = loss.backward()?;
+        // The graph (every activation) hangs from the loss: dropped before the optimizer's step,
+        // as PyTorch frees it during the backward.
+        drop((loss, logits));
+        let backward = start.elapsed();
+        opt.step(&grads)?;
+        drop(grads);
+        let whole = start.elapsed();
+        for (sum, part) in parts
+            .iter_mut()
+            .zip([forward, backward - forward, whole - backward])
+        {
+            *sum += part;
+        }
+        Ok((whole, value))
+    };
+    let (_, first) = step()?;
+    let cpu_start = cpu_time()?;
+    let mut times = (0..steps)
+        .map(|_| step().map(|s| s.0))
+        .collect::<AnyResult<Vec<_>>>()?;
+    let cpu = (cpu_time()? - cpu_start) / steps as u32;
+    let (_, peak) = candle_module::process_memory_mib();
+    times.sort();
+    let [f, b, o] = parts.map(|p| ms(p) / (steps + 1) as f64);
+    eprintln!("{variant}: mean forward {f:.0} ms, backward {b:.0} ms, optimizer {o:.0} ms");
+    println!(
+        "figures {} {} {load_peak:.1} {peak:.1} {before:.1} {first:.6}",
+        times[times.len() / 2].as_nanos(),
+        cpu.as_nanos()
+    );
+    Ok(())
+}
+
+/// The process's processor time so far, user and system, from `/proc/self/stat` (in clock ticks
+/// of 1/100 s, Linux's `USER_HZ`).
+fn cpu_time() -> AnyResult<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // The fields after the command name (which may hold spaces), from the third on.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .ok_or("unreadable /proc/self/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks =
+        |i: usize| -> AnyResult<u64> { Ok(fields.get(i).ok_or("short /proc/self/stat")?.parse()?) };
+    // utime and stime are the 14th and 15th fields: the 12th and 13th after the name.
+    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
+}
