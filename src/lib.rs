@@ -20,5 +20,5 @@ mod progress;
 
 pub use device::{device_from_env, device_or_env, DEVICE_ENV};
 pub use digits::{digits_path, DigitNet, Digits};
-pub use memory::process_memory_mib;
+pub use memory::{process_cpu_time, process_memory_mib};
 pub use progress::training_bar;

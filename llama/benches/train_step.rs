@@ -293,11 +293,11 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         Ok((whole, value))
     };
     let (_, first) = step()?;
-    let cpu_start = cpu_time()?;
+    let cpu_start = candle_module::process_cpu_time()?;
     let mut times = (0..steps)
         .map(|_| step().map(|s| s.0))
         .collect::<AnyResult<Vec<_>>>()?;
-    let cpu = (cpu_time()? - cpu_start) / steps as u32;
+    let cpu = (candle_module::process_cpu_time()? - cpu_start) / steps as u32;
     let (_, peak) = candle_module::process_memory_mib();
     times.sort();
     let [f, b, o] = parts.map(|p| ms(p) / (steps + 1) as f64);
@@ -308,21 +308,4 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         cpu.as_nanos()
     );
     Ok(())
-}
-
-/// The process's processor time so far, user and system, from `/proc/self/stat` (in clock ticks
-/// of 1/100 s, Linux's `USER_HZ`).
-fn cpu_time() -> AnyResult<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // The fields after the command name (which may hold spaces), from the third on.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .ok_or("unreadable /proc/self/stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks =
-        |i: usize| -> AnyResult<u64> { Ok(fields.get(i).ok_or("short /proc/self/stat")?.parse()?) };
-    // utime and stime are the 14th and 15th fields: the 12th and 13th after the name.
-    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
 }

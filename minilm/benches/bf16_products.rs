@@ -35,11 +35,6 @@ const SHAPES: [(&str, usize, usize, usize); 7] = [
     ("square-512x1024x1024", 512, 1024, 1024),
 ];
 
-fn median(mut t: Vec<f64>) -> f64 {
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let calls = support::threads_and_rounds(200);
     if !kernel_choice().bf16_products {
@@ -91,7 +86,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         }
         let flop = 2.0 * (m * k * n) as f64;
         let gflops = |ms: f64| flop / ms / 1e6;
-        let (t32, t16, tfall) = (median(t32), median(t16), median(tfall));
+        let (t32, t16, tfall) = (
+            support::median(t32),
+            support::median(t16),
+            support::median(tfall),
+        );
         ours.push((t32, t16));
         println!(
             "{name:<22} {m:>4}x{k:<4}x{n:<5} ours bf16 {t16:.3} ms ({:.0} GFLOP/s), f32 {t32:.3} ms \

@@ -179,11 +179,11 @@ fn child(
     // From here the kernel's peak (`VmHWM`) is the steps' (Linux 4.0 and later).
     std::fs::write("/proc/self/clear_refs", "5")?;
     let (before, _) = candle_module::process_memory_mib();
-    let cpu_start = cpu_time()?;
+    let cpu_start = candle_module::process_cpu_time()?;
     let mut times = (0..steps.max(1))
         .map(|_| step())
         .collect::<std::result::Result<Vec<_>, _>>()?;
-    let cpu = (cpu_time()? - cpu_start) / times.len() as u32;
+    let cpu = (candle_module::process_cpu_time()? - cpu_start) / times.len() as u32;
     let (_, peak) = candle_module::process_memory_mib();
     times.sort();
     println!(
@@ -192,22 +192,4 @@ fn child(
         cpu.as_nanos()
     );
     Ok(())
-}
-
-/// The process's processor time so far, user and system, from `/proc/self/stat` (in clock ticks
-/// of 1/100 s, Linux's `USER_HZ`).
-fn cpu_time() -> std::result::Result<Duration, Box<dyn std::error::Error>> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // The fields after the command name (which may hold spaces), from the third on.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .ok_or("unreadable /proc/self/stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| -> std::result::Result<u64, Box<dyn std::error::Error>> {
-        Ok(fields.get(i).ok_or("short /proc/self/stat")?.parse()?)
-    };
-    // utime and stime are the 14th and 15th fields: the 12th and 13th after the name.
-    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
 }

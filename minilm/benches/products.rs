@@ -35,11 +35,6 @@ const SHAPES: [(&str, usize, usize, usize); 8] = [
     ("smollm-decode-up", 1, 576, 1536),
 ];
 
-fn median(mut t: Vec<f64>) -> f64 {
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
-
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let calls = support::threads_and_rounds(200);
     let dev = Device::Cpu;
@@ -77,12 +72,12 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         }
         let flop = 2.0 * (m * k * n) as f64;
         let gflops = |ms: f64| flop / ms / 1e6;
-        let (ours, candle) = (median(ours), median(candle));
+        let (ours, candle) = (support::median(ours), support::median(candle));
         ours_ms.push(ours);
         let forced: Vec<String> = levels
             .iter()
             .zip(forced)
-            .map(|(level, times)| format!("{level} {:.0}", gflops(median(times))))
+            .map(|(level, times)| format!("{level} {:.0}", gflops(support::median(times))))
             .collect();
         println!(
             "{name:<22} {m:>4}x{k:<4}x{n:<5} ours {ours:.3} ms ({:.0} GFLOP/s; forced: {}), candle's matmul {candle:.3} ms ({:.0} GFLOP/s)",

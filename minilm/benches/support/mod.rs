@@ -65,3 +65,9 @@ pub fn peer(dir: &Path, device: &Device) -> candle_core::Result<bert::BertModel>
     };
     bert::BertModel::load(vb, &config)
 }
+
+/// The median of `t` (the upper one of an even count).
+pub fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
