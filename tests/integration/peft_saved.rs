@@ -137,11 +137,13 @@ fn modules_to_save_on_a_layer_norm_and_errors() {
     w.set(&(w.tensor().unwrap() * 2.0).unwrap()).unwrap();
     let adapted = model.call(&x).unwrap();
     assert!(max_diff(&adapted, &(plain.clone() * 2.0).unwrap()) < 1e-5);
-    // The fused add & norm takes the copy too.
+    // The fused add & norm takes the copy too (the original would give half the output). Not
+    // tighter: `x` is drawn from the shared generator, so a row of 4 values may have a small
+    // variance, which the normalization amplifies the two paths' rounding by.
     let h = model.proj.call(&x).unwrap().detach();
     let zeros = h.zeros_like().unwrap();
     let fused = module_runtime::without_grad(|| model.norm.call_residual(&h, &zeros)).unwrap();
-    assert!(max_diff(&fused, &adapted) < 1e-5);
+    assert!(max_diff(&fused, &adapted) < 1e-3);
     model.merge_and_unload().unwrap();
     assert!(max_diff(&model.call(&x).unwrap(), &adapted) < 1e-6);
 
