@@ -61,9 +61,7 @@ fn make_checkpoint(dir: &Path) -> AnyResult<()> {
     let mut sd = StateDict::new();
     for (key, p) in empty.named_parameters() {
         let shape = p.lazy_shape().ok_or("an empty model's parameter")?;
-        let dims: Vec<usize> = (shape.dims().iter().copied())
-            .collect::<Option<_>>()
-            .ok_or("a known shape")?;
+        let dims = shape.known().ok_or("a known shape")?;
         let value = match dims.len() {
             1 => Tensor::ones(dims, DType::BF16, &Device::Cpu)?,
             _ => Tensor::randn(0f32, 0.02, dims, &Device::Cpu)?.to_dtype(DType::BF16)?,

@@ -26,6 +26,11 @@ impl LazyShape {
         &self.0
     }
 
+    /// The dimensions when every one is known (an empty model's parameter), else `None`.
+    pub fn known(&self) -> Option<Vec<usize>> {
+        self.0.iter().copied().collect()
+    }
+
     /// Whether `dims` has this rank and agrees on every known dimension.
     pub fn accepts(&self, dims: &[usize]) -> bool {
         dims.len() == self.0.len()

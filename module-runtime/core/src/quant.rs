@@ -21,7 +21,6 @@ use candle_core::quantized::{k_quants, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{QuantizeError, Result};
-use crate::lazy_shape::LazyShape;
 use crate::param::Param;
 use crate::quant_slot::{Entry, QuantizedLayout};
 use crate::update_lock::atomic_update;
@@ -175,8 +174,7 @@ impl Param {
     /// known whole and fits `kind`'s blocks (else the error reading it would give, or
     /// [`QuantizeError::BlockSize`]).
     fn quantize_when_loaded(&self, kind: GgmlDType) -> Result<()> {
-        let known = |s: LazyShape| s.dims().iter().copied().collect::<Option<Vec<usize>>>();
-        let Some(dims) = self.lazy_shape().and_then(known) else {
+        let Some(dims) = self.lazy_shape().and_then(|s| s.known()) else {
             return self.var().map(|_| ()); // a lazy shape not known yet: its `NotLoaded` error
         };
         check_quantizable("parameter", &dims, kind)?;

@@ -12,7 +12,7 @@ use crate::linear::{LazyLinear, Linear};
 use crate::{Module, Param};
 use module_core::error::QuantizeError;
 use module_core::names::{named_modules, named_parameters};
-use module_core::quant::{check_quantizable, check_quantized_kind};
+use module_core::quant::{check_quantizable, check_quantized_kind, quantize_value};
 use module_core::{Names, PathPattern};
 
 /// What [`quantize`] did: the layers it quantized, those it left in float, and the other paths
@@ -142,7 +142,7 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
         let shape = match weight.lazy_shape() {
             None => weight.shape(),
             // An empty weight of known shape is marked, and quantized as a load brings it.
-            Some(lazy) => match lazy.dims().iter().copied().collect::<Option<Vec<_>>>() {
+            Some(lazy) => match lazy.known() {
                 Some(dims) => Shape::from(dims),
                 None => {
                     weight.var()?; // an unbuilt weight of unknown shape: its `NotLoaded` error
@@ -160,8 +160,9 @@ pub fn quantize(model: &dyn Module, pattern: &str, kind: GgmlDType) -> Result<Qu
             // no values yet: marked in the commit below.
             None
         } else {
-            let value = weight.var()?.as_tensor().detach().contiguous()?;
-            Some(Arc::new(QTensor::quantize(&value, kind)?))
+            // In row chunks, in parallel: the bytes of one whole quantization.
+            let value = weight.var()?.as_tensor().detach();
+            Some(quantize_value(&value, kind)?)
         };
         pending.push((weight.clone(), q));
         report.quantized.push(path.clone());
