@@ -100,7 +100,10 @@ pub use module_core::{
     SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
-pub use module_functional::{checkpoint, FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
+pub use module_functional::{
+    apply_activation_checkpointing, checkpoint, remove_activation_checkpointing, CheckpointWrapper,
+    FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec,
+};
 #[doc(hidden)]
 pub use module_hooks::Scope;
 pub use module_hooks::{
