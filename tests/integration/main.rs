@@ -42,6 +42,7 @@ mod parity_layers;
 mod parity_seq;
 mod parity_training;
 mod peft;
+mod pipeline;
 mod pytorch_semantics;
 mod recurrent;
 mod repr;

@@ -43,8 +43,9 @@
 #[cfg(feature = "nccl")]
 use module_core::parse_device;
 use module_core::views;
-use module_core::{Buffer, Error, Forward, Module, Param, Result};
+use module_core::{Buffer, Error, Forward, LoadReport, Module, Param, PathPattern, Result};
 use module_hooks::{ModuleExt, TensorTree};
+use module_state::{LoadOptions, StateDict};
 
 mod collective;
 mod ddp;
@@ -54,6 +55,7 @@ mod local;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod pipeline;
 mod rendezvous;
 mod sampler;
 
@@ -66,5 +68,6 @@ pub use module_core::DistributedError;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::{Nccl, DEFAULT_NCCL_TIMEOUT, RENDEZVOUS_TIMEOUT};
+pub use pipeline::{PipelineSplit, PipelineStage, PipelineStep, Schedule1F1B, ScheduleGPipe};
 pub use rendezvous::{fetch_blob, rendezvous_port, RendezvousServer, RENDEZVOUS_PORT_VAR};
 pub use sampler::DistributedSampler;
