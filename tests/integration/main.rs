@@ -43,6 +43,7 @@ mod parity_seq;
 mod parity_training;
 mod peft;
 mod pipeline;
+mod pipeline_errors;
 mod pytorch_semantics;
 mod recurrent;
 mod repr;

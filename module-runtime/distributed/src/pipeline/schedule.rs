@@ -366,10 +366,16 @@ impl<'s, 'a> Runner<'s, 'a> {
         grads: &GradStore,
         foreign: &HashMap<TensorId, String>,
     ) -> Result<()> {
-        if let Some(path) = grads.get_ids().find_map(|id| foreign.get(id)) {
+        let mut used: Vec<&str> = grads
+            .get_ids()
+            .filter_map(|id| foreign.get(id).map(String::as_str))
+            .collect();
+        if !used.is_empty() {
+            used.sort_unstable();
             return Err(split_error(format!(
-                "stage {}'s forward used `{path}`, which the split puts on another stage",
-                self.stage.stage_index()
+                "stage {}'s forward used `{}`, which the split puts on another stage",
+                self.stage.stage_index(),
+                used.join("`, `")
             )));
         }
         for (sum, var) in sums.iter_mut().zip(vars) {
