@@ -14,6 +14,9 @@
 //! * [`DistributedDataParallel`]: checks and syncs the replicas at construction, averages the
 //!   gradients in buckets, syncs buffers before forward.
 //! * [`DistributedSampler`]: each rank's share of the dataset, with PyTorch's index lists.
+//! * Pipeline parallelism: [`PipelineSplit`] (each stage's paths), [`PipelineStage`] (a rank's
+//!   stage and its forward), [`ScheduleGPipe`] and [`Schedule1F1B`] (micro-batches over the
+//!   stages, activations over [`Collective::send`] and [`Collective::recv`]).
 //!
 //! A training step on every rank:
 //!

@@ -59,7 +59,10 @@ struct Mailbox {
 /// A process group whose ranks are threads of one process, through shared memory: data-parallel
 /// code can be run and tested with several ranks without MPI or a GPU.
 ///
-/// [`LocalGroup::new`] returns one handle per rank; move each into its own thread. Sums are
+/// [`LocalGroup::new`] returns one handle per rank; move each into its own thread.
+/// Point-to-point [`send`](Collective::send) is synchronous (MPI's `MPI_Ssend`): it returns once
+/// the peer's [`recv`](Collective::recv) has taken the message, so an order of sends and
+/// receives that completes here completes on every engine. Sums are
 /// computed in rank order (0 + 1 + …), so every rank gets bitwise the same result. Calls are
 /// checked: ranks that call different collectives, or pass tensors of different shapes or
 /// dtypes, all get [`DistributedError::OpMismatch`] instead of corrupt data. With

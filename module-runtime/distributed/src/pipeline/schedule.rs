@@ -44,37 +44,65 @@ enum Action {
 /// GPipe (PyTorch's `ScheduleGPipe`): every micro-batch's forward, then every backward, in
 /// micro-batch order. A stage holds the activations of all the micro-batches at once.
 ///
+/// Two stages as two threads of one process (`LocalGroup`; under `mpiexec` each rank is a
+/// process and `init_from_env()` gives its group):
+///
 /// ```
 /// use module_runtime::distributed::{Collective, LocalGroup, PipelineSplit, PipelineStage, ScheduleGPipe};
+/// use module_runtime::optim::{AdamW, Optimizer, ParamList};
 /// use module_runtime::prelude::*;
+/// type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 ///
 /// #[derive(Module)]
-/// struct Mlp { fc1: Linear, fc2: Linear }
+/// struct Mlp {
+///     fc1: Linear,
+///     fc2: Linear,
+/// }
 ///
-/// let ranks = LocalGroup::new(2)?;
 /// let split = PipelineSplit::new([["fc1"], ["fc2"]])?;
-/// std::thread::scope(|s| {
-///     for comm in ranks {
-///         let split = &split;
-///         s.spawn(move || -> Result<()> {
-///             module_runtime::manual_seed(0);
-///             let model = Mlp { fc1: Linear::new(4, 8, &Device::Cpu)?, fc2: Linear::new(8, 1, &Device::Cpu)? };
-///             let stage = PipelineStage::new(&model, split, &comm, |x| match comm.rank() {
-///                 0 => model.fc1.call(x)?.relu().map_err(Into::into),
-///                 _ => model.fc2.call(x),
-///             })?;
-///             let mse = |y: &Tensor, t: &Tensor| -> Result<Tensor> { Ok((y - t)?.sqr()?.mean_all()?) };
-///             let schedule = ScheduleGPipe::new(&stage, 2, mse)?;
-///             let mut opt = AdamW::new(&model, AdamW::options().lr(1e-2))?;
-///             let x = Tensor::ones((4, 4), DType::F32, &Device::Cpu)?;
-///             let step = schedule.step(stage.is_first().then_some(&x), stage.is_last().then_some(&x.sum_keepdim(1)?))?;
-///             opt.step(&step.grads)?;             // this rank's parameters only
-///             assert_eq!(step.losses.len(), if stage.is_last() { 2 } else { 0 });
-///             Ok(())
-///         });
-///     }
-/// });
-/// # Ok::<(), module_runtime::Error>(())
+/// let ranks = LocalGroup::new(2)?;
+/// std::thread::scope(|s| -> AnyResult<()> {
+///     let split = &split;
+///     let handles: Vec<_> = ranks
+///         .into_iter()
+///         .map(|comm| {
+///             s.spawn(move || -> AnyResult<Vec<Tensor>> {
+///                 // Every rank builds the model empty and loads only its stage.
+///                 let model = module_runtime::build_empty(|| -> Result<Mlp> {
+///                     Ok(Mlp { fc1: Linear::new(4, 8, &Device::Cpu)?, fc2: Linear::new(8, 1, &Device::Cpu)? })
+///                 })?;
+///                 let stage = PipelineStage::new(&model, split, &comm, |x| match comm.rank() {
+///                     0 => Ok(model.fc1.call(x)?.relu()?),
+///                     _ => model.fc2.call(x),
+///                 })?;
+///                 let full: StateDict = [
+///                     ("fc1.weight", Tensor::full(0.1f32, (8, 4), &Device::Cpu)?),
+///                     ("fc1.bias", Tensor::zeros(8, DType::F32, &Device::Cpu)?),
+///                     ("fc2.weight", Tensor::full(0.2f32, (1, 8), &Device::Cpu)?),
+///                     ("fc2.bias", Tensor::zeros(1, DType::F32, &Device::Cpu)?),
+///                 ]
+///                 .into_iter()
+///                 .collect();
+///                 stage.load_state_dict(&full)?;
+///                 let mse = |y: &Tensor, t: &Tensor| -> Result<Tensor> { Ok((y - t)?.sqr()?.mean_all()?) };
+///                 let schedule = ScheduleGPipe::new(&stage, 2, mse)?; // 2 micro-batches
+///                 let mut opt = AdamW::new(&ParamList(stage.named_parameters().to_vec()), AdamW::options())?;
+///                 let x = Tensor::ones((4, 4), DType::F32, &Device::Cpu)?;
+///                 let y = Tensor::zeros((4, 1), DType::F32, &Device::Cpu)?;
+///                 let step = schedule.step(stage.is_first().then_some(&x), stage.is_last().then_some(&y))?;
+///                 opt.step(&step.grads)?; // this rank's parameters only
+///                 Ok(step.losses)
+///             })
+///         })
+///         .collect();
+///     let losses: Vec<Vec<Tensor>> = handles.into_iter().map(|h| h.join().unwrap()).collect::<AnyResult<_>>()?;
+///     // The last stage's loss per micro-batch: relu(4 * 0.1) summed by fc2, 8 * 0.2 * 0.4 = 0.64.
+///     assert_eq!(losses[0].len(), 0);
+///     let l: f32 = losses[1][0].to_scalar()?;
+///     assert!((l - 0.64f32.powi(2)).abs() < 1e-6);
+///     Ok(())
+/// })?;
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
 pub struct ScheduleGPipe<'s, 'a> {
     runner: Runner<'s, 'a>,
