@@ -308,3 +308,46 @@ fn a_stage_forward_reading_another_stages_weight_is_refused() {
     // The last stage had finished its part (one micro-batch): nothing waits for rank 0.
     assert!(out[1].is_ok(), "{:?}", out[1]);
 }
+
+#[test]
+fn a_stage_loads_its_paths_all_or_nothing() {
+    let full = two().state_dict().unwrap();
+    let out = on_ranks(2, Duration::from_secs(30), |comm| -> Result<()> {
+        let model = module_runtime::build_empty(two);
+        let split = PipelineSplit::new([["a"], ["b"]])?;
+        let stage = PipelineStage::new(&model, &split, &comm, |x| Ok(x.clone()))?;
+        let mine = if comm.rank() == 0 { "a" } else { "b" };
+        // A missing key of this stage: refused, naming only it.
+        let mut partial = full.clone();
+        partial.remove(&format!("{mine}.bias"));
+        let e = stage.load_state_dict(&partial).unwrap_err();
+        let Error::Load(report) = e.inner() else {
+            panic!("{e}")
+        };
+        assert_eq!(report.missing, [format!("{mine}.bias")]);
+        // A wrong shape: refused, nothing built, the other stage's paths not reported.
+        let mut wrong = full.clone();
+        wrong.insert(
+            format!("{mine}.weight"),
+            Tensor::zeros((1, 1), DType::F32, &Device::Cpu)?,
+        );
+        let e = stage.load_state_dict(&wrong).unwrap_err();
+        let Error::Load(report) = e.inner() else {
+            panic!("{e}")
+        };
+        assert!(report.missing.is_empty(), "{e}");
+        assert_eq!(report.mismatched.len(), 1, "{e}");
+        assert!(model.parameters().iter().all(|p| !p.is_built()));
+        // The right values: this stage built, the other never.
+        let report = stage.load_state_dict(&full)?;
+        assert!(report.missing.is_empty());
+        for (path, p) in model.named_parameters() {
+            assert_eq!(p.is_built(), path.starts_with(mine), "{path}");
+        }
+        let sd = stage.state_dict()?;
+        let keys: Vec<&str> = sd.keys().collect();
+        assert_eq!(keys, [format!("{mine}.weight"), format!("{mine}.bias")]);
+        Ok(())
+    });
+    out.into_iter().for_each(|r| r.unwrap());
+}

@@ -330,8 +330,24 @@ impl<'a> PipelineStage<'a> {
             .filter_map(|p| state.get(p).map(|t| (p.clone(), t.clone())))
             .collect();
         // Non-strict only for the other stages' paths: every one of this stage's is in `part`.
-        self.model
+        // A refused load reports this stage's paths only.
+        let mine: HashSet<&str> = self.paths.iter().map(String::as_str).collect();
+        let only_mine = |mut report: LoadReport| {
+            report.missing.retain(|p| mine.contains(p.as_str()));
+            report
+                .suggestions
+                .retain(|(m, _)| mine.contains(m.as_str()));
+            report.key_fix = None;
+            report
+        };
+        match self
+            .model
             .load_state_dict(&part, &LoadOptions::default().non_strict())
+        {
+            Ok(report) => Ok(only_mine(report)),
+            Err(Error::Load(report)) => Err(Error::Load(Box::new(only_mine(*report)))),
+            Err(e) => Err(e),
+        }
     }
 
     /// Runs the stage's forward on `input`.
