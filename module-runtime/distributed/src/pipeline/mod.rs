@@ -184,7 +184,8 @@ type StageForward<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
 /// forward skips what it does not hold): it takes the stage's input and runs the stage's modules,
 /// for instance `embed` and `layers[0..2]` on stage 0, `layers[2..4]` and `head` on stage 1.
 /// A forward that reads a parameter of another stage is an error at the first step
-/// ([`DistributedError::StageSplit`] naming it), never a silently dropped gradient.
+/// ([`Error::NotLoaded`] when it was never built, [`DistributedError::StageSplit`] naming it when
+/// it was), never a silently dropped gradient.
 ///
 /// One stage per rank (PyTorch's interleaved schedules, with several stages per rank, are not
 /// implemented); the stages exchange activations with the group's [`send`](Collective::send)
