@@ -244,6 +244,20 @@ fn a_refused_step_changes_nothing_and_the_next_one_runs() {
             e.to_string().contains("6 rows does not split into 4"),
             "{e}"
         );
+        // Only the first stage's input is wrong: it says why, the last stage that another
+        // stage refused; neither waits.
+        let x5 = x.narrow(0, 0, 5)?;
+        let e = ScheduleGPipe::new(&stage, 3, mse)?
+            .step(first.then_some(&x5), last.then_some(&y))
+            .unwrap_err();
+        if first {
+            assert!(
+                matches!(dist(&e), DistributedError::MicroBatches { batch: 5, .. }),
+                "{e}"
+            );
+        } else {
+            assert!(e.to_string().contains("another stage refused"), "{e}");
+        }
         // The first stage without its input, the last without its target.
         let e = ScheduleGPipe::new(&stage, 2, mse)?
             .step(None, None)

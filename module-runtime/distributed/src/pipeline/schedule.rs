@@ -142,7 +142,9 @@ macro_rules! schedule_api {
             ///
             /// Checked before anything runs, so a refused step changes nothing: a missing input
             /// or target is [`DistributedError::PipelineInput`], a batch that the micro-batch
-            /// count does not divide [`DistributedError::MicroBatches`]. A failure once the step
+            /// count does not divide [`DistributedError::MicroBatches`]; the ranks agree on it
+            /// (one small all-reduce), so the others return [`DistributedError::PipelineInput`]
+            /// instead of waiting for a step that never comes. A failure once the step
             /// runs (a forward's error) leaves the other ranks waiting, as a failed collective
             /// does; a [`LocalGroup`](crate::LocalGroup) with a timeout ends them.
             pub fn step(
@@ -275,17 +277,34 @@ impl<'s, 'a> Runner<'s, 'a> {
     ) -> Result<PipelineStep> {
         let stage = self.stage;
         let (first, last) = (stage.is_first(), stage.is_last());
-        let inputs = if first {
-            self.chunks(input, "input")?
-        } else {
-            Vec::new()
-        };
-        let targets = if last {
-            self.chunks(target, "target")?
-        } else {
-            Vec::new()
-        };
+        let checked = (|| -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+            let inputs = if first {
+                self.chunks(input, "input")?
+            } else {
+                Vec::new()
+            };
+            let targets = if last {
+                self.chunks(target, "target")?
+            } else {
+                Vec::new()
+            };
+            Ok((inputs, targets))
+        })();
         let comm = stage.comm();
+        // Every rank learns whether any refused the step, so none starts one the others left.
+        let refused = Tensor::new(&[u8::from(checked.is_err())], &comm.device())?;
+        comm.all_reduce(&refused, crate::ReduceOp::Sum)?;
+        let (inputs, targets) = checked?;
+        if refused.to_vec1::<u8>()?[0] > 0 {
+            return Err(DistributedError::PipelineInput {
+                stage: stage.stage_index(),
+                num_stages: stage.num_stages(),
+                reason: "another stage refused this step's batch (its error says why); \
+                         nothing ran"
+                    .into(),
+            }
+            .into());
+        }
         let (prev, next) = (stage.stage_index().wrapping_sub(1), stage.stage_index() + 1);
         let mut flight: Vec<Option<InFlight>> = (0..self.n).map(|_| None).collect();
         // The shape and dtype of the activations this stage receives (from the first
