@@ -172,7 +172,7 @@ type StageForward<'a> = Box<dyn Fn(&Tensor) -> Result<Tensor> + 'a>;
 /// modules.
 ///
 /// **The model on each rank.** Every rank builds the same model; to hold only its stage's
-/// weights, it builds it empty ([`build_empty`](crate::build_empty): nothing allocated, PyTorch's
+/// weights, it builds it empty ([`build_empty`](module_core::build_empty): nothing allocated, PyTorch's
 /// meta device) and loads its stage's part with [`load_state_dict`](Self::load_state_dict), so
 /// the other stages' parameters are **never built** (reading one is
 /// [`Error::NotLoaded`]). A model built whole on every rank also works (small models, tests):
@@ -310,7 +310,7 @@ impl<'a> PipelineStage<'a> {
     /// the stage; other keys are ignored): PyTorch's `load_state_dict` on the stage's module.
     /// Every path of the stage must be there, with its shape and dtype, or nothing is loaded
     /// ([`Error::Load`] listing what is missing or mismatched). Unbuilt parameters (a model built
-    /// with [`build_empty`](crate::build_empty)) are built from the values; the other stages'
+    /// with [`build_empty`](module_core::build_empty)) are built from the values; the other stages'
     /// stay unbuilt.
     pub fn load_state_dict(&self, state: &StateDict) -> Result<LoadReport> {
         let missing: Vec<String> = self
