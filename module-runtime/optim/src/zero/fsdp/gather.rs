@@ -205,6 +205,9 @@ impl CustomOp1 for Gather {
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
         let rt = runtime(self.id).map_err(to_candle)?;
+        // The weight's last use was the gradient just computed: free it before the
+        // reduce-scatter's buffers are made.
+        free(res)?;
         let world = rt.comm.world_size();
         let chunk = arg.elem_count();
         let numel = grad.elem_count();
@@ -221,7 +224,6 @@ impl CustomOp1 for Gather {
             .reduce_scatter(&input, &out, ReduceOp::Avg)
             .map_err(to_candle)?;
         drop(input);
-        free(res)?;
         Ok(Some(out))
     }
 }

@@ -305,11 +305,12 @@ fn shard_of(value: &Tensor, rank: usize, world: usize) -> Result<Var> {
     let chunk = n.div_ceil(world).max(1);
     let start = (rank * chunk).min(n);
     let len = chunk.min(n - start);
-    let mut parts = vec![flat.narrow(0, start, len)?];
-    if len < chunk {
-        parts.push(Tensor::zeros(chunk - len, flat.dtype(), flat.device())?);
+    // One allocation: the shard's zeros, this rank's values copied in.
+    let shard = Var::zeros(chunk, flat.dtype(), flat.device())?;
+    if len > 0 {
+        shard.slice_set(&flat.narrow(0, start, len)?, 0, 0)?;
     }
-    Ok(Var::from_tensor(&Tensor::cat(&parts, 0)?.copy()?)?)
+    Ok(shard)
 }
 
 /// The paths of the modules `patterns` wrap, in traversal order (the root is never one).
