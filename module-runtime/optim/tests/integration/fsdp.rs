@@ -346,6 +346,9 @@ fn forward_matches_the_unwrapped_model_and_frees_nothing_it_needs() {
         let c: Rc<dyn Collective> = Rc::new(c);
         let fsdp = wrap(net(0), &c);
         assert_eq!(fsdp.units(), ["", "blocks.0", "blocks.1"]);
+        // A failed call (a shape error) leaves no scope open: the next call is as good.
+        let wrong = Tensor::ones((2, 5), DType::F32, &Device::Cpu).unwrap();
+        assert!(fsdp.call(&wrong).is_err());
         let y = fsdp.call(&x).unwrap().to_vec2::<f32>().unwrap();
         let eval = {
             let _off = no_grad();

@@ -65,7 +65,8 @@ type Weights = Vec<(Tensor, Tensor)>;
 /// the weights each gathered.
 #[derive(Default)]
 struct Calls {
-    open: RefCell<Vec<(ScopeGuard, Weights)>>,
+    /// Per open unit call, innermost last: the unit, its scope and its weights.
+    open: RefCell<Vec<(usize, ScopeGuard, Weights)>>,
 }
 
 thread_local! {
@@ -199,18 +200,20 @@ impl<M: Module> FullyShardedDataParallel<M> {
                 .map_or(0, |(i, _)| i + 1)
         };
         check_shared(&module, &units, &unit_of, rank)?;
+        let named = module.named_parameters();
+        // Checked before any parameter is replaced: an error leaves the model as it was.
+        if let Some((path, param)) = named.iter().find(|(_, p)| !p.device().is_cpu()) {
+            return Err(Error::ShardedModel {
+                rank,
+                path: path.clone(),
+                reason: format!(
+                    "is on {:?}: FullyShardedDataParallel shards models on the CPU",
+                    param.device().location()
+                ),
+            });
+        }
         let mut params = Vec::new();
-        for (path, param) in module.named_parameters() {
-            if !param.device().is_cpu() {
-                return Err(Error::ShardedModel {
-                    rank,
-                    path,
-                    reason: format!(
-                        "is on {:?}: FullyShardedDataParallel shards models on the CPU",
-                        param.device().location()
-                    ),
-                });
-            }
+        for (path, param) in named {
             let shape = param.shape();
             let shard = shard_of(&param.own_tensor()?, rank, world)?;
             param.replace_var(shard.clone());
@@ -428,10 +431,8 @@ fn register_unit_hooks(
             let rt = gather::runtime(id)?;
             let refs: Vec<&Sharded> = mine.iter().collect();
             let (frame, weights) = gather_unit(&rt, id, &refs)?;
-            calls(id)
-                .open
-                .borrow_mut()
-                .push((ScopeGuard::enter(frame), weights));
+            let scope = ScopeGuard::enter(frame);
+            calls(id).open.borrow_mut().push((unit, scope, weights));
             Ok(None)
         },
         PreHookOptions::default(),
@@ -439,9 +440,16 @@ fn register_unit_hooks(
     hooks.register_forward_hook(
         &pattern,
         move |ctx, _, outputs| {
-            let Some((scope, weights)) = calls(id).open.borrow_mut().pop() else {
+            // Nothing is open for this unit when its pre-hook failed (this hook runs anyway).
+            let calls = calls(id);
+            let mut open = calls.open.borrow_mut();
+            if open.last().is_none_or(|(u, _, _)| *u != unit) {
+                return Ok(None);
+            }
+            let Some((_, scope, weights)) = open.pop() else {
                 return Ok(None);
             };
+            drop(open);
             drop(scope);
             let replaced = if ctx.failed() {
                 None
