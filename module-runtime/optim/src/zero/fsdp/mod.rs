@@ -152,7 +152,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// * The process group is an `Rc<dyn Collective>` (`init_from_env()?.into()`): the backward
 ///   reaches it through a table on the wrapper's thread, so `backward()` must run on that thread
 ///   while the wrapper lives (another thread gets a
-///   [`DistributedError::Backend`] error, never a hang).
+///   [`DistributedError::Backend`](module_core::DistributedError::Backend) error, never a hang).
 /// * Parameters are gathered one collective per parameter (FSDP flattens a unit into one
 ///   `FlatParameter`); no prefetching, no `SHARD_GRAD_OP`/`HYBRID_SHARD`, no CPU offload; models
 ///   on the CPU only (the storage is emptied and refilled in place, which candle allows there).
