@@ -233,6 +233,7 @@ impl<M: Module> FullyShardedDataParallel<M> {
         for (i, unit) in units.iter().enumerate() {
             register_unit_hooks(&hooks, id, unit, i + 1, &params)?;
         }
+        register_root_hook(&hooks, id)?;
         let mut all_units = vec![String::new()];
         all_units.extend(units);
         Ok(FullyShardedDataParallel {
@@ -255,9 +256,14 @@ impl<M: Module> FullyShardedDataParallel<M> {
     {
         let rt = self.runtime()?;
         let root: Vec<&Sharded> = self.params.iter().filter(|s| s.unit == 0).collect();
-        let (frame, _weights) = gather_unit(&rt, self.id, &root)?;
-        let _scope = ScopeGuard::enter(frame);
-        Ok(self.hooks.run(&self.module, |m| m.call(input))?)
+        let (frame, weights) = gather_unit(&rt, self.id, &root)?;
+        let calls = calls(self.id);
+        let scope = ScopeGuard::enter(frame);
+        calls.open.borrow_mut().push((0, scope, weights));
+        let out = self.hooks.run(&self.module, |m| m.call(input));
+        // The root's scope closes; its weights stay for the backward, which frees them.
+        calls.open.borrow_mut().pop();
+        Ok(out?)
     }
 }
 
@@ -411,6 +417,32 @@ fn gather_unit(
         weights.push((weight, shard.clone()));
     }
     Ok((frame, weights))
+}
+
+/// The root's forward hook: the re-gathering identity on the model's outputs, for the root's
+/// weights. They are not freed after the forward (the backward starts with them), but a second
+/// `backward()` over the same graph finds them freed by the first, and gathers them again here.
+fn register_root_hook(hooks: &Hooks, id: u64) -> Result<()> {
+    hooks.register_forward_hook(
+        "",
+        move |ctx, _, outputs| {
+            let calls = calls(id);
+            let open = calls.open.borrow();
+            let Some((0, _, weights)) = open.last() else {
+                return Ok(None);
+            };
+            if ctx.failed() {
+                return Ok(None);
+            }
+            let replaced = outputs
+                .iter()
+                .map(|o| regather_before_backward(id, o, weights))
+                .collect::<module_core::Result<Vec<_>>>()?;
+            Ok(Some(replaced))
+        },
+        HookOptions::default(),
+    )?;
+    Ok(())
 }
 
 /// The pre-hook that gathers unit `unit` (at `path`) and the forward hook that frees it and
