@@ -17,7 +17,9 @@ use crate::Result;
 /// code with several processes on one machine (`mpiexec -n 2 ./train`). Behind the `mpi`
 /// feature, which needs an MPI library with `mpicc` (MPICH or Open MPI) and libclang to build.
 ///
-/// Tensors are staged through host memory: floating-point ones are reduced in `f32` (`f64` for
+/// Tensors are staged through host memory (except that the all-gather writes into, and the
+/// reduce-scatter reads from, the storage of a CPU tensor of `f32`, `f64` or an integer type in
+/// place, so the larger side is never copied): floating-point ones are reduced in `f32` (`f64` for
 /// `F64`; MPI has no `bf16`/`f16`, so those are summed in `f32` and rounded back), integer ones
 /// in their own type; broadcasts copy the bits of any dtype but the 8-bit float formats. Sums
 /// are MPI's `MPI_SUM`, whose order MPI leaves to the implementation, but every rank receives the
