@@ -22,20 +22,25 @@
 //!
 //! `--zero 1|2` shards the optimizer over the ranks with `ZeroRedundancyOptimizer` (ZeRO stage 1:
 //! each rank keeps the AdamW state of its partition of the parameters; stage 2: and only its
-//! partition's averaged gradients); `--zero 0` (the default) is plain data parallelism, and
-//! `--zero 3` (parameter sharding, FSDP) is refused with an error: it is not implemented.
-//! Every run prints each rank's peak resident memory (`VmHWM`, measured right after training).
-//! A `--zero 1|2` run then trains the `--zero 0` reference in the same process, from the same
-//! initial parameters over the same batches, and compares the parameters: ZeRO's gradient sums,
-//! optimizer arithmetic and all-gather are those of data parallelism, so they are bitwise equal
-//! (the check would accept a difference within 1e-6 and say so; anything more is an error).
+//! partition's averaged gradients); `--zero 3` shards the parameters themselves with
+//! `FullyShardedDataParallel` (PyTorch's FSDP `FULL_SHARD`, each of `fc1`, `fc2`, `head` a unit:
+//! gathered for its forward and its backward, its gradient reduce-scattered, AdamW stepping the
+//! shards); `--zero 0` (the default) is plain data parallelism. Every run prints each rank's peak
+//! resident memory (`VmHWM`, measured right after training). A `--zero 1|2|3` run then trains
+//! the `--zero 0` reference in the same process, from the same initial parameters over the same
+//! batches, and compares the parameters: ZeRO's gradient sums, optimizer arithmetic and
+//! all-gather are those of data parallelism, so they are bitwise equal (the check would accept a
+//! difference within 1e-6 and say so; anything more is an error). At stage 3, rank 0 saves the
+//! full state dict (gathered from the shards), the model file a single process loads.
 //!
 //! ```text
 //! mpiexec -n 2 target/release/examples/ddp_digits --zero 2      # ZeRO stage 2 on two ranks
+//! mpiexec -n 2 target/release/examples/ddp_digits --zero 3      # stage 3 (FSDP) on two ranks
 //! ```
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use candle_module::{digits_path, DigitNet, Digits};
@@ -43,7 +48,9 @@ use clap::Parser;
 use module_runtime::distributed::{
     init_from_env, Collective, DdpConfig, DistributedDataParallel, DistributedSampler, ReduceOp,
 };
-use module_runtime::optim::{ZeroRedundancyOptimizer, ZeroStage};
+use module_runtime::optim::{
+    FsdpConfig, FullyShardedDataParallel, ZeroRedundancyOptimizer, ZeroStage,
+};
 use module_runtime::prelude::*;
 use module_runtime::{LoadOptions, StateDict};
 
@@ -62,8 +69,8 @@ struct Args {
     /// Seed of the sampler's shuffle, the same on every rank
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// ZeRO stage: 0 plain data parallelism, 1 optimizer state sharded, 2 and gradients
-    /// (3, parameter sharding, is not implemented)
+    /// ZeRO stage: 0 plain data parallelism, 1 optimizer state sharded, 2 and gradients, 3 and
+    /// parameters (FullyShardedDataParallel)
     #[arg(long, value_name = "STAGE", default_value_t = 0)]
     zero: u8,
     /// Also time an all-reduce (average) of this many float32 values, 10 times, after training
@@ -181,16 +188,167 @@ fn gather_u64(comm: &dyn Collective, mine: u64) -> Result<Vec<u64>> {
     Ok(t.to_vec1::<f64>()?.into_iter().map(|v| v as u64).collect())
 }
 
+/// Trains the `--zero 0` reference from `initial` (the same start, batches and AdamW, without
+/// sharding) and compares its parameters with `ours`: bitwise, or within 1e-6 (said), or an error.
+fn compare_with_reference(
+    args: &Args,
+    comm: &dyn Collective,
+    train_set: &Digits,
+    initial: &StateDict,
+    ours: &[f32],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let reference = DigitNet::new(&comm.device())?;
+    reference.load_state_dict(initial, &LoadOptions::default())?;
+    let ref_ddp = DistributedDataParallel::new(&reference, comm, DdpConfig::default())?;
+    train(args, &ref_ddp, train_set, None, false)?;
+    let theirs = flat_params(&reference)?;
+    let bitwise = ours
+        .iter()
+        .zip(&theirs)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    let diff = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    if comm.rank() == 0 {
+        if bitwise {
+            println!(
+                "parameters bitwise equal to a --zero 0 run's (trained again in this process)"
+            );
+        } else {
+            println!(
+                "parameters within {diff:e} of a --zero 0 run's (not bitwise; the bound is 1e-6)"
+            );
+        }
+    }
+    if !bitwise && diff > 1e-6 {
+        return Err(format!(
+            "rank {}: {diff} away from the --zero 0 parameters",
+            comm.rank()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// `--zero 3`: the model sharded with `FullyShardedDataParallel` (each layer a unit), trained with
+/// AdamW over the shards; then the same report as the other stages, rank 0 saving the full state
+/// dict, and the comparison with the `--zero 0` reference.
+fn fully_sharded(
+    args: &Args,
+    model: DigitNet,
+    comm: Rc<dyn Collective>,
+    train_set: &Digits,
+    test: &Digits,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let device = comm.device();
+    let local_batch = args.batch_size.get() / world;
+    // Every layer a unit (`*`: the root's children); rank 0's initial values, sharded.
+    let fsdp = FullyShardedDataParallel::new(
+        model,
+        comm.clone(),
+        FsdpConfig::default().auto_wrap_policy(["*"]),
+    )?;
+    let initial = fsdp.state_dict()?; // gathered: the starting point of the reference run
+    if rank == 0 {
+        println!(
+            "{} training examples on {world} rank(s) ({}): batches of {local_batch} per rank ({} in \
+             all)",
+            train_set.len(),
+            comm.backend(),
+            args.batch_size
+        );
+        println!(
+            "ZeRO stage 3 (FullyShardedDataParallel, units {:?}): the parameters, gradients and \
+             AdamW's state sharded over the ranks",
+            fsdp.units()
+        );
+    }
+    let mut opt = AdamW::new(fsdp.module(), AdamW::options().lr(args.lr))?; // over the shards
+    let mut sampler = DistributedSampler::for_collective(train_set.len(), &*comm)?
+        .shuffle(true)
+        .seed(args.seed);
+    let start = Instant::now();
+    let (mut backward, mut steps) = (Duration::ZERO, 0u32);
+    for epoch in 0..args.epochs {
+        sampler.set_epoch(epoch);
+        let mut total = 0.0;
+        let indices = sampler.indices();
+        let batches = indices.chunks(local_batch);
+        let count = batches.len();
+        for batch in batches {
+            let (x, y) = train_set.gather(batch, &device)?;
+            let loss = candle_nn::loss::cross_entropy(&fsdp.call(&x)?, &y)?;
+            let backward_start = Instant::now();
+            // Each unit gathered again, its gradient reduce-scattered: shards, averaged.
+            let grads = loss.backward()?;
+            backward += backward_start.elapsed();
+            opt.step(&grads)?;
+            steps += 1;
+            total += loss.to_scalar::<f32>()?;
+        }
+        if rank == 0 && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
+            println!(
+                "epoch {:3}: rank 0's mean loss {:.4}",
+                epoch + 1,
+                total / count as f32
+            );
+        }
+    }
+    let time = start.elapsed();
+    let peaks = gather_u64(&*comm, peak_rss_kib())?;
+    let accuracy = |data: &Digits| fsdp.summon_full_params(|m| Ok(m.accuracy(data, &device)?));
+    let (train_accuracy, test_accuracy) = (accuracy(train_set)?, accuracy(test)?);
+    let full = fsdp.state_dict()?; // FULL_STATE_DICT, on every rank
+    if rank == 0 {
+        println!(
+            "trained {} epochs in {:.1}s on {world} rank(s): train accuracy {:.2}%, test accuracy \
+             {:.2}%; parameters sharded over the ranks; backward (gathers and reduce-scatters \
+             included) {:.1} µs a step",
+            args.epochs,
+            time.as_secs_f64(),
+            100.0 * train_accuracy,
+            100.0 * test_accuracy,
+            backward.as_secs_f64() * 1e6 / f64::from(steps.max(1)),
+        );
+        let peaks: Vec<String> = peaks
+            .iter()
+            .enumerate()
+            .map(|(r, kib)| format!("rank {r} {:.1} MiB", *kib as f64 / 1024.0))
+            .collect();
+        println!(
+            "peak resident memory (VmHWM) at --zero 3: {}",
+            peaks.join(", ")
+        );
+        full.save_safetensors(&args.out)?; // the model file one process loads
+        println!("rank 0 saved {} (the full state dict)", args.out.display());
+    }
+    let reference = DigitNet::new(&device)?;
+    let ours: Vec<f32> = {
+        let parts = reference
+            .named_parameters()
+            .iter()
+            .map(|(path, _)| Ok(full.get(path).ok_or("a parameter missing")?.flatten_all()?))
+            .collect::<Result<Vec<_>, Box<dyn std::error::Error>>>()?;
+        Tensor::cat(&parts, 0)?.to_vec1()?
+    };
+    compare_with_reference(args, &*comm, train_set, &initial, &ours)?;
+    comm.barrier()?;
+    Ok(())
+}
+
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     // Freed tensors' memory reused by the next ones (see `reuse_freed_memory`).
     module_runtime::reuse_freed_memory();
     let args = Args::parse();
-    // `--zero 3` and other stages are an error before anything starts.
+    // Stages other than 0 to 3 are an error before anything starts.
     let stage = match args.zero {
-        0 => None,
+        0 | 3 => None,
         n => Some(ZeroStage::from_number(n)?),
     };
-    let comm = init_from_env()?;
+    let comm: Rc<dyn Collective> = init_from_env()?.into();
     let (rank, world) = (comm.rank(), comm.world_size());
     let batch_size = args.batch_size.get();
     if batch_size % world != 0 {
@@ -201,6 +359,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (train_set, test) = Digits::load(&digits_path())?.split(0.2, 42);
 
     let model = DigitNet::new(&device)?; // each rank draws its own values...
+    if args.zero == 3 {
+        return fully_sharded(&args, model, comm, &train_set, &test);
+    }
     let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?; // ...rank 0's win
                                                                                    // The starting point, kept (copied) for the `--zero 0` reference run.
     let initial: StateDict = model
@@ -269,36 +430,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     }
 
     if stage.is_some() {
-        // The `--zero 0` reference: the same start, batches and AdamW, without sharding.
-        let reference = DigitNet::new(&device)?;
-        reference.load_state_dict(&initial, &LoadOptions::default())?;
-        let ref_ddp = DistributedDataParallel::new(&reference, &*comm, DdpConfig::default())?;
-        train(&args, &ref_ddp, &train_set, None, false)?;
-        let (ours, theirs) = (flat_params(&model)?, flat_params(&reference)?);
-        let bitwise = ours
-            .iter()
-            .zip(&theirs)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        let diff = ours
-            .iter()
-            .zip(&theirs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        if ddp.is_main() {
-            if bitwise {
-                println!(
-                    "parameters bitwise equal to a --zero 0 run's (trained again in this process)"
-                );
-            } else {
-                println!(
-                    "parameters within {diff:e} of a --zero 0 run's (not bitwise; the bound is \
-                     1e-6)"
-                );
-            }
-        }
-        if !bitwise && diff > 1e-6 {
-            return Err(format!("rank {rank}: {diff} away from the --zero 0 parameters").into());
-        }
+        compare_with_reference(&args, &*comm, &train_set, &initial, &flat_params(&model)?)?;
     }
 
     if let Some(n) = args.allreduce_floats {

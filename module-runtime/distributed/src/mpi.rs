@@ -1,6 +1,9 @@
 //! [`Mpi`]: the process group of an MPI job (`mpiexec -n N`), through rsmpi.
 
-use candle_core::{DType, Device, Tensor, WithDType};
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor, WithDType};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
@@ -16,7 +19,9 @@ use crate::Result;
 /// code with several processes on one machine (`mpiexec -n 2 ./train`). Behind the `mpi`
 /// feature, which needs an MPI library with `mpicc` (MPICH or Open MPI) and libclang to build.
 ///
-/// Tensors are staged through host memory: floating-point ones are reduced in `f32` (`f64` for
+/// Tensors are staged through host memory (except that the all-gather writes into, and the
+/// reduce-scatter reads from, the storage of a CPU tensor of `f32`, `f64` or an integer type in
+/// place, so the larger side is never copied): floating-point ones are reduced in `f32` (`f64` for
 /// `F64`; MPI has no `bf16`/`f16`, so those are summed in `f32` and rounded back), integer ones
 /// in their own type; broadcasts copy the bits of any dtype but the 8-bit float formats. Sums
 /// are MPI's `MPI_SUM`, whose order MPI leaves to the implementation, but every rank receives the
@@ -71,6 +76,11 @@ impl Mpi {
 
     fn gather<T: WithDType + Equivalence>(&self, input: &Tensor, output: &Tensor) -> Result<()> {
         let send: Vec<T> = host(input)?;
+        // Straight into the output's storage when it is a CPU tensor of `T`: no staging copies
+        // of the (world-times larger) result.
+        if in_place::<T>(output, |out| self.world.all_gather_into(&send[..], out))? {
+            return Ok(());
+        }
         let mut recv = vec![T::from_f64(0.0); output.elem_count()];
         self.world.all_gather_into(&send[..], &mut recv[..]);
         write_back(output, recv)
@@ -90,8 +100,21 @@ impl Mpi {
     }
 
     fn scatter_sum<T: WithDType + Equivalence>(&self, input: &Tensor, n: usize) -> Result<Vec<T>> {
-        let send: Vec<T> = host(input)?;
         let mut recv = vec![T::from_f64(0.0); n];
+        // Straight from the input's storage when it is a CPU tensor of `T` (no copy of the
+        // world-times larger input).
+        if input.device().is_cpu() && input.dtype() == T::DTYPE {
+            let (storage, layout) = input.storage_and_layout();
+            if let (Storage::Cpu(cpu), Some((start, end))) =
+                (&*storage, layout.contiguous_offsets())
+            {
+                let send = &T::cpu_storage_as_slice(cpu)?[start..end];
+                self.world
+                    .reduce_scatter_block_into(send, &mut recv[..], SystemOperation::sum());
+                return Ok(recv);
+            }
+        }
+        let send: Vec<T> = host(input)?;
         self.world
             .reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
         Ok(recv)
@@ -147,8 +170,53 @@ fn host<T: WithDType>(tensor: &Tensor) -> Result<Vec<T>> {
 
 /// Writes host values back into the tensor's own storage (its dtype and device).
 fn write_back<T: WithDType>(tensor: &Tensor, values: Vec<T>) -> Result<()> {
+    if values.len() == tensor.elem_count()
+        && in_place::<T>(tensor, |out| out.copy_from_slice(&values))?
+    {
+        return Ok(());
+    }
     let n = values.len();
     write_into(tensor, &Tensor::from_vec(values, n, &Device::Cpu)?)
+}
+
+/// Runs `f` on `tensor`'s own values, in place, when it is a contiguous CPU tensor of `T`
+/// (`Ok(false)`, nothing done, otherwise): the storage's vector is moved out, `f` writes the
+/// tensor's part of it, and it is moved back, so nothing is copied.
+fn in_place<T: WithDType>(tensor: &Tensor, f: impl FnOnce(&mut [T])) -> Result<bool> {
+    if !tensor.device().is_cpu() || tensor.dtype() != T::DTYPE || !tensor.is_contiguous() {
+        return Ok(false);
+    }
+    let op = InPlace {
+        f: RefCell::new(Some(f)),
+        _dtype: PhantomData,
+    };
+    tensor.inplace_op1(&op)?;
+    Ok(true)
+}
+
+/// The in-place write of [`in_place`].
+struct InPlace<T, F> {
+    f: RefCell<Option<F>>,
+    _dtype: PhantomData<T>,
+}
+
+impl<T: WithDType, F: FnOnce(&mut [T])> InplaceOp1 for InPlace<T, F> {
+    fn name(&self) -> &'static str {
+        "mpi-in-place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("an MPI result needs a contiguous tensor");
+        };
+        let owned = std::mem::replace(storage, T::to_cpu_storage_owned(Vec::new()));
+        let mut values = T::cpu_storage_data(owned)?;
+        if let Some(f) = self.f.borrow_mut().take() {
+            f(&mut values[start..end]);
+        }
+        *storage = T::to_cpu_storage_owned(values);
+        Ok(())
+    }
 }
 
 impl Collective for Mpi {

@@ -166,6 +166,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// A model [`FullyShardedDataParallel`](crate::FullyShardedDataParallel) cannot shard as
+    /// asked (a parameter off the CPU, one tied across two units, a wrap pattern that matches no
+    /// module), or a sharded state dict of another rank. Nothing was changed.
+    #[error("FullyShardedDataParallel on rank {rank}: `{path}` {reason}")]
+    ShardedModel {
+        /// This rank.
+        rank: usize,
+        /// The parameter, pattern or key concerned.
+        path: String,
+        /// What is wrong, and the fix.
+        reason: String,
+    },
+
     /// A [`GradScaler`](crate::GradScaler) used out of PyTorch's order (`scale`, `unscale_`,
     /// `step`, `update`), or on gradients it does not take. Nothing was changed.
     #[error("GradScaler: {reason}")]

@@ -157,4 +157,6 @@ pub use pth_grad_scaler::read_pth_grad_scaler_state;
 pub use pth_scheduler::read_pth_scheduler_state;
 pub use schedule::{ExponentialLr, LambdaLr, LrScheduler, StepLr};
 pub use sgd::{SgdOptions, SGD};
-pub use zero::{partition_sizes, ZeroRedundancyOptimizer, ZeroStage};
+pub use zero::{
+    partition_sizes, FsdpConfig, FullyShardedDataParallel, ZeroRedundancyOptimizer, ZeroStage,
+};

@@ -4,6 +4,7 @@
 
 mod consolidate;
 mod exchange;
+mod fsdp;
 mod partition;
 
 use candle_core::backprop::GradStore;
@@ -15,6 +16,7 @@ use module_state::StateDict;
 use crate::error::{Error, Result};
 use crate::optimizer::Optimizer;
 
+pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use partition::partition_sizes;
 
 /// How much of data-parallel training a [`ZeroRedundancyOptimizer`] shards over the ranks (the
@@ -34,8 +36,8 @@ pub enum ZeroStage {
 
 impl ZeroStage {
     /// The stage of number `stage`, 1 or 2. Anything else is
-    /// [`Error::InvalidHyperparameter`] (0 is plain data parallelism, 3, the sharding of the
-    /// parameters themselves, is not implemented).
+    /// [`Error::InvalidHyperparameter`] (0 is plain data parallelism; 3, the sharding of the
+    /// parameters themselves, is [`FullyShardedDataParallel`], a model wrapper).
     ///
     /// ```
     /// use module_runtime::optim::ZeroStage;
@@ -52,7 +54,7 @@ impl ZeroStage {
                 value: f64::from(stage),
                 reason: "ZeroRedundancyOptimizer implements stages 1 (optimizer state) and 2 \
                          (and gradients); stage 0 is DistributedDataParallel alone, stage 3 \
-                         (the parameters, FSDP's FULL_SHARD) is not implemented",
+                         (the parameters too, FSDP's FULL_SHARD) is FullyShardedDataParallel",
                 group: None,
             }),
         }

@@ -3,6 +3,7 @@
 //! are named `area::test` (`cargo test -p module-optim --test integration state::` runs one area).
 //! The PyTorch traces `parity` compares with are the repository's `fixtures/pytorch/`.
 
+mod fsdp;
 mod grad_scaler;
 mod groups;
 mod parity;
