@@ -37,6 +37,11 @@
 //! processor time (user + system, both threads) per step is printed too. Ours runs with
 //! [`reuse_freed_memory`](module_runtime::reuse_freed_memory) (the README's advice for
 //! training). PyTorch's side is `pytorch_train_step.py` beside this file.
+//!
+//! `TRAIN_STEP_ACCOUNT=1` adds an accounting of the first step's graph (ours only): after the
+//! forward, the tensors the graph keeps alive (every node of `loss.sorted_nodes()`, each storage
+//! counted once, views sharing their base's) grouped by shape, with the parameters apart; printed
+//! by each child to stderr, what the backward's end holds beside the parameters' gradients.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -189,7 +194,7 @@ fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
     let text = String::from_utf8_lossy(&out.stdout);
     // Ours: the step's parts (mean over the warm-up and timed steps).
     for line in String::from_utf8_lossy(&out.stderr).lines() {
-        if line.contains("mean forward") {
+        if line.contains("mean forward") || line.starts_with("account:") {
             println!("    {line}");
         }
     }
@@ -292,6 +297,12 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         }
         Ok((whole, value))
     };
+    if std::env::var_os("TRAIN_STEP_ACCOUNT").is_some() {
+        let logits = model.call(&ids)?;
+        let (b, t, vocab) = logits.dims3()?;
+        let loss = loss_fn.call((&logits.reshape((b * t, vocab))?, &labels))?;
+        account(&loss);
+    }
     let (_, first) = step()?;
     let cpu_start = candle_module::process_cpu_time()?;
     let mut times = (0..steps)
@@ -308,4 +319,45 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         cpu.as_nanos()
     );
     Ok(())
+}
+
+/// The bytes the graph behind `loss` keeps alive, by shape (each storage once), printed to
+/// stderr: the activations a step holds until its backward returns.
+fn account(loss: &Tensor) {
+    use std::collections::{BTreeMap, HashSet};
+    let nodes = loss.sorted_nodes();
+    let address = |t: &Tensor| &*t.storage_and_layout().0 as *const _ as usize;
+    // The parameters' storages first: their transposed views are no activations.
+    let mut seen = HashSet::new();
+    let mut params = 0;
+    for node in nodes.iter().filter(|n| n.is_variable()) {
+        if seen.insert(address(node)) {
+            params += node.elem_count() * node.dtype().size_in_bytes();
+        }
+    }
+    // shape -> (storages, bytes) of the rest.
+    let mut by_shape: BTreeMap<Vec<usize>, (usize, usize)> = BTreeMap::new();
+    for node in &nodes {
+        if !seen.insert(address(node)) {
+            continue;
+        }
+        let entry = by_shape.entry(node.dims().to_vec()).or_default();
+        entry.0 += 1;
+        entry.1 += node.elem_count() * node.dtype().size_in_bytes();
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mut rows: Vec<_> = by_shape.into_iter().collect();
+    rows.sort_by_key(|(_, (_, bytes))| std::cmp::Reverse(*bytes));
+    let activations: usize = rows.iter().map(|(_, (_, bytes))| bytes).sum();
+    for (dims, (count, bytes)) in &rows {
+        if mib(*bytes) >= 1.0 {
+            eprintln!("account: {dims:?} x {count}: {:.1} MiB", mib(*bytes));
+        }
+    }
+    eprintln!(
+        "account: {} nodes; activations {:.1} MiB, parameters {:.1} MiB",
+        nodes.len(),
+        mib(activations),
+        mib(params)
+    );
 }
