@@ -81,9 +81,11 @@ mod fused;
 mod layer_macros;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
-/// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).
+/// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention); and the rotary
+/// position embedding of Llama-family models
+/// ([`rotary_embedding`](functional::rotary_embedding), transformers' `apply_rotary_pos_emb`).
 pub mod functional {
-    pub use module_kernels::{scaled_dot_product_attention, SdpaOptions};
+    pub use module_kernels::{rotary_embedding, scaled_dot_product_attention, SdpaOptions};
 }
 
 pub use common::{PerDim, Size};
