@@ -223,7 +223,9 @@ impl Forward<&Tensor> for LlamaMlp {
     /// `[…, hidden]` → `[…, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = Linear::call_each([&self.gate_proj, &self.up_proj], x)?;
-        self.down_proj.call(&(self.act_fn.call(&gate)? * up)?)
+        // `act_fn(gate) * up` without `act_fn(gate)` kept for the backward (when no hook needs
+        // to see `act_fn`'s output).
+        self.down_proj.call(&self.act_fn.call_mul(&gate, &up)?)
     }
 }
 
