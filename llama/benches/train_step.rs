@@ -323,7 +323,6 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         .collect::<AnyResult<Vec<_>>>()?;
     let cpu = (candle_module::process_cpu_time()? - cpu_start) / steps as u32;
     let (_, mut peak) = candle_module::process_memory_mib();
-    drop(step);
     if account {
         let [f, b, o] = phase_peaks;
         eprintln!("account: peak by phase (most over the steps): forward {f:.0}, backward {b:.0}, optimizer {o:.0} MiB");

@@ -67,9 +67,9 @@ impl candle_core::CustomOp2 for SiluMul {
         Ok((CpuStorage::F32(y), gate_layout.shape().clone()))
     }
 
-    /// `dgate = (g up) (σ (1 − s) + s)` and `dup = g s`, `s = silu(gate)` and `σ = 1 / (e⁻ᵍᵃᵗᵉ
-    /// + 1)` recomputed, in candle's order of operations (its product's and its `silu`'s
-    /// backward), each only for an argument that records a gradient.
+    /// `dgate = (g up) (σ (1 − s) + s)` and `dup = g s`, with `s = silu(gate)` and the sigmoid
+    /// `σ = 1 / (exp(−gate) + 1)` recomputed, in candle's order of operations (its product's and
+    /// its `silu`'s backward), each only for an argument that records a gradient.
     fn bwd(
         &self,
         gate: &Tensor,
