@@ -37,6 +37,12 @@
 //! processor time (user + system, both threads) per step is printed too. Ours runs with
 //! [`reuse_freed_memory`](module_runtime::reuse_freed_memory) (the README's advice for
 //! training). PyTorch's side is `pytorch_train_step.py` beside this file.
+//!
+//! `TRAIN_STEP_ACCOUNT=1` adds an accounting (ours only), printed by each child to stderr: after
+//! the first forward, the tensors the graph keeps alive (every node of `loss.sorted_nodes()`, each
+//! storage counted once, views sharing their base's) grouped by shape, with the parameters apart
+//! (what the backward's end holds beside the parameters' gradients); and the peak resident set of
+//! each phase of the steps (forward, backward, optimizer: the peak reset as each starts).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -189,7 +195,7 @@ fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
     let text = String::from_utf8_lossy(&out.stdout);
     // Ours: the step's parts (mean over the warm-up and timed steps).
     for line in String::from_utf8_lossy(&out.stderr).lines() {
-        if line.contains("mean forward") {
+        if line.contains("mean forward") || line.starts_with("account:") {
             println!("    {line}");
         }
     }
@@ -268,6 +274,18 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     std::fs::write("/proc/self/clear_refs", "5")?;
     let (before, _) = candle_module::process_memory_mib();
     let mut parts = [Duration::ZERO; 3];
+    let account = std::env::var_os("TRAIN_STEP_ACCOUNT").is_some();
+    // With the accounting: the peak resident set of each phase (forward, backward, optimizer),
+    // the most over the steps, each phase's peak reset as it starts.
+    let mut phase_peaks = [0f64; 3];
+    let mut phase_end = |i: usize| {
+        if account {
+            let (_, peak) = candle_module::process_memory_mib();
+            phase_peaks[i] = phase_peaks[i].max(peak);
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+        }
+    };
+    let mut accounted = false;
     let mut step = || -> AnyResult<(Duration, f32)> {
         let start = Instant::now();
         let logits = model.call(&ids)?;
@@ -276,13 +294,19 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         let loss = loss_fn.call((&logits, &labels))?;
         let value = loss.to_scalar::<f32>()?;
         let forward = start.elapsed();
+        if account && !std::mem::replace(&mut accounted, true) {
+            account_graph(&loss);
+        }
+        phase_end(0);
         let grads = loss.backward()?;
+        phase_end(1);
         // The graph (every activation) hangs from the loss: dropped before the optimizer's step,
         // as PyTorch frees it during the backward.
         drop((loss, logits));
         let backward = start.elapsed();
         opt.step(&grads)?;
         drop(grads);
+        phase_end(2);
         let whole = start.elapsed();
         for (sum, part) in parts
             .iter_mut()
@@ -298,7 +322,12 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         .map(|_| step().map(|s| s.0))
         .collect::<AnyResult<Vec<_>>>()?;
     let cpu = (candle_module::process_cpu_time()? - cpu_start) / steps as u32;
-    let (_, peak) = candle_module::process_memory_mib();
+    let (_, mut peak) = candle_module::process_memory_mib();
+    if account {
+        let [f, b, o] = phase_peaks;
+        eprintln!("account: peak by phase (most over the steps): forward {f:.0}, backward {b:.0}, optimizer {o:.0} MiB");
+        peak = f.max(b).max(o);
+    }
     times.sort();
     let [f, b, o] = parts.map(|p| ms(p) / (steps + 1) as f64);
     eprintln!("{variant}: mean forward {f:.0} ms, backward {b:.0} ms, optimizer {o:.0} ms");
@@ -308,4 +337,45 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         cpu.as_nanos()
     );
     Ok(())
+}
+
+/// The bytes the graph behind `loss` keeps alive, by shape (each storage once), printed to
+/// stderr: the activations a step holds until its backward returns.
+fn account_graph(loss: &Tensor) {
+    use std::collections::{BTreeMap, HashSet};
+    let nodes = loss.sorted_nodes();
+    let address = |t: &Tensor| &*t.storage_and_layout().0 as *const _ as usize;
+    // The parameters' storages first: their transposed views are no activations.
+    let mut seen = HashSet::new();
+    let mut params = 0;
+    for node in nodes.iter().filter(|n| n.is_variable()) {
+        if seen.insert(address(node)) {
+            params += node.elem_count() * node.dtype().size_in_bytes();
+        }
+    }
+    // shape -> (storages, bytes) of the rest.
+    let mut by_shape: BTreeMap<Vec<usize>, (usize, usize)> = BTreeMap::new();
+    for node in &nodes {
+        if !seen.insert(address(node)) {
+            continue;
+        }
+        let entry = by_shape.entry(node.dims().to_vec()).or_default();
+        entry.0 += 1;
+        entry.1 += node.elem_count() * node.dtype().size_in_bytes();
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mut rows: Vec<_> = by_shape.into_iter().collect();
+    rows.sort_by_key(|(_, (_, bytes))| std::cmp::Reverse(*bytes));
+    let activations: usize = rows.iter().map(|(_, (_, bytes))| bytes).sum();
+    for (dims, (count, bytes)) in &rows {
+        if mib(*bytes) >= 1.0 {
+            eprintln!("account: {dims:?} x {count}: {:.1} MiB", mib(*bytes));
+        }
+    }
+    eprintln!(
+        "account: {} nodes; activations {:.1} MiB, parameters {:.1} MiB",
+        nodes.len(),
+        mib(activations),
+        mib(params)
+    );
 }

@@ -11,8 +11,7 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use module_runtime::candle_nn::rotary_emb::rope_thd;
-use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
+use module_runtime::nn::functional::{rotary_embedding, scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{Embedding, Linear, LinearConfig, RmsNorm, RmsNormConfig, SiLU};
 use module_runtime::prelude::*;
 
@@ -173,24 +172,26 @@ impl Forward<LayerInput> for LlamaAttention {
         let (b, s, _) = input.hidden.dims3()?;
         let (heads, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let total = input.filled + s;
-        // Rotate in the projections' own layout `[batch, new, heads, head_dim]` (no copy), then
-        // move heads before positions.
+        // Rotate in the projections' own layout `[batch, new, heads, head_dim]`, then move heads
+        // before positions: where a gradient flows the rotation writes that layout itself (the
+        // transpose is then a view, and no copy is kept in the graph).
         let rotated = |t: Tensor, n: usize| -> Result<Tensor> {
-            let t = rope(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
+            let t = rotary_embedding(&t.reshape((b, s, n, d))?, &input.cos, &input.sin)?;
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
         // The three projections of one input: one pass of the q8_0 kernel when quantized.
         let [q, k, v] =
             Linear::call_each([&self.q_proj, &self.k_proj, &self.v_proj], &input.hidden)?;
-        let q = rotated((q * (d as f64).powf(-0.5))?, heads)?;
+        let q = rotated(q, heads)?;
         let k = rotated(k, kv)?;
-        let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?.contiguous()?;
+        let v = v.reshape((b, s, kv, d))?.transpose(1, 2)?;
         let (keys, values) = match (&input.keys, &input.values) {
             (Some(keys), Some(values)) => {
                 keys.slice_set(&k, 2, input.filled)?;
-                values.slice_set(&v, 2, input.filled)?;
+                values.slice_set(&v.contiguous()?, 2, input.filled)?;
                 (keys.narrow(2, 0, total)?, values.narrow(2, 0, total)?)
             }
+            // Attention reads the values where they lie (its last dimension is contiguous).
             (None, None) => (k, v),
             _ => {
                 return Err(invalid(
@@ -200,9 +201,9 @@ impl Forward<LayerInput> for LlamaAttention {
             }
         };
         // Every query head against its key/value head (`enable_gqa`: no repeated keys), the
-        // cache's filled part read in place, `q` already scaled.
+        // cache's filled part read in place.
         let options = SdpaOptions {
-            scale: Some(1.0),
+            scale: Some((d as f64).powf(-0.5)),
             enable_gqa: heads != kv,
             // No bias for several new tokens: they start an empty cache (see `LayerInput::mask`).
             is_causal: input.mask.is_none() && s > 1,
@@ -216,33 +217,15 @@ impl Forward<LayerInput> for LlamaAttention {
     }
 }
 
-/// RoPE on `x` `[batch, new, heads, head_dim]` (transformers' `rotate_half` convention) with
-/// `cos`/`sin` `[new, head_dim / 2]` or `[batch, new, head_dim / 2]`: candle's fused kernel when
-/// no gradient flows through `x` (it records none), else the same formula in differentiable ops.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if !(x.track_op() && module_runtime::is_grad_enabled()) {
-        return Ok(rope_thd(x, cos, sin)?);
-    }
-    let half = x.dim(3)? / 2;
-    // `[…, new, 1, head_dim]`: one angle table for every head.
-    let table = |t: &Tensor| -> Result<Tensor> {
-        let full = Tensor::cat(&[t, t], t.rank() - 1)?;
-        Ok(full.unsqueeze(full.rank() - 1)?)
-    };
-    let rotated = Tensor::cat(
-        &[&x.narrow(3, half, half)?.neg()?, &x.narrow(3, 0, half)?],
-        3,
-    )?;
-    Ok((x.broadcast_mul(&table(cos)?)? + rotated.broadcast_mul(&table(sin)?)?)?)
-}
-
 impl Forward<&Tensor> for LlamaMlp {
     type Output = Tensor;
 
     /// `[…, hidden]` → `[…, hidden]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = Linear::call_each([&self.gate_proj, &self.up_proj], x)?;
-        self.down_proj.call(&(self.act_fn.call(&gate)? * up)?)
+        // `act_fn(gate) * up` without `act_fn(gate)` kept for the backward (when no hook needs
+        // to see `act_fn`'s output).
+        self.down_proj.call(&self.act_fn.call_mul(&gate, &up)?)
     }
 }
 

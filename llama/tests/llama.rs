@@ -15,6 +15,8 @@ use module_runtime::prelude::*;
 mod adapter;
 #[path = "llama/finetune.rs"]
 mod finetune;
+#[path = "llama/full_grads.rs"]
+mod full_grads;
 #[path = "llama/gguf_export.rs"]
 mod gguf_export;
 #[path = "llama/gguf_metadata.rs"]

@@ -15,7 +15,7 @@ use crate::common::{
     config_layer, forward_by_value, layer_forward, layer_repr, resolve_dim, unit_layer,
 };
 use crate::error::Result;
-use crate::{Forward, Module};
+use crate::{Forward, Module, ModuleExt};
 use module_kernels::softmax;
 
 unit_layer! {
@@ -107,6 +107,36 @@ impl Forward<&Tensor> for SiLU {
     /// everything else goes through candle's differentiable `silu`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         module_kernels::silu(x)
+    }
+}
+
+impl SiLU {
+    /// `self(gate) * up`: the SwiGLU product of a gated feed-forward block (transformers'
+    /// `act_fn(gate_proj(x)) * up_proj(x)` in Llama's MLP), as `silu.call(&gate)? * up`
+    /// computes it, with the same bits.
+    ///
+    /// With no hooks attached (hooks see each module's own output, so then the layer is called
+    /// as usual) and fusion not turned off ([`without_fusion`](crate::without_fusion)), it is
+    /// [`silu_mul`](module_kernels::silu_mul): where a gradient is recorded, one op that keeps
+    /// no `silu(gate)` in the graph (its backward recomputes it), a tensor as large as `gate`
+    /// saved per block until the backward.
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::SiLU;
+    /// let act = SiLU::new();
+    /// let gate = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
+    /// let up = Tensor::randn(0f32, 1., (2, 3, 8), &Device::Cpu)?;
+    /// let y = act.call_mul(&gate, &up)?;
+    /// let unfused = (act.call(&gate)? * &up)?;
+    /// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, unfused.flatten_all()?.to_vec1::<f32>()?);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn call_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if crate::fused::fusion_applies() {
+            return module_kernels::silu_mul(gate, up);
+        }
+        Ok((self.call(gate)? * up)?)
     }
 }
 

@@ -81,9 +81,15 @@ mod fused;
 mod layer_macros;
 
 /// PyTorch's `torch.nn.functional` where it is more than a layer's forward:
-/// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention).
+/// [`scaled_dot_product_attention`](functional::scaled_dot_product_attention); and the rotary
+/// position embedding of Llama-family models
+/// ([`rotary_embedding`](functional::rotary_embedding), transformers' `apply_rotary_pos_emb`)
+/// and the SwiGLU product of their feed-forward blocks ([`silu_mul`](functional::silu_mul),
+/// `F.silu(gate) * up`).
 pub mod functional {
-    pub use module_kernels::{scaled_dot_product_attention, SdpaOptions};
+    pub use module_kernels::{
+        rotary_embedding, scaled_dot_product_attention, silu_mul, SdpaOptions,
+    };
 }
 
 pub use common::{PerDim, Size};

@@ -1,6 +1,7 @@
 //! Fused training passes: Linear with a bias (and over a quantized weight), LayerNorm, RMSNorm, the
 //! exact GELU, the last-dimension softmax, dropout, scaled dot-product attention, the
-//! cross-entropy of class ids and `a + s b` as single candle ops that record a gradient, each with
+//! cross-entropy of class ids, `a + s b`, the rotary position embedding and the SwiGLU product
+//! `silu(gate) * up` as single candle ops that record a gradient, each with
 //! a backward pass that is one pass too (or, for the products, their matmuls and one pass).
 //!
 //! Composed of candle's differentiable ops, these layers leave a chain of small nodes in the graph
@@ -29,7 +30,9 @@ mod linear;
 mod linear_bf16;
 mod quantized_linear;
 mod rms_norm;
+mod rope;
 mod round;
+mod silu_mul;
 mod softmax;
 
 pub use add_scaled::add_scaled;
@@ -42,7 +45,9 @@ pub(crate) use linear::{can_fuse_linear, linear};
 pub(crate) use linear_bf16::{bf16_operands, linear_bf16};
 pub(crate) use quantized_linear::{can_fuse_quantized_product, quantized_product};
 pub(crate) use rms_norm::{can_fuse_rms_norm, rms_norm};
+pub use rope::rotary_embedding;
 pub(crate) use round::round_to;
+pub use silu_mul::silu_mul;
 pub(crate) use softmax::{can_fuse_softmax_last_dim, softmax_last_dim};
 
 use candle_core::{DType, Storage, Tensor};
