@@ -189,6 +189,7 @@ impl<M: std::fmt::Debug> std::fmt::Debug for CheckpointWrapper<M> {
 
 /// Transparent, as an `Arc<M>`: the module inside is the node, with the wrapper's identity for
 /// calls made through it.
+#[diagnostic::do_not_recommend]
 impl<M: Module> Module for CheckpointWrapper<M> {
     fn visit_children<'a>(&'a self, f: &mut dyn FnMut(Name<'_>, Child<'a>)) {
         self.0.module.visit_children(f);
