@@ -18,7 +18,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use candle_core::{Device, Shape, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::error::{DeviceMapError, Error, Result};
 use crate::param::Param;
@@ -32,6 +32,9 @@ pub trait OffloadSource: Send + Sync + 'static {
 
     /// Replaces the kept values with `value` (of the parameter's shape and dtype, checked before).
     fn store(&self, value: &Tensor) -> Result<()>;
+
+    /// The kept values' shape and dtype, without reading them (a file's header).
+    fn layout(&self) -> Result<(Shape, DType)>;
 
     /// Where the values are, for messages and `Debug`: `cpu`, `disk (<file>)`.
     fn location(&self) -> String;
@@ -96,20 +99,24 @@ impl Param {
     /// `dispatch_model` does to the parameters a device map puts on `cpu` or `disk`; most code
     /// never calls it.
     ///
-    /// Refused for an unbuilt, quantized or parametrized parameter (an error naming what it is).
+    /// The source's [layout](OffloadSource::layout) must be the parameter's shape and dtype
+    /// ([`Error::ValueMismatch`]); an unbuilt parameter (a model built with `build_empty`) is
+    /// built by it, never holding the values, if its lazy shape accepts the shape. Refused for a
+    /// quantized or parametrized parameter.
     ///
     /// ```
     /// use std::sync::Arc;
     /// use module_runtime::{OffloadSource, Param, Result};
-    /// use module_runtime::candle_core::{Device, Tensor};
+    /// use module_runtime::candle_core::{DType, Device, Shape, Tensor};
     ///
     /// struct Kept(Tensor);
     /// impl OffloadSource for Kept {
     ///     fn load(&self) -> Result<Tensor> { Ok(self.0.copy()?) }
     ///     fn store(&self, _: &Tensor) -> Result<()> { Ok(()) }
+    ///     fn layout(&self) -> Result<(Shape, DType)> { Ok((self.0.shape().clone(), self.0.dtype())) }
     ///     fn location(&self) -> String { "elsewhere".into() }
     /// }
-    /// let w = Param::new(Tensor::ones((2, 3), candle_core::DType::F32, &Device::Cpu)?)?;
+    /// let w = Param::new(Tensor::ones((2, 3), DType::F32, &Device::Cpu)?)?;
     /// w.offload(Arc::new(Kept(w.tensor()?.copy()?)), &Device::Cpu)?;
     /// assert!(w.is_offloaded() && !w.requires_grad());
     /// assert_eq!(w.shape().dims(), [2, 3]);
@@ -118,9 +125,6 @@ impl Param {
     /// ```
     pub fn offload(&self, source: Arc<dyn OffloadSource>, device: &Device) -> Result<()> {
         self.refuse_parametrized()?;
-        if let Some(e) = self.0.var.unbuilt_error("parameter") {
-            return Err(e);
-        }
         if self.is_quantized() {
             return Err(DeviceMapError::NotOffloadable {
                 path: "parameter".into(),
@@ -128,14 +132,28 @@ impl Param {
             }
             .into());
         }
-        let shape = self.shape();
-        let stand_in = Var::zeros(0, self.dtype(), device)?;
+        let (shape, dtype) = source.layout()?;
+        let built = self.is_built();
+        if dtype != self.dtype() || (built && shape != self.shape()) {
+            return Err(Error::ValueMismatch {
+                expected_shape: self.shape(),
+                expected_dtype: self.dtype(),
+                shape,
+                dtype,
+            });
+        }
+        let stand_in = Var::zeros(0, dtype, device)?;
         atomic_update(|| {
+            if !built {
+                // Built as the source's shape, holding the stand-in (refused if the lazy shape
+                // does not accept it).
+                self.0.var.build_as(shape.dims(), stand_in.clone())?;
+            }
             // The source first: a reader in between sees the values, never the stand-in.
             self.0.offload.store(Some((source, shape)));
             self.0.var.replace(stand_in);
-        });
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Whether the parameter is [offloaded](Self::offload).

@@ -434,3 +434,43 @@ fn a_tied_weight_placed_apart_is_refused() -> Result<()> {
     dispatch_model(&model, &map)?;
     Ok(())
 }
+
+/// A model built empty (`build_empty`) dispatched onto a folder an earlier dispatch wrote takes
+/// its files: its weights are never in memory, and it computes what the written model did. A
+/// missing file is named.
+#[test]
+fn an_empty_model_takes_the_files_of_an_earlier_dispatch() -> Result<()> {
+    let (written, reference) = pair()?;
+    let dir = folder("empty");
+    let map = DeviceMap::from_pairs([("", "cpu"), ("layers", "disk")])?.offload_folder(&dir);
+    dispatch_model(&written, &map)?;
+    let empty = build_empty(net)?;
+    assert!(!empty.layers[0].fc.weight.is_built());
+    let missing = dispatch_model(
+        &empty,
+        &DeviceMap::from_pairs([("", "disk")])?.offload_folder(&dir),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&missing, Error::DeviceMap(DeviceMapError::NotOffloadable { path, .. }) if path == "embed.weight"),
+        "{missing}"
+    );
+    assert!(
+        !empty.layers[0].fc.weight.is_built(),
+        "a refused map changes nothing"
+    );
+    // The rest loaded as usual, the layers from the folder.
+    let sd = written.state_dict()?;
+    let mut outside = StateDict::new();
+    for (key, t) in sd.iter().filter(|(k, _)| !k.starts_with("layers.")) {
+        outside.insert(key, t.clone());
+    }
+    empty.load_state_dict(&outside, &LoadOptions::default().non_strict())?;
+    let dispatched = dispatch_model(&empty, &map)?;
+    assert!(empty.layers[0].fc.weight.is_offloaded() && empty.layers[0].fc.weight.is_built());
+    assert_eq!(empty.layers[0].fc.weight.shape().dims(), [WIDTH, WIDTH]);
+    let y = dispatched.call(&ids()?)?;
+    assert_eq!(values(&y)?, values(&reference.call(&ids()?)?)?);
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}

@@ -163,26 +163,58 @@ pub fn dispatch_model<'m, M: Module>(model: &'m M, map: &DeviceMap) -> Result<Di
     let placement = |path: &str| &map.entries[by_path[path].entry].placement;
     let counter = Arc::new(LoadCounter::default());
     let unique = named_parameters(model, &Names::new());
+    let folder = map.offload_folder.as_deref();
+    let disk = |path: &str| {
+        let folder = folder.unwrap_or(Path::new("."));
+        DiskWeight::new(folder, path, &exec_device, counter.clone())
+    };
     // Every check before the first write: offloads that cannot be, a missing folder.
     for (path, p) in &unique {
         let place = placement(path);
-        if place.offloads(&execution) && (p.is_quantized() || !p.is_built()) {
-            let reason = match p.is_quantized() {
-                true => "it is quantized (dequantize it, or place it on a device)",
-                false => "it is not built (load or build the model first)",
-            };
-            return Err(DeviceMapError::NotOffloadable {
+        let refuse = |reason: String| -> Result<()> {
+            Err(DeviceMapError::NotOffloadable {
                 path: path.clone(),
-                reason: reason.into(),
+                reason,
             }
-            .into());
-        }
-        if matches!(place, Placement::Disk) && map.offload_folder.is_none() {
+            .into())
+        };
+        if matches!(place, Placement::Disk) && folder.is_none() {
             let entry = &map.entries[by_path[path.as_str()].entry];
             return Err(DeviceMapError::NoOffloadFolder {
                 pattern: entry.as_str().to_owned(),
             }
             .into());
+        }
+        if !place.offloads(&execution) {
+            continue;
+        }
+        if p.is_quantized() {
+            refuse("it is quantized (dequantize it, or place it on a device)".into())?;
+        }
+        if p.is_built() {
+            continue;
+        }
+        // An unbuilt parameter takes the file an earlier dispatch wrote, never the values.
+        let weight = disk(path);
+        match (place, weight.layout()) {
+            (Placement::Disk, Ok((shape, dtype))) => {
+                let fits = p.lazy_shape().is_none_or(|s| s.accepts(shape.dims()));
+                if !fits || dtype != p.dtype() {
+                    refuse(format!(
+                        "it is not built, and {} holds a {dtype:?} tensor of shape {shape:?}, not \
+                         one it accepts ({dtype_p:?}, {lazy})",
+                        weight.file().display(),
+                        dtype_p = p.dtype(),
+                        lazy = p.lazy_shape().map_or_else(String::new, |s| s.to_string()),
+                    ))?;
+                }
+            }
+            (Placement::Disk, Err(_)) => refuse(format!(
+                "it is not built and {} holds no weight for it (dispatch the built model to \
+                 this folder once, or load it first)",
+                weight.file().display()
+            ))?,
+            _ => refuse("it is not built (load or build the model first)".into())?,
         }
     }
     // What each parameter becomes, made before anything changes (files written, values moved).
@@ -193,7 +225,6 @@ pub fn dispatch_model<'m, M: Module>(model: &'m M, map: &DeviceMap) -> Result<Di
         Quantized(Device),
         Offload(Arc<dyn OffloadSource>),
     }
-    let folder = map.offload_folder.as_deref();
     if let (Some(folder), true) = (
         folder,
         unique
@@ -209,13 +240,13 @@ pub fn dispatch_model<'m, M: Module>(model: &'m M, map: &DeviceMap) -> Result<Di
     for (path, p) in &unique {
         let place = placement(path);
         let n = match place {
-            Placement::Disk => Next::Offload(Arc::new(DiskWeight::write(
-                folder.unwrap_or(Path::new(".")),
-                path,
-                &p.own_tensor()?,
-                &exec_device,
-                counter.clone(),
-            )?)),
+            Placement::Disk => {
+                let weight = disk(path);
+                if p.is_built() {
+                    weight.store(&p.own_tensor()?)?;
+                }
+                Next::Offload(Arc::new(weight))
+            }
             Placement::Cpu if place.offloads(&execution) => {
                 let host = p.own_tensor()?.to_device(&Device::Cpu)?;
                 Next::Offload(Arc::new(HostWeight::new(

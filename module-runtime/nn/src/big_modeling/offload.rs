@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use module_core::OffloadSource;
 use module_state::StateDict;
 
@@ -70,6 +70,11 @@ impl OffloadSource for HostWeight {
         Ok(())
     }
 
+    fn layout(&self) -> Result<(Shape, DType)> {
+        let host = self.value.lock().unwrap_or_else(PoisonError::into_inner);
+        Ok((host.shape().clone(), host.dtype()))
+    }
+
     fn location(&self) -> String {
         "cpu".into()
     }
@@ -85,23 +90,25 @@ pub(super) struct DiskWeight {
 }
 
 impl DiskWeight {
-    /// Writes `value` to its file in `folder` (atomically: a temporary file renamed) and returns
-    /// the source that reads it.
-    pub(super) fn write(
+    /// The weight `key` in `folder`, read on `device`; its file may not exist yet
+    /// ([`file`](Self::file), [`store`](OffloadSource::store) writes it).
+    pub(super) fn new(
         folder: &Path,
         key: &str,
-        value: &Tensor,
         device: &Device,
         counter: Arc<LoadCounter>,
-    ) -> Result<Self> {
-        let weight = Self {
+    ) -> Self {
+        Self {
             file: folder.join(format!("{key}.safetensors")),
             key: key.to_owned(),
             device: device.clone(),
             counter,
-        };
-        weight.store(value)?;
-        Ok(weight)
+        }
+    }
+
+    /// The file the weight is kept in.
+    pub(super) fn file(&self) -> &Path {
+        &self.file
     }
 }
 
@@ -117,6 +124,18 @@ impl OffloadSource for DiskWeight {
         let mut one = StateDict::new();
         one.insert(self.key.clone(), value.to_device(&Device::Cpu)?);
         one.save_safetensors(&self.file)
+    }
+
+    fn layout(&self) -> Result<(Shape, DType)> {
+        let source = module_state::checkpoint::open(&self.file, None)?;
+        let entries = source.entries()?;
+        match entries.into_iter().find(|(key, _, _)| *key == self.key) {
+            Some((_, shape, dtype)) => Ok((shape, dtype)),
+            None => Err(Error::Checkpoint {
+                path: self.file.clone(),
+                reason: format!("it holds no tensor `{}`", self.key),
+            }),
+        }
     }
 
     fn location(&self) -> String {
