@@ -474,3 +474,38 @@ fn an_empty_model_takes_the_files_of_an_earlier_dispatch() -> Result<()> {
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
+
+/// Quantizing an offloaded weight brings it back, quantized; `to_device`/`to_dtype` leave an
+/// offloaded weight where it is kept.
+#[test]
+fn an_offloaded_weight_quantized_or_moved() -> Result<()> {
+    let layer = Linear::new(32, 4, &Device::Cpu)?;
+    let before = layer.weight.tensor()?;
+    let map = DeviceMap::new()
+        .insert("", gpu(0))?
+        .execution_device(gpu(0));
+    let map = map.insert("", Placement::Cpu)?;
+    let dispatched = dispatch_model(&layer, &map)?;
+    assert_eq!(
+        dispatched.hf_device_map(),
+        [("".to_owned(), "gpu0".to_owned())]
+    );
+    // The first entry for the root wins: gpu0, nothing offloaded.
+    assert!(!layer.weight.is_offloaded());
+    let map = DeviceMap::new()
+        .insert("", Placement::Cpu)?
+        .execution_device(gpu(0));
+    dispatch_model(&layer, &map)?;
+    assert!(layer.weight.is_offloaded());
+    layer.to_dtype(DType::F64)?;
+    assert_eq!(layer.weight.dtype(), DType::F32);
+    assert_eq!(layer.bias.as_ref().unwrap().dtype(), DType::F32);
+    layer.weight.quantize(GgmlDType::Q8_0)?;
+    assert!(!layer.weight.is_offloaded() && layer.weight.is_quantized());
+    let err = (layer.weight.tensor()? - before)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(err < 0.05, "{err}");
+    Ok(())
+}
