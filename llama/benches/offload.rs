@@ -7,8 +7,8 @@
 //! ready, so it is the forward's own. The logits of both are compared.
 //!
 //! The checkpoint is the decode benchmark's (`$LLAMA_BENCH_DIR`, default `smollm-135m-random` in
-//! the system's temp folder): run it first. The offload folder is written once, by a dispatch of
-//! the loaded model, into `$LLAMA_BENCH_DIR/offload`.
+//! the system's temp folder): run it first. The offload folder (`$OFFLOAD_DIR`, default
+//! `smollm-135m-offload` in the temp folder) is written once, by a dispatch of the loaded model.
 //!
 //! ```text
 //! cargo bench -p llama --bench decode -- 1   # the checkpoint, once
@@ -49,8 +49,14 @@ fn forwards(call: impl Fn(&Tensor) -> Result<Tensor>) -> AnyResult<(Tensor, Dura
     Ok((logits, times[RUNS / 2]))
 }
 
+fn offload_dir() -> PathBuf {
+    std::env::var_os("OFFLOAD_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-offload"))
+}
+
 fn measure(case: &str, dir: &Path) -> AnyResult<()> {
-    let folder = dir.join("offload");
+    let folder = offload_dir();
     let (logits, time) = match case {
         "unmapped" => {
             let model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
@@ -102,7 +108,7 @@ fn main() -> AnyResult<()> {
         )
         .into());
     }
-    let folder = dir.join("offload");
+    let folder = offload_dir();
     if !folder.join("model.norm.weight.safetensors").exists() {
         println!("writing the offload folder {}", folder.display());
         let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
