@@ -72,3 +72,40 @@ fn a_mapped_llama_with_a_layer_on_disk_matches_the_unmapped_one() {
     }
     std::fs::remove_dir_all(&folder).ok();
 }
+
+/// `infer_auto_device_map` on the tiny Llama: whole decoder layers filling two stand-in devices
+/// by budget, the head tied to the embedding kept with it; the dispatched model computes the
+/// unmapped one's logits.
+#[test]
+fn an_automatic_map_keeps_layers_whole_and_the_tied_head_with_the_embedding() {
+    use module_runtime::nn::big_modeling::{infer_auto_device_map, MaxMemory};
+    let (mapped, whole) = (model(), model());
+    let bytes = |prefix: &str| -> usize {
+        mapped
+            .named_parameters()
+            .iter()
+            .filter(|(p, _)| p.starts_with(prefix))
+            .map(|(_, p)| p.elem_count() * 4)
+            .sum()
+    };
+    let (embed, layer) = (bytes("model.embed_tokens."), bytes("model.layers.0."));
+    let budget = MaxMemory::new()
+        .placement(stand_in("gpu0"), embed + layer + layer / 2)
+        .placement(stand_in("gpu1"), 2 * layer);
+    let map = infer_auto_device_map(&mapped, &budget, &["model.layers.*"]).unwrap();
+    let entries: Vec<(&str, &str)> = map.entries().map(|(p, d)| (p, d.name())).collect();
+    assert_eq!(
+        entries,
+        [
+            ("model.embed_tokens", "gpu0"),
+            ("model.layers.0", "gpu0"),
+            ("model.layers.1", "gpu1"),
+            ("model.norm", "gpu1"),
+            ("lm_head", "gpu0"),
+        ]
+    );
+    let dispatched = dispatch_model(&mapped, &map).unwrap();
+    let ids = Tensor::new(&[[1u32, 5, 9, 2, 7]], &device()).unwrap();
+    let logits = dispatched.call(&ids).unwrap();
+    assert!(max_diff(&logits, &whole.call(&ids).unwrap()) < 1e-5);
+}

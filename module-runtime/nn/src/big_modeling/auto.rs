@@ -1,6 +1,8 @@
 //! [`infer_auto_device_map`]: a [`DeviceMap`] made from a memory budget per device
 //! (Accelerate's `device_map="auto"`).
 
+use std::collections::HashMap;
+
 use super::{DeviceMap, Placement};
 use crate::error::{DeviceMapError, Result};
 use crate::Module;
@@ -45,6 +47,8 @@ impl MaxMemory {
 struct Unit {
     path: String,
     bytes: usize,
+    /// Its parameters, by identity (to keep tied weights together).
+    params: Vec<usize>,
 }
 
 /// A map that places `model`'s modules in order on the devices of `max_memory`, each device
@@ -60,8 +64,10 @@ struct Unit {
 /// (a quantized weight's float size). The map keeps `no_split` for [`dispatch_model`](super::dispatch_model)'s
 /// check.
 ///
-/// Not done, as Accelerate does: room kept on the first device for the largest offloaded layer;
-/// tied weights kept together (a tie placed apart is refused when the map is dispatched).
+/// A unit holding a weight tied to one placed earlier (a head tied to the embedding) goes where
+/// that one went, as Accelerate keeps tied parameters together; its bytes are counted once,
+/// there. Not done, as Accelerate does: room kept on the first device for the largest offloaded
+/// layer.
 pub fn infer_auto_device_map(
     model: &dyn Module,
     max_memory: &MaxMemory,
@@ -79,7 +85,15 @@ pub fn infer_auto_device_map(
     }
     let mut device = 0;
     let mut used = 0usize;
+    let mut placed: HashMap<usize, Placement> = HashMap::new();
     for unit in units {
+        if let Some(tied) = unit.params.iter().find_map(|id| placed.get(id)).cloned() {
+            for id in &unit.params {
+                placed.entry(*id).or_insert_with(|| tied.clone());
+            }
+            map = map.insert(&unit.path, tied)?;
+            continue;
+        }
         while device < max_memory.budgets.len() && used + unit.bytes > max_memory.budgets[device].1
         {
             device += 1;
@@ -99,6 +113,9 @@ pub fn infer_auto_device_map(
                 .into())
             }
         };
+        for id in unit.params {
+            placed.insert(id, placement.clone());
+        }
         map = map.insert(&unit.path, placement)?;
     }
     Ok(map)
@@ -112,20 +129,19 @@ fn collect_units(module: &dyn Module, path: &str, no_split: &[PathPattern], out:
         children.is_empty() || (!path.is_empty() && no_split.iter().any(|p| p.matches(path)));
     let own = Names::new().recurse(whole);
     let bytes = tensor_bytes(module, &own);
-    if whole {
-        if bytes > 0 {
-            out.push(Unit {
-                path: path.to_owned(),
-                bytes,
-            });
-        }
-        return;
-    }
+    let unit = || Unit {
+        path: path.to_owned(),
+        bytes,
+        params: named_parameters(module, &own)
+            .into_iter()
+            .map(|(_, p)| p.id())
+            .collect(),
+    };
     if bytes > 0 {
-        out.push(Unit {
-            path: path.to_owned(),
-            bytes,
-        });
+        out.push(unit());
+    }
+    if whole {
+        return;
     }
     for (name, child) in children {
         let child_path = match path {
