@@ -14,6 +14,10 @@
 //! 2 (AdamW with groups, clipping, a schedule) ends bitwise where DDP does, and its consolidated
 //! state, loaded with the model in one process, continues within 1e-6 of the 2-rank run.
 //!
+//! `pipeline_under_mpiexec` runs `pipeline_rank`: `send`/`recv` between the ranks, then a model
+//! split over them by path (each rank building only its stage's weights) trained with GPipe and
+//! 1F1B, bitwise equal to one process accumulating the same micro-batches.
+//!
 //! Run: `cargo test -p candle-module --features mpi --test distributed_mpi`
 //! (needs MPICH: `apt-get install -y mpich libmpich-dev libclang-dev`).
 #![cfg(feature = "mpi")]
@@ -30,6 +34,9 @@ use module_runtime::StateDict;
 
 mod support;
 use support::values;
+
+#[path = "distributed_mpi/pipeline.rs"]
+mod pipeline;
 
 #[derive(Module)]
 struct Net {
@@ -102,6 +109,11 @@ fn zero_under_mpiexec() {
 #[test]
 fn tensor_parallel_under_mpiexec() {
     under_mpiexec("tensor_parallel_rank");
+}
+
+#[test]
+fn pipeline_under_mpiexec() {
+    under_mpiexec("pipeline::pipeline_rank");
 }
 
 /// Tensor parallelism over MPI: `Net`'s `fc1` split by rows and `fc2` by columns

@@ -103,7 +103,10 @@ pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set
 /// Device maps and offload: the error and what an offloaded parameter reads from (the map itself
 /// is [`nn::big_modeling`]).
 pub use module_core::{DeviceMapError, OffloadSource};
-pub use module_functional::{checkpoint, FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec};
+pub use module_functional::{
+    apply_activation_checkpointing, checkpoint, remove_activation_checkpointing, CheckpointWrapper,
+    FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec,
+};
 #[doc(hidden)]
 pub use module_hooks::Scope;
 pub use module_hooks::{

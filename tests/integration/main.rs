@@ -42,6 +42,8 @@ mod parity_layers;
 mod parity_seq;
 mod parity_training;
 mod peft;
+mod pipeline;
+mod pipeline_errors;
 mod pytorch_semantics;
 mod recurrent;
 mod repr;

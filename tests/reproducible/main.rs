@@ -10,6 +10,7 @@
 
 mod activation_checkpoint;
 mod checkpoint;
+mod checkpoint_pattern;
 mod killed_training;
 mod seeds;
 

@@ -1,6 +1,6 @@
 //! The collective interface every engine implements, and the single-process engine.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::DistributedError;
 use crate::Result;
@@ -91,6 +91,43 @@ pub trait Collective {
         write_into(output, &all.narrow(0, self.rank() * n, n)?)
     }
 
+    /// Sends `tensor` to rank `dst` (`torch.distributed.send`), to be taken by its matching
+    /// [`recv`](Self::recv). Blocking: it may wait until `dst` has received it (MPI's standard
+    /// send, NCCL; the in-process engine always waits), so two ranks that send to each other at
+    /// once wait forever: order the calls (the pipeline schedules do). Any layout; the shape and
+    /// dtype travel with the values, and a receiver expecting others gets
+    /// [`DistributedError::OpMismatch`]. `dst` must be another rank of the group
+    /// ([`DistributedError::InvalidRank`], [`DistributedError::PeerIsSelf`]).
+    ///
+    /// The default implementation is [`DistributedError::Unsupported`]: the in-process, MPI
+    /// and NCCL engines implement it.
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        check_peer("send", dst, self.rank(), self.world_size())?;
+        let _ = tensor;
+        Err(DistributedError::Unsupported {
+            backend: self.backend(),
+            what: "point-to-point send".into(),
+        }
+        .into())
+    }
+
+    /// Receives into `tensor`, in place, what rank `src` sent with [`send`](Self::send)
+    /// (`torch.distributed.recv`); messages from one rank arrive in the order they were sent.
+    /// `tensor` must be contiguous and have the sent shape and dtype: anything else is
+    /// [`DistributedError::OpMismatch`] naming both (the message is consumed, `tensor` left as
+    /// it was). `src` must be another rank of the group.
+    ///
+    /// The default implementation is [`DistributedError::Unsupported`].
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        check_peer("recv", src, self.rank(), self.world_size())?;
+        let _ = tensor;
+        Err(DistributedError::Unsupported {
+            backend: self.backend(),
+            what: "point-to-point recv".into(),
+        }
+        .into())
+    }
+
     /// The device this rank's model and tensors belong on: `cuda:LOCAL_RANK` for NCCL, the CPU
     /// (the default) for engines that stage tensors through host memory and so take any device.
     /// Build the model on it: `DigitNet::new(&comm.device())`.
@@ -147,6 +184,41 @@ pub(crate) fn check_root(root: usize, world_size: usize) -> Result<()> {
         }
         .into())
     }
+}
+
+/// A peer of a point-to-point operation must be another rank of the group.
+pub(crate) fn check_peer(
+    op: &'static str,
+    peer: usize,
+    rank: usize,
+    world_size: usize,
+) -> Result<()> {
+    check_root(peer, world_size)?;
+    if peer == rank {
+        return Err(DistributedError::PeerIsSelf { op, rank }.into());
+    }
+    Ok(())
+}
+
+/// Refuses a received message of another shape or dtype than the tensor it should fill.
+pub(crate) fn check_received(
+    tensor: &Tensor,
+    src: usize,
+    dtype: DType,
+    dims: &[usize],
+) -> Result<()> {
+    if tensor.dtype() == dtype && tensor.dims() == dims {
+        return Ok(());
+    }
+    Err(DistributedError::OpMismatch {
+        detail: format!(
+            "`recv` from rank {src} into a {:?} tensor of shape {:?}, but rank {src} sent a \
+             {dtype:?} tensor of shape {dims:?}",
+            tensor.dtype(),
+            tensor.dims()
+        ),
+    }
+    .into())
 }
 
 /// The in-place operations write through the tensor's storage, which needs a contiguous layout.

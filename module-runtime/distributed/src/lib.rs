@@ -14,6 +14,9 @@
 //! * [`DistributedDataParallel`]: checks and syncs the replicas at construction, averages the
 //!   gradients in buckets, syncs buffers before forward.
 //! * [`DistributedSampler`]: each rank's share of the dataset, with PyTorch's index lists.
+//! * Pipeline parallelism: [`PipelineSplit`] (each stage's paths), [`PipelineStage`] (a rank's
+//!   stage and its forward), [`ScheduleGPipe`] and [`Schedule1F1B`] (micro-batches over the
+//!   stages, activations over [`Collective::send`] and [`Collective::recv`]).
 //!
 //! A training step on every rank:
 //!
@@ -43,8 +46,9 @@
 #[cfg(feature = "nccl")]
 use module_core::parse_device;
 use module_core::views;
-use module_core::{Buffer, Error, Forward, Module, Param, Result};
+use module_core::{Buffer, Error, Forward, LoadReport, Module, Param, PathPattern, Result};
 use module_hooks::{ModuleExt, TensorTree};
+use module_state::{LoadOptions, StateDict};
 
 mod collective;
 mod ddp;
@@ -54,6 +58,7 @@ mod local;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod pipeline;
 mod rendezvous;
 mod sampler;
 
@@ -66,5 +71,6 @@ pub use module_core::DistributedError;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::{Nccl, DEFAULT_NCCL_TIMEOUT, RENDEZVOUS_TIMEOUT};
+pub use pipeline::{PipelineSplit, PipelineStage, PipelineStep, Schedule1F1B, ScheduleGPipe};
 pub use rendezvous::{fetch_blob, rendezvous_port, RendezvousServer, RENDEZVOUS_PORT_VAR};
 pub use sampler::DistributedSampler;

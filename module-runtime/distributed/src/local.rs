@@ -1,11 +1,14 @@
 //! [`LocalGroup`]: a process group whose ranks are threads of one process.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
-use super::collective::{check_contiguous, check_gather, check_root, write_into};
+use super::collective::{
+    check_contiguous, check_gather, check_peer, check_received, check_root, write_into,
+};
 use super::{Collective, DistributedError, ReduceOp};
 use crate::Result;
 
@@ -38,12 +41,28 @@ struct Shared {
     timeout: Option<Duration>,
     state: Mutex<State>,
     arrived: Condvar,
+    mail: Mutex<Mailbox>,
+    delivered: Condvar,
+}
+
+/// The point-to-point messages in flight, by `(src, dst)`.
+#[derive(Default)]
+struct Mailbox {
+    /// Messages sent and not yet received, oldest first, with their sequence numbers.
+    queues: HashMap<(usize, usize), VecDeque<(u64, Tensor)>>,
+    /// Messages sent so far (the next sequence number).
+    sent: HashMap<(usize, usize), u64>,
+    /// Messages received so far: a sender waits until this passes its sequence number.
+    taken: HashMap<(usize, usize), u64>,
 }
 
 /// A process group whose ranks are threads of one process, through shared memory: data-parallel
 /// code can be run and tested with several ranks without MPI or a GPU.
 ///
-/// [`LocalGroup::new`] returns one handle per rank; move each into its own thread. Sums are
+/// [`LocalGroup::new`] returns one handle per rank; move each into its own thread.
+/// Point-to-point [`send`](Collective::send) is synchronous (MPI's `MPI_Ssend`): it returns once
+/// the peer's [`recv`](Collective::recv) has taken the message, so an order of sends and
+/// receives that completes here completes on every engine. Sums are
 /// computed in rank order (0 + 1 + …), so every rank gets bitwise the same result. Calls are
 /// checked: ranks that call different collectives, or pass tensors of different shapes or
 /// dtypes, all get [`DistributedError::OpMismatch`] instead of corrupt data. With
@@ -114,6 +133,8 @@ impl LocalGroup {
                 ..State::default()
             }),
             arrived: Condvar::new(),
+            mail: Mutex::new(Mailbox::default()),
+            delivered: Condvar::new(),
         });
         Ok((0..world_size)
             .map(|rank| LocalGroup {
@@ -195,6 +216,99 @@ impl LocalGroup {
         }
         let result = state.result.clone().unwrap_or(Ok(None));
         Ok(result?)
+    }
+}
+
+impl LocalGroup {
+    fn mailbox(&self) -> MutexGuard<'_, Mailbox> {
+        // Every update of the mailbox completes before anything can panic.
+        self.shared
+            .mail
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    /// Waits on the mailbox's condition variable until `done` or the deadline (an error).
+    fn wait_mail<'a>(
+        &self,
+        mut mail: MutexGuard<'a, Mailbox>,
+        op: &'static str,
+        done: impl Fn(&Mailbox) -> bool,
+    ) -> Result<MutexGuard<'a, Mailbox>> {
+        let deadline = self.shared.timeout.map(|t| Instant::now() + t);
+        while !done(&mail) {
+            mail = match deadline {
+                None => self
+                    .shared
+                    .delivered
+                    .wait(mail)
+                    .unwrap_or_else(|p| p.into_inner()),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(DistributedError::Timeout {
+                            op,
+                            rank: self.rank,
+                            after: self.shared.timeout.unwrap_or_default(),
+                        }
+                        .into());
+                    }
+                    self.shared
+                        .delivered
+                        .wait_timeout(mail, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+        Ok(mail)
+    }
+
+    /// Posts a copy of `tensor` for `dst` and waits until `dst` has taken it: a synchronous send
+    /// (MPI's `MPI_Ssend`), the strictest a send may be, so that an order of sends and receives
+    /// that completes here completes on every engine.
+    fn post(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        let message = tensor.to_device(&Device::Cpu)?.copy()?;
+        let link = (self.rank, dst);
+        let mut mail = self.mailbox();
+        let seq = {
+            let sent = mail.sent.entry(link).or_default();
+            *sent += 1;
+            *sent - 1
+        };
+        mail.queues
+            .entry(link)
+            .or_default()
+            .push_back((seq, message));
+        self.shared.delivered.notify_all();
+        let taken = |m: &Mailbox| m.taken.get(&link).is_some_and(|&n| n > seq);
+        match self.wait_mail(mail, "send", taken) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // Withdraw the message unless it was taken meanwhile.
+                let mut mail = self.mailbox();
+                if let Some(queue) = mail.queues.get_mut(&link) {
+                    queue.retain(|(s, _)| *s != seq);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes the oldest message `src` posted for this rank, waiting for one.
+    fn take(&self, src: usize) -> Result<Tensor> {
+        let link = (src, self.rank);
+        let mail = self.mailbox();
+        let ready = |m: &Mailbox| m.queues.get(&link).is_some_and(|q| !q.is_empty());
+        let mut mail = self.wait_mail(mail, "recv", ready)?;
+        let (_, message) = mail
+            .queues
+            .get_mut(&link)
+            .and_then(VecDeque::pop_front)
+            .expect("a message is waiting");
+        *mail.taken.entry(link).or_default() += 1;
+        self.shared.delivered.notify_all();
+        Ok(message)
     }
 }
 
@@ -298,6 +412,19 @@ impl Collective for LocalGroup {
         let all = self.run(Op::ReduceScatter(op), "reduce_scatter", Some(mine))?;
         let all = all.expect("reduce_scatter has a result");
         write_into(output, &all.narrow(0, self.rank * n, n)?)
+    }
+
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        check_peer("send", dst, self.rank, self.shared.world_size)?;
+        self.post(tensor, dst)
+    }
+
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        check_peer("recv", src, self.rank, self.shared.world_size)?;
+        check_contiguous(tensor)?;
+        let message = self.take(src)?;
+        check_received(tensor, src, message.dtype(), message.dims())?;
+        write_into(tensor, &message)
     }
 
     fn backend(&self) -> &'static str {

@@ -4,9 +4,11 @@ use candle_core::{DType, Device, Tensor, WithDType};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::{Communicator, CommunicatorCollectives, Equivalence, Root};
+use mpi::traits::{Communicator, CommunicatorCollectives, Destination, Equivalence, Root, Source};
 
-use super::collective::{check_contiguous, check_gather, check_root, write_into};
+use super::collective::{
+    check_contiguous, check_gather, check_peer, check_received, check_root, write_into,
+};
 use super::{Collective, DistributedError, ReduceOp};
 use crate::Result;
 
@@ -253,6 +255,26 @@ impl Collective for Mpi {
         }
     }
 
+    /// One MPI message (standard mode: MPI may buffer a small one and return, or wait for the
+    /// receiver): a header of little-endian `u64`s (the dtype's code, the rank, the dimensions),
+    /// then the values' bytes, exactly as they are (any dtype but the 8-bit float formats).
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        check_peer("send", dst, self.rank(), self.world_size())?;
+        let message = encode(tensor)?;
+        self.world.process_at_rank(dst as i32).send(&message[..]);
+        Ok(())
+    }
+
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        check_peer("recv", src, self.rank(), self.world_size())?;
+        check_contiguous(tensor)?;
+        // Always taken whole (its size probed first), so a refused message is not left behind.
+        let (message, _status) = self.world.process_at_rank(src as i32).receive_vec::<u8>();
+        let (dtype, dims, bytes) = decode(&message)?;
+        check_received(tensor, src, dtype, &dims)?;
+        write_into(tensor, &from_bytes(dtype, &dims, bytes)?)
+    }
+
     fn barrier(&self) -> Result<()> {
         self.world.barrier();
         Ok(())
@@ -260,5 +282,93 @@ impl Collective for Mpi {
 
     fn backend(&self) -> &'static str {
         "mpi"
+    }
+}
+
+/// The dtypes a point-to-point message carries, by their code in its header.
+const P2P_DTYPES: [DType; 7] = [
+    DType::U8,
+    DType::U32,
+    DType::I64,
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+];
+
+/// `values` as little-endian bytes, appended to `out`.
+fn put<T: WithDType, const N: usize>(
+    out: &mut Vec<u8>,
+    tensor: &Tensor,
+    bytes: fn(T) -> [u8; N],
+) -> Result<()> {
+    out.extend(host::<T>(tensor)?.into_iter().flat_map(bytes));
+    Ok(())
+}
+
+/// A point-to-point message: the header (dtype code, rank, dimensions) and the values' bytes.
+fn encode(tensor: &Tensor) -> Result<Vec<u8>> {
+    let dtype = tensor.dtype();
+    let code = P2P_DTYPES
+        .iter()
+        .position(|&d| d == dtype)
+        .ok_or_else(|| unsupported(format!("a send of {dtype:?}")))?;
+    let dims = tensor.dims();
+    let mut out =
+        Vec::with_capacity(8 * (2 + dims.len()) + tensor.elem_count() * dtype.size_in_bytes());
+    for word in [code, dims.len()].into_iter().chain(dims.iter().copied()) {
+        out.extend((word as u64).to_le_bytes());
+    }
+    match dtype {
+        DType::U8 => put::<u8, 1>(&mut out, tensor, |x| [x]),
+        DType::U32 => put::<u32, 4>(&mut out, tensor, u32::to_le_bytes),
+        DType::I64 => put::<i64, 8>(&mut out, tensor, i64::to_le_bytes),
+        DType::BF16 => put::<half::bf16, 2>(&mut out, tensor, half::bf16::to_le_bytes),
+        DType::F16 => put::<half::f16, 2>(&mut out, tensor, half::f16::to_le_bytes),
+        DType::F32 => put::<f32, 4>(&mut out, tensor, f32::to_le_bytes),
+        _ => put::<f64, 8>(&mut out, tensor, f64::to_le_bytes),
+    }?;
+    Ok(out)
+}
+
+/// The header and payload of a message [`encode`] made.
+fn decode(message: &[u8]) -> Result<(DType, Vec<usize>, &[u8])> {
+    let corrupt = || backend("a point-to-point message without its header (not sent by `send`)");
+    let word = |i: usize| -> Result<usize> {
+        let bytes = message.get(8 * i..8 * (i + 1)).ok_or_else(corrupt)?;
+        Ok(u64::from_le_bytes(bytes.try_into().expect("8 bytes")) as usize)
+    };
+    let dtype = *P2P_DTYPES.get(word(0)?).ok_or_else(corrupt)?;
+    let rank = word(1)?;
+    let dims = (0..rank).map(|i| word(2 + i)).collect::<Result<Vec<_>>>()?;
+    let payload = &message[8 * (2 + rank)..];
+    let count: usize = dims.iter().product();
+    if payload.len() != count * dtype.size_in_bytes() {
+        return Err(corrupt());
+    }
+    Ok((dtype, dims, payload))
+}
+
+/// The values of a message's payload as a tensor of `dims`.
+fn from_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor> {
+    fn values<T: WithDType, const N: usize>(
+        bytes: &[u8],
+        dims: &[usize],
+        read: fn([u8; N]) -> T,
+    ) -> Result<Tensor> {
+        let v: Vec<T> = bytes
+            .chunks_exact(N)
+            .map(|c| read(c.try_into().expect("N bytes")))
+            .collect();
+        Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
+    }
+    match dtype {
+        DType::U8 => values::<u8, 1>(bytes, dims, |[x]| x),
+        DType::U32 => values::<u32, 4>(bytes, dims, u32::from_le_bytes),
+        DType::I64 => values::<i64, 8>(bytes, dims, i64::from_le_bytes),
+        DType::BF16 => values::<half::bf16, 2>(bytes, dims, half::bf16::from_le_bytes),
+        DType::F16 => values::<half::f16, 2>(bytes, dims, half::f16::from_le_bytes),
+        DType::F32 => values::<f32, 4>(bytes, dims, f32::from_le_bytes),
+        _ => values::<f64, 8>(bytes, dims, f64::from_le_bytes),
     }
 }

@@ -9,7 +9,7 @@ use candle_core::cuda::cudarc::driver::CudaViewMut;
 use candle_core::cuda::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclReduceOp};
 use candle_core::{CpuStorage, CudaDevice, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
 
-use super::collective::{check_contiguous, check_root};
+use super::collective::{check_contiguous, check_peer, check_received, check_root};
 use super::rendezvous::{fetch_blob, rendezvous_port, RendezvousServer};
 use super::{Collective, DistEnv, DistributedError, ReduceOp};
 use crate::Result;
@@ -27,7 +27,10 @@ pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 /// `bf16` (sum and mean, NCCL's `ncclSum`/`ncclAvg`), `i64`, `u32`, `u8`, `i32` (sum; a mean of
 /// integers is refused, as with [`Mpi`](super::Mpi)); broadcasts take those dtypes. Every tensor
 /// must be contiguous and on this engine's GPU ([`device`](Collective::device)); a CPU tensor is
-/// a [`DistributedError::Unsupported`] naming the device it should be on.
+/// a [`DistributedError::Unsupported`] naming the device it should be on. Point-to-point
+/// [`send`](Collective::send) and [`recv`](Collective::recv) are `ncclSend`/`ncclRecv` of a
+/// header (the dtype and shape, 80 bytes) and then of the values, so a receiver expecting another
+/// shape still takes the message (into scratch memory) and reports the mismatch.
 ///
 /// **Timeout.** NCCL's collectives are asynchronous: a rank that never joins leaves the others'
 /// kernels spinning forever. With a timeout (the default, [`DEFAULT_NCCL_TIMEOUT`], PyTorch's),
@@ -278,11 +281,15 @@ fn unsupported(what: String) -> crate::Error {
     .into()
 }
 
-/// One collective, as [`Nccl::run`] enqueues it.
+/// One collective or point-to-point operation, as [`Nccl::run`] enqueues it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Call {
     AllReduce(ReduceOp),
     Broadcast(usize),
+    /// `ncclSend` to the peer.
+    Send(usize),
+    /// `ncclRecv` from the peer.
+    Recv(usize),
 }
 
 impl Call {
@@ -290,7 +297,43 @@ impl Call {
         match self {
             Call::AllReduce(_) => "all_reduce",
             Call::Broadcast(_) => "broadcast",
+            Call::Send(_) => "send",
+            Call::Recv(_) => "recv",
         }
+    }
+}
+
+/// The dtypes a point-to-point message carries, by their code in its header.
+const P2P_DTYPES: [DType; 8] = [
+    DType::U8,
+    DType::U32,
+    DType::I32,
+    DType::I64,
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+];
+
+/// The most dimensions a point-to-point message may have (its header's fixed size).
+const P2P_MAX_DIMS: usize = 8;
+
+impl Nccl {
+    /// The header that goes before a message: `[dtype code, rank, dims.., 0..]` as `i64`s on
+    /// this GPU, so the receiver can check (and, if refused, still consume) the message.
+    fn header(&self, tensor: &Tensor) -> Result<Tensor> {
+        let dtype = tensor.dtype();
+        let code = P2P_DTYPES.iter().position(|&d| d == dtype);
+        let (Some(code), true) = (code, tensor.rank() <= P2P_MAX_DIMS) else {
+            return Err(unsupported(format!(
+                "a send of a {dtype:?} tensor of shape {:?} (at most {P2P_MAX_DIMS} dimensions)",
+                tensor.dims()
+            )));
+        };
+        let mut words = vec![code as i64, tensor.rank() as i64];
+        words.extend(tensor.dims().iter().map(|&d| d as i64));
+        words.resize(P2P_MAX_DIMS + 2, 0);
+        Ok(Tensor::new(words, &self.device())?)
     }
 }
 
@@ -309,10 +352,15 @@ impl NcclCall<'_> {
                     ReduceOp::Sum => NcclReduceOp::Sum,
                     ReduceOp::Avg => NcclReduceOp::Avg,
                 };
-                self.comm.all_reduce_in_place(&mut view, &op)
+                self.comm.all_reduce_in_place(&mut view, &op).map(drop)
             }
-            // The root was checked against the world size, which fits in an i32.
-            Call::Broadcast(root) => self.comm.broadcast_in_place(&mut view, root as i32),
+            // Roots and peers were checked against the world size, which fits in an i32.
+            Call::Broadcast(root) => self
+                .comm
+                .broadcast_in_place(&mut view, root as i32)
+                .map(drop),
+            Call::Send(peer) => self.comm.send(&view, peer as i32).map(drop),
+            Call::Recv(peer) => self.comm.recv(&mut view, peer as i32).map(drop),
         };
         status
             .map(drop)
@@ -375,6 +423,38 @@ impl Collective for Nccl {
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         check_root(root, self.world_size)?;
         self.run(tensor, Call::Broadcast(root))
+    }
+
+    /// `ncclSend` of a header (dtype and shape, 80 bytes) and then of the values, on the stream;
+    /// NCCL's point-to-point operations block the stream until the peer receives.
+    fn send(&self, tensor: &Tensor, dst: usize) -> Result<()> {
+        check_peer("send", dst, self.rank, self.world_size)?;
+        let header = self.header(tensor)?;
+        let values = tensor.contiguous()?;
+        self.run(&header, Call::Send(dst))?;
+        self.run(&values, Call::Send(dst))
+    }
+
+    /// `ncclRecv` of the header, checked against `tensor`, then of the values into `tensor`; a
+    /// message of another shape or dtype is received into a scratch tensor (so the peer's
+    /// send completes) and refused.
+    fn recv(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        check_peer("recv", src, self.rank, self.world_size)?;
+        check_contiguous(tensor)?;
+        let header = Tensor::zeros(P2P_MAX_DIMS + 2, DType::I64, &self.device())?;
+        self.run(&header, Call::Recv(src))?;
+        let words: Vec<i64> = header.to_vec1()?;
+        let dtype = *P2P_DTYPES
+            .get(words[0] as usize)
+            .ok_or_else(|| backend(format!("rank {src} sent a header without a dtype")))?;
+        let rank = (words[1] as usize).min(P2P_MAX_DIMS);
+        let dims: Vec<usize> = words[2..2 + rank].iter().map(|&d| d as usize).collect();
+        if let Err(e) = check_received(tensor, src, dtype, &dims) {
+            let scratch = Tensor::zeros(dims.as_slice(), dtype, &self.device())?;
+            self.run(&scratch, Call::Recv(src))?;
+            return Err(e);
+        }
+        self.run(tensor, Call::Recv(src))
     }
 
     /// An all-reduce of one element: NCCL has no barrier of its own (PyTorch's NCCL barrier is

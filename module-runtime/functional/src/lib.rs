@@ -35,7 +35,9 @@ use module_core::Tolerance;
 use module_hooks::Captures;
 
 use crate::scope::{Frame, ScopeGuard};
-pub use checkpoint::checkpoint;
+pub use checkpoint::{
+    apply_activation_checkpointing, checkpoint, remove_activation_checkpointing, CheckpointWrapper,
+};
 pub use flat::{FlatSpec, TensorSpec};
 
 /// Options for [`FunctionalExt::functional_call_with`].

@@ -469,7 +469,7 @@ fn fill(pattern: &str, caps: &[String]) -> String {
 }
 
 /// Up to three keys most like `key` (edit distance), the closest first.
-pub(crate) fn near<'a>(key: &str, keys: impl Iterator<Item = &'a str>) -> Vec<String> {
+pub fn near<'a>(key: &str, keys: impl Iterator<Item = &'a str>) -> Vec<String> {
     let mut ranked: Vec<(usize, &str)> = (keys.filter(|k| !k.is_empty()))
         .map(|k| (strsim::levenshtein(key, k), k))
         .collect();

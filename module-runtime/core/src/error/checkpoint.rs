@@ -47,4 +47,20 @@ pub enum CheckpointError {
         /// The tensor's shape.
         shape: Vec<usize>,
     },
+
+    /// [`apply_activation_checkpointing`](../module_runtime/fn.apply_activation_checkpointing.html)
+    /// matched a module that is not held in a `CheckpointWrapper`: it cannot be run again in the
+    /// backward pass.
+    #[error(
+        "`{path}` ({class}) matches `{pattern}` but is not held in a CheckpointWrapper: declare the \
+         field as `CheckpointWrapper<{class}>` (module_runtime::CheckpointWrapper) to checkpoint it"
+    )]
+    NotWrapped {
+        /// The pattern as given.
+        pattern: String,
+        /// The module's path.
+        path: String,
+        /// Its class name.
+        class: String,
+    },
 }

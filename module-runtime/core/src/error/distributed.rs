@@ -118,6 +118,53 @@ pub enum DistributedError {
         cause: String,
     },
 
+    /// A point-to-point `send` or `recv` addressed to this rank itself (PyTorch refuses it too:
+    /// it would wait for itself forever).
+    #[error("`{op}` on rank {rank} names rank {rank} itself as its peer")]
+    PeerIsSelf {
+        /// `"send"` or `"recv"`.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+    },
+
+    /// A pipeline split that does not fit the model or the group: a stage count other than the
+    /// world size, a pattern matching nothing, a parameter or buffer in no stage or in two.
+    #[error("pipeline split: {reason}")]
+    StageSplit {
+        /// What is wrong, naming the paths and stages.
+        reason: String,
+    },
+
+    /// A pipeline step's batch that does not split into the schedule's micro-batches (a count of
+    /// 0, or rows not divisible by it), or inputs and targets of different batch sizes.
+    #[error(
+        "pipeline step on stage {stage}: the {what} of {batch} rows does not split into \
+         {n_microbatches} equal micro-batches"
+    )]
+    MicroBatches {
+        /// This stage.
+        stage: usize,
+        /// `"input"` or `"target"`.
+        what: &'static str,
+        /// Its size along dimension 0.
+        batch: usize,
+        /// The schedule's micro-batch count.
+        n_microbatches: usize,
+    },
+
+    /// A pipeline step called without what its stage needs: the first stage without an input,
+    /// the last without a target.
+    #[error("pipeline step on stage {stage} of {num_stages}: {reason}")]
+    PipelineInput {
+        /// This stage.
+        stage: usize,
+        /// The number of stages.
+        num_stages: usize,
+        /// What is missing.
+        reason: String,
+    },
+
     /// The engine itself failed (MPI initialization, …).
     #[error("{backend}: {message}")]
     Backend {

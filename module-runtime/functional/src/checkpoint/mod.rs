@@ -8,6 +8,7 @@
 //! `ops.rs`.
 
 mod ops;
+mod wrapper;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,9 @@ use candle_core::{DType, Device, Tensor, TensorId};
 
 use crate::error::{CheckpointError, Result};
 use ops::{leaf_inputs, Function, Gate, Link, Out, Saved, State};
+pub use wrapper::{
+    apply_activation_checkpointing, remove_activation_checkpointing, CheckpointWrapper,
+};
 
 /// Runs `function` on `inputs` without keeping its activations for the backward pass; the
 /// backward runs it again to compute them: PyTorch's
