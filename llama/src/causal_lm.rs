@@ -245,7 +245,7 @@ impl LlamaForCausalLM {
         // The embedding's dtype and device (read without its values: a quantized table has no
         // float copy to read).
         let embed = &self.model.embed_tokens.weight;
-        KvCache::new(
+        let mut cache = KvCache::new(
             self.model.layers.len(),
             batch,
             // This rank's key/value heads under tensor parallelism (`tensor_parallel`).
@@ -256,7 +256,17 @@ impl LlamaForCausalLM {
             capacity,
             embed.dtype(),
             &embed.device(),
-        )
+        )?;
+        // Layers placed on other devices (`dispatch_model`): each layer's buffers where it
+        // computes, so that it writes them in place (a moved copy would lose its writes).
+        for ((keys, values), layer) in cache.layers.iter_mut().zip(&self.model.layers) {
+            let device = layer.self_attn.k_proj.weight.device();
+            if !keys.device().same_device(&device) {
+                *keys = keys.to_device(&device)?;
+                *values = values.to_device(&device)?;
+            }
+        }
+        Ok(cache)
     }
 
     /// `cos` and `sin` of the new tokens' angles (`position * inv_freq`, in float32 as

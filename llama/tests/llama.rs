@@ -13,6 +13,8 @@ use module_runtime::prelude::*;
 
 #[path = "llama/adapter.rs"]
 mod adapter;
+#[path = "llama/device_map.rs"]
+mod device_map;
 #[path = "llama/finetune.rs"]
 mod finetune;
 #[path = "llama/full_grads.rs"]

@@ -100,6 +100,9 @@ pub use module_core::{
     SummaryRow, Tolerance, TypedPath, EXTRA_STATE_KEY,
 };
 pub use module_core::{get_rng_state, initial_seed, manual_seed, rand, randn, set_rng_state};
+/// Device maps and offload: the error and what an offloaded parameter reads from (the map itself
+/// is [`nn::big_modeling`]).
+pub use module_core::{DeviceMapError, OffloadSource};
 pub use module_functional::{
     apply_activation_checkpointing, checkpoint, remove_activation_checkpointing, CheckpointWrapper,
     FlatSpec, FunctionalExt, FunctionalOptions, TensorSpec,

@@ -9,7 +9,8 @@ use crate::names::{named_buffers, named_parameters, Names};
 use crate::param::Param;
 
 /// Moves every parameter and buffer under `root` to `device`; quantized weights move with their
-/// parameters.
+/// parameters. Offloaded parameters (`dispatch_model`'s `cpu` and `disk` placements) stay where
+/// their values are kept, for this move and [`to_dtype`].
 pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
     let quantized: Vec<(Param, _)> = named_parameters(root, &Names::new())
         .into_iter()
@@ -18,7 +19,7 @@ pub fn to_device(root: &dyn Module, device: &Device) -> Result<()> {
         .collect::<Result<_>>()?;
     convert(
         root,
-        |p| match p.device().same_device(device) {
+        |p| match p.is_offloaded() || p.device().same_device(device) {
             true => Ok(None),
             false => Ok(Some(p.read().as_tensor().to_device(device)?)),
         },
@@ -42,7 +43,7 @@ pub fn to_dtype(root: &dyn Module, dtype: DType) -> Result<()> {
     }
     convert(
         root,
-        |p| match p.dtype() == dtype {
+        |p| match p.is_offloaded() || p.dtype() == dtype {
             true => Ok(None),
             false => Ok(Some(p.read().as_tensor().to_dtype(dtype)?)),
         },

@@ -14,13 +14,13 @@
 //! |---|---|
 //! | `type_name`, `lazy_shape`, `pattern`, `entries` | names, lazy shapes, path patterns, values by key in insertion order |
 //! | `key_rule`, `key_groups`, `report` | key rewrites, key grouping, load reports |
-//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`, `parametrize`); its message helpers and conversions (`messages`) |
+//! | `error/` | [`Error`] and its payloads (`pth`, `distributed`, `divergence`, `quantize`, `peft`, `parametrize`, `device_map`); its message helpers and conversions (`messages`) |
 //! | `grad_mode`, `identity`, `lazy_cell` | grad mode, identity and sharing, lazy cells |
 //! | `autocast`, `autocast_policy` | mixed precision: the per-thread `autocast` scope and its weight cache; PyTorch's per-op cast policy |
 //! | `random` | the runtime's seeded generator: `manual_seed`, its state, the draws every initializer and dropout makes |
 //! | `update_lock` | atomic weight updates: calls share a lock that updates hold exclusively |
 //! | `scope` | the functional scope: what the leaves read instead of their own values during a functional call |
-//! | `param`, `quant`, `quant_slot`, `parametrized`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`; a parametrized tensor's stand-in: `parametrized`) |
+//! | `param`, `quant`, `quant_slot`, `offload`, `parametrized`, `buffer` | leaves (a parameter's quantized weight: `quant`, where it is kept: `quant_slot`; an offloaded one's source: `offload`; a parametrized tensor's stand-in: `parametrized`) |
 //! | `extra_state` | [`ExtraState`]: a module's non-tensor state, its key, its all-or-nothing restore |
 //! | `module/` | the `Module` trait (`mod`), its impls for leaves, std types and containers (`std_impls`) |
 //! | `walk`, `path`, `names`, `views` | the walk and what is built on it |
@@ -67,6 +67,8 @@ pub mod module;
 #[doc(hidden)]
 pub mod names;
 #[doc(hidden)]
+pub mod offload;
+#[doc(hidden)]
 pub mod param;
 mod parametrized;
 #[doc(hidden)]
@@ -101,8 +103,9 @@ pub mod walk;
 pub use buffer::Buffer;
 pub use device::{device_name, parse_device};
 pub use error::{
-    BackwardHookError, CheckpointError, DistributedError, Error, GgufErrorKind, OutputDivergence,
-    ParametrizeError, PeftError, PthErrorKind, QuantizeError, Result, Tolerance, TransformError,
+    BackwardHookError, CheckpointError, DeviceMapError, DistributedError, Error, GgufErrorKind,
+    OutputDivergence, ParametrizeError, PeftError, PthErrorKind, QuantizeError, Result, Tolerance,
+    TransformError,
 };
 pub use extra_state::{extra_state_from_bytes, extra_state_to_bytes, ExtraState, EXTRA_STATE_KEY};
 pub use forward::Forward;
@@ -117,6 +120,7 @@ pub use lazy_cell::{build_empty, empty_weights, EmptyWeightsGuard, Init, InitFn}
 pub use lazy_shape::LazyShape;
 pub use module::{Child, ChildMut, Mode, Module, Name};
 pub use names::Names;
+pub use offload::OffloadSource;
 pub use param::Param;
 pub use pattern::PathPattern;
 pub use quant_slot::QuantizedLayout;

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::identity::{self, ModeMarks};
 use crate::lazy_cell::{check_built_dims, check_same_layout, is_cannot_set, Init, LazyCell};
 use crate::lazy_shape::LazyShape;
+use crate::offload::OffloadSlot;
 use crate::quant_slot::QuantSlot;
 use crate::update_lock::atomic_update;
 
@@ -59,6 +60,8 @@ pub(crate) struct ParamInner {
     pub(crate) requires_grad: AtomicBool,
     /// The quantized weight, when the parameter is quantized (`quant.rs`).
     pub(crate) quant: QuantSlot,
+    /// Where the values are kept when the parameter is offloaded (`offload.rs`).
+    pub(crate) offload: OffloadSlot,
     /// Whether this is a parametrized tensor's stand-in (`parametrized.rs`): hidden from walks,
     /// not readable.
     pub(crate) parametrized: bool,
@@ -86,6 +89,7 @@ impl Param {
             var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            offload: Default::default(),
             parametrized: false,
         }))
     }
@@ -117,6 +121,7 @@ impl Param {
             var: LazyCell::lazy(shape, init, dtype, device)?,
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            offload: Default::default(),
             parametrized: false,
         })))
     }
@@ -154,6 +159,7 @@ impl Param {
             var: LazyCell::init(&shape.into(), init, fan_in, dtype, device)?,
             requires_grad: AtomicBool::new(true),
             quant: QuantSlot::default(),
+            offload: Default::default(),
             parametrized: false,
         })))
     }
@@ -230,7 +236,7 @@ impl Param {
         if let Some(t) = self.substituted() {
             return Ok(t);
         }
-        if self.is_quantized() {
+        if self.is_quantized() || self.0.offload.is_on() {
             return self.own_tensor();
         }
         let var = self.read();
@@ -285,7 +291,7 @@ impl Param {
     /// [`current`](Self::current)); for a quantized parameter a fresh one, as [`var`](Self::var)
     /// says.
     pub fn current_var(&self) -> Result<Var> {
-        if self.is_quantized() {
+        if self.is_quantized() || self.0.offload.is_on() {
             return Ok(Var::from_tensor(&self.own_tensor()?)?);
         }
         Ok(self.read().clone())
@@ -296,6 +302,9 @@ impl Param {
     /// [quantized](Self::quantize) parameter's are dequantized into a fresh tensor (the only
     /// error this returns); an unbuilt one reads as its empty placeholder.
     pub fn own_tensor(&self) -> Result<Tensor> {
+        if let Some(value) = self.0.offload.load() {
+            return Ok(value?.detach());
+        }
         match self.0.quant.entry() {
             Some(entry) => {
                 let var = self.read();
@@ -311,7 +320,7 @@ impl Param {
     /// Whether the parameter is trained (PyTorch's `requires_grad`). New parameters are; a
     /// [quantized](Self::quantize) one never is.
     pub fn requires_grad(&self) -> bool {
-        self.0.requires_grad.load(Ordering::Relaxed) && !self.is_quantized()
+        self.0.requires_grad.load(Ordering::Relaxed) && !self.is_quantized() && !self.is_offloaded()
     }
 
     /// Freezes (`false`) or unfreezes (`true`) this parameter and every alias of it. A
@@ -323,6 +332,9 @@ impl Param {
 
     /// The parameter's shape (a quantized parameter's is its weight's).
     pub fn shape(&self) -> Shape {
+        if let Some(shape) = self.0.offload.shape() {
+            return shape;
+        }
         match self.0.quant.entry() {
             Some(entry) => entry.shape().clone(),
             None => self.read().shape().clone(),
@@ -354,6 +366,9 @@ impl Param {
     /// float copy of it, as [`quantize`](Self::quantize) leaves it).
     pub fn set(&self, value: &Tensor) -> Result<()> {
         self.refuse_parametrized()?;
+        if let Some(written) = self.0.offload.write(value, self.dtype()) {
+            return written;
+        }
         match self.quantized_dtype() {
             Some(kind) => self.set_requantized(value, kind, self.0.var.dtype()),
             None => self.set_value(value),
@@ -393,6 +408,9 @@ impl Param {
     pub fn assign(&self, value: &Tensor) -> Result<()> {
         self.refuse_parametrized()?;
         check_float(value)?;
+        if let Some(written) = self.0.offload.write(value, self.dtype()) {
+            return written;
+        }
         let value = value.to_device(&self.0.var.device())?;
         match self.quantized_dtype() {
             Some(kind) => self.set_requantized(&value, kind, value.dtype()),
@@ -436,7 +454,11 @@ impl Param {
 
     /// Replaces the `Var` with `f`'s conversion of its value, if any: an
     /// [update](crate::atomic_update).
+    /// An offloaded parameter keeps its place and dtype (its source holds them).
     fn replace_with(&self, f: impl FnOnce(&Tensor) -> Result<Option<Tensor>>) -> Result<()> {
+        if self.is_offloaded() {
+            return Ok(());
+        }
         atomic_update(|| {
             let mut var = self.0.var.write();
             if let Some(new) = f(var.as_tensor())? {
@@ -454,13 +476,18 @@ impl Param {
     /// A new parameter holding a copy of this one's value, with its `requires_grad` (a deep copy:
     /// not an alias). Built parameters only.
     pub fn deep_copy(&self) -> Result<Self> {
-        // `Var::from_tensor` copies a tensor that is not a variable (a detached view is not).
-        let value = self.read().as_tensor().detach();
+        // `Var::from_tensor` copies a tensor that is not a variable (a detached view is not). An
+        // offloaded parameter's copy holds its values.
+        let value = match self.0.offload.load() {
+            Some(value) => value?,
+            None => self.read().as_tensor().detach(),
+        };
         Ok(Self(Arc::new(ParamInner {
             modes: self.0.modes.snapshot(),
             var: LazyCell::eager(Var::from_tensor(&value)?),
             requires_grad: AtomicBool::new(self.0.requires_grad.load(Ordering::Relaxed)),
             quant: QuantSlot::with_entry(self.0.quant.entry()),
+            offload: Default::default(),
             parametrized: self.0.parametrized,
         })))
     }

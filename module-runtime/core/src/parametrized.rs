@@ -42,6 +42,7 @@ impl Param {
             var: LazyCell::eager(var),
             requires_grad: AtomicBool::new(false),
             quant: QuantSlot::default(),
+            offload: Default::default(),
             parametrized: true,
         }))
     }

@@ -127,7 +127,9 @@ impl Param {
     /// into a fresh tensor, the values the model computes with. A quantized parameter is not trained:
     /// [`requires_grad`](Self::requires_grad) is `false` and it is left out of
     /// `trainable_vars`, until [`dequantize`](Self::dequantize). Loading a value into it
-    /// ([`set`](Self::set), a state dict) quantizes the value again.
+    /// ([`set`](Self::set), a state dict) quantizes the value again. An
+    /// [offloaded](Self::offload) parameter is brought back first (its quantized weight is kept
+    /// in memory).
     ///
     /// The weight must be a matrix whose rows (`in_features`) are a multiple of the kind's
     /// block size (32 for `q8_0`/`q4_0`, 256 for the k-quants), else
@@ -167,6 +169,8 @@ impl Param {
         if !self.is_built() {
             return self.quantize_when_loaded(kind);
         }
+        // An offloaded parameter's values come back first: the quantized weight is kept here.
+        self.onload(&self.device())?;
         self.set_requantized(&self.var()?.as_tensor().detach(), kind, self.0.var.dtype())
     }
 

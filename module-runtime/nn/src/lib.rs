@@ -103,6 +103,7 @@ pub use linear::{LazyLinear, LazyLinearPath, Linear, LinearConfig, LinearPath};
 pub use module_kernels::{Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS};
 
 // Quantized weights: `quantize(&model, pattern, kind)`; PEFT adapters (`peft::get_peft_model`).
+pub mod big_modeling;
 pub mod peft;
 mod quantize;
 // Parametrizations: `parametrize::weight_norm`, `spectral_norm`, `orthogonal`.

@@ -2,6 +2,7 @@
 //! its own, and each linked candle again): a file is one area, its tests are named `area::test`.
 
 mod conv_options;
+mod device_map;
 mod nn_activations;
 mod nn_dropout;
 mod nn_embedding;

@@ -6,6 +6,7 @@ use candle_core::{DType, DeviceLocation, Shape};
 mod backward;
 mod checkpoint;
 mod debug;
+mod device_map;
 mod distributed;
 mod divergence;
 mod gguf;
@@ -16,9 +17,9 @@ mod pth;
 mod quantize;
 mod transform;
 
-pub use transform::TransformError;
 pub use {backward::carry, backward::BackwardHookError, checkpoint::CheckpointError};
 pub use {debug::fmt_debug, gguf::GgufErrorKind, messages::location_name, peft::PeftError};
+pub use {device_map::DeviceMapError, transform::TransformError};
 pub use {distributed::DistributedError, divergence::OutputDivergence, divergence::Tolerance};
 pub use {parametrize::ParametrizeError, pth::PthErrorKind, quantize::*};
 
@@ -263,19 +264,18 @@ pub enum Error {
     /// Parametrizations: a path naming no weight, a dimension out of range, …; see [`ParametrizeError`].
     #[error(transparent)]
     Parametrize(#[from] ParametrizeError),
-
+    /// Device maps and offload (`dispatch_model`): a parameter placed nowhere, …; see [`DeviceMapError`].
+    #[error(transparent)]
+    DeviceMap(#[from] DeviceMapError),
     /// Backward hooks: a replacement gradient of another shape; see [`BackwardHookError`].
     #[error(transparent)]
     BackwardHook(Box<BackwardHookError>),
-
     /// Activation checkpointing ([`checkpoint`](../module_runtime/fn.checkpoint.html)); see [`CheckpointError`].
     #[error(transparent)]
     ActivationCheckpoint(#[from] CheckpointError),
-
     /// Load transforms (split, concatenate, transpose) that do not fit; see [`TransformError`].
     #[error(transparent)]
     Transform(Box<TransformError>),
-
     /// A device name that is not `cpu`, `cuda[:N]` or `metal[:N]`.
     #[error("unknown device `{name}`: expected `cpu`, `cuda`, `cuda:N`, `metal` or `metal:N`")]
     InvalidDevice {
