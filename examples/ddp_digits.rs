@@ -112,8 +112,6 @@ fn train(
 ) -> Result<Trained, Box<dyn std::error::Error>> {
     let comm = ddp.collective();
     let model = ddp.module();
-    let device = comm.device();
-    let local_batch = args.batch_size.get() / comm.world_size();
     let adamw = AdamW::new(model, AdamW::options().lr(args.lr))?;
     let (mut plain, mut zero) = match stage {
         None => (Some(adamw), None),
@@ -122,51 +120,70 @@ fn train(
             Some(ZeroRedundancyOptimizer::new(adamw, comm, stage)?),
         ),
     };
+    let (mut reducing, mut reductions) = (Duration::ZERO, 0u32);
+    let time = epochs(args, comm, train, verbose, |x, y| {
+        let loss = candle_nn::loss::cross_entropy(&ddp.call(x)?, y)?;
+        let mut grads = loss.backward()?;
+        let reduce_start = Instant::now();
+        match (&mut plain, &mut zero) {
+            (Some(opt), _) => {
+                ddp.reduce_gradients(&mut grads)?; // the mean over ranks, bucket by bucket
+                reducing += reduce_start.elapsed();
+                opt.step(&grads)?;
+            }
+            (_, Some(zero)) => {
+                zero.reduce_gradients(&mut grads)?; // stage 2: this rank's partition only
+                reducing += reduce_start.elapsed();
+                zero.step(&grads)?; // its partition stepped, the parameters all-gathered
+            }
+            (None, None) => unreachable!("one optimizer is made above"),
+        }
+        reductions += 1;
+        Ok(loss.to_scalar::<f32>()?)
+    })?;
+    Ok(Trained {
+        time,
+        reducing,
+        reductions,
+    })
+}
+
+/// Runs `args.epochs` epochs over this rank's share of `train` (a new shuffle each epoch, the same
+/// on every rank): `step(x, y)` trains on one batch of `--batch-size / world size` examples and
+/// returns its loss. With `verbose`, rank 0 prints its mean loss every 10 epochs. Returns the
+/// time taken.
+fn epochs(
+    args: &Args,
+    comm: &dyn Collective,
+    train: &Digits,
+    verbose: bool,
+    mut step: impl FnMut(&Tensor, &Tensor) -> Result<f32, Box<dyn std::error::Error>>,
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let device = comm.device();
+    let local_batch = args.batch_size.get() / comm.world_size();
     let mut sampler = DistributedSampler::for_collective(train.len(), comm)?
         .shuffle(true)
         .seed(args.seed);
     let start = Instant::now();
-    let (mut reducing, mut reductions) = (Duration::ZERO, 0u32);
     for epoch in 0..args.epochs {
-        sampler.set_epoch(epoch); // a new shuffle each epoch, the same on every rank
+        sampler.set_epoch(epoch);
         let mut total = 0.0;
         let indices = sampler.indices();
         let batches = indices.chunks(local_batch);
-        let steps = batches.len();
+        let count = batches.len();
         for batch in batches {
             let (x, y) = train.gather(batch, &device)?;
-            let loss = candle_nn::loss::cross_entropy(&ddp.call(&x)?, &y)?;
-            let mut grads = loss.backward()?;
-            let reduce_start = Instant::now();
-            match (&mut plain, &mut zero) {
-                (Some(opt), _) => {
-                    ddp.reduce_gradients(&mut grads)?; // the mean over ranks, bucket by bucket
-                    reducing += reduce_start.elapsed();
-                    opt.step(&grads)?;
-                }
-                (_, Some(zero)) => {
-                    zero.reduce_gradients(&mut grads)?; // stage 2: this rank's partition only
-                    reducing += reduce_start.elapsed();
-                    zero.step(&grads)?; // its partition stepped, the parameters all-gathered
-                }
-                (None, None) => unreachable!("one optimizer is made above"),
-            }
-            reductions += 1;
-            total += loss.to_scalar::<f32>()?;
+            total += step(&x, &y)?;
         }
-        if verbose && ddp.is_main() && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
+        if verbose && comm.rank() == 0 && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
             println!(
                 "epoch {:3}: rank 0's mean loss {:.4}",
                 epoch + 1,
-                total / steps as f32
+                total / count as f32
             );
         }
     }
-    Ok(Trained {
-        time: start.elapsed(),
-        reducing,
-        reductions,
-    })
+    Ok(start.elapsed())
 }
 
 /// The model's parameters as one flat `f32` vector.
@@ -267,37 +284,17 @@ fn fully_sharded(
         );
     }
     let mut opt = AdamW::new(fsdp.module(), AdamW::options().lr(args.lr))?; // over the shards
-    let mut sampler = DistributedSampler::for_collective(train_set.len(), &*comm)?
-        .shuffle(true)
-        .seed(args.seed);
-    let start = Instant::now();
     let (mut backward, mut steps) = (Duration::ZERO, 0u32);
-    for epoch in 0..args.epochs {
-        sampler.set_epoch(epoch);
-        let mut total = 0.0;
-        let indices = sampler.indices();
-        let batches = indices.chunks(local_batch);
-        let count = batches.len();
-        for batch in batches {
-            let (x, y) = train_set.gather(batch, &device)?;
-            let loss = candle_nn::loss::cross_entropy(&fsdp.call(&x)?, &y)?;
-            let backward_start = Instant::now();
-            // Each unit gathered again, its gradient reduce-scattered: shards, averaged.
-            let grads = loss.backward()?;
-            backward += backward_start.elapsed();
-            opt.step(&grads)?;
-            steps += 1;
-            total += loss.to_scalar::<f32>()?;
-        }
-        if rank == 0 && ((epoch + 1) % 10 == 0 || epoch + 1 == args.epochs) {
-            println!(
-                "epoch {:3}: rank 0's mean loss {:.4}",
-                epoch + 1,
-                total / count as f32
-            );
-        }
-    }
-    let time = start.elapsed();
+    let time = epochs(args, &*comm, train_set, true, |x, y| {
+        let loss = candle_nn::loss::cross_entropy(&fsdp.call(x)?, y)?;
+        let backward_start = Instant::now();
+        // Each unit gathered again, its gradient reduce-scattered: shards, averaged.
+        let grads = loss.backward()?;
+        backward += backward_start.elapsed();
+        opt.step(&grads)?;
+        steps += 1;
+        Ok(loss.to_scalar::<f32>()?)
+    })?;
     let peaks = gather_u64(&*comm, peak_rss_kib())?;
     let accuracy = |data: &Digits| fsdp.summon_full_params(|m| Ok(m.accuracy(data, &device)?));
     let (train_accuracy, test_accuracy) = (accuracy(train_set)?, accuracy(test)?);
@@ -362,8 +359,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     if args.zero == 3 {
         return fully_sharded(&args, model, comm, &train_set, &test);
     }
-    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?; // ...rank 0's win
-                                                                                   // The starting point, kept (copied) for the `--zero 0` reference run.
+    // ...rank 0's values win.
+    let ddp = DistributedDataParallel::new(&model, &*comm, DdpConfig::default())?;
+    // The starting point, kept (copied) for the `--zero 0` reference run.
     let initial: StateDict = model
         .state_dict()?
         .iter()
