@@ -55,7 +55,7 @@ use std::time::Instant;
 
 use candle_transformers::models::llama as peer;
 use candle_transformers::models::quantized_llama as quantized_peer;
-use llama::{LlamaConfig, LlamaForCausalLM};
+use llama::LlamaForCausalLM;
 use module_runtime::candle_core::quantized::{gguf_file, GgmlDType};
 use module_runtime::candle_nn::VarBuilder;
 use module_runtime::nn::{parse_quant_kind, quantize};
@@ -442,17 +442,10 @@ fn make_random_model(dir: &Path) -> AnyResult<()> {
         "rope_theta": 100000.0, "tie_word_embeddings": true, "bos_token_id": 0,
         "eos_token_id": 0,
     });
-    let config = LlamaConfig::from_json(&json)?;
     eprintln!(
         "making a random SmolLM-135M-shaped model in {}",
         dir.display()
     );
-    let model = LlamaForCausalLM::new(&config, &Device::Cpu)?;
-    std::fs::create_dir_all(dir)?;
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&json)?,
-    )?;
-    model.save_safetensors(dir.join("model.safetensors"))?;
+    LlamaForCausalLM::save_random_pretrained(dir, &json)?;
     Ok(())
 }

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use llama::{LlamaConfig, LlamaForCausalLM};
+use llama::LlamaForCausalLM;
 use module_runtime::distributed::{Collective, DistEnv, Mpi, ReduceOp};
 use module_runtime::nn::{OutputReduce, TensorParallel};
 use module_runtime::prelude::*;
@@ -157,14 +157,7 @@ fn make_random_model(dir: &Path) -> AnyResult<()> {
         "rope_theta": 100000.0, "tie_word_embeddings": true, "bos_token_id": 0,
         "eos_token_id": 0,
     });
-    let config = LlamaConfig::from_json(&json)?;
     eprintln!("making a random 8-head Llama in {}", dir.display());
-    let model = LlamaForCausalLM::new(&config, &Device::Cpu)?;
-    std::fs::create_dir_all(dir)?;
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&json)?,
-    )?;
-    model.save_safetensors(dir.join("model.safetensors"))?;
+    LlamaForCausalLM::save_random_pretrained(dir, &json)?;
     Ok(())
 }

@@ -125,6 +125,42 @@ impl LlamaForCausalLM {
         })
     }
 
+    /// Writes a model folder of a randomly initialized model (PyTorch's default initializations)
+    /// of the `config.json` value `json`: `config.json` and `model.safetensors`, as transformers'
+    /// `LlamaForCausalLM(LlamaConfig(**json)).save_pretrained(dir)` does. What benchmarks and
+    /// examples use for a model of a given shape; [`from_pretrained`](Self::from_pretrained)
+    /// reads it back.
+    ///
+    /// ```
+    /// use llama::LlamaForCausalLM;
+    /// use module_runtime::prelude::*;
+    ///
+    /// let json = serde_json::json!({
+    ///     "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+    ///     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+    ///     "rms_norm_eps": 1e-5, "tie_word_embeddings": true,
+    /// });
+    /// let dir = std::env::temp_dir().join(format!("llama-random-doc-{}", std::process::id()));
+    /// LlamaForCausalLM::save_random_pretrained(&dir, &json)?;
+    /// let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
+    /// assert_eq!(model.config.num_hidden_layers, 2);
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn save_random_pretrained(dir: &Path, json: &serde_json::Value) -> Result<()> {
+        let cfg = LlamaConfig::from_json(json).map_err(invalid)?;
+        let model = Self::new(&cfg, &Device::Cpu)?;
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let config = dir.join("config.json");
+        let text = serde_json::to_string_pretty(json).map_err(|e| invalid(e.to_string()))?;
+        std::fs::write(&config, text).map_err(io(&config))?;
+        model.save_safetensors(dir.join("model.safetensors"))
+    }
+
     /// Loads a Hugging Face model folder (`config.json` and `model.safetensors`, or the shards of
     /// `model.safetensors.index.json`) strictly by name, in evaluation mode. No random values
     /// are drawn: the model is built empty, then loaded.
