@@ -14,7 +14,7 @@
 //! cargo bench -p llama --bench memory
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use candle_module::process_memory_mib;
@@ -23,6 +23,9 @@ use module_runtime::nn::quantize;
 use module_runtime::prelude::*;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[path = "support/mod.rs"]
+mod support;
 
 /// The case a child process measures.
 const CASE: &str = "MEMORY_BENCH_CASE";
@@ -74,19 +77,11 @@ fn measure(case: &str, dir: &Path) -> AnyResult<()> {
 }
 
 fn main() -> AnyResult<()> {
-    let dir = std::env::var_os("LLAMA_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
+    let dir = support::model_dir();
     if let Ok(case) = std::env::var(CASE) {
         return measure(&case, &dir);
     }
-    if !dir.join("model.safetensors").exists() {
-        return Err(format!(
-            "no checkpoint in {}: run the decode benchmark first",
-            dir.display()
-        )
-        .into());
-    }
+    support::require_model(&dir)?;
     let mut cases = Vec::new();
     for (name, _) in KINDS {
         cases.push(name.to_owned());

@@ -26,6 +26,9 @@ use module_runtime::prelude::*;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
+#[path = "support/mod.rs"]
+mod support;
+
 /// The case a child process measures: `unmapped` or `disk`.
 const CASE: &str = "OFFLOAD_BENCH_CASE";
 const RUNS: usize = 5;
@@ -95,19 +98,11 @@ fn measure(case: &str, dir: &Path) -> AnyResult<()> {
 }
 
 fn main() -> AnyResult<()> {
-    let dir = std::env::var_os("LLAMA_BENCH_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join("smollm-135m-random"));
+    let dir = support::model_dir();
     if let Ok(case) = std::env::var(CASE) {
         return measure(&case, &dir);
     }
-    if !dir.join("model.safetensors").exists() {
-        return Err(format!(
-            "no checkpoint in {}: run the decode benchmark first",
-            dir.display()
-        )
-        .into());
-    }
+    support::require_model(&dir)?;
     let folder = offload_dir();
     if !folder.join("model.norm.weight.safetensors").exists() {
         println!("writing the offload folder {}", folder.display());
