@@ -11,7 +11,8 @@
 //! ```
 //!
 //! With `PYTORCH` set, every round also runs `benches/support/pytorch_autocast_step.py` twice
-//! (float32, autocast), after our two variants' steps.
+//! (float32, autocast), after our two variants' steps. `ONLY=0` (float32) or `ONLY=1` (autocast)
+//! times one of ours alone, for a profile of that one (`perf record --call-graph dwarf`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -126,6 +127,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut torch_lines = Vec::new();
     for round in 0..rounds {
         for (i, model) in models.iter().enumerate() {
+            if std::env::var("ONLY").is_ok_and(|v| v != i.to_string()) {
+                continue;
+            }
             for _ in 0..STEPS {
                 times[i].push(step(model, &mut opts[i], i == 1)?);
             }
@@ -147,6 +151,9 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         }
     }
     for (i, label) in ["float32", "autocast bf16"].iter().enumerate() {
+        if times[i].is_empty() {
+            continue;
+        }
         let part = |k: usize| median(times[i].iter().map(|p| p[k].as_secs_f64() * 1e3).collect());
         let whole = median(
             times[i]
