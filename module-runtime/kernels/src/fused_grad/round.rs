@@ -84,9 +84,23 @@ mod tests {
     #[test]
     fn the_branchless_rounding_is_halfs() {
         let edges = [
-            0u32, 0x8000_0000, 1, 0x0000_8000, 0x0001_8000, 0x3F80_8000, 0x3F81_8000, 0x3F80_7FFF,
-            0x7F7F_FFFF, 0xFF7F_FFFF, 0x7F7F_7FFF, 0x7F80_0000, 0xFF80_0000, 0x7F80_0001,
-            0x7FC0_0000, 0xFFFF_FFFF, 0x7FBF_FFFF,
+            0u32,
+            0x8000_0000,
+            1,
+            0x0000_8000,
+            0x0001_8000,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_7FFF,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+            0x7F7F_7FFF,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001,
+            0x7FC0_0000,
+            0xFFFF_FFFF,
+            0x7FBF_FFFF,
         ];
         let sampled = (0..=u32::MAX / 65_521).map(|i| i.wrapping_mul(65_521) ^ (i >> 3));
         for bits in edges.into_iter().chain(sampled) {
