@@ -300,7 +300,9 @@ fn fused_cross_entropy_matches_composed_with_ignored_rows() {
         let (composed_loss, composed_grad) = without_fusion(run);
         let what = format!("cross-entropy ({reduction:?})");
         assert_near(&format!("{what}: loss"), &loss, &composed_loss, 2e-6);
-        assert_near(&format!("{what}: grad"), &grad, &composed_grad, 3e-6);
+        // At 1e-5, as the other layers' gradients: the logits are drawn anew each run, and the
+        // fused pass's vectorized exp rounds differently from the composed one (3.7e-6 seen).
+        assert_near(&format!("{what}: grad"), &grad, &composed_grad, 1e-5);
     }
 }
 
