@@ -45,7 +45,7 @@ impl RoundTo {
 /// values round to infinity as the cast does), a NaN kept a quiet NaN with its sign and upper
 /// payload (the `half` crate's rule).
 #[inline]
-fn round_bf16(x: f32) -> f32 {
+pub(crate) fn round_bf16(x: f32) -> f32 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
     let nan = (bits & 0xFFFF_0000) | 0x0040_0000;
