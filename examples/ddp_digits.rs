@@ -186,6 +186,19 @@ fn epochs(
     Ok(start.elapsed())
 }
 
+/// Prints every rank's peak resident memory (`peaks`, KiB by rank) at ZeRO stage `stage`.
+fn print_peaks(stage: u8, peaks: &[u64]) {
+    let peaks: Vec<String> = peaks
+        .iter()
+        .enumerate()
+        .map(|(r, kib)| format!("rank {r} {:.1} MiB", *kib as f64 / 1024.0))
+        .collect();
+    println!(
+        "peak resident memory (VmHWM) at --zero {stage}: {}",
+        peaks.join(", ")
+    );
+}
+
 /// The model's parameters as one flat `f32` vector.
 fn flat_params(model: &DigitNet) -> Result<Vec<f32>> {
     let parts = model
@@ -310,15 +323,7 @@ fn fully_sharded(
             100.0 * test_accuracy,
             backward.as_secs_f64() * 1e6 / f64::from(steps.max(1)),
         );
-        let peaks: Vec<String> = peaks
-            .iter()
-            .enumerate()
-            .map(|(r, kib)| format!("rank {r} {:.1} MiB", *kib as f64 / 1024.0))
-            .collect();
-        println!(
-            "peak resident memory (VmHWM) at --zero 3: {}",
-            peaks.join(", ")
-        );
+        print_peaks(3, &peaks);
         full.save_safetensors(&args.out)?; // the model file one process loads
         println!("rank 0 saved {} (the full state dict)", args.out.display());
     }
@@ -413,16 +418,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             100.0 * model.accuracy(&test, &device)?,
             trained.reducing.as_secs_f64() * 1e6 / f64::from(trained.reductions.max(1)),
         );
-        let peaks: Vec<String> = peaks
-            .iter()
-            .enumerate()
-            .map(|(r, kib)| format!("rank {r} {:.1} MiB", *kib as f64 / 1024.0))
-            .collect();
-        println!(
-            "peak resident memory (VmHWM) at --zero {}: {}",
-            args.zero,
-            peaks.join(", ")
-        );
+        print_peaks(args.zero, &peaks);
         model.save_safetensors(&args.out)?; // names as the model's: no `module.` prefix
         println!("rank 0 saved {}", args.out.display());
     }
