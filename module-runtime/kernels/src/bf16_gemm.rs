@@ -118,13 +118,21 @@ unsafe fn round_avx512(values: &[f32], out: &mut [u16]) {
 #[inline(always)]
 fn round_all(values: &[f32], out: &mut [u16]) {
     for (o, &v) in out.iter_mut().zip(values) {
-        let bits = v.to_bits();
-        let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
-        *o = if v.is_nan() {
-            (bits >> 16) as u16 | 0x40
-        } else {
-            rounded
-        };
+        *o = bf16_bits(v);
+    }
+}
+
+/// The bfloat16 bits of `v`, rounded to nearest even (carrying into the exponent, so the largest
+/// finite values round to infinity), a NaN kept a quiet NaN: `half::bf16::from_f32(v)`'s bits,
+/// without a branch, so that a loop over values vectorizes.
+#[inline(always)]
+pub(crate) fn bf16_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    if v.is_nan() {
+        (bits >> 16) as u16 | 0x40
+    } else {
+        rounded
     }
 }
 

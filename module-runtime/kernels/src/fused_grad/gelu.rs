@@ -51,12 +51,19 @@ impl candle_core::CustomOp1 for GeluErf {
         let dx = with_f32([x, y, &grad], name, |inputs| {
             map_rows(inputs, 1, |dx, [x, y, g]| {
                 for (((dx, &x), &y), &g) in dx.iter_mut().zip(x).zip(y).zip(g) {
-                    let cdf = if x == 0.0 { 0.5 } else { y / x };
-                    let pdf = INV_SQRT_TWO_PI * (-0.5 * x * x).exp();
-                    *dx = g * (cdf + x * pdf);
+                    *dx = gelu_erf_grad(x, y, g);
                 }
             })
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
+}
+
+/// `g (Φ(x) + x φ(x))`, the gradient through the exact GELU at `x` of `g`, with `Φ(x)` read from
+/// the forward's float32 value `y = GELU(x)` (`Φ(0) = ½`).
+#[inline(always)]
+pub(super) fn gelu_erf_grad(x: f32, y: f32, g: f32) -> f32 {
+    let cdf = if x == 0.0 { 0.5 } else { y / x };
+    let pdf = INV_SQRT_TWO_PI * (-0.5 * x * x).exp();
+    g * (cdf + x * pdf)
 }

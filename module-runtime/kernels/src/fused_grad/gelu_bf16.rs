@@ -4,16 +4,15 @@
 //! accumulates into a zero-filled buffer during the backward).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
+use crate::bf16_gemm::to_bf16_bits;
 use crate::elementwise::gelu_erf_vectorized;
 use crate::error::Result;
+use crate::fused_grad::gelu::gelu_erf_grad;
+use crate::fused_grad::linear_bf16::to_storage;
 use crate::fused_grad::map_rows;
-use crate::fused_grad::round::round_bf16;
-
-/// `1 / √(2π)`, the standard normal density at 0.
-const INV_SQRT_TWO_PI: f32 = 0.398_942_3;
 
 /// [`gelu_erf`](crate::gelu_erf) of a bfloat16 CPU tensor `x`, recording a one-pass backward
 /// whose gradient is rounded to bfloat16 as the cast's backward rounds it.
@@ -36,14 +35,6 @@ fn widen(storage: &CpuStorage, layout: &Layout, op: &'static str) -> candle_core
         .contiguous_offsets()
         .ok_or(candle_core::Error::RequiresContiguous { op })?;
     Ok(data[start..end].iter().map(|v| v.to_f32()).collect())
-}
-
-/// `values` rounded to bfloat16, to nearest even (candle's and PyTorch's cast).
-fn narrow(values: &[f32]) -> Vec<bf16> {
-    values
-        .iter()
-        .map(|&v| bf16::from_bits((round_bf16(v).to_bits() >> 16) as u16))
-        .collect()
 }
 
 /// The float32 values of a contiguous bfloat16 CPU tensor.
@@ -69,7 +60,7 @@ impl candle_core::CustomOp1 for GeluErfBf16 {
                 *y = gelu_erf_vectorized(x);
             }
         });
-        Ok((CpuStorage::BF16(narrow(&y)), layout.shape().clone()))
+        Ok((to_storage(&y, DType::BF16), layout.shape().clone()))
     }
 
     /// `dx = g (Φ(x) + x φ(x))` as the float32 op's backward computes it, with `Φ(x) = GELU(x) / x`
@@ -83,13 +74,11 @@ impl candle_core::CustomOp1 for GeluErfBf16 {
         );
         let dx = map_rows([&xs, &gs], 1, |dx, [x, g]| {
             for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                let y = gelu_erf_vectorized(x);
-                let cdf = if x == 0.0 { 0.5 } else { y / x };
-                let pdf = INV_SQRT_TWO_PI * (-0.5 * x * x).exp();
-                *dx = g * (cdf + x * pdf);
+                *dx = gelu_erf_grad(x, gelu_erf_vectorized(x), g);
             }
         });
-        Ok(Some(Tensor::from_vec(narrow(&dx), x.shape(), x.device())?))
+        let dx = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(&dx));
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
 }
 

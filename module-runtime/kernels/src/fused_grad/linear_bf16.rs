@@ -70,7 +70,7 @@ fn bits<'a>(
 
 /// Float32 results each rounded once to bfloat16, as a bfloat16 storage, or (`dtype` float32)
 /// widened back into a float32 one.
-fn to_storage(values: &[f32], dtype: DType) -> CpuStorage {
+pub(super) fn to_storage(values: &[f32], dtype: DType) -> CpuStorage {
     let bits = to_bf16_bits(values);
     match dtype {
         DType::F32 => CpuStorage::F32(

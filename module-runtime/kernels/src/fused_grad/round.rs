@@ -8,6 +8,7 @@
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 use half::f16;
 
+use crate::bf16_gemm::bf16_bits;
 use crate::cpu::f32_slice;
 use crate::error::Result;
 use crate::fused_grad::{map_rows, with_f32};
@@ -27,7 +28,7 @@ impl RoundTo {
         if self.0 == DType::BF16 {
             map_rows([values], 1, |out, [x]| {
                 for (y, &x) in out.iter_mut().zip(x) {
-                    *y = round_bf16(x);
+                    *y = f32::from_bits(u32::from(bf16_bits(x)) << 16);
                 }
             })
         } else {
@@ -38,22 +39,6 @@ impl RoundTo {
             })
         }
     }
-}
-
-/// `bf16::from_f32(x).to_f32()` without branches, so that the loop over a row vectorizes: the
-/// upper 16 bits rounded to nearest even (carrying into the exponent, so the largest finite
-/// values round to infinity as the cast does), a NaN kept a quiet NaN with its sign and upper
-/// payload (the `half` crate's rule).
-#[inline]
-pub(crate) fn round_bf16(x: f32) -> f32 {
-    let bits = x.to_bits();
-    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
-    let nan = (bits & 0xFFFF_0000) | 0x0040_0000;
-    f32::from_bits(if bits & 0x7FFF_FFFF > 0x7F80_0000 {
-        nan
-    } else {
-        rounded
-    })
 }
 
 impl candle_core::CustomOp1 for RoundTo {
@@ -79,10 +64,10 @@ mod tests {
     use candle_core::{Device, Var};
     use half::bf16;
 
-    /// The branchless rounding is `half`'s, bit for bit, on every 2^-16th of the bit patterns
-    /// and on the edges (zeros, subnormals, ties, the largest finite values, infinities, NaNs).
+    /// The rounding is `half`'s, bit for bit, on every 2^-16th of the bit patterns and on the
+    /// edges (zeros, subnormals, ties, the largest finite values, infinities, NaNs).
     #[test]
-    fn the_branchless_rounding_is_halfs() {
+    fn the_rounding_is_halfs() {
         let edges = [
             0u32,
             0x8000_0000,
@@ -103,10 +88,15 @@ mod tests {
             0x7FBF_FFFF,
         ];
         let sampled = (0..=u32::MAX / 65_521).map(|i| i.wrapping_mul(65_521) ^ (i >> 3));
-        for bits in edges.into_iter().chain(sampled) {
-            let x = f32::from_bits(bits);
-            let want = bf16::from_f32(x).to_f32().to_bits();
-            assert_eq!(round_bf16(x).to_bits(), want, "{bits:#010x}");
+        let values: Vec<f32> = edges
+            .into_iter()
+            .chain(sampled)
+            .map(f32::from_bits)
+            .collect();
+        let rounded = RoundTo(DType::BF16).round(&values);
+        for (x, y) in values.iter().zip(rounded) {
+            let want = bf16::from_f32(*x).to_f32().to_bits();
+            assert_eq!(y.to_bits(), want, "{:#010x}", x.to_bits());
         }
     }
 
