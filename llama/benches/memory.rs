@@ -15,7 +15,6 @@
 //! ```
 
 use std::path::Path;
-use std::process::Command;
 
 use candle_module::process_memory_mib;
 use llama::LlamaForCausalLM;
@@ -94,13 +93,6 @@ fn main() -> AnyResult<()> {
             );
         }
     }
-    for case in &cases {
-        let status = Command::new(std::env::current_exe()?)
-            .env(CASE, case)
-            .status()?;
-        if !status.success() {
-            return Err(format!("the {case} case failed: {status}").into());
-        }
-    }
+    support::run_cases(CASE, &cases)?;
     Ok(())
 }

@@ -16,7 +16,6 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use candle_module::process_memory_mib;
@@ -110,14 +109,7 @@ fn main() -> AnyResult<()> {
         dispatch_model(&model, &map(&folder)?)?;
     }
     println!("{}", module_runtime::backends::cpu::kernel_choice());
-    for case in ["unmapped", "disk"] {
-        let status = Command::new(std::env::current_exe()?)
-            .env(CASE, case)
-            .status()?;
-        if !status.success() {
-            return Err(format!("the {case} case failed: {status}").into());
-        }
-    }
+    support::run_cases(CASE, &["unmapped", "disk"])?;
     let read = |case: &str| -> AnyResult<Tensor> {
         let path = std::env::temp_dir().join(format!("offload-bench-{case}.safetensors"));
         let sd = StateDict::read(path, &LoadOptions::default())?;

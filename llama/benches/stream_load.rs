@@ -18,7 +18,6 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use candle_module::process_memory_mib;
@@ -28,6 +27,9 @@ use module_runtime::prelude::*;
 use module_runtime::{build_empty, ModuleExt};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[path = "support/mod.rs"]
+mod support;
 
 /// The case a child process measures.
 const CASE: &str = "STREAM_BENCH_CASE";
@@ -140,13 +142,6 @@ fn main() -> AnyResult<()> {
     }
     println!("| case | load | model | peak resident (process) | peak / model | check |");
     println!("|---|---|---|---|---|---|");
-    for case in &cases {
-        let status = Command::new(std::env::current_exe()?)
-            .env(CASE, case)
-            .status()?;
-        if !status.success() {
-            return Err(format!("the {case} case failed: {status}").into());
-        }
-    }
+    support::run_cases(CASE, &cases)?;
     Ok(())
 }
