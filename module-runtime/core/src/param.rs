@@ -273,6 +273,37 @@ impl Param {
         })
     }
 
+    /// Rows `ids` (flat integer ids) of this `[rows, dim]` parameter as the active functional
+    /// scope looks them up, or `None` when no scope has a lookup for it: read
+    /// [`tensor`](Self::tensor) and select the rows then. A layer that reads rows of a table (an
+    /// embedding) asks this first, so that a scope that can answer without the whole table does:
+    /// module-optim's `FullyShardedDataParallel` looks the rows up in the gathered table and sends their gradient to the shards, so the table is never gathered again
+    /// for the backward. Detached under `no_grad`, as [`tensor`](Self::tensor) is.
+    ///
+    /// ```
+    /// use module_core::Param;
+    /// # use candle_core::{Device, DType, Tensor};
+    /// let table = Param::new(Tensor::zeros((4, 2), DType::F32, &Device::Cpu)?)?;
+    /// let ids = Tensor::new(&[0u32, 3], &Device::Cpu)?;
+    /// assert!(table.scoped_rows(&ids)?.is_none()); // no scope: read `tensor()` instead
+    /// # Ok::<(), module_core::Error>(())
+    /// ```
+    pub fn scoped_rows(&self, ids: &Tensor) -> Result<Option<Tensor>> {
+        // A parametrized parameter's value is computed from its originals, never looked up.
+        if !crate::scope::active() || self.0.parametrized {
+            return Ok(None);
+        }
+        let Some(lookup) = crate::scope::rows(self.id()) else {
+            return Ok(None);
+        };
+        let rows = lookup(ids)?;
+        Ok(Some(if crate::grad_mode::is_grad_enabled() {
+            rows
+        } else {
+            rows.detach()
+        }))
+    }
+
     /// The candle `Var` behind the parameter (whether frozen or not), for candle's optimizers
     /// and `GradStore` lookups; [`Error::NotLoaded`] when the parameter
     /// is not built (see [`tensor`](Self::tensor)).

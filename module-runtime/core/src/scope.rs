@@ -16,6 +16,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::marker::PhantomData;
+use std::rc::Rc;
 
 use candle_core::Tensor;
 
@@ -32,15 +33,25 @@ thread_local! {
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
 }
 
+/// How a scope looks up rows of a `[rows, dim]` parameter: given the flat integer ids, the
+/// `[ids, dim]` rows ([`Param::scoped_rows`](crate::Param::scoped_rows)).
+pub type RowLookup = Rc<dyn Fn(&Tensor) -> Result<Tensor>>;
+
 /// One scope's substitutions.
 #[derive(Default)]
 pub struct Frame {
     /// Parameter id -> the tensor to compute with.
     pub params: IdMap<Tensor>,
+    /// Parameter id -> the scope's own lookup of rows of it, for layers that read rows of a table
+    /// rather than the table (an embedding). A parameter here usually has `params` too, for the
+    /// other reads.
+    pub rows: IdMap<RowLookup>,
     /// Buffer id -> the scope's copy of the buffer (reads and writes go here).
     pub buffers: IdMap<Tensor>,
     /// The train/eval flag the model's [`Mode`](crate::Mode)s read (by address), if overridden.
     pub training: Option<(bool, IdentitySet)>,
+    /// The parameters whose `params` tensor was read ([`ScopeGuard::was_read`]).
+    read: RefCell<IdentitySet>,
 }
 
 /// Whether a functional scope is open on this thread.
@@ -54,10 +65,28 @@ fn innermost(find: impl FnMut(&Frame) -> Option<Tensor>) -> Option<Tensor> {
     FRAMES.with(|f| f.borrow().iter().rev().find_map(find))
 }
 
-/// The tensor a scope substitutes for the parameter `id`, innermost scope first.
+/// The tensor a scope substitutes for the parameter `id`, innermost scope first; the scope
+/// that answers records the read ([`ScopeGuard::was_read`]).
 #[cold]
 pub fn param(id: usize) -> Option<Tensor> {
-    innermost(|fr| fr.params.get(&id).cloned())
+    innermost(|fr| {
+        let t = fr.params.get(&id)?.clone();
+        fr.read.borrow_mut().insert(id);
+        Some(t)
+    })
+}
+
+/// The row lookup of the innermost scope that substitutes the parameter `id`: `None` when that
+/// scope has only a tensor for it (or no scope has either).
+#[cold]
+pub fn rows(id: usize) -> Option<RowLookup> {
+    FRAMES.with(|f| {
+        f.borrow()
+            .iter()
+            .rev()
+            .find(|fr| fr.rows.contains_key(&id) || fr.params.contains_key(&id))
+            .and_then(|fr| fr.rows.get(&id).cloned())
+    })
 }
 
 /// The scope's copy of the buffer `id`, innermost scope first.
@@ -121,6 +150,16 @@ impl ScopeGuard {
     /// The buffers' values as the scope leaves them (it stays open).
     pub fn buffer(&self, id: usize) -> Option<Tensor> {
         FRAMES.with(|f| f.borrow().get(self.depth - 1)?.buffers.get(&id).cloned())
+    }
+
+    /// Whether this scope's tensor for the parameter `id` has been read since it opened (a read
+    /// an inner scope answered does not count). A parameter only looked up by rows was not.
+    pub fn was_read(&self, id: usize) -> bool {
+        FRAMES.with(|f| {
+            f.borrow()
+                .get(self.depth - 1)
+                .is_some_and(|fr| fr.read.borrow().contains(&id))
+        })
     }
 }
 
@@ -198,5 +237,29 @@ mod tests {
         assert!(write_buffer(8, t(5.0)).is_err());
         drop(inner);
         assert_eq!(read(7), Some(5.0));
+    }
+
+    #[test]
+    fn row_lookups_answer_from_the_innermost_scope_and_reads_are_recorded() {
+        let lookup: RowLookup = Rc::new(|ids: &Tensor| Ok(ids.to_dtype(DType::F32)?));
+        let mut outer = Frame::default();
+        outer.params.insert(1, t(1.0));
+        outer.rows.insert(1, lookup.clone());
+        outer.rows.insert(2, lookup);
+        let outer = ScopeGuard::enter(outer);
+        assert!(rows(1).is_some() && rows(2).is_some() && rows(3).is_none());
+        assert!(!outer.was_read(1));
+        {
+            // An inner scope with only a tensor for 1 answers for it: no lookup.
+            let mut inner = Frame::default();
+            inner.params.insert(1, t(10.0));
+            let inner = ScopeGuard::enter(inner);
+            assert!(rows(1).is_none() && rows(2).is_some());
+            assert!(param(1).is_some());
+            assert!(inner.was_read(1));
+        }
+        assert!(!outer.was_read(1), "the inner scope answered that read");
+        assert!(param(1).is_some());
+        assert!(outer.was_read(1) && !outer.was_read(2));
     }
 }

@@ -329,6 +329,18 @@ impl Embedding {
                 return detach_padding(rows, ids, self.padding_idx);
             }
         }
+        // A scope that looks rows up itself (a sharded table): the rows without the table.
+        if self.max_norm.is_none() {
+            check_ids("Embedding", "ids", ids)?;
+            let rows = self.weight.scoped_rows(&ids.flatten_all()?);
+            let table = self.weight.shape();
+            let rows = rows.map_err(|e| ids_out_of_range("Embedding", ids, table.dims(), e))?;
+            if let Some(rows) = rows {
+                let mut dims = ids.dims().to_vec();
+                dims.push(rows.dim(1)?);
+                return detach_padding(rows.reshape(dims)?, ids, self.padding_idx);
+            }
+        }
         let weight = self.weight_value()?;
         check_input_device("Embedding.weight", &weight, ids)?;
         check_ids("Embedding", "ids", ids)?;
@@ -351,7 +363,7 @@ pub(crate) fn ids_out_of_range(
     layer: &'static str,
     ids: &Tensor,
     table: &[usize],
-    error: candle_core::Error,
+    error: impl Into<Error>,
 ) -> Error {
     let extreme = |t: candle_core::Result<Tensor>| -> Option<i64> {
         t.and_then(|t| t.to_dtype(DType::I64)?.to_scalar::<i64>())

@@ -4,6 +4,7 @@
 //! The PyTorch traces `parity` compares with are the repository's `fixtures/pytorch/`.
 
 mod fsdp;
+mod fsdp_tables;
 mod grad_scaler;
 mod groups;
 mod parity;

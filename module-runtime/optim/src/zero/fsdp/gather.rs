@@ -96,6 +96,20 @@ fn truncate(s: &mut CpuStorage, n: usize) {
     }
 }
 
+/// A copy of the floating-point values a contiguous `layout` views in `s`.
+pub(super) fn copy_contiguous(s: &CpuStorage, layout: &Layout) -> candle_core::Result<CpuStorage> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle_core::bail!("fsdp: a unit's output or looked-up rows must be contiguous")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+        _ => candle_core::bail!("fsdp: a unit's outputs and parameters must be floating point"),
+    })
+}
+
 /// Swaps a tensor's storage with the one in `slot` (in place: every view and every op that saved
 /// the tensor sees the new contents).
 struct Swap<'a> {
@@ -242,17 +256,7 @@ impl CustomOp1 for Regather {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let copied = match l.contiguous_offsets() {
-            Some((start, end)) => match s {
-                CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
-                CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
-                CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
-                CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
-                _ => candle_core::bail!("fsdp: a unit's output must be floating point"),
-            },
-            None => candle_core::bail!("fsdp: a unit's output must be contiguous"),
-        };
-        Ok((copied, l.shape().clone()))
+        Ok((copy_contiguous(s, l)?, l.shape().clone()))
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

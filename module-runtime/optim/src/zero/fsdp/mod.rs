@@ -3,6 +3,7 @@
 //! and its backward.
 
 mod gather;
+mod rows;
 mod state;
 
 use std::cell::RefCell;
@@ -58,8 +59,19 @@ impl Sharded {
     }
 }
 
-/// Each gathered weight of a unit call, with the shard it was gathered from.
-type Weights = Vec<(Tensor, Tensor)>;
+/// Each gathered weight of a unit call: its parameter's id, the weight, and the shard it was
+/// gathered from.
+type Weights = Vec<(usize, Tensor, Tensor)>;
+
+/// The weights of `weights` the unit's forward read as tensors (through the scope `scope`):
+/// those its backward needs gathered again. A table only looked up by rows is not one of them.
+fn read_weights(scope: &ScopeGuard, weights: &Weights) -> Vec<(Tensor, Tensor)> {
+    weights
+        .iter()
+        .filter(|(id, _, _)| scope.was_read(*id))
+        .map(|(_, w, s)| (w.clone(), s.clone()))
+        .collect()
+}
 
 /// The state a unit's hooks share on this thread: the frames of the units being called, with
 /// the weights each gathered.
@@ -102,7 +114,12 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 ///   weight, so the `GradStore` only ever holds shard gradients, and a full gradient lives only
 ///   while its unit's backward runs;
 /// * the root unit's parameters (those outside every unit: an embedding tied to the output
-///   projection) are gathered for the whole forward and freed as their gradients are reduced.
+///   projection) are gathered for the whole forward and freed as their gradients are reduced;
+/// * an `Embedding` looks its rows up through the shard
+///   ([`Param::scoped_rows`]): the rows are read from the gathered table in the forward, and
+///   their gradient is added into one table-sized buffer and reduce-scattered into the shard's
+///   in the backward, so a table is never gathered again for its backward (a weight that the
+///   unit's forward read whole, as a tied output projection does, still is).
 ///
 /// The gradients in the `GradStore` are then already the averages of data parallelism: step the
 /// optimizer with them directly, after [`clip_grad_norm`](Self::clip_grad_norm) if clipping.
@@ -413,8 +430,13 @@ fn gather_unit(
             shard.detach()
         };
         let weight = Gather::apply(id, &arg, values, &s.shape)?;
+        if s.shape.rank() == 2 {
+            frame
+                .rows
+                .insert(s.param.id(), rows::lookup(id, &weight, &arg));
+        }
         frame.params.insert(s.param.id(), weight.clone());
-        weights.push((weight, shard.clone()));
+        weights.push((s.param.id(), weight, shard.clone()));
     }
     Ok((frame, weights))
 }
@@ -428,15 +450,16 @@ fn register_root_hook(hooks: &Hooks, id: u64) -> Result<()> {
         move |ctx, _, outputs| {
             let calls = calls(id);
             let open = calls.open.borrow();
-            let Some((0, _, weights)) = open.last() else {
+            let Some((0, scope, weights)) = open.last() else {
                 return Ok(None);
             };
             if ctx.failed() {
                 return Ok(None);
             }
+            let weights = read_weights(scope, weights);
             let replaced = outputs
                 .iter()
-                .map(|o| regather_before_backward(id, o, weights))
+                .map(|o| regather_before_backward(id, o, &weights))
                 .collect::<module_core::Result<Vec<_>>>()?;
             Ok(Some(replaced))
         },
@@ -482,6 +505,7 @@ fn register_unit_hooks(
                 return Ok(None);
             };
             drop(open);
+            let read = read_weights(&scope, &weights);
             drop(scope);
             let replaced = if ctx.failed() {
                 None
@@ -489,11 +513,11 @@ fn register_unit_hooks(
                 Some(
                     outputs
                         .iter()
-                        .map(|o| regather_before_backward(id, o, &weights))
+                        .map(|o| regather_before_backward(id, o, &read))
                         .collect::<module_core::Result<Vec<_>>>()?,
                 )
             };
-            for (weight, _) in &weights {
+            for (_, weight, _) in &weights {
                 free(weight)?;
             }
             Ok(replaced)
