@@ -235,10 +235,10 @@ fn fully_sharded(
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    // No `reuse_freed_memory`: freed tensors go back to the system, so VmHWM is the live peak,
-    // not the heap's high-water mark after fragmentation. (glibc raises its mmap threshold as
-    // large blocks are freed, up to 32 MiB, and serves smaller tensors from the heap after that:
-    // BENCHMARKS.md's runs fix it with `MALLOC_MMAP_THRESHOLD_=65536`.)
+    // Freed tensors go back to the system at once, so VmHWM is the live peak, not the heap's
+    // high-water mark after fragmentation (glibc otherwise raises its mmap threshold as large
+    // blocks are freed, up to 32 MiB, and serves smaller tensors from the heap after that).
+    module_runtime::return_freed_memory();
     let args = Args::parse();
     if args.zero > 3 {
         ZeroStage::from_number(args.zero)?; // the error naming the stages

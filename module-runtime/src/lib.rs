@@ -117,7 +117,7 @@ pub use module_hooks::{
     Captures, Dataflow, DataflowEdge, DataflowNode, ForwardHookFn, HookCtx, HookHandle,
     HookOptions, Hooks, ModuleExt, NodeKind, PreHookFn, PreHookOptions, TensorStruct, TensorTree,
 };
-pub use module_kernels::reuse_freed_memory;
+pub use module_kernels::{return_freed_memory, reuse_freed_memory};
 
 /// PyTorch's `torch.amp`: mixed precision. [`autocast`](amp::autocast) runs a closure with each
 /// of the runtime's ops in the precision PyTorch's per-op lists give it (products and

@@ -43,8 +43,8 @@
 //!
 //! `module-kernels` sits below `module-nn` (the layers) and `module-optim` (the optimizers), as
 //! candle-core's CPU backend sits below candle-nn, on `module-core` alone (for the runtime's error type and `Param`). It names no
-//! layer and no optimizer. All of the runtime's SIMD, its thread-pool plumbing, the allocator setting
-//! [`reuse_freed_memory`] and the `unsafe` they need are here, each `unsafe` block with its SAFETY
+//! layer and no optimizer. All of the runtime's SIMD, its thread-pool plumbing, the allocator settings
+//! [`reuse_freed_memory`] and [`return_freed_memory`] and the `unsafe` they need are here, each `unsafe` block with its SAFETY
 //! reasoning.
 #![warn(missing_docs)]
 
@@ -91,7 +91,7 @@ pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
     linear, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
-pub use memory::reuse_freed_memory;
+pub use memory::{return_freed_memory, reuse_freed_memory};
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};
 pub use q8_0_matmul::q8_0_kernel_applies;
 pub use residual_norm::{can_fuse_residual_norm, residual_layer_norm};
