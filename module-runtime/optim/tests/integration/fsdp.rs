@@ -8,6 +8,7 @@
 
 use std::rc::Rc;
 
+use module_runtime::amp::autocast;
 use module_runtime::distributed::{Collective, DdpConfig, DistributedDataParallel, LocalGroup};
 use module_runtime::optim::{
     clip_grad_norm, AdamW, Error, FsdpConfig, FullyShardedDataParallel, LambdaLr, LrScheduler,
@@ -458,4 +459,62 @@ fn bfloat16_parameters_shard_as_data_parallelism() {
     for sd in &fsdp {
         assert_eq!(max_diff(sd, &ddp[0]), 0.0);
     }
+}
+
+/// Three steps with the forward under bfloat16 `autocast` (float32 master weights and
+/// gradients): the model's state dict, under data parallelism or sharded.
+fn autocast_run(comm: LocalGroup, sharded: bool) -> StateDict {
+    let rank = comm.rank();
+    let comm: Rc<dyn Collective> = Rc::new(comm);
+    let (fsdp, plain) = if sharded {
+        (Some(wrap(net(rank * 7), &comm)), None)
+    } else {
+        (None, Some(net(rank * 7)))
+    };
+    let ddp = plain
+        .as_ref()
+        .map(|m| DistributedDataParallel::new(m, &*comm, DdpConfig::default()).unwrap());
+    let mut opt = match (&fsdp, &plain) {
+        (Some(f), _) => adamw(f.module()),
+        (_, Some(m)) => adamw(m),
+        _ => unreachable!(),
+    };
+    for k in 0..3 {
+        let (x, y) = share(&*comm, k);
+        let out = autocast("cpu", DType::BF16, || match (&fsdp, &ddp) {
+            (Some(f), _) => f
+                .call(&x)
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
+            (_, Some(d)) => d
+                .call(&x)
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
+            _ => unreachable!(),
+        })
+        .unwrap();
+        assert_eq!(out.dtype(), DType::BF16);
+        let mut g = loss(out.to_dtype(DType::F32).unwrap(), &y)
+            .backward()
+            .unwrap();
+        if let Some(d) = &ddp {
+            d.reduce_gradients(&mut g).unwrap();
+        }
+        opt.step(&g).unwrap();
+    }
+    match (&fsdp, &plain) {
+        (Some(f), _) => f.state_dict().unwrap(),
+        (_, Some(m)) => m.state_dict().unwrap(),
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn bfloat16_autocast_trains_as_data_parallelism() {
+    let ddp = on_ranks(2, |c| autocast_run(c, false));
+    for (r, model) in on_ranks(2, |c| autocast_run(c, true)).iter().enumerate() {
+        assert_eq!(max_diff(model, &ddp[0]), 0.0, "rank {r}");
+    }
+    assert!(
+        max_diff(&ddp[0], &net(0).state_dict().unwrap()) > 1e-3,
+        "the steps train"
+    );
 }
