@@ -169,6 +169,17 @@ pub(super) fn all_gather(
     Ok(storage)
 }
 
+/// The values an op's forward hands out, taken from its slot: an op made for one forward.
+pub(super) fn take_once(
+    slot: &Mutex<Option<CpuStorage>>,
+    op: &str,
+) -> candle_core::Result<CpuStorage> {
+    slot.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+        .ok_or_else(|| candle_core::Error::Msg(format!("fsdp: a {op} op ran twice")))
+}
+
 /// The full weight of a parameter from this rank's shard: forward hands out the values
 /// all-gathered beforehand; backward reduce-scatters (averages) the full gradient into the
 /// shard's and frees the full weight's storage.
@@ -203,13 +214,7 @@ impl CustomOp1 for Gather {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let values = self
-            .values
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("fsdp: a gather op ran twice".to_owned()))?;
-        Ok((values, self.shape.clone()))
+        Ok((take_once(&self.values, "gather")?, self.shape.clone()))
     }
 
     fn bwd(

@@ -9,13 +9,13 @@
 //! one table-sized buffer, reduce-scatters (averages) it into the shard's gradient, and drops it.
 
 use std::rc::Rc;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use module_core::scope::RowLookup;
 use module_distributed::ReduceOp;
 
-use super::gather::{copy_contiguous, runtime};
+use super::gather::{copy_contiguous, runtime, take_once};
 
 /// The lookup [`Param::scoped_rows`](module_core::Param::scoped_rows) calls for a `[rows, dim]`
 /// parameter whose gathered values are `table` and whose shard is `shard` (tracked when the
@@ -62,13 +62,8 @@ impl CustomOp1 for LookupRows {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let values = self
-            .values
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("fsdp: a row lookup ran twice".to_owned()))?;
         let (_, dim) = self.table.dims2()?;
+        let values = take_once(&self.values, "row lookup")?;
         Ok((values, Shape::from((self.ids.elem_count(), dim))))
     }
 
