@@ -25,13 +25,15 @@
 //! - `forward` called directly at the top is not a call: it takes no lock.
 //! - An output that *is* a weight (a view of a parameter returned as is) changes with a later
 //!   in-place update, as in PyTorch.
+//! - A call blocked in a collective of `LocalGroup` (ranks that are threads) lets go of its share
+//!   while it waits ([`release_call_while`]): another rank's update then runs without waiting for it.
 //! - A call that hands work to other threads which call modules while an update waits: those threads
 //!   wait [`CALL_WAIT`] for the update, then join the call already running (so this cannot
 //!   deadlock, and costs that wait once per update).
 //! - Training steps (`Optimizer::step`) write through candle's variables, outside this lock: serving
 //!   and training one model from several threads at once is not covered.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
 use parking_lot::{const_rwlock, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -54,19 +56,41 @@ enum Held {
 thread_local! {
     /// What this thread holds: nested calls and updates do not take the lock again.
     static HELD: Cell<Held> = const { Cell::new(Held::None) };
+    /// The outermost call's share of the lock, while this thread's call holds it (let go and
+    /// taken again by [`release_call_while`]).
+    static CALL_LOCK: RefCell<Option<RwLockReadGuard<'static, ()>>> = const { RefCell::new(None) };
 }
 
 /// Held for a top-level call's run (see the module docs); nothing for a nested call.
 #[doc(hidden)]
 #[must_use]
-pub struct CallGuard(Option<RwLockReadGuard<'static, ()>>);
+pub struct CallGuard(bool);
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        if self.0.is_some() {
+        if self.0 {
+            CALL_LOCK.with(|c| c.borrow_mut().take());
             HELD.set(Held::None);
         }
     }
+}
+
+/// Runs `wait` with this thread's call's share of the lock let go, and takes it again after.
+/// For a call that blocks on other threads' progress (the collectives of ranks that are threads
+/// of one process, `LocalGroup`): another rank may be making an update (a broadcast's `set`),
+/// which would otherwise wait for this call while this call waits for that rank. An update that
+/// runs meanwhile is not isolated from this call. Outside a call, `wait()` as it is.
+#[doc(hidden)]
+pub fn release_call_while<R>(wait: impl FnOnce() -> R) -> R {
+    let held = CALL_LOCK.with(|c| c.borrow_mut().take());
+    if held.is_none() {
+        return wait();
+    }
+    drop(held);
+    let out = wait();
+    let guard = acquire_shared();
+    CALL_LOCK.with(|c| *c.borrow_mut() = Some(guard));
+    out
 }
 
 /// Enters a call: the shared lock when this thread holds nothing yet, else only a flag read.
@@ -74,7 +98,7 @@ impl Drop for CallGuard {
 #[inline]
 pub fn enter_call() -> CallGuard {
     if HELD.get() != Held::None {
-        return CallGuard(None);
+        return CallGuard(false);
     }
     enter_outermost_call()
 }
@@ -82,14 +106,20 @@ pub fn enter_call() -> CallGuard {
 #[cold]
 #[inline(never)]
 fn enter_outermost_call() -> CallGuard {
-    let guard = match LOCK.try_read_for(CALL_WAIT) {
+    let guard = acquire_shared();
+    CALL_LOCK.with(|c| *c.borrow_mut() = Some(guard));
+    HELD.set(Held::Call);
+    CallGuard(true)
+}
+
+/// A call's share of the lock.
+fn acquire_shared() -> RwLockReadGuard<'static, ()> {
+    match LOCK.try_read_for(CALL_WAIT) {
         Some(guard) => guard,
         // A pending update still waiting after `CALL_WAIT`: join the calls running, whose helper
         // this thread may be. (It still waits while an update holds the lock.)
         None => LOCK.read_recursive(),
-    };
-    HELD.set(Held::Call);
-    CallGuard(Some(guard))
+    }
 }
 
 struct UpdateGuard(Option<RwLockWriteGuard<'static, ()>>);

@@ -176,6 +176,18 @@ impl LocalGroup {
             return Ok(mine?);
         }
         let generation = state.generation;
+        // A rank that is a thread of this process may be making an update (a broadcast's `set`)
+        // that would wait for a call this thread is in: let go of the call's share meanwhile.
+        module_core::update_lock::release_call_while(|| self.wait_round(state, generation, name))
+    }
+
+    /// Waits until the round `generation` completes: its combined result.
+    fn wait_round(
+        &self,
+        mut state: MutexGuard<'_, State>,
+        generation: u64,
+        name: &'static str,
+    ) -> Result<Option<Tensor>> {
         let deadline = self.shared.timeout.map(|t| Instant::now() + t);
         while state.generation == generation {
             if let Some(reason) = &state.poisoned {
@@ -230,6 +242,16 @@ impl LocalGroup {
 
     /// Waits on the mailbox's condition variable until `done` or the deadline (an error).
     fn wait_mail<'a>(
+        &self,
+        mail: MutexGuard<'a, Mailbox>,
+        op: &'static str,
+        done: impl Fn(&Mailbox) -> bool,
+    ) -> Result<MutexGuard<'a, Mailbox>> {
+        // As a collective's round waits (see `run`).
+        module_core::update_lock::release_call_while(|| self.wait_mail_locked(mail, op, done))
+    }
+
+    fn wait_mail_locked<'a>(
         &self,
         mut mail: MutexGuard<'a, Mailbox>,
         op: &'static str,

@@ -518,3 +518,37 @@ fn bfloat16_autocast_trains_as_data_parallelism() {
         "the steps train"
     );
 }
+
+#[test]
+fn a_rank_updating_its_weights_while_another_waits_in_a_forward_does_not_deadlock() {
+    // Rank 1's forward waits in the first unit's all-gather for rank 0, which first writes one
+    // of its parameters. The write is an update that waits for the calls running in the process,
+    // and rank 1's forward is one: rank 1 lets go of its call's share of the lock while its
+    // collective waits (else: a timeout error after 20 s).
+    let ranks = LocalGroup::with_timeout(2, std::time::Duration::from_secs(20)).unwrap();
+    let outs: Vec<Tensor> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let rank = c.rank();
+                    let comm: Rc<dyn Collective> = Rc::new(c);
+                    // Every parameter in a unit: the root gathers nothing, so rank 1's first
+                    // collective is inside its call.
+                    let units = ["proj", "blocks.*", "head"];
+                    let config = FsdpConfig::default().auto_wrap_policy(units);
+                    let fsdp = FullyShardedDataParallel::new(net(0), comm.clone(), config).unwrap();
+                    if rank == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(300));
+                        let p = &fsdp.module().proj.weight;
+                        p.set(&p.tensor().unwrap().copy().unwrap()).unwrap();
+                    }
+                    let (x, _) = share(&*comm, 0);
+                    fsdp.call(&x).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(outs.len(), 2);
+}
