@@ -264,6 +264,18 @@ impl GradScaler {
     /// gradients ("Attempting to unscale FP16 gradients": the parameters the optimizer updates
     /// should be float32 master weights).
     pub fn unscale_(&mut self, optimizer: &dyn Optimizer, grads: &mut GradStore) -> Result<()> {
+        self.unscale_agreed(optimizer, grads, &Ok)
+    }
+
+    /// [`unscale_`](Self::unscale_), with this process's inf check (`None`: no gradient of the
+    /// optimizer's was found) turned into the one every process agrees on by `agree`
+    /// ([`ShardedGradScaler`](crate::ShardedGradScaler)'s all-reduce).
+    pub(crate) fn unscale_agreed(
+        &mut self,
+        optimizer: &dyn Optimizer,
+        grads: &mut GradStore,
+        agree: &dyn Fn(Option<bool>) -> Result<Option<bool>>,
+    ) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
@@ -302,6 +314,7 @@ impl GradScaler {
                 unscaled.push((var, multiply(grad, inv_scale)?));
             }
         }
+        let found_inf = agree(found_inf)?;
         for (var, g) in unscaled {
             grads.insert(var.as_tensor(), g);
         }
@@ -325,6 +338,16 @@ impl GradScaler {
     /// before `update`, and an optimizer none of whose parameters has a gradient ("No inf checks
     /// were recorded for this optimizer.").
     pub fn step(&mut self, optimizer: &mut dyn Optimizer, grads: &mut GradStore) -> Result<bool> {
+        self.step_agreed(optimizer, grads, &Ok)
+    }
+
+    /// [`step`](Self::step), unscaling through [`unscale_agreed`](Self::unscale_agreed).
+    pub(crate) fn step_agreed(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        grads: &mut GradStore,
+        agree: &dyn Fn(Option<bool>) -> Result<Option<bool>>,
+    ) -> Result<bool> {
         if !self.enabled {
             optimizer.step(grads)?;
             return Ok(true);
@@ -337,7 +360,7 @@ impl GradScaler {
                 ))
             }
             Some(Stage::Unscaled) => {}
-            None => self.unscale_(optimizer, grads)?,
+            None => self.unscale_agreed(optimizer, grads, agree)?,
         }
         let state = self
             .per_optimizer

@@ -158,5 +158,6 @@ pub use pth_scheduler::read_pth_scheduler_state;
 pub use schedule::{ExponentialLr, LambdaLr, LrScheduler, StepLr};
 pub use sgd::{SgdOptions, SGD};
 pub use zero::{
-    partition_sizes, FsdpConfig, FullyShardedDataParallel, ZeroRedundancyOptimizer, ZeroStage,
+    partition_sizes, FsdpConfig, FullyShardedDataParallel, ShardedGradScaler,
+    ZeroRedundancyOptimizer, ZeroStage,
 };

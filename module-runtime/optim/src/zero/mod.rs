@@ -6,6 +6,7 @@ mod consolidate;
 mod exchange;
 mod fsdp;
 mod partition;
+mod sharded_grad_scaler;
 
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
@@ -18,6 +19,7 @@ use crate::optimizer::Optimizer;
 
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use partition::partition_sizes;
+pub use sharded_grad_scaler::ShardedGradScaler;
 
 /// How much of data-parallel training a [`ZeroRedundancyOptimizer`] shards over the ranks (the
 /// stages of the ZeRO paper and DeepSpeed; stage 0 is plain

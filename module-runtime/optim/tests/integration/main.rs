@@ -13,6 +13,7 @@ mod pth;
 mod pth_scheduler;
 mod readme;
 mod rules;
+mod sharded_grad_scaler;
 mod state;
 mod swa;
 mod zero;
