@@ -427,14 +427,41 @@ impl Forward<&Tensor> for LlamaForCausalLM {
     /// # Ok::<(), module_runtime::Error>(())
     /// ```
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.lm_head.call(&self.hidden_states(ids)?)
+    }
+}
+
+impl LlamaForCausalLM {
+    /// The final hidden states `[batch, seq, hidden_size]` (after the last norm), the head's
+    /// input: transformers' `model.model(ids).last_hidden_state`. Training with a language
+    /// model's loss reads them with the head, as transformers' `model(ids, labels=labels)`
+    /// does, through [`linear_cross_entropy`](module_runtime::nn::loss::linear_cross_entropy),
+    /// which never makes the `[positions, vocab_size]` logits whole:
+    ///
+    /// ```
+    /// use module_runtime::prelude::*;
+    /// use module_runtime::nn::loss::linear_cross_entropy;
+    /// use llama::LlamaForCausalLM;
+    /// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+    /// let model = LlamaForCausalLM::from_pretrained(&dir, &Device::Cpu)?;
+    /// let ids = Tensor::new(&[[242u32, 175, 307, 12]], &Device::Cpu)?;
+    /// let (inputs, labels) = (ids.narrow(1, 0, 3)?, ids.narrow(1, 1, 3)?); // next tokens
+    /// let loss = linear_cross_entropy(&model.hidden_states(&inputs)?, &model.lm_head, &labels, -100)?;
+    /// let _grads = loss.backward()?; // the logits were never whole
+    /// // The same as the logits' cross-entropy:
+    /// let logits = model.call(&inputs)?.reshape((3, ()))?;
+    /// let composed = module_runtime::nn::loss::cross_entropy(&logits, &labels.flatten_all()?)?;
+    /// assert!((&loss - &composed)?.abs()?.to_scalar::<f32>()? < 1e-5);
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, s) = ids.dims2()?;
         if s == 0 {
             return Err(invalid("input ids have no tokens".to_owned()));
         }
         let tables = self.rotary_tables(&vec![0; b], 0, s, ids.device())?;
         let buffers = std::iter::repeat_with(|| (None, None));
-        let h = self.decoder(ids, tables, None, buffers, 0)?;
-        self.lm_head.call(&h)
+        self.decoder(ids, tables, None, buffers, 0)
     }
 }
 

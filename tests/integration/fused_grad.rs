@@ -323,3 +323,74 @@ fn cross_entropy_refuses_a_target_outside_the_classes() {
         "{err}"
     );
 }
+
+/// A head and its loss by blocks of the vocabulary (5000 words: two blocks), against the head
+/// called and the loss composed: the loss, the hidden states' and the trained weight's
+/// gradients; a frozen quantized head too, against its dequantized values.
+#[test]
+fn linear_cross_entropy_by_blocks_matches_the_composed_head_and_loss() {
+    use module_runtime::nn::loss::linear_cross_entropy;
+    let dev = Device::Cpu;
+    let head = Linear::no_bias(16, 5000, &dev).unwrap();
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1., (2, 9, 16), &dev).unwrap()).unwrap();
+    let ids: Vec<i64> = (0..18)
+        .map(|i| {
+            if i % 5 == 2 {
+                -100
+            } else {
+                (i * 977 % 5000) as i64
+            }
+        })
+        .collect();
+    let labels = Tensor::from_vec(ids, (2, 9), &dev).unwrap();
+    let run = |fused: bool| {
+        let loss = if fused {
+            linear_cross_entropy(x.as_tensor(), &head, &labels, -100).unwrap()
+        } else {
+            let logits = head
+                .call(x.as_tensor())
+                .unwrap()
+                .reshape((18, 5000))
+                .unwrap();
+            let config = ClassLossConfig {
+                ignore_index: -100,
+                ..Default::default()
+            };
+            let ce = CrossEntropyLoss::with_config(config, &dev).unwrap();
+            ce.call((&logits, &labels.flatten_all().unwrap())).unwrap()
+        };
+        let grads = loss.backward().unwrap();
+        let w = head.weight.var().unwrap();
+        (
+            loss,
+            grads.get(&x).unwrap().clone(),
+            grads.get(w.as_tensor()).unwrap().clone(),
+        )
+    };
+    let (loss, dx, dw) = run(true);
+    let (c_loss, c_dx, c_dw) = run(false);
+    assert_near("linear_cross_entropy: loss", &loss, &c_loss, 2e-6);
+    assert_near("linear_cross_entropy: input grad", &dx, &c_dx, 1e-5);
+    assert_near("linear_cross_entropy: weight grad", &dw, &c_dw, 1e-5);
+
+    // Quantized and frozen: the rows dequantized by blocks, the same loss as the float head
+    // holding the dequantized values.
+    let xq = Var::from_tensor(&Tensor::randn(0f32, 1., (18, 32), &dev).unwrap()).unwrap();
+    let q = Linear::no_bias(32, 5000, &dev).unwrap();
+    let kind = module_runtime::nn::parse_quant_kind("q8_0").unwrap();
+    let _ = module_runtime::nn::quantize(&q, "**", kind).unwrap();
+    q.weight.set_requires_grad(false);
+    let plain = Linear::no_bias(32, 5000, &dev).unwrap();
+    plain.weight.set(&q.weight.tensor().unwrap()).unwrap();
+    plain.weight.set_requires_grad(false);
+    let lq = linear_cross_entropy(xq.as_tensor(), &q, &labels, -100).unwrap();
+    let lp = linear_cross_entropy(xq.as_tensor(), &plain, &labels, -100).unwrap();
+    assert_near("quantized head: loss", &lq, &lp, 1e-6);
+    let (gq, gp) = (lq.backward().unwrap(), lp.backward().unwrap());
+    assert_near(
+        "quantized head: input grad",
+        gq.get(&xq).unwrap(),
+        gp.get(&xq).unwrap(),
+        1e-6,
+    );
+}

@@ -231,6 +231,7 @@ pub use upsample::{Upsample, UpsampleMode, UpsamplePath, UpsampleTarget};
 mod adaptive_softmax;
 mod distance;
 mod linear_cross_entropy;
+mod linear_cross_entropy_fn;
 mod loss_classification;
 mod loss_ctc;
 mod loss_likelihood;

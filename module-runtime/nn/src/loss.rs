@@ -10,6 +10,8 @@ use crate::activation::log_softmax;
 use crate::common::input_shape_error;
 use crate::error::Result;
 
+pub use crate::linear_cross_entropy_fn::linear_cross_entropy;
+
 /// The mean cross-entropy between `logits` `[N, C]` and integer class ids `target` `[N]` (`u8`,
 /// `u32` or `i64`): PyTorch's `F.cross_entropy(logits, target)` with its defaults (mean reduction,
 /// no class weights, no label smoothing). Returns a 0-dim tensor.
