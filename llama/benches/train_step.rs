@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 use llama::finetune::lora_config;
 use llama::LlamaForCausalLM;
 use module_runtime::nn::peft::get_peft_model;
+use module_runtime::nn::loss::linear_cross_entropy;
 use module_runtime::nn::{quantize, CrossEntropyLoss};
 use module_runtime::optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
@@ -270,6 +271,9 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     let mut opt = AdamW::new(&model, AdamW::options().lr(lr).weight_decay(0.01))?;
     let (ids, labels) = batch_ids(batch, seq, model.config.vocab_size)?;
     let loss_fn = CrossEntropyLoss::new();
+    // `TRAIN_STEP_LOSS=fused`: the head and its loss by blocks of the vocabulary
+    // (`linear_cross_entropy`), never the whole logits; the default calls the model for them.
+    let fused_loss = std::env::var("TRAIN_STEP_LOSS").is_ok_and(|v| v == "fused");
     let (_, load_peak) = candle_module::process_memory_mib();
     std::fs::write("/proc/self/clear_refs", "5")?;
     let (before, _) = candle_module::process_memory_mib();
@@ -288,10 +292,14 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     let mut accounted = false;
     let mut step = || -> AnyResult<(Duration, f32)> {
         let start = Instant::now();
-        let logits = model.call(&ids)?;
-        let (b, t, vocab) = logits.dims3()?;
-        let logits = logits.reshape((b * t, vocab))?;
-        let loss = loss_fn.call((&logits, &labels))?;
+        let loss = if fused_loss {
+            linear_cross_entropy(&model.hidden_states(&ids)?, &model.lm_head, &labels, -100)?
+        } else {
+            let logits = model.call(&ids)?;
+            let (b, t, vocab) = logits.dims3()?;
+            let logits = logits.reshape((b * t, vocab))?;
+            loss_fn.call((&logits, &labels))?
+        };
         let value = loss.to_scalar::<f32>()?;
         let forward = start.elapsed();
         if account && !std::mem::replace(&mut accounted, true) {
@@ -302,7 +310,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         phase_end(1);
         // The graph (every activation) hangs from the loss: dropped before the optimizer's step,
         // as PyTorch frees it during the backward.
-        drop((loss, logits));
+        drop(loss);
         let backward = start.elapsed();
         opt.step(&grads)?;
         drop(grads);
