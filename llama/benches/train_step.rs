@@ -50,8 +50,8 @@ use std::time::{Duration, Instant};
 
 use llama::finetune::lora_config;
 use llama::LlamaForCausalLM;
-use module_runtime::nn::peft::get_peft_model;
 use module_runtime::nn::loss::linear_cross_entropy;
+use module_runtime::nn::peft::get_peft_model;
 use module_runtime::nn::{quantize, CrossEntropyLoss};
 use module_runtime::optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
