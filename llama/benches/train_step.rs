@@ -5,8 +5,9 @@
 //! - `lora`: LoRA of rank 8 (`lora_alpha` 16, no dropout) on `q/k/v/o/gate/up/down_proj`
 //!   ([`llama::finetune::lora_config`]), AdamW (lr 1e-3, weight decay 0.01) on the adapters only,
 //!   batch 4 × 128; PyTorch's peer is `peft`'s `get_peft_model` with the same configuration;
-//! - `qlora`: the same over a `q4_0` base (`quantize(&model, "**", q4_0)` first; ours only:
-//!   PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
+//! - `qlora`: the same over a `q4_0` base, quantized on the way in
+//!   (`LlamaForCausalLM::from_pretrained_quantized(dir, device, "**", q4_0)`: the float32 model is
+//!   never resident; ours only: PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
 //!   PEFT's QLoRA recipe trains);
 //! - `full` and `full-ckpt`: every parameter trained, AdamW (lr 1e-5, weight decay 0.01), batch
 //!   4 × 256, without and with `gradient_checkpointing_enable()` (PyTorch's with
@@ -51,7 +52,7 @@ use std::time::{Duration, Instant};
 use llama::finetune::lora_config;
 use llama::LlamaForCausalLM;
 use module_runtime::nn::peft::get_peft_model;
-use module_runtime::nn::{quantize, CrossEntropyLoss};
+use module_runtime::nn::CrossEntropyLoss;
 use module_runtime::optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
 
@@ -247,12 +248,14 @@ fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)>
 /// figures.
 fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> AnyResult<()> {
     module_runtime::reuse_freed_memory();
-    let mut model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
+    // QLoRA's base is quantized on the way in: the float32 model is never resident.
+    let mut model = if variant.starts_with("qlora") {
+        LlamaForCausalLM::from_pretrained_quantized(dir, &Device::Cpu, "**", GgmlDType::Q4_0)?.0
+    } else {
+        LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?
+    };
     let lr = match variant {
         "lora" | "qlora" | "qlora-ckpt" => {
-            if variant != "lora" {
-                let _ = quantize(&model, "**", GgmlDType::Q4_0)?;
-            }
             if variant == "qlora-ckpt" {
                 model.gradient_checkpointing_enable();
             }
