@@ -5,10 +5,12 @@
 //! - `lora`: LoRA of rank 8 (`lora_alpha` 16, no dropout) on `q/k/v/o/gate/up/down_proj`
 //!   ([`llama::finetune::lora_config`]), AdamW (lr 1e-3, weight decay 0.01) on the adapters only,
 //!   batch 4 × 128; PyTorch's peer is `peft`'s `get_peft_model` with the same configuration;
+//!   `lora-ckpt` the same after `gradient_checkpointing_enable()` (PyTorch's with
+//!   `use_reentrant=False`): QLoRA's like-for-like float32 peer;
 //! - `qlora`: the same over a `q4_0` base, quantized on the way in
 //!   (`LlamaForCausalLM::from_pretrained_quantized(dir, device, "**", q4_0)`: the float32 model is
-//!   never resident; ours only: PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
-//!   PEFT's QLoRA recipe trains);
+//!   never resident; ours only: PyTorch has no CPU `q4_0`), and `qlora-ckpt` with
+//!   `gradient_checkpointing_enable()` too (as PEFT's QLoRA recipe trains);
 //! - `full` and `full-ckpt`: every parameter trained, AdamW (lr 1e-5, weight decay 0.01), batch
 //!   4 × 256, without and with `gradient_checkpointing_enable()` (PyTorch's with
 //!   `use_reentrant=False`, as ours is).
@@ -61,8 +63,9 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// Set in the processes the benchmark starts: the variant to run.
 const VARIANT: &str = "TRAIN_STEP_VARIANT";
 /// The variants, with the batch each runs and whether PyTorch has a peer.
-const VARIANTS: [(&str, usize, usize, bool); 5] = [
+const VARIANTS: [(&str, usize, usize, bool); 6] = [
     ("lora", 4, 128, true),
+    ("lora-ckpt", 4, 128, true),
     ("qlora", 4, 128, false),
     ("qlora-ckpt", 4, 128, false),
     ("full", 4, 256, true),
@@ -255,8 +258,8 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?
     };
     let lr = match variant {
-        "lora" | "qlora" | "qlora-ckpt" => {
-            if variant == "qlora-ckpt" {
+        "lora" | "lora-ckpt" | "qlora" | "qlora-ckpt" => {
+            if variant.ends_with("-ckpt") {
                 model.gradient_checkpointing_enable();
             }
             get_peft_model(&mut model, &lora_config(8))?;
