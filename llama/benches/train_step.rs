@@ -41,6 +41,9 @@
 //! [`reuse_freed_memory`](module_runtime::reuse_freed_memory) (the README's advice for
 //! training). PyTorch's side is `pytorch_train_step.py` beside this file.
 //!
+//! `TRAIN_STEP_PLAIN_MALLOC=1` runs ours without `reuse_freed_memory` (glibc's defaults: large
+//! blocks mapped and unmapped), to see what the heap's kept holes add to a peak.
+//!
 //! `TRAIN_STEP_ACCOUNT=1` adds an accounting (ours only), printed by each child to stderr: after
 //! the first forward, the tensors the graph keeps alive (every node of `loss.sorted_nodes()`, each
 //! storage counted once, views sharing their base's) grouped by shape, with the parameters apart
@@ -250,7 +253,9 @@ fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)>
 /// One variant's process: load, set up, reset the peak, warm up, time the steps, print the
 /// figures.
 fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> AnyResult<()> {
-    module_runtime::reuse_freed_memory();
+    if std::env::var_os("TRAIN_STEP_PLAIN_MALLOC").is_none() {
+        module_runtime::reuse_freed_memory();
+    }
     // QLoRA's base is quantized on the way in: the float32 model is never resident.
     let mut model = if variant.starts_with("qlora") {
         LlamaForCausalLM::from_pretrained_quantized(dir, &Device::Cpu, "**", GgmlDType::Q4_0)?.0
