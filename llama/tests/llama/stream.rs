@@ -1,7 +1,8 @@
 //! Streaming loads: a Hugging Face sharded checkpoint (`model.safetensors.index.json` over three
 //! shards) read tensor by tensor into a model built empty (`build_empty`), quantized on the way
 //! when `quantize` marked the empty model first — equal, byte for byte, to loading the float
-//! model and quantizing it after.
+//! model and quantizing it after; and `LlamaForCausalLM::from_pretrained_quantized`, which loads a
+//! folder that way, for `q8_0`, `q4_0` and `q4_K`.
 
 use std::path::{Path, PathBuf};
 
@@ -205,7 +206,7 @@ fn quantized_err(dir: &Path, device: &Device, pattern: &str, kind: GgmlDType) ->
 }
 
 #[test]
-fn from_pretrained_quantized_fails_before_reading_on_a_bad_pattern_or_kind() {
+fn from_pretrained_quantized_refuses_a_bad_pattern_kind_or_folder() {
     let dir = super::fixture();
     // No layer of the 64-wide model fits q4_K's 256-wide blocks.
     let err = quantized_err(&dir, &device(), "**", GgmlDType::Q4K);
