@@ -175,15 +175,16 @@ impl LlamaForCausalLM {
     /// Loads a Hugging Face model folder as [`from_pretrained`](Self::from_pretrained) does, with
     /// the `Linear` layers whose path matches `pattern` (`**` for every one) quantized to `kind`
     /// (`q8_0`, `q4_0`, `q4_K`, …) **on the way in**: the empty model's weights are marked
-    /// ([`quantize`] before the load) and each is quantized as
-    /// the load reads it, so the float32 model is never in memory — transformers'
-    /// `from_pretrained(dir, quantization_config=...)`, and what QLoRA loads its base with. The
-    /// model equals `from_pretrained` followed by `quantize(&model, pattern, kind)` bit for
-    /// bit, and the [`QuantizeReport`] is the one that call gives (layers whose rows the kind's
-    /// blocks do not fit stay in float, listed in `kept_float`).
+    /// ([`quantize`] before the load) and each is quantized as the load reads it, so the float32
+    /// model is never in memory — transformers' `from_pretrained(dir, quantization_config=...)`,
+    /// and what QLoRA loads its base with. The model equals `from_pretrained` followed by
+    /// `quantize(&model, pattern, kind)` bit for bit, and the [`QuantizeReport`] is the one that
+    /// call gives (layers whose rows the kind's blocks do not fit stay in float, listed in
+    /// `kept_float`).
     ///
-    /// Errors: those of [`quantize`] (a pattern matching no
-    /// `Linear`, a kind no layer's rows fit) before anything is read, and those of the load.
+    /// Errors: those of [`quantize`] (a pattern matching no `Linear`, a kind no layer's rows fit)
+    /// before anything is read, and those of the load (all or nothing: the model is not
+    /// returned).
     ///
     /// ```
     /// use llama::LlamaForCausalLM;
