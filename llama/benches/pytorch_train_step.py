@@ -7,7 +7,8 @@
 # VARIANT `make` saves the SmolLM-135M-shaped random Llama (seed 0, the decode benchmark's model) into
 # MODEL_DIR and exits (`python pytorch_train_step.py MODEL_DIR make 0 0 0`).
 # VARIANT: `lora` (peft LoRA r=8, lora_alpha=16, no dropout, on q/k/v/o/gate/up/down_proj; AdamW lr 1e-3,
-# weight decay 0.01 on the adapters only), `full` (AdamW lr 1e-5, weight decay 0.01 on every parameter),
+# weight decay 0.01 on the adapters only), `lora-ckpt` (the same after
+# `gradient_checkpointing_enable(use_reentrant=False)`), `full` (AdamW lr 1e-5, weight decay 0.01 on every parameter),
 # `full-ckpt` (the same after `gradient_checkpointing_enable(use_reentrant=False)`). The batch is the
 # benchmark's fixed token ids (id = (7919 * i + 13) % vocab over the batch's positions i), the loss
 # transformers' own (`labels=ids`: next-token cross-entropy over every position's logits). One warm-up
@@ -41,8 +42,10 @@ if variant == "make":
     sys.exit(0)
 m = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
 m.config.use_cache = False
-if variant == "lora":
+if variant in ("lora", "lora-ckpt"):
     from peft import LoraConfig, get_peft_model
+    if variant == "lora-ckpt":
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     m = get_peft_model(m, cfg)

@@ -5,9 +5,12 @@
 //! - `lora`: LoRA of rank 8 (`lora_alpha` 16, no dropout) on `q/k/v/o/gate/up/down_proj`
 //!   ([`llama::finetune::lora_config`]), AdamW (lr 1e-3, weight decay 0.01) on the adapters only,
 //!   batch 4 × 128; PyTorch's peer is `peft`'s `get_peft_model` with the same configuration;
-//! - `qlora`: the same over a `q4_0` base (`quantize(&model, "**", q4_0)` first; ours only:
-//!   PyTorch has no CPU `q4_0`), and `qlora-ckpt` with `gradient_checkpointing_enable()` too (as
-//!   PEFT's QLoRA recipe trains);
+//!   `lora-ckpt` the same after `gradient_checkpointing_enable()` (PyTorch's with
+//!   `use_reentrant=False`): QLoRA's like-for-like float32 peer;
+//! - `qlora`: the same over a `q4_0` base, quantized on the way in
+//!   (`LlamaForCausalLM::from_pretrained_quantized(dir, device, "**", q4_0)`: the float32 model is
+//!   never resident; ours only: PyTorch has no CPU `q4_0`), and `qlora-ckpt` with
+//!   `gradient_checkpointing_enable()` too (as PEFT's QLoRA recipe trains);
 //! - `full` and `full-ckpt`: every parameter trained, AdamW (lr 1e-5, weight decay 0.01), batch
 //!   4 × 256, without and with `gradient_checkpointing_enable()` (PyTorch's with
 //!   `use_reentrant=False`, as ours is).
@@ -38,6 +41,9 @@
 //! [`reuse_freed_memory`](module_runtime::reuse_freed_memory) (the README's advice for
 //! training). PyTorch's side is `pytorch_train_step.py` beside this file.
 //!
+//! `TRAIN_STEP_PLAIN_MALLOC=1` runs ours without `reuse_freed_memory` (glibc's defaults: large
+//! blocks mapped and unmapped), to see what the heap's kept holes add to a peak.
+//!
 //! `TRAIN_STEP_ACCOUNT=1` adds an accounting (ours only), printed by each child to stderr: after
 //! the first forward, the tensors the graph keeps alive (every node of `loss.sorted_nodes()`, each
 //! storage counted once, views sharing their base's) grouped by shape, with the parameters apart
@@ -52,7 +58,7 @@ use llama::finetune::lora_config;
 use llama::LlamaForCausalLM;
 use module_runtime::nn::loss::linear_cross_entropy;
 use module_runtime::nn::peft::get_peft_model;
-use module_runtime::nn::{quantize, CrossEntropyLoss};
+use module_runtime::nn::CrossEntropyLoss;
 use module_runtime::optim::{AdamW, Optimizer as _};
 use module_runtime::prelude::*;
 
@@ -61,8 +67,9 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// Set in the processes the benchmark starts: the variant to run.
 const VARIANT: &str = "TRAIN_STEP_VARIANT";
 /// The variants, with the batch each runs and whether PyTorch has a peer.
-const VARIANTS: [(&str, usize, usize, bool); 5] = [
+const VARIANTS: [(&str, usize, usize, bool); 6] = [
     ("lora", 4, 128, true),
+    ("lora-ckpt", 4, 128, true),
     ("qlora", 4, 128, false),
     ("qlora-ckpt", 4, 128, false),
     ("full", 4, 256, true),
@@ -247,14 +254,18 @@ fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)>
 /// One variant's process: load, set up, reset the peak, warm up, time the steps, print the
 /// figures.
 fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> AnyResult<()> {
-    module_runtime::reuse_freed_memory();
-    let mut model = LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?;
+    if std::env::var_os("TRAIN_STEP_PLAIN_MALLOC").is_none() {
+        module_runtime::reuse_freed_memory();
+    }
+    // QLoRA's base is quantized on the way in: the float32 model is never resident.
+    let mut model = if variant.starts_with("qlora") {
+        LlamaForCausalLM::from_pretrained_quantized(dir, &Device::Cpu, "**", GgmlDType::Q4_0)?.0
+    } else {
+        LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?
+    };
     let lr = match variant {
-        "lora" | "qlora" | "qlora-ckpt" => {
-            if variant != "lora" {
-                let _ = quantize(&model, "**", GgmlDType::Q4_0)?;
-            }
-            if variant == "qlora-ckpt" {
+        "lora" | "lora-ckpt" | "qlora" | "qlora-ckpt" => {
+            if variant.ends_with("-ckpt") {
                 model.gradient_checkpointing_enable();
             }
             get_peft_model(&mut model, &lora_config(8))?;

@@ -8,9 +8,11 @@
 //!
 //! `--data` is JSON lines of token ids, one training sequence per line (`[1, 306, 4966, 29889]`;
 //! blank lines skipped). The model loads strictly by name
-//! (`LlamaForCausalLM::from_pretrained`); `--quantize KIND` (`q8_0`, `q4_0`, `q4_k`, …) then
-//! quantizes its `Linear` layers (QLoRA: the adapters stay in float over the quantized base, which
-//! stays quantized). LoRA of rank R (`lora_alpha` = 2R, `--lora-alpha` to change) goes on every
+//! (`LlamaForCausalLM::from_pretrained`); with `--quantize KIND` (`q8_0`, `q4_0`, `q4_k`, …) its
+//! `Linear` layers are quantized as the load reads them
+//! (`LlamaForCausalLM::from_pretrained_quantized`: the float32 base is never in memory; QLoRA:
+//! the adapters stay in float over the quantized base, which stays quantized). LoRA of rank R
+//! (`lora_alpha` = 2R, `--lora-alpha` to change) goes on every
 //! projection of attention and MLP (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
 //! `up_proj`, `down_proj`), and N AdamW steps (lr 1e-3, weight decay 0.01, 4 sequences a batch,
 //! right-padded, the padding masked out of the loss) train it on next-token cross-entropy:
@@ -32,8 +34,8 @@ use clap::Parser;
 use llama::finetune::{train_lora, FinetuneConfig};
 use llama::json_lines::read_token_ids;
 use llama::LlamaForCausalLM;
+use module_runtime::nn::parse_quant_kind;
 use module_runtime::nn::peft::PeftExt;
-use module_runtime::nn::{parse_quant_kind, quantize};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -55,7 +57,7 @@ struct Args {
     /// Where the PEFT adapter folder is written
     #[arg(long, value_name = "PEFT_DIR")]
     out: PathBuf,
-    /// QLoRA: quantize the base's Linear layers first (q8_0, q4_0, q4_k, …)
+    /// QLoRA: quantize the base's Linear layers as they load (q8_0, q4_0, q4_k, …)
     #[arg(long, value_name = "KIND")]
     quantize: Option<String>,
     /// LoRA's alpha [default: 2 * rank]
@@ -92,15 +94,24 @@ fn main() -> AnyResult<()> {
         config.lora.lora_alpha = alpha;
     }
     config.lora.base_model_name_or_path = Some(args.model.display().to_string());
-    let mut model = LlamaForCausalLM::from_pretrained(&args.model, &device)?;
-    if let Some(kind) = &args.quantize {
-        let report = quantize(&model, "**", parse_quant_kind(kind)?)?;
-        eprintln!(
-            "{kind}: {} Linear layers quantized, {} kept in float (rows not a multiple of the block)",
-            report.quantized.len(),
-            report.kept_float.len()
-        );
-    }
+    let mut model = match &args.quantize {
+        None => LlamaForCausalLM::from_pretrained(&args.model, &device)?,
+        Some(kind) => {
+            // Quantized on the way in: the float32 base is never in memory.
+            let (model, report) = LlamaForCausalLM::from_pretrained_quantized(
+                &args.model,
+                &device,
+                "**",
+                parse_quant_kind(kind)?,
+            )?;
+            eprintln!(
+                "{kind}: {} Linear layers quantized, {} kept in float (rows not a multiple of the block)",
+                report.quantized.len(),
+                report.kept_float.len()
+            );
+            model
+        }
+    };
     eprintln!(
         "{} sequences, batches of {}, rank {}, lora_alpha {}, lr {}",
         data.len(),

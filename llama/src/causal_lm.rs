@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-use module_runtime::nn::Linear;
+use module_runtime::nn::{Linear, QuantizeReport};
 use module_runtime::prelude::*;
 
 use crate::cache::KvCache;
@@ -170,6 +170,45 @@ impl LlamaForCausalLM {
         model.load_state_dict(dir, &Self::load_options(&cfg))?;
         model.eval();
         Ok(model)
+    }
+
+    /// Loads a Hugging Face model folder as [`from_pretrained`](Self::from_pretrained) does, with
+    /// the `Linear` layers whose path matches `pattern` (`**` for every one) quantized to `kind`
+    /// (`q8_0`, `q4_0`, `q4_K`, …) **on the way in**: the empty model's weights are marked
+    /// ([`quantize`] before the load) and each is quantized as the load reads it, so the float32
+    /// model is never in memory — transformers' `from_pretrained(dir, quantization_config=...)`,
+    /// and what QLoRA loads its base with. The model equals `from_pretrained` followed by
+    /// `quantize(&model, pattern, kind)` bit for bit, and the [`QuantizeReport`] is the one that
+    /// call gives (layers whose rows the kind's blocks do not fit stay in float, listed in
+    /// `kept_float`).
+    ///
+    /// Errors: those of [`quantize`] (a pattern matching no `Linear`, a kind no layer's rows fit)
+    /// before anything is read, and those of the load (all or nothing: the model is not
+    /// returned).
+    ///
+    /// ```
+    /// use llama::LlamaForCausalLM;
+    /// use module_runtime::prelude::*;
+    /// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+    /// let (model, report) =
+    ///     LlamaForCausalLM::from_pretrained_quantized(&dir, &Device::Cpu, "**", GgmlDType::Q4_0)?;
+    /// let q_proj = &model.model.layers[0].self_attn.q_proj.weight;
+    /// assert!(q_proj.is_quantized());
+    /// assert_eq!(report.quantized.len(), 13); // 6 projections of each layer's 7, and the head
+    /// # Ok::<(), module_runtime::Error>(())
+    /// ```
+    pub fn from_pretrained_quantized(
+        dir: &Path,
+        device: &Device,
+        pattern: &str,
+        kind: GgmlDType,
+    ) -> Result<(Self, QuantizeReport)> {
+        let cfg = LlamaConfig::from_json_file(&dir.join("config.json"))?;
+        let model = module_runtime::build_empty(|| Self::new(&cfg, device))?;
+        let report = module_runtime::nn::quantize(&model, pattern, kind)?;
+        model.load_state_dict(dir, &Self::load_options(&cfg))?;
+        model.eval();
+        Ok((model, report))
     }
 
     /// The options a checkpoint of `cfg` loads with ([`from_pretrained`](Self::from_pretrained),

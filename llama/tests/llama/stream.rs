@@ -1,14 +1,15 @@
 //! Streaming loads: a Hugging Face sharded checkpoint (`model.safetensors.index.json` over three
 //! shards) read tensor by tensor into a model built empty (`build_empty`), quantized on the way
 //! when `quantize` marked the empty model first — equal, byte for byte, to loading the float
-//! model and quantizing it after.
+//! model and quantizing it after; and `LlamaForCausalLM::from_pretrained_quantized`, which loads a
+//! folder that way, for `q8_0`, `q4_0` and `q4_K`.
 
 use std::path::{Path, PathBuf};
 
 use llama::LlamaForCausalLM;
 use module_runtime::nn::{quantize, GgmlDType, Linear};
 use module_runtime::prelude::*;
-use module_runtime::{build_empty, Error};
+use module_runtime::{build_empty, Error, QuantizeError};
 
 use super::{device, ids, max_diff, model, temp_dir};
 
@@ -120,4 +121,116 @@ fn a_failed_streaming_load_leaves_the_marked_model_empty() {
         Err(Error::NotLoaded { .. })
     ));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The quantized weights of `a` and `b`, layer by layer: the same kinds and the same bytes (the
+/// float ones the same values).
+fn assert_same_linears(a: &LlamaForCausalLM, b: &LlamaForCausalLM) {
+    let (a, b) = (linears(a), linears(b));
+    assert_eq!(a.len(), b.len());
+    for ((path, got), (_, want)) in a.iter().zip(&b) {
+        let (got, want) = (&got.weight, &want.weight);
+        assert_eq!(got.quantized_dtype(), want.quantized_dtype(), "{path}");
+        match (got.quantized().unwrap(), want.quantized().unwrap()) {
+            (Some(g), Some(w)) => assert_eq!(g.data().unwrap(), w.data().unwrap(), "{path}"),
+            (None, None) => assert_eq!(
+                max_diff(&got.tensor().unwrap(), &want.tensor().unwrap()),
+                0.0,
+                "{path}"
+            ),
+            _ => panic!("{path}: one quantized, one not"),
+        }
+    }
+}
+
+#[test]
+fn from_pretrained_quantized_equals_load_then_quantize_for_every_kind() {
+    // The tiny fixture (hidden 64) for the 32-wide blocks; a random folder 256 wide for q4_K's
+    // 256-wide ones (its intermediate 320 is no multiple of 256: down_proj stays float).
+    let wide = temp_dir("quantized-wide");
+    let json = serde_json::json!({
+        "hidden_size": 256, "intermediate_size": 320, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
+    });
+    LlamaForCausalLM::save_random_pretrained(&wide, &json).unwrap();
+    let cases = [
+        (super::fixture(), GgmlDType::Q8_0),
+        (super::fixture(), GgmlDType::Q4_0),
+        (wide.clone(), GgmlDType::Q4K),
+    ];
+    for (dir, kind) in cases {
+        let (streamed, report) =
+            LlamaForCausalLM::from_pretrained_quantized(&dir, &device(), "**", kind).unwrap();
+        let after = LlamaForCausalLM::from_pretrained(&dir, &device()).unwrap();
+        let want = quantize(&after, "**", kind).unwrap();
+        assert_eq!(report, want, "{kind:?}");
+        // Some layers quantized, down_proj kept float in both folders.
+        assert!(!report.quantized.is_empty(), "{kind:?}");
+        assert_eq!(
+            report.kept_float.len(),
+            streamed.model.layers.len(),
+            "{kind:?}"
+        );
+        assert_same_linears(&streamed, &after);
+        // Every parameter loaded, the norms and the embedding (float) equal too; eval mode.
+        for ((path, got), (_, want)) in streamed
+            .named_parameters()
+            .iter()
+            .zip(after.named_parameters())
+        {
+            assert_eq!(
+                max_diff(&got.tensor().unwrap(), &want.tensor().unwrap()),
+                0.0,
+                "{path}"
+            );
+        }
+        assert!(!streamed.is_training());
+        let input = ids(&[vec![1, 5, 9, 2]]);
+        let logits = |m: &LlamaForCausalLM| m.scan(&input, m.initial_state(1).unwrap()).unwrap().0;
+        assert_eq!(
+            max_diff(&logits(&streamed), &logits(&after)),
+            0.0,
+            "{kind:?}"
+        );
+    }
+    std::fs::remove_dir_all(&wide).unwrap();
+}
+
+/// The error of [`LlamaForCausalLM::from_pretrained_quantized`], which must fail.
+fn quantized_err(dir: &Path, device: &Device, pattern: &str, kind: GgmlDType) -> Error {
+    match LlamaForCausalLM::from_pretrained_quantized(dir, device, pattern, kind) {
+        Ok(_) => panic!("{} loaded with {pattern} {kind:?}", dir.display()),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn from_pretrained_quantized_refuses_a_bad_pattern_kind_or_folder() {
+    let dir = super::fixture();
+    // No layer of the 64-wide model fits q4_K's 256-wide blocks.
+    let err = quantized_err(&dir, &device(), "**", GgmlDType::Q4K);
+    assert!(
+        matches!(
+            &err,
+            Error::Quantize(QuantizeError::BlockSize {
+                block_size: 256,
+                ..
+            })
+        ),
+        "{err}"
+    );
+    let err = quantized_err(&dir, &device(), "model.nope", GgmlDType::Q8_0);
+    assert!(
+        matches!(&err, Error::Quantize(QuantizeError::NoLinear { .. })),
+        "{err}"
+    );
+    assert!(err.to_string().contains("model.nope"), "{err}");
+    // A folder without a checkpoint: the load's error, naming the file.
+    let empty = temp_dir("quantized-missing");
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::copy(dir.join("config.json"), empty.join("config.json")).unwrap();
+    let err = quantized_err(&empty, &device(), "**", GgmlDType::Q8_0);
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
+    std::fs::remove_dir_all(&empty).unwrap();
 }
