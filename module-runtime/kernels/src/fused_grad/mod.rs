@@ -22,6 +22,7 @@
 
 mod add_scaled;
 mod attention;
+mod attention_bf16;
 mod cross_entropy;
 mod dropout;
 mod gelu;
