@@ -10,7 +10,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
 use half::bf16;
 
-use crate::bf16_gemm::to_bf16_bits;
+use crate::bf16_gemm::{bf16_value, to_bf16_bits};
 use crate::fused_grad::attention::{cpu, Attention};
 use crate::fused_grad::linear_bf16::to_storage;
 use crate::sdpa_kernel::View;
@@ -43,9 +43,7 @@ fn widen(
         .ok_or_else(|| candle_core::Error::Msg(format!("{op}: a layout past its storage's end")))?;
     let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(values);
     Ok(CpuStorage::F32(
-        bits.iter()
-            .map(|&b| f32::from_bits((b as u32) << 16))
-            .collect(),
+        bits.iter().map(|&b| bf16_value(b)).collect(),
     ))
 }
 
