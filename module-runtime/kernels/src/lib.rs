@@ -86,7 +86,7 @@ pub use dropout::dropout;
 pub use elementwise::{activation_in_place, can_activate_in_place, gelu_erf, silu, Elementwise};
 #[cfg(target_os = "linux")]
 pub use file_read::read_values_at;
-pub use fused_grad::{add_scaled, cross_entropy_rows, rotary_embedding, silu_mul};
+pub use fused_grad::{add_promoted, add_scaled, cross_entropy_rows, rotary_embedding, silu_mul};
 pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
     linear, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,

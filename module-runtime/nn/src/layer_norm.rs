@@ -175,9 +175,9 @@ impl LayerNorm {
                 Err(error) => return Err(crate::trace::forward_error(self, error)),
             }
         }
-        // PyTorch's `+` promotes (a bfloat16 block output under autocast, a float32 stream).
-        let [x, residual] = module_core::autocast_policy::promote([x, residual])?;
-        self.call(&(x + residual)?)
+        // PyTorch's `+` promotes (a bfloat16 block output under autocast, a float32 stream): one
+        // op for that pair when a gradient is recorded.
+        self.call(&module_kernels::add_promoted(x, residual)?)
     }
 }
 

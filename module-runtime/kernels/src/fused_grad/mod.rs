@@ -20,6 +20,7 @@
 //! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
 //! replaces one layer's own computation, never a sequence of layers.
 
+mod add_promoted;
 mod add_scaled;
 mod attention;
 mod attention_bf16;
@@ -37,6 +38,7 @@ mod round;
 mod silu_mul;
 mod softmax;
 
+pub use add_promoted::add_promoted;
 pub use add_scaled::add_scaled;
 pub(crate) use attention::{attention, AttentionOptions};
 pub use cross_entropy::cross_entropy_rows;
