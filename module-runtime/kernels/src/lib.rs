@@ -89,7 +89,7 @@ pub use file_read::read_values_at;
 pub use fused_grad::{add_promoted, add_scaled, cross_entropy_rows, rotary_embedding, silu_mul};
 pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
-    linear, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
+    linear, linear_gelu, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
 pub use memory::reuse_freed_memory;
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};

@@ -78,6 +78,41 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     linear_same_dtype(x, w, bias)
 }
 
+/// `GELU(x Wᵀ + b)` (the exact GELU) as one op, where [`linear`] would multiply on the
+/// AVX512-BF16 kernel (bfloat16 operands, or float32 and bfloat16 ones under autocast to bfloat16)
+/// and a gradient is recorded, with fusion on: the values and gradients of [`linear`] then
+/// [`gelu_erf`](crate::gelu_erf), with one graph node where they make two. `None` elsewhere: the
+/// caller then makes the two calls. What `Linear::call_then` runs for a `GELU` under autocast.
+///
+/// ```
+/// use module_runtime::amp::autocast;
+/// use module_runtime::prelude::*;
+/// let x = Var::randn(0f32, 1., (2, 4), &Device::Cpu)?;
+/// let w = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+/// let y = autocast("cpu", DType::BF16, || module_kernels::linear_gelu(&x, &w, None))?;
+/// if module_kernels::kernel_choice().bf16_products {
+///     assert_eq!(y.unwrap().dtype(), DType::BF16);
+/// }
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn linear_gelu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let mut all = vec![x, w];
+    all.extend(bias);
+    let bf16 = match autocast_target(AutocastOp::Linear, x.device()) {
+        Some(dtype) => dtype == DType::BF16,
+        None => all.iter().all(|t| t.dtype() == DType::BF16),
+    };
+    let applies = bf16
+        && crate::fusion::is_fusion_enabled()
+        && crate::kernel_choice().bf16_products
+        && fused_grad::bf16_operands(&all)
+        && all.iter().any(|t| t.track_op());
+    if !applies {
+        return Ok(None);
+    }
+    Ok(Some(fused_grad::linear_gelu_bf16(x, w, bias)?))
+}
+
 /// [`linear`] under CPU autocast to a half dtype, where every operand is a float32, bfloat16 or
 /// float16 CPU tensor: the values PyTorch's `linear` computes from the operands cast to the half
 /// dtype (float32 accumulation, one rounding). Bfloat16 on the AVX512-BF16 kernel: every operand
