@@ -86,6 +86,7 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
 ///
 /// ```
 /// use module_runtime::amp::autocast;
+/// use module_runtime::candle_core::Var;
 /// use module_runtime::prelude::*;
 /// let x = Var::randn(0f32, 1., (2, 4), &Device::Cpu)?;
 /// let w = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
