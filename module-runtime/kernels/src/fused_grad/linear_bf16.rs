@@ -22,6 +22,7 @@ use half::bf16;
 use crate::bf16_gemm::{bf16_product, to_bf16_bits};
 use crate::error::Result;
 use crate::fused_grad::linear::column_sums;
+use crate::fused_grad::round::round_to_bf16_in_place;
 use crate::matmul::Matrix;
 
 /// `x Wᵀ + b` (`b` zero where `None`) for `x` `[…, in]`, `weight` `[out, in]` and `bias` `[out]`,
@@ -260,7 +261,16 @@ impl candle_core::CustomOp2 for MatMulBf16 {
             (m, n, k),
             None,
         )?;
-        Ok((to_storage(&y, self.0), Shape::from((m, n))))
+        let storage = match self.0 {
+            // A float32 gradient of bfloat16 values (a float32 parameter's): rounded in place.
+            DType::F32 => {
+                let mut y = y;
+                round_to_bf16_in_place(&mut y);
+                CpuStorage::F32(y)
+            }
+            dtype => to_storage(&y, dtype),
+        };
+        Ok((storage, Shape::from((m, n))))
     }
 }
 
