@@ -75,3 +75,38 @@ fn bert_trains_under_bfloat16_autocast() -> Result<()> {
     assert_eq!(hidden.dtype(), DType::F32);
     Ok(())
 }
+
+/// Under bfloat16 autocast the training graph is no larger than float32 training's: every op
+/// between the products takes bfloat16 directly (attention, dropout, GELU, the residual sum), and
+/// the products read float32 parameters in place, so no cast is a node of its own (each node is
+/// a zero-filled gradient buffer and a sum in candle's backward). Checked where the AVX512-BF16
+/// kernel runs; elsewhere the products run in float32 between casts.
+#[test]
+fn autocast_adds_no_graph_nodes() -> Result<()> {
+    if !module_runtime::backends::cpu::kernel_choice().bf16_products {
+        println!("not checked: this CPU has no AVX512-BF16 kernel");
+        return Ok(());
+    }
+    let dev = Device::Cpu;
+    let cfg = BertConfig {
+        vocab_size: 60,
+        hidden_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        intermediate_size: 256,
+        max_position_embeddings: 32,
+        ..BertConfig::minilm_l6()
+    };
+    let model = BertModel::new(&cfg, &dev)?;
+    model.train();
+    let ids = Tensor::from_vec((0..24u32).collect::<Vec<_>>(), (2, 12), &dev)?;
+    let mask = Tensor::ones((2, 12), DType::U32, &dev)?;
+    let nodes = || -> Result<usize> { Ok(model.call((&ids, &mask))?.sorted_nodes().len()) };
+    let float32 = nodes()?;
+    let bf16 = autocast("cpu", DType::BF16, nodes)?;
+    assert!(
+        bf16 <= float32,
+        "{bf16} nodes under autocast, {float32} in float32"
+    );
+    Ok(())
+}

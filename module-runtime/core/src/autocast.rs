@@ -26,7 +26,10 @@
 //! parameter changed in place inside the scope: step the optimizer outside `autocast`, as
 //! PyTorch's documentation says. A parameter read under [`no_grad`](crate::no_grad) is a tensor
 //! that records nothing and is cast on each use (PyTorch caches it there too; the values are the
-//! same). `cache_enabled(false)` turns the cache off for a scope.
+//! same). `cache_enabled(false)` turns the cache off for a scope. Bfloat16 `Linear` products on
+//! the AVX512-BF16 kernel need no copy: the kernel rounds a float32 parameter as it reads it (the
+//! values of the cast) and hands its gradient back in float32, so there is no cast in the graph
+//! and nothing is cached for them.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;

@@ -122,6 +122,14 @@ fn round_all(values: &[f32], out: &mut [u16]) {
     }
 }
 
+/// The float32 value of bfloat16 bits, exactly, a NaN made quiet: `half::bf16::to_f32`'s value
+/// (candle's and PyTorch's widening), without a branch, so that a loop over values vectorizes.
+#[inline(always)]
+pub(crate) fn bf16_value(b: u16) -> f32 {
+    let quiet = if b & 0x7fff > 0x7f80 { b | 0x40 } else { b };
+    f32::from_bits((quiet as u32) << 16)
+}
+
 /// The bfloat16 bits of `v`, rounded to nearest even (carrying into the exponent, so the largest
 /// finite values round to infinity), a NaN kept a quiet NaN: `half::bf16::from_f32(v)`'s bits,
 /// without a branch, so that a loop over values vectorizes.

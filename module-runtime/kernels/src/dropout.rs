@@ -12,9 +12,14 @@ use crate::random;
 /// constant of the graph, and gradients flow through the kept elements, scaled. The draws are the
 /// runtime's generator's ([`manual_seed`](module_core::manual_seed)) on both paths. A
 /// half-precision CPU tensor that records a gradient (under autocast) takes the float32 op and is
-/// rounded back (the same draws).
+/// rounded back (the same draws); for bfloat16 (fusion on) that is one op, widening as it reads.
 pub fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
     if let Some(half) = crate::cpu::cpu_half_dtype(&[x]).filter(|_| x.track_op()) {
+        // One op for bfloat16 with fusion on (the same bits as the two casts around the float32
+        // op, with one graph node where they make three).
+        if half == DType::BF16 && crate::fusion::is_fusion_enabled() {
+            return fused_grad::dropout(x, p);
+        }
         return Ok(dropout(&crate::cpu::widen(x)?, p)?.to_dtype(half)?);
     }
     if fused_grad::can_fuse_dropout(x) {

@@ -87,11 +87,12 @@ pub use elementwise::{activation_in_place, can_activate_in_place, gelu_erf, silu
 #[cfg(target_os = "linux")]
 pub use file_read::read_values_at;
 pub use fused_grad::{
-    add_scaled, cross_entropy_rows, linear_cross_entropy, rotary_embedding, silu_mul, WeightRows,
+    add_promoted, add_scaled, cross_entropy_rows, linear_cross_entropy, rotary_embedding, silu_mul,
+    WeightRows,
 };
 pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
-    linear, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
+    linear, linear_gelu, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
 pub use memory::{return_freed_memory, reuse_freed_memory};
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};

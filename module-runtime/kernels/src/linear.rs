@@ -78,12 +78,49 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     linear_same_dtype(x, w, bias)
 }
 
+/// `GELU(x Wᵀ + b)` (the exact GELU) as one op, where [`linear`] would multiply on the
+/// AVX512-BF16 kernel (bfloat16 operands, or float32 and bfloat16 ones under autocast to bfloat16)
+/// and a gradient is recorded, with fusion on: the values and gradients of [`linear`] then
+/// [`gelu_erf`](crate::gelu_erf), with one graph node where they make two. `None` elsewhere: the
+/// caller then makes the two calls. What `Linear::call_then` runs for a `GELU` under autocast.
+///
+/// ```
+/// use module_runtime::amp::autocast;
+/// use module_runtime::candle_core::Var;
+/// use module_runtime::prelude::*;
+/// let x = Var::randn(0f32, 1., (2, 4), &Device::Cpu)?;
+/// let w = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+/// let y = autocast("cpu", DType::BF16, || module_kernels::linear_gelu(&x, &w, None))?;
+/// if module_kernels::kernel_choice().bf16_products {
+///     assert_eq!(y.unwrap().dtype(), DType::BF16);
+/// }
+/// # Ok::<(), module_runtime::Error>(())
+/// ```
+pub fn linear_gelu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let mut all = vec![x, w];
+    all.extend(bias);
+    let bf16 = match autocast_target(AutocastOp::Linear, x.device()) {
+        Some(dtype) => dtype == DType::BF16,
+        None => all.iter().all(|t| t.dtype() == DType::BF16),
+    };
+    let applies = bf16
+        && crate::fusion::is_fusion_enabled()
+        && crate::kernel_choice().bf16_products
+        && fused_grad::bf16_operands(&all)
+        && all.iter().any(|t| t.track_op());
+    if !applies {
+        return Ok(None);
+    }
+    Ok(Some(fused_grad::linear_gelu_bf16(x, w, bias)?))
+}
+
 /// [`linear`] under CPU autocast to a half dtype, where every operand is a float32, bfloat16 or
 /// float16 CPU tensor: the values PyTorch's `linear` computes from the operands cast to the half
-/// dtype (float32 accumulation, one rounding), on the float32 kernels. A float32 operand is
-/// rounded to the half dtype in float32 storage (one op each way, on the pool: the values of the
-/// cast and the widening, and their backward's); a float32 parameter's rounded copy is made once
-/// per scope (autocast's weight cache). `None` elsewhere.
+/// dtype (float32 accumulation, one rounding). Bfloat16 on the AVX512-BF16 kernel: every operand
+/// rounded as the kernel reads it. Otherwise on the float32 kernels: a float32 operand is rounded
+/// to the half dtype in float32 storage (one op each way, on the pool: the values of the cast and
+/// the widening, and their backward's), a float32 parameter's rounded copy made once per scope
+/// (autocast's weight cache). `None` elsewhere.
 fn autocast_on_cpu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Option<Tensor>> {
     let Some(half) = autocast_target(AutocastOp::Linear, x.device()) else {
         return Ok(None);
@@ -100,16 +137,12 @@ fn autocast_on_cpu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Opti
         && crate::kernel_choice().bf16_products
         && fused_grad::bf16_operands(&all)
     {
-        // A float32 parameter's bfloat16 values are made once per scope (PyTorch's weight
-        // cache), kept in float32: its gradient then comes back and is summed in float32 (a
-        // bfloat16 copy's gradient would be summed by candle's bfloat16 add, 8 values at a time,
-        // every step). A float32 activation is rounded as the kernel reads it.
-        let cast = |t: &Tensor| match t.is_variable() {
-            true => autocast_cached(t, "bf16-in-f32", |t| fused_grad::round_to(t, DType::BF16)),
-            false => Ok(t.clone()),
-        };
-        let b = bias.map(cast).transpose()?;
-        return Ok(Some(fused_grad::linear_bf16(x, &cast(w)?, b.as_ref())?));
+        // Float32 operands, parameters included, are rounded to bfloat16 as the kernel reads
+        // them, forward and backward (the values of PyTorch's cached cast), and the op hands a
+        // float32 parameter its gradient in float32, the bfloat16 values widened (the cast's
+        // backward): no cast in the graph, so no cache entry — a cast node would be one more
+        // gradient candle sums into a zero-filled buffer each step, for every weight and bias.
+        return Ok(Some(fused_grad::linear_bf16(x, w, bias)?));
     }
     let rounded = |t: &Tensor| -> Result<Tensor> {
         if t.dtype() == DType::F32 {

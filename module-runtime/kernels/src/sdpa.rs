@@ -83,6 +83,9 @@ pub fn scaled_dot_product_attention(
         && query.dtype() == key.dtype()
         && query.dtype() == value.dtype()
     {
+        if half == DType::BF16 && bf16_op_applies(query, key, value, attn_mask) {
+            return bf16_training(query, key, value, attn_mask, options);
+        }
         let float_mask = attn_mask.filter(|m| m.dtype() == half);
         let mask = match float_mask {
             Some(m) => Some(widen(m)?),
@@ -93,6 +96,53 @@ pub fn scaled_dot_product_attention(
         return Ok(y.to_dtype(half)?);
     }
     attention(query, key, value, attn_mask, options)
+}
+
+/// Whether bfloat16 queries, keys and values that record a gradient take the bfloat16 training op
+/// (`fused_grad/attention_bf16.rs`): fusion is on, they are CPU tensors with their last dimension
+/// contiguous, and the mask (if any) is a `u8`, float32 or bfloat16 CPU tensor that records no
+/// gradient.
+fn bf16_op_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
+    let readable =
+        |t: &&Tensor| t.device().is_cpu() && t.dtype() == DType::BF16 && t.stride()[3] == 1;
+    crate::fusion::is_fusion_enabled()
+        && [q, k, v].iter().all(readable)
+        && [q, k, v].iter().any(|t| t.track_op())
+        && mask.is_none_or(|m| {
+            m.device().is_cpu()
+                && !m.track_op()
+                && matches!(m.dtype(), DType::BF16 | DType::F32 | DType::U8)
+        })
+}
+
+/// Bfloat16 attention that records a gradient, as one op: the float32 op's values between casts
+/// (a bfloat16 mask widened, exactly), the output bfloat16, returned as the `[B, Hq, L, Ev]` view
+/// of a `[B, L, Hq, Ev]` buffer as the float32 op returns it.
+fn bf16_training(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    attn_mask: Option<&Tensor>,
+    options: SdpaOptions,
+) -> Result<Tensor> {
+    let (shape, _) = check(query, key, value, attn_mask, &options)?;
+    let mask = match attn_mask {
+        Some(m) => {
+            let m = if m.dtype() == DType::BF16 {
+                widen(m)?
+            } else {
+                m.clone()
+            };
+            Some(m.broadcast_as((shape.b, shape.hq, shape.l, shape.s))?)
+        }
+        None => None,
+    };
+    let op = fused_grad::AttentionOptions {
+        causal: options.is_causal,
+        scale: options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt()),
+        dropout_p: options.dropout_p,
+    };
+    fused_grad::attention(query, key, value, mask.as_ref(), op, &shape)
 }
 
 /// [`scaled_dot_product_attention`] once autocast's casts are made: the checks, then the passes.

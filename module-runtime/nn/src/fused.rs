@@ -74,3 +74,24 @@ elementwise_activation! {
         Activation::Softmax(_) | Activation::LogSoftmax(_) => None,
     },
 }
+
+/// `module_kernels::linear_gelu` over `layer`'s parameters (for `Linear::call_then` with a
+/// `GELU`), where the layer computes nothing but its product: no adapter, saved copy, output
+/// reduction or quantized weight. `None` where it or the kernel does not apply.
+pub(crate) fn linear_gelu(
+    layer: &crate::Linear,
+    x: &Tensor,
+) -> crate::error::Result<Option<Tensor>> {
+    if layer.lora.is_some()
+        || layer.modules_to_save.is_some()
+        || layer.reduce.is_some()
+        || layer.weight.is_quantized()
+    {
+        return Ok(None);
+    }
+    let weight = layer.weight_value()?;
+    crate::device::check_input_device("Linear.weight", &weight, x)?;
+    crate::linear::check_in_features(weight.dims(), x)?;
+    let bias = layer.bias_value()?;
+    module_kernels::linear_gelu(x, &weight, bias.as_ref())
+}

@@ -175,9 +175,9 @@ impl LayerNorm {
                 Err(error) => return Err(crate::trace::forward_error(self, error)),
             }
         }
-        // PyTorch's `+` promotes (a bfloat16 block output under autocast, a float32 stream).
-        let [x, residual] = module_core::autocast_policy::promote([x, residual])?;
-        self.call(&(x + residual)?)
+        // PyTorch's `+` promotes (a bfloat16 block output under autocast, a float32 stream): one
+        // op for that pair when a gradient is recorded.
+        self.call(&module_kernels::add_promoted(x, residual)?)
     }
 }
 
@@ -204,6 +204,11 @@ fn layer_norm(
         check_input_device("LayerNorm.weight", w, x)?;
     }
     let y = module_kernels::layer_norm(&folded, weight.as_ref(), bias.as_ref(), eps)?;
+    // Unfolded only where folded: candle's reshape to the same shape is still a graph node (one
+    // more zero-filled gradient buffer and sum in the backward).
+    if y.shape() == x.shape() {
+        return Ok(y);
+    }
     Ok(y.reshape(x.shape())?)
 }
 
@@ -419,6 +424,9 @@ layer_forward!(RmsNorm, |layer, x| {
     }
     let eps = layer.eps_for(x.dtype());
     let y = module_kernels::rms_norm(&folded, weight.as_ref(), eps)?;
+    if y.shape() == x.shape() {
+        return Ok(y); // no reshape node where nothing was folded (see `layer_norm`)
+    }
     Ok(y.reshape(x.shape())?)
 });
 

@@ -10,7 +10,7 @@ use crate::parametrize::Parametrizations;
 use crate::peft::LoraLayer;
 use crate::{Init, Module, ModuleExt, Param};
 use module_core::py_bool;
-use module_kernels::{activation_in_place, can_activate_in_place};
+use module_kernels::{activation_in_place, can_activate_in_place, Elementwise};
 
 /// `y = x Wᵀ + b`: PyTorch's `nn.Linear`.
 ///
@@ -190,6 +190,15 @@ impl Linear {
         let Some(f) = activation.elementwise().filter(|_| fusion_applies()) else {
             return activation.call(&self.call(x)?);
         };
+        if f == Elementwise::GeluErf {
+            // A bfloat16 product recording a gradient (autocast): the product and the GELU as one
+            // op, where the layer is its own plain product.
+            match crate::fused::linear_gelu(self, x) {
+                Ok(Some(y)) => return Ok(y),
+                Ok(None) => {}
+                Err(error) => return Err(crate::trace::forward_error(self, error)),
+            }
+        }
         // The layer's own output (in training the fused op that records its gradient), then
         // the activation in place over it when nothing records a gradient.
         let y = self.call(x)?;
@@ -238,7 +247,7 @@ fn base_forward(layer: &Linear, x: &Tensor) -> Result<Tensor> {
 /// The input's last dimension against the weight's `in_features` (`weight` is `[out, in]`): a
 /// mismatch says which dimension, both sizes and the two fixes, instead of candle's product
 /// error with the transposed weight's shape.
-fn check_in_features(weight: &[usize], x: &Tensor) -> Result<()> {
+pub(crate) fn check_in_features(weight: &[usize], x: &Tensor) -> Result<()> {
     let (&[out_features, in_features], Some(&got)) = (weight, x.dims().last()) else {
         return Ok(());
     };

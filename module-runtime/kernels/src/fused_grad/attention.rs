@@ -22,7 +22,9 @@ pub(crate) struct AttentionOptions {
 }
 
 /// `dropout(softmax(q·kᵀ · scale + mask)) · v` as one node, returned as the `[B, Hq, L, Ev]` view
-/// of a `[B, L, Hq, Ev]` buffer (as the inference pass returns it).
+/// of a `[B, L, Hq, Ev]` buffer (as the inference pass returns it). Float32 queries, keys and
+/// values, or bfloat16 ones (`attention_bf16.rs`: computed in float32, the output and the
+/// gradients rounded once); the mask is float32 or `u8` either way.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -43,11 +45,15 @@ pub(crate) fn attention(
         None
     };
     let op = Attention::new(mask, options, d, draws);
-    Ok(q.apply_op3(k, v, op)?.transpose(1, 2)?)
+    let out = match q.dtype() {
+        DType::BF16 => q.apply_op3(k, v, super::attention_bf16::AttentionBf16(op))?,
+        _ => q.apply_op3(k, v, op)?,
+    };
+    Ok(out.transpose(1, 2)?)
 }
 
 /// The candle op of [`attention`]: its arguments are the queries, keys and values.
-struct Attention {
+pub(super) struct Attention {
     /// The mask broadcast to `[B, Hq, L, S]`.
     mask: Option<Tensor>,
     /// Dropout's uniform draws, `[B, Hq, L, S]` contiguous: a weight is kept where its draw is at
@@ -58,13 +64,13 @@ struct Attention {
     p: f32,
     /// What a kept weight is multiplied by (`1 / (1 - p)`).
     keep_scale: f32,
-    dims: Dims,
+    pub(super) dims: Dims,
     /// Whether the AVX2 + FMA builds run, forward and backward alike ([`simd`] when made).
     simd: bool,
 }
 
 /// The CPU storage of one of the op's tensors (a typed error for another device).
-fn cpu<'a>(storage: &'a Storage, what: &str) -> candle_core::Result<&'a CpuStorage> {
+pub(super) fn cpu<'a>(storage: &'a Storage, what: &str) -> candle_core::Result<&'a CpuStorage> {
     match storage {
         Storage::Cpu(c) => Ok(c),
         _ => Err(candle_core::Error::Msg(format!(
@@ -76,7 +82,7 @@ fn cpu<'a>(storage: &'a Storage, what: &str) -> candle_core::Result<&'a CpuStora
 impl Attention {
     /// The op over `mask` (broadcast to `[B, Hq, L, S]`) with dropout's `draws` (`[B, Hq, L, S]`,
     /// contiguous; `None` without dropout).
-    fn new(
+    pub(super) fn new(
         mask: Option<&Tensor>,
         options: AttentionOptions,
         d: &Dims,
@@ -168,7 +174,7 @@ struct PairInputs<'s, 'a> {
 
 /// One pair's gradients: the queries' of its query heads (`[group, L, E]`), the keys'
 /// (`[S, E]`) and the values' (`[S, Ev]`).
-type PairGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+pub(super) type PairGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 impl Attention {
     /// The gradients of one (batch, key/value head) pair, the query heads that share it included:
@@ -248,16 +254,7 @@ impl candle_core::CustomOp3 for Attention {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let d = self.dims;
         let (q, k) = (View::new(q, q_layout)?, View::new(k, k_layout)?);
-        let values = View::new(v, v_layout)?;
-        let out = self.with_scores(q, k, |scores, draws| {
-            attend(scores, values, &d, |at, weights| {
-                if let Some(draws) = draws {
-                    for (w, &u) in weights.iter_mut().zip(self.draws_row(draws, at)) {
-                        *w *= self.keep(u);
-                    }
-                }
-            })
-        })?;
+        let out = self.forward_values(q, k, View::new(v, v_layout)?)?;
         Ok((CpuStorage::F32(out), Shape::from((d.b, d.l, d.hq, d.ev))))
     }
 
@@ -272,7 +269,6 @@ impl candle_core::CustomOp3 for Attention {
         _out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = self.dims;
         let grad = grad.contiguous()?;
         let (q_lock, k_lock, v_lock, g_lock) = (
             q.storage_and_layout(),
@@ -280,10 +276,53 @@ impl candle_core::CustomOp3 for Attention {
             v.storage_and_layout(),
             grad.storage_and_layout(),
         );
-        let queries = View::new(cpu(&q_lock.0, "queries")?, q_lock.1)?;
-        let keys = View::new(cpu(&k_lock.0, "keys")?, k_lock.1)?;
-        let values = View::new(cpu(&v_lock.0, "values")?, v_lock.1)?;
-        let g = View::new(cpu(&g_lock.0, "gradient")?, g_lock.1)?;
+        let (dq, dk, dv) = self.backward_values(
+            View::new(cpu(&q_lock.0, "queries")?, q_lock.1)?,
+            View::new(cpu(&k_lock.0, "keys")?, k_lock.1)?,
+            View::new(cpu(&v_lock.0, "values")?, v_lock.1)?,
+            View::new(cpu(&g_lock.0, "gradient")?, g_lock.1)?,
+        )?;
+        drop((q_lock, k_lock, v_lock, g_lock));
+        let d = self.dims;
+        let dev = q.device();
+        let dq = Tensor::from_vec(dq, (d.b, d.l, d.hq, d.e), dev)?.transpose(1, 2)?;
+        let dk = Tensor::from_vec(dk, (d.b, d.s, d.h, d.e), dev)?.transpose(1, 2)?;
+        let dv = Tensor::from_vec(dv, (d.b, d.s, d.h, d.ev), dev)?.transpose(1, 2)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl Attention {
+    /// The forward's output, `[B, L, Hq, Ev]` values, from float32 queries, keys and values.
+    pub(super) fn forward_values(
+        &self,
+        q: View,
+        k: View,
+        values: View,
+    ) -> candle_core::Result<Vec<f32>> {
+        let d = self.dims;
+        self.with_scores(q, k, |scores, draws| {
+            attend(scores, values, &d, |at, weights| {
+                if let Some(draws) = draws {
+                    for (w, &u) in weights.iter_mut().zip(self.draws_row(draws, at)) {
+                        *w *= self.keep(u);
+                    }
+                }
+            })
+        })
+    }
+
+    /// The query, key and value gradients (`[B, L, Hq, E]`, `[B, S, H, E]`, `[B, S, H, Ev]`
+    /// values) from float32 queries, keys and values and the output's gradient `g`
+    /// (`[B, L, Hq, Ev]`).
+    pub(super) fn backward_values(
+        &self,
+        queries: View,
+        keys: View,
+        values: View,
+        g: View,
+    ) -> candle_core::Result<PairGrads> {
+        let d = self.dims;
         let group = d.hq / d.h;
         let parts = self.with_scores(queries, keys, |scores, draws| {
             par_map((0..d.b * d.h).collect(), |pair| {
@@ -316,12 +355,7 @@ impl candle_core::CustomOp3 for Attention {
                 dv[at..at + d.ev].copy_from_slice(&pv[j * d.ev..(j + 1) * d.ev]);
             }
         }
-        drop((q_lock, k_lock, v_lock, g_lock));
-        let dev = q.device();
-        let dq = Tensor::from_vec(dq, (d.b, d.l, d.hq, d.e), dev)?.transpose(1, 2)?;
-        let dk = Tensor::from_vec(dk, (d.b, d.s, d.h, d.e), dev)?.transpose(1, 2)?;
-        let dv = Tensor::from_vec(dv, (d.b, d.s, d.h, d.ev), dev)?.transpose(1, 2)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((dq, dk, dv))
     }
 }
 

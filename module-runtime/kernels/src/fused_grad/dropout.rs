@@ -3,11 +3,18 @@
 //! Composed, the mask is four tensors (draws, comparison, float mask, scaled mask) and the product
 //! a multiplication whose backward also computes the gradient of the mask, which nothing reads.
 //! Here the draws are compared and scaled where they are read, forward and backward.
+//!
+//! A bfloat16 input (an activation under autocast) is widened as it is read and the product
+//! rounded once, forward and backward: the same bits as the float32 op between two casts, with one
+//! graph node where they made three.
 
-use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 
+use crate::bf16_gemm::to_bf16_bits;
 use crate::cpu::f32_slice;
 use crate::error::Result;
+use crate::fused_grad::gelu_bf16::widen as widen_bf16;
+use crate::fused_grad::linear_bf16::to_storage;
 use crate::fused_grad::{applies, map_rows, with_f32};
 
 /// Whether [`dropout`] can replace the composed dropout of `x`.
@@ -15,8 +22,9 @@ pub(crate) fn can_fuse_dropout(x: &Tensor) -> bool {
     applies(&[x])
 }
 
-/// `x` with each element zeroed with probability `p` (for `0 < p < 1`) and the others scaled by
-/// `1 / (1 - p)`, recording a one-pass backward. The draws are the runtime's generator's, as in the
+/// `x` (float32, or bfloat16: see the module's documentation) with each element zeroed with
+/// probability `p` (for `0 < p < 1`) and the others scaled by `1 / (1 - p)`, recording a one-pass
+/// backward. The draws are the runtime's generator's, as in the
 /// composed path, and an element is kept where its draw is at least `p`: with the same draws the
 /// two paths give the same bits.
 pub(crate) fn dropout(x: &Tensor, p: f64) -> Result<Tensor> {
@@ -61,19 +69,28 @@ impl candle_core::CustomOp2 for Dropout {
         draws_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let x = f32_slice(x, x_layout, name)?;
+        let widened;
+        let (values, dtype) = match x {
+            CpuStorage::BF16(_) => {
+                widened = widen_bf16(x, x_layout, name)?;
+                (&widened[..], DType::BF16)
+            }
+            _ => (f32_slice(x, x_layout, name)?, DType::F32),
+        };
         let draws = f32_slice(draws, draws_layout, name)?;
-        if draws.len() != x.len() {
+        if draws.len() != values.len() {
             return Err(candle_core::Error::Msg(format!(
                 "{name}: {} draws for {} values",
                 draws.len(),
-                x.len()
+                values.len()
             )));
         }
-        Ok((
-            CpuStorage::F32(self.apply(x, draws)),
-            x_layout.shape().clone(),
-        ))
+        let out = self.apply(values, draws);
+        let out = match dtype {
+            DType::BF16 => to_storage(&out, DType::BF16),
+            _ => CpuStorage::F32(out),
+        };
+        Ok((out, x_layout.shape().clone()))
     }
 
     /// `dx = g * mask`; the draws get no gradient.
@@ -84,10 +101,77 @@ impl candle_core::CustomOp2 for Dropout {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let name = self.name();
         let grad = grad.contiguous()?;
-        let dx = with_f32([&grad, draws], self.name(), |[g, draws]| {
-            self.apply(g, draws)
-        })?;
+        if grad.dtype() == DType::BF16 {
+            // The bfloat16 op's: the float32 product of the widened gradient, rounded once.
+            let g = {
+                let (storage, layout) = grad.storage_and_layout();
+                match &*storage {
+                    Storage::Cpu(cpu) => widen_bf16(cpu, layout, name)?,
+                    _ => {
+                        return Err(candle_core::Error::Msg(format!(
+                            "{name}: expects CPU tensors"
+                        )))
+                    }
+                }
+            };
+            let dx = with_f32([draws], name, |[draws]| self.apply(&g, draws))?;
+            let dx = half::vec::HalfBitsVecExt::reinterpret_into::<half::bf16>(to_bf16_bits(&dx));
+            return Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), None));
+        }
+        let dx = with_f32([&grad, draws], name, |[g, draws]| self.apply(g, draws))?;
         Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+    use half::bf16;
+
+    use super::*;
+
+    fn bits(t: &Tensor) -> Vec<u16> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    }
+
+    /// With the same draws, the bfloat16 op's output and gradient are the float32 op's between
+    /// two casts, bit for bit, and the op is one node over its input.
+    #[test]
+    fn bfloat16_equals_the_float32_op_between_casts() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 3.0, (37, 29), &dev)?.to_dtype(DType::BF16)?;
+        let x = Var::from_tensor(&x)?;
+        let draws = Tensor::rand(0f32, 1.0, (37, 29), &dev)?;
+        let op = || Dropout {
+            p: 0.1,
+            scale: (1.0 / 0.9f64) as f32,
+        };
+        let fused = x.as_tensor().apply_op2(&draws, op())?;
+        assert_eq!(fused.dtype(), DType::BF16);
+        assert_eq!(fused.sorted_nodes().len(), 2, "the op and the input");
+        let cast = x
+            .as_tensor()
+            .to_dtype(DType::F32)?
+            .apply_op2(&draws, op())?
+            .to_dtype(DType::BF16)?;
+        assert_eq!(bits(&fused), bits(&cast));
+        let g = Tensor::randn(0f32, 1.0, (37, 29), &dev)?;
+        let loss = |y: &Tensor| (y.to_dtype(DType::F32)? * &g)?.sum_all();
+        let (gf, gc) = (loss(&fused)?.backward()?, loss(&cast)?.backward()?);
+        let (a, c) = (
+            gf.get(x.as_tensor()).unwrap(),
+            gc.get(x.as_tensor()).unwrap(),
+        );
+        assert_eq!(a.dtype(), DType::BF16);
+        assert_eq!(bits(a), bits(c));
+        Ok(())
     }
 }

@@ -22,6 +22,7 @@ use half::bf16;
 use crate::bf16_gemm::{bf16_product, to_bf16_bits};
 use crate::error::Result;
 use crate::fused_grad::linear::column_sums;
+use crate::fused_grad::round::round_to_bf16_in_place;
 use crate::matmul::Matrix;
 
 /// `x Wᵀ + b` (`b` zero where `None`) for `x` `[…, in]`, `weight` `[out, in]` and `bias` `[out]`,
@@ -99,48 +100,9 @@ impl candle_core::CustomOp3 for LinearBf16 {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let name = self.name();
-        let mismatch = |rhs: &Layout| candle_core::Error::ShapeMismatchBinaryOp {
-            lhs: x_layout.shape().clone(),
-            rhs: rhs.shape().clone(),
-            op: name,
-        };
-        let (out_features, in_features) = w_layout.shape().dims2()?;
-        let x_dims = x_layout.shape().dims();
-        if x_dims.last() != Some(&in_features) || !x_layout.is_contiguous() {
-            return Err(mismatch(w_layout));
-        }
-        if b_layout.shape().dims() != [out_features] {
-            return Err(mismatch(b_layout));
-        }
-        let rows = x_layout.shape().elem_count() / in_features.max(1);
-        let (xv, wv, bv) = (
-            bits(x, x_layout, name)?,
-            bits(w, w_layout, name)?,
-            bits(b, b_layout, name)?,
-        );
-        let stride = b_layout.stride()[0];
-        let bias: Vec<f32> = (0..out_features)
-            .map(|j| f32::from_bits((bv[j * stride] as u32) << 16))
-            .collect();
-        let w_strides = w_layout.stride();
-        // `Wᵀ`: `[in, out]`, read in place.
-        let wt = Matrix {
-            values: &wv[..],
-            row_stride: w_strides[1],
-            col_stride: w_strides[0],
-        };
-        let y = bf16_product(
-            Matrix::rows(&xv[..], in_features),
-            wt,
-            (rows, out_features, in_features),
-            Some(&bias),
-        )?;
-        let mut dims = x_dims.to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = out_features;
-        }
-        Ok((to_storage(&y, DType::BF16), Shape::from(dims)))
+        let (y, shape) =
+            forward_values([(x, x_layout), (w, w_layout), (b, b_layout)], self.name())?;
+        Ok((to_storage(&y, DType::BF16), shape))
     }
 
     /// `dx = g W`, `dW = gᵀ x` and `db = Σ g`, in bfloat16, each only for an argument that
@@ -153,30 +115,90 @@ impl candle_core::CustomOp3 for LinearBf16 {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (out_features, in_features) = w.dims2()?;
-        let rows = x.elem_count() / in_features.max(1);
-        let g = grad.contiguous()?.reshape((rows, out_features))?;
-        let dx = match x.track_op() {
-            true => Some(matmul_bf16(&g, &w.detach(), x.dtype())?.reshape(x.shape())?),
-            false => None,
-        };
-        let dw = match w.track_op() {
-            true => {
-                let x2 = x.detach().reshape((rows, in_features))?;
-                Some(matmul_bf16(&g.t()?, &x2, w.dtype())?)
-            }
-            false => None,
-        };
-        let db = match b.track_op() {
-            true => {
-                let sums = bf16_column_sums(&g, out_features, self.name())?;
-                let sums = Tensor::from_vec(sums, out_features, b.device())?;
-                Some(sums.to_dtype(DType::BF16)?.to_dtype(b.dtype())?)
-            }
-            false => None,
-        };
-        Ok((dx, dw, db))
+        backward(x, w, b, grad)
     }
+}
+
+/// The float32 sums `x Wᵀ + b` of the op's forward (before their rounding), from the input, the
+/// weight and the bias storages, and the output's shape.
+pub(super) fn forward_values(
+    [(x, x_layout), (w, w_layout), (b, b_layout)]: [(&CpuStorage, &Layout); 3],
+    name: &'static str,
+) -> candle_core::Result<(Vec<f32>, Shape)> {
+    let mismatch = |rhs: &Layout| candle_core::Error::ShapeMismatchBinaryOp {
+        lhs: x_layout.shape().clone(),
+        rhs: rhs.shape().clone(),
+        op: name,
+    };
+    let (out_features, in_features) = w_layout.shape().dims2()?;
+    let x_dims = x_layout.shape().dims();
+    if x_dims.last() != Some(&in_features) || !x_layout.is_contiguous() {
+        return Err(mismatch(w_layout));
+    }
+    if b_layout.shape().dims() != [out_features] {
+        return Err(mismatch(b_layout));
+    }
+    let rows = x_layout.shape().elem_count() / in_features.max(1);
+    let (xv, wv, bv) = (
+        bits(x, x_layout, name)?,
+        bits(w, w_layout, name)?,
+        bits(b, b_layout, name)?,
+    );
+    let stride = b_layout.stride()[0];
+    let bias: Vec<f32> = (0..out_features)
+        .map(|j| f32::from_bits((bv[j * stride] as u32) << 16))
+        .collect();
+    let w_strides = w_layout.stride();
+    // `Wᵀ`: `[in, out]`, read in place.
+    let wt = Matrix {
+        values: &wv[..],
+        row_stride: w_strides[1],
+        col_stride: w_strides[0],
+    };
+    let y = bf16_product(
+        Matrix::rows(&xv[..], in_features),
+        wt,
+        (rows, out_features, in_features),
+        Some(&bias),
+    )?;
+    let mut dims = x_dims.to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = out_features;
+    }
+    Ok((y, Shape::from(dims)))
+}
+
+/// The op's backward for the output's gradient `grad`: `dx = g W`, `dW = gᵀ x` and `db = Σ g`,
+/// in bfloat16, each only for an argument that records a gradient.
+pub(super) fn backward(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    grad: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (out_features, in_features) = w.dims2()?;
+    let rows = x.elem_count() / in_features.max(1);
+    let g = grad.contiguous()?.reshape((rows, out_features))?;
+    let dx = match x.track_op() {
+        true => Some(matmul_bf16(&g, &w.detach(), x.dtype())?.reshape(x.shape())?),
+        false => None,
+    };
+    let dw = match w.track_op() {
+        true => {
+            let x2 = x.detach().reshape((rows, in_features))?;
+            Some(matmul_bf16(&g.t()?, &x2, w.dtype())?)
+        }
+        false => None,
+    };
+    let db = match b.track_op() {
+        true => {
+            let sums = bf16_column_sums(&g, out_features, "linear-bf16")?;
+            let sums = Tensor::from_vec(sums, out_features, b.device())?;
+            Some(sums.to_dtype(DType::BF16)?.to_dtype(b.dtype())?)
+        }
+        false => None,
+    };
+    Ok((dx, dw, db))
 }
 
 /// The float32 sums of the columns of the contiguous bfloat16 (or float32) CPU matrix `g`, rows
@@ -239,7 +261,16 @@ impl candle_core::CustomOp2 for MatMulBf16 {
             (m, n, k),
             None,
         )?;
-        Ok((to_storage(&y, self.0), Shape::from((m, n))))
+        let storage = match self.0 {
+            // A float32 gradient of bfloat16 values (a float32 parameter's): rounded in place.
+            DType::F32 => {
+                let mut y = y;
+                round_to_bf16_in_place(&mut y);
+                CpuStorage::F32(y)
+            }
+            dtype => to_storage(&y, dtype),
+        };
+        Ok((storage, Shape::from((m, n))))
     }
 }
 

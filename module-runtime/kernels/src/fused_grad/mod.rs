@@ -20,8 +20,10 @@
 //! `tests/integration/fused_grad.rs`. Hooks see the same module outputs either way: each op
 //! replaces one layer's own computation, never a sequence of layers.
 
+mod add_promoted;
 mod add_scaled;
 mod attention;
+mod attention_bf16;
 mod cross_entropy;
 mod dropout;
 mod gelu;
@@ -30,6 +32,7 @@ mod layer_norm;
 mod linear;
 mod linear_bf16;
 mod linear_cross_entropy;
+mod linear_gelu_bf16;
 mod quantized_linear;
 mod rms_norm;
 mod rope;
@@ -37,6 +40,7 @@ mod round;
 mod silu_mul;
 mod softmax;
 
+pub use add_promoted::add_promoted;
 pub use add_scaled::add_scaled;
 pub(crate) use attention::{attention, AttentionOptions};
 pub use cross_entropy::cross_entropy_rows;
@@ -47,6 +51,7 @@ pub(crate) use layer_norm::{can_fuse_layer_norm, layer_norm};
 pub(crate) use linear::{can_fuse_linear, linear};
 pub(crate) use linear_bf16::{bf16_operands, linear_bf16};
 pub use linear_cross_entropy::{linear_cross_entropy, WeightRows};
+pub(crate) use linear_gelu_bf16::linear_gelu_bf16;
 pub(crate) use quantized_linear::{can_fuse_quantized_product, quantized_product};
 pub(crate) use rms_norm::{can_fuse_rms_norm, rms_norm};
 pub use rope::rotary_embedding;
