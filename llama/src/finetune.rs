@@ -22,13 +22,14 @@
 //!   attention mask is needed: with causal attention a token never sees the padding after it.
 //!   Each sequence computes exactly what it would alone.
 //! - **Loss**: transformers' `ForCausalLMLoss`: the logits of position `t` against token `t + 1`,
-//!   averaged over every real (not padded) target of the batch.
+//!   averaged over every real (not padded) target of the batch, computed by
+//!   [`linear_cross_entropy`] (the head by blocks of the vocabulary: the logits are never whole).
 //! - **Seed**: [`manual_seed`]`(seed)` before the adapter is made:
 //!   `lora_A`'s initialization (PEFT's Kaiming-uniform; `lora_B` starts at zero) is the only
 //!   random draw, so two runs with the same seed print the same losses.
 
+use module_runtime::nn::loss::linear_cross_entropy;
 use module_runtime::nn::peft::{get_peft_model, LoraConfig, TargetModules};
-use module_runtime::nn::CrossEntropyLoss;
 use module_runtime::optim::{AdamW, Error as TrainError, Optimizer};
 use module_runtime::prelude::*;
 
@@ -132,7 +133,6 @@ pub fn train_lora(
         .lr(config.lr)
         .weight_decay(config.weight_decay);
     let mut opt = AdamW::new(&*model, options)?;
-    let loss_fn = CrossEntropyLoss::new();
     let device = model.model.embed_tokens.weight.device();
     let batch = config.batch_size.min(sequences.len());
     let mut losses = Vec::with_capacity(config.steps);
@@ -140,17 +140,16 @@ pub fn train_lora(
     let result = (0..config.steps).try_for_each(|step| {
         let rows = (0..batch).map(|j| &sequences[(step * batch + j) % sequences.len()]);
         let (ids, labels) = padded_batch(rows.collect(), &device)?;
-        let logits = model.call(&ids)?;
-        let (b, t, vocab) = logits.dims3()?;
-        // Every position's logits as rows, in place; the last position's label is -100 (it
+        // Every position against the next token; the last position's label is -100 (it
         // predicts nothing), as transformers pads the labels rather than copying the logits.
-        let logits = logits.reshape((b * t, vocab))?;
-        let loss = loss_fn.call((&logits, &labels))?;
+        // The head and the loss by blocks of the vocabulary: the logits are never whole.
+        let hidden = model.hidden_states(&ids)?;
+        let loss = linear_cross_entropy(&hidden, &model.lm_head, &labels, -100)?;
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let grads = loss.backward()?;
         // The graph (every activation) hangs from the loss: freed before the optimizer's step
         // allocates its state, as PyTorch frees it during the backward.
-        drop((loss, logits));
+        drop((loss, hidden));
         opt.step(&grads)?;
         losses.push(value);
         on_step(step + 1, value);
