@@ -5,14 +5,17 @@ use candle_core::{Device, Tensor};
 
 use crate::common::layer_forward;
 use crate::error::{Error, Result};
+use crate::linear_cross_entropy_fn::linear_cross_entropy;
 use crate::loss_classification::cross_entropy;
 use crate::loss_reduction::LossReduction;
 use crate::{Buffer, Module, ModuleExt};
 use crate::{Linear, LinearConfig};
 
 /// How a [`LinearCrossEntropyLoss`] is built: PyTorch's keyword arguments, with PyTorch's
-/// defaults. PyTorch's `options` (a chunked, memory-saving implementation) does not apply: the
-/// logits are computed whole.
+/// defaults. PyTorch's `options` (its chunked, memory-saving implementation) is not a setting
+/// here: with class ids, the mean reduction and no class weights or smoothing, the loss always
+/// takes the logits by blocks of the classes ([`linear_cross_entropy`](crate::loss::linear_cross_entropy)); otherwise they are
+/// computed whole.
 #[derive(Clone, Debug)]
 pub struct LinearCrossEntropyConfig {
     /// Extra output dimensions `(d1, …, dK)` for a K-dimensional loss (default none).
@@ -146,6 +149,19 @@ impl LinearCrossEntropyLoss {
 }
 
 layer_forward!(LinearCrossEntropyLoss, |layer, (input, target)| {
+    // No ignore_index: no class id is below zero, so i64::MIN never matches one.
+    let ignore = layer.ignore_index.unwrap_or(i64::MIN);
+    // Class ids, mean reduction, no class weights or smoothing: the logits by blocks.
+    let blockwise = layer.out_features.is_empty()
+        && layer.weight.is_none()
+        && layer.label_smoothing == 0.0
+        && layer.reduction == LossReduction::Mean
+        && target.dtype().is_int()
+        && input.rank() >= 1
+        && target.dims() == &input.dims()[..input.rank() - 1];
+    if blockwise {
+        return linear_cross_entropy(input, &layer.linear, target, ignore);
+    }
     let logits = layer.linear.call(input)?;
     // Rows of the weight are (class, d1, …, dK) flattened: unflatten the logits the same way.
     let logits = if layer.out_features.is_empty() {
@@ -155,8 +171,6 @@ layer_forward!(LinearCrossEntropyLoss, |layer, (input, target)| {
         let dims: Vec<usize> = [lead, &[layer.num_classes], &layer.out_features].concat();
         logits.reshape(dims)?
     };
-    // No ignore_index: no class id is below zero, so i64::MIN never matches one.
-    let ignore = layer.ignore_index.unwrap_or(i64::MIN);
     let options = (ignore, layer.reduction, layer.label_smoothing);
     cross_entropy(
         "LinearCrossEntropyLoss",

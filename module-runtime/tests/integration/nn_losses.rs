@@ -437,3 +437,42 @@ fn bad_inputs_are_typed_errors_naming_the_shapes() -> Result<()> {
         .is_err());
     Ok(())
 }
+
+/// `LinearCrossEntropyLoss` with class ids and the mean takes the logits by blocks of the classes
+/// (5000: two blocks of the kernels' 4096), with the loss and the gradients of the input and of
+/// the layer's weight those of the logits made whole (`without_fusion`), ignored ids included.
+#[test]
+fn linear_cross_entropy_loss_by_blocks_matches_the_whole_logits() -> Result<()> {
+    use module_runtime::nn::without_fusion;
+    let dev = Device::Cpu;
+    let config = LinearCrossEntropyConfig {
+        ignore_index: Some(-100),
+        ..Default::default()
+    };
+    let head = LinearCrossEntropyLoss::with_config(16, 5000, config, &dev)?;
+    let x = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1., (3, 7, 16), &dev)?)?;
+    let ids: Vec<i64> = (0..21)
+        .map(|i| if i % 4 == 1 { -100 } else { i * 613 % 5000 })
+        .collect();
+    let target = Tensor::from_vec(ids, (3, 7), &dev)?;
+    let run = || -> Result<(Tensor, Tensor, Tensor)> {
+        let loss = head.call((x.as_tensor(), &target))?;
+        let grads = loss.backward()?;
+        let w = head.linear.weight.var()?;
+        let dx = grads.get(&x).expect("the input's gradient").clone();
+        let dw = grads
+            .get(w.as_tensor())
+            .expect("the weight's gradient")
+            .clone();
+        Ok((loss, dx, dw))
+    };
+    let (loss, dx, dw) = run()?;
+    let (whole, wdx, wdw) = without_fusion(run)?;
+    let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    };
+    assert!(diff(&loss, &whole)? < 2e-6, "loss");
+    assert!(diff(&dx, &wdx)? < 1e-5, "input gradient");
+    assert!(diff(&dw, &wdw)? < 1e-5, "weight gradient");
+    Ok(())
+}
