@@ -60,12 +60,7 @@ impl candle_core::CustomOp1 for GeluErfBf16 {
 
     fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = widen(x, layout, self.name())?;
-        let y = map_rows([&x], 1, |y, [x]| {
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = gelu_erf_vectorized(x);
-            }
-        });
-        Ok((to_storage(&y, DType::BF16), layout.shape().clone()))
+        Ok((to_storage(&gelu_values(&x), DType::BF16), layout.shape().clone()))
     }
 
     /// `dx = g (Φ(x) + x φ(x))` as the float32 op's backward computes it, with `Φ(x) = GELU(x) / x`
@@ -77,14 +72,29 @@ impl candle_core::CustomOp1 for GeluErfBf16 {
             widen_tensor(&x.contiguous()?, name)?,
             widen_tensor(&grad.contiguous()?, name)?,
         );
-        let dx = map_rows([&xs, &gs], 1, |dx, [x, g]| {
-            for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                *dx = gelu_erf_grad(x, gelu_erf_vectorized(x), g);
-            }
-        });
-        let dx = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(&dx));
+        let dx = gelu_grad_bf16(&xs, &gs);
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
+}
+
+/// The exact GELU of each float32 value (rounded by the caller).
+pub(super) fn gelu_values(x: &[f32]) -> Vec<f32> {
+    map_rows([x], 1, |y, [x]| {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = gelu_erf_vectorized(x);
+        }
+    })
+}
+
+/// `g (Φ(x) + x φ(x))` for each value `x` and incoming gradient `g`, as the float32 op's
+/// backward computes it, rounded to bfloat16.
+pub(super) fn gelu_grad_bf16(x: &[f32], g: &[f32]) -> Vec<bf16> {
+    let dx = map_rows([x, g], 1, |dx, [x, g]| {
+        for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+            *dx = gelu_erf_grad(x, gelu_erf_vectorized(x), g);
+        }
+    });
+    half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(&dx))
 }
 
 #[cfg(test)]

@@ -11,14 +11,11 @@
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
-use half::bf16;
 
 use crate::bf16_gemm::{bf16_value, to_bf16_bits};
-use crate::elementwise::gelu_erf_vectorized;
 use crate::error::Result;
-use crate::fused_grad::gelu::gelu_erf_grad;
+use crate::fused_grad::gelu_bf16::{gelu_grad_bf16, gelu_values};
 use crate::fused_grad::linear_bf16::{backward, forward_values, to_storage};
-use crate::fused_grad::map_rows;
 
 /// `GELU(x Wᵀ + b)` for `x` `[…, in]`, `weight` `[out, in]` and `bias` `[out]` (zero where
 /// `None`), bfloat16 or float32 CPU tensors, in bfloat16, recording the gradient of each operand
@@ -62,11 +59,7 @@ impl candle_core::CustomOp3 for LinearGeluBf16 {
         let (y, shape) = forward_values([(x, x_layout), (w, w_layout), (b, b_layout)], name)?;
         let bits = to_bf16_bits(&y);
         let widened: Vec<f32> = bits.iter().map(|&b| bf16_value(b)).collect();
-        let z = map_rows([&widened], 1, |z, [y]| {
-            for (z, &y) in z.iter_mut().zip(y) {
-                *z = gelu_erf_vectorized(y);
-            }
-        });
+        let z = gelu_values(&widened);
         *self
             .product
             .lock()
@@ -103,13 +96,7 @@ impl candle_core::CustomOp3 for LinearGeluBf16 {
         }
         let y: Vec<f32> = product.iter().map(|&b| bf16_value(b)).collect();
         drop(product);
-        let dy = map_rows([&y, &g], 1, |dy, [y, g]| {
-            for ((dy, &y), &g) in dy.iter_mut().zip(y).zip(g) {
-                *dy = gelu_erf_grad(y, gelu_erf_vectorized(y), g);
-            }
-        });
-        let dy = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(&dy));
-        let dy = Tensor::from_vec(dy, grad.shape(), grad.device())?;
+        let dy = Tensor::from_vec(gelu_grad_bf16(&y, &g), grad.shape(), grad.device())?;
         backward(x, w, b, &dy)
     }
 }
@@ -117,6 +104,7 @@ impl candle_core::CustomOp3 for LinearGeluBf16 {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
+    use half::bf16;
 
     use super::*;
     use crate::fused_grad::{gelu_erf_bf16, linear_bf16};
