@@ -60,7 +60,10 @@ impl candle_core::CustomOp1 for GeluErfBf16 {
 
     fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = widen(x, layout, self.name())?;
-        Ok((to_storage(&gelu_values(&x), DType::BF16), layout.shape().clone()))
+        Ok((
+            to_storage(&gelu_values(&x), DType::BF16),
+            layout.shape().clone(),
+        ))
     }
 
     /// `dx = g (Φ(x) + x φ(x))` as the float32 op's backward computes it, with `Φ(x) = GELU(x) / x`

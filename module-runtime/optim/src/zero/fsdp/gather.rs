@@ -97,16 +97,16 @@ fn truncate(s: &mut CpuStorage, n: usize) {
 }
 
 /// A copy of the floating-point values a contiguous `layout` views in `s`.
-pub(super) fn copy_contiguous(s: &CpuStorage, layout: &Layout) -> candle_core::Result<CpuStorage> {
+fn copy_contiguous(s: &CpuStorage, layout: &Layout) -> candle_core::Result<CpuStorage> {
     let Some((start, end)) = layout.contiguous_offsets() else {
-        candle_core::bail!("fsdp: a unit's output or looked-up rows must be contiguous")
+        candle_core::bail!("fsdp: a unit's output must be contiguous")
     };
     Ok(match s {
         CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
         CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
         CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
         CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
-        _ => candle_core::bail!("fsdp: a unit's outputs and parameters must be floating point"),
+        _ => candle_core::bail!("fsdp: a unit's output must be floating point"),
     })
 }
 
@@ -133,7 +133,7 @@ impl InplaceOp1 for Swap<'_> {
 }
 
 /// Takes `t`'s storage out (leaving it empty) and returns it.
-fn take_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
+pub(super) fn take_storage(t: &Tensor) -> candle_core::Result<CpuStorage> {
     let slot = Mutex::new(None);
     t.inplace_op1(&Swap { slot: &slot })?;
     let taken = slot.into_inner().unwrap_or_else(PoisonError::into_inner);

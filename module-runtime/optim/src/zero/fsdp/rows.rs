@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use module_core::scope::RowLookup;
 use module_distributed::ReduceOp;
 
-use super::gather::{copy_contiguous, runtime, take_once};
+use super::gather::{runtime, take_once, take_storage};
 
 /// The lookup [`Param::scoped_rows`](module_core::Param::scoped_rows) calls for a `[rows, dim]`
 /// parameter whose gathered values are `table` and whose shard is `shard` (tracked when the
@@ -35,14 +35,9 @@ pub(super) fn lookup(id: u64, table: &Tensor, shard: &Tensor) -> RowLookup {
     })
 }
 
-/// Rows `ids` of `table`, as a new storage.
+/// Rows `ids` of `table`, as a storage of their own (the selection's, taken out of it).
 fn read_rows(table: &Tensor, ids: &Tensor) -> candle_core::Result<CpuStorage> {
-    let values = table.index_select(ids, 0)?;
-    let (storage, layout) = values.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(s) => copy_contiguous(s, layout),
-        _ => candle_core::bail!("FullyShardedDataParallel shards models on the CPU"),
-    }
+    take_storage(&table.index_select(ids, 0)?)
 }
 
 /// Rows of a sharded table: forward hands out the rows read beforehand; backward adds their
