@@ -190,15 +190,16 @@ impl LinearCrossEntropy {
             false => None,
         };
         let level = crate::kernel_choice().elementwise;
-        self.blocks(hidden, |start, w, logits| {
+        self.blocks(hidden, |start, w, mut logits| {
             let len = logits.len() / positions.max(1);
-            // `g (softmax - onehot(target))` of each position's row of the block.
-            let jobs: Vec<(usize, Vec<f32>)> = logits
-                .chunks(block_len(logits.len(), len))
+            // `g (softmax - onehot(target))` of each position's row of the block, in place.
+            let rows = block_len(logits.len(), len);
+            let jobs: Vec<(usize, &mut [f32])> = logits
+                .chunks_mut(rows)
                 .enumerate()
-                .map(|(i, c)| (i * block_len(logits.len(), len) / len, c.to_vec()))
+                .map(|(i, c)| (i * rows / len, c))
                 .collect();
-            let parts = par_map(jobs, |(first, mut chunk): (usize, Vec<f32>)| {
+            par_map(jobs, |(first, chunk): (usize, &mut [f32])| {
                 for (i, row) in chunk.chunks_exact_mut(len).enumerate() {
                     let p = first + i;
                     let g = if self.target(p).is_some() {
@@ -213,10 +214,8 @@ impl LinearCrossEntropy {
                         row[t - start] -= g;
                     }
                 }
-                chunk
             });
-            let p: Vec<f32> = parts.into_iter().flatten().collect();
-            let p = Tensor::from_vec(p, (positions, len), hidden.device())?;
+            let p = Tensor::from_vec(logits, (positions, len), hidden.device())?;
             dh = (&dh + p.matmul(w)?)?;
             if let Some(dw) = &dw {
                 dw.slice_set(&p.t()?.matmul(hidden)?, 0, start)?;
