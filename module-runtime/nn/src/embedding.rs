@@ -329,30 +329,37 @@ impl Embedding {
                 return detach_padding(rows, ids, self.padding_idx);
             }
         }
-        // A scope that looks rows up itself (a sharded table): the rows without the table.
-        if self.max_norm.is_none() {
-            check_ids("Embedding", "ids", ids)?;
-            let rows = self.weight.scoped_rows(&ids.flatten_all()?);
-            let table = self.weight.shape();
-            let rows = rows.map_err(|e| ids_out_of_range("Embedding", ids, table.dims(), e))?;
-            if let Some(rows) = rows {
-                let mut dims = ids.dims().to_vec();
-                dims.push(rows.dim(1)?);
-                return detach_padding(rows.reshape(dims)?, ids, self.padding_idx);
+        let rows = match self.scoped_rows(ids)? {
+            Some(rows) => rows,
+            None => {
+                let weight = self.weight_value()?;
+                check_input_device("Embedding.weight", &weight, ids)?;
+                check_ids("Embedding", "ids", ids)?;
+                if let Some(max_norm) = self.max_norm {
+                    renorm_rows(&weight, ids, max_norm, self.norm_type)?;
+                }
+                weight
+                    .index_select(&ids.flatten_all()?, 0)
+                    .map_err(|e| ids_out_of_range("Embedding", ids, weight.dims(), e))?
             }
-        }
-        let weight = self.weight_value()?;
-        check_input_device("Embedding.weight", &weight, ids)?;
-        check_ids("Embedding", "ids", ids)?;
-        if let Some(max_norm) = self.max_norm {
-            renorm_rows(&weight, ids, max_norm, self.norm_type)?;
-        }
-        let rows = weight
-            .index_select(&ids.flatten_all()?, 0)
-            .map_err(|e| ids_out_of_range("Embedding", ids, weight.dims(), e))?;
+        };
         let mut dims = ids.dims().to_vec();
-        dims.push(weight.dim(1)?);
+        dims.push(rows.dim(1)?);
         detach_padding(rows.reshape(dims)?, ids, self.padding_idx)
+    }
+
+    /// The rows `ids` as a functional scope that looks rows up itself gives them (a sharded
+    /// table, [`Param::scoped_rows`]), `[ids, dim]`; `None` outside such a scope or with
+    /// `max_norm` (which renormalizes rows of the table).
+    fn scoped_rows(&self, ids: &Tensor) -> Result<Option<Tensor>> {
+        if self.max_norm.is_some() || !module_core::scope::active() {
+            return Ok(None);
+        }
+        check_ids("Embedding", "ids", ids)?;
+        let table = self.weight.shape();
+        self.weight
+            .scoped_rows(&ids.flatten_all()?)
+            .map_err(|e| ids_out_of_range("Embedding", ids, table.dims(), e))
     }
 }
 
