@@ -137,12 +137,22 @@ fn bf16_training(
         }
         None => None,
     };
-    let op = fused_grad::AttentionOptions {
-        causal: options.is_causal,
-        scale: options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt()),
-        dropout_p: options.dropout_p,
-    };
+    let op = training_options(&options, &shape);
     fused_grad::attention(query, key, value, mask.as_ref(), op, &shape)
+}
+
+/// The scale of the scores: `options.scale`, or `1 / √E` (PyTorch's default).
+fn scale_of(options: &SdpaOptions, shape: &Dims) -> f64 {
+    options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt())
+}
+
+/// The fused training op's options for `options`.
+fn training_options(options: &SdpaOptions, shape: &Dims) -> fused_grad::AttentionOptions {
+    fused_grad::AttentionOptions {
+        causal: options.is_causal,
+        scale: scale_of(options, shape),
+        dropout_p: options.dropout_p,
+    }
 }
 
 /// [`scaled_dot_product_attention`] once autocast's casts are made: the checks, then the passes.
@@ -154,15 +164,11 @@ fn attention(
     options: SdpaOptions,
 ) -> Result<Tensor> {
     let (shape, mask) = check(query, key, value, attn_mask, &options)?;
-    let scale = options.scale.unwrap_or(1.0 / (shape.e as f64).sqrt());
+    let scale = scale_of(&options, &shape);
     let mask = mask.as_ref();
     if kernels_apply(query, key, value, mask) {
         if [query, key, value].iter().any(|t| t.track_op()) {
-            let op = fused_grad::AttentionOptions {
-                causal: options.is_causal,
-                scale,
-                dropout_p: options.dropout_p,
-            };
+            let op = training_options(&options, &shape);
             return fused_grad::attention(query, key, value, mask, op, &shape);
         }
         if options.dropout_p == 0.0 {
