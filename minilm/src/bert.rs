@@ -370,16 +370,8 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
     /// hook on `attention.self.dropout` does not fire. On the CPU the attention reads the heads in
     /// place and computes each head in one pass, in inference and, with its backward, in training.
     fn forward(&self, (x, mask_bias): (&Tensor, &Tensor)) -> Result<Tensor> {
-        let (batch, seq_len, hidden) = x.dims3()?;
+        let hidden = x.dim(2)?;
         let head_dim = hidden / self.num_heads;
-        // [batch, heads, seq, head_dim], a view of the projection's [batch, seq, hidden].
-        let heads = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((batch, seq_len, self.num_heads, head_dim))?
-                .transpose(1, 2)?)
-        };
-        let q = heads(self.query.call(x)?)?;
-        let k = heads(self.key.call(x)?)?;
-        let v = heads(self.value.call(x)?)?;
         let options = SdpaOptions {
             scale: Some(1.0 / (head_dim as f64).sqrt()),
             dropout_p: if self.dropout.is_training() {
@@ -387,10 +379,13 @@ impl Forward<(&Tensor, &Tensor)> for BertSelfAttention {
             } else {
                 0.0
             },
+            // The projections' [batch, seq, hidden] as they are: the heads are split and joined
+            // inside (transformers' `view(...).transpose(1, 2)` and back).
+            packed_heads: Some(self.num_heads),
             ..Default::default()
         };
-        let context = scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)?;
-        Ok(context.transpose(1, 2)?.reshape((batch, seq_len, hidden))?)
+        let (q, k, v) = (self.query.call(x)?, self.key.call(x)?, self.value.call(x)?);
+        scaled_dot_product_attention(&q, &k, &v, Some(mask_bias), options)
     }
 }
 

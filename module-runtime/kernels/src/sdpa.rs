@@ -32,6 +32,14 @@ pub struct SdpaOptions {
     /// Grouped-query attention (`enable_gqa`): the query heads `Hq` are a multiple of the key and
     /// value heads `H`, and query head `h` attends with key and value head `h / (Hq / H)`.
     pub enable_gqa: bool,
+    /// The heads side by side (not an argument of PyTorch's function, which takes them split):
+    /// `Some(Hq)` takes the projections' outputs as they are, `query` `[B, L, Hq·E]`, `key`
+    /// `[B, S, H·E]`, `value` `[B, S, H·Ev]`, and returns `[B, L, Hq·Ev]`. The values are those of
+    /// splitting the heads (`reshape((b, l, hq, e))?.transpose(1, 2)?`), the function, and
+    /// joining them back; with a gradient recorded on the CPU, the training op reads and writes
+    /// the heads in place, so the graph holds none of those views (each a node whose backward
+    /// candle sums into a zero-filled buffer).
+    pub packed_heads: Option<usize>,
 }
 
 /// PyTorch's `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
@@ -79,12 +87,16 @@ pub fn scaled_dot_product_attention(
     let [query, key, value] = autocast_cast(op, [query, key, value])?;
     let attn_mask = autocast_cast_opt(op, attn_mask)?;
     let (query, key, value, attn_mask) = (&query, &key, &value, attn_mask.as_ref());
+    if let Some(heads) = options.packed_heads {
+        return packed(query, key, value, attn_mask, options, heads);
+    }
     if let Some(half) = cpu_half_dtype(&[query, key, value])
         && query.dtype() == key.dtype()
         && query.dtype() == value.dtype()
     {
         if half == DType::BF16 && bf16_op_applies(query, key, value, attn_mask) {
-            return bf16_training(query, key, value, attn_mask, options);
+            let inputs = [query, key, value];
+            return fused_training(inputs, inputs, attn_mask, options, false);
         }
         let float_mask = attn_mask.filter(|m| m.dtype() == half);
         let mask = match float_mask {
@@ -115,17 +127,20 @@ fn bf16_op_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) ->
         })
 }
 
-/// Bfloat16 attention that records a gradient, as one op: the float32 op's values between casts
-/// (a bfloat16 mask widened, exactly), the output bfloat16, returned as the `[B, Hq, L, Ev]` view
-/// of a `[B, L, Hq, Ev]` buffer as the float32 op returns it.
-fn bf16_training(
-    query: &Tensor,
-    key: &Tensor,
-    value: &Tensor,
+/// Attention that records a gradient, as the training op over `inputs` (the queries, keys and
+/// values, `[B, H, L, E]` views as `heads` are, or, `packed`, the `[B, L, H·E]` tensors those
+/// views split): float32, or bfloat16 as the float32 op's values between casts (a bfloat16 mask
+/// widened, exactly), the output in the inputs' dtype: the `[B, Hq, L, Ev]` view of a
+/// `[B, L, Hq, Ev]` buffer, or, packed, that buffer as `[B, L, Hq·Ev]`.
+fn fused_training(
+    heads: [&Tensor; 3],
+    inputs: [&Tensor; 3],
     attn_mask: Option<&Tensor>,
     options: SdpaOptions,
+    packed: bool,
 ) -> Result<Tensor> {
-    let (shape, _) = check(query, key, value, attn_mask, &options)?;
+    let [q, k, v] = heads;
+    let (shape, _) = check(q, k, v, attn_mask, &options)?;
     let mask = match attn_mask {
         Some(m) => {
             let m = if m.dtype() == DType::BF16 {
@@ -137,8 +152,73 @@ fn bf16_training(
         }
         None => None,
     };
-    let op = training_options(&options, &shape);
+    let op = fused_grad::AttentionOptions {
+        packed,
+        ..training_options(&options, &shape)
+    };
+    let [query, key, value] = inputs;
     fused_grad::attention(query, key, value, mask.as_ref(), op, &shape)
+}
+
+/// [`scaled_dot_product_attention`] with [`SdpaOptions::packed_heads`]: the heads split as
+/// views, then the CPU training op over the packed tensors themselves, or the function over the
+/// views with the heads joined back.
+fn packed(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    attn_mask: Option<&Tensor>,
+    options: SdpaOptions,
+    hq: usize,
+) -> Result<Tensor> {
+    let (Ok((b, l, q_width)), Ok((_, _, k_width)), Ok((_, _, v_width))) =
+        (query.dims3(), key.dims3(), value.dims3())
+    else {
+        return Err(bad(format!(
+            "with packed_heads, query, key and value must be [B, L, Hq·E], [B, S, H·E], \
+             [B, S, H·Ev]; got {:?}, {:?}, {:?}",
+            query.dims(),
+            key.dims(),
+            value.dims()
+        )));
+    };
+    let e = match hq {
+        0 => 0,
+        _ => q_width / hq,
+    };
+    let h = if e == 0 { 0 } else { k_width / e };
+    if e == 0 || q_width % hq != 0 || k_width % e != 0 || h == 0 || v_width % h != 0 {
+        return Err(bad(format!(
+            "packed_heads {hq}: query {:?}, key {:?} and value {:?} do not split into heads of \
+             one width (query width = Hq·E, key width = H·E, value width = H·Ev)",
+            query.dims(),
+            key.dims(),
+            value.dims()
+        )));
+    }
+    let split = |t: &Tensor, heads: usize| -> Result<Tensor> {
+        let (b, n, width) = t.dims3()?;
+        Ok(t.reshape((b, n, heads, width / heads))?.transpose(1, 2)?)
+    };
+    let views = [split(query, hq)?, split(key, h)?, split(value, h)?];
+    let [q, k, v] = [&views[0], &views[1], &views[2]];
+    let options = SdpaOptions {
+        packed_heads: None,
+        ..options
+    };
+    let inputs = [query, key, value];
+    let in_place = inputs.iter().all(|t| t.is_contiguous())
+        && inputs.iter().any(|t| t.track_op())
+        && match query.dtype() {
+            DType::F32 => kernels_apply(q, k, v, attn_mask),
+            DType::BF16 => bf16_op_applies(q, k, v, attn_mask),
+            _ => false,
+        };
+    if in_place {
+        return fused_training([q, k, v], inputs, attn_mask, options, true);
+    }
+    let out = scaled_dot_product_attention(q, k, v, attn_mask, options)?;
+    Ok(out.transpose(1, 2)?.reshape((b, l, hq * (v_width / h)))?)
 }
 
 /// The scale of the scores: `options.scale`, or `1 / √E` (PyTorch's default).
@@ -152,6 +232,7 @@ fn training_options(options: &SdpaOptions, shape: &Dims) -> fused_grad::Attentio
         causal: options.is_causal,
         scale: scale_of(options, shape),
         dropout_p: options.dropout_p,
+        packed: false,
     }
 }
 

@@ -19,10 +19,15 @@ pub(crate) struct AttentionOptions {
     pub(crate) causal: bool,
     pub(crate) scale: f64,
     pub(crate) dropout_p: f64,
+    /// The queries, keys and values are `[B, L, H·E]` (the heads side by side, as the
+    /// projections give them) and so is the result: the op reads the heads in place and writes
+    /// the result and the gradients that way, with no view nodes around it.
+    pub(crate) packed: bool,
 }
 
 /// `dropout(softmax(q·kᵀ · scale + mask)) · v` as one node, returned as the `[B, Hq, L, Ev]` view
-/// of a `[B, L, Hq, Ev]` buffer (as the inference pass returns it). Float32 queries, keys and
+/// of a `[B, L, Hq, Ev]` buffer (as the inference pass returns it), or, `packed`, as that buffer's
+/// `[B, L, Hq·Ev]`. Float32 queries, keys and
 /// values, or bfloat16 ones (`attention_bf16.rs`: computed in float32, the output and the
 /// gradients rounded once); the mask is float32 or `u8` either way.
 pub(crate) fn attention(
@@ -44,12 +49,13 @@ pub(crate) fn attention(
     } else {
         None
     };
+    let packed = options.packed;
     let op = Attention::new(mask, options, d, draws);
     let out = match q.dtype() {
         DType::BF16 => q.apply_op3(k, v, super::attention_bf16::AttentionBf16(op))?,
         _ => q.apply_op3(k, v, op)?,
     };
-    Ok(out.transpose(1, 2)?)
+    Ok(if packed { out } else { out.transpose(1, 2)? })
 }
 
 /// The candle op of [`attention`]: its arguments are the queries, keys and values.
@@ -67,6 +73,8 @@ pub(super) struct Attention {
     pub(super) dims: Dims,
     /// Whether the AVX2 + FMA builds run, forward and backward alike ([`simd`] when made).
     simd: bool,
+    /// `[B, L, H·E]` inputs and result ([`AttentionOptions::packed`]).
+    packed: bool,
 }
 
 /// The CPU storage of one of the op's tensors (a typed error for another device).
@@ -97,6 +105,53 @@ impl Attention {
             keep_scale: (1.0 / (1.0 - options.dropout_p)) as f32,
             dims: *d,
             simd: simd(),
+            packed: options.packed,
+        }
+    }
+
+    /// The `[B, H, L, E]` layouts the queries, keys and values are read through: their own, or,
+    /// packed, the heads' views of their `[B, L, H·E]` layouts.
+    pub(super) fn input_layouts(&self, layouts: [&Layout; 3]) -> [Layout; 3] {
+        let d = self.dims;
+        let heads = [(d.hq, d.e), (d.h, d.e), (d.h, d.ev)];
+        std::array::from_fn(|i| {
+            let layout = layouts[i];
+            if !self.packed {
+                return layout.clone();
+            }
+            let (h, width) = heads[i];
+            let (dims, stride) = (layout.dims(), layout.stride());
+            Layout::new(
+                Shape::from((dims[0], h, dims[1], width)),
+                vec![stride[0], width * stride[2], stride[1], stride[2]],
+                layout.start_offset(),
+            )
+        })
+    }
+
+    /// The forward's output shape: `[B, L, Hq, Ev]`, or, packed, `[B, L, Hq·Ev]`.
+    pub(super) fn out_shape(&self) -> Shape {
+        let d = self.dims;
+        if self.packed {
+            Shape::from((d.b, d.l, d.hq * d.ev))
+        } else {
+            Shape::from((d.b, d.l, d.hq, d.ev))
+        }
+    }
+
+    /// The output's gradient as the `[B, L, Hq, Ev]` contiguous tensor the backward reads.
+    pub(super) fn output_grad(&self, grad: &Tensor) -> candle_core::Result<Tensor> {
+        let d = self.dims;
+        grad.contiguous()?.reshape((d.b, d.l, d.hq, d.ev))
+    }
+
+    /// An input's gradient from its `[B, L, H, X]` buffer: the `[B, H, L, X]` view, or, packed,
+    /// the `[B, L, H·X]` buffer itself.
+    pub(super) fn input_grad(&self, buffer: Tensor) -> candle_core::Result<Tensor> {
+        if self.packed {
+            buffer.flatten_from(2)
+        } else {
+            buffer.transpose(1, 2)
         }
     }
 
@@ -252,10 +307,10 @@ impl candle_core::CustomOp3 for Attention {
         v: &CpuStorage,
         v_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let d = self.dims;
-        let (q, k) = (View::new(q, q_layout)?, View::new(k, k_layout)?);
-        let out = self.forward_values(q, k, View::new(v, v_layout)?)?;
-        Ok((CpuStorage::F32(out), Shape::from((d.b, d.l, d.hq, d.ev))))
+        let [ql, kl, vl] = self.input_layouts([q_layout, k_layout, v_layout]);
+        let (q, k) = (View::new(q, &ql)?, View::new(k, &kl)?);
+        let out = self.forward_values(q, k, View::new(v, &vl)?)?;
+        Ok((CpuStorage::F32(out), self.out_shape()))
     }
 
     /// Per (batch, key/value head), for each query of the query heads that share it: the weights
@@ -269,25 +324,26 @@ impl candle_core::CustomOp3 for Attention {
         _out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
+        let grad = self.output_grad(grad)?;
         let (q_lock, k_lock, v_lock, g_lock) = (
             q.storage_and_layout(),
             k.storage_and_layout(),
             v.storage_and_layout(),
             grad.storage_and_layout(),
         );
+        let [ql, kl, vl] = self.input_layouts([q_lock.1, k_lock.1, v_lock.1]);
         let (dq, dk, dv) = self.backward_values(
-            View::new(cpu(&q_lock.0, "queries")?, q_lock.1)?,
-            View::new(cpu(&k_lock.0, "keys")?, k_lock.1)?,
-            View::new(cpu(&v_lock.0, "values")?, v_lock.1)?,
+            View::new(cpu(&q_lock.0, "queries")?, &ql)?,
+            View::new(cpu(&k_lock.0, "keys")?, &kl)?,
+            View::new(cpu(&v_lock.0, "values")?, &vl)?,
             View::new(cpu(&g_lock.0, "gradient")?, g_lock.1)?,
         )?;
         drop((q_lock, k_lock, v_lock, g_lock));
         let d = self.dims;
         let dev = q.device();
-        let dq = Tensor::from_vec(dq, (d.b, d.l, d.hq, d.e), dev)?.transpose(1, 2)?;
-        let dk = Tensor::from_vec(dk, (d.b, d.s, d.h, d.e), dev)?.transpose(1, 2)?;
-        let dv = Tensor::from_vec(dv, (d.b, d.s, d.h, d.ev), dev)?.transpose(1, 2)?;
+        let dq = self.input_grad(Tensor::from_vec(dq, (d.b, d.l, d.hq, d.e), dev)?)?;
+        let dk = self.input_grad(Tensor::from_vec(dk, (d.b, d.s, d.h, d.e), dev)?)?;
+        let dv = self.input_grad(Tensor::from_vec(dv, (d.b, d.s, d.h, d.ev), dev)?)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -418,6 +474,7 @@ mod tests {
             causal: false,
             scale,
             dropout_p: p,
+            packed: false,
         };
         let full_mask = mask.broadcast_as((b, h, l, s))?;
         let op = Attention::new(Some(&full_mask), options, &dims, Some(draws));

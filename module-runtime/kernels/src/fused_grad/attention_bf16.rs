@@ -47,25 +47,30 @@ fn widen(
     ))
 }
 
-/// A tensor's storage widened as [`widen`] widens it, and its layout.
+/// Input `index` (0 queries, 1 keys, 2 values) of `op`, `t`, widened as [`widen`] widens it, and
+/// the `[B, H, L, E]` layout it is read through ([`Attention::input_layouts`]).
 fn widen_tensor(
+    op: &Attention,
     t: &Tensor,
+    index: usize,
     what: &str,
-    op: &'static str,
+    name: &'static str,
 ) -> candle_core::Result<(CpuStorage, Layout)> {
     let (storage, layout) = t.storage_and_layout();
-    Ok((widen(cpu(&storage, what)?, layout, op)?, layout.clone()))
+    let layout = op.input_layouts([layout, layout, layout])[index].clone();
+    Ok((widen(cpu(&storage, what)?, &layout, name)?, layout))
 }
 
-/// Float32 gradient values rounded to a bfloat16 tensor of shape `dims`, as the `[B, Hq, L, E]`
-/// view of that `[B, L, Hq, E]` buffer (the float32 op's layout).
+/// Float32 gradient values rounded to a bfloat16 `[B, L, H, X]` buffer of shape `dims`, shaped
+/// as the float32 op shapes its gradients ([`Attention::input_grad`]).
 fn rounded(
+    op: &Attention,
     values: &[f32],
     dims: (usize, usize, usize, usize),
     t: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let values = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(values));
-    Tensor::from_vec(values, dims, t.device())?.transpose(1, 2)
+    op.input_grad(Tensor::from_vec(values, dims, t.device())?)
 }
 
 impl candle_core::CustomOp3 for AttentionBf16 {
@@ -83,21 +88,18 @@ impl candle_core::CustomOp3 for AttentionBf16 {
         v_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let d = self.0.dims;
+        let [ql, kl, vl] = self.0.input_layouts([q_layout, k_layout, v_layout]);
         let (q, k, v) = (
-            widen(q, q_layout, name)?,
-            widen(k, k_layout, name)?,
-            widen(v, v_layout, name)?,
+            widen(q, &ql, name)?,
+            widen(k, &kl, name)?,
+            widen(v, &vl, name)?,
         );
         let out = self.0.forward_values(
-            View::new(&q, q_layout)?,
-            View::new(&k, k_layout)?,
-            View::new(&v, v_layout)?,
+            View::new(&q, &ql)?,
+            View::new(&k, &kl)?,
+            View::new(&v, &vl)?,
         )?;
-        Ok((
-            to_storage(&out, DType::BF16),
-            Shape::from((d.b, d.l, d.hq, d.ev)),
-        ))
+        Ok((to_storage(&out, DType::BF16), self.0.out_shape()))
     }
 
     /// The float32 op's backward on the widened values and gradient, each gradient rounded to
@@ -112,10 +114,17 @@ impl candle_core::CustomOp3 for AttentionBf16 {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let name = self.name();
         let d = self.0.dims;
-        let (qs, ql) = widen_tensor(q, "queries", name)?;
-        let (ks, kl) = widen_tensor(k, "keys", name)?;
-        let (vs, vl) = widen_tensor(v, "values", name)?;
-        let (gs, gl) = widen_tensor(&grad.contiguous()?, "gradient", name)?;
+        let (qs, ql) = widen_tensor(&self.0, q, 0, "queries", name)?;
+        let (ks, kl) = widen_tensor(&self.0, k, 1, "keys", name)?;
+        let (vs, vl) = widen_tensor(&self.0, v, 2, "values", name)?;
+        let grad = self.0.output_grad(grad)?;
+        let (gs, gl) = {
+            let (storage, layout) = grad.storage_and_layout();
+            (
+                widen(cpu(&storage, "gradient")?, layout, name)?,
+                layout.clone(),
+            )
+        };
         let (dq, dk, dv) = self.0.backward_values(
             View::new(&qs, &ql)?,
             View::new(&ks, &kl)?,
@@ -123,9 +132,9 @@ impl candle_core::CustomOp3 for AttentionBf16 {
             View::new(&gs, &gl)?,
         )?;
         Ok((
-            Some(rounded(&dq, (d.b, d.l, d.hq, d.e), q)?),
-            Some(rounded(&dk, (d.b, d.s, d.h, d.e), k)?),
-            Some(rounded(&dv, (d.b, d.s, d.h, d.ev), v)?),
+            Some(rounded(&self.0, &dq, (d.b, d.l, d.hq, d.e), q)?),
+            Some(rounded(&self.0, &dk, (d.b, d.s, d.h, d.e), k)?),
+            Some(rounded(&self.0, &dv, (d.b, d.s, d.h, d.ev), v)?),
         ))
     }
 }
@@ -183,6 +192,7 @@ mod tests {
                 causal: true,
                 scale: 0.35,
                 dropout_p: p,
+                packed: false,
             };
             Attention::new(Some(&mask), options, &dims, Some(draws.clone()))
         };
