@@ -15,7 +15,9 @@
 # step, then STEPS timed steps (forward, backward, optimizer step, zero_grad). Memory: after the model
 # is loaded the process's peak resident set (VmHWM) is read (LOAD_PEAK) and reset to the current one
 # (`/proc/self/clear_refs` 5); PEAK is VmHWM after the steps, BEFORE the resident set before them.
-import sys, time, resource
+# MODULE_DEVICE (`cuda:0`): the model and the batch on that device, each step ending with
+# `torch.cuda.synchronize()`.
+import os, sys, time, resource
 import torch
 from transformers import LlamaForCausalLM
 
@@ -56,10 +58,12 @@ elif variant in ("full", "full-ckpt"):
     params, lr = list(m.parameters()), 1e-5
 else:
     sys.exit(f"unknown variant {variant}")
+device = os.environ.get("MODULE_DEVICE") or "cpu"
+m.to(device)
 m.train()
 opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 vocab = m.config.vocab_size
-ids = ((torch.arange(batch * seq, dtype=torch.int64) * 7919 + 13) % vocab).reshape(batch, seq)
+ids = ((torch.arange(batch * seq, dtype=torch.int64) * 7919 + 13) % vocab).reshape(batch, seq).to(device)
 
 load_peak = status("VmHWM:")
 open("/proc/self/clear_refs", "w").write("5")
@@ -71,6 +75,8 @@ def step():
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return loss.item()
 
 

@@ -30,6 +30,12 @@
 //! first step's loss of each side is printed as a check. f32, CPU, 2 threads on both sides
 //! (`RAYON_NUM_THREADS`, `torch.set_num_threads`).
 //!
+//! `MODULE_DEVICE=cuda:0` runs both sides on that GPU (each step ends with a device
+//! synchronize, on both sides); the resident set is then the host's, and the parent also polls
+//! `nvidia-smi` every 50 ms while each process runs: "gpu" is the device memory in use at its
+//! highest, less what was in use before the process started (the CUDA context included, as for
+//! PyTorch, whose caching allocator's reserve counts too).
+//!
 //! What each process measures, the same way on both sides: it loads the model, reads its peak
 //! resident set so far (`VmHWM`, "load peak"), resets that peak to the current resident set
 //! (`/proc/self/clear_refs` 5, Linux), reads the resident set ("before"), runs one warm-up step
@@ -85,6 +91,8 @@ struct Figures {
     peak_mib: f64,
     before_mib: f64,
     first_loss: f64,
+    /// On a GPU: the device memory in use at its highest while the process ran (`nvidia-smi`).
+    gpu_peak_mib: Option<f64>,
 }
 
 fn main() -> AnyResult<()> {
@@ -148,7 +156,7 @@ fn main() -> AnyResult<()> {
         }
         println!(
             "  {:>9} {:>7}: step {:8.0} ms ({:8.0} ms processor), peak {:6.0} MiB, {:6.0} MiB before \
-             the steps, load peak {:6.0} MiB, first loss {:.4}",
+             the steps, load peak {:6.0} MiB, first loss {:.4}{}",
             key.0,
             key.1,
             ms(f.median),
@@ -156,7 +164,10 @@ fn main() -> AnyResult<()> {
             f.peak_mib,
             f.before_mib,
             f.load_peak_mib,
-            f.first_loss
+            f.first_loss,
+            f.gpu_peak_mib
+                .map(|g| format!(", gpu {g:.0} MiB"))
+                .unwrap_or_default()
         );
     };
     for round in 0..rounds {
@@ -183,8 +194,15 @@ fn main() -> AnyResult<()> {
             let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             format!("{lo:.0}-{hi:.0}")
         };
+        let gpu = match figures[0].gpu_peak_mib {
+            Some(_) => format!(
+                ", gpu {:>11} MiB",
+                range(&|f| f.gpu_peak_mib.unwrap_or(f64::NAN))
+            ),
+            None => String::new(),
+        };
         println!(
-            "  {name:>9} {side:>7}: step {:>13} ms, processor {:>13} ms, peak {:>11} MiB",
+            "  {name:>9} {side:>7}: step {:>13} ms, processor {:>13} ms, peak {:>11} MiB{gpu}",
             range(&|f| ms(f.median)),
             range(&|f| ms(f.cpu)),
             range(&|f| f.peak_mib),
@@ -197,9 +215,43 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Runs one process and reads its `figures` line.
+/// The device memory in use on GPU 0, in MiB, as `nvidia-smi` reads it.
+fn gpu_used_mib() -> Option<f64> {
+    let out = Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.used",
+            "--format=csv,noheader,nounits",
+            "-i",
+            "0",
+        ])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}
+
+/// Runs one process and reads its `figures` line; on a GPU (`MODULE_DEVICE=cuda…`), with the
+/// device memory it took at its highest.
 fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
-    let out = cmd.output()?;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let on_gpu = std::env::var("MODULE_DEVICE").is_ok_and(|d| d.starts_with("cuda"));
+    let done = Arc::new(AtomicBool::new(false));
+    let poller = on_gpu.then(|| {
+        let done = Arc::clone(&done);
+        let base = gpu_used_mib().unwrap_or(0.0);
+        std::thread::spawn(move || {
+            let mut high = base;
+            while !done.load(Ordering::Relaxed) {
+                high = high.max(gpu_used_mib().unwrap_or(base));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            high - base
+        })
+    });
+    let out = cmd.output();
+    done.store(true, Ordering::Relaxed);
+    let gpu_peak_mib = poller.and_then(|p| p.join().ok());
+    let out = out?;
     let text = String::from_utf8_lossy(&out.stdout);
     // Ours: the step's parts (mean over the warm-up and timed steps).
     for line in String::from_utf8_lossy(&out.stderr).lines() {
@@ -207,13 +259,14 @@ fn run(mut cmd: Command, name: &str) -> AnyResult<Figures> {
             println!("    {line}");
         }
     }
-    parse(&text).ok_or_else(|| {
+    let figures = parse(&text).ok_or_else(|| {
         format!(
             "the {name} process failed: {text}{}",
             String::from_utf8_lossy(&out.stderr)
         )
         .into()
-    })
+    });
+    figures.map(|f| Figures { gpu_peak_mib, ..f })
 }
 
 /// The line a process prints: `figures MEDIAN_NS CPU_NS LOAD_PEAK PEAK BEFORE LOSS`.
@@ -228,13 +281,14 @@ fn parse(text: &str) -> Option<Figures> {
         peak_mib: next()?,
         before_mib: next()?,
         first_loss: next()?,
+        gpu_peak_mib: None,
     })
 }
 
 /// The benchmark's batch: `[batch, seq]` token ids, and the next-token labels of every
 /// position, flattened (`i64`), the last of each row -100 (transformers pads the labels so, rather
 /// than copying the logits without their last position).
-fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)> {
+fn batch_ids(batch: usize, seq: usize, vocab: usize, device: &Device) -> Result<(Tensor, Tensor)> {
     let ids: Vec<u32> = (0..batch * seq)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect();
@@ -246,8 +300,8 @@ fn batch_ids(batch: usize, seq: usize, vocab: usize) -> Result<(Tensor, Tensor)>
         .collect();
     let n = labels.len();
     Ok((
-        Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?,
-        Tensor::from_vec(labels, n, &Device::Cpu)?,
+        Tensor::from_vec(ids, (batch, seq), device)?,
+        Tensor::from_vec(labels, n, device)?,
     ))
 }
 
@@ -257,11 +311,12 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     if std::env::var_os("TRAIN_STEP_PLAIN_MALLOC").is_none() {
         module_runtime::reuse_freed_memory();
     }
+    let device = candle_module::device_from_env()?;
     // QLoRA's base is quantized on the way in: the float32 model is never resident.
     let mut model = if variant.starts_with("qlora") {
-        LlamaForCausalLM::from_pretrained_quantized(dir, &Device::Cpu, "**", GgmlDType::Q4_0)?.0
+        LlamaForCausalLM::from_pretrained_quantized(dir, &device, "**", GgmlDType::Q4_0)?.0
     } else {
-        LlamaForCausalLM::from_pretrained(dir, &Device::Cpu)?
+        LlamaForCausalLM::from_pretrained(dir, &device)?
     };
     let lr = match variant {
         "lora" | "lora-ckpt" | "qlora" | "qlora-ckpt" => {
@@ -280,7 +335,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
     };
     model.train();
     let mut opt = AdamW::new(&model, AdamW::options().lr(lr).weight_decay(0.01))?;
-    let (ids, labels) = batch_ids(batch, seq, model.config.vocab_size)?;
+    let (ids, labels) = batch_ids(batch, seq, model.config.vocab_size, &device)?;
     let loss_fn = CrossEntropyLoss::new();
     // `TRAIN_STEP_LOSS=fused`: the head and its loss by blocks of the vocabulary
     // (`linear_cross_entropy`), never the whole logits; the default calls the model for them.
@@ -318,6 +373,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         }
         phase_end(0);
         let grads = loss.backward()?;
+        device.synchronize()?;
         phase_end(1);
         // The graph (every activation) hangs from the loss: dropped before the optimizer's step,
         // as PyTorch frees it during the backward.
@@ -325,6 +381,7 @@ fn child(dir: &Path, variant: &str, batch: usize, seq: usize, steps: usize) -> A
         let backward = start.elapsed();
         opt.step(&grads)?;
         drop(grads);
+        device.synchronize()?;
         phase_end(2);
         let whole = start.elapsed();
         for (sum, part) in parts

@@ -13,6 +13,10 @@
 //! With `PYTORCH` set, every round also runs `benches/support/pytorch_autocast_step.py` twice
 //! (float32, autocast), after our two variants' steps. `ONLY=0` (float32) or `ONLY=1` (autocast)
 //! times one of ours alone, for a profile of that one (`perf record --call-graph dwarf`).
+//!
+//! `MODULE_DEVICE=cuda:0` runs both sides on that GPU, under `autocast("cuda", BF16)` and
+//! `torch.autocast("cuda", dtype=torch.bfloat16)`, each timed part ending with a device
+//! synchronize on both sides.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,16 +43,16 @@ fn median(mut t: Vec<f64>) -> (f64, f64) {
 
 /// One product's median time, in µs, in float32 or under autocast (the weight a parameter that
 /// records gradients, so its bfloat16 copy is cached in the scope, as PyTorch's).
-fn product(amp: bool) -> Result<(f64, DType)> {
-    let device = Device::Cpu;
-    let fc = Linear::new(384, 1536, &device)?;
-    let x = Tensor::randn(0f32, 1.0, (200, 384), &device)?;
+fn product(amp: bool, device: &Device) -> Result<(f64, DType)> {
+    let fc = Linear::new(384, 1536, device)?;
+    let x = Tensor::randn(0f32, 1.0, (200, 384), device)?;
     let run = || -> Result<(f64, DType)> {
         let mut times = Vec::new();
         let mut dtype = DType::F32;
         for i in 0..30 {
             let start = Instant::now();
             let y = fc.call(&x)?;
+            device.synchronize()?;
             if i >= 5 {
                 times.push(start.elapsed().as_secs_f64() * 1e6);
             }
@@ -57,17 +61,27 @@ fn product(amp: bool) -> Result<(f64, DType)> {
         Ok((median(times).0, dtype))
     };
     if amp {
-        autocast("cpu", DType::BF16, run)
+        autocast(device_type(device), DType::BF16, run)
     } else {
         run()
+    }
+}
+
+/// The device type `autocast` takes for `device`.
+fn device_type(device: &Device) -> &'static str {
+    if device.is_cuda() {
+        "cuda"
+    } else {
+        "cpu"
     }
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     module_runtime::reuse_freed_memory();
     let rounds = support::threads_and_rounds(5);
+    let device = candle_module::device_from_env()?;
     for amp in [false, true] {
-        let (us, dtype) = product(amp)?;
+        let (us, dtype) = product(amp, &device)?;
         let label = if amp { "autocast bf16" } else { "float32" };
         println!("ours product {label}: {us:.0} us ({dtype:?})");
     }
@@ -75,7 +89,6 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         eprintln!("*** SKIPPED: no all-MiniLM-L6-v2 checkpoint (set MINILM_DIR) ***");
         return Ok(());
     };
-    let device = Device::Cpu;
     let load = || -> Result<BertModel> {
         let model = BertModel::new(&BertConfig::minilm_l6(), &device)?;
         model.load_state_dict(dir.join("model.safetensors"), &LoadOptions::default())?;
@@ -101,14 +114,17 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             Ok(pooled.broadcast_mul(&v)?.sum(1)?.sqr()?.mean_all()?)
         };
         let loss = if amp {
-            autocast("cpu", DType::BF16, forward)?
+            autocast(device_type(&device), DType::BF16, forward)?
         } else {
             forward()?
         };
+        device.synchronize()?;
         let f = start.elapsed();
         let grads = loss.backward()?;
+        device.synchronize()?;
         let b = start.elapsed() - f;
         opt.step(&grads).map_err(candle_core::Error::wrap)?;
+        device.synchronize()?;
         Ok([f, b, start.elapsed() - f - b])
     };
 

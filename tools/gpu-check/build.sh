@@ -28,7 +28,8 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         shutil.copy(m["executable"], sys.argv[1] + "/" + sys.argv[2] + m["target"]["name"])' "$out" "$prefix"
 }
-build llama- -p llama --example generate --bench decode --test llama
+build llama- -p llama --features peers --example generate --bench decode --bench train_step --test llama
+build minilm- -p minilm --bench autocast_step
 build mr- -p module-runtime --test integration
 build root- -p candle-module --example train_digits --test integration
 strip "$out"/*
@@ -36,4 +37,8 @@ ls -la "$out"
 mkdir -p .gpu
 tar cf - -C "$out" . | xz -T2 --lzma2=preset=6,dict=256MiB >.gpu/bin.tar.xz
 rm -rf "$out"
+# The MiniLM step's config and tokenizer (run.sh saves random weights of that shape beside them).
+minilm=${MINILM_DIR:-../shared/models/all-MiniLM-L6-v2}
+mkdir -p .gpu/minilm
+cp "$minilm"/{config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,vocab.txt} .gpu/minilm/
 ls -la .gpu/bin.tar.xz
