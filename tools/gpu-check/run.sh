@@ -61,8 +61,7 @@ from transformers import BertConfig, BertModel
 import torch; torch.manual_seed(0)
 BertModel(BertConfig.from_pretrained('.gpu/minilm')).save_pretrained('.gpu/minilm')"
 MINILM_DIR=.gpu/minilm PYTORCH=python3 timeout "$(limit 90)" $B/minilm-autocast_step 3 2>&1 |
-  tee "$OUT/autocast_step.log" | grep -v "^round"
-grep "^round" "$OUT/autocast_step.log"
+  tee "$OUT/autocast_step.log"
 step "Llama training steps (LoRA, full) against PyTorch + peft"
 PYTORCH=python3 LLAMA_BENCH_DIR=/tmp/smollm TRAIN_STEP_VARIANTS=lora,full,lora-ckpt,full-ckpt \
   timeout "$(limit 150)" $B/llama-train_step 1 3 2>&1 | tee "$OUT/train_step.log"
