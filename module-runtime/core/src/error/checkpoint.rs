@@ -10,10 +10,12 @@ pub enum CheckpointError {
     #[error("the checkpointed function returned no tensor")]
     NoOutput,
 
-    /// A tensor the checkpoint would record a gradient through is not on the CPU: the recomputing
-    /// ops are CPU ops in this version.
+    /// A tensor the checkpoint would record a gradient through is on a device its ops do not
+    /// run on (the CPU, and CUDA devices in a build with the `cuda` feature), or on another
+    /// device than the first of them.
     #[error(
-        "checkpointing runs on the CPU only: {what} is on {device}; run this part without \
+        "checkpointing runs on the CPU and on CUDA devices (built with the `cuda` feature), \
+         each checkpoint on one device: {what} is on {device}; run this part without \
          checkpointing"
     )]
     Device {

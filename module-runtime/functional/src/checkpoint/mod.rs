@@ -55,8 +55,9 @@ pub use wrapper::{
 /// not checkpoint inside one.
 ///
 /// With gradients off ([`no_grad`](module_core::no_grad)), or when neither an input nor a
-/// parameter records a gradient, it is `function(inputs)`. The recording ops run on the CPU;
-/// a tensor elsewhere is [`CheckpointError::Device`]. No output
+/// parameter records a gradient, it is `function(inputs)`. The recording ops run on the CPU, and
+/// on CUDA devices in a build with the `cuda` feature, all of a checkpoint's tensors on one
+/// device; a tensor elsewhere is [`CheckpointError::Device`]. No output
 /// ([`CheckpointError::NoOutput`]) is an error.
 ///
 /// ```
@@ -126,8 +127,10 @@ where
         .map(|(input, _)| input.clone())
         .chain(params.iter().cloned())
         .collect();
-    on_cpu(&leaves, "an input or parameter")?;
-    on_cpu(&outputs, "an output")?;
+    // The chain of ops lives on the leaves' device (`leaves` is not empty: see above).
+    let device = leaves[0].device().clone();
+    on_device(&leaves, &device, "an input or parameter")?;
+    on_device(&outputs, &device, "an output")?;
     // Detached: the function's inside is freed with `outputs`' graph.
     let values: Vec<Tensor> = outputs.iter().map(Tensor::detach).collect();
     drop(outputs);
@@ -149,7 +152,7 @@ where
             ..State::default()
         }),
     });
-    let mut anchor = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    let mut anchor = Tensor::zeros((), DType::F32, &device)?;
     for (k, leaf) in leaves.iter().enumerate() {
         let link = Link {
             saved: saved.clone(),
@@ -177,9 +180,17 @@ where
     Ok(result)
 }
 
-/// [`CheckpointError::Device`] for the first of `tensors` not on the CPU.
-fn on_cpu(tensors: &[Tensor], what: &str) -> Result<()> {
-    match tensors.iter().find(|t| !t.device().is_cpu()) {
+/// Whether the checkpoint's ops run on `device`: the CPU, and CUDA devices when built with the
+/// `cuda` feature.
+fn ops_run_on(device: &Device) -> bool {
+    device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda())
+}
+
+/// [`CheckpointError::Device`] for the first of `tensors` not on `device`, or for the first
+/// tensor when the ops do not run there.
+fn on_device(tensors: &[Tensor], device: &Device, what: &str) -> Result<()> {
+    let misplaced = |t: &&Tensor| !ops_run_on(device) || !t.device().same_device(device);
+    match tensors.iter().find(misplaced) {
         None => Ok(()),
         Some(t) => Err(CheckpointError::Device {
             what: format!("{what} of shape {:?}", t.dims()),

@@ -9,7 +9,8 @@
 //!        leaf 0         leaf 1             leaf n-1      (leaves: tracked inputs, then parameters)
 //! ```
 //!
-//! `Link` and `Gate` compute a scalar zero and `Out(i)` a copy of output `i`, so the graph holds
+//! `Link` and `Gate` compute a scalar zero and `Out(i)` a copy of output `i` (on the CPU, or on
+//! the CUDA device of the leaves with the `cuda` feature), so the graph holds
 //! the inputs (which the caller's graph holds anyway), the parameters, scalars and the outputs.
 //! Candle's backward visits a node after every node that consumes it, so for this chain:
 //!
@@ -197,6 +198,19 @@ impl CustomOp2 for Link {
         Ok(zero())
     }
 
+    /// The previous link's scalar zero, copied.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        previous: &candle_core::CudaStorage,
+        layout: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((previous.try_clone(layout)?, Shape::from(())))
+    }
+
     fn bwd(
         &self,
         previous: &Tensor,
@@ -236,6 +250,17 @@ impl CustomOp1 for Gate {
         Ok(zero())
     }
 
+    /// The anchor's scalar zero, copied.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        anchor: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((anchor.try_clone(layout)?, Shape::from(())))
+    }
+
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         self.saved.recompute().map_err(module_core::error::carry)?;
         Ok(Some(grad.clone()))
@@ -255,15 +280,51 @@ impl CustomOp1 for Out {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.cpu_storage(&self.take()?)
+    }
+
+    /// The output's value, a fresh copy on its CUDA device.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let value = self.take()?.force_contiguous()?;
+        let (storage, layout) = value.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, value.shape().clone())),
+            _ => candle_core::bail!("checkpoint output {} is not on the CUDA device", self.i),
+        }
+    }
+
+    fn bwd(&self, gate: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let mut state = self.saved.state();
+        if let Some(slot) = state.grad_outputs.get_mut(self.i) {
+            *slot = Some(grad.clone());
+        }
+        Ok(Some(gate.zeros_like()?))
+    }
+}
+
+impl Out {
+    /// The forward's value of output `i`, handed out once.
+    fn take(&self) -> candle_core::Result<Tensor> {
         let value = self
             .saved
             .state()
             .outputs
             .get_mut(self.i)
             .and_then(Option::take);
-        let Some(value) = value else {
-            candle_core::bail!("checkpoint output {} was already handed out", self.i)
-        };
+        match value {
+            Some(value) => Ok(value),
+            None => candle_core::bail!("checkpoint output {} was already handed out", self.i),
+        }
+    }
+
+    /// A CPU copy of `value`.
+    fn cpu_storage(&self, value: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
         let flat = value.flatten_all()?;
         let storage = match value.dtype() {
             DType::F32 => CpuStorage::F32(flat.to_vec1()?),
@@ -273,13 +334,5 @@ impl CustomOp1 for Out {
             other => candle_core::bail!("checkpoint output of dtype {other:?}"),
         };
         Ok((storage, value.shape().clone()))
-    }
-
-    fn bwd(&self, gate: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let mut state = self.saved.state();
-        if let Some(slot) = state.grad_outputs.get_mut(self.i) {
-            *slot = Some(grad.clone());
-        }
-        Ok(Some(gate.zeros_like()?))
     }
 }
