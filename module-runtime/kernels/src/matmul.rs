@@ -42,10 +42,22 @@ pub(crate) fn matmul_candle(a: &Tensor, b: &Tensor) -> candle_core::Result<Tenso
         && b.device().is_cpu()
         && a.dim(1)? == b.dim(0)?;
     if applies {
-        a.apply_op2(b, MatMul)
-    } else {
-        a.matmul(b)
+        return a.apply_op2(b, MatMul);
     }
+    if a.device().is_cpu() {
+        return a.matmul(b);
+    }
+    // candle's CUDA and Metal products read a matrix whose rows or columns are packed (a
+    // contiguous one or its transpose) and refuse other strides (a row-strided slice, say):
+    // those are copied first.
+    let packed = |t: &Tensor| -> candle_core::Result<Tensor> {
+        if t.rank() < 2 || t.is_contiguous() || t.t()?.is_contiguous() {
+            Ok(t.clone())
+        } else {
+            t.contiguous()
+        }
+    };
+    packed(a)?.matmul(&packed(b)?)
 }
 
 /// Below this many multiply-adds a product stays on the calling thread: handing half of a few

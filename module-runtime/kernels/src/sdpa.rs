@@ -405,7 +405,9 @@ fn composed(
             scores.broadcast_add(m)?
         };
     }
-    let mut probs = softmax(&scores, scores.rank() - 1)?;
+    // In the queries' dtype: under autocast, `softmax` computes in float32 (PyTorch's list), and
+    // the product with the values stays in their dtype, as PyTorch's composed attention keeps it.
+    let mut probs = softmax(&scores, scores.rank() - 1)?.to_dtype(q.dtype())?;
     if options.dropout_p > 0.0 {
         probs = crate::dropout::dropout(&probs, options.dropout_p)?;
     }

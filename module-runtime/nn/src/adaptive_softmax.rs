@@ -180,7 +180,8 @@ impl Forward<(&Tensor, &Tensor)> for AdaptiveLogSoftmaxWithLoss {
         let shortlist = self.cutoffs[0];
         // Each row's logit in the head: its class, or its cluster's slot.
         let mut head_ids = Vec::with_capacity(classes.len());
-        let mut output = x.zeros_like()?.narrow(1, 0, 1)?.squeeze(1)?;
+        // Contiguous: candle's GPU `index_add` takes no strided destination.
+        let mut output = Tensor::zeros(x.dim(0)?, x.dtype(), x.device())?;
         for (i, cluster) in self.tail.iter().enumerate() {
             let (low, high) = (self.cutoffs[i], self.cutoffs[i + 1]);
             let rows: Vec<u32> = (0..classes.len() as u32)

@@ -306,3 +306,32 @@ fn packed_heads_give_the_split_heads_values_and_gradients() {
             .unwrap_err();
     assert!(e.to_string().contains("[B, L, Hq·E]"), "{e}");
 }
+
+/// Under `autocast` the composed path (fusion off here; every path off the CPU kernels) computes
+/// in the autocast dtype: the output is bfloat16 and within bfloat16 rounding of float32's. (On
+/// CUDA, whose autocast list puts `softmax` in float32, the weights are cast back before the
+/// product with the values: a float32 × bfloat16 product failed there, found on an H200.)
+#[test]
+fn the_composed_path_under_autocast_stays_in_the_autocast_dtype() {
+    let fx = load("sdpa_padding_mask");
+    let run = || {
+        scaled_dot_product_attention(
+            &fx["query"],
+            &fx["key"],
+            &fx["value"],
+            mask(&fx),
+            SdpaOptions::default(),
+        )
+    };
+    let y = without_fusion(|| module_runtime::amp::autocast("cpu", DType::BF16, run)).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    let diff = (y.to_dtype(DType::F32).unwrap() - &fx["output"])
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 0.05, "{diff}");
+}
