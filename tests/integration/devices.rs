@@ -275,15 +275,19 @@ fn an_input_on_another_device_is_a_typed_error_naming_both() -> Result<()> {
         ),
     ];
     for (path, result) in cases {
-        match result {
-            Err(Error::DeviceMismatch {
+        let Err(err) = result else {
+            panic!("{path}: expected a device mismatch, got a result");
+        };
+        // The module's forward wraps it (`Error::Forward`, naming the module).
+        match err.inner() {
+            Error::DeviceMismatch {
                 path: p,
                 expected,
                 got,
-            }) => {
+            } => {
                 assert_eq!(p, path);
-                assert_eq!(expected, target.location(), "{path}");
-                assert_eq!(got, DeviceLocation::Cpu, "{path}");
+                assert_eq!(*expected, target.location(), "{path}");
+                assert_eq!(*got, DeviceLocation::Cpu, "{path}");
             }
             other => panic!("{path}: expected a device mismatch, got {other:?}"),
         }

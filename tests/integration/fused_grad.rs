@@ -76,7 +76,8 @@ where
     }
 }
 
-/// Both paths, contiguous and not, against the fixture's output and gradients.
+/// Both paths, contiguous and not, against the fixture's output and gradients (the layer on the
+/// fixture's device, `MODULE_DEVICE`'s).
 fn check_fixture<M>(case: &str, layer: &M)
 where
     M: ModuleExt + for<'a> Forward<&'a Tensor, Output = Tensor>,
@@ -102,12 +103,14 @@ where
 
 #[test]
 fn layer_norm_matches_pytorch_fused_and_composed() {
-    check_fixture("layer_norm", &LayerNorm::new(8, &Device::Cpu).unwrap());
+    let dev = candle_module::device_from_env().unwrap();
+    check_fixture("layer_norm", &LayerNorm::new(8, &dev).unwrap());
 }
 
 #[test]
 fn linear_matches_pytorch_fused_and_composed() {
-    check_fixture("linear", &Linear::new(7, 5, &Device::Cpu).unwrap());
+    let dev = candle_module::device_from_env().unwrap();
+    check_fixture("linear", &Linear::new(7, 5, &dev).unwrap());
 }
 
 #[test]

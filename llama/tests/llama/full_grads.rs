@@ -114,9 +114,12 @@ fn fused_training_ops_give_the_composed_gradients_and_hold_less() {
         let scale = norm(&plain[name]).max(1e-3);
         assert!(diff <= 1e-5 * scale, "{name}: {diff} (norm {scale})");
     }
-    // (270 293 against 367 667 values: the composed rotations' copies and `silu(gate)`.)
-    assert!(
-        held * 4 < plain_held * 3,
-        "{held} values held fused, {plain_held} composed"
-    );
+    // (270 293 against 367 667 values: the composed rotations' copies and `silu(gate)`.) The
+    // fused ops are CPU kernels: on another device (`MODULE_DEVICE`) both runs compose.
+    if super::device().is_cpu() {
+        assert!(
+            held * 4 < plain_held * 3,
+            "{held} values held fused, {plain_held} composed"
+        );
+    }
 }

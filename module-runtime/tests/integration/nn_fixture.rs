@@ -34,7 +34,7 @@ fn fixtures_dir() -> PathBuf {
 }
 
 /// The device under test: `MODULE_DEVICE`, else the CPU.
-fn device() -> Device {
+pub fn device() -> Device {
     match std::env::var("MODULE_DEVICE") {
         Ok(name) if !name.is_empty() => parse_device(&name).expect("MODULE_DEVICE names a device"),
         _ => Device::Cpu,

@@ -339,6 +339,8 @@ fn adaptive_log_softmax_matches_pytorch() -> Result<()> {
     check("adaptive_log_softmax_log_prob", &plain, &["input"], |t| {
         plain.log_prob(&t[0])
     });
+    // `check` moved the module to the device under test.
+    let dev = crate::nn_fixture::device();
     let x = Tensor::randn(0f32, 1., (5, 8), &dev)?;
     let best = plain.log_prob(&x)?.argmax(1)?;
     assert_eq!(plain.predict(&x)?.to_vec1::<u32>()?, best.to_vec1::<u32>()?);

@@ -118,7 +118,8 @@ fn encoder_layer_pre_norm_gelu_batch_first_causal() {
         |t| layer.call(EncoderInput::new(&t[0]).is_causal(true)),
     );
     // The mask given explicitly, as a float mask, is the same.
-    let mask = generate_square_subsequent_mask(5, DType::F32, &Device::Cpu).unwrap();
+    let mask =
+        generate_square_subsequent_mask(5, DType::F32, &crate::nn_fixture::device()).unwrap();
     check(
         "transformer_encoder_layer_pre_gelu_causal",
         &layer,
