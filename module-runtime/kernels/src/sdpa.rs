@@ -182,11 +182,8 @@ fn packed(
             value.dims()
         )));
     };
-    let e = match hq {
-        0 => 0,
-        _ => q_width / hq,
-    };
-    let h = if e == 0 { 0 } else { k_width / e };
+    let e = q_width.checked_div(hq).unwrap_or(0);
+    let h = k_width.checked_div(e).unwrap_or(0);
     if e == 0 || q_width % hq != 0 || k_width % e != 0 || h == 0 || v_width % h != 0 {
         return Err(bad(format!(
             "packed_heads {hq}: query {:?}, key {:?} and value {:?} do not split into heads of \

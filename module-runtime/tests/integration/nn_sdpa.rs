@@ -275,9 +275,8 @@ fn packed_heads_give_the_split_heads_values_and_gradients() {
                     .unwrap();
                 [&q, &k, &v].map(|x| bits(g.get(x.as_tensor()).unwrap()))
             };
-            let paths: [(&str, fn(&dyn Fn() -> Tensor) -> Tensor); 2] =
-                [("fused", |f| f()), ("composed", |f| without_fusion(f))];
-            for (path, run) in paths {
+            for (path, fused) in [("fused", true), ("composed", false)] {
+                let run = |f: &dyn Fn() -> Tensor| if fused { f() } else { without_fusion(f) };
                 let (a, b) = (run(&packed), run(&joined));
                 assert_eq!(a.dims(), b.dims(), "{case} {dtype:?} {path}");
                 assert_eq!(a.dtype(), dtype);
