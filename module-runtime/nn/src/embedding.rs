@@ -335,6 +335,7 @@ impl Embedding {
                 let weight = self.weight_value()?;
                 check_input_device("Embedding.weight", &weight, ids)?;
                 check_ids("Embedding", "ids", ids)?;
+                check_range_off_cpu("Embedding", ids, weight.dims())?;
                 if let Some(max_norm) = self.max_norm {
                     renorm_rows(&weight, ids, max_norm, self.norm_type)?;
                 }
@@ -372,22 +373,43 @@ pub(crate) fn ids_out_of_range(
     table: &[usize],
     error: impl Into<Error>,
 ) -> Error {
+    range_error(layer, ids, table).unwrap_or_else(|| error.into())
+}
+
+/// Off the CPU, [`ids_out_of_range`]'s error before the lookup: candle's CUDA `index_select`
+/// does not check its ids (an id past the table trips a device-side assertion, which leaves the
+/// process's CUDA context unusable: found on an H200), where the CPU's refuses them. Two
+/// reductions over the ids and two scalar reads per lookup there; nothing on the CPU.
+pub(crate) fn check_range_off_cpu(
+    layer: &'static str,
+    ids: &Tensor,
+    table: &[usize],
+) -> Result<()> {
+    if ids.device().is_cpu() || ids.elem_count() == 0 {
+        return Ok(());
+    }
+    match range_error(layer, ids, table) {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
+/// [`Error::InvalidInput`] naming the range and the fix when an id of `ids` is outside
+/// `0..table[0]`; `None` when every id is inside (or the extremes cannot be read).
+fn range_error(layer: &'static str, ids: &Tensor, table: &[usize]) -> Option<Error> {
     let extreme = |t: candle_core::Result<Tensor>| -> Option<i64> {
         t.and_then(|t| t.to_dtype(DType::I64)?.to_scalar::<i64>())
             .ok()
     };
-    let flat = ids.flatten_all();
-    let (Ok(flat), &[rows, dim]) = (flat, table) else {
-        return error.into();
+    let (Ok(flat), &[rows, dim]) = (ids.flatten_all(), table) else {
+        return None;
     };
-    let (Some(min), Some(max)) = (extreme(flat.min(0)), extreme(flat.max(0))) else {
-        return error.into();
-    };
+    let (min, max) = (extreme(flat.min(0))?, extreme(flat.max(0))?);
     let bad = if max >= rows as i64 { max } else { min };
     if min >= 0 && max < rows as i64 {
-        return error.into();
+        return None;
     }
-    Error::InvalidInput {
+    Some(Error::InvalidInput {
         layer,
         message: format!(
             "ids must be in 0..{rows} (num_embeddings = {rows}), got {bad}: make the table \
@@ -395,7 +417,7 @@ pub(crate) fn ids_out_of_range(
              vocabulary the model was made for",
             bad.max(0) + 1
         ),
-    }
+    })
 }
 
 /// PyTorch's text of an embedding table's settings: `10, 3` (the table's shape), then each
