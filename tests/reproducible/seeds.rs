@@ -4,8 +4,8 @@
 use module_runtime::candle_core::Var;
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use module_runtime::nn::{
-    Conv2d, Dropout, Dropout2d, Embedding, LazyLinear, Lstm, MultiheadAttention, RReLU,
-    Transformer, TransformerConfig,
+    Conv2d, Dropout, Dropout2d, Embedding, LazyLinear, Lstm, MultiheadAttention,
+    MultiheadAttentionConfig, RReLU, RnnConfig, Transformer, TransformerConfig,
 };
 use module_runtime::prelude::*;
 use module_runtime::{get_rng_state, initial_seed, set_rng_state};
@@ -49,7 +49,8 @@ impl Zoo {
 
 /// A model seeded with `seed` (its lazy layer built by a call) and the values of every random
 /// op in training: dropout composed (no gradient) and fused (a gradient recorded), channel
-/// dropout, RReLU's slopes, attention's dropout.
+/// dropout, RReLU's slopes, attention's dropout, `MultiheadAttention`'s dropout on its weights and
+/// an `Lstm`'s between its layers.
 fn seeded_run(seed: u64) -> Result<(Bits, Vec<Vec<f32>>)> {
     let dev = Device::Cpu;
     module_runtime::manual_seed(seed);
@@ -73,7 +74,23 @@ fn seeded_run(seed: u64) -> Result<(Bits, Vec<Vec<f32>>)> {
         ..Default::default()
     };
     let attention = scaled_dot_product_attention(&q, &q, &q, None, options)?;
-    let draws = [composed, fused, channels, slopes, attention]
+    let mha = MultiheadAttentionConfig {
+        dropout: 0.5,
+        ..Default::default()
+    };
+    let mha = MultiheadAttention::with_config(8, 2, mha, &dev)?;
+    mha.train();
+    let seq = Tensor::ones((6, 1, 8), DType::F32, &dev)?;
+    let mha = mha.call(&seq)?;
+    let stacked = RnnConfig {
+        num_layers: 2,
+        dropout: 0.5,
+        ..Default::default()
+    };
+    let lstm = Lstm::with_config(8, 8, stacked, &dev)?;
+    lstm.train();
+    let (lstm, _) = lstm.call(&seq)?;
+    let draws = [composed, fused, channels, slopes, attention, mha, lstm]
         .iter()
         .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
         .collect::<Result<Vec<_>>>()?;

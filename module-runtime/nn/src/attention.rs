@@ -415,7 +415,7 @@ impl MultiheadAttention {
         }
         let mut weights = softmax_last_dim(&scores)?;
         if self.dropout > 0.0 && self.training.is_training() {
-            weights = candle_nn::ops::dropout(&weights, self.dropout as f32)?;
+            weights = crate::dropout::dropout_in_training(&weights, self.dropout)?;
         }
 
         let out = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, l, e))?;

@@ -2,7 +2,9 @@
 
 use crate::common::layer_repr;
 use crate::common::{forward_by_value, layer_forward};
+use crate::error::Result;
 use crate::{Mode, Module};
+use candle_core::Tensor;
 use module_core::py_float;
 
 /// Randomly zeroes elements during training: PyTorch's `nn.Dropout(p)`.
@@ -54,14 +56,24 @@ impl Dropout {
 }
 
 layer_forward!(Dropout, |layer, x| {
-    if !layer.mode.is_training() || layer.p == 0.0 {
+    if !layer.mode.is_training() {
         return Ok(x.clone());
     }
-    if layer.p == 1.0 {
+    dropout_in_training(x, layer.p)
+});
+
+/// Dropout with probability `p` in training: `x` for 0, zeros for 1 (or more), otherwise
+/// [`module_kernels::dropout`], whose draws are the runtime's generator's (`manual_seed`): for
+/// every layer that drops, so that a seeded run repeats.
+pub(crate) fn dropout_in_training(x: &Tensor, p: f64) -> Result<Tensor> {
+    if p <= 0.0 {
+        return Ok(x.clone());
+    }
+    if p >= 1.0 {
         return Ok(x.zeros_like()?);
     }
-    module_kernels::dropout(x, layer.p)
-});
+    Ok(module_kernels::dropout(x, p)?)
+}
 
 layer_repr!(Dropout, |layer| dropout_repr(layer.p));
 

@@ -238,7 +238,7 @@ impl<G: Gates> RnnBase<G> {
             }
             seq = Tensor::stack(&outputs, 1)?;
             if self.dropout > 0.0 && self.training.is_training() && k + 1 < num_layers {
-                seq = candle_nn::ops::dropout(&seq, self.dropout as f32)?;
+                seq = crate::dropout::dropout_in_training(&seq, self.dropout)?;
             }
             for (j, s) in state.into_iter().enumerate() {
                 finals[j].push(s);
