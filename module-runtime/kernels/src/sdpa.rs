@@ -95,8 +95,8 @@ pub fn scaled_dot_product_attention(
         && query.dtype() == value.dtype()
     {
         if half == DType::BF16 && bf16_op_applies(query, key, value, attn_mask) {
-            let inputs = [query, key, value];
-            return fused_training(inputs, inputs, attn_mask, options, false);
+            let (shape, _) = check(query, key, value, attn_mask, &options)?;
+            return fused_training([query, key, value], shape, attn_mask, options, false);
         }
         let float_mask = attn_mask.filter(|m| m.dtype() == half);
         let mask = match float_mask {
@@ -115,8 +115,9 @@ pub fn scaled_dot_product_attention(
 /// contiguous, and the mask (if any) is a `u8`, float32 or bfloat16 CPU tensor that records no
 /// gradient.
 fn bf16_op_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
-    let readable =
-        |t: &&Tensor| t.device().is_cpu() && t.dtype() == DType::BF16 && t.stride()[3] == 1;
+    let readable = |t: &&Tensor| {
+        t.device().is_cpu() && t.dtype() == DType::BF16 && t.stride().last() == Some(&1)
+    };
     crate::fusion::is_fusion_enabled()
         && [q, k, v].iter().all(readable)
         && [q, k, v].iter().any(|t| t.track_op())
@@ -128,19 +129,16 @@ fn bf16_op_applies(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) ->
 }
 
 /// Attention that records a gradient, as the training op over `inputs` (the queries, keys and
-/// values, `[B, H, L, E]` views as `heads` are, or, `packed`, the `[B, L, H·E]` tensors those
-/// views split): float32, or bfloat16 as the float32 op's values between casts (a bfloat16 mask
+/// values, `[B, H, L, E]` views, or, `packed`, `[B, L, H·E]` tensors; `shape` checked): float32, or bfloat16 as the float32 op's values between casts (a bfloat16 mask
 /// widened, exactly), the output in the inputs' dtype: the `[B, Hq, L, Ev]` view of a
 /// `[B, L, Hq, Ev]` buffer, or, packed, that buffer as `[B, L, Hq·Ev]`.
 fn fused_training(
-    heads: [&Tensor; 3],
     inputs: [&Tensor; 3],
+    shape: Dims,
     attn_mask: Option<&Tensor>,
     options: SdpaOptions,
     packed: bool,
 ) -> Result<Tensor> {
-    let [q, k, v] = heads;
-    let (shape, _) = check(q, k, v, attn_mask, &options)?;
     let mask = match attn_mask {
         Some(m) => {
             let m = if m.dtype() == DType::BF16 {
@@ -193,28 +191,38 @@ fn packed(
             value.dims()
         )));
     }
-    let split = |t: &Tensor, heads: usize| -> Result<Tensor> {
-        let (b, n, width) = t.dims3()?;
-        Ok(t.reshape((b, n, heads, width / heads))?.transpose(1, 2)?)
-    };
-    let views = [split(query, hq)?, split(key, h)?, split(value, h)?];
-    let [q, k, v] = [&views[0], &views[1], &views[2]];
     let options = SdpaOptions {
         packed_heads: None,
         ..options
     };
     let inputs = [query, key, value];
-    let in_place = inputs.iter().all(|t| t.is_contiguous())
-        && inputs.iter().any(|t| t.track_op())
+    // The op reads any strides with the last dimension contiguous: a chunk of a stacked
+    // projection (`narrow` of `[B, L, 3·E]`) is read in place too.
+    let in_place = inputs.iter().any(|t| t.track_op())
         && match query.dtype() {
-            DType::F32 => kernels_apply(q, k, v, attn_mask),
-            DType::BF16 => bf16_op_applies(q, k, v, attn_mask),
+            DType::F32 => kernels_apply(query, key, value, attn_mask),
+            DType::BF16 => bf16_op_applies(query, key, value, attn_mask),
             _ => false,
         };
     if in_place {
-        return fused_training([q, k, v], inputs, attn_mask, options, true);
+        // The heads' views' dimensions, without making the views.
+        let heads = |t: &Tensor, n: usize| {
+            let (b, len, width) = t.dims3()?;
+            Ok::<_, crate::error::Error>(Shaped {
+                dims: vec![b, n, len, width / n],
+                dtype: t.dtype(),
+            })
+        };
+        let shaped = [heads(query, hq)?, heads(key, h)?, heads(value, h)?];
+        let (shape, _) = check_shapes([&shaped[0], &shaped[1], &shaped[2]], attn_mask, &options)?;
+        return fused_training(inputs, shape, attn_mask, options, true);
     }
-    let out = scaled_dot_product_attention(q, k, v, attn_mask, options)?;
+    let split = |t: &Tensor, heads: usize| -> Result<Tensor> {
+        let (b, n, width) = t.dims3()?;
+        Ok(t.reshape((b, n, heads, width / heads))?.transpose(1, 2)?)
+    };
+    let (q, k, v) = (split(query, hq)?, split(key, h)?, split(value, h)?);
+    let out = scaled_dot_product_attention(&q, &k, &v, attn_mask, options)?;
     Ok(out.transpose(1, 2)?.reshape((b, l, hq * (v_width / h)))?)
 }
 
@@ -265,24 +273,41 @@ fn check(
     mask: Option<&Tensor>,
     options: &SdpaOptions,
 ) -> Result<(Dims, Option<Tensor>)> {
-    let (Ok((b, hq, l, e)), Ok((kb, h, s, ke)), Ok((vb, vh, vs, ev))) =
-        (q.dims4(), k.dims4(), v.dims4())
+    let [q, k, v] = [q, k, v].map(|t| Shaped {
+        dims: t.dims().to_vec(),
+        dtype: t.dtype(),
+    });
+    check_shapes([&q, &k, &v], mask, options)
+}
+
+/// What [`check_shapes`] reads of a query, key or value: its `[B, H, L, E]` dimensions (the
+/// heads' views', for packed heads) and its dtype.
+struct Shaped {
+    dims: Vec<usize>,
+    dtype: DType,
+}
+
+/// [`check`] on the inputs' dimensions and dtypes.
+fn check_shapes(
+    [q, k, v]: [&Shaped; 3],
+    mask: Option<&Tensor>,
+    options: &SdpaOptions,
+) -> Result<(Dims, Option<Tensor>)> {
+    let four = |t: &Shaped| <[usize; 4]>::try_from(t.dims.as_slice()).ok();
+    let (Some([b, hq, l, e]), Some([kb, h, s, ke]), Some([vb, vh, vs, ev])) =
+        (four(q), four(k), four(v))
     else {
         return Err(bad(format!(
             "query, key and value must be [B, H, L, E], [B, H, S, E], [B, H, S, Ev]; got {:?}, \
              {:?}, {:?}",
-            q.dims(),
-            k.dims(),
-            v.dims()
+            q.dims, k.dims, v.dims
         )));
     };
     if kb != b || vb != b || ke != e || vh != h || vs != s {
         return Err(bad(format!(
             "query [B, Hq, L, E] = {:?}, key [B, H, S, E] = {:?} and value [B, H, S, Ev] = {:?} \
              do not agree",
-            q.dims(),
-            k.dims(),
-            v.dims()
+            q.dims, k.dims, v.dims
         )));
     }
     let heads_fit = if options.enable_gqa {
@@ -300,22 +325,20 @@ fn check(
             }
         )));
     }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+    if q.dtype != k.dtype || q.dtype != v.dtype {
         return Err(bad(format!(
             "query, key and value have dtypes {:?}, {:?}, {:?}: they must be one",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
+            q.dtype, k.dtype, v.dtype
         )));
     }
     if let Some(m) = mask
         && m.dtype() != DType::U8
-        && m.dtype() != q.dtype()
+        && m.dtype() != q.dtype
     {
         return Err(bad(format!(
             "attn_mask must be u8 (which keys to attend to) or {:?} (added to the scores), \
                  got {:?}",
-            q.dtype(),
+            q.dtype,
             m.dtype()
         )));
     }
@@ -352,8 +375,9 @@ fn check(
 /// with their last dimension contiguous, and the mask (if any) is a `u8` or float32 CPU tensor
 /// that records no gradient.
 fn kernels_apply(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> bool {
-    let readable =
-        |t: &&Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.stride()[3] == 1;
+    let readable = |t: &&Tensor| {
+        t.device().is_cpu() && t.dtype() == DType::F32 && t.stride().last() == Some(&1)
+    };
     crate::fusion::is_fusion_enabled()
         && [q, k, v].iter().all(readable)
         && mask.is_none_or(|m| {

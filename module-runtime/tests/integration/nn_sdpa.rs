@@ -290,6 +290,55 @@ fn packed_heads_give_the_split_heads_values_and_gradients() {
             );
         }
     }
+    // Chunks of one stacked projection (`MultiheadAttention`'s `[B, L, 3·E]`), strided: read in
+    // place by the training op, with the split path's values and gradients.
+    // (A case with as many keys as queries and one head count, as self-attention has.)
+    let (fx, options) = cases()
+        .into_iter()
+        .map(|(case, options)| (load(case), options))
+        .find(|(fx, _)| fx["query"].dims() == fx["key"].dims())
+        .expect("a self-attention case");
+    let hq = fx["query"].dim(1).unwrap();
+    let stacked = Tensor::cat(
+        &[pack(&fx["query"]), pack(&fx["key"]), pack(&fx["value"])],
+        2,
+    );
+    let stacked = Var::from_tensor(&stacked.unwrap()).unwrap();
+    let width = fx["query"].dim(1).unwrap() * fx["query"].dim(3).unwrap();
+    let chunk = |i: usize| stacked.as_tensor().narrow(2, i * width, width).unwrap();
+    let (q, k, v) = (chunk(0), chunk(1), chunk(2));
+    assert!(!q.is_contiguous());
+    let m = mask(&fx);
+    let o = SdpaOptions {
+        packed_heads: Some(hq),
+        ..options
+    };
+    let in_place = scaled_dot_product_attention(&q, &k, &v, m, o).unwrap();
+    let copied = [&q, &k, &v].map(|t| t.contiguous().unwrap());
+    let [cq, ck, cv] = [&copied[0], &copied[1], &copied[2]];
+    let reference = scaled_dot_product_attention(cq, ck, cv, m, o).unwrap();
+    let upstream = pack(&fx["upstream"]);
+    let grad = |y: &Tensor| {
+        let g = (y * &upstream)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        g.get(stacked.as_tensor())
+            .unwrap()
+            .to_vec3::<f32>()
+            .unwrap()
+    };
+    assert_eq!(
+        in_place.to_vec3::<f32>().unwrap(),
+        reference.to_vec3::<f32>().unwrap()
+    );
+    assert_eq!(grad(&in_place), grad(&reference));
+    // Read in place: the graph is the reference's without its three contiguous copies.
+    let nodes = |y: &Tensor| y.sorted_nodes().len();
+    assert_eq!(nodes(&in_place) + 3, nodes(&reference));
+
     let t = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap();
     let o = SdpaOptions {
         packed_heads: Some(3),
