@@ -6,7 +6,14 @@
 //!   a one-pass backward per head);
 //! - the same function with fusion off (`without_fusion`): candle's composed ops;
 //! - the chain `BertSelfAttention` ran before the op: contiguous heads, `q·kᵀ`, the mask added, the
-//!   runtime's fused softmax and dropout modules, the product with the values.
+//!   runtime's fused softmax and dropout modules, the product with the values;
+//! - `packed_heads`: the same function over the projections' `[B, L, H·E]` as they are (what
+//!   `BertSelfAttention` runs now), no split/join views in the graph;
+//!
+//! and then `MultiheadAttention` (embed 384, 12 heads, dropout 0.1, batch first, `[8, 25, 384]`,
+//! its projections included) in training, without its weights (`need_weights(false)`, as the
+//! Transformer layers call it: `scaled_dot_product_attention` over the stacked projection's
+//! chunks) and with them (the composed ops).
 //!
 //! Minimums over the rounds, which other work on the machine disturbs least.
 //!
@@ -19,7 +26,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
-use module_runtime::nn::{without_fusion, Dropout, Softmax};
+use module_runtime::nn::{
+    without_fusion, AttentionInput, Dropout, MultiheadAttention, MultiheadAttentionConfig, Softmax,
+};
 use module_runtime::prelude::*;
 
 #[path = "support/mod.rs"]
@@ -39,9 +48,11 @@ fn main() -> Result<()> {
     let heads = |x: &Var| x.as_tensor().transpose(1, 2);
     let mask = Tensor::zeros((b, 1, 1, l), DType::F32, &dev)?;
     let dropout = Dropout::new(0.1);
+    // Each variant returns `[B, L, H·E]`, the heads side by side.
+    let joined = |y: Tensor| -> Result<Tensor> { Ok(y.transpose(1, 2)?.reshape((b, l, h * e))?) };
     let timed = |f: &dyn Fn() -> Result<Tensor>| -> Result<Timing> {
         let start = Instant::now();
-        let y = f()?.transpose(1, 2)?.reshape((b, l, h * e))?;
+        let y = f()?;
         let forward = start.elapsed().as_secs_f64() * 1e3;
         let start = Instant::now();
         y.sum_all()?.backward()?;
@@ -53,35 +64,69 @@ fn main() -> Result<()> {
             scale: Some(scale),
             ..Default::default()
         };
-        scaled_dot_product_attention(&heads(&q)?, &heads(&k)?, &heads(&v)?, Some(&mask), options)
+        joined(scaled_dot_product_attention(
+            &heads(&q)?,
+            &heads(&k)?,
+            &heads(&v)?,
+            Some(&mask),
+            options,
+        )?)
+    };
+    let packed = || -> Result<Tensor> {
+        let options = SdpaOptions {
+            dropout_p: 0.1,
+            scale: Some(scale),
+            packed_heads: Some(h),
+            ..Default::default()
+        };
+        let flat = |x: &Var| x.as_tensor().reshape((b, l, h * e));
+        scaled_dot_product_attention(&flat(&q)?, &flat(&k)?, &flat(&v)?, Some(&mask), options)
     };
     let previous = || -> Result<Tensor> {
         let q = (heads(&q)?.contiguous()? * scale)?;
         let (k, v) = (heads(&k)?.contiguous()?, heads(&v)?.contiguous()?);
         let scores = q.matmul(&k.t()?)?.broadcast_add(&mask)?;
         let probs = Forward::forward(&Softmax::new(-1), &scores)?;
-        Ok(dropout.call(&probs)?.matmul(&v)?)
+        joined(dropout.call(&probs)?.matmul(&v)?)
     };
-    let mut best = [(f64::MAX, f64::MAX); 3];
+    let config = MultiheadAttentionConfig {
+        dropout: 0.1,
+        batch_first: true,
+        ..Default::default()
+    };
+    let mha = MultiheadAttention::with_config(h * e, h, config, &dev)?;
+    mha.train();
+    let x = Var::randn(0f32, 1., (b, l, h * e), &dev)?;
+    let attend = |need_weights: bool| {
+        let input = AttentionInput::self_attention(x.as_tensor()).need_weights(need_weights);
+        Ok(mha.call(input)?.0)
+    };
+    let mut best = [(f64::MAX, f64::MAX); 6];
     for _ in 0..rounds {
         let times = [
             timed(&sdpa)?,
             without_fusion(|| timed(&sdpa))?,
             timed(&previous)?,
+            timed(&packed)?,
+            timed(&|| attend(false))?,
+            timed(&|| attend(true))?,
         ];
         for (b, t) in best.iter_mut().zip(times) {
             *b = (b.0.min(t.0), b.1.min(t.1));
         }
     }
     for (name, (f, bw)) in [
-        "fused training op",
-        "composed (fusion off)",
-        "previous chain",
+        "attention [8, 12, 25, 32], fused training op",
+        "attention [8, 12, 25, 32], composed (fusion off)",
+        "attention [8, 12, 25, 32], previous chain",
+        "attention [8, 12, 25, 32], packed_heads",
+        "MultiheadAttention [8, 25, 384], need_weights(false)",
+        "MultiheadAttention [8, 25, 384], need_weights(true)",
     ]
     .iter()
     .zip(best)
     {
-        println!("attention [8, 12, 25, 32], {name}: forward {f:.3} ms, backward {bw:.3} ms (min of {rounds})");
+        println!("{name}: forward {f:.3} ms, backward {bw:.3} ms (min of {rounds})");
     }
     Ok(())
 }

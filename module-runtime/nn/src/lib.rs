@@ -120,6 +120,7 @@ pub use tensor_parallel::{
 
 // Attention, recurrent layers, containers and wrappers for candle-nn's own layers.
 mod attention;
+mod attention_masks;
 mod container;
 mod native;
 mod paths;
