@@ -8,12 +8,7 @@
 //! - the chain `BertSelfAttention` ran before the op: contiguous heads, `q·kᵀ`, the mask added, the
 //!   runtime's fused softmax and dropout modules, the product with the values;
 //! - `packed_heads`: the same function over the projections' `[B, L, H·E]` as they are (what
-//!   `BertSelfAttention` runs now), no split/join views in the graph;
-//!
-//! and then `MultiheadAttention` (embed 384, 12 heads, dropout 0.1, batch first, `[8, 25, 384]`,
-//! its projections included) in training, without its weights (`need_weights(false)`, as the
-//! Transformer layers call it: `scaled_dot_product_attention` over the stacked projection's
-//! chunks) and with them (the composed ops).
+//!   `BertSelfAttention` runs now), no split/join views in the graph.
 //!
 //! Minimums over the rounds, which other work on the machine disturbs least.
 //!
@@ -26,9 +21,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use module_runtime::nn::functional::{scaled_dot_product_attention, SdpaOptions};
-use module_runtime::nn::{
-    without_fusion, AttentionInput, Dropout, MultiheadAttention, MultiheadAttentionConfig, Softmax,
-};
+use module_runtime::nn::{without_fusion, Dropout, Softmax};
 use module_runtime::prelude::*;
 
 #[path = "support/mod.rs"]
@@ -89,27 +82,13 @@ fn main() -> Result<()> {
         let probs = Forward::forward(&Softmax::new(-1), &scores)?;
         joined(dropout.call(&probs)?.matmul(&v)?)
     };
-    let config = MultiheadAttentionConfig {
-        dropout: 0.1,
-        batch_first: true,
-        ..Default::default()
-    };
-    let mha = MultiheadAttention::with_config(h * e, h, config, &dev)?;
-    mha.train();
-    let x = Var::randn(0f32, 1., (b, l, h * e), &dev)?;
-    let attend = |need_weights: bool| {
-        let input = AttentionInput::self_attention(x.as_tensor()).need_weights(need_weights);
-        Ok(mha.call(input)?.0)
-    };
-    let mut best = [(f64::MAX, f64::MAX); 6];
+    let mut best = [(f64::MAX, f64::MAX); 4];
     for _ in 0..rounds {
         let times = [
             timed(&sdpa)?,
             without_fusion(|| timed(&sdpa))?,
             timed(&previous)?,
             timed(&packed)?,
-            timed(&|| attend(false))?,
-            timed(&|| attend(true))?,
         ];
         for (b, t) in best.iter_mut().zip(times) {
             *b = (b.0.min(t.0), b.1.min(t.1));
@@ -120,8 +99,6 @@ fn main() -> Result<()> {
         "attention [8, 12, 25, 32], composed (fusion off)",
         "attention [8, 12, 25, 32], previous chain",
         "attention [8, 12, 25, 32], packed_heads",
-        "MultiheadAttention [8, 25, 384], need_weights(false)",
-        "MultiheadAttention [8, 25, 384], need_weights(true)",
     ]
     .iter()
     .zip(best)

@@ -9,7 +9,6 @@ use crate::Init;
 use crate::{Forward, Mode, Module, ModuleExt, Param};
 use crate::{Linear, LinearConfig};
 use module_core::ChildRepr;
-use module_kernels::{scaled_dot_product_attention, SdpaOptions};
 
 /// How a [`MultiheadAttention`] is built: PyTorch's keyword arguments, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -394,64 +393,42 @@ impl MultiheadAttention {
                 self.in_proj(&v, 2, 1)?,
             )
         };
-        // The masks as one additive mask, broadcasting to [B, H, L, S].
-        let dtype = q.dtype();
-        let padding = input.key_padding_mask.map(|m| -> Result<Tensor> {
-            let m = if unbatched {
-                m.unsqueeze(0)?
+        let head_dim = e / self.num_heads;
+        let q = (self.split_heads(&q)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let (k, v) = (self.split_heads(&k)?, self.split_heads(&v)?);
+        let mut scores = q.matmul(&k.t()?)?; // [B, H, L, S]
+
+        if let Some(mask) = input.key_padding_mask {
+            let mask = if unbatched {
+                mask.unsqueeze(0)?
             } else {
-                m.clone()
+                mask.clone()
             };
-            additive_mask(&m.reshape((b, 1, 1, s))?, dtype)
-        });
-        let attn = input.attn_mask.map(|m| -> Result<Tensor> {
-            let m = match m.rank() {
-                2 => m.reshape((1, 1, l, s))?,
-                _ => m.reshape((b, self.num_heads, l, s))?,
+            let additive = additive_mask(&mask.reshape((b, 1, 1, s))?, scores.dtype())?;
+            scores = scores.broadcast_add(&additive)?;
+        }
+        if let Some(mask) = input.attn_mask {
+            let mask = match mask.rank() {
+                2 => mask.reshape((1, 1, l, s))?,
+                _ => mask.reshape((b, self.num_heads, l, s))?,
             };
-            additive_mask(&m, dtype)
-        });
-        let mask = match (padding.transpose()?, attn.transpose()?) {
-            (Some(p), Some(a)) => Some(p.broadcast_add(&a)?),
-            (p, a) => p.or(a),
-        };
-        let dropout_p = match self.training.is_training() {
-            true => self.dropout,
-            false => 0.0,
-        };
-        let (out, weights) = if !input.need_weights && dropout_p < 1.0 {
-            // PyTorch's `multi_head_attention_forward` without the weights: its
-            // `scaled_dot_product_attention`, here over the projections as they are (the CPU
-            // training op reads the heads in place).
-            let options = SdpaOptions {
-                dropout_p,
-                packed_heads: Some(self.num_heads),
-                ..Default::default()
-            };
-            let out = scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), options)?;
-            (out, None)
-        } else {
-            let head_dim = e / self.num_heads;
-            let q = (self.split_heads(&q)? * (1.0 / (head_dim as f64).sqrt()))?;
-            let (k, v) = (self.split_heads(&k)?, self.split_heads(&v)?);
-            let mut scores = q.matmul(&k.t()?)?; // [B, H, L, S]
-            if let Some(mask) = &mask {
-                scores = scores.broadcast_add(mask)?;
-            }
-            let weights =
-                crate::dropout::dropout_in_training(&softmax_last_dim(&scores)?, dropout_p)?;
-            let out = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, l, e))?;
-            (out, Some(weights))
-        };
+            scores = scores.broadcast_add(&additive_mask(&mask, scores.dtype())?)?;
+        }
+        let mut weights = softmax_last_dim(&scores)?;
+        if self.dropout > 0.0 && self.training.is_training() {
+            weights = crate::dropout::dropout_in_training(&weights, self.dropout)?;
+        }
+
+        let out = weights.matmul(&v)?.transpose(1, 2)?.reshape((b, l, e))?;
         let out = self.out_proj.call(&out)?;
         let out = match (unbatched, self.batch_first) {
             (true, _) => out.squeeze(0)?,
             (false, true) => out,
             (false, false) => out.transpose(0, 1)?,
         };
-        let weights = match weights.filter(|_| input.need_weights) {
-            None => None,
-            Some(weights) => {
+        let weights = match input.need_weights {
+            false => None,
+            true => {
                 let w = match input.average_attn_weights {
                     true => weights.mean(1)?,
                     false => weights,
