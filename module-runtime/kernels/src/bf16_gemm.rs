@@ -107,6 +107,11 @@ pub(crate) fn to_bf16_bits(values: &[f32]) -> Vec<u16> {
     out
 }
 
+/// [`to_bf16_bits`] as candle's bfloat16 values (the same bits, no copy).
+pub(crate) fn to_bf16(values: &[f32]) -> Vec<half::bf16> {
+    half::vec::HalfBitsVecExt::reinterpret_into::<half::bf16>(to_bf16_bits(values))
+}
+
 /// [`round_all`] compiled for AVX-512 (the loop vectorizes 16 values at a time).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]

@@ -74,6 +74,14 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// The bit patterns of a bfloat16 tensor's values, flattened: what the crate's unit tests compare
+/// bfloat16 paths with, bit for bit.
+#[cfg(test)]
+pub(crate) fn bf16_bit_patterns(t: &Tensor) -> Vec<u16> {
+    let values = t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap();
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
 /// The half-precision dtype (`bf16`, `f16`) of CPU tensors that the entries compute in float32:
 /// `Some(dtype)` when the first tensor is a CPU half-precision one (the others may be float32, a
 /// bfloat16 input with float32 parameters as autocast leaves a norm's). The entries then widen

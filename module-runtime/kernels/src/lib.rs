@@ -94,6 +94,7 @@ pub use fusion::{is_fusion_enabled, without_fusion};
 pub use linear::{
     linear, linear_gelu, quantized_linear, quantized_linear_each, Q8_0_MAX_ROWS, QUANTIZED_MAX_ROWS,
 };
+pub use matmul::product_operand;
 pub use memory::{return_freed_memory, reuse_freed_memory};
 pub use norm::{compute_dtype, layer_norm, rms_norm, standardize_last_dim};
 pub use q8_0_matmul::q8_0_kernel_applies;

@@ -44,20 +44,19 @@ pub(crate) fn matmul_candle(a: &Tensor, b: &Tensor) -> candle_core::Result<Tenso
     if applies {
         return a.apply_op2(b, MatMul);
     }
-    if a.device().is_cpu() {
-        return a.matmul(b);
+    product_operand(a)?.matmul(&product_operand(b)?)
+}
+
+/// `t` as candle's `matmul` takes it on its device: on the CPU itself (any strides); elsewhere
+/// itself when its rows or columns are packed (a contiguous matrix or its transpose), otherwise a
+/// contiguous copy, since candle's CUDA and Metal products refuse other strides (a row-strided
+/// slice, such as a time step of a batch-first sequence).
+pub fn product_operand(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.device().is_cpu() || t.rank() < 2 || t.is_contiguous() || t.t()?.is_contiguous() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
     }
-    // candle's CUDA and Metal products read a matrix whose rows or columns are packed (a
-    // contiguous one or its transpose) and refuse other strides (a row-strided slice, say):
-    // those are copied first.
-    let packed = |t: &Tensor| -> candle_core::Result<Tensor> {
-        if t.rank() < 2 || t.is_contiguous() || t.t()?.is_contiguous() {
-            Ok(t.clone())
-        } else {
-            t.contiguous()
-        }
-    };
-    packed(a)?.matmul(&packed(b)?)
 }
 
 /// Below this many multiply-adds a product stays on the calling thread: handing half of a few

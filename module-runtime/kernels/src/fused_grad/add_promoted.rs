@@ -7,9 +7,8 @@
 //! `b` the gradient and `a` the gradient rounded once to bfloat16: the same bits.
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
-use half::bf16;
 
-use crate::bf16_gemm::to_bf16_bits;
+use crate::bf16_gemm::to_bf16;
 use crate::cpu::f32_slice;
 use crate::error::Result;
 use crate::fused_grad::map_rows;
@@ -92,8 +91,7 @@ impl candle_core::CustomOp2 for AddPromoted {
         let da = match a.track_op() {
             true => {
                 let g = grad.contiguous()?;
-                let bits = super::with_f32([&g], self.name(), |[g]| to_bf16_bits(g))?;
-                let values = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(bits);
+                let values = super::with_f32([&g], self.name(), |[g]| to_bf16(g))?;
                 Some(Tensor::from_vec(values, a.shape(), a.device())?)
             }
             false => None,

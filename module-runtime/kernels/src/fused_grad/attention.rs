@@ -112,21 +112,23 @@ impl Attention {
     /// The `[B, H, L, E]` layouts the queries, keys and values are read through: their own, or,
     /// packed, the heads' views of their `[B, L, H·E]` layouts.
     pub(super) fn input_layouts(&self, layouts: [&Layout; 3]) -> [Layout; 3] {
+        std::array::from_fn(|i| self.input_layout(i, layouts[i]))
+    }
+
+    /// [`input_layouts`](Self::input_layouts)' layout of input `index` (0 the queries, 1 the
+    /// keys, 2 the values).
+    pub(super) fn input_layout(&self, index: usize, layout: &Layout) -> Layout {
+        if !self.packed {
+            return layout.clone();
+        }
         let d = self.dims;
-        let heads = [(d.hq, d.e), (d.h, d.e), (d.h, d.ev)];
-        std::array::from_fn(|i| {
-            let layout = layouts[i];
-            if !self.packed {
-                return layout.clone();
-            }
-            let (h, width) = heads[i];
-            let (dims, stride) = (layout.dims(), layout.stride());
-            Layout::new(
-                Shape::from((dims[0], h, dims[1], width)),
-                vec![stride[0], width * stride[2], stride[1], stride[2]],
-                layout.start_offset(),
-            )
-        })
+        let (h, width) = [(d.hq, d.e), (d.h, d.e), (d.h, d.ev)][index];
+        let (dims, stride) = (layout.dims(), layout.stride());
+        Layout::new(
+            Shape::from((dims[0], h, dims[1], width)),
+            vec![stride[0], width * stride[2], stride[1], stride[2]],
+            layout.start_offset(),
+        )
     }
 
     /// The forward's output shape: `[B, L, Hq, Ev]`, or, packed, `[B, L, Hq·Ev]`.

@@ -8,9 +8,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Tensor};
-use half::bf16;
 
-use crate::bf16_gemm::{bf16_value, to_bf16_bits};
+use crate::bf16_gemm::{bf16_value, to_bf16};
 use crate::fused_grad::attention::{cpu, Attention};
 use crate::fused_grad::linear_bf16::to_storage;
 use crate::sdpa_kernel::View;
@@ -48,7 +47,7 @@ fn widen(
 }
 
 /// Input `index` (0 queries, 1 keys, 2 values) of `op`, `t`, widened as [`widen`] widens it, and
-/// the `[B, H, L, E]` layout it is read through ([`Attention::input_layouts`]).
+/// the `[B, H, L, E]` layout it is read through ([`Attention::input_layout`]).
 fn widen_tensor(
     op: &Attention,
     t: &Tensor,
@@ -57,7 +56,7 @@ fn widen_tensor(
     name: &'static str,
 ) -> candle_core::Result<(CpuStorage, Layout)> {
     let (storage, layout) = t.storage_and_layout();
-    let layout = op.input_layouts([layout, layout, layout])[index].clone();
+    let layout = op.input_layout(index, layout);
     Ok((widen(cpu(&storage, what)?, &layout, name)?, layout))
 }
 
@@ -69,8 +68,7 @@ fn rounded(
     dims: (usize, usize, usize, usize),
     t: &Tensor,
 ) -> candle_core::Result<Tensor> {
-    let values = half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(values));
-    op.input_grad(Tensor::from_vec(values, dims, t.device())?)
+    op.input_grad(Tensor::from_vec(to_bf16(values), dims, t.device())?)
 }
 
 impl candle_core::CustomOp3 for AttentionBf16 {
@@ -144,19 +142,10 @@ mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
+    use crate::cpu::bf16_bit_patterns as bits;
     use crate::error::Result;
     use crate::fused_grad::AttentionOptions;
     use crate::sdpa_kernel::Dims;
-
-    fn bits(t: &Tensor) -> Vec<u16> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
 
     /// With the same dropout draws, the output and the query, key and value gradients are the
     /// float32 op's between casts, bit for bit, for heads read through strided views of

@@ -10,7 +10,7 @@
 
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 
-use crate::bf16_gemm::to_bf16_bits;
+use crate::bf16_gemm::to_bf16;
 use crate::cpu::f32_slice;
 use crate::error::Result;
 use crate::fused_grad::gelu_bf16::widen as widen_bf16;
@@ -117,8 +117,10 @@ impl candle_core::CustomOp2 for Dropout {
                 }
             };
             let dx = with_f32([draws], name, |[draws]| self.apply(&g, draws))?;
-            let dx = half::vec::HalfBitsVecExt::reinterpret_into::<half::bf16>(to_bf16_bits(&dx));
-            return Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), None));
+            return Ok((
+                Some(Tensor::from_vec(to_bf16(&dx), x.shape(), x.device())?),
+                None,
+            ));
         }
         let dx = with_f32([&grad, draws], name, |[g, draws]| self.apply(g, draws))?;
         Ok((Some(Tensor::from_vec(dx, x.shape(), x.device())?), None))
@@ -128,19 +130,9 @@ impl candle_core::CustomOp2 for Dropout {
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Var};
-    use half::bf16;
 
     use super::*;
-
-    fn bits(t: &Tensor) -> Vec<u16> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<bf16>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
+    use crate::cpu::bf16_bit_patterns as bits;
 
     /// With the same draws, the bfloat16 op's output and gradient are the float32 op's between
     /// two casts, bit for bit, and the op is one node over its input.

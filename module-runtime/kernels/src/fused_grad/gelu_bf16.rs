@@ -7,7 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
-use crate::bf16_gemm::{bf16_value, to_bf16_bits};
+use crate::bf16_gemm::{bf16_value, to_bf16};
 use crate::elementwise::gelu_erf_vectorized;
 use crate::error::Result;
 use crate::fused_grad::gelu::gelu_erf_grad;
@@ -97,7 +97,7 @@ pub(super) fn gelu_grad_bf16(x: &[f32], g: &[f32]) -> Vec<bf16> {
             *dx = gelu_erf_grad(x, gelu_erf_vectorized(x), g);
         }
     });
-    half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(to_bf16_bits(&dx))
+    to_bf16(&dx)
 }
 
 #[cfg(test)]

@@ -17,9 +17,8 @@ use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
-use half::bf16;
 
-use crate::bf16_gemm::{bf16_product, to_bf16_bits};
+use crate::bf16_gemm::{bf16_product, to_bf16, to_bf16_bits};
 use crate::error::Result;
 use crate::fused_grad::linear::column_sums;
 use crate::fused_grad::round::round_to_bf16_in_place;
@@ -72,14 +71,14 @@ fn bits<'a>(
 /// Float32 results each rounded once to bfloat16, as a bfloat16 storage, or (`dtype` float32)
 /// widened back into a float32 one.
 pub(super) fn to_storage(values: &[f32], dtype: DType) -> CpuStorage {
-    let bits = to_bf16_bits(values);
     match dtype {
         DType::F32 => CpuStorage::F32(
-            bits.iter()
+            to_bf16_bits(values)
+                .iter()
                 .map(|&b| f32::from_bits((b as u32) << 16))
                 .collect(),
         ),
-        _ => CpuStorage::BF16(half::vec::HalfBitsVecExt::reinterpret_into::<bf16>(bits)),
+        _ => CpuStorage::BF16(to_bf16(values)),
     }
 }
 

@@ -54,7 +54,7 @@ impl LayerWeights {
 
     /// `x W_ih^T + b_ih`: `[N, in]` → `[N, G·H]`.
     pub(super) fn project_input(&self, x: &Tensor) -> Result<Tensor> {
-        let y = readable(x)?.matmul(&self.weight_ih.tensor()?.t()?)?;
+        let y = module_kernels::product_operand(x)?.matmul(&self.weight_ih.tensor()?.t()?)?;
         Ok(match &self.bias_ih {
             Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
@@ -71,7 +71,7 @@ impl LayerWeights {
 
     /// `h W_hh^T + b_hh`: `[B, H]` → `[B, G·H]`.
     pub(super) fn project_hidden(&self, h: &Tensor) -> Result<Tensor> {
-        let y = readable(h)?.matmul(&self.weight_hh.tensor()?.t()?)?;
+        let y = module_kernels::product_operand(h)?.matmul(&self.weight_hh.tensor()?.t()?)?;
         Ok(match &self.bias_hh {
             Some(bias) => y.broadcast_add(&bias.tensor()?)?,
             None => y,
@@ -148,15 +148,5 @@ impl Module for StackedWeights {
                 f(Name::Field(b_hh), ChildMut::Param(b));
             }
         }
-    }
-}
-
-/// `x` as a product reads it: itself on the CPU; elsewhere contiguous, since candle's CUDA and
-/// Metal products refuse a row-strided matrix (a time step sliced out of a batch-first sequence).
-fn readable(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() || x.is_contiguous() {
-        Ok(x.clone())
-    } else {
-        Ok(x.contiguous()?)
     }
 }
